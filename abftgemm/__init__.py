@@ -1,0 +1,14 @@
+"""abftgemm: checksum-protected (ABFT) matrix products for NumPy and CuPy arrays.
+
+``abftgemm.matmul(a, b)`` is a drop-in for ``xp.matmul`` that detects, locates and corrects silent
+errors in the product (INF, NaN, near-INF and, beyond those, errors down to the rounding noise),
+recomputes what checksums cannot repair, and raises :class:`UncorrectableError` rather than return
+wrong data.
+"""
+from abftgemm.checksums import SUPPORTED_DTYPES, Checksums
+from abftgemm.gemm import CHECK_MODES, matmul
+from abftgemm.report import Event, Report, UncorrectableError
+
+__all__ = ["matmul", "Checksums", "Report", "Event", "UncorrectableError", "CHECK_MODES",
+           "SUPPORTED_DTYPES"]
+__version__ = "0.1.0"

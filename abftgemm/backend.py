@@ -1,0 +1,81 @@
+"""Resolve the array backend (NumPy on the CPU, CuPy on the GPU) from the inputs.
+
+CuPy is imported only when an input is already a CuPy array, so the package imports and runs on a
+machine without CUDA.
+
+Both backends implement the same four primitives over 3-D operands ``(batch, rows, cols)`` whose
+batch dimension is either the full batch or 1 (broadcast):
+
+``gemm(a, b, out, bias)``
+    ``out[i] = a[i or 0] @ b[i or 0] (+ bias)``; ``out`` is C-contiguous ``(batch, m, n)``.
+``col_reduce(x, coef, out)`` / ``row_reduce(x, coef, out)``
+    One pass over ``x`` producing, per column (resp. row) vector ``v`` of length ``L``, five float64
+    numbers ``[sum(c0*v), sum(c1*v), sum(c2*|v|), count(!isfinite(v)), last non-finite index or -1]``.
+    ``coef`` has shape ``(batch or 1, L, 3)`` float64, or is None for ``c0=1, c1=index+1, c2=1``.
+    ``out`` has shape ``(batch, vectors, 5)`` float64.
+
+Everything else (thresholds, classification, correction) is written once, on top of these, with
+array-module-generic code in :mod:`abftgemm.gemm`.
+"""
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import Any, Protocol
+
+
+class Backend(Protocol):
+    """The primitives a backend provides; see the module docstring."""
+
+    name: str
+    xp: ModuleType
+
+    def gemm(self, a: Any, b: Any, out: Any, bias: Any | None) -> None: ...
+
+    def col_reduce(self, x: Any, coef: Any | None, out: Any) -> None: ...
+
+    def row_reduce(self, x: Any, coef: Any | None, out: Any) -> None: ...
+
+
+def is_cupy_array(x: object) -> bool:
+    """True when ``x`` is a CuPy ndarray, without importing CuPy unless it is already loaded."""
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(x, cupy.ndarray)
+
+
+def array_module(*arrays: object) -> ModuleType:
+    """The array module (numpy or cupy) of ``arrays``.
+
+    Raises
+    ------
+    TypeError
+        If the arrays mix NumPy and CuPy, or one of them is not an array.
+    """
+    import numpy
+
+    kinds = set()
+    for x in arrays:
+        if x is None:
+            continue
+        if is_cupy_array(x):
+            kinds.add("cupy")
+        elif isinstance(x, numpy.ndarray):
+            kinds.add("numpy")
+        else:
+            raise TypeError(f"expected a NumPy or CuPy array, got {type(x).__name__}")
+    if len(kinds) > 1:
+        raise TypeError("operands mix NumPy and CuPy arrays; move them to one device first")
+    if kinds == {"cupy"}:
+        return sys.modules["cupy"]
+    return numpy
+
+
+def get_backend(xp: ModuleType) -> Backend:
+    """The backend object for array module ``xp`` (created once, then cached)."""
+    if xp.__name__ == "cupy":
+        from abftgemm import _cuda
+
+        return _cuda.backend()
+    from abftgemm import _cpu
+
+    return _cpu.backend()

@@ -1,0 +1,89 @@
+"""Checksum encodings carried between products, and the dtype policy.
+
+A batched matrix ``X`` of shape ``(batch, r, c)`` has two encodings, each with three float64 fields
+per vector (weights ``w = 1..L`` locate an error; the absolute sum scales the threshold):
+
+- column encoding ``cols``, shape ``(batch, c, 3)``: per column ``[sum_i X_ic, sum_i (i+1) X_ic,
+  sum_i |X_ic|]`` -- that is ``E^T X`` with ``E = [1 | w]``, plus ``1^T |X|``;
+- row encoding ``rows``, shape ``(batch, r, 3)``: the same over each row.
+
+For ``C = A @ B`` the column encoding of ``A`` predicts the column checksums of ``C``
+(``(E^T A) B``) and the row encoding of ``B`` predicts its row checksums (``A (B E)``). A product
+verified by :func:`abftgemm.matmul` hands back the encodings of the data it delivers, so the next
+product in a chain needs no encoding pass of its own (ATTNChecker's "checksum passing").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+try:  # bfloat16 for NumPy arrays; optional at run time, installed with the package.
+    from ml_dtypes import bfloat16
+except ImportError:  # pragma: no cover - ml_dtypes is a declared dependency
+    bfloat16 = None
+
+SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(t) for t in (np.float16, np.float32, np.float64, bfloat16) if t is not None)
+
+
+@dataclass(frozen=True)
+class Checksums:
+    """Column and/or row encodings of a batched matrix (see the module docstring).
+
+    Attributes
+    ----------
+    cols : array or None
+        ``(batch or 1, c, 3)`` float64 column encoding, same array module as the matrix.
+    rows : array or None
+        ``(batch or 1, r, 3)`` float64 row encoding.
+    """
+
+    cols: Any | None = None
+    rows: Any | None = None
+
+    @property
+    def T(self) -> "Checksums":
+        """Encodings of the transposed matrix (columns and rows swap)."""
+        return Checksums(cols=self.rows, rows=self.cols)
+
+    def select_cols(self, start: int, stop: int) -> "Checksums":
+        """Encodings of the column block ``X[..., start:stop]`` (its row encoding is unknown)."""
+        return Checksums(cols=None if self.cols is None else self.cols[:, start:stop], rows=None)
+
+    def reshape_batch(self, batch: int) -> "Checksums":
+        """View with the leading dimension regrouped (e.g. ``(b, heads*x, 3) -> (b*heads, x, 3)``)."""
+        def regroup(e: Any | None) -> Any | None:
+            return None if e is None else e.reshape(batch, -1, 3)
+        return Checksums(cols=regroup(self.cols), rows=regroup(self.rows))
+
+
+def accumulation_dtype(dtype: np.dtype) -> np.dtype:
+    """Precision the GEMM accumulates in: float64 for float64 data, float32 otherwise."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def unit_roundoff(dtype: np.dtype) -> float:
+    """Half the machine epsilon of ``dtype`` (round-to-nearest relative error bound)."""
+    dtype = np.dtype(dtype)
+    if bfloat16 is not None and dtype == np.dtype(bfloat16):
+        return 2.0 ** -8
+    return float(np.finfo(dtype).eps) / 2
+
+
+def smallest_normal(dtype: np.dtype) -> float:
+    """Smallest positive normal number of ``dtype``."""
+    dtype = np.dtype(dtype)
+    if bfloat16 is not None and dtype == np.dtype(bfloat16):
+        return float(np.finfo(np.float32).tiny)
+    return float(np.finfo(dtype).tiny)
+
+
+def check_dtype(dtype: np.dtype) -> np.dtype:
+    """Return ``dtype`` if it is a supported float type, else raise TypeError."""
+    dtype = np.dtype(dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(t) for t in SUPPORTED_DTYPES)
+        raise TypeError(f"abftgemm supports {names}; got {dtype}")
+    return dtype

@@ -1,0 +1,412 @@
+"""Seeded fault injectors that plug into ``fault_hook``.
+
+``abftgemm.matmul(a, b, fault_hook=hook, name=...)`` (and the attention layers, at sites such as
+``"q_proj"``, ``"scores"``, ``"context"``, ``"dq"``) call ``hook(site, c)`` with the raw GEMM
+product ``c`` -- a C-contiguous ``(..., m, n)`` NumPy or CuPy array -- after the GEMM and before
+verification.  A :class:`Fault` is such a hook: it corrupts ``c`` in place, reproducibly from its
+seed, and records every change in :attr:`Fault.injected`.
+
+Kinds (:data:`KINDS`), applied to every element the pattern selects:
+
+``"bitflip"``
+    Flip one bit (``bit``; 0 is the least significant mantissa bit, the sign is the top bit; drawn
+    from the seed when not given).  High exponent bits give huge values, INF or NaN; low mantissa
+    bits give tiny errors.  See :func:`bit_layout` and :func:`bit_name`.
+``"multibit"``
+    Flip several distinct bits (``bits``, or ``nbits`` positions drawn from the seed, 2 to 4 when
+    neither is given).
+``"inf"``, ``"-inf"``, ``"nan"``
+    Set the element to that value.
+``"near-inf"``
+    Set a large finite value, ``min(1e10, 0.5 * finfo(dtype).max)``, with the sign of the original.
+``"additive"``
+    Add ``magnitude`` (rounded to the dtype, so a tiny magnitude may leave a large value unchanged).
+``"scale"``
+    Multiply by ``factor``.
+
+Patterns (:data:`PATTERNS`), within one matrix ``c[batch]`` of the batch:
+
+``"element"``
+    The element ``(row, col)``.
+``"row"`` / ``"column"``
+    The whole row ``row`` / column ``col``.
+``"tile"``
+    The ``tile = (height, width)`` rectangle (default 4x4) whose top-left corner is ``(row, col)``,
+    clipped to the matrix.
+``"warp"``
+    The 32 consecutive elements of row ``row`` that start at the multiple of 32 at or below ``col``,
+    clipped to the row.
+
+``batch``, ``row`` and ``col`` are drawn uniformly from the seeded generator unless given.  Bit
+flips work on the unsigned-integer view of the same width, so they are exact for float16, bfloat16
+(``ml_dtypes``), float32 and float64.  Only the selected elements travel to the host and back; ``c``
+is never copied wholesale, so the injectors work unchanged on CuPy arrays.
+
+Example
+-------
+>>> fault = Fault("bitflip", "row", seed=3, sites="scores", bit=30)
+>>> abftgemm.matmul(a, b, fault_hook=fault, name="scores")  # doctest: +SKIP
+>>> fault.injected[0].rows, fault.injected[0].old, fault.injected[0].new  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from abftgemm.backend import array_module
+
+__all__ = [
+    "KINDS",
+    "PATTERNS",
+    "Call",
+    "Fault",
+    "Injection",
+    "FaultHook",
+    "Recorder",
+    "bit_layout",
+    "bit_name",
+    "chain",
+    "near_inf_value",
+]
+
+KINDS: tuple[str, ...] = (
+    "bitflip", "multibit", "inf", "-inf", "nan", "near-inf", "additive", "scale",
+)
+PATTERNS: tuple[str, ...] = ("element", "row", "column", "tile", "warp")
+
+WARP_SIZE = 32
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_CONSTANTS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+FaultHook = Callable[[str, Any], None]
+
+
+def _finfo(dtype: Any) -> np.finfo:
+    """``finfo`` of a NumPy float dtype or of ``ml_dtypes.bfloat16``."""
+    dtype = np.dtype(dtype)
+    if dtype.name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.finfo(dtype)
+    return np.finfo(dtype)
+
+
+def bit_layout(dtype: Any) -> tuple[int, int]:
+    """Return ``(mantissa_bits, exponent_bits)`` of a floating-point dtype.
+
+    Parameters
+    ----------
+    dtype
+        float16, ``ml_dtypes.bfloat16``, float32 or float64 (anything ``numpy.dtype`` accepts).
+
+    Returns
+    -------
+    tuple of int
+        E.g. ``(10, 5)`` for float16, ``(7, 8)`` for bfloat16, ``(23, 8)`` for float32.  The sign
+        is the one remaining (top) bit.
+    """
+    info = _finfo(dtype)
+    return int(info.nmant), int(info.nexp)
+
+
+def bit_name(dtype: Any, bit: int) -> str:
+    """Name bit position ``bit`` of ``dtype``: ``"sign"``, ``"exponent k"`` or ``"mantissa k"``.
+
+    Bit 0 is the least significant mantissa bit; exponent bits are numbered from 0 (least
+    significant) upwards, so for float32 bit 30 is ``"exponent 7"`` and bit 22 ``"mantissa 22"``.
+
+    Raises
+    ------
+    ValueError
+        If ``bit`` is outside ``[0, 8 * itemsize)``.
+    """
+    mantissa, exponent = bit_layout(dtype)
+    _check_bit(dtype, bit)
+    if bit < mantissa:
+        return f"mantissa {bit}"
+    if bit < mantissa + exponent:
+        return f"exponent {bit - mantissa}"
+    return "sign"
+
+
+def near_inf_value(dtype: Any) -> float:
+    """The magnitude ``"near-inf"`` sets: ``min(1e10, 0.5 * finfo(dtype).max)``."""
+    return min(1e10, 0.5 * float(_finfo(dtype).max))
+
+
+def _width(dtype: Any) -> int:
+    return 8 * np.dtype(dtype).itemsize
+
+
+def _check_bit(dtype: Any, bit: int) -> None:
+    if not 0 <= bit < _width(dtype):
+        raise ValueError(f"bit {bit} is outside [0, {_width(dtype)}) for {np.dtype(dtype).name}")
+
+
+@dataclass(frozen=True)
+class Injection:
+    """What one :class:`Fault` call did to one matrix.
+
+    ``rows``, ``cols``, ``old`` and ``new`` are aligned, one entry per affected element of
+    ``c[batch]``; ``bits`` lists the flipped bit positions (empty for non-bit kinds).
+    """
+
+    site: str
+    kind: str
+    pattern: str
+    batch: tuple[int, ...]
+    rows: list[int]
+    cols: list[int]
+    old: list[float]
+    new: list[float]
+    bits: tuple[int, ...] = ()
+
+    @property
+    def changed(self) -> list[bool]:
+        """Per element: whether the value changed numerically (NaN to NaN counts as unchanged)."""
+        return [
+            not (o == n or (math.isnan(o) and math.isnan(n))) for o, n in zip(self.old, self.new)
+        ]
+
+
+@dataclass
+class Fault:
+    """A seeded fault injector usable as ``fault_hook``: ``fault(site, c)`` corrupts ``c`` in place.
+
+    Parameters
+    ----------
+    kind
+        One of :data:`KINDS`.
+    pattern
+        One of :data:`PATTERNS`.
+    seed
+        Seed of the ``numpy.random.Generator`` drawing positions and unspecified bits.
+    sites
+        A site name or a collection of names to inject at; None (default) means any site.
+    times
+        Number of calls to inject into (default 1), after which the fault stays quiet; None means
+        every matching call.  Calls on empty matrices do not count.
+    batch
+        Batch index (flat int, or tuple over the batch dimensions); drawn when None.
+    row, col
+        Row / column of the element, of the row or column, of the tile's top-left corner, or inside
+        the warp; drawn when None.
+    bit
+        ``"bitflip"``: the bit to flip; drawn when None.
+    bits
+        ``"multibit"``: the distinct bits to flip; when None, ``nbits`` bits are drawn.
+    nbits
+        ``"multibit"``: how many bits to draw; drawn from 2 to 4 when None.
+    tile
+        ``"tile"``: ``(height, width)`` before clipping.
+    magnitude
+        ``"additive"``: the value added.
+    factor
+        ``"scale"``: the multiplier.
+
+    Attributes
+    ----------
+    injected : list of Injection
+        One record per call that injected, in call order.
+    """
+
+    kind: str = "bitflip"
+    pattern: str = "element"
+    seed: int | None = 0
+    _: KW_ONLY
+    sites: str | Collection[str] | None = None
+    times: int | None = 1
+    batch: int | tuple[int, ...] | None = None
+    row: int | None = None
+    col: int | None = None
+    bit: int | None = None
+    bits: tuple[int, ...] | None = None
+    nbits: int | None = None
+    tile: tuple[int, int] = (4, 4)
+    magnitude: float = 1.0
+    factor: float = 2.0
+    injected: list[Injection] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; expected one of {KINDS}")
+        if self.pattern not in PATTERNS:
+            raise ValueError(f"unknown fault pattern {self.pattern!r}; expected one of {PATTERNS}")
+        if self.bit is not None and self.kind != "bitflip":
+            raise ValueError("'bit' applies only to kind 'bitflip'")
+        if (self.bits is not None or self.nbits is not None) and self.kind != "multibit":
+            raise ValueError("'bits' and 'nbits' apply only to kind 'multibit'")
+        if self.bits is not None:
+            self.bits = tuple(int(b) for b in self.bits)
+            if not self.bits or len(set(self.bits)) != len(self.bits):
+                raise ValueError(f"'bits' must be distinct and non-empty, got {self.bits}")
+        if self.times is not None and self.times < 0:
+            raise ValueError(f"'times' must be >= 0 or None, got {self.times}")
+        if min(self.tile) < 1:
+            raise ValueError(f"'tile' must be positive, got {self.tile}")
+        if isinstance(self.sites, str):
+            self.sites = frozenset((self.sites,))
+        elif self.sites is not None:
+            self.sites = frozenset(self.sites)
+        self._rng = np.random.default_rng(self.seed)
+
+    def __call__(self, site: str, c: Any) -> None:
+        """Inject into ``c`` (shape ``(..., m, n)``) in place if ``site`` and ``times`` allow."""
+        if not self._active(site) or c.size == 0:
+            return
+        batch, rows, cols = self._region(c.shape)
+        bits = self._bits(c.dtype)
+        old, new = _apply(c, batch + (rows, cols), lambda x: self._corrupt(x, bits))
+        r, k = np.meshgrid(np.arange(rows.start, rows.stop), np.arange(cols.start, cols.stop),
+                           indexing="ij")
+        self.injected.append(Injection(
+            site=site, kind=self.kind, pattern=self.pattern, batch=batch,
+            rows=r.ravel().tolist(), cols=k.ravel().tolist(),
+            old=_floats(old), new=_floats(new), bits=bits,
+        ))
+
+    def _active(self, site: str) -> bool:
+        if self.sites is not None and site not in self.sites:
+            return False
+        return self.times is None or len(self.injected) < self.times
+
+    def _region(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], slice, slice]:
+        """The batch index and the row and column slices the pattern covers."""
+        *batch_shape, m, n = shape
+        batch = self._batch(tuple(batch_shape))
+        row = self._position(self.row, m, "row")
+        col = self._position(self.col, n, "col")
+        if self.pattern == "element":
+            return batch, slice(row, row + 1), slice(col, col + 1)
+        if self.pattern == "row":
+            return batch, slice(row, row + 1), slice(0, n)
+        if self.pattern == "column":
+            return batch, slice(0, m), slice(col, col + 1)
+        if self.pattern == "tile":
+            height, width = self.tile
+            return batch, slice(row, min(row + height, m)), slice(col, min(col + width, n))
+        start = col - col % WARP_SIZE
+        return batch, slice(row, row + 1), slice(start, min(start + WARP_SIZE, n))
+
+    def _batch(self, batch_shape: tuple[int, ...]) -> tuple[int, ...]:
+        if isinstance(self.batch, tuple):
+            if len(self.batch) != len(batch_shape) or not all(
+                0 <= i < size for i, size in zip(self.batch, batch_shape)
+            ):
+                raise IndexError(f"batch index {self.batch} is out of range for {batch_shape}")
+            return tuple(int(i) for i in self.batch)
+        flat = self._position(self.batch, math.prod(batch_shape), "batch")
+        return tuple(int(i) for i in np.unravel_index(flat, batch_shape))
+
+    def _position(self, given: int | None, size: int, what: str) -> int:
+        if given is None:
+            return int(self._rng.integers(size))
+        if not 0 <= given < size:
+            raise IndexError(f"{what} {given} is out of range for size {size}")
+        return int(given)
+
+    def _bits(self, dtype: Any) -> tuple[int, ...]:
+        """The bit positions to flip (drawn now if not configured); empty for non-bit kinds."""
+        width = _width(dtype)
+        if self.kind == "bitflip":
+            bits = (int(self._rng.integers(width)),) if self.bit is None else (self.bit,)
+        elif self.kind == "multibit":
+            bits = self.bits or self._draw_bits(width)
+        else:
+            return ()
+        for b in bits:
+            _check_bit(dtype, b)
+        return bits
+
+    def _draw_bits(self, width: int) -> tuple[int, ...]:
+        count = int(self._rng.integers(2, 5)) if self.nbits is None else self.nbits
+        if not 1 <= count <= width:
+            raise ValueError(f"cannot flip {count} distinct bits of a {width}-bit value")
+        return tuple(sorted(int(b) for b in self._rng.choice(width, count, replace=False)))
+
+    def _corrupt(self, old: np.ndarray, bits: tuple[int, ...]) -> np.ndarray:
+        """New values (same dtype) for the host array ``old``."""
+        if bits:
+            udtype = _UINT[old.dtype.itemsize]
+            mask = udtype(sum(1 << b for b in bits))
+            return (old.view(udtype) ^ mask).view(old.dtype)
+        wide = old.astype(np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            return self._set(wide, old.dtype).astype(old.dtype)
+
+    def _set(self, wide: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        """New float64 values for non-bit kinds from the old values ``wide`` (float64)."""
+        if self.kind in _CONSTANTS:
+            return np.full_like(wide, _CONSTANTS[self.kind])
+        if self.kind == "near-inf":
+            return np.copysign(near_inf_value(dtype), wide)
+        if self.kind == "additive":
+            return wide + self.magnitude
+        return wide * self.factor
+
+
+def _apply(c: Any, index: tuple, corrupt: Callable[[np.ndarray], np.ndarray]
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Replace ``c[index]`` by ``corrupt(old)``, moving only that region to the host and back.
+
+    The region is read and written through the unsigned-integer view of ``c``, so the device never
+    needs arithmetic in ``c``'s dtype.  Returns the host arrays ``(old, new)``.
+    """
+    xp = array_module(c)
+    udtype = _UINT[c.dtype.itemsize]
+    region = c.view(udtype)[index]
+    old_bits = region.get() if xp is not np else region.copy()
+    old = old_bits.view(c.dtype)
+    new = corrupt(old)
+    region[...] = xp.asarray(new.view(udtype))
+    return old, new
+
+
+def _floats(x: np.ndarray) -> list[float]:
+    """``x`` as a flat list of Python floats (NaN included, without a cast warning)."""
+    with np.errstate(invalid="ignore"):
+        return x.astype(np.float64).ravel().tolist()
+
+
+def chain(*hooks: FaultHook) -> FaultHook:
+    """Compose fault hooks: the result calls each of ``hooks`` in order with ``(site, c)``."""
+
+    def hook(site: str, c: Any) -> None:
+        for h in hooks:
+            h(site, c)
+
+    return hook
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call seen by a :class:`Recorder`."""
+
+    site: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+@dataclass
+class Recorder:
+    """A hook that records ``(site, shape, dtype)`` of every call and changes nothing.
+
+    Attributes
+    ----------
+    calls : list of Call
+        Every call, in order.
+    """
+
+    calls: list[Call] = field(default_factory=list)
+
+    def __call__(self, site: str, c: Any) -> None:
+        self.calls.append(Call(site, tuple(c.shape), np.dtype(c.dtype)))
+
+    @property
+    def sites(self) -> set[str]:
+        """The distinct site names seen."""
+        return {call.site for call in self.calls}

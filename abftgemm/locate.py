@@ -1,0 +1,194 @@
+"""Verify checksums, locate faulty elements and classify them (0D / 1R / 1C / 2D / checksum).
+
+:func:`verify` runs on the device for the whole batch and leaves a :class:`Verdict`; only when it
+flags something does :func:`diagnose` pull the flagged vectors of one batch item to the host and
+decide which elements the checksums can rebuild.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from abftgemm.operands import Operands
+from abftgemm.report import Event
+from abftgemm.thresholds import threshold
+
+#: A weighted-checksum ratio must land this close to an integer to count as a location.
+LOCATION_SLACK = 0.25
+
+
+@dataclass
+class Side:
+    """Verification of one direction (columns or rows) on the device, shape ``(batch, vectors)``."""
+
+    diff: Any        # (batch, vectors, 2) predicted - observed [plain, weighted]
+    tau: Any         # (batch, vectors) threshold for the plain difference
+    bad: Any         # (batch, vectors) bool: flagged
+    verifiable: Any  # (batch, vectors) bool: prediction finite (inputs finite)
+    nonfinite: Any   # (batch, vectors, 2) observed [count, last index] of non-finite elements
+    length: int      # elements per vector
+
+
+def _side(pred: Any, obs: Any, k: int, length: int, dtype: np.dtype) -> Side:
+    xp_abs = abs  # works on NumPy and CuPy arrays alike
+    diff = pred[..., :2] - obs[..., :2]
+    tau = threshold(pred[..., 2], obs[..., 2], k, length, dtype)
+    verifiable = (pred[..., :3] == pred[..., :3]).all(-1) & (xp_abs(pred[..., :3]) < np.inf).all(-1)
+    # A non-finite element makes the observed |C| sum, and so tau, infinite: test it on its own.
+    within = ((xp_abs(diff[..., 0]) <= tau) & (xp_abs(diff[..., 1]) <= tau * length)
+              & (obs[..., 3] == 0))
+    return Side(diff, tau, verifiable & ~within, verifiable, obs[..., 3:5], length)
+
+
+@dataclass
+class Verdict:
+    """Result of verifying a batched product in both directions."""
+
+    cols: Side
+    rows: Side
+    n_bad: int
+    n_unverifiable: int
+
+    @property
+    def clean(self) -> bool:
+        return self.n_bad == 0
+
+    def flagged_batches(self) -> list[int]:
+        """Batch indices with at least one flagged vector (host list)."""
+        any_bad = self.cols.bad.any(-1) | self.rows.bad.any(-1)
+        return [int(b) for b in _host(any_bad).nonzero()[0]]
+
+    def input_events(self, site: str) -> list[Event]:
+        """One ``input-nonfinite`` event per batch item whose inputs hold INF/NaN."""
+        if self.n_unverifiable == 0:
+            return []
+        cols, rows = ~_host(self.cols.verifiable), ~_host(self.rows.verifiable)
+        cols, rows = np.broadcast_arrays(cols, rows[:, :1]) [0], np.broadcast_arrays(rows, cols[:, :1])[0]
+        events = []
+        for b in range(max(cols.shape[0], rows.shape[0])):
+            if cols[b].any() or rows[b].any():
+                events.append(Event(site, b, "input-nonfinite", tuple(map(int, rows[b].nonzero()[0])),
+                                    tuple(map(int, cols[b].nonzero()[0])), float("nan"), float("nan"),
+                                    "passed-through"))
+        return events
+
+
+def verify(op: Operands, pred_col: Any, pred_row: Any, obs_col: Any, obs_row: Any) -> Verdict:
+    """Compare predicted and observed checksums of every vector; one host transfer of counts."""
+    cols = _side(pred_col, obs_col, op.k, op.m, op.dtype)
+    rows = _side(pred_row, obs_row, op.k, op.n, op.dtype)
+    xp = op.xp
+    counts = _host(xp.stack([cols.bad.sum() + rows.bad.sum(),
+                             (~cols.verifiable).sum() + (~rows.verifiable).sum()]))
+    return Verdict(cols, rows, int(counts[0]), int(counts[1]))
+
+
+@dataclass
+class Diagnosis:
+    """What one batch item's flags mean, on the host."""
+
+    pattern: str                 # 0D, 1R, 1C, 2D or checksum
+    cells: list[tuple[int, int]]  # elements the checksums can rebuild (empty: recompute needed)
+    direction: str               # "cols" or "rows": which checksums rebuild the cells
+    rows: tuple[int, ...]        # flagged or located rows
+    cols: tuple[int, ...]        # flagged or located columns
+    magnitude: float
+    threshold: float
+
+    def event(self, site: str, batch: int, action: str, pattern: str | None = None) -> Event:
+        return Event(site, batch, pattern or self.pattern, self.rows, self.cols, self.magnitude,
+                     self.threshold, action)
+
+
+def diagnose(verdict: Verdict, b: int) -> Diagnosis:
+    """Classify the flags of batch item ``b`` and pick the elements the checksums can rebuild."""
+    K, k_loc, k_ok = _flagged(verdict.cols, b)
+    R, r_loc, r_ok = _flagged(verdict.rows, b)
+    magnitude, tau = _worst(verdict, b)
+    by_cols = _consistent(K, k_loc, R, r_ok)
+    by_rows = _consistent(R, r_loc, K, k_ok)
+    if by_cols:
+        cells, direction = [(int(r), int(j)) for j, r in zip(K, k_loc)], "cols"
+    elif by_rows:
+        cells, direction = [(int(i), int(c)) for i, c in zip(R, r_loc)], "rows"
+    else:
+        cells, direction = [], ""
+    rows = sorted(set(map(int, R)) | {i for i, _ in cells})
+    cols = sorted(set(map(int, K)) | {j for _, j in cells})
+    if cells:
+        pattern = _shape(cells)
+    elif len(K) == 0 or len(R) == 0:
+        # One direction flags, the other (fully verifiable) sees nothing: the predicted checksum
+        # is suspect, or errors cancel in the silent direction. Repair decides which.
+        pattern = "checksum"
+    else:
+        pattern = "2D"
+    return Diagnosis(pattern, cells, direction, tuple(rows), tuple(cols), magnitude, tau)
+
+
+def _flagged(side: Side, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flagged vector indices of batch ``b``, their located positions (-1: none), verifiability."""
+    bad = _host(side.bad[b])
+    idx = bad.nonzero()[0]
+    diff = _host(side.diff[b][idx]) if len(idx) else np.zeros((0, 2))
+    nonfinite = _host(side.nonfinite[b][idx]) if len(idx) else np.zeros((0, 2))
+    loc = np.full(len(idx), -1, dtype=np.int64)
+    for t in range(len(idx)):
+        count, last = nonfinite[t]
+        if count == 1:
+            loc[t] = int(last)
+        elif count == 0 and diff[t, 0] != 0 and np.isfinite(diff[t]).all():
+            pos = diff[t, 1] / diff[t, 0] - 1
+            r = round(pos)
+            if abs(pos - r) <= LOCATION_SLACK and 0 <= r < side.length:
+                loc[t] = r
+    ok = _host(side.verifiable[b if side.verifiable.shape[0] > 1 else 0])
+    return idx, loc, ok
+
+
+def _consistent(flagged: np.ndarray, located: np.ndarray, other_flagged: np.ndarray,
+                other_ok: np.ndarray) -> bool:
+    """Can the flagged vectors of one direction rebuild their located elements?
+
+    Every flagged vector must locate one element; each located position must be flagged in the
+    other direction too (or be unverifiable there); and every vector flagged in the other
+    direction must be explained by one of the located elements.
+    """
+    if len(flagged) == 0 or (located < 0).any():
+        return False
+    confirmed = np.isin(located, other_flagged) | ~other_ok[located]
+    return bool(confirmed.all() and np.isin(other_flagged, located).all())
+
+
+def _shape(cells: list[tuple[int, int]]) -> str:
+    rows, cols = {i for i, _ in cells}, {j for _, j in cells}
+    if len(cells) == 1:
+        return "0D"
+    if len(rows) == 1:
+        return "1R"
+    if len(cols) == 1:
+        return "1C"
+    return "2D"
+
+
+def _worst(verdict: Verdict, b: int) -> tuple[float, float]:
+    """Largest flagged ``|d|`` of batch ``b`` and the threshold of that vector."""
+    best = (0.0, 0.0)
+    for side in (verdict.cols, verdict.rows):
+        bad = _host(side.bad[b])
+        if not bad.any():
+            continue
+        d = np.abs(_host(side.diff[b][..., 0]))[bad]
+        tau = _host(side.tau[b])[bad]
+        key = np.where(np.isfinite(d), d, np.inf)
+        t = int(np.argmax(key))
+        if not best[0] >= key[t]:
+            best = (float(d[t]), float(tau[t]))
+    return best
+
+
+def _host(x: Any) -> np.ndarray:
+    """A NumPy copy of a NumPy or CuPy array."""
+    return x.get() if hasattr(x, "get") else np.asarray(x)

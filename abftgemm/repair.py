@@ -1,0 +1,92 @@
+"""Repair one batch item of a flagged product: checksums first, then recomputation, else raise.
+
+The order, each step re-verified against checksums derived afresh from the inputs:
+
+1. re-derive the predicted checksums; if the data now verifies, the checksum was wrong
+   (``checksum``), and the data is left alone;
+2. rebuild the located elements from the checksums (0D, 1R, 1C, scattered single errors):
+   ``c_ij = predicted_sum_j - sum of the other elements`` -- never ``c_ij + d``, which loses
+   everything to cancellation when ``c_ij`` is huge and is NaN when it is INF;
+3. recompute the flagged rows and columns from the inputs (2D, several errors per vector);
+4. recompute the whole matrix;
+5. raise :class:`~abftgemm.report.UncorrectableError` with the report.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from abftgemm.backend import Backend
+from abftgemm.encode import observe, predict
+from abftgemm.locate import Diagnosis, Verdict, diagnose, verify
+from abftgemm.operands import Operands, item
+from abftgemm.report import Report, UncorrectableError
+
+
+def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, site: str,
+                 report: Report) -> None:
+    """Make ``out[b]`` verify against checksums derived from the inputs, or raise."""
+    one = item(op, b)
+    view = out[b:b + 1]
+    first = diagnose(verdict, b)
+    pred = predict(be, one, None, None)
+    fresh = _reverify(be, one, view, pred)
+    if fresh.clean:
+        report.events.append(first.event(site, b, "checksum-recomputed", pattern="checksum"))
+        return
+    diagnosis = diagnose(fresh, 0)
+    if diagnosis.cells:
+        _rebuild(one.xp, view[0], diagnosis, pred)
+        if _reverify(be, one, view, pred).clean:
+            report.events.append(diagnosis.event(site, b, "corrected"))
+            return
+    _recompute_vectors(be, one, view[0], diagnosis)
+    if _reverify(be, one, view, pred).clean:
+        report.events.append(diagnosis.event(site, b, "recomputed"))
+        return
+    be.gemm(one.a, one.b, view, one.bias)
+    if _reverify(be, one, view, pred).clean:
+        report.events.append(diagnosis.event(site, b, "recomputed", pattern="2D"))
+        return
+    report.events.append(diagnosis.event(site, b, "reported"))
+    raise UncorrectableError(f"{site}[{b}]: the product does not verify even after recomputation",
+                             report)
+
+
+def _reverify(be: Backend, one: Operands, view: Any, pred: tuple[Any, Any]) -> Verdict:
+    obs_col, obs_row = observe(be, view)
+    return verify(one, pred[0], pred[1], obs_col, obs_row)
+
+
+def _rebuild(xp: Any, c: Any, diagnosis: Diagnosis, pred: tuple[Any, Any]) -> None:
+    """Rebuild each located element from the checksum of its (single-error) vector."""
+    rows = xp.asarray(np.array([i for i, _ in diagnosis.cells]))
+    cols = xp.asarray(np.array([j for _, j in diagnosis.cells]))
+    picks = xp.arange(len(diagnosis.cells))
+    if diagnosis.direction == "cols":
+        vectors = c[:, cols].astype(np.float64)          # (m, cells): each cell's column
+        vectors[rows, picks] = 0
+        total = pred[0][0, cols, 0]
+    else:
+        vectors = c[rows, :].astype(np.float64).T        # (n, cells): each cell's row
+        vectors[cols, picks] = 0
+        total = pred[1][0, rows, 0]
+    c[rows, cols] = (total - vectors.sum(0)).astype(c.dtype)
+
+
+def _recompute_vectors(be: Backend, one: Operands, c: Any, diagnosis: Diagnosis) -> None:
+    """Recompute the rows and columns the diagnosis names, from the inputs."""
+    xp = one.xp
+    a, b = one.a[0], one.b[0]
+    if diagnosis.rows:
+        rows = xp.asarray(np.array(diagnosis.rows))
+        part = xp.empty((1, len(diagnosis.rows), one.n), dtype=c.dtype)
+        be.gemm(a[rows][None], b[None], part, one.bias)
+        c[rows, :] = part[0]
+    if diagnosis.cols:
+        cols = xp.asarray(np.array(diagnosis.cols))
+        part = xp.empty((1, one.m, len(diagnosis.cols)), dtype=c.dtype)
+        bias = None if one.bias is None else xp.ascontiguousarray(one.bias[cols])
+        be.gemm(a[None], xp.ascontiguousarray(b[:, cols])[None], part, bias)
+        c[:, cols] = part[0]

@@ -1,0 +1,113 @@
+"""What a protected product found and did: :class:`Event`, :class:`Report`, :class:`UncorrectableError`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Pattern = Literal["0D", "1R", "1C", "2D", "checksum", "input-nonfinite"]
+Action = Literal["corrected", "recomputed", "checksum-recomputed", "reported", "passed-through"]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One finding at one site and batch index.
+
+    Attributes
+    ----------
+    site : str
+        Name of the product (the ``name`` given to :func:`abftgemm.matmul`, or an attention site).
+    batch : int
+        Flat index into the product's batch dimensions (0 for a 2-D product).
+    pattern : str
+        ``"0D"`` one element, ``"1R"`` one row, ``"1C"`` one column, ``"2D"`` anything wider,
+        ``"checksum"`` the predicted checksum itself was wrong, ``"input-nonfinite"`` the inputs
+        hold INF/NaN so the affected outputs are legitimately non-finite and were not checked.
+    rows, cols : tuple of int
+        Output rows and columns involved (for ``input-nonfinite``: the unverifiable vectors).
+    magnitude : float
+        Largest ``|predicted - recomputed|`` checksum difference among the flagged vectors
+        (``inf`` or ``nan`` when the output held non-finite values).
+    threshold : float
+        The rounding-error threshold that difference was compared against (for the same vector).
+    action : str
+        ``"corrected"`` (rebuilt from checksums), ``"recomputed"`` (recomputed from the inputs),
+        ``"checksum-recomputed"``, ``"reported"`` (check="detect") or ``"passed-through"``.
+    """
+
+    site: str
+    batch: int
+    pattern: Pattern
+    rows: tuple[int, ...]
+    cols: tuple[int, ...]
+    magnitude: float
+    threshold: float
+    action: Action
+
+    def __str__(self) -> str:
+        where = f"rows {_brief(self.rows)} cols {_brief(self.cols)}"
+        return (f"{self.site}[{self.batch}] {self.pattern} at {where}: |d|={self.magnitude:.3g} "
+                f"vs threshold {self.threshold:.3g} -> {self.action}")
+
+
+def _brief(ix: tuple[int, ...]) -> str:
+    return str(list(ix)) if len(ix) <= 6 else f"[{ix[0]}, {ix[1]}, ... {ix[-1]}] ({len(ix)})"
+
+
+@dataclass
+class Report:
+    """Everything a protected call found, across all of its sites.
+
+    Attributes
+    ----------
+    events : list of Event
+    checked : dict
+        Site name -> number of verified products (a site called with check="off" is absent).
+    """
+
+    events: list[Event] = field(default_factory=list)
+    checked: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def detected(self) -> bool:
+        """True when any fault (anything but non-finite inputs) was found."""
+        return any(e.pattern != "input-nonfinite" for e in self.events)
+
+    @property
+    def corrected(self) -> int:
+        """Number of output elements repaired from checksums."""
+        return sum(len(_cells(e)) for e in self.events if e.action == "corrected")
+
+    @property
+    def recomputed(self) -> int:
+        """Number of recompute operations (rows, columns or whole matrices) performed."""
+        return sum(1 for e in self.events if e.action == "recomputed")
+
+    @property
+    def sites(self) -> set[str]:
+        """Names of the sites with a finding other than non-finite inputs."""
+        return {e.site for e in self.events if e.pattern != "input-nonfinite"}
+
+    def extend(self, other: "Report") -> None:
+        """Merge ``other`` into this report."""
+        self.events.extend(other.events)
+        for site, n in other.checked.items():
+            self.checked[site] = self.checked.get(site, 0) + n
+
+    def summary(self) -> str:
+        """A human-readable multi-line summary."""
+        head = (f"detected={self.detected} corrected={self.corrected} "
+                f"recomputed={self.recomputed} checked={sum(self.checked.values())}")
+        return "\n".join([head, *(f"  {e}" for e in self.events)])
+
+
+def _cells(e: Event) -> tuple[int, ...]:
+    """The elements an event touched (one per row for 1C, per column for 1R and 0D)."""
+    return e.rows if e.pattern == "1C" else e.cols
+
+
+class UncorrectableError(RuntimeError):
+    """No correct result could be delivered; ``.report`` says what was found."""
+
+    def __init__(self, message: str, report: Report):
+        super().__init__(f"{message}\n{report.summary()}")
+        self.report = report

@@ -1,0 +1,73 @@
+"""Rounding-error model -> per-vector detection thresholds.
+
+For ``C = A @ B`` (inner dimension ``k``) the checksum of one column ``j`` (sum over ``len = m``
+rows) is predicted from the inputs in float64 and recomputed from the delivered ``C``. Without a
+fault the two differ only by rounding:
+
+- accumulation inside the GEMM: each ``C_ij`` is a length-``k`` dot product accumulated in
+  ``u_acc`` (float32 for 16- and 32-bit data, float64 for float64). Probabilistic error analysis
+  (Higham & Mary) bounds it by ``lambda * sqrt(k) * u_acc * P_ij`` with ``P_ij = sum_c |A_ic B_cj|``.
+  Summed over the vector WITHOUT assuming independence between rows (identical rows, such as
+  padding tokens, round identically) this is ``KAPPA * sqrt(k) * u_acc * S_j``, ``S_j = sum_i P_ij``,
+  which the prediction pass computes exactly as ``(1^T |A|) |B_:j|``;
+- rounding of each output element to the output dtype: at most ``u_out * |C_ij|``, so
+  ``u_out * sum_i |C_ij|`` in total, a rigorous bound taken from the delivered data (a fault of size
+  ``delta`` raises it by only ``u_out * delta``; a non-finite fault is flagged separately);
+- float64 checksum arithmetic: ``u64 * sqrt(len + k)`` relative to the same sums.
+
+``KAPPA`` was calibrated on adversarial clean data (all-positive, identical rows, badly scaled rows
+and columns, k up to 8192) on both backends; see docs/thresholds.md for the measurement. The same
+function gives the tolerances the tests compare against.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from abftgemm.checksums import accumulation_dtype, smallest_normal, unit_roundoff
+
+#: Safety factor on the accumulation term (calibrated; see module docstring).
+KAPPA = 2.0
+
+_U64 = 2.0 ** -53
+
+
+def threshold(pred_abs: Any, obs_abs: Any, k: int, length: int, dtype: np.dtype) -> Any:
+    """Per-vector detection threshold for the plain checksum difference ``d1``.
+
+    Parameters
+    ----------
+    pred_abs : array, float64
+        ``S``: the predicted sum of ``|A_ic||B_cj|`` over the vector (plus ``|bias|`` terms).
+    obs_abs : array, float64
+        Sum of ``|C|`` over the vector as delivered.
+    k : int
+        Inner dimension of the product.
+    length : int
+        Number of elements in the vector.
+    dtype : numpy dtype
+        Output dtype.
+
+    Returns
+    -------
+    array, float64, same shape as ``pred_abs``.
+    """
+    u_out = unit_roundoff(dtype)
+    u_acc = unit_roundoff(accumulation_dtype(dtype))
+    growth = KAPPA * (u_acc * math.sqrt(max(k, 1)) + _U64 * math.sqrt(length + k))
+    floor = smallest_normal(dtype) * (length + k)
+    return (u_out + _U64 * math.sqrt(length)) * obs_abs + growth * pred_abs + floor
+
+
+def element_tolerance(pred_abs: Any, k: int, dtype: np.dtype) -> Any:
+    """How far a delivered element may sit from the exact product (for tests and repairs).
+
+    ``pred_abs`` is ``P_ij = sum_c |A_ic B_cj|`` (or a bound on it); the result bounds rounding
+    in the GEMM plus rounding to ``dtype``.
+    """
+    u_out = unit_roundoff(dtype)
+    u_acc = unit_roundoff(accumulation_dtype(dtype))
+    return (KAPPA * u_acc * math.sqrt(max(k, 1)) + 2 * u_out) * pred_abs \
+        + smallest_normal(dtype) * (k + 1)

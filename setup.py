@@ -1,0 +1,21 @@
+"""abftgemm: checksum-protected GEMMs and multi-head attention for NumPy and CuPy."""
+from setuptools import find_packages, setup
+
+setup(
+    name="abftgemm",
+    version="0.1.0",
+    description="Algorithm-based fault tolerance for matrix products and attention (NumPy/CuPy)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["abftgemm", "abftgemm.*", "attention", "attention.*"]),
+    package_data={"abftgemm": ["kernels/*.cu", "kernels/*.cuh"]},
+    install_requires=["numpy>=1.24", "numba>=0.59", "ml_dtypes>=0.3"],
+    extras_require={
+        "cuda12": ["cupy-cuda12x>=14.1.1"],
+        "cuda13": ["cupy-cuda13x>=14.1.1"],
+        "test": ["pytest>=7", "hypothesis>=6.90"],
+        "plots": ["matplotlib>=3.7"],
+    },
+    entry_points={"console_scripts": ["abft=attention.__main__:main"]},
+)
