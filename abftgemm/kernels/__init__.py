@@ -1,0 +1,44 @@
+"""CUDA sources shipped with abftgemm and what NVRTC is asked to build from them.
+
+This module does not import CuPy: the runtime loader (:mod:`abftgemm._cuda`) and the GPU-less
+compile check (``scripts/compile_kernels.py``) both read the source files, options and name
+expressions from here, so the check compiles exactly what the runtime compiles.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).resolve().parent
+
+#: Options passed to ``cupy.RawModule``; CuPy adds its include paths, ``-ftz=true`` and the arch.
+NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++17",)
+
+#: NumPy dtype name -> CUDA element type the kernel templates are instantiated for.
+CUDA_TYPES: dict[str, str] = {
+    "float16": "__half",
+    "bfloat16": "__nv_bfloat16",
+    "float32": "float",
+    "float64": "double",
+}
+
+REDUCE_FILE = "reduce.cu"
+REDUCE_INIT = "abft_reduce_init"
+ROW_REDUCE = "abft_row_reduce"
+COL_REDUCE = "abft_col_reduce"
+
+
+def instance(kernel: str, dtype_name: str) -> str:
+    """The name expression of template ``kernel`` instantiated for NumPy dtype ``dtype_name``."""
+    return f"{kernel}<{CUDA_TYPES[dtype_name]}>"
+
+
+#: Source file -> every name expression compiled from it.
+MODULES: dict[str, tuple[str, ...]] = {
+    REDUCE_FILE: (REDUCE_INIT,)
+    + tuple(instance(k, t) for k in (ROW_REDUCE, COL_REDUCE) for t in CUDA_TYPES),
+}
+
+
+def source(filename: str) -> str:
+    """The text of kernel source ``filename`` (a key of :data:`MODULES`)."""
+    return (KERNEL_DIR / filename).read_text()

@@ -1,0 +1,193 @@
+// Checksum reductions for abftgemm: one read of a matrix produces, per row or per column vector v
+// of length L, five float64 numbers
+//     [sum c0[l]*v[l], sum c1[l]*v[l], sum c2[l]*|v[l]|, #non-finite, last non-finite index or -1]
+// with c0 = 1, c1 = l + 1, c2 = 1 when no coefficient array is given (coef == nullptr), else
+// c_j[l] = coef[3*l + j]. Non-finite elements still enter the sums, as plain arithmetic would.
+//
+// Compiled by NVRTC through cupy.RawModule (see abftgemm/kernels/__init__.py for the options and
+// name expressions); NVRTC has no host headers, so no INFINITY / <cmath> here: finiteness is a
+// bit test on the float64 value.
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace {
+
+__device__ __forceinline__ double to_double(float v) { return static_cast<double>(v); }
+__device__ __forceinline__ double to_double(double v) { return v; }
+__device__ __forceinline__ double to_double(__half v) { return static_cast<double>(__half2float(v)); }
+__device__ __forceinline__ double to_double(__nv_bfloat16 v) {
+    return static_cast<double>(__bfloat162float(v));
+}
+
+// All exponent bits set <=> INF or NaN. Conversions to double keep INF/NaN, so one test serves
+// every element type.
+__device__ __forceinline__ bool not_finite(double v) {
+    const long long exp_mask = 0x7ff0000000000000LL;
+    return (__double_as_longlong(v) & exp_mask) == exp_mask;
+}
+
+struct Acc {
+    double s0, s1, s2;
+    int count, last;
+
+    __device__ __forceinline__ void init() {
+        s0 = 0.0; s1 = 0.0; s2 = 0.0; count = 0; last = -1;
+    }
+
+    // Element l (0-based) of the vector; coef points at this batch's (L, 3) coefficients or is null.
+    __device__ __forceinline__ void add(double v, int l, const double* __restrict__ coef) {
+        double c0 = 1.0, c1 = static_cast<double>(l + 1), c2 = 1.0;
+        if (coef != nullptr) {
+            c0 = coef[3LL * l];
+            c1 = coef[3LL * l + 1];
+            c2 = coef[3LL * l + 2];
+        }
+        s0 += c0 * v;
+        s1 += c1 * v;
+        s2 += c2 * fabs(v);
+        if (not_finite(v)) {
+            ++count;
+            last = max(last, l);
+        }
+    }
+
+    __device__ __forceinline__ void merge(double t0, double t1, double t2, int tc, int tl) {
+        s0 += t0; s1 += t1; s2 += t2; count += tc; last = max(last, tl);
+    }
+
+    __device__ __forceinline__ void store(double* __restrict__ out) const {
+        out[0] = s0; out[1] = s1; out[2] = s2;
+        out[3] = static_cast<double>(count);
+        out[4] = static_cast<double>(last);
+    }
+};
+
+__device__ __forceinline__ void warp_allreduce(Acc& a) {
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        a.merge(__shfl_xor_sync(0xffffffffu, a.s0, off), __shfl_xor_sync(0xffffffffu, a.s1, off),
+                __shfl_xor_sync(0xffffffffu, a.s2, off), __shfl_xor_sync(0xffffffffu, a.count, off),
+                __shfl_xor_sync(0xffffffffu, a.last, off));
+    }
+}
+
+// double has no atomicMax; the index is a small non-negative integer stored as double, so a CAS
+// loop on the bit pattern is exact. Only reached by chunks that saw a non-finite element.
+__device__ __forceinline__ void atomic_max_double(double* addr, double v) {
+    unsigned long long* p = reinterpret_cast<unsigned long long*>(addr);
+    unsigned long long old = *p;
+    while (__longlong_as_double(static_cast<long long>(old)) < v) {
+        const unsigned long long seen =
+            atomicCAS(p, old, static_cast<unsigned long long>(__double_as_longlong(v)));
+        if (seen == old) break;
+        old = seen;
+    }
+}
+
+}  // namespace
+
+// Sets every output vector to the identity of the reduction: sums 0, count 0, last -1. Needed
+// before abft_col_reduce splits columns across blocks (chunks > 1) and combines them atomically.
+extern "C" __global__ void abft_reduce_init(double* __restrict__ out, long long vectors) {
+    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < vectors;
+         i += static_cast<long long>(gridDim.x) * blockDim.x) {
+        double* o = out + 5 * i;
+        o[0] = 0.0; o[1] = 0.0; o[2] = 0.0; o[3] = 0.0; o[4] = -1.0;
+    }
+}
+
+// Reduces contiguous vectors: vector r of batch b starts at x + b*batch_stride + r*ld and has len
+// elements. One warp per vector; the aligned middle of each vector is read with 16-byte loads, the
+// unaligned head and the tail element by element. out is (batch, nvec, 5).
+template <typename T>
+__global__ void abft_row_reduce(const T* __restrict__ x, long long batch_stride, long long ld,
+                                const double* __restrict__ coef, long long coef_stride,
+                                double* __restrict__ out, int batch, int nvec, int len) {
+    constexpr int V = 16 / sizeof(T);
+    const int lane = threadIdx.x & 31;
+    const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x >> 5);
+    const long long total = static_cast<long long>(batch) * nvec;
+    for (long long w = (blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x) >> 5;
+         w < total; w += warps) {
+        const long long b = w / nvec;
+        const long long r = w - b * nvec;
+        const T* row = x + b * batch_stride + r * ld;
+        const double* c = coef == nullptr ? nullptr : coef + b * coef_stride;
+        Acc a;
+        a.init();
+        // Elements before the first 16-byte boundary (fewer than V <= 8, so one per lane at most).
+        const int head = min(len, static_cast<int>(
+            ((16 - (reinterpret_cast<unsigned long long>(row) & 15)) & 15) / sizeof(T)));
+        if (lane < head) a.add(to_double(row[lane]), lane, c);
+        const int chunks = (len - head) / V;
+        const uint4* body = reinterpret_cast<const uint4*>(row + head);
+        for (int i = lane; i < chunks; i += 32) {
+            const uint4 bits = body[i];
+            const T* vals = reinterpret_cast<const T*>(&bits);
+            const int l0 = head + i * V;
+            #pragma unroll
+            for (int j = 0; j < V; ++j) a.add(to_double(vals[j]), l0 + j, c);
+        }
+        for (int l = head + chunks * V + lane; l < len; l += 32) a.add(to_double(row[l]), l, c);
+        warp_allreduce(a);
+        if (lane == 0) a.store(out + 5 * w);
+    }
+}
+
+// Reduces strided vectors: vector j of batch b is the column x[b*batch_stride + i*ld + j],
+// i = 0..len-1. Blocks are (32, ROWS_PER_BLOCK): threadIdx.x picks the column, so each warp reads
+// 32 consecutive elements of a row (coalesced); threadIdx.y interleaves rows. The flat grid is
+// (batch, chunks, col_blocks); with chunks > 1 every block reduces chunk_rows rows and combines
+// into out atomically (out must hold abft_reduce_init's identity then), otherwise it stores.
+template <typename T>
+__global__ void abft_col_reduce(const T* __restrict__ x, long long batch_stride, long long ld,
+                                const double* __restrict__ coef, long long coef_stride,
+                                double* __restrict__ out, int nvec, int len, int col_blocks,
+                                int chunks, int chunk_rows) {
+    constexpr int ROWS = 8;  // must match blockDim.y (COL_BLOCK in abftgemm/_cuda.py)
+    __shared__ double sh_s[3][ROWS][32];
+    __shared__ int sh_count[ROWS][32];
+    __shared__ int sh_last[ROWS][32];
+
+    const long long flat = blockIdx.x;
+    const int col_block = static_cast<int>(flat % col_blocks);
+    const long long rest = flat / col_blocks;
+    const int chunk = static_cast<int>(rest % chunks);
+    const long long b = rest / chunks;
+
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int col = col_block * 32 + tx;
+    const int row_begin = chunk * chunk_rows;
+    const int row_end = min(len, row_begin + chunk_rows);
+    const T* base = x + b * batch_stride + col;
+    const double* c = coef == nullptr ? nullptr : coef + b * coef_stride;
+
+    Acc a;
+    a.init();
+    if (col < nvec) {
+        #pragma unroll 4
+        for (int i = row_begin + ty; i < row_end; i += ROWS) a.add(to_double(base[i * ld]), i, c);
+    }
+    sh_s[0][ty][tx] = a.s0;
+    sh_s[1][ty][tx] = a.s1;
+    sh_s[2][ty][tx] = a.s2;
+    sh_count[ty][tx] = a.count;
+    sh_last[ty][tx] = a.last;
+    __syncthreads();
+    if (ty != 0 || col >= nvec) return;
+    for (int k = 1; k < ROWS; ++k)
+        a.merge(sh_s[0][k][tx], sh_s[1][k][tx], sh_s[2][k][tx], sh_count[k][tx], sh_last[k][tx]);
+
+    double* o = out + 5 * (b * nvec + col);
+    if (chunks == 1) {
+        a.store(o);
+        return;
+    }
+    atomicAdd(o, a.s0);
+    atomicAdd(o + 1, a.s1);
+    atomicAdd(o + 2, a.s2);
+    if (a.count > 0) {
+        atomicAdd(o + 3, static_cast<double>(a.count));
+        atomic_max_double(o + 4, static_cast<double>(a.last));
+    }
+}
