@@ -13,6 +13,8 @@ import numba
 import numpy as np
 from numba import prange
 
+from abftgemm.checksums import location_weights
+
 _COL_BLOCK = 256  # columns per task: long enough to vectorize, short enough to balance threads
 _ROW_BLOCK = 64
 
@@ -89,9 +91,9 @@ def _row_reduce(x: Any, coef: Any, out: Any) -> None:
 
 @lru_cache(maxsize=64)
 def _default_coef(length: int) -> np.ndarray:
-    """``[1, l+1, 1]`` per position: plain sum, location-weighted sum, absolute sum."""
+    """``[1, (l+1)/length, 1]`` per position: plain sum, location-weighted sum, absolute sum."""
     coef = np.ones((1, length, 3))
-    coef[0, :, 1] = np.arange(1, length + 1)
+    coef[0, :, 1] = location_weights(length)
     coef.setflags(write=False)
     return coef
 

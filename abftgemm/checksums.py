@@ -1,9 +1,10 @@
 """Checksum encodings carried between products, and the dtype policy.
 
 A batched matrix ``X`` of shape ``(batch, r, c)`` has two encodings, each with three float64 fields
-per vector (weights ``w = 1..L`` locate an error; the absolute sum scales the threshold):
+per vector (location weights ``w_l = (l+1)/L`` for a vector of length ``L``; the absolute sum
+scales the threshold):
 
-- column encoding ``cols``, shape ``(batch, c, 3)``: per column ``[sum_i X_ic, sum_i (i+1) X_ic,
+- column encoding ``cols``, shape ``(batch, c, 3)``: per column ``[sum_i X_ic, sum_i w_i X_ic,
   sum_i |X_ic|]`` -- that is ``E^T X`` with ``E = [1 | w]``, plus ``1^T |X|``;
 - row encoding ``rows``, shape ``(batch, r, 3)``: the same over each row.
 
@@ -26,6 +27,17 @@ except ImportError:  # pragma: no cover - ml_dtypes is a declared dependency
 
 SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
     np.dtype(t) for t in (np.float16, np.float32, np.float64, bfloat16) if t is not None)
+
+
+def location_weights(length: int, xp: Any = np) -> Any:
+    """Location weights ``(l+1)/length``, ``l = 0..length-1``, float64.
+
+    A single error ``e`` at position ``p`` shifts the plain checksum by ``e`` and the weighted one
+    by ``e * w_p``, so ``p = length * d_weighted / d_plain - 1``. Normalizing to ``(0, 1]`` keeps the
+    weighted sum no larger than the plain one: with weights ``1..L`` a near-INF float64 error
+    (~1e308) overflowed the weighted sum and could no longer be located.
+    """
+    return xp.arange(1, length + 1, dtype=np.float64) / length
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from typing import Any, Callable
 import numpy as np
 
 from abftgemm.backend import Backend, array_module
-from abftgemm.checksums import Checksums
+from abftgemm.checksums import Checksums, location_weights
 from abftgemm.operands import Operands
 
 
@@ -27,11 +27,10 @@ def predict(be: Backend, op: Operands, a_checksums: Checksums | None,
         bias = op.bias.astype(np.float64)
         m, n = op.m, op.n
         pred_col[..., 0] += m * bias
-        pred_col[..., 1] += (m * (m + 1) / 2) * bias
+        pred_col[..., 1] += (m + 1) / 2 * bias  # sum of the location weights (i+1)/m
         pred_col[..., 2] += m * xp.abs(bias)
-        weights = xp.arange(1, n + 1, dtype=np.float64)
         pred_row[..., 0] += bias.sum()
-        pred_row[..., 1] += (weights * bias).sum()
+        pred_row[..., 1] += (location_weights(n, xp) * bias).sum()
         pred_row[..., 2] += xp.abs(bias).sum()
     return pred_col, pred_row
 

@@ -37,7 +37,7 @@ def _side(pred: Any, obs: Any, k: int, length: int, dtype: np.dtype) -> Side:
     tau = threshold(pred[..., 2], obs[..., 2], k, length, dtype)
     verifiable = (pred[..., :3] == pred[..., :3]).all(-1) & (xp_abs(pred[..., :3]) < np.inf).all(-1)
     # A non-finite element makes the observed |C| sum, and so tau, infinite: test it on its own.
-    within = ((xp_abs(diff[..., 0]) <= tau) & (xp_abs(diff[..., 1]) <= tau * length)
+    within = ((xp_abs(diff[..., 0]) <= tau) & (xp_abs(diff[..., 1]) <= tau)
               & (obs[..., 3] == 0))
     return Side(diff, tau, verifiable & ~within, verifiable, obs[..., 3:5], length)
 
@@ -140,9 +140,9 @@ def _flagged(side: Side, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if count == 1:
             loc[t] = int(last)
         elif count == 0 and diff[t, 0] != 0 and np.isfinite(diff[t]).all():
-            pos = diff[t, 1] / diff[t, 0] - 1
-            r = round(pos)
-            if abs(pos - r) <= LOCATION_SLACK and 0 <= r < side.length:
+            pos = diff[t, 1] / diff[t, 0] * side.length - 1
+            r = round(pos) if np.isfinite(pos) else -1
+            if 0 <= r < side.length and abs(pos - r) <= LOCATION_SLACK:
                 loc[t] = r
     ok = _host(side.verifiable[b if side.verifiable.shape[0] > 1 else 0])
     return idx, loc, ok

@@ -8,7 +8,8 @@ The order, each step re-verified against checksums derived afresh from the input
    ``c_ij = predicted_sum_j - sum of the other elements`` -- never ``c_ij + d``, which loses
    everything to cancellation when ``c_ij`` is huge and is NaN when it is INF;
 3. recompute the flagged rows and columns from the inputs (2D, several errors per vector);
-4. recompute the whole matrix;
+4. recompute the whole matrix; if what still disagrees is INF where the exact product exceeds
+   the dtype's range, that is overflow, as plain matmul gives, and is passed through;
 5. raise :class:`~abftgemm.report.UncorrectableError` with the report.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from abftgemm.backend import Backend
 from abftgemm.encode import observe, predict
 from abftgemm.locate import Diagnosis, Verdict, diagnose, verify
 from abftgemm.operands import Operands, item
-from abftgemm.report import Report, UncorrectableError
+from abftgemm.report import Event, Report, UncorrectableError
 
 
 def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, site: str,
@@ -46,8 +47,15 @@ def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, 
         report.events.append(diagnosis.event(site, b, "recomputed"))
         return
     be.gemm(one.a, one.b, view, one.bias)
-    if _reverify(be, one, view, pred).clean:
+    final = _reverify(be, one, view, pred)
+    if final.clean:
         report.events.append(diagnosis.event(site, b, "recomputed", pattern="2D"))
+        return
+    overflow = _overflowed(one, view[0])
+    if overflow is not None and _explained_by(final, overflow):
+        report.events.append(Event(site, b, "overflow", tuple(sorted(set(overflow[0]))),
+                                   tuple(sorted(set(overflow[1]))), float("inf"), float("nan"),
+                                   "passed-through"))
         return
     report.events.append(diagnosis.event(site, b, "reported"))
     raise UncorrectableError(f"{site}[{b}]: the product does not verify even after recomputation",
@@ -90,3 +98,40 @@ def _recompute_vectors(be: Backend, one: Operands, c: Any, diagnosis: Diagnosis)
         bias = None if one.bias is None else xp.ascontiguousarray(one.bias[cols])
         be.gemm(a[None], xp.ascontiguousarray(b[:, cols])[None], part, bias)
         c[:, cols] = part[0]
+
+
+def _overflowed(one: Operands, c: Any) -> tuple[list[int], list[int]] | None:
+    """Positions of the INF elements of ``c`` if every one is a genuine overflow, else None.
+
+    Checked element by element against the exact (float64) dot product: an INF is genuine when
+    that product, rounded to the dtype, overflows with the same sign.
+    """
+    xp = one.xp
+    rows, cols = (_host_ints(ix) for ix in xp.nonzero(xp.isinf(c)))
+    if not rows:
+        return None
+    a = _host(one.a[0][xp.asarray(np.array(rows))]).astype(np.float64)
+    b = _host(one.b[0][:, xp.asarray(np.array(cols))]).astype(np.float64)
+    exact = (a * b.T).sum(axis=1)
+    if one.bias is not None:
+        exact += _host(one.bias).astype(np.float64)[cols]
+    delivered = _host(c[xp.asarray(np.array(rows)), xp.asarray(np.array(cols))]).astype(np.float64)
+    with np.errstate(over="ignore"):  # overflowing to INF is the point of the comparison
+        rounded = exact.astype(c.dtype).astype(np.float64)
+    return (rows, cols) if bool((rounded == delivered).all()) else None
+
+
+def _explained_by(verdict: Verdict, overflow: tuple[list[int], list[int]]) -> bool:
+    """True when every vector still flagged holds one of the overflowed elements."""
+    rows, cols = set(overflow[0]), set(overflow[1])
+    bad_rows = set(_host(verdict.rows.bad[0]).nonzero()[0].tolist())
+    bad_cols = set(_host(verdict.cols.bad[0]).nonzero()[0].tolist())
+    return bad_rows <= rows and bad_cols <= cols
+
+
+def _host(x: Any) -> np.ndarray:
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+def _host_ints(ix: Any) -> list[int]:
+    return [int(i) for i in _host(ix)]

@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Pattern = Literal["0D", "1R", "1C", "2D", "checksum", "input-nonfinite"]
+Pattern = Literal["0D", "1R", "1C", "2D", "checksum", "input-nonfinite", "overflow"]
+#: Findings that are not faults: the output is legitimately non-finite and is delivered as is.
+PASSED_THROUGH = ("input-nonfinite", "overflow")
 Action = Literal["corrected", "recomputed", "checksum-recomputed", "reported", "passed-through"]
 
 
@@ -21,7 +23,8 @@ class Event:
     pattern : str
         ``"0D"`` one element, ``"1R"`` one row, ``"1C"`` one column, ``"2D"`` anything wider,
         ``"checksum"`` the predicted checksum itself was wrong, ``"input-nonfinite"`` the inputs
-        hold INF/NaN so the affected outputs are legitimately non-finite and were not checked.
+        hold INF/NaN so the affected outputs are legitimately non-finite and were not checked,
+        ``"overflow"`` the exact product exceeds the dtype's range, so INF is the right answer.
     rows, cols : tuple of int
         Output rows and columns involved (for ``input-nonfinite``: the unverifiable vectors).
     magnitude : float
@@ -70,7 +73,7 @@ class Report:
     @property
     def detected(self) -> bool:
         """True when any fault (anything but non-finite inputs) was found."""
-        return any(e.pattern != "input-nonfinite" for e in self.events)
+        return any(e.pattern not in PASSED_THROUGH for e in self.events)
 
     @property
     def corrected(self) -> int:
@@ -85,7 +88,7 @@ class Report:
     @property
     def sites(self) -> set[str]:
         """Names of the sites with a finding other than non-finite inputs."""
-        return {e.site for e in self.events if e.pattern != "input-nonfinite"}
+        return {e.site for e in self.events if e.pattern not in PASSED_THROUGH}
 
     def extend(self, other: "Report") -> None:
         """Merge ``other`` into this report."""

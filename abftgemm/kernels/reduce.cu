@@ -1,7 +1,7 @@
 // Checksum reductions for abftgemm: one read of a matrix produces, per row or per column vector v
 // of length L, five float64 numbers
 //     [sum c0[l]*v[l], sum c1[l]*v[l], sum c2[l]*|v[l]|, #non-finite, last non-finite index or -1]
-// with c0 = 1, c1 = l + 1, c2 = 1 when no coefficient array is given (coef == nullptr), else
+// with c0 = 1, c1 = (l + 1) / L, c2 = 1 when no coefficient array is given (coef == nullptr), else
 // c_j[l] = coef[3*l + j]. Non-finite elements still enter the sums, as plain arithmetic would.
 //
 // Compiled by NVRTC through cupy.RawModule (see abftgemm/kernels/__init__.py for the options and
@@ -14,7 +14,9 @@ namespace {
 
 __device__ __forceinline__ double to_double(float v) { return static_cast<double>(v); }
 __device__ __forceinline__ double to_double(double v) { return v; }
-__device__ __forceinline__ double to_double(__half v) { return static_cast<double>(__half2float(v)); }
+__device__ __forceinline__ double to_double(__half v) {
+    return static_cast<double>(__half2float(v));
+}
 __device__ __forceinline__ double to_double(__nv_bfloat16 v) {
     return static_cast<double>(__bfloat162float(v));
 }
@@ -34,7 +36,7 @@ struct Acc {
         s0 = 0.0; s1 = 0.0; s2 = 0.0; count = 0; last = -1;
     }
 
-    // Element l (0-based) of the vector; coef points at this batch's (L, 3) coefficients or is null.
+    // Element l (0-based) of the vector; coef is this batch's (L, 3) coefficients or null.
     __device__ __forceinline__ void add(double v, int l, const double* __restrict__ coef) {
         double c0 = 1.0, c1 = static_cast<double>(l + 1), c2 = 1.0;
         if (coef != nullptr) {
@@ -130,6 +132,7 @@ __global__ void abft_row_reduce(const T* __restrict__ x, long long batch_stride,
         }
         for (int l = head + chunks * V + lane; l < len; l += 32) a.add(to_double(row[l]), l, c);
         warp_allreduce(a);
+        if (c == nullptr) a.s1 /= len;  // default location weights (l + 1) / L
         if (lane == 0) a.store(out + 5 * w);
     }
 }
@@ -178,6 +181,7 @@ __global__ void abft_col_reduce(const T* __restrict__ x, long long batch_stride,
     for (int k = 1; k < ROWS; ++k)
         a.merge(sh_s[0][k][tx], sh_s[1][k][tx], sh_s[2][k][tx], sh_count[k][tx], sh_last[k][tx]);
 
+    if (c == nullptr) a.s1 /= len;  // default location weights (l + 1) / L (linear: chunks add up)
     double* o = out + 5 * (b * nvec + col);
     if (chunks == 1) {
         a.store(o);

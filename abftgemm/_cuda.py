@@ -1,0 +1,353 @@
+"""CuPy backend: direct cuBLAS strided-batched GEMM and the checksum reduction kernels.
+
+Imported by :func:`abftgemm.backend.get_backend` only once CuPy arrays are in play, so it imports
+CuPy at the top. See :mod:`abftgemm.backend` for the semantics of the three primitives.
+
+Why not ``cupy.matmul``: batched fp16 ``cupy.matmul`` runs 8-18x slower than cuBLAS and batched
+bf16 raises (DESIGN.md section 3), so :meth:`CupyBackend.gemm` calls
+``cublasGemmStridedBatchedEx`` itself. bfloat16 arrays are CuPy 14 arrays whose dtype is
+``ml_dtypes.bfloat16`` (CuPy 14 supports that dtype when ml_dtypes is installed); this module never
+runs CuPy arithmetic on them, only bit-level copies, cuBLAS and its own kernels.
+
+Matrix layouts accepted without a copy, per matrix of a ``(batch or 1, rows, cols)`` operand:
+row-major (unit stride along columns, any row pitch ``ld >= cols``) and transposed (unit stride
+along rows, any column pitch ``ld >= rows``, e.g. ``y.transpose(0, 2, 1)`` of a contiguous ``y``),
+with any non-negative batch stride. Anything else is copied to C order first.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import cupy
+import numpy
+from cupy_backends.cuda.libs import cublas
+
+from abftgemm import kernels
+
+#: cudaDataType_t of each supported element type.
+_DATA_TYPES = {"float16": 2, "bfloat16": 14, "float32": 0, "float64": 1}
+#: Unsigned integer dtypes of each item size, for bit copies that work for every element type.
+_BITS = {2: numpy.uint16, 4: numpy.uint32, 8: numpy.uint64}
+
+# cuBLAS reads alpha/beta through host pointers; module-level arrays outlive every call.
+_ONE32, _ZERO32 = numpy.ones((), numpy.float32), numpy.zeros((), numpy.float32)
+_ONE64, _ZERO64 = numpy.ones((), numpy.float64), numpy.zeros((), numpy.float64)
+# cublasMath_t values cupy_backends does not export.
+_TF32_TENSOR_OP_MATH = 3
+_MATH_MODE_MASK = 0xF  # low bits: the mode; higher bits are flags
+
+_ROW_BLOCK = 256  # abft_row_reduce: 8 warps per block, one warp per vector
+_COL_BLOCK = (32, 8)  # abft_col_reduce: must match ROWS in reduce.cu
+_COL_MIN_ROWS = 256  # shortest column chunk worth a block of its own
+_BLOCKS_PER_SM = 8  # resident 256-thread blocks per SM that keep memory busy
+_INT32_MAX = 2**31 - 1
+
+
+class _Matrices(NamedTuple):
+    """A batch of matrices in the form cuBLAS and the kernels take.
+
+    ``array`` owns the data (a C-order copy when the input layout was unusable). With
+    ``transposed`` False, element (i, j) of matrix b sits at ``b*batch_stride + i*ld + j``;
+    with ``transposed`` True at ``b*batch_stride + i + j*ld``. ``batch_stride`` 0 broadcasts.
+    """
+
+    array: cupy.ndarray
+    transposed: bool
+    ld: int
+    batch_stride: int
+
+
+def _layout(x: cupy.ndarray) -> tuple[bool, int, int] | None:
+    """``(transposed, ld, batch_stride)`` of 3-D ``x`` in elements, or None if it needs a copy."""
+    isz = x.itemsize
+    if any(s % isz for s in x.strides):
+        return None
+    nb, r, c = x.shape
+    s0, s1, s2 = (s // isz for s in x.strides)
+    batch_stride = 0 if nb == 1 else s0
+    if batch_stride < 0:
+        return None
+    # Strides of length-1 dimensions are arbitrary, so they decide nothing.
+    ld = s1 if r > 1 else max(c, 1)
+    if (c == 1 or s2 == 1) and ld >= max(c, 1):
+        return False, ld, batch_stride
+    ld = s2 if c > 1 else max(r, 1)
+    if (r == 1 or s1 == 1) and ld >= max(r, 1):
+        return True, ld, batch_stride
+    return None
+
+
+def _matrices(x: cupy.ndarray) -> _Matrices:
+    """``x`` as :class:`_Matrices`, copying it to C order only if its layout is unusable."""
+    layout = _layout(x)
+    if layout is None:
+        x = cupy.ascontiguousarray(x)
+        layout = _layout(x)
+    return _Matrices(x, *layout)
+
+
+def _bits(x: cupy.ndarray) -> cupy.ndarray:
+    """View of ``x`` as unsigned integers of the same size (copies without bf16 arithmetic)."""
+    return x.view(_BITS[x.itemsize])
+
+
+def _check_dtype(*arrays: cupy.ndarray) -> str:
+    """The common dtype name of ``arrays``; TypeError unless they share a supported one."""
+    names = {x.dtype.name for x in arrays}
+    if len(names) != 1 or not names <= _DATA_TYPES.keys():
+        raise TypeError(
+            f"CuPy backend needs one dtype among {sorted(_DATA_TYPES)} (bfloat16 as "
+            f"ml_dtypes.bfloat16), got {sorted(names)}"
+        )
+    return names.pop()
+
+
+def _check_batch(name: str, nb: int, batch: int) -> None:
+    """ValueError unless operand ``name`` has the full batch or broadcasts one matrix."""
+    if nb not in (1, batch):
+        raise ValueError(f"{name} has batch {nb}; expected 1 or {batch}")
+
+
+def _check_gemm(
+    a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray, bias: cupy.ndarray | None
+) -> str:
+    """Validate :meth:`CupyBackend.gemm` operands; return the dtype name."""
+    if a.ndim != 3 or b.ndim != 3 or out.ndim != 3:
+        raise ValueError("gemm takes 3-D a, b and out")
+    batch, m, n = out.shape
+    if a.shape[1] != m or b.shape[2] != n or a.shape[2] != b.shape[1]:
+        raise ValueError(f"gemm shapes do not match: {a.shape} @ {b.shape} -> {out.shape}")
+    _check_batch("a", a.shape[0], batch)
+    _check_batch("b", b.shape[0], batch)
+    if not out.flags.c_contiguous:
+        raise ValueError("gemm needs a C-contiguous out")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias has shape {bias.shape}; expected ({n},)")
+    return _check_dtype(a, b, out, *(() if bias is None else (bias,)))
+
+
+def _check_reduce(
+    x: cupy.ndarray, coef: cupy.ndarray | None, out: cupy.ndarray, length: int, vectors: int
+) -> None:
+    """Validate reduction operands for vectors of ``length`` elements, ``vectors`` per matrix."""
+    _check_dtype(x)
+    batch = out.shape[0]
+    if out.dtype != numpy.float64 or out.shape != (batch, vectors, 5):
+        raise ValueError(f"out must be float64 of shape (batch, {vectors}, 5), got {out.shape}")
+    if not out.flags.c_contiguous:
+        raise ValueError("reductions need a C-contiguous out")
+    _check_batch("x", x.shape[0], batch)
+    if max(batch, vectors, length) > _INT32_MAX:
+        raise ValueError("reduction dimensions must fit in int32")
+    if coef is not None:
+        if coef.dtype != numpy.float64 or coef.ndim != 3 or coef.shape[1:] != (length, 3):
+            raise ValueError(f"coef must be float64 of shape (batch or 1, {length}, 3)")
+        _check_batch("coef", coef.shape[0], batch)
+
+
+def _coef(coef: cupy.ndarray | None) -> tuple[cupy.ndarray | None, int]:
+    """Coefficients as (array with C-order (L, 3) matrices, batch stride in elements)."""
+    if coef is None:
+        return None, 0
+    m = _matrices(coef)
+    if m.transposed or m.ld != 3:
+        m = _matrices(cupy.ascontiguousarray(coef))
+    return m.array, m.batch_stride
+
+
+def _cdiv(a: int, b: int) -> int:
+    """Ceiling of ``a / b`` for non-negative ints."""
+    return -(-a // b)
+
+
+class CupyBackend:
+    """The :class:`abftgemm.backend.Backend` primitives on one CUDA device."""
+
+    name = "cupy"
+    xp = cupy
+
+    def __init__(self, device_id: int) -> None:
+        self.device_id = device_id
+        self._sm_count = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+        self._kernels: dict[str, cupy.RawKernel] = {}
+
+    # ---------------------------------------------------------------- GEMM
+
+    def gemm(
+        self, a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray, bias: cupy.ndarray | None
+    ) -> None:
+        """``out[i] = a[i or 0] @ b[i or 0] (+ bias)`` through ``cublasGemmStridedBatchedEx``.
+
+        Parameters
+        ----------
+        a, b
+            ``(batch or 1, m, k)`` and ``(batch or 1, k, n)``, row-major or transposed matrices.
+        out
+            C-contiguous ``(batch, m, n)``, same dtype as ``a`` and ``b``; overwritten.
+        bias
+            None or ``(n,)``, added to every row.
+        """
+        dtype = _check_gemm(a, b, out, bias)
+        batch, m, n = out.shape
+        k = a.shape[2]
+        if out.size == 0:
+            return
+        if bias is not None:
+            # Broadcast the bias into out and let cuBLAS accumulate onto it (beta = 1).
+            _bits(out)[...] = _bits(bias)
+        if k == 0:
+            if bias is None:
+                _bits(out).fill(0)  # all-zero bits are +0.0 in every float format
+            return
+        self._strided_batched(_matrices(a), _matrices(b), out, m, n, k, dtype, bias is not None)
+
+    def _strided_batched(
+        self, a: _Matrices, b: _Matrices, out: cupy.ndarray, m: int, n: int, k: int,
+        dtype: str, accumulate: bool,
+    ) -> None:
+        """Row-major ``out = a @ b (+ out)`` as column-major ``out^T = b^T a^T``."""
+        if dtype == "float64":
+            compute, one, zero = cublas.CUBLAS_COMPUTE_64F, _ONE64, _ZERO64
+        else:
+            # 32F, never a FAST_* type: fp32 data must not be rounded to TF32.
+            compute, one, zero = cublas.CUBLAS_COMPUTE_32F, _ONE32, _ZERO32
+        beta = one if accumulate else zero
+        # A row-major matrix read column-major is its transpose, which is what the swapped
+        # product wants (OP_N); a transposed one is the matrix itself, hence OP_T.
+        op_b = cublas.CUBLAS_OP_T if b.transposed else cublas.CUBLAS_OP_N
+        op_a = cublas.CUBLAS_OP_T if a.transposed else cublas.CUBLAS_OP_N
+        data_type = _DATA_TYPES[dtype]
+        handle = cupy.cuda.device.get_cublas_handle()
+        restore = _plain_math(handle)
+        try:
+            cublas.gemmStridedBatchedEx(
+                handle, op_b, op_a, n, m, k,
+                one.ctypes.data,
+                b.array.data.ptr, data_type, b.ld, b.batch_stride,
+                a.array.data.ptr, data_type, a.ld, a.batch_stride,
+                beta.ctypes.data,
+                out.data.ptr, data_type, n, m * n,
+                out.shape[0], compute, cublas.CUBLAS_GEMM_DEFAULT,
+            )
+        finally:
+            restore()
+
+    # ---------------------------------------------------------- reductions
+
+    def col_reduce(self, x: cupy.ndarray, coef: cupy.ndarray | None, out: cupy.ndarray) -> None:
+        """Checksums of every column of ``x`` ``(batch or 1, r, c)`` into ``out`` ``(batch, c, 5)``.
+
+        See :mod:`abftgemm.backend` for the five fields and ``coef`` ``(batch or 1, r, 3)``.
+        """
+        self._reduce(x, coef, out, along_rows=False)
+
+    def row_reduce(self, x: cupy.ndarray, coef: cupy.ndarray | None, out: cupy.ndarray) -> None:
+        """Checksums of every row of ``x`` ``(batch or 1, r, c)`` into ``out`` ``(batch, r, 5)``.
+
+        See :mod:`abftgemm.backend` for the five fields and ``coef`` ``(batch or 1, c, 3)``.
+        """
+        self._reduce(x, coef, out, along_rows=True)
+
+    def _reduce(
+        self, x: cupy.ndarray, coef: cupy.ndarray | None, out: cupy.ndarray, along_rows: bool
+    ) -> None:
+        """Pick the kernel by storage: vectors contiguous in memory go one warp per vector."""
+        if x.ndim != 3:
+            raise ValueError("reductions take a 3-D x")
+        _, r, c = x.shape
+        length, vectors = (c, r) if along_rows else (r, c)
+        _check_reduce(x, coef, out, length, vectors)
+        if out.size == 0:
+            return
+        mats = _matrices(x)
+        coef_array, coef_stride = _coef(coef)
+        args = (mats.array, numpy.int64(mats.batch_stride), numpy.int64(mats.ld),
+                coef_array, numpy.int64(coef_stride), out)
+        if along_rows != mats.transposed:
+            self._row_kernel(x.dtype.name, args, out.shape[0], vectors, length)
+        else:
+            self._col_kernel(x.dtype.name, args, out, vectors, length)
+
+    def _row_kernel(self, dtype: str, args: tuple, batch: int, vectors: int, length: int) -> None:
+        """Launch abft_row_reduce: vectors contiguous in memory, one warp each."""
+        warps_per_block = _ROW_BLOCK // 32
+        blocks = min(_cdiv(batch * vectors, warps_per_block), _INT32_MAX)
+        kernel = self._kernel(kernels.instance(kernels.ROW_REDUCE, dtype))
+        kernel((blocks,), (_ROW_BLOCK,),
+               args + (numpy.int32(batch), numpy.int32(vectors), numpy.int32(length)))
+
+    def _col_kernel(
+        self, dtype: str, args: tuple, out: cupy.ndarray, vectors: int, length: int
+    ) -> None:
+        """Launch abft_col_reduce: vectors strided by ``ld``, long ones split across blocks."""
+        batch = out.shape[0]
+        col_blocks = _cdiv(vectors, _COL_BLOCK[0])
+        chunks, chunk_rows = self._column_chunks(batch * col_blocks, length)
+        if chunks > 1:
+            total = batch * vectors
+            init = self._kernel(kernels.REDUCE_INIT)
+            init((min(_cdiv(total, 256), _INT32_MAX),), (256,), (out, numpy.int64(total)))
+        kernel = self._kernel(kernels.instance(kernels.COL_REDUCE, dtype))
+        kernel((batch * chunks * col_blocks,), _COL_BLOCK,
+               args + (numpy.int32(vectors), numpy.int32(length), numpy.int32(col_blocks),
+                       numpy.int32(chunks), numpy.int32(chunk_rows)))
+
+    def _column_chunks(self, blocks: int, length: int) -> tuple[int, int]:
+        """``(chunks, rows per chunk)``: split columns until the grid fills the device."""
+        target = _BLOCKS_PER_SM * self._sm_count
+        if blocks >= target or length < 2 * _COL_MIN_ROWS:
+            return 1, length
+        chunk_rows = _cdiv(length, min(_cdiv(target, blocks), length // _COL_MIN_ROWS))
+        return _cdiv(length, chunk_rows), chunk_rows
+
+    def _kernel(self, name: str) -> cupy.RawKernel:
+        """Kernel ``name`` of reduce.cu on this device (compiled on first use, then cached)."""
+        kernel = self._kernels.get(name)
+        if kernel is None:
+            kernel = self._kernels[name] = _reduce_module().get_function(name)
+        return kernel
+
+
+def _plain_math(handle: int):
+    """Put ``handle`` in host pointer mode without TF32; return a function that undoes it.
+
+    CuPy's per-device handle is shared with other code, which may have left it in device pointer
+    mode (our alpha/beta are host pointers) or TF32 math (which would round fp32 inputs).
+    """
+    pointer = cublas.getPointerMode(handle)
+    math = cublas.getMathMode(handle)
+    tf32 = (math & _MATH_MODE_MASK) == _TF32_TENSOR_OP_MATH
+    if pointer != cublas.CUBLAS_POINTER_MODE_HOST:
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    if tf32:
+        cublas.setMathMode(handle, math & ~_MATH_MODE_MASK)
+
+    def restore() -> None:
+        if pointer != cublas.CUBLAS_POINTER_MODE_HOST:
+            cublas.setPointerMode(handle, pointer)
+        if tf32:
+            cublas.setMathMode(handle, math)
+
+    return restore
+
+
+@functools.cache
+def _reduce_module() -> cupy.RawModule:
+    """The RawModule of reduce.cu; CuPy compiles it lazily and caches it per device."""
+    return cupy.RawModule(
+        code=kernels.source(kernels.REDUCE_FILE),
+        options=kernels.NVRTC_OPTIONS,
+        name_expressions=kernels.MODULES[kernels.REDUCE_FILE],
+    )
+
+
+@functools.cache
+def _backend_for(device_id: int) -> CupyBackend:
+    """One backend per device id."""
+    return CupyBackend(device_id)
+
+
+def backend() -> CupyBackend:
+    """The backend of the current CUDA device (one instance per device, cached)."""
+    return _backend_for(cupy.cuda.runtime.getDevice())

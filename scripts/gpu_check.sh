@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# GPU acceptance run, from the repository root on a machine with an NVIDIA GPU:
+#   OUT=/some/dir PYTHONPATH=. bash scripts/gpu_check.sh
+# Runs the test suite with the GPU required, the CuPy smoke check and the benchmarks that exist,
+# keeps going when a step fails, and exits non-zero if any did. Stays under 7 minutes.
+set -u
+
+OUT="${OUT:-./gpu_check_out}"
+mkdir -p "$OUT"
+failed=()
+
+# step NAME SECONDS LOG COMMAND...: run COMMAND under a timeout, tee its output into $OUT/LOG.
+step() {
+    local name=$1 seconds=$2 log=$3
+    shift 3
+    echo "=== $name (timeout ${seconds}s)"
+    timeout --kill-after=5 "$seconds" "$@" 2>&1 | tee "$OUT/$log"
+    local rc=${PIPESTATUS[0]}
+    if [ "$rc" -ne 0 ]; then
+        echo "=== $name FAILED (exit $rc)"
+        failed+=("$name")
+    fi
+}
+
+step smoke 90 cuda_smoke.log python scripts/cuda_smoke.py
+ABFT_REQUIRE_GPU=1 step pytest 200 pytest.log python -m pytest -x -q tests
+if [ -f bench/gemm.py ]; then
+    step bench_gemm 45 bench_gemm.log \
+        python bench/gemm.py --backend cupy --json "$OUT/bench_gemm.json"
+fi
+if [ -f bench/attention.py ]; then
+    step bench_attention 45 bench_attention.log \
+        python bench/attention.py --backend cupy --json "$OUT/bench_attention.json"
+fi
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || failed+=("nvidia-smi")
+
+if [ ${#failed[@]} -ne 0 ]; then
+    echo "FAILED steps: ${failed[*]}"
+    exit 1
+fi
+echo "all steps passed"

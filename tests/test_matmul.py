@@ -1,0 +1,280 @@
+"""Properties of abftgemm.matmul, one body per property, run on every backend present."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import abftgemm
+from abftgemm import testing as at
+from abftgemm.faults import Fault, bit_layout
+from conftest import BACKENDS
+
+DTYPES = [pytest.param(d, id=np.dtype(d).name) for d in abftgemm.SUPPORTED_DTYPES]
+EXTREME = ("inf", "-inf", "nan", "near-inf")
+
+
+def to(xp, *arrays):
+    return tuple(xp.asarray(x) for x in arrays)
+
+
+def host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(data=st.data())
+def test_clean_products_match_reference_and_are_never_flagged(xp, dtype, data):
+    integer = data.draw(st.booleans(), label="integer_valued")
+    a, b = data.draw(at.operand_pairs(dtype, integer_valued=integer))
+    a, b = to(xp, a, b)
+    c, report = abftgemm.matmul(a, b, return_report=True)
+    assert not report.detected, report.summary()
+    assert c.shape == np.matmul(host(a), host(b)).shape
+    at.assert_matches_reference(c, a, b)
+    if integer:
+        np.testing.assert_array_equal(host(c).astype(np.float64), at.reference(a, b))
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("shapes", [((1, 1), (1, 1)), ((3, 1), (1, 4)), ((1, 5), (5, 1)),
+                                    ((5,), (5,)), ((5,), (5, 3)), ((2, 5), (5,)),
+                                    ((0, 4), (4, 3)), ((2, 0), (0, 3)), ((2, 4), (4, 0)),
+                                    ((0, 2, 3), (3, 4)), ((2, 1, 3, 4), (1, 3, 4, 2))])
+def test_edge_shapes_match_numpy(xp, shapes):
+    rng = np.random.default_rng(0)
+    a, b = (rng.integers(-3, 4, size=s).astype(np.float32) for s in shapes)
+    c = abftgemm.matmul(*to(xp, a, b))
+    np.testing.assert_array_equal(host(c), np.matmul(a, b))
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(data=st.data())
+def test_single_fault_is_corrected_or_within_rounding_noise(xp, dtype, data):
+    """Every kind and pattern: the output equals the fault-free one, or the fault was too small
+    to tell from rounding and the output stays within the threshold model's bound."""
+    a, b = data.draw(at.operand_pairs(dtype, at.matmul_shapes(min_side=2, max_k=8)))
+    fault = data.draw(at.faults())
+    a, b = to(xp, a, b)
+    clean = abftgemm.matmul(a, b, check="off")
+    c, report = abftgemm.matmul(a, b, fault_hook=fault, return_report=True)
+    bound = at.silent_error_bound(a, b, clean)
+    err = np.abs(host(c).astype(np.float64) - host(clean).astype(np.float64))
+    assert np.isfinite(host(c)).all()
+    assert (err <= bound).all(), (fault.injected, report.summary())
+    injected = np.abs(host(c_faulty_copy(fault, clean)) - host(clean).astype(np.float64))
+    if not (injected <= bound).all():  # some change stood out from rounding noise
+        assert report.detected and report.sites == {"matmul"}, (fault.injected, report.summary())
+
+
+def c_faulty_copy(fault, clean):
+    """The fault-free product with the recorded injection applied (what verification saw)."""
+    faulty = host(clean).astype(np.float64).copy()
+    for inj in fault.injected:
+        faulty[inj.batch + (np.array(inj.rows), np.array(inj.cols))] = inj.new
+    return faulty
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", EXTREME + ("exponent-bitflip",))
+@pytest.mark.parametrize("pattern", ["element", "row", "column", "tile", "warp"])
+def test_extreme_faults_are_always_detected_and_corrected(xp, dtype, kind, pattern):
+    """INF, NaN, near-INF, and flips of the top exponent bit of values below 2 (which make them
+    huge: above 2 the same flip makes them tiny, a small error covered by the test above)."""
+    rng = np.random.default_rng(7)
+    a = rng.choice([-1.0, -0.5, 0.5, 1.0], size=(2, 40, 1)).astype(dtype)
+    b = rng.choice([-1.5, -1.0, -0.5, 0.5, 1.0, 1.5], size=(1, 36)).astype(dtype)
+    a, b = to(xp, a, b)  # every product element is in [0.25, 1.5]
+    mantissa, exponent = bit_layout(dtype)
+    fault = (Fault("bitflip", pattern, seed=3, bit=mantissa + exponent - 1)
+             if kind == "exponent-bitflip" else Fault(kind, pattern, seed=3))
+    c, report = abftgemm.matmul(a, b, fault_hook=fault, return_report=True)
+    assert report.detected, report.summary()
+    np.testing.assert_array_equal(host(c), host(abftgemm.matmul(a, b, check="off")))
+    expected = {"element": "0D", "row": "1R", "column": "1C"}.get(pattern)
+    if expected:
+        assert {e.pattern for e in report.events} == {expected}, report.summary()
+        assert report.corrected == len(fault.injected[0].rows) and report.recomputed == 0
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_2d_faults_are_recomputed(xp):
+    rng = np.random.default_rng(1)  # integer-valued: a recomputed row is bitwise the original
+    a, b = to(xp, rng.integers(-5, 6, (64, 32)).astype(np.float32),
+              rng.integers(-5, 6, (32, 48)).astype(np.float32))
+
+    def hook(site, c):
+        c[3:6, 10:12] = 1e6  # two errors in each of several rows and columns
+    c, report = abftgemm.matmul(a, b, fault_hook=hook, return_report=True)
+    assert report.recomputed >= 1 and {e.pattern for e in report.events} == {"2D"}
+    np.testing.assert_array_equal(host(c), host(abftgemm.matmul(a, b, check="off")))
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_detect_reports_and_never_modifies(xp, dtype):
+    rng = np.random.default_rng(2)
+    a, b = to(xp, rng.integers(-3, 4, (20, 8)).astype(dtype), rng.integers(-3, 4, (8, 24)).astype(dtype))
+    fault = Fault("nan", "row", seed=0)
+    c, report = abftgemm.matmul(a, b, check="detect", fault_hook=fault, return_report=True)
+    assert report.detected and [e.action for e in report.events] == ["reported"]
+    row = fault.injected[0].rows[0]
+    assert np.isnan(host(c)[row]).all() and np.isfinite(np.delete(host(c), row, axis=0)).all()
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_off_is_the_plain_product(xp, dtype):
+    rng = np.random.default_rng(3)
+    a, b = to(xp, rng.standard_normal((3, 17, 9)).astype(dtype), rng.standard_normal((9, 5)).astype(dtype))
+    fault = Fault("inf", "element", seed=0)
+    c, report = abftgemm.matmul(a, b, check="off", fault_hook=fault, return_report=True)
+    assert report.events == [] and report.checked == {}
+    assert np.isinf(host(c)).sum() == 1
+    c_plain = abftgemm.matmul(a, b, check="off")
+    at.assert_matches_reference(c_plain, a, b)
+    if np.dtype(dtype) in (np.float32, np.float64) and xp is np:
+        np.testing.assert_array_equal(c_plain, np.matmul(a, b))
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_nonfinite_inputs_pass_through_and_are_reported(xp, bad):
+    rng = np.random.default_rng(4)
+    a = rng.integers(-3, 4, (2, 10, 6)).astype(np.float32)
+    b = rng.integers(1, 4, (6, 7)).astype(np.float32)
+    a[1, 4, 2] = bad
+    expected = np.matmul(a, b)
+    fault = Fault("additive", "element", seed=0, batch=1, row=7, col=3, magnitude=100.0)
+    c, report = abftgemm.matmul(*to(xp, a, b), fault_hook=fault, return_report=True)
+    np.testing.assert_array_equal(host(c), expected)  # NaN positions compare equal too
+    kinds = {e.pattern for e in report.events}
+    assert "input-nonfinite" in kinds and report.detected  # the fault in a clean row is still fixed
+    nonfinite = [e for e in report.events if e.pattern == "input-nonfinite"]
+    assert nonfinite[0].batch == 1 and nonfinite[0].rows == (4,)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_bias_is_inside_the_protection(xp):
+    rng = np.random.default_rng(5)
+    a, b, bias = (rng.integers(-3, 4, s).astype(np.float32) for s in ((4, 12, 8), (8, 6), (6,)))
+    fault = Fault("near-inf", "column", seed=0)
+    c, report = abftgemm.matmul(*to(xp, a, b), bias=xp.asarray(bias), fault_hook=fault,
+                                return_report=True)
+    np.testing.assert_array_equal(host(c), a @ b + bias)
+    assert report.corrected == 12
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_checksum_passing_chains_products_without_encoding(xp):
+    rng = np.random.default_rng(6)
+    x, w1, w2 = (rng.integers(-2, 3, s).astype(np.float64) for s in ((3, 16, 8), (8, 8), (8, 5)))
+    x, w1, w2 = to(xp, x, w1, w2)
+    h, sums = abftgemm.matmul(x, w1, return_checksums=True)
+    ref_cols = np.stack([host(h).sum(1), (np.arange(1, 17)[:, None] / 16 * host(h)).sum(1),
+                         np.abs(host(h)).sum(1)], axis=-1)
+    np.testing.assert_array_equal(host(sums.cols), ref_cols)
+    fault = Fault("bitflip", "element", seed=1, bit=62)
+    y, report = abftgemm.matmul(h, w2, a_checksums=sums, fault_hook=fault, return_report=True)
+    np.testing.assert_array_equal(host(y), host(h) @ host(w2))
+    assert report.corrected == 1
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_corrupted_passed_checksum_is_recomputed_not_corrected_into_data(xp):
+    rng = np.random.default_rng(8)
+    a, b = to(xp, rng.integers(-2, 3, (12, 8)).astype(np.float32), rng.integers(-2, 3, (8, 10)).astype(np.float32))
+    _, sums = abftgemm.matmul(a, xp.eye(8, dtype=np.float32), return_checksums=True)
+    bad_cols = sums.cols.copy()
+    bad_cols[0, 3, 0] += 50.0  # column 3 of a: its checksum no longer matches the data
+    c, report = abftgemm.matmul(a, b, a_checksums=abftgemm.Checksums(cols=bad_cols),
+                                return_report=True)
+    np.testing.assert_array_equal(host(c), host(a) @ host(b))
+    assert [e.pattern for e in report.events] == ["checksum"]
+    assert report.events[0].action == "checksum-recomputed"
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_uncorrectable_raises_with_report(xp):
+    rng = np.random.default_rng(9)
+    a, b = to(xp, rng.standard_normal((8, 4)).astype(np.float32), rng.standard_normal((4, 8)).astype(np.float32))
+    from abftgemm import backend as backend_module
+
+    be = backend_module.get_backend(xp)
+    real_gemm = be.gemm
+
+    def broken_gemm(x, y, out, bias):  # a permanently faulty unit: every product is wrong
+        real_gemm(x, y, out, bias)
+        out[..., :2, :2] += 1000  # two errors per vector: checksums cannot rebuild them
+    be.gemm = broken_gemm
+    try:
+        with pytest.raises(abftgemm.UncorrectableError) as info:
+            abftgemm.matmul(a, b)
+    finally:
+        del be.gemm
+    assert info.value.report.detected
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("a_shape,b_shape,error,match", [
+    ((3, 4), (5, 6), ValueError, "inner dimensions"),
+    ((2, 3, 4), (3, 4, 5), ValueError, "broadcast"),
+    ((), (3, 3), ValueError, "0-d"),
+])
+def test_bad_shapes_raise_clearly(xp, a_shape, b_shape, error, match):
+    a, b = xp.ones(a_shape, dtype=np.float32), xp.ones(b_shape, dtype=np.float32)
+    with pytest.raises(error, match=match):
+        abftgemm.matmul(a, b)
+    assert (host(a) == 1).all() and (host(b) == 1).all()
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.complex64, np.bool_])
+def test_unsupported_dtypes_raise_clearly(xp, dtype):
+    a = xp.ones((3, 3), dtype=dtype)
+    with pytest.raises(TypeError, match="supports"):
+        abftgemm.matmul(a, a)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_mixed_inputs_raise_clearly(xp):
+    a = xp.ones((3, 3), dtype=np.float32)
+    with pytest.raises(TypeError, match="different dtypes"):
+        abftgemm.matmul(a, a.astype(np.float64))
+    with pytest.raises(TypeError, match="NumPy or CuPy array"):
+        abftgemm.matmul(a, [[1.0]])
+    with pytest.raises(ValueError, match="check must be"):
+        abftgemm.matmul(a, a, check="fix")
+
+
+@pytest.mark.skipif(BACKENDS[1].marks[0].args[0], reason="no GPU")
+def test_mixed_numpy_and_cupy_raise_clearly():
+    import cupy
+
+    with pytest.raises(TypeError, match="mix NumPy and CuPy"):
+        abftgemm.matmul(np.ones((2, 2), np.float32), cupy.ones((2, 2), np.float32))
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_transposed_and_strided_operands(xp):
+    rng = np.random.default_rng(10)
+    a = rng.integers(-3, 4, (2, 9, 7)).astype(np.float32)
+    b = rng.integers(-3, 4, (2, 5, 9)).astype(np.float32)
+    c = abftgemm.matmul(xp.asarray(a).transpose(0, 2, 1), xp.asarray(b).transpose(0, 2, 1))
+    np.testing.assert_array_equal(host(c), a.transpose(0, 2, 1) @ b.transpose(0, 2, 1))
+    c = abftgemm.matmul(xp.asarray(a)[:, ::2, :], xp.asarray(b)[0, :, 1:8].T)
+    np.testing.assert_array_equal(host(c), a[:, ::2, :] @ b[0, :, 1:8].T)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_overflow_is_passed_through_as_inf_like_plain_matmul(xp):
+    a = np.full((3, 9), 100, dtype=np.float16)
+    b = np.full((9, 2), 73, dtype=np.float16)
+    b[:, 1] = 1
+    c, report = abftgemm.matmul(*to(xp, a, b), return_report=True)
+    assert np.isinf(host(c)[:, 0]).all() and (host(c)[:, 1] == 900).all()
+    assert not report.detected and {e.pattern for e in report.events} == {"overflow"}
