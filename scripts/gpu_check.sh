@@ -6,6 +6,8 @@
 set -u
 
 OUT="${OUT:-./gpu_check_out}"
+PY="${PYTHON:-python3}"
+export PYTHONPATH="${PYTHONPATH:-.}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 failed=()
 
@@ -22,15 +24,16 @@ step() {
     fi
 }
 
-step smoke 90 cuda_smoke.log python scripts/cuda_smoke.py
-ABFT_REQUIRE_GPU=1 step pytest 200 pytest.log python -m pytest -x -q tests
+step smoke 90 cuda_smoke.log $PY scripts/cuda_smoke.py
+step calibrate 60 calibrate.log $PY scripts/calibrate_thresholds.py --backend cupy
+ABFT_REQUIRE_GPU=1 step pytest 240 pytest.log $PY -m pytest -q --maxfail=25 -p no:cacheprovider tests
 if [ -f bench/gemm.py ]; then
     step bench_gemm 45 bench_gemm.log \
-        python bench/gemm.py --backend cupy --json "$OUT/bench_gemm.json"
+        $PY bench/gemm.py --backend cupy --json "$OUT/bench_gemm.json"
 fi
 if [ -f bench/attention.py ]; then
     step bench_attention 45 bench_attention.log \
-        python bench/attention.py --backend cupy --json "$OUT/bench_attention.json"
+        $PY bench/attention.py --backend cupy --json "$OUT/bench_attention.json"
 fi
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || failed+=("nvidia-smi")
 
