@@ -10,12 +10,15 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["abftgemm", "abftgemm.*", "attention", "attention.*"]),
     package_data={"abftgemm": ["kernels/*.cu", "kernels/*.cuh"]},
-    install_requires=["numpy>=1.24", "numba>=0.59", "ml_dtypes>=0.3"],
+    install_requires=["numpy>=1.24", "numba>=0.59", "ml_dtypes>=0.3", "tqdm>=4.60"],
     extras_require={
         "cuda12": ["cupy-cuda12x>=14.1.1"],
         "cuda13": ["cupy-cuda13x>=14.1.1"],
         "test": ["pytest>=7", "hypothesis>=6.90"],
+        # Compiles the CUDA kernels through NVRTC without a GPU (tests/test_kernels_compile.py).
+        "kernels": ["cupy-cuda13x>=14.1.1", "nvidia-cuda-nvrtc>=13"],
         "plots": ["matplotlib>=3.7"],
+        "notebooks": ["nbformat>=5.9", "nbclient>=0.9", "ipykernel>=6.25"],
     },
     entry_points={"console_scripts": ["abft=attention.__main__:main"]},
 )

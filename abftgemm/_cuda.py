@@ -61,9 +61,11 @@ class _Matrices(NamedTuple):
 def _layout(x: cupy.ndarray) -> tuple[bool, int, int] | None:
     """``(transposed, ld, batch_stride)`` of 3-D ``x`` in elements, or None if it needs a copy."""
     isz = x.itemsize
+    nb, r, c = x.shape
+    if x.size == 0:  # CuPy may give empty arrays zero strides; no element is ever read
+        return False, max(c, 1), 0
     if any(s % isz for s in x.strides):
         return None
-    nb, r, c = x.shape
     s0, s1, s2 = (s // isz for s in x.strides)
     batch_stride = 0 if nb == 1 else s0
     if batch_stride < 0:

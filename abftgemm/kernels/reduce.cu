@@ -30,15 +30,18 @@ __device__ __forceinline__ bool not_finite(double v) {
 
 struct Acc {
     double s0, s1, s2;
+    double weight_scale;  // 1 / L: default location weights (l + 1) / L stay <= 1, so the
+                          // weighted sum cannot overflow where the plain sum does not
     int count, last;
 
-    __device__ __forceinline__ void init() {
+    __device__ __forceinline__ void init(int len) {
         s0 = 0.0; s1 = 0.0; s2 = 0.0; count = 0; last = -1;
+        weight_scale = 1.0 / static_cast<double>(len > 0 ? len : 1);
     }
 
     // Element l (0-based) of the vector; coef is this batch's (L, 3) coefficients or null.
     __device__ __forceinline__ void add(double v, int l, const double* __restrict__ coef) {
-        double c0 = 1.0, c1 = static_cast<double>(l + 1), c2 = 1.0;
+        double c0 = 1.0, c1 = static_cast<double>(l + 1) * weight_scale, c2 = 1.0;
         if (coef != nullptr) {
             c0 = coef[3LL * l];
             c1 = coef[3LL * l + 1];
@@ -116,7 +119,7 @@ __global__ void abft_row_reduce(const T* __restrict__ x, long long batch_stride,
         const T* row = x + b * batch_stride + r * ld;
         const double* c = coef == nullptr ? nullptr : coef + b * coef_stride;
         Acc a;
-        a.init();
+        a.init(len);
         // Elements before the first 16-byte boundary (fewer than V <= 8, so one per lane at most).
         const int head = min(len, static_cast<int>(
             ((16 - (reinterpret_cast<unsigned long long>(row) & 15)) & 15) / sizeof(T)));
@@ -132,7 +135,6 @@ __global__ void abft_row_reduce(const T* __restrict__ x, long long batch_stride,
         }
         for (int l = head + chunks * V + lane; l < len; l += 32) a.add(to_double(row[l]), l, c);
         warp_allreduce(a);
-        if (c == nullptr) a.s1 /= len;  // default location weights (l + 1) / L
         if (lane == 0) a.store(out + 5 * w);
     }
 }
@@ -166,7 +168,7 @@ __global__ void abft_col_reduce(const T* __restrict__ x, long long batch_stride,
     const double* c = coef == nullptr ? nullptr : coef + b * coef_stride;
 
     Acc a;
-    a.init();
+    a.init(len);
     if (col < nvec) {
         #pragma unroll 4
         for (int i = row_begin + ty; i < row_end; i += ROWS) a.add(to_double(base[i * ld]), i, c);
@@ -181,7 +183,6 @@ __global__ void abft_col_reduce(const T* __restrict__ x, long long batch_stride,
     for (int k = 1; k < ROWS; ++k)
         a.merge(sh_s[0][k][tx], sh_s[1][k][tx], sh_s[2][k][tx], sh_count[k][tx], sh_last[k][tx]);
 
-    if (c == nullptr) a.s1 /= len;  // default location weights (l + 1) / L (linear: chunks add up)
     double* o = out + 5 * (b * nvec + col);
     if (chunks == 1) {
         a.store(o);
