@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from abftgemm.backend import Backend, get_backend
+from abftgemm.backend import Backend, array_module, get_backend
 from abftgemm.checksums import Checksums
 from abftgemm.encode import observe, predict
 from abftgemm.locate import diagnose, verify
@@ -101,3 +101,18 @@ def _protect(be: Backend, op: Operands, out: Any, check: str, name: str, report:
         repair_batch(be, op, out, b, verdict, name, report)
         obs_col[b], obs_row[b] = (o[0] for o in observe(be, out[b:b + 1]))
     return Checksums(cols=obs_col[..., :3], rows=obs_row[..., :3])
+
+
+def checksums_of(x: Any) -> Checksums:
+    """Column and row encodings of ``x`` (``(..., r, c)``, batch flattened), to pass to matmul.
+
+    Use it to encode an operand once and reuse it across several products (e.g. the input of the
+    query, key and value projections).
+    """
+    xp = array_module(x)
+    if x.ndim < 2:
+        raise ValueError(f"checksums_of needs a matrix or a batch of matrices, got shape {x.shape}")
+    r, c = x.shape[-2:]
+    x3 = x.reshape(-1, r, c)
+    cols, rows = observe(get_backend(xp), x3)
+    return Checksums(cols=cols[..., :3], rows=rows[..., :3])

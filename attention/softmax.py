@@ -1,0 +1,126 @@
+"""Masked softmax, forward and backward, each checked by an invariant that does not share its work.
+
+Softmax is not linear, so GEMM checksums cannot pass through it. Instead:
+
+- forward: every row with a visible key sums to 1 (hidden rows to 0), and the log-domain identity
+  ``log P_ij - log P_i,max = z_ij - z_i,max`` holds for every visible entry that is not negligible.
+  The forward pass computes ``exp(z - max) / sum``; the check takes logarithms of what was
+  delivered, so a fault in the exponential, the sum or the division cannot cancel out;
+- backward: ``dS = P * (dP - rowsum(dP * P))`` has rows summing to exactly 0, whatever ``dP``.
+
+Arithmetic runs in float32 for 16- and 32-bit layers (float64 for float64) and the result is
+stored in the layer's dtype. A check that fails triggers one recomputation; if that fails too, the
+layer raises :class:`abftgemm.UncorrectableError`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+from abftgemm.checksums import accumulation_dtype, unit_roundoff
+from abftgemm.report import Event, Report, UncorrectableError
+
+#: P entries below this fraction of their row's maximum are skipped by the log identity: their
+#: logarithms are dominated by the rounding of tiny numbers, and they carry almost no weight.
+LOG_CHECK_FLOOR = 1e-3
+
+
+def softmax_forward(z: Any, visible: Any | None, dtype: np.dtype) -> Any:
+    """Softmax over the last axis of scaled scores ``z`` (accumulation dtype) where ``visible``.
+
+    Rows with no visible entry give all zeros. Returns ``P`` in ``dtype``.
+    """
+    xp = _xp(z)
+    if visible is not None:
+        z = xp.where(visible, z, -np.inf)
+    top = z.max(axis=-1, keepdims=True)
+    top = xp.where(xp.isfinite(top), top, 0)
+    e = xp.exp(z - top)
+    total = e.sum(axis=-1, keepdims=True)
+    return (e / xp.where(total > 0, total, 1)).astype(dtype)
+
+
+def check_forward(p: Any, z: Any, visible: Any | None) -> tuple[bool, float, float]:
+    """Verify ``P`` against the two forward invariants; returns (ok, worst error, tolerance)."""
+    xp = _xp(z)
+    acc = z.dtype
+    u = unit_roundoff(p.dtype) + z.shape[-1] * unit_roundoff(acc)
+    p = p.astype(acc)
+    rows_visible = xp.ones(p.shape[:-1], dtype=bool) if visible is None else visible.any(-1)
+    row_error = xp.abs(p.sum(-1) - rows_visible)
+    row_tol = 4 * u
+    # log identity on the entries that matter
+    top = p.max(axis=-1, keepdims=True)
+    z_top = xp.take_along_axis(z, p.argmax(axis=-1)[..., None], axis=-1)
+    used = p > LOG_CHECK_FLOOR * top
+    if visible is not None:
+        used &= visible
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_gap = xp.log(xp.where(used, p, 1)) - xp.log(xp.where(top > 0, top, 1)) - (
+            xp.where(used, z, 0) - xp.where(used, z_top, 0))
+    log_error = xp.where(used, xp.abs(log_gap), 0)
+    # relative error of P entries >= floor*top is ~u each; logs turn that into absolute ~2u
+    log_tol = 8 * u + 4 * unit_roundoff(acc) * float(xp.abs(z).max() if z.size else 0)
+    worst_row = float(row_error.max()) if row_error.size else 0.0
+    worst_log = float(log_error.max()) if log_error.size else 0.0
+    ok = math.isfinite(worst_row) and math.isfinite(worst_log) and worst_row <= row_tol \
+        and worst_log <= log_tol
+    worst, tol = (worst_row, row_tol) if worst_row / row_tol >= worst_log / log_tol else \
+        (worst_log, log_tol)
+    return ok, worst, tol
+
+
+def softmax_backward(dp: Any, p: Any, dtype: np.dtype) -> Any:
+    """``dS = P * (dP - rowsum(dP * P))`` in the accumulation dtype of ``dtype``."""
+    acc = accumulation_dtype(dtype)
+    p, dp = p.astype(acc), dp.astype(acc)
+    return p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+
+
+def check_backward(ds: Any, dp: Any, p: Any) -> tuple[bool, float, float]:
+    """Rows of ``dS`` must sum to 0 up to the rounding of their terms."""
+    xp = _xp(ds)
+    acc = ds.dtype
+    scale = (xp.abs(p.astype(acc)) * xp.abs(dp.astype(acc))).sum(-1)
+    tol = 8 * ds.shape[-1] * unit_roundoff(acc) * (scale + xp.abs(ds).sum(-1)) \
+        + float(np.finfo(acc).tiny)
+    err = xp.abs(ds.sum(-1))
+    ok = bool(((err <= tol) & xp.isfinite(err)).all())
+    t = int(xp.argmax(xp.where(xp.isfinite(err), err / tol, np.inf)))
+    return ok, float(err.reshape(-1)[t]), float(tol.reshape(-1)[t])
+
+
+def checked(site: str, compute: Callable[[], Any], verify: Callable[[Any], tuple[bool, float, float]],
+            check: str, report: Report, fault_hook: Callable | None) -> Any:
+    """Run ``compute``, let ``fault_hook`` corrupt it, verify; recompute once if it fails.
+
+    ``check="off"`` skips verification, ``"detect"`` reports without recomputing.
+    """
+    out = compute()
+    if fault_hook is not None:
+        fault_hook(site, out)
+    if check == "off":
+        return out
+    report.checked[site] = report.checked.get(site, 0) + 1
+    ok, worst, tol = verify(out)
+    if ok:
+        return out
+    if check == "detect":
+        report.events.append(Event(site, 0, "2D", (), (), worst, tol, "reported"))
+        return out
+    out = compute()
+    ok, worst_again, tol_again = verify(out)
+    report.events.append(Event(site, 0, "2D", (), (), worst, tol,
+                               "recomputed" if ok else "reported"))
+    if not ok:
+        raise UncorrectableError(f"{site}: invariant still violated after recomputation "
+                                 f"({worst_again:.3g} > {tol_again:.3g})", report)
+    return out
+
+
+def _xp(x: Any) -> Any:
+    from abftgemm.backend import array_module
+
+    return array_module(x)
