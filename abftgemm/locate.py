@@ -36,9 +36,10 @@ def _side(pred: Any, obs: Any, k: int, length: int, dtype: np.dtype) -> Side:
     diff = pred[..., :2] - obs[..., :2]
     tau = threshold(pred[..., 2], obs[..., 2], k, length, dtype)
     verifiable = (pred[..., :3] == pred[..., :3]).all(-1) & (xp_abs(pred[..., :3]) < np.inf).all(-1)
-    # A non-finite element makes the observed |C| sum, and so tau, infinite: test it on its own.
+    # A non-finite element, or finite ones whose sums overflow, make the observed |C| sum and so
+    # tau infinite: with finite predictions that is a fault on its own.
     within = ((xp_abs(diff[..., 0]) <= tau) & (xp_abs(diff[..., 1]) <= tau)
-              & (obs[..., 3] == 0))
+              & (xp_abs(obs[..., 2]) < np.inf) & (obs[..., 3] == 0))
     return Side(diff, tau, verifiable & ~within, verifiable, obs[..., 3:5], length)
 
 

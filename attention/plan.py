@@ -62,7 +62,7 @@ _SITES: dict[str, SitePlan] = {
 #: Non-GEMM steps checked by invariants (they receive ``fault_hook`` calls too).
 INVARIANT_SITES = {
     "softmax": "rows of P sum to 1; log P_ij - log P_i,max = z_ij - z_i,max",
-    "softmax_backward": "rows of dS sum to 0",
+    "softmax_backward": "rows of dS sum to 0; their dP-weighted sums equal sum P dP^2 - r^2",
 }
 
 FORWARD_SITES = ("q_proj", "k_proj", "v_proj", "scores", "context", "out_proj")

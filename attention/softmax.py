@@ -6,7 +6,9 @@ Softmax is not linear, so GEMM checksums cannot pass through it. Instead:
   ``log P_ij - log P_i,max = z_ij - z_i,max`` holds for every visible entry that is not negligible.
   The forward pass computes ``exp(z - max) / sum``; the check takes logarithms of what was
   delivered, so a fault in the exponential, the sum or the division cannot cancel out;
-- backward: ``dS = P * (dP - rowsum(dP * P))`` has rows summing to exactly 0, whatever ``dP``.
+- backward: ``dS = P * (dP - r)``, ``r = rowsum(dP * P)``, has rows summing to 0 (exactly
+  ``r (1 - sum P)`` for a P whose rows sum to 1 only up to rounding) and rows whose dP-weighted
+  sum is the variance ``sum P dP**2 - r**2``, whatever ``dP``.
 
 Arithmetic runs in float32 for 16- and 32-bit layers (float64 for float64) and the result is
 stored in the layer's dtype. A check that fails triggers one recomputation; if that fails too, the
@@ -80,16 +82,32 @@ def softmax_backward(dp: Any, p: Any, dtype: np.dtype) -> Any:
 
 
 def check_backward(ds: Any, dp: Any, p: Any) -> tuple[bool, float, float]:
-    """Rows of ``dS`` must sum to 0 up to the rounding of their terms."""
+    """Two checksums of each row of ``dS``, against closed forms computed here from P and dP.
+
+    With ``r = rowsum(dP * P)`` (recomputed here, not taken from the backward pass):
+
+    - plain: ``sum_j dS_ij = r (1 - sum_j P_ij)`` (0 when P's rows sum to 1; the factor accounts
+      for P stored in a low-precision dtype);
+    - weighted by dP: ``sum_j dS_ij dP_ij = sum_j P_ij dP_ij**2 - r**2`` (a variance), which also
+      catches faults that keep the plain sum, such as a scaled row.
+    """
     xp = _xp(ds)
     acc = ds.dtype
-    scale = (xp.abs(p.astype(acc)) * xp.abs(dp.astype(acc))).sum(-1)
-    tol = 8 * ds.shape[-1] * unit_roundoff(acc) * (scale + xp.abs(ds).sum(-1)) \
-        + float(np.finfo(acc).tiny)
-    err = xp.abs(ds.sum(-1))
-    ok = bool(((err <= tol) & xp.isfinite(err)).all())
-    t = int(xp.argmax(xp.where(xp.isfinite(err), err / tol, np.inf)))
-    return ok, float(err.reshape(-1)[t]), float(tol.reshape(-1)[t])
+    p, dp = p.astype(acc), dp.astype(acc)
+    terms = p * dp
+    r = terms.sum(-1)
+    u = 8 * ds.shape[-1] * unit_roundoff(acc)
+    tiny = float(np.finfo(acc).tiny)
+    plain_err = xp.abs(ds.sum(-1) - r * (1 - p.sum(-1)))
+    plain_tol = u * (xp.abs(terms).sum(-1) + xp.abs(ds).sum(-1) + xp.abs(r)) + tiny
+    second = (terms * dp).sum(-1)
+    weighted_err = xp.abs((ds * dp).sum(-1) - (second - r * r))
+    weighted_tol = u * (xp.abs(second) + r * r + xp.abs(ds * dp).sum(-1)) + tiny
+    ratio = xp.maximum(plain_err / plain_tol, weighted_err / weighted_tol)
+    ratio = xp.where(xp.isfinite(ratio), ratio, np.inf)
+    t = int(xp.argmax(ratio))
+    worst = float(ratio.reshape(-1)[t])
+    return worst <= 1, float(plain_err.reshape(-1)[t]), float(plain_tol.reshape(-1)[t])
 
 
 def checked(site: str, compute: Callable[[], Any], verify: Callable[[Any], tuple[bool, float, float]],

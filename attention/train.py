@@ -1,0 +1,470 @@
+"""Training under faults: unprotected vs. ABFT-protected vs. checkpoint/restore, side by side.
+
+One character-level :class:`attention.model.GPT` is trained four times from the same seed on the
+same batches:
+
+``fault_free``
+    ``check="off"``, no faults: the reference loss curve and the baseline time.
+``unprotected``
+    ``check="off"`` with faults: stops at the first non-finite loss ("non-trainable").
+``protected``
+    ``check="correct"`` with the same faults: its loss curve should match ``fault_free``.
+``checkpoint``
+    ``check="off"`` with the same faults; parameters and Adam state are saved to disk every
+    ``checkpoint_every`` steps; when a step's loss or gradients are non-finite the last checkpoint
+    is reloaded and the steps since are replayed (faults are transient: they do not recur).
+
+Faults: before each step, with probability ``fault_rate``, one fault of an extreme kind (INF,
+-INF, NaN, near-INF, or a flip of the top exponent bit) is scheduled at one element of a random
+GEMM site (attention or MLP, forward or backward) of a random block.  The schedule is drawn once
+from the seed and shared by the three faulty runs.
+
+Recovery overhead of checkpointing against protection (ATTNChecker reports up to 49x)::
+
+    ratio = (T_checkpoint - T_fault_free) / (T_protected - T_fault_free)
+
+with every ``T`` the wall time of a whole run; the pieces are reported alongside.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from abftgemm import UncorrectableError
+from abftgemm.faults import Fault, bit_layout
+from attention import SITES
+from attention.model import GPT, MLP_SITES, GPTConfig
+
+FAULT_KINDS: tuple[str, ...] = ("inf", "-inf", "nan", "near-inf", "bitflip")
+FAULT_SITES: tuple[str, ...] = SITES + MLP_SITES
+RUNS: tuple[str, ...] = ("fault_free", "unprotected", "protected", "checkpoint")
+
+_SUBJECTS = {"one": ["the cat", "a dog", "my friend", "the old man", "a small bird"],
+             "many": ["the cats", "two dogs", "my friends", "the children", "some birds"]}
+_VERBS = {"one": ["sees", "likes", "finds", "follows"], "many": ["see", "like", "find", "follow"]}
+_OBJECTS = ["the red ball", "a green tree", "the river", "her house", "a big box"]
+
+
+def synthetic_corpus(n_chars: int, seed: int) -> str:
+    """Deterministic text from a small grammar with subject-verb agreement.
+
+    Sentences are ``<subject> <verb> <object>.``; plural subjects take plural verbs, so a model
+    must carry the subject's number across the words in between to predict the verb's ending.
+
+    Parameters
+    ----------
+    n_chars : int
+        Length of the text (it is cut at this many characters).
+    seed : int
+        Seed of the sentence choices.
+    """
+    rng = np.random.default_rng([seed, 2])
+    parts: list[str] = []
+    total = 0
+    while total < n_chars:
+        number = "one" if rng.random() < 0.5 else "many"
+        words = (_SUBJECTS[number][rng.integers(5)], _VERBS[number][rng.integers(4)],
+                 _OBJECTS[rng.integers(5)])
+        sentence = " ".join(words) + ". "
+        parts.append(sentence)
+        total += len(sentence)
+    return "".join(parts)[:n_chars]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Sizes and knobs of :func:`train`.
+
+    Attributes
+    ----------
+    steps, batch, seq : int
+        Optimizer steps per run, sequences per batch, characters per sequence.
+    d_model, n_heads, n_layers, d_ff : int
+        Model sizes (see :class:`attention.model.GPTConfig`).
+    lr : float
+        Adam learning rate.
+    fault_rate : float
+        Probability that a step gets one fault.
+    checkpoint_every : int
+        Steps between checkpoints of the checkpoint/restore run.
+    corpus_chars : int
+        Length of the synthetic training text.
+    dtype : str
+        Model dtype.
+    seed : int
+        Seed of the model, the batches and the fault schedule.
+    """
+
+    steps: int = 300
+    batch: int = 8
+    seq: int = 32
+    d_model: int = 32
+    n_heads: int = 4
+    n_layers: int = 2
+    d_ff: int = 64
+    lr: float = 3e-3
+    fault_rate: float = 0.05
+    checkpoint_every: int = 20
+    corpus_chars: int = 20000
+    dtype: str = "float32"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ScheduledFault:
+    """One fault of the schedule: ``kind`` at ``site`` of block ``layer`` (one element)."""
+
+    step: int
+    kind: str
+    site: str
+    layer: int
+    seed: int
+    bit: int | None = None
+
+    def hook(self) -> Fault:
+        """A fresh injector for this fault (fires once)."""
+        return Fault(self.kind, "element", seed=self.seed, sites=self.site, bit=self.bit)
+
+
+def fault_schedule(config: TrainConfig) -> dict[int, ScheduledFault]:
+    """Draw the faults of every step from ``config.seed`` (step -> fault; most steps have none)."""
+    rng = np.random.default_rng([config.seed, 3])
+    mantissa, exponent = bit_layout(np.dtype(config.dtype))
+    schedule = {}
+    for step in range(config.steps):
+        if rng.random() >= config.fault_rate:
+            continue
+        kind = FAULT_KINDS[rng.integers(len(FAULT_KINDS))]
+        schedule[step] = ScheduledFault(
+            step=step, kind=kind, site=FAULT_SITES[rng.integers(len(FAULT_SITES))],
+            layer=int(rng.integers(config.n_layers)), seed=int(rng.integers(2**31)),
+            bit=mantissa + exponent - 1 if kind == "bitflip" else None)
+    return schedule
+
+
+class Adam:
+    """Adam on a dict of arrays, updated in place; its state can be saved and restored.
+
+    Parameters
+    ----------
+    params : dict
+        The live parameter arrays (updated in place by :meth:`step`).
+    lr, beta1, beta2, eps : float
+    """
+
+    def __init__(self, params: dict[str, Any], lr: float, beta1: float = 0.9,
+                 beta2: float = 0.99, eps: float = 1e-8):
+        self.params, self.lr, self.beta1, self.beta2, self.eps = params, lr, beta1, beta2, eps
+        self.m = {k: v * 0 for k, v in params.items()}
+        self.v = {k: v * 0 for k, v in params.items()}
+        self.t = 0
+
+    def step(self, grads: dict[str, Any]) -> None:
+        """Apply one update from ``grads`` (same keys as the parameters)."""
+        self.t += 1
+        c1, c2 = 1 - self.beta1 ** self.t, 1 - self.beta2 ** self.t
+        for k, p in self.params.items():
+            g = grads[k]
+            self.m[k] *= self.beta1
+            self.m[k] += (1 - self.beta1) * g
+            self.v[k] *= self.beta2
+            self.v[k] += (1 - self.beta2) * g * g
+            p -= (self.lr / c1 * self.m[k] / ((self.v[k] / c2) ** 0.5 + self.eps)).astype(p.dtype)
+
+    def save(self, path: Path, xp: Any) -> None:
+        """Write parameters, moments and step count to ``path`` (``.npz``)."""
+        host = {"t": np.array(self.t)}
+        for prefix, group in (("p", self.params), ("m", self.m), ("v", self.v)):
+            host.update({f"{prefix}/{k}": _host(a, xp) for k, a in group.items()})
+        np.savez(path, **host)
+
+    def load(self, path: Path, xp: Any) -> None:
+        """Restore (in place) what :meth:`save` wrote."""
+        with np.load(path) as saved:
+            self.t = int(saved["t"])
+            for prefix, group in (("p", self.params), ("m", self.m), ("v", self.v)):
+                for k, a in group.items():
+                    a[...] = xp.asarray(saved[f"{prefix}/{k}"])
+
+
+def _host(a: Any, xp: Any) -> np.ndarray:
+    return a if xp is np else xp.asnumpy(a)
+
+
+@dataclass
+class RunResult:
+    """What one training run did.
+
+    Attributes
+    ----------
+    name, check : str
+    losses : list of float or None
+        Accepted loss of every step (None after an unprotected run stopped).
+    seconds : float
+        Wall time of the whole run.
+    faults_injected : int
+        Faults that actually fired.
+    detected, corrected, recomputed : int
+        Steps in which protection found a fault; elements repaired; recompute operations.
+    uncorrectable_retries : int
+        Steps re-run after :class:`abftgemm.UncorrectableError`.
+    non_trainable_at : int or None
+        First step whose loss was non-finite (unprotected run; it stops there).
+    restores : list of dict
+        Checkpoint run: ``{"at": failed step, "from": checkpoint step}`` per reload.
+    replayed_steps : int
+        Checkpoint run: steps executed again after reloads.
+    save_seconds, load_seconds, replay_seconds : float
+        Checkpoint run: time writing checkpoints, reading them, re-executing steps.
+    """
+
+    name: str
+    check: str
+    losses: list[float | None]
+    seconds: float = 0.0
+    faults_injected: int = 0
+    detected: int = 0
+    corrected: int = 0
+    recomputed: int = 0
+    uncorrectable_retries: int = 0
+    non_trainable_at: int | None = None
+    restores: list[dict[str, int]] = field(default_factory=list)
+    replayed_steps: int = 0
+    save_seconds: float = 0.0
+    load_seconds: float = 0.0
+    replay_seconds: float = 0.0
+
+
+class _Trainer:
+    """Model, optimizer, batches and faults of one run."""
+
+    def __init__(self, config: TrainConfig, data: np.ndarray, vocab: int, xp: Any):
+        self.config, self.data, self.xp = config, data, xp
+        self.model = GPT(GPTConfig(vocab=vocab, seq_len=config.seq, d_model=config.d_model,
+                                   n_heads=config.n_heads, n_layers=config.n_layers,
+                                   d_ff=config.d_ff, dtype=config.dtype), xp, seed=config.seed)
+        self.params = self.model.parameters()
+        self.opt = Adam(self.params, config.lr)
+
+    def batch(self, step: int) -> tuple[Any, Any]:
+        """Inputs and targets of ``step`` (the same in every run and on replay)."""
+        cfg = self.config
+        rng = np.random.default_rng([cfg.seed, 4, step])
+        starts = rng.integers(len(self.data) - cfg.seq - 1, size=cfg.batch)
+        window = self.data[starts[:, None] + np.arange(cfg.seq + 1)]
+        return self.xp.asarray(window[:, :-1]), self.xp.asarray(window[:, 1:])
+
+    def grads(self, step: int, check: str, fault: ScheduledFault | None, result: RunResult
+              ) -> tuple[float, dict[str, Any]]:
+        """Loss and gradients of ``step``, recording what protection and the fault did."""
+        hook = fault.hook() if fault else None
+        tokens, targets = self.batch(step)
+        loss, grads, report = self.model.loss_and_grads(
+            tokens, targets, check=check, fault_hook=hook, fault_layer=fault.layer if fault else None)
+        result.faults_injected += bool(hook and hook.injected)
+        result.detected += report.detected
+        result.corrected += report.corrected
+        result.recomputed += report.recomputed
+        return loss, grads
+
+    def finite(self, loss: float, grads: dict[str, Any]) -> bool:
+        """Whether the loss and every gradient are finite (one device sync)."""
+        total = sum(self.xp.abs(g).sum(dtype=np.float64) for g in grads.values())
+        return math.isfinite(loss) and math.isfinite(float(total))
+
+
+def _run_plain(trainer: _Trainer, name: str, check: str, schedule: dict[int, ScheduledFault],
+               stop_on_nonfinite: bool, progress: bool) -> RunResult:
+    """A run without checkpoints: fault-free, unprotected or protected."""
+    cfg = trainer.config
+    result = RunResult(name, check, [None] * cfg.steps)
+    start = time.perf_counter()
+    for step in tqdm(range(cfg.steps), desc=name, leave=False, disable=not progress):
+        try:
+            loss, grads = trainer.grads(step, check, schedule.get(step), result)
+        except UncorrectableError:
+            result.uncorrectable_retries += 1
+            loss, grads = trainer.grads(step, check, None, result)
+        result.losses[step] = loss
+        if stop_on_nonfinite and not math.isfinite(loss):
+            result.non_trainable_at = step
+            break
+        trainer.opt.step(grads)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _run_checkpointed(trainer: _Trainer, schedule: dict[int, ScheduledFault], directory: Path,
+                      progress: bool) -> RunResult:
+    """The checkpoint/restore run (unprotected GEMMs, reload on a non-finite step)."""
+    cfg = trainer.config
+    result = RunResult("checkpoint", "off", [None] * cfg.steps)
+    path = directory / "checkpoint.npz"
+    directory.mkdir(parents=True, exist_ok=True)
+    fired: set[int] = set()
+    start = time.perf_counter()
+    saved_at, replay_until, step = 0, -1, 0
+    result.save_seconds += _timed(trainer.opt.save, path, trainer.xp)
+    bar = tqdm(total=cfg.steps, desc="checkpoint", leave=False, disable=not progress)
+    while step < cfg.steps:
+        t0 = time.perf_counter()
+        fault = schedule.get(step) if step not in fired else None
+        fired.add(step)
+        loss, grads = trainer.grads(step, "off", fault, result)
+        if not trainer.finite(loss, grads):
+            result.restores.append({"at": step, "from": saved_at})
+            result.load_seconds += _timed(trainer.opt.load, path, trainer.xp)
+            replay_until, step = step, saved_at
+            continue
+        trainer.opt.step(grads)
+        result.losses[step] = loss
+        if step <= replay_until:
+            result.replayed_steps += 1
+            result.replay_seconds += time.perf_counter() - t0
+        else:
+            bar.update()
+        step += 1
+        if step % cfg.checkpoint_every == 0:
+            result.save_seconds += _timed(trainer.opt.save, path, trainer.xp)
+            saved_at = step
+    bar.close()
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _timed(fn: Any, *args: Any) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def train(config: TrainConfig, xp: Any, out: Path, progress: bool = True) -> dict[str, Any]:
+    """Run the four trainings of the module docstring and write ``train.json`` under ``out``.
+
+    Parameters
+    ----------
+    config : TrainConfig
+    xp : module
+        numpy or cupy.
+    out : Path
+        Output directory (created); checkpoints go to ``out/checkpoints``.
+    progress : bool
+        Show progress bars.
+
+    Returns
+    -------
+    dict
+        ``config``, ``backend``, ``schedule``, ``runs`` (per run: :class:`RunResult` fields and
+        ``max_abs_loss_diff`` against the fault-free run) and ``overhead``.
+    """
+    text = synthetic_corpus(config.corpus_chars, config.seed)
+    chars = sorted(set(text))
+    data = np.array([chars.index(c) for c in text], dtype=np.int64)
+    schedule = fault_schedule(config)
+    _warm_up(config, data, len(chars), xp)
+    runs = {
+        "fault_free": _run_plain(_Trainer(config, data, len(chars), xp), "fault_free", "off", {},
+                                 False, progress),
+        "unprotected": _run_plain(_Trainer(config, data, len(chars), xp), "unprotected", "off",
+                                  schedule, True, progress),
+        "protected": _run_plain(_Trainer(config, data, len(chars), xp), "protected", "correct",
+                                schedule, False, progress),
+        "checkpoint": _run_checkpointed(_Trainer(config, data, len(chars), xp), schedule,
+                                        out / "checkpoints", progress),
+    }
+    reference = runs["fault_free"].losses
+    summary = {
+        "config": asdict(config),
+        "backend": xp.__name__,
+        "vocab": "".join(chars),
+        "schedule": [asdict(f) for f in schedule.values()],
+        "runs": {name: {**asdict(r), "max_abs_loss_diff": _max_diff(r.losses, reference),
+                        "final_loss": _last(r.losses)} for name, r in runs.items()},
+        "overhead": overhead(runs),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.json").write_text(json.dumps(summary, indent=2, default=_json_default))
+    return summary
+
+
+def _warm_up(config: TrainConfig, data: np.ndarray, vocab: int, xp: Any) -> None:
+    """One step in each check mode so JIT compilation is not timed."""
+    trainer = _Trainer(config, data, vocab, xp)
+    for check in ("off", "correct"):
+        trainer.grads(0, check, None, RunResult("warm-up", check, []))
+
+
+def overhead(runs: dict[str, RunResult]) -> dict[str, Any]:
+    """Recovery overhead of checkpoint/restore relative to protection, with its pieces.
+
+    ``ratio = (T_checkpoint - T_fault_free) / (T_protected - T_fault_free)``; None when the
+    protected run was not measurably slower than the fault-free one.
+    """
+    base, prot, ckpt = (runs[k].seconds for k in ("fault_free", "protected", "checkpoint"))
+    c = runs["checkpoint"]
+    return {
+        "formula": "(T_checkpoint - T_fault_free) / (T_protected - T_fault_free)",
+        "t_fault_free": base, "t_protected": prot, "t_checkpoint": ckpt,
+        "protection_seconds": prot - base, "checkpoint_seconds": ckpt - base,
+        "save_seconds": c.save_seconds, "load_seconds": c.load_seconds,
+        "replay_seconds": c.replay_seconds, "replayed_steps": c.replayed_steps,
+        "restores": len(c.restores),
+        "protection_overhead_pct": 100 * (prot - base) / base if base > 0 else None,
+        "ratio": (ckpt - base) / (prot - base) if prot > base else None,
+    }
+
+
+def _max_diff(losses: list[float | None], reference: list[float | None]) -> float | None:
+    """max |loss - reference| over the steps both have (NaN if any of those is non-finite)."""
+    pairs = [(a, b) for a, b in zip(losses, reference) if a is not None and b is not None]
+    if not pairs:
+        return None
+    return max(abs(a - b) if math.isfinite(a - b) else math.nan for a, b in pairs)
+
+
+def _last(losses: list[float | None]) -> float | None:
+    done = [x for x in losses if x is not None]
+    return done[-1] if done else None
+
+
+def _json_default(obj: Any) -> Any:
+    """NaN/INF as strings are not needed (json writes them); numpy scalars become Python."""
+    return obj.item() if hasattr(obj, "item") else str(obj)
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """The runs and the overhead as a markdown table for the console and reports."""
+    head = ("| run | check | faults fired | steps w/ detection | corrected | recomputed | "
+            "restores | final loss | max abs dloss vs fault-free | time s | status |")
+    lines = [head, "|" + "---|" * 11]
+    for name, r in summary["runs"].items():
+        status = (f"non-trainable at step {r['non_trainable_at']}"
+                  if r["non_trainable_at"] is not None else "trained")
+        lines.append(
+            f"| {name} | {r['check']} | {r['faults_injected']} | {r['detected']} | "
+            f"{r['corrected']} | {r['recomputed']} | {len(r['restores'])} | "
+            f"{_fmt(r['final_loss'])} | {_fmt(r['max_abs_loss_diff'])} | {r['seconds']:.2f} | "
+            f"{status} |")
+    o = summary["overhead"]
+    ratio = "n/a (protection not slower)" if o["ratio"] is None else f"{o['ratio']:.2f}x"
+    lines += [
+        "",
+        f"protection overhead: {o['protection_seconds']:.2f} s "
+        f"({_fmt(o['protection_overhead_pct'])}% of the fault-free run)",
+        f"checkpoint/restore overhead: {o['checkpoint_seconds']:.2f} s "
+        f"(save {o['save_seconds']:.2f} s, load {o['load_seconds']:.2f} s, replay "
+        f"{o['replay_seconds']:.2f} s over {o['replayed_steps']} steps, {o['restores']} restores)",
+        f"recovery overhead ratio {o['formula']} = {ratio}",
+    ]
+    return "\n".join(lines)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4g}"

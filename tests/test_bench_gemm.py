@@ -1,0 +1,86 @@
+"""The GEMM benchmark runs end to end on the CPU and writes a well-formed results file.
+
+Not a timed test: only the structure of the output and the positivity of the numbers are checked.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD_FIELDS = {"group", "case", "dtype", "shape", "protected_ms", "unprotected_ms", "ratio",
+                 "floor_ms", "peers"}
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _check_doc(doc: dict, groups: set[str]) -> None:
+    assert {"device", "date", "copy_TBps", "records"} <= doc.keys()
+    assert isinstance(doc["device"], str) and doc["device"]
+    assert isinstance(doc["date"], str) and doc["date"][:4].isdigit()
+    assert _positive(doc["copy_TBps"])
+    records = doc["records"]
+    assert {r["group"] for r in records} == groups
+    for r in records:
+        assert RECORD_FIELDS <= r.keys(), r
+        for key in ("protected_ms", "unprotected_ms", "ratio", "floor_ms"):
+            assert _positive(r[key]), (key, r)
+        assert r["ratio"] == pytest.approx(r["protected_ms"] / r["unprotected_ms"])
+        assert len(r["shape"]) == 4 and all(isinstance(s, int) and s > 0 for s in r["shape"])
+        assert isinstance(r["peers"], dict)
+        assert all(_positive(v) for v in r["peers"].values()), r["peers"]
+        assert r.get("flags", 0) == 0, f"false flags on clean data: {r}"
+
+
+def test_bench_gemm_cpu_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gemm.py"), "--quick", "--backend", "numpy",
+         "--json", str(out), "--repeats", "2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    _check_doc(doc, {"cpu-square", "cpu-batched", "cpu-dtype", "cpu-cold"})
+    assert "ratio" in proc.stdout and "cpu-square" in proc.stdout
+
+
+def test_bench_gemm_gpu_groups_dry_run_on_numpy(tmp_path: Path, monkeypatch) -> None:
+    """The GPU groups' code path (chained checksums included), run on NumPy with tiny shapes."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench import gemm
+    finally:
+        sys.path.remove(str(ROOT))
+    shapes = {"gemm-projection": [(1, 96, 64, 80)], "gemm-chained": [(1, 96, 64, 80)]}
+    monkeypatch.setattr(gemm, "cases", lambda group, quick: [
+        (s, d) for s in shapes[group] for d in gemm.GPU_DTYPES])
+    out = tmp_path / "dry.json"
+    assert gemm.main(["--quick", "--backend", "numpy", "--json", str(out), "--repeats", "1",
+                      "--warmup", "0", "--groups", "gemm-chained,gemm-projection"]) == 0
+    doc = json.loads(out.read_text())
+    _check_doc(doc, {"gemm-chained", "gemm-projection"})
+    assert {r["dtype"] for r in doc["records"]} == {"float16", "bfloat16", "float32"}
+
+
+def test_random_bfloat16_matches_ml_dtypes_rounding() -> None:
+    """The bit-level float32 -> bfloat16 rounding used on CuPy equals ml_dtypes' cast."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench import gemm
+    finally:
+        sys.path.remove(str(ROOT))
+    x = gemm.random_array(np, (64, 33), "float32", 0.37, seed=5)
+    y = gemm.random_array(np, (64, 33), "bfloat16", 0.37, seed=5)
+    assert y.dtype == gemm.dtype_of("bfloat16")
+    np.testing.assert_array_equal(y.view(np.uint16), x.astype(y.dtype).view(np.uint16))
+    assert np.count_nonzero(x) == x.size
