@@ -89,6 +89,72 @@ def _row_reduce(x: Any, coef: Any, out: Any) -> None:
                 _scan(row, o)
 
 
+@numba.njit(parallel=True, cache=True)
+def _both_reduce(x: Any, ccoef: Any, rcoef: Any, out_col: Any, out_row: Any, partial: Any) -> None:
+    """Column and row reductions in one read of ``x``.
+
+    ``ccoef``/``rcoef`` are ``(batch or 1, 3, L)`` (coefficient-major, so the inner loop reads
+    them contiguously). ``partial`` is ``(batch, blocks, 3, ncols)`` scratch: each row block sums
+    its columns there, and the blocks are added up at the end.
+    """
+    batch, ncols = out_col.shape[0], out_col.shape[1]
+    nrows = x.shape[1]
+    blocks = partial.shape[1]
+    rows_per = (nrows + blocks - 1) // blocks
+    for task in prange(batch * blocks):
+        b = task // blocks
+        i0 = (task % blocks) * rows_per
+        i1 = min(i0 + rows_per, nrows)
+        xb = b if x.shape[0] > 1 else 0
+        cc = ccoef[b if ccoef.shape[0] > 1 else 0]
+        rc = rcoef[b if rcoef.shape[0] > 1 else 0]
+        p0, p1, p2 = partial[b, task % blocks, 0], partial[b, task % blocks, 1], partial[b, task % blocks, 2]
+        p0[:] = 0.0
+        p1[:] = 0.0
+        p2[:] = 0.0
+        r0, r1, r2 = rc[0], rc[1], rc[2]
+        for i in range(i0, i1):
+            row = x[xb, i]
+            c0, c1, c2 = cc[0, i], cc[1, i], cc[2, i]
+            s0 = 0.0
+            s1 = 0.0
+            s2 = 0.0
+            for j in range(ncols):
+                v = np.float64(row[j])
+                a = abs(v)
+                s0 += r0[j] * v
+                s1 += r1[j] * v
+                s2 += r2[j] * a
+                p0[j] += c0 * v
+                p1[j] += c1 * v
+                p2[j] += c2 * a
+            o = out_row[b, i]
+            o[0], o[1], o[2], o[3], o[4] = s0, s1, s2, 0.0, -1.0
+            if not (np.isfinite(s0) and np.isfinite(s1) and np.isfinite(s2)):
+                _scan(row, o)
+    _combine_columns(x, partial, out_col)
+
+
+@numba.njit(cache=True)
+def _combine_columns(x: Any, partial: Any, out_col: Any) -> None:
+    """Add up the row blocks' column sums of :func:`_both_reduce`."""
+    batch, ncols = out_col.shape[0], out_col.shape[1]
+    for b in range(batch):
+        xb = min(b, x.shape[0] - 1)
+        for j in range(ncols):
+            t0 = 0.0
+            t1 = 0.0
+            t2 = 0.0
+            for k in range(partial.shape[1]):
+                t0 += partial[b, k, 0, j]
+                t1 += partial[b, k, 1, j]
+                t2 += partial[b, k, 2, j]
+            o = out_col[b, j]
+            o[0], o[1], o[2], o[3], o[4] = t0, t1, t2, 0.0, -1.0
+            if not (np.isfinite(t0) and np.isfinite(t1) and np.isfinite(t2)):
+                _scan(x[xb, :, j], o)
+
+
 @lru_cache(maxsize=64)
 def _default_coef(length: int) -> np.ndarray:
     """``[1, (l+1)/length, 1]`` per position: plain sum, location-weighted sum, absolute sum."""
@@ -96,6 +162,11 @@ def _default_coef(length: int) -> np.ndarray:
     coef[0, :, 1] = location_weights(length)
     coef.setflags(write=False)
     return coef
+
+
+def _coef_major(coef: np.ndarray | None, length: int) -> np.ndarray:
+    """Coefficients as a contiguous ``(batch or 1, 3, length)`` array."""
+    return np.ascontiguousarray((_default_coef(length) if coef is None else coef).transpose(0, 2, 1))
 
 
 def _kernel_view(x: np.ndarray) -> np.ndarray:
@@ -126,6 +197,14 @@ class CpuBackend:
 
     def row_reduce(self, x: np.ndarray, coef: np.ndarray | None, out: np.ndarray) -> None:
         _row_reduce(_kernel_view(x), _default_coef(x.shape[2]) if coef is None else coef, out)
+
+    def both_reduce(self, x: np.ndarray, col_coef: np.ndarray | None,
+                    row_coef: np.ndarray | None, out_col: np.ndarray, out_row: np.ndarray) -> None:
+        nrows, ncols = x.shape[1:]
+        blocks = max(1, min(numba.get_num_threads(), nrows // _ROW_BLOCK))
+        partial = np.empty((out_col.shape[0], blocks, 3, ncols))
+        _both_reduce(_kernel_view(x), _coef_major(col_coef, nrows), _coef_major(row_coef, ncols),
+                     out_col, out_row, partial)
 
 
 @lru_cache(maxsize=1)

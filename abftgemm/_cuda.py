@@ -251,6 +251,13 @@ class CupyBackend:
         """
         self._reduce(x, coef, out, along_rows=True)
 
+    def both_reduce(self, x: cupy.ndarray, col_coef: cupy.ndarray | None,
+                    row_coef: cupy.ndarray | None, out_col: cupy.ndarray,
+                    out_row: cupy.ndarray) -> None:
+        """Column and row reductions of ``x`` (two kernel launches, each reading ``x`` once)."""
+        self.col_reduce(x, col_coef, out_col)
+        self.row_reduce(x, row_coef, out_row)
+
     def _reduce(
         self, x: cupy.ndarray, coef: cupy.ndarray | None, out: cupy.ndarray, along_rows: bool
     ) -> None:

@@ -3,7 +3,7 @@
 CuPy is imported only when an input is already a CuPy array, so the package imports and runs on a
 machine without CUDA.
 
-Both backends implement the same four primitives over 3-D operands ``(batch, rows, cols)`` whose
+Both backends implement the same primitives over 3-D operands ``(batch, rows, cols)`` whose
 batch dimension is either the full batch or 1 (broadcast):
 
 ``gemm(a, b, out, bias)``
@@ -13,6 +13,8 @@ batch dimension is either the full batch or 1 (broadcast):
     numbers ``[sum(c0*v), sum(c1*v), sum(c2*|v|), count(!isfinite(v)), last non-finite index or -1]``.
     ``coef`` has shape ``(batch or 1, L, 3)`` float64, or is None for ``c0=1, c1=index+1, c2=1``.
     ``out`` has shape ``(batch, vectors, 5)`` float64.
+``both_reduce(x, col_coef, row_coef, out_col, out_row)``
+    ``col_reduce`` and ``row_reduce`` of the same ``x`` in one read of it.
 
 Everything else (thresholds, classification, correction) is written once, on top of these, with
 array-module-generic code in :mod:`abftgemm.gemm`.
@@ -35,6 +37,9 @@ class Backend(Protocol):
     def col_reduce(self, x: Any, coef: Any | None, out: Any) -> None: ...
 
     def row_reduce(self, x: Any, coef: Any | None, out: Any) -> None: ...
+
+    def both_reduce(self, x: Any, col_coef: Any | None, row_coef: Any | None, out_col: Any,
+                    out_row: Any) -> None: ...
 
 
 def is_cupy_array(x: object) -> bool:

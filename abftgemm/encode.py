@@ -14,15 +14,25 @@ def predict(be: Backend, op: Operands, a_checksums: Checksums | None,
             b_checksums: Checksums | None) -> tuple[Any, Any]:
     """Predicted column and row checksums of ``a @ b (+ bias)``, float64 ``(batch, n|m, 5)``.
 
-    Field 2 is ``S``, the predicted sum of ``|a||b|`` terms that scales the threshold.
+    Field 2 is ``S``, the predicted sum of ``|a||b|`` terms that scales the threshold. Passes:
+    ``b`` once for its row encoding (skipped when passed in), ``a`` once for both its column
+    encoding and the predicted row checksums, ``b`` again for the predicted column checksums.
     """
     xp = op.xp
-    a_cols = a_checksums.cols if a_checksums is not None and a_checksums.cols is not None \
-        else _reduce(be.col_reduce, op.a, None, op.a.shape[0], op.k)[..., :3]
-    b_rows = b_checksums.rows if b_checksums is not None and b_checksums.rows is not None \
-        else _reduce(be.row_reduce, op.b, None, op.b.shape[0], op.k)[..., :3]
+    b_rows = _passed(b_checksums, "rows")
+    if b_rows is None:
+        b_rows = _reduce(be.row_reduce, op.b, None, op.b.shape[0], op.k)[..., :3]
+    b_rows = xp.ascontiguousarray(b_rows)
+    a_cols = _passed(a_checksums, "cols")
+    if a_cols is None:
+        batch = max(op.a.shape[0], b_rows.shape[0])
+        enc_a = xp.empty((batch, op.k, 5), dtype=np.float64)
+        pred_row = xp.empty((batch, op.m, 5), dtype=np.float64)
+        be.both_reduce(op.a, None, b_rows, enc_a, pred_row)
+        a_cols = enc_a[..., :3]
+    else:
+        pred_row = _reduce(be.row_reduce, op.a, b_rows, op.batch, op.m)
     pred_col = _reduce(be.col_reduce, op.b, xp.ascontiguousarray(a_cols), op.batch, op.n)
-    pred_row = _reduce(be.row_reduce, op.a, xp.ascontiguousarray(b_rows), op.batch, op.m)
     if op.bias is not None:
         bias = op.bias.astype(np.float64)
         m, n = op.m, op.n
@@ -36,9 +46,17 @@ def predict(be: Backend, op: Operands, a_checksums: Checksums | None,
 
 
 def observe(be: Backend, out: Any) -> tuple[Any, Any]:
-    """Column and row checksums of the delivered product, float64 ``(batch, n|m, 5)``."""
+    """Column and row checksums of the delivered product (one read), float64 ``(batch, n|m, 5)``."""
+    xp = array_module(out)
     batch, m, n = out.shape
-    return (_reduce(be.col_reduce, out, None, batch, n), _reduce(be.row_reduce, out, None, batch, m))
+    obs_col = xp.empty((batch, n, 5), dtype=np.float64)
+    obs_row = xp.empty((batch, m, 5), dtype=np.float64)
+    be.both_reduce(out, None, None, obs_col, obs_row)
+    return obs_col, obs_row
+
+
+def _passed(checksums: Checksums | None, which: str) -> Any | None:
+    return None if checksums is None else getattr(checksums, which)
 
 
 def _reduce(fn: Callable, x: Any, coef: Any, batch: int, vectors: int) -> Any:

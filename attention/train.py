@@ -23,7 +23,11 @@ Recovery overhead of checkpointing against protection (ATTNChecker reports up to
 
     ratio = (T_checkpoint - T_fault_free) / (T_protected - T_fault_free)
 
-with every ``T`` the wall time of a whole run; the pieces are reported alongside.
+with every ``T`` the time of a whole run; the pieces are reported alongside.  On the NumPy backend
+times are process CPU seconds (``time.process_time``), which other load on a shared machine barely
+disturbs; on CuPy they are wall seconds (``time.perf_counter``; every step synchronizes when it
+reads the loss).  Checkpoint files are small and land in the page cache, so CPU time covers
+their cost; on a slow disk the wall time of saving would be larger.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from tqdm import tqdm
@@ -285,8 +289,9 @@ def _run_plain(trainer: _Trainer, name: str, check: str, schedule: dict[int, Sch
     """A run without checkpoints: fault-free, unprotected or protected."""
     cfg = trainer.config
     result = RunResult(name, check, [None] * cfg.steps)
-    start = time.perf_counter()
-    for step in tqdm(range(cfg.steps), desc=name, leave=False, disable=not progress):
+    clock = _clock(trainer.xp)
+    start = clock()
+    for step in tqdm(range(cfg.steps), desc=name, leave=False, disable=None if progress else True):
         try:
             loss, grads = trainer.grads(step, check, schedule.get(step), result)
         except UncorrectableError:
@@ -297,7 +302,7 @@ def _run_plain(trainer: _Trainer, name: str, check: str, schedule: dict[int, Sch
             result.non_trainable_at = step
             break
         trainer.opt.step(grads)
-    result.seconds = time.perf_counter() - start
+    result.seconds = clock() - start
     return result
 
 
@@ -309,40 +314,46 @@ def _run_checkpointed(trainer: _Trainer, schedule: dict[int, ScheduledFault], di
     path = directory / "checkpoint.npz"
     directory.mkdir(parents=True, exist_ok=True)
     fired: set[int] = set()
-    start = time.perf_counter()
+    clock = _clock(trainer.xp)
+    start = clock()
     saved_at, replay_until, step = 0, -1, 0
-    result.save_seconds += _timed(trainer.opt.save, path, trainer.xp)
-    bar = tqdm(total=cfg.steps, desc="checkpoint", leave=False, disable=not progress)
+    result.save_seconds += _timed(clock, trainer.opt.save, path, trainer.xp)
+    bar = tqdm(total=cfg.steps, desc="checkpoint", leave=False, disable=None if progress else True)
     while step < cfg.steps:
-        t0 = time.perf_counter()
+        t0 = clock()
         fault = schedule.get(step) if step not in fired else None
         fired.add(step)
         loss, grads = trainer.grads(step, "off", fault, result)
         if not trainer.finite(loss, grads):
             result.restores.append({"at": step, "from": saved_at})
-            result.load_seconds += _timed(trainer.opt.load, path, trainer.xp)
+            result.load_seconds += _timed(clock, trainer.opt.load, path, trainer.xp)
             replay_until, step = step, saved_at
             continue
         trainer.opt.step(grads)
         result.losses[step] = loss
         if step <= replay_until:
             result.replayed_steps += 1
-            result.replay_seconds += time.perf_counter() - t0
+            result.replay_seconds += clock() - t0
         else:
             bar.update()
         step += 1
         if step % cfg.checkpoint_every == 0:
-            result.save_seconds += _timed(trainer.opt.save, path, trainer.xp)
+            result.save_seconds += _timed(clock, trainer.opt.save, path, trainer.xp)
             saved_at = step
     bar.close()
-    result.seconds = time.perf_counter() - start
+    result.seconds = clock() - start
     return result
 
 
-def _timed(fn: Any, *args: Any) -> float:
-    t0 = time.perf_counter()
+def _clock(xp: Any) -> Callable[[], float]:
+    """CPU seconds of this process on NumPy, wall seconds on CuPy (see the module docstring)."""
+    return time.process_time if xp is np else time.perf_counter
+
+
+def _timed(clock: Callable[[], float], fn: Callable[..., None], *args: Any) -> float:
+    t0 = clock()
     fn(*args)
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def train(config: TrainConfig, xp: Any, out: Path, progress: bool = True) -> dict[str, Any]:
@@ -362,23 +373,16 @@ def train(config: TrainConfig, xp: Any, out: Path, progress: bool = True) -> dic
     -------
     dict
         ``config``, ``backend``, ``schedule``, ``runs`` (per run: :class:`RunResult` fields and
-        ``max_abs_loss_diff`` against the fault-free run) and ``overhead``.
+        ``max_abs_loss_diff`` against the fault-free run) and ``overhead``.  In the JSON file
+        non-finite losses are written as the strings ``"nan"``, ``"inf"``, ``"-inf"``.
     """
     text = synthetic_corpus(config.corpus_chars, config.seed)
     chars = sorted(set(text))
     data = np.array([chars.index(c) for c in text], dtype=np.int64)
     schedule = fault_schedule(config)
     _warm_up(config, data, len(chars), xp)
-    runs = {
-        "fault_free": _run_plain(_Trainer(config, data, len(chars), xp), "fault_free", "off", {},
-                                 False, progress),
-        "unprotected": _run_plain(_Trainer(config, data, len(chars), xp), "unprotected", "off",
-                                  schedule, True, progress),
-        "protected": _run_plain(_Trainer(config, data, len(chars), xp), "protected", "correct",
-                                schedule, False, progress),
-        "checkpoint": _run_checkpointed(_Trainer(config, data, len(chars), xp), schedule,
-                                        out / "checkpoints", progress),
-    }
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # faults overflow on purpose
+        runs = _all_runs(config, data, len(chars), xp, schedule, out, progress)
     reference = runs["fault_free"].losses
     summary = {
         "config": asdict(config),
@@ -390,8 +394,23 @@ def train(config: TrainConfig, xp: Any, out: Path, progress: bool = True) -> dic
         "overhead": overhead(runs),
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "train.json").write_text(json.dumps(summary, indent=2, default=_json_default))
+    (out / "train.json").write_text(json.dumps(_jsonable(summary), indent=2))
     return summary
+
+
+def _all_runs(config: TrainConfig, data: np.ndarray, vocab: int, xp: Any,
+              schedule: dict[int, ScheduledFault], out: Path, progress: bool
+              ) -> dict[str, RunResult]:
+    """The four runs of the module docstring, each on a fresh model from the same seed."""
+    def trainer() -> _Trainer:
+        return _Trainer(config, data, vocab, xp)
+
+    return {
+        "fault_free": _run_plain(trainer(), "fault_free", "off", {}, False, progress),
+        "unprotected": _run_plain(trainer(), "unprotected", "off", schedule, True, progress),
+        "protected": _run_plain(trainer(), "protected", "correct", schedule, False, progress),
+        "checkpoint": _run_checkpointed(trainer(), schedule, out / "checkpoints", progress),
+    }
 
 
 def _warm_up(config: TrainConfig, data: np.ndarray, vocab: int, xp: Any) -> None:
@@ -434,9 +453,15 @@ def _last(losses: list[float | None]) -> float | None:
     return done[-1] if done else None
 
 
-def _json_default(obj: Any) -> Any:
-    """NaN/INF as strings are not needed (json writes them); numpy scalars become Python."""
-    return obj.item() if hasattr(obj, "item") else str(obj)
+def _jsonable(obj: Any) -> Any:
+    """``obj`` with non-finite floats as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (strict JSON)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
 
 
 def format_table(summary: dict[str, Any]) -> str:

@@ -181,7 +181,7 @@ class Runner:
         if self.json_path is not None:
             timing.write_results(self.json_path, self.device, self.records, self.copy_TBps,
                                  backend="cupy" if self.gpu else "numpy", repeats=self.repeats,
-                                 warmup=self.warmup, notes=self.notes)
+                                 warmup=self.warmup, notes=self.notes, host=_host_info())
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -349,6 +349,17 @@ def _fresh_process(n: int, mode: str, env: dict[str, str] | None = None) -> dict
     out = subprocess.run([sys.executable, "-c", _COLD_SNIPPET, str(n), mode], env=full_env,
                          capture_output=True, text=True, check=True, timeout=600)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _host_info() -> dict[str, Any]:
+    """Thread settings and load average: CPU timings mean little on a loaded machine."""
+    info: dict[str, Any] = {k: os.environ.get(k) for k in
+                            ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS",
+                             "MKL_NUM_THREADS") if os.environ.get(k)}
+    info["cpus"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if hasattr(os, "getloadavg"):
+        info["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+    return info
 
 
 def _import_torch() -> Any:

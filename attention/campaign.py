@@ -1,0 +1,304 @@
+"""Fault-injection campaign: every fault kind and pattern at every site, protected and unprotected.
+
+For each site (the 16 GEMM sites of :data:`attention.SITES`, the two softmax invariant sites, and
+a standalone GEMM ``"gemm"`` through :func:`abftgemm.matmul`), each fault kind of :func:`fault_kinds`,
+each pattern of :data:`abftgemm.faults.PATTERNS`, and each protection mode (``check="correct"``:
+protected, ``check="off"``: unprotected), ``trials`` seeded trials run one forward and one backward
+pass of a :class:`attention.MultiHeadAttention` (or one product) with a single
+:class:`abftgemm.faults.Fault` at that site.  Every trial is compared with the fault-free,
+unprotected run of the same layer on the same inputs: output ``y``, ``dx`` and every gradient
+(for ``"gemm"``: the product).  ``clean_trials`` runs without a fault measure false positives.
+
+Outcome of a trial (each trial counts in exactly one of ``detected``, ``silent``, ``masked``)::
+
+    detected       protection flagged something (an event, or UncorrectableError)
+    silent         nothing flagged, yet some result differs from the fault-free run
+    masked         nothing flagged and every result matches the fault-free run
+
+and, overlapping those: ``corrected`` (trials with elements rebuilt from checksums),
+``recomputed`` (trials with a recomputation), ``uncorrectable`` (UncorrectableError raised),
+``miscorrected`` (flagged and delivered, but a result still differs), ``nonfinite_output`` (``y``,
+``dx`` or a gradient holds INF/NaN), ``detected_at_site`` (flagged at the faulted site itself).
+With ``check="off"`` detection is 0 by definition; ``silent`` counts the damage.
+
+"Differs": ``|r - r_ref| > rtol * |r_ref| + atol_scale * max|r_ref|`` for any element of any
+result ``r`` (NaN differs from everything), with ``(rtol, atol_scale)`` from :data:`TOLERANCES`
+by dtype -- for float32 ``(1e-4, 1e-4)``: a corrected element is rebuilt as checksum minus the sum
+of the others, which carries a rounding error of a few ``eps * sum|row|``; anything a thousand
+times the float32 rounding unit relative to the largest value is damage, not rounding.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+import abftgemm
+from abftgemm import Report, UncorrectableError
+from abftgemm.faults import PATTERNS, Fault, bit_layout, chain
+from attention import INVARIANT_SITES, SITES, MultiHeadAttention
+
+GEMM_SITE = "gemm"
+#: Sites of a campaign by default: the layer's GEMM and invariant sites, then a standalone GEMM.
+DEFAULT_SITES: tuple[str, ...] = SITES + tuple(INVARIANT_SITES) + (GEMM_SITE,)
+#: ``dtype name -> (rtol, atol_scale)`` of the "differs" test (see the module docstring).
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "float64": (1e-9, 1e-9), "float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2),
+    "bfloat16": (5e-2, 5e-2),
+}
+COUNTS: tuple[str, ...] = (
+    "injected", "detected", "detected_at_site", "corrected", "corrected_elements", "recomputed",
+    "uncorrectable", "silent", "masked", "miscorrected", "nonfinite_output", "false_positives",
+)
+
+
+def fault_kinds(dtype: Any, additive: float = 1.0) -> dict[str, dict[str, Any]]:
+    """Campaign fault kinds: label -> :class:`abftgemm.faults.Fault` keyword arguments.
+
+    ``"bitflip-exp"`` flips the top exponent bit (huge values, INF/NaN, or for values >= 2 a tiny
+    one); ``"bitflip-mant"`` flips the top mantissa bit (a relative change of up to 50%).
+    """
+    mantissa, exponent = bit_layout(np.dtype(dtype))
+    return {
+        "inf": {"kind": "inf"}, "-inf": {"kind": "-inf"}, "nan": {"kind": "nan"},
+        "near-inf": {"kind": "near-inf"},
+        "bitflip-exp": {"kind": "bitflip", "bit": mantissa + exponent - 1},
+        "bitflip-mant": {"kind": "bitflip", "bit": mantissa - 1},
+        "additive": {"kind": "additive", "magnitude": additive},
+    }
+
+
+@dataclass(frozen=True)
+class CampaignConfig:
+    """What a campaign runs.
+
+    Attributes
+    ----------
+    trials : int
+        Seeded trials per (site, kind, pattern, mode).
+    clean_trials : int
+        Fault-free trials per mode (false positives).
+    batch, seq, d_model, n_heads : int
+        Attention layer and input sizes.
+    gemm : tuple of int
+        ``(m, k, n)`` of the standalone product.
+    dtype : str
+    additive : float
+        Magnitude of the ``"additive"`` kind.
+    sites, kinds, patterns : tuple of str
+        Subsets to run (defaults: everything).
+    seed : int
+    """
+
+    trials: int = 2
+    clean_trials: int = 10
+    batch: int = 2
+    seq: int = 16
+    d_model: int = 32
+    n_heads: int = 4
+    gemm: tuple[int, int, int] = (32, 32, 32)
+    dtype: str = "float32"
+    additive: float = 1.0
+    sites: tuple[str, ...] = DEFAULT_SITES
+    kinds: tuple[str, ...] = ("inf", "-inf", "nan", "near-inf", "bitflip-exp", "bitflip-mant",
+                              "additive")
+    patterns: tuple[str, ...] = PATTERNS
+    seed: int = 0
+
+
+@dataclass
+class Record:
+    """Counts of one (site, kind, pattern, protected) cell; see the module docstring."""
+
+    site: str
+    kind: str
+    pattern: str
+    protected: bool
+    fault: dict[str, Any]
+    trials: int = 0
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
+
+    def as_dict(self) -> dict[str, Any]:
+        """Flat JSON-ready dict: the identifying fields, ``trials``, then every count."""
+        out = asdict(self)
+        return {**{k: v for k, v in out.items() if k != "counts"}, **self.counts}
+
+
+@dataclass
+class _Trial:
+    """The outcome of one run."""
+
+    report: Report
+    uncorrectable: bool
+    results: dict[str, Any] | None
+    injected: bool
+
+
+class _Bench:
+    """A layer, its inputs and fault-free references for one trial seed."""
+
+    def __init__(self, config: CampaignConfig, xp: Any, trial: int):
+        c = config
+        self.config, self.xp = c, xp
+        self.layer = MultiHeadAttention(c.d_model, c.n_heads, dtype=c.dtype, xp=xp, seed=c.seed)
+        rng = np.random.default_rng([c.seed, 5, trial])
+        dtype = self.layer.dtype
+        shape = (c.batch, c.seq, c.d_model)
+        m, k, n = c.gemm
+        self.x, self.dy, self.a, self.b = (xp.asarray(rng.standard_normal(s).astype(dtype))
+                                           for s in (shape, shape, (m, k), (k, n)))
+        self.reference = {site: self.run(site, "off", None).results
+                          for site in ("layer", GEMM_SITE)}
+
+    def run(self, site: str, check: str, hook: Callable | None) -> _Trial:
+        """One forward+backward (or one product for ``site == "gemm"``) with ``hook``."""
+        report = Report()
+        try:
+            if site == GEMM_SITE:
+                c, r = abftgemm.matmul(self.a, self.b, check=check, fault_hook=hook,
+                                       name=GEMM_SITE, return_report=True)
+                report.extend(r)
+                results = {"c": c}
+            else:
+                self.layer.check = check
+                y, cache = self.layer.forward(self.x, fault_hook=hook)
+                report.extend(self.layer.last_report)
+                dx, grads = self.layer.backward(self.dy, cache, fault_hook=hook)
+                report.extend(self.layer.last_report)
+                results = {"y": y, "dx": dx, **grads}
+        except UncorrectableError as exc:
+            report.extend(exc.report)
+            return _Trial(report, True, None, bool(getattr(hook, "injected", False)))
+        return _Trial(report, False, results, bool(getattr(hook, "injected", False)))
+
+    def differs(self, site: str, results: dict[str, Any]) -> bool:
+        """Whether any result differs from the fault-free one beyond :data:`TOLERANCES`."""
+        ref = self.reference[GEMM_SITE if site == GEMM_SITE else "layer"]
+        rtol, scale = TOLERANCES[np.dtype(self.layer.dtype).name]
+        xp = self.xp
+        for key, r in results.items():
+            expected = ref[key].astype(np.float64)
+            atol = scale * float(xp.abs(expected).max())
+            ok = xp.abs(r.astype(np.float64) - expected) <= rtol * xp.abs(expected) + atol
+            if not bool(ok.all()):
+                return True
+        return False
+
+
+def _nonfinite(results: dict[str, Any] | None, xp: Any) -> bool:
+    return results is not None and not all(bool(xp.isfinite(r).all()) for r in results.values())
+
+
+def _tally(record: Record, bench: _Bench, trial: _Trial) -> None:
+    """Add one trial's outcome to ``record``."""
+    n = record.counts
+    report = trial.report
+    detected = report.detected or trial.uncorrectable
+    differs = trial.results is not None and bench.differs(record.site, trial.results)
+    record.trials += 1
+    n["injected"] += trial.injected
+    n["detected"] += detected
+    n["detected_at_site"] += record.site in report.sites
+    n["corrected"] += report.corrected > 0
+    n["corrected_elements"] += report.corrected
+    n["recomputed"] += report.recomputed > 0
+    n["uncorrectable"] += trial.uncorrectable
+    n["silent"] += differs and not detected
+    n["masked"] += not differs and not detected
+    n["miscorrected"] += differs and detected
+    n["nonfinite_output"] += _nonfinite(trial.results, bench.xp)
+    n["false_positives"] += detected and record.kind == "none"
+
+
+def _fault_seed(seed: int, *parts: Any) -> int:
+    """A stable per-cell fault seed (the same for the protected and unprotected run)."""
+    return zlib.crc32("/".join(map(str, (seed, *parts))).encode())
+
+
+def _cells(config: CampaignConfig) -> Iterator[tuple[str, str, str]]:
+    for site in config.sites:
+        for kind in config.kinds:
+            for pattern in config.patterns:
+                yield site, kind, pattern
+
+
+MODES: tuple[tuple[str, bool], ...] = (("correct", True), ("off", False))
+
+
+def run_campaign(config: CampaignConfig, xp: Any, progress: bool = True) -> list[dict[str, Any]]:
+    """Run the campaign of the module docstring.
+
+    Parameters
+    ----------
+    config : CampaignConfig
+    xp : module
+        numpy or cupy.
+    progress : bool
+        Show a progress bar.
+
+    Returns
+    -------
+    list of dict
+        One record per (site, kind, pattern, protected), plus per site and mode a clean record
+        (``kind == pattern == "none"``): ``site``, ``kind``, ``pattern``, ``protected``, ``fault``
+        (the :class:`Fault` arguments), ``trials`` and the counts of :data:`COUNTS`.
+    """
+    kinds = fault_kinds(config.dtype, config.additive)
+    unknown = set(config.kinds) - set(kinds)
+    if unknown:
+        raise ValueError(f"unknown fault kinds {sorted(unknown)}; choose from {sorted(kinds)}")
+    records: dict[tuple[str, str, str, bool], Record] = {}
+    for site in config.sites:
+        for check, protected in MODES:
+            records[site, "none", "none", protected] = Record(site, "none", "none", protected, {})
+    for site, kind, pattern in _cells(config):
+        for check, protected in MODES:
+            records[site, kind, pattern, protected] = Record(site, kind, pattern, protected,
+                                                             dict(kinds[kind]))
+    total = config.trials * len(records) + config.clean_trials * 2 * 2
+    bar = tqdm(total=total, desc="campaign", leave=False, disable=None if progress else True)
+    for t in range(max(config.trials, config.clean_trials)):
+        bench = _Bench(config, xp, t)
+        if t < config.clean_trials:
+            _clean_trials(config, bench, records)
+            bar.update(4)
+        if t >= config.trials:
+            continue
+        for site, kind, pattern in _cells(config):
+            for check, protected in MODES:
+                fault = Fault(pattern=pattern, seed=_fault_seed(config.seed, site, kind, pattern, t),
+                              sites=site, **kinds[kind])
+                _tally(records[site, kind, pattern, protected], bench, bench.run(site, check, fault))
+                bar.update()
+    bar.close()
+    return [r.as_dict() for r in records.values()]
+
+
+def _clean_trials(config: CampaignConfig, bench: _Bench, records: dict) -> None:
+    """One fault-free layer run and one product per mode; a flag at a site is a false positive."""
+    for check, protected in MODES:
+        for target in ("layer", GEMM_SITE):
+            trial = bench.run(target, check, None)
+            sites = [GEMM_SITE] if target == GEMM_SITE else [s for s in config.sites
+                                                             if s != GEMM_SITE]
+            for site in sites:
+                record = records[site, "none", "none", protected]
+                flagged = site in trial.report.sites or (trial.uncorrectable and site == sites[0])
+                _tally_clean(record, bench, trial, flagged)
+
+
+def _tally_clean(record: Record, bench: _Bench, trial: _Trial, flagged: bool) -> None:
+    n = record.counts
+    differs = trial.results is not None and bench.differs(record.site, trial.results)
+    record.trials += 1
+    n["detected"] += flagged
+    n["detected_at_site"] += flagged
+    n["false_positives"] += flagged
+    n["uncorrectable"] += trial.uncorrectable
+    n["silent"] += differs and not flagged
+    n["masked"] += not differs and not flagged
+    n["miscorrected"] += differs and flagged
+    n["nonfinite_output"] += _nonfinite(trial.results, bench.xp)
