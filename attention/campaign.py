@@ -226,6 +226,8 @@ def _cells(config: CampaignConfig) -> Iterator[tuple[str, str, str]]:
 
 
 MODES: tuple[tuple[str, bool], ...] = (("correct", True), ("off", False))
+#: Site names of the clean records: a whole layer run (every layer site) and one product.
+CLEAN_TARGETS: tuple[str, ...] = ("layer", GEMM_SITE)
 
 
 def run_campaign(config: CampaignConfig, xp: Any, progress: bool = True) -> list[dict[str, Any]]:
@@ -242,63 +244,34 @@ def run_campaign(config: CampaignConfig, xp: Any, progress: bool = True) -> list
     Returns
     -------
     list of dict
-        One record per (site, kind, pattern, protected), plus per site and mode a clean record
-        (``kind == pattern == "none"``): ``site``, ``kind``, ``pattern``, ``protected``, ``fault``
-        (the :class:`Fault` arguments), ``trials`` and the counts of :data:`COUNTS`.
+        One record per (site, kind, pattern, protected) with ``site``, ``kind``, ``pattern``,
+        ``protected``, ``fault`` (the :class:`Fault` arguments), ``trials`` and the counts of
+        :data:`COUNTS`; then the clean records (``kind == pattern == "none"``, site ``"layer"``
+        for a whole forward+backward or ``"gemm"``), whose ``false_positives`` count clean trials
+        flagged anywhere.
     """
     kinds = fault_kinds(config.dtype, config.additive)
     unknown = set(config.kinds) - set(kinds)
     if unknown:
         raise ValueError(f"unknown fault kinds {sorted(unknown)}; choose from {sorted(kinds)}")
-    records: dict[tuple[str, str, str, bool], Record] = {}
-    for site in config.sites:
-        for check, protected in MODES:
-            records[site, "none", "none", protected] = Record(site, "none", "none", protected, {})
-    for site, kind, pattern in _cells(config):
-        for check, protected in MODES:
-            records[site, kind, pattern, protected] = Record(site, kind, pattern, protected,
-                                                             dict(kinds[kind]))
-    total = config.trials * len(records) + config.clean_trials * 2 * 2
+    faulty = {(site, kind, pattern, protected): Record(site, kind, pattern, protected,
+                                                       dict(kinds[kind]))
+              for site, kind, pattern in _cells(config) for _, protected in MODES}
+    clean = {(target, protected): Record(target, "none", "none", protected, {})
+             for target in CLEAN_TARGETS for _, protected in MODES}
+    total = config.trials * len(faulty) + config.clean_trials * len(clean)
     bar = tqdm(total=total, desc="campaign", leave=False, disable=None if progress else True)
     for t in range(max(config.trials, config.clean_trials)):
         bench = _Bench(config, xp, t)
-        if t < config.clean_trials:
-            _clean_trials(config, bench, records)
-            bar.update(4)
-        if t >= config.trials:
-            continue
-        for site, kind, pattern in _cells(config):
+        for check, protected in MODES if t < config.clean_trials else ():
+            for target in CLEAN_TARGETS:
+                _tally(clean[target, protected], bench, bench.run(target, check, None))
+                bar.update()
+        for site, kind, pattern in _cells(config) if t < config.trials else ():
             for check, protected in MODES:
                 fault = Fault(pattern=pattern, seed=_fault_seed(config.seed, site, kind, pattern, t),
                               sites=site, **kinds[kind])
-                _tally(records[site, kind, pattern, protected], bench, bench.run(site, check, fault))
+                _tally(faulty[site, kind, pattern, protected], bench, bench.run(site, check, fault))
                 bar.update()
     bar.close()
-    return [r.as_dict() for r in records.values()]
-
-
-def _clean_trials(config: CampaignConfig, bench: _Bench, records: dict) -> None:
-    """One fault-free layer run and one product per mode; a flag at a site is a false positive."""
-    for check, protected in MODES:
-        for target in ("layer", GEMM_SITE):
-            trial = bench.run(target, check, None)
-            sites = [GEMM_SITE] if target == GEMM_SITE else [s for s in config.sites
-                                                             if s != GEMM_SITE]
-            for site in sites:
-                record = records[site, "none", "none", protected]
-                flagged = site in trial.report.sites or (trial.uncorrectable and site == sites[0])
-                _tally_clean(record, bench, trial, flagged)
-
-
-def _tally_clean(record: Record, bench: _Bench, trial: _Trial, flagged: bool) -> None:
-    n = record.counts
-    differs = trial.results is not None and bench.differs(record.site, trial.results)
-    record.trials += 1
-    n["detected"] += flagged
-    n["detected_at_site"] += flagged
-    n["false_positives"] += flagged
-    n["uncorrectable"] += trial.uncorrectable
-    n["silent"] += differs and not flagged
-    n["masked"] += not differs and not flagged
-    n["miscorrected"] += differs and flagged
-    n["nonfinite_output"] += _nonfinite(trial.results, bench.xp)
+    return [r.as_dict() for r in (*faulty.values(), *clean.values())]

@@ -1,0 +1,117 @@
+"""Sanity of scripts/bitflip_table.py on a tiny problem (runs in a few seconds)."""
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from abftgemm.checksums import SUPPORTED_DTYPES
+from abftgemm.faults import bit_layout
+
+_SPEC = importlib.util.spec_from_file_location(
+    "bitflip_table", Path(__file__).resolve().parents[1] / "scripts" / "bitflip_table.py")
+bt = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bt)
+
+SIZE = (24, 32, 16)
+TRIALS = 3
+
+
+@pytest.fixture(scope="module", params=[d.name for d in SUPPORTED_DTYPES])
+def table(request):
+    dtype = np.dtype(next(d for d in SUPPORTED_DTYPES if d.name == request.param))
+    return dtype, bt.measure_dtype(np, dtype, SIZE, 1.0, TRIALS, seed=3)
+
+
+def test_every_bit_measured(table):
+    dtype, rows = table
+    assert [r.bit for r in rows] == list(range(8 * dtype.itemsize - 1, -1, -1))
+    assert rows[0].name == "sign"
+    assert all(r.trials == TRIALS for r in rows)
+
+
+def test_huge_exponent_flips_detected_and_corrected(table):
+    """Every flip that gives INF/NaN or a change > 1000x the element is detected and repaired."""
+    dtype, rows = table
+    mant, _ = bit_layout(dtype)
+    checked = 0
+    for r in rows:
+        if r.name.startswith("exponent"):
+            for old, new, det, cor in zip(r.olds, r.news, r.ours_detect, r.ours_correct):
+                if not math.isfinite(new) or abs(new - old) > 1000 * abs(old):
+                    checked += 1
+                    assert det and cor, (r.name, old, new)
+    # the top exponent bit of an O(1) value always gives INF/NaN or a huge value
+    assert checked >= TRIALS
+
+
+def test_sign_flip_of_large_element_detected(table):
+    dtype, rows = table
+    sign = rows[0]
+    prob = bt.make_problem(np, dtype, SIZE, 1.0, seed=3)
+    tau = float(np.max(prob.tol))
+    for old, det in zip(sign.olds, sign.ours_detect):
+        # the change is 2|old|; well above any column threshold at this size
+        if abs(old) > 50 * tau * SIZE[0]:
+            assert det
+
+
+def test_sign_flip_of_large_value_always_detected():
+    """A sign flip of an element set well above the threshold is caught in every dtype."""
+    for dtype in SUPPORTED_DTYPES:
+        prob = bt.make_problem(np, dtype, SIZE, 1.0, seed=5)
+        prob.a[3, :] = prob.a[3, :] * 0 + np.asarray(0.5, dtype)  # row 3 of C becomes large
+        prob.clean = bt.abftgemm.matmul(prob.a, prob.b, check="off")
+        a64, b64 = prob.a.astype(np.float64), prob.b.astype(np.float64)
+        prob.exact = a64 @ b64
+        prob.tol = bt.element_tolerance(np.abs(a64) @ np.abs(b64), SIZE[1], dtype)
+        stats = bt.BitStats(dtype.name, 8 * dtype.itemsize - 1, "sign")
+        fault_seed = 0
+        j = int(np.argmax(np.abs(prob.exact[3])))
+        fault = bt.Fault("bitflip", "element", seed=fault_seed, row=3, col=j,
+                         bit=8 * dtype.itemsize - 1)
+        c, report = bt.abftgemm.matmul(prob.a, prob.b, check="detect", fault_hook=fault,
+                                       return_report=True)
+        assert abs(fault.injected[0].old[0]) > 1.0
+        assert report.detected, dtype
+
+
+def test_attn_rate_matches_definition(table):
+    _, rows = table
+    for r in rows:
+        expected = [(not math.isfinite(n)) or abs(n - o) > 1 for o, n in zip(r.olds, r.news)]
+        assert r.attn_detect == expected
+        assert r.rate("attn_detect") == pytest.approx(100 * sum(expected) / len(expected))
+    assert bt.attn_detects(0.5, 1.6) and not bt.attn_detects(0.5, 1.4)
+    assert bt.attn_detects(0.5, math.inf) and bt.attn_detects(0.5, math.nan)
+
+
+def test_relevant_and_changes_consistent(table):
+    _, rows = table
+    for r in rows:
+        for o, n, ch, rel in zip(r.olds, r.news, r.changes, r.relevant):
+            assert ch == (abs(n - o) if math.isfinite(n) else math.inf)
+            if not math.isfinite(n):
+                assert rel
+        # detection implies the flip changed the value by more than rounding could
+        for det, rel in zip(r.ours_detect, r.relevant):
+            assert rel or not det
+
+
+def test_markdown_output(tmp_path):
+    out = tmp_path / "d.md"
+    out.write_text("# Title\n\nintro\n\n" + bt.BEGIN + "\nold\n" + bt.END + "\n\nanalysis\n")
+    args = bt.parse_args(["--trials", "1", "--size", "8", "8", "8", "--large-scale", "100",
+                          "--large-trials", "1", "--clean-matrices", "1", "--out", str(out)])
+    text = bt.build_report(args, log=lambda *a, **k: None)
+    bt.write_out(out, text)
+    written = out.read_text()
+    assert written.startswith("# Title\n\nintro\n\n") and written.endswith("\n\nanalysis\n")
+    assert "old\n" not in written
+    assert "--trials 1" in written and "| bit | name |" in written
+    for d in SUPPORTED_DTYPES:
+        assert f"### {d.name}" in written
+    assert "Large magnitude" in written
