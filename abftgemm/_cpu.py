@@ -15,6 +15,10 @@ from numba import prange
 
 from abftgemm.checksums import location_weights
 
+#: Let LLVM reorder and fuse the float64 sums so they vectorize. Not ``fastmath=True``: that also
+#: assumes no NaN/INF and would break the non-finite checks. Reordering is covered by the float64
+#: checksum term of the threshold, which bounds any summation order.
+_FAST = {"reassoc", "contract"}
 _COL_BLOCK = 256  # columns per task: long enough to vectorize, short enough to balance threads
 _ROW_BLOCK = 64
 
@@ -32,7 +36,6 @@ def _scan(v: Any, out: Any) -> None:
     out[4] = last
 
 
-@numba.njit(parallel=True, cache=True)
 def _col_reduce(x: Any, coef: Any, out: Any) -> None:
     batch, ncols = out.shape[0], out.shape[1]
     nrows = x.shape[1]
@@ -47,7 +50,7 @@ def _col_reduce(x: Any, coef: Any, out: Any) -> None:
         s1 = np.zeros(j1 - j0)
         s2 = np.zeros(j1 - j0)
         for i in range(nrows):
-            c0, c1, c2 = coef[cb, i, 0], coef[cb, i, 1], coef[cb, i, 2]
+            c0, c1, c2 = coef[cb, 0, i], coef[cb, 1, i], coef[cb, 2, i]
             row = x[xb, i, j0:j1]
             for j in range(j1 - j0):
                 v = np.float64(row[j])
@@ -61,7 +64,6 @@ def _col_reduce(x: Any, coef: Any, out: Any) -> None:
                 _scan(x[xb, :, j0 + j], o)
 
 
-@numba.njit(parallel=True, cache=True)
 def _row_reduce(x: Any, coef: Any, out: Any) -> None:
     batch, nrows = out.shape[0], out.shape[1]
     ncols = x.shape[2]
@@ -72,7 +74,7 @@ def _row_reduce(x: Any, coef: Any, out: Any) -> None:
         i1 = min(i0 + _ROW_BLOCK, nrows)
         xb = b if x.shape[0] > 1 else 0
         cb = b if coef.shape[0] > 1 else 0
-        c = coef[cb]
+        c0, c1, c2 = coef[cb, 0], coef[cb, 1], coef[cb, 2]
         for i in range(i0, i1):
             row = x[xb, i]
             s0 = 0.0
@@ -80,16 +82,15 @@ def _row_reduce(x: Any, coef: Any, out: Any) -> None:
             s2 = 0.0
             for j in range(ncols):
                 v = np.float64(row[j])
-                s0 += c[j, 0] * v
-                s1 += c[j, 1] * v
-                s2 += c[j, 2] * abs(v)
+                s0 += c0[j] * v
+                s1 += c1[j] * v
+                s2 += c2[j] * abs(v)
             o = out[b, i]
             o[0], o[1], o[2], o[3], o[4] = s0, s1, s2, 0.0, -1.0
             if not (np.isfinite(s0) and np.isfinite(s1) and np.isfinite(s2)):
                 _scan(row, o)
 
 
-@numba.njit(parallel=True, cache=True)
 def _both_reduce(x: Any, ccoef: Any, rcoef: Any, out_col: Any, out_row: Any, partial: Any) -> None:
     """Column and row reductions in one read of ``x``.
 
@@ -155,18 +156,44 @@ def _combine_columns(x: Any, partial: Any, out_col: Any) -> None:
                 _scan(x[xb, :, j], o)
 
 
+class _Kernel:
+    """One kernel compiled twice: threaded for large inputs, serial for small ones.
+
+    Small reductions finish before threads can be woken, and on a busy machine a parallel region
+    can stall for milliseconds waiting for a core; below ``PARALLEL_MIN_ELEMENTS`` the serial
+    build (``prange`` runs as ``range``) is used.
+    """
+
+    def __init__(self, fn: Any):
+        self.parallel = numba.njit(parallel=True, cache=True, fastmath=_FAST)(fn)
+        self.serial = numba.njit(cache=True, fastmath=_FAST)(fn)
+
+    def __call__(self, x: np.ndarray, *args: Any) -> None:
+        run = self.parallel if x.size >= PARALLEL_MIN_ELEMENTS else self.serial
+        run(x, *args)
+
+
+PARALLEL_MIN_ELEMENTS = 1 << 20
+_col_reduce_kernel = _Kernel(_col_reduce)
+_row_reduce_kernel = _Kernel(_row_reduce)
+_both_reduce_kernel = _Kernel(_both_reduce)
+
+
 @lru_cache(maxsize=64)
 def _default_coef(length: int) -> np.ndarray:
-    """``[1, (l+1)/length, 1]`` per position: plain sum, location-weighted sum, absolute sum."""
-    coef = np.ones((1, length, 3))
-    coef[0, :, 1] = location_weights(length)
+    """``(1, 3, length)``: weights of the plain sum, the location-weighted sum, the absolute sum."""
+    coef = np.ones((1, 3, length))
+    coef[0, 1] = location_weights(length)
     coef.setflags(write=False)
     return coef
 
 
 def _coef_major(coef: np.ndarray | None, length: int) -> np.ndarray:
-    """Coefficients as a contiguous ``(batch or 1, 3, length)`` array."""
-    return np.ascontiguousarray((_default_coef(length) if coef is None else coef).transpose(0, 2, 1))
+    """Coefficients ``(batch or 1, length, 3)`` as a contiguous ``(batch or 1, 3, length)`` array,
+    so the kernels' inner loops read each weight vector contiguously."""
+    if coef is None:
+        return _default_coef(length)
+    return np.ascontiguousarray(coef.transpose(0, 2, 1))
 
 
 def _kernel_view(x: np.ndarray) -> np.ndarray:
@@ -193,17 +220,18 @@ class CpuBackend:
         out[...] = acc
 
     def col_reduce(self, x: np.ndarray, coef: np.ndarray | None, out: np.ndarray) -> None:
-        _col_reduce(_kernel_view(x), _default_coef(x.shape[1]) if coef is None else coef, out)
+        _col_reduce_kernel(_kernel_view(x), _coef_major(coef, x.shape[1]), out)
 
     def row_reduce(self, x: np.ndarray, coef: np.ndarray | None, out: np.ndarray) -> None:
-        _row_reduce(_kernel_view(x), _default_coef(x.shape[2]) if coef is None else coef, out)
+        _row_reduce_kernel(_kernel_view(x), _coef_major(coef, x.shape[2]), out)
 
     def both_reduce(self, x: np.ndarray, col_coef: np.ndarray | None,
                     row_coef: np.ndarray | None, out_col: np.ndarray, out_row: np.ndarray) -> None:
         nrows, ncols = x.shape[1:]
-        blocks = max(1, min(numba.get_num_threads(), nrows // _ROW_BLOCK))
+        threads = numba.get_num_threads() if x.size >= PARALLEL_MIN_ELEMENTS else 1
+        blocks = max(1, min(threads, nrows // _ROW_BLOCK))
         partial = np.empty((out_col.shape[0], blocks, 3, ncols))
-        _both_reduce(_kernel_view(x), _coef_major(col_coef, nrows), _coef_major(row_coef, ncols),
+        _both_reduce_kernel(_kernel_view(x), _coef_major(col_coef, nrows), _coef_major(row_coef, ncols),
                      out_col, out_row, partial)
 
 

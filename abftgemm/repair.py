@@ -38,7 +38,8 @@ def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, 
         return
     diagnosis = diagnose(fresh, 0)
     if diagnosis.cells:
-        _rebuild(one.xp, view[0], diagnosis, pred)
+        with np.errstate(invalid="ignore", over="ignore"):  # the bad elements may be INF/NaN
+            _rebuild(one.xp, view[0], diagnosis, pred)
         if _reverify(be, one, view, pred).clean:
             report.events.append(diagnosis.event(site, b, "corrected"))
             return

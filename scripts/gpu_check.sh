@@ -24,15 +24,15 @@ step() {
     fi
 }
 
-step smoke 90 cuda_smoke.log $PY scripts/cuda_smoke.py
-step calibrate 60 calibrate.log $PY scripts/calibrate_thresholds.py --backend cupy
-ABFT_REQUIRE_GPU=1 step pytest 240 pytest.log $PY -m pytest -q --maxfail=25 -p no:cacheprovider tests
+step smoke 60 cuda_smoke.log $PY scripts/cuda_smoke.py
+step calibrate 40 calibrate.log $PY scripts/calibrate_thresholds.py --backend cupy
+ABFT_REQUIRE_GPU=1 step pytest 180 pytest.log $PY -m pytest -q --maxfail=25 -p no:cacheprovider tests
 if [ -f bench/gemm.py ]; then
-    step bench_gemm 45 bench_gemm.log \
+    step bench_gemm 120 bench_gemm.log \
         $PY bench/gemm.py --backend cupy --json "$OUT/bench_gemm.json"
 fi
 if [ -f bench/attention.py ]; then
-    step bench_attention 45 bench_attention.log \
+    step bench_attention 120 bench_attention.log \
         $PY bench/attention.py --backend cupy --json "$OUT/bench_attention.json"
 fi
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || failed+=("nvidia-smi")
