@@ -31,10 +31,10 @@ class Side:
     length: int      # elements per vector
 
 
-def _side(pred: Any, obs: Any, k: int, length: int, dtype: np.dtype) -> Side:
+def _side(pred: Any, obs: Any, k: int, length: int, dtype: np.dtype, bias: bool) -> Side:
     xp_abs = abs  # works on NumPy and CuPy arrays alike
     diff = pred[..., :2] - obs[..., :2]
-    tau = threshold(pred[..., 2], obs[..., 2], k, length, dtype)
+    tau = threshold(pred[..., 2], obs[..., 2], k, length, dtype, bias)
     verifiable = (pred[..., :3] == pred[..., :3]).all(-1) & (xp_abs(pred[..., :3]) < np.inf).all(-1)
     # A non-finite element, or finite ones whose sums overflow, make the observed |C| sum and so
     # tau infinite: with finite predictions that is a fault on its own.
@@ -78,8 +78,9 @@ class Verdict:
 
 def verify(op: Operands, pred_col: Any, pred_row: Any, obs_col: Any, obs_row: Any) -> Verdict:
     """Compare predicted and observed checksums of every vector; one host transfer of counts."""
-    cols = _side(pred_col, obs_col, op.k, op.m, op.dtype)
-    rows = _side(pred_row, obs_row, op.k, op.n, op.dtype)
+    bias = op.bias is not None
+    cols = _side(pred_col, obs_col, op.k, op.m, op.dtype, bias)
+    rows = _side(pred_row, obs_row, op.k, op.n, op.dtype, bias)
     xp = op.xp
     counts = _host(xp.stack([cols.bad.sum() + rows.bad.sum(),
                              (~cols.verifiable).sum() + (~rows.verifiable).sum()]))

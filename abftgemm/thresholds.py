@@ -39,7 +39,8 @@ _U64 = 2.0 ** -53
 _MARGIN = 1.01
 
 
-def threshold(pred_abs: Any, obs_abs: Any, k: int, length: int, dtype: np.dtype) -> Any:
+def threshold(pred_abs: Any, obs_abs: Any, k: int, length: int, dtype: np.dtype,
+              bias: bool = False) -> Any:
     """Per-vector detection threshold for the plain checksum difference ``d1``.
 
     Parameters
@@ -54,6 +55,10 @@ def threshold(pred_abs: Any, obs_abs: Any, k: int, length: int, dtype: np.dtype)
         Number of elements in the vector.
     dtype : numpy dtype
         Output dtype.
+    bias : bool
+        The product had a bias added. cuBLAS may round ``A @ B`` to the output dtype before
+        adding the bias (seen with bfloat16 on an H200: |d|/tau = 1.24 without this term), so a
+        second output rounding of up to ``u_out * sum |A||B|`` is allowed for.
 
     Returns
     -------
@@ -64,6 +69,8 @@ def threshold(pred_abs: Any, obs_abs: Any, k: int, length: int, dtype: np.dtype)
     checksum = _U64 * (length + k)
     growth = KAPPA * u_acc * math.sqrt(max(k, 1)) + checksum
     floor = smallest_normal(dtype) * (length + k)
+    if bias:
+        growth = growth + u_out
     return (_MARGIN * u_out + checksum) * obs_abs + growth * pred_abs + floor
 
 

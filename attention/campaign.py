@@ -1,11 +1,11 @@
 """Fault-injection campaign: every fault kind and pattern at every site, protected and unprotected.
 
 For each site (the 16 GEMM sites of :data:`attention.SITES`, the two softmax invariant sites, and
-a standalone GEMM ``"gemm"`` through :func:`abftgemm.matmul`), each fault kind of :func:`fault_kinds`,
-each pattern of :data:`abftgemm.faults.PATTERNS`, and each protection mode (``check="correct"``:
-protected, ``check="off"``: unprotected), ``trials`` seeded trials run one forward and one backward
-pass of a :class:`attention.MultiHeadAttention` (or one product) with a single
-:class:`abftgemm.faults.Fault` at that site.  Every trial is compared with the fault-free,
+a standalone GEMM ``"gemm"`` through :func:`abftgemm.matmul`), each fault kind of
+:func:`fault_kinds`, each pattern of :data:`abftgemm.faults.PATTERNS`, and each protection mode
+(``check="correct"``: protected, ``check="off"``: unprotected), ``trials`` seeded trials run one
+forward and one backward pass of a :class:`attention.MultiHeadAttention` (or one product) with a
+single :class:`abftgemm.faults.Fault` at that site.  Every trial is compared with the fault-free,
 unprotected run of the same layer on the same inputs: output ``y``, ``dx`` and every gradient
 (for ``"gemm"``: the product).  ``clean_trials`` runs without a fault measure false positives.
 
@@ -144,7 +144,7 @@ class _Trial:
     injected: bool
 
 
-class _Bench:
+class _Testbed:
     """A layer, its inputs and fault-free references for one trial seed."""
 
     def __init__(self, config: CampaignConfig, xp: Any, trial: int):
@@ -224,7 +224,7 @@ def _nonfinite(results: dict[str, Any] | None, xp: Any) -> bool:
     return results is not None and not all(bool(xp.isfinite(r).all()) for r in results.values())
 
 
-def _tally(record: Record, bench: _Bench, trial: _Trial) -> None:
+def _tally(record: Record, bench: _Testbed, trial: _Trial) -> None:
     """Add one trial's outcome to ``record``."""
     n = record.counts
     report = trial.report
@@ -303,15 +303,15 @@ def _trials(config: CampaignConfig, xp: Any, kinds: dict[str, dict[str, Any]],
             faulty: dict[tuple, Record], clean: dict[tuple, Record], bar: tqdm) -> None:
     """Run every trial, tallying into ``faulty`` and ``clean``."""
     for t in range(max(config.trials, config.clean_trials)):
-        bench = _Bench(config, xp, t)
+        bench = _Testbed(config, xp, t)
         for check, protected in MODES if t < config.clean_trials else ():
             for target in CLEAN_TARGETS:
                 _tally(clean[target, protected], bench, bench.run(target, check, None))
                 bar.update()
         for site, kind, pattern in _cells(config) if t < config.trials else ():
             for check, protected in MODES:
-                fault = Fault(pattern=pattern, seed=_fault_seed(config.seed, site, kind, pattern, t),
-                              sites=site, **kinds[kind])
+                seed = _fault_seed(config.seed, site, kind, pattern, t)
+                fault = Fault(pattern=pattern, seed=seed, sites=site, **kinds[kind])
                 _tally(faulty[site, kind, pattern, protected], bench, bench.run(site, check, fault))
                 bar.update()
 
@@ -339,7 +339,7 @@ def propagation(config: CampaignConfig, xp: Any) -> dict[str, dict[str, np.ndarr
         head 0 for AS, AP, CL (``(seq, seq)``, ``(seq, seq)``, ``(seq, head_dim)``), batch 0 for O
         (``(seq, d_model)``).
     """
-    bench = _Bench(config, xp, 0)
+    bench = _Testbed(config, xp, 0)
     clean = _capture(bench, None)
     out = {}
     with np.errstate(all="ignore"):
@@ -351,7 +351,7 @@ def propagation(config: CampaignConfig, xp: Any) -> dict[str, dict[str, np.ndarr
     return out
 
 
-def _capture(bench: _Bench, fault: Fault | None) -> dict[str, np.ndarray]:
+def _capture(bench: _Testbed, fault: Fault | None) -> dict[str, np.ndarray]:
     """Forward pass (check="off") recording batch 0 of every stage after ``fault`` acted."""
     seen: dict[str, np.ndarray] = {}
 

@@ -23,6 +23,7 @@ import numpy as np
 
 import abftgemm
 from abftgemm import Report
+from abftgemm.backend import array_module
 from attention import MultiHeadAttention
 
 FaultHook = Callable[[str, Any], None]
@@ -221,7 +222,7 @@ class Block:
         host = {
             "ln1.g": np.ones(d), "ln1.b": np.zeros(d), "ln2.g": np.ones(d), "ln2.b": np.zeros(d),
             "mlp_up.w": rng.standard_normal((d, f)) / math.sqrt(d), "mlp_up.b": np.zeros(f),
-            "mlp_down.w": rng.standard_normal((f, d)) / math.sqrt(f) / math.sqrt(2 * config.n_layers),
+            "mlp_down.w": rng.standard_normal((f, d)) / math.sqrt(2 * f * config.n_layers),
             "mlp_down.b": np.zeros(d),
         }
         self.params = {k: xp.asarray(v.astype(dtype)) for k, v in host.items()}
@@ -235,10 +236,8 @@ class Block:
         p = self.params
         h1, ln1 = layer_norm_forward(x, p["ln1.g"], p["ln1.b"])
         self.attn.check = gemm.check
-        try:
-            a, attn = self.attn.forward(h1, fault_hook=gemm.fault_hook)
-        finally:
-            gemm.report.extend(self.attn.last_report)
+        a, attn = self.attn.forward(h1, fault_hook=gemm.fault_hook)
+        gemm.report.extend(self.attn.last_report)
         x1 = x + a
         h2, ln2 = layer_norm_forward(x1, p["ln2.g"], p["ln2.b"])
         up = linear_forward(h2, p["mlp_up.w"], p["mlp_up.b"], "mlp_up", gemm)
@@ -259,10 +258,8 @@ class Block:
         d_x1_ln, grads["ln2.g"], grads["ln2.b"] = layer_norm_backward(d_h2, cache["ln2"])
         d_x1 = dy + d_x1_ln
         self.attn.check = gemm.check
-        try:
-            d_h1, attn_grads = self.attn.backward(d_x1, cache["attn"], fault_hook=gemm.fault_hook)
-        finally:
-            gemm.report.extend(self.attn.last_report)
+        d_h1, attn_grads = self.attn.backward(d_x1, cache["attn"], fault_hook=gemm.fault_hook)
+        gemm.report.extend(self.attn.last_report)
         grads.update({f"attn.{k}": v for k, v in attn_grads.items()})
         d_x_ln, grads["ln1.g"], grads["ln1.b"] = layer_norm_backward(d_h1, cache["ln1"])
         return d_x1 + d_x_ln, grads
@@ -279,6 +276,11 @@ class GPT:
     seed : int
         Seed of every parameter initialization.
 
+    Raises
+    ------
+    ValueError
+        If ``config.n_layers < 1``.
+
     Notes
     -----
     :meth:`parameters` returns the live arrays: updating them in place (an optimizer, a checkpoint
@@ -286,10 +288,11 @@ class GPT:
     """
 
     def __init__(self, config: GPTConfig, xp: Any = np, seed: int = 0):
+        if config.n_layers < 1:
+            raise ValueError(f"n_layers must be at least 1, got {config.n_layers}")
         self.config, self.xp = config, xp
         self.blocks = [Block(config, xp, seed=seed + 1 + i) for i in range(config.n_layers)]
-        dtype = self.blocks[0].attn.dtype if self.blocks else np.dtype(config.dtype)
-        self.dtype = dtype
+        self.dtype = dtype = self.blocks[0].attn.dtype
         rng = np.random.default_rng([seed, 0])
         d, v = config.d_model, config.vocab
         host = {
@@ -377,4 +380,4 @@ def _embedding_grad(tokens: Any, dx: Any, vocab: int) -> Any:
 
 def _xp(a: Any) -> Any:
     """The array module of ``a``."""
-    return abftgemm.backend.array_module(a)
+    return array_module(a)

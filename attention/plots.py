@@ -61,22 +61,24 @@ def propagation_grid(prop: dict[str, dict[str, np.ndarray]], path: Path) -> None
     """
     sites = list(prop)
     stages = list(prop[sites[0]])
+    cmap = plt.get_cmap("magma").with_extremes(bad="white")
     fig, axes = plt.subplots(len(sites), len(stages), figsize=(2.6 * len(stages),
                                                                2.2 * len(sites)),
                              constrained_layout=True, squeeze=False)
     for i, site in enumerate(sites):
         for j, stage in enumerate(stages):
             ax = axes[i, j]
+            diff = prop[site][stage]
             with np.errstate(divide="ignore"):
-                image = ax.imshow(np.log10(prop[site][stage]), vmin=-8, vmax=1, cmap="magma",
-                                  aspect="auto")
+                image = ax.imshow(np.log10(np.where(diff > 0, diff, np.nan)), vmin=-8, vmax=1,
+                                  cmap=cmap, aspect="auto")
             ax.set_xticks([])
             ax.set_yticks([])
             if i == 0:
                 ax.set_title(stage)
             if j == 0:
                 ax.set_ylabel(f"fault in {site}")
-    fig.colorbar(image, ax=axes, shrink=0.5, label="log10 |faulty - clean| (black: unchanged)")
+    fig.colorbar(image, ax=axes, shrink=0.5, label="log10 |faulty - clean| (white: unchanged)")
     fig.suptitle("One unprotected element fault, batch 0 / head 0 (rows: queries)")
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -23,11 +23,9 @@ Recovery overhead of checkpointing against protection (ATTNChecker reports up to
 
     ratio = (T_checkpoint - T_fault_free) / (T_protected - T_fault_free)
 
-with every ``T`` the time of a whole run; the pieces are reported alongside.  On the NumPy backend
-times are process CPU seconds (``time.process_time``), which other load on a shared machine barely
-disturbs; on CuPy they are wall seconds (``time.perf_counter``; every step synchronizes when it
-reads the loss).  Checkpoint files are small and land in the page cache, so CPU time covers
-their cost; on a slow disk the wall time of saving would be larger.
+with every ``T`` the wall time (``time.perf_counter``) of a whole run, JIT warm-up excluded; the
+pieces are reported alongside.  Every step synchronizes with the device when it reads the loss.
+Other load on the machine adds noise to these times.
 """
 from __future__ import annotations
 
@@ -271,7 +269,8 @@ class _Trainer:
         hook = fault.hook() if fault else None
         tokens, targets = self.batch(step)
         loss, grads, report = self.model.loss_and_grads(
-            tokens, targets, check=check, fault_hook=hook, fault_layer=fault.layer if fault else None)
+            tokens, targets, check=check, fault_hook=hook,
+            fault_layer=fault.layer if fault else None)
         result.faults_injected += bool(hook and hook.injected)
         result.detected += report.detected
         result.corrected += report.corrected
@@ -289,8 +288,7 @@ def _run_plain(trainer: _Trainer, name: str, check: str, schedule: dict[int, Sch
     """A run without checkpoints: fault-free, unprotected or protected."""
     cfg = trainer.config
     result = RunResult(name, check, [None] * cfg.steps)
-    clock = _clock(trainer.xp)
-    start = clock()
+    start = time.perf_counter()
     for step in tqdm(range(cfg.steps), desc=name, leave=False, disable=None if progress else True):
         try:
             loss, grads = trainer.grads(step, check, schedule.get(step), result)
@@ -302,7 +300,7 @@ def _run_plain(trainer: _Trainer, name: str, check: str, schedule: dict[int, Sch
             result.non_trainable_at = step
             break
         trainer.opt.step(grads)
-    result.seconds = clock() - start
+    result.seconds = time.perf_counter() - start
     return result
 
 
@@ -314,46 +312,40 @@ def _run_checkpointed(trainer: _Trainer, schedule: dict[int, ScheduledFault], di
     path = directory / "checkpoint.npz"
     directory.mkdir(parents=True, exist_ok=True)
     fired: set[int] = set()
-    clock = _clock(trainer.xp)
-    start = clock()
+    start = time.perf_counter()
     saved_at, replay_until, step = 0, -1, 0
-    result.save_seconds += _timed(clock, trainer.opt.save, path, trainer.xp)
+    result.save_seconds += _timed(trainer.opt.save, path, trainer.xp)
     bar = tqdm(total=cfg.steps, desc="checkpoint", leave=False, disable=None if progress else True)
     while step < cfg.steps:
-        t0 = clock()
+        t0 = time.perf_counter()
         fault = schedule.get(step) if step not in fired else None
         fired.add(step)
         loss, grads = trainer.grads(step, "off", fault, result)
         if not trainer.finite(loss, grads):
             result.restores.append({"at": step, "from": saved_at})
-            result.load_seconds += _timed(clock, trainer.opt.load, path, trainer.xp)
+            result.load_seconds += _timed(trainer.opt.load, path, trainer.xp)
             replay_until, step = step, saved_at
             continue
         trainer.opt.step(grads)
         result.losses[step] = loss
         if step <= replay_until:
             result.replayed_steps += 1
-            result.replay_seconds += clock() - t0
+            result.replay_seconds += time.perf_counter() - t0
         else:
             bar.update()
         step += 1
         if step % cfg.checkpoint_every == 0:
-            result.save_seconds += _timed(clock, trainer.opt.save, path, trainer.xp)
+            result.save_seconds += _timed(trainer.opt.save, path, trainer.xp)
             saved_at = step
     bar.close()
-    result.seconds = clock() - start
+    result.seconds = time.perf_counter() - start
     return result
 
 
-def _clock(xp: Any) -> Callable[[], float]:
-    """CPU seconds of this process on NumPy, wall seconds on CuPy (see the module docstring)."""
-    return time.process_time if xp is np else time.perf_counter
-
-
-def _timed(clock: Callable[[], float], fn: Callable[..., None], *args: Any) -> float:
-    t0 = clock()
+def _timed(fn: Callable[..., None], *args: Any) -> float:
+    t0 = time.perf_counter()
     fn(*args)
-    return clock() - t0
+    return time.perf_counter() - t0
 
 
 def train(config: TrainConfig, xp: Any, out: Path, progress: bool = True) -> dict[str, Any]:
@@ -381,7 +373,7 @@ def train(config: TrainConfig, xp: Any, out: Path, progress: bool = True) -> dic
     data = np.array([chars.index(c) for c in text], dtype=np.int64)
     schedule = fault_schedule(config)
     _warm_up(config, data, len(chars), xp)
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # faults overflow on purpose
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # faults overflow
         runs = _all_runs(config, data, len(chars), xp, schedule, out, progress)
     reference = runs["fault_free"].losses
     summary = {
@@ -454,7 +446,7 @@ def _last(losses: list[float | None]) -> float | None:
 
 
 def _jsonable(obj: Any) -> Any:
-    """``obj`` with non-finite floats as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (strict JSON)."""
+    """``obj`` with non-finite floats as the strings "nan", "inf", "-inf" (strict JSON)."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return str(obj)
     if isinstance(obj, dict):

@@ -25,7 +25,7 @@ def host(x):
 
 
 def close(got, want, rel):
-    got, want = host(got).astype(np.float64), np.asarray(want, dtype=np.float64)
+    got, want = host(got).astype(np.float64), host(want).astype(np.float64)
     scale = max(float(np.abs(want).max()), 1.0) if want.size else 1.0  # O(1) data; grad of bk is 0
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=0, atol=rel * scale)

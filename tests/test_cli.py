@@ -1,0 +1,122 @@
+"""The ``abft`` command line on tiny runs: exit status, output files, numbers that add up."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attention import cli
+from attention.campaign import COUNTS
+from attention.cli import main
+from conftest import GPU
+
+EXTREME = ("inf", "nan", "bitflip-exp")
+TINY_LAYER = ["--seq", "8", "--d-model", "16", "--heads", "2"]
+
+
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("campaign")
+    status = main(["campaign", "--backend", "numpy", "--out", str(out), "--no-progress",
+                   "--trials", "2", "--clean-trials", "3", *TINY_LAYER, "--gemm", "8", "12", "8",
+                   "--sites", "q_proj", "scores", "softmax", "d_k", "gemm",
+                   "--kinds", *EXTREME, "additive", "--patterns", "element", "row", "tile"])
+    assert status == 0
+    return out, json.loads((out / "campaign.json").read_text())
+
+
+def test_campaign_writes_its_files(campaign: tuple[Path, list[dict]]) -> None:
+    out, _ = campaign
+    for name in ("campaign.json", "campaign.md", "coverage.png", "propagation.png"):
+        assert (out / name).stat().st_size > 0
+    assert "| fault in | AS | AP | CL | O |" in (out / "campaign.md").read_text()
+
+
+def test_campaign_records(campaign: tuple[Path, list[dict]]) -> None:
+    _, records = campaign
+    fields = {"site", "kind", "pattern", "protected", "trials", "detected", "corrected",
+              "recomputed", "uncorrectable", "silent", "false_positives", "nonfinite_output"}
+    cells = {(r["site"], r["kind"], r["pattern"], r["protected"]) for r in records}
+    assert len(cells) == len(records) == 5 * 4 * 3 * 2 + 2 * 2
+    for r in records:
+        assert fields | set(COUNTS) <= set(r)
+        assert r["detected"] + r["silent"] + r["masked"] == r["trials"]
+        assert r["trials"] == (3 if r["kind"] == "none" else 2)
+        if not r["protected"]:
+            assert r["detected"] == r["corrected"] == r["recomputed"] == 0
+
+
+def test_campaign_protected_numbers(campaign: tuple[Path, list[dict]]) -> None:
+    _, records = campaign
+    by_cell = {(r["site"], r["kind"], r["pattern"], r["protected"]): r for r in records}
+    for r in records:
+        if r["kind"] == "none":
+            assert r["false_positives"] == 0
+            continue
+        unprotected = by_cell[r["site"], r["kind"], r["pattern"], False]
+        if r["protected"] and unprotected["silent"] == unprotected["trials"]:
+            # the fault changes the results: protection must flag every trial
+            assert r["detected"] + r["silent"] == r["trials"]
+            assert r["silent"] == 0 and r["miscorrected"] == 0
+        if not r["protected"] and r["kind"] in ("inf", "nan"):
+            assert r["silent"] == r["trials"] and r["nonfinite_output"] == r["trials"]
+
+
+def test_train(tmp_path: Path) -> None:
+    status = main(["train", "--backend", "numpy", "--out", str(tmp_path), "--no-progress",
+                   "--steps", "16", "--fault-rate", "0.5", "--checkpoint-every", "4", "--batch",
+                   "4", "--layers", "1", "--d-ff", "16", *TINY_LAYER])
+    assert status == 0
+    summary = json.loads((tmp_path / "train.json").read_text())
+    assert set(summary["runs"]) == {"fault_free", "unprotected", "protected", "checkpoint"}
+    for run in summary["runs"].values():
+        assert {"losses", "seconds", "faults_injected", "detected", "corrected", "recomputed",
+                "non_trainable_at", "restores", "replayed_steps", "max_abs_loss_diff",
+                "final_loss"} <= set(run)
+    protected = summary["runs"]["protected"]
+    assert len(protected["losses"]) == 16
+    assert all(isinstance(v, float) and math.isfinite(v) for v in protected["losses"])
+    assert protected["faults_injected"] == len(summary["schedule"]) > 0
+    assert protected["detected"] == protected["faults_injected"]
+    assert protected["max_abs_loss_diff"] < 1e-4
+    assert {"ratio", "t_fault_free", "t_protected", "t_checkpoint", "save_seconds",
+            "load_seconds", "replay_seconds", "replayed_steps"} <= set(summary["overhead"])
+    for name in ("train.md", "loss.png"):
+        assert (tmp_path / name).stat().st_size > 0
+
+
+def test_bench_runs_scripts_with_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "gemm.py").write_text(
+        "import json, sys\n"
+        "args = sys.argv[1:]\n"
+        "open(args[args.index('--json') + 1], 'w').write(json.dumps(args))\n")
+    monkeypatch.setattr(cli, "BENCH_DIR", bench)
+    out = tmp_path / "out"
+    assert main(["bench", "--backend", "numpy", "--out", str(out), "--quick"]) == 0
+    args = json.loads((out / "gemm.json").read_text())
+    assert args[:2] == ["--backend", "numpy"] and "--quick" in args
+    assert not (out / "attention.json").exists()
+
+
+def test_bench_without_scripts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "BENCH_DIR", tmp_path / "missing")
+    assert main(["bench", "--backend", "numpy", "--out", str(tmp_path)]) == 1
+
+
+@pytest.mark.skipif(GPU is not None, reason="a GPU is usable")
+def test_cupy_without_gpu_is_an_error(tmp_path: Path) -> None:
+    assert main(["train", "--backend", "cupy", "--out", str(tmp_path)]) == 2
+
+
+def test_module_entry_point() -> None:
+    done = subprocess.run([sys.executable, "-m", "attention", "--help"], capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parents[1], check=False)
+    assert done.returncode == 0
+    for command in ("campaign", "train", "bench", "demo"):
+        assert command in done.stdout
