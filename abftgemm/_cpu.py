@@ -207,6 +207,20 @@ class CpuBackend:
     name = "numpy"
     xp = np
 
+    def flag(self, pred: np.ndarray, obs: np.ndarray, coefficients: tuple[float, float, float],
+             counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        c_obs, c_pred, floor = coefficients
+        tau = c_obs * obs[..., 2] + c_pred * pred[..., 2] + floor
+        verifiable = np.isfinite(pred[..., :3]).all(-1)
+        diff = pred[..., :2] - obs[..., :2]
+        # A non-finite element, or finite ones whose sums overflow, make the observed |C| sum and
+        # so tau infinite: with finite predictions that is a fault on its own.
+        within = ((np.abs(diff[..., 0]) <= tau) & (np.abs(diff[..., 1]) <= tau)
+                  & np.isfinite(obs[..., 2]) & (obs[..., 3] == 0))
+        bad = verifiable & ~within
+        counts += (bad.sum(), (~verifiable).sum())
+        return tau, bad, verifiable
+
     def gemm(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, bias: np.ndarray | None) -> None:
         if a.dtype in (np.float32, np.float64):
             np.matmul(a, b, out=out)

@@ -258,6 +258,29 @@ class CupyBackend:
         self.col_reduce(x, col_coef, out_col)
         self.row_reduce(x, row_coef, out_row)
 
+    def flag(self, pred: cupy.ndarray, obs: cupy.ndarray,
+             coefficients: tuple[float, float, float],
+             counts: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
+        """Threshold, flags and counts of every vector in one launch (see reduce.cu abft_flag).
+
+        ``counts`` is a 2-element int64 array (bad, unverifiable) the kernel adds to.
+        """
+        if pred.shape != obs.shape or pred.shape[-1] != 5:
+            raise ValueError(f"pred {pred.shape} and obs {obs.shape} must match, (..., 5)")
+        pred, obs = cupy.ascontiguousarray(pred), cupy.ascontiguousarray(obs)
+        shape = pred.shape[:-1]
+        tau = cupy.empty(shape, dtype=numpy.float64)
+        bad = cupy.empty(shape, dtype=bool)
+        verifiable = cupy.empty(shape, dtype=bool)
+        n = tau.size
+        if n:
+            c_obs, c_pred, floor = (numpy.float64(c) for c in coefficients)
+            kernel = self._kernel(kernels.FLAG)
+            kernel((min(_cdiv(n, 256), 4096),), (256,),
+                   (pred, obs, c_obs, c_pred, floor, numpy.int64(n), tau, bad, verifiable,
+                    counts))
+        return tau, bad, verifiable
+
     def _reduce(
         self, x: cupy.ndarray, coef: cupy.ndarray | None, out: cupy.ndarray, along_rows: bool
     ) -> None:

@@ -15,6 +15,11 @@ batch dimension is either the full batch or 1 (broadcast):
     ``out`` has shape ``(batch, vectors, 5)`` float64.
 ``both_reduce(x, col_coef, row_coef, out_col, out_row)``
     ``col_reduce`` and ``row_reduce`` of the same ``x`` in one read of it.
+``flag(pred, obs, (c_obs, c_pred, floor), counts) -> (tau, bad, verifiable)``
+    Per vector of predicted/observed checksums ``(batch, vectors, 5)``: the threshold
+    ``c_obs * obs[2] + c_pred * pred[2] + floor``, whether the prediction is finite (verifiable),
+    and whether a verifiable vector disagrees (either checksum difference above the threshold, or
+    non-finite observed sums); adds the numbers of bad and unverifiable vectors to ``counts``.
 
 Everything else (thresholds, classification, correction) is written once, on top of these, with
 array-module-generic code in :mod:`abftgemm.gemm`.
@@ -40,6 +45,9 @@ class Backend(Protocol):
 
     def both_reduce(self, x: Any, col_coef: Any | None, row_coef: Any | None, out_col: Any,
                     out_row: Any) -> None: ...
+
+    def flag(self, pred: Any, obs: Any, coefficients: tuple[float, float, float],
+             counts: Any) -> tuple[Any, Any, Any]: ...
 
 
 def is_cupy_array(x: object) -> bool:

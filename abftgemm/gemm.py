@@ -92,7 +92,7 @@ def _protect(be: Backend, op: Operands, out: Any, check: str, name: str, report:
     """Verify ``out`` (and repair it when ``check == "correct"``); return its encodings."""
     pred_col, pred_row = predict(be, op, a_checksums, b_checksums)
     obs_col, obs_row = observe(be, out)
-    verdict = verify(op, pred_col, pred_row, obs_col, obs_row)
+    verdict = verify(be, op, pred_col, pred_row, obs_col, obs_row)
     report.events.extend(verdict.input_events(name))
     for b in ([] if verdict.clean else verdict.flagged_batches()):
         if check == "detect":

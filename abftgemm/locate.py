@@ -11,9 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from abftgemm.backend import Backend
 from abftgemm.operands import Operands
 from abftgemm.report import Event
-from abftgemm.thresholds import threshold
+from abftgemm.thresholds import threshold_coefficients
 
 #: A weighted-checksum ratio must land this close to an integer to count as a location.
 LOCATION_SLACK = 0.25
@@ -21,26 +22,31 @@ LOCATION_SLACK = 0.25
 
 @dataclass
 class Side:
-    """Verification of one direction (columns or rows) on the device, shape ``(batch, vectors)``."""
+    """Verification of one direction (columns or rows), shape ``(batch, vectors)``, on the device."""
 
-    diff: Any        # (batch, vectors, 2) predicted - observed [plain, weighted]
+    pred: Any        # (batch, vectors, 5) predicted checksums
+    obs: Any         # (batch, vectors, 5) observed checksums
     tau: Any         # (batch, vectors) threshold for the plain difference
     bad: Any         # (batch, vectors) bool: flagged
     verifiable: Any  # (batch, vectors) bool: prediction finite (inputs finite)
-    nonfinite: Any   # (batch, vectors, 2) observed [count, last index] of non-finite elements
     length: int      # elements per vector
 
+    @property
+    def diff(self) -> Any:
+        """(batch, vectors, 2) predicted - observed [plain, weighted]."""
+        return self.pred[..., :2] - self.obs[..., :2]
 
-def _side(pred: Any, obs: Any, k: int, length: int, dtype: np.dtype, bias: bool) -> Side:
-    xp_abs = abs  # works on NumPy and CuPy arrays alike
-    diff = pred[..., :2] - obs[..., :2]
-    tau = threshold(pred[..., 2], obs[..., 2], k, length, dtype, bias)
-    verifiable = (pred[..., :3] == pred[..., :3]).all(-1) & (xp_abs(pred[..., :3]) < np.inf).all(-1)
-    # A non-finite element, or finite ones whose sums overflow, make the observed |C| sum and so
-    # tau infinite: with finite predictions that is a fault on its own.
-    within = ((xp_abs(diff[..., 0]) <= tau) & (xp_abs(diff[..., 1]) <= tau)
-              & (xp_abs(obs[..., 2]) < np.inf) & (obs[..., 3] == 0))
-    return Side(diff, tau, verifiable & ~within, verifiable, obs[..., 3:5], length)
+    @property
+    def nonfinite(self) -> Any:
+        """(batch, vectors, 2) observed [count, last index] of non-finite elements."""
+        return self.obs[..., 3:5]
+
+
+def _side(be: Backend, pred: Any, obs: Any, k: int, length: int, dtype: np.dtype, bias: bool,
+          counts: Any) -> Side:
+    coefficients = threshold_coefficients(k, length, dtype, bias)
+    tau, bad, verifiable = be.flag(pred, obs, coefficients, counts)
+    return Side(pred, obs, tau, bad, verifiable, length)
 
 
 @dataclass
@@ -76,15 +82,15 @@ class Verdict:
         return events
 
 
-def verify(op: Operands, pred_col: Any, pred_row: Any, obs_col: Any, obs_row: Any) -> Verdict:
+def verify(be: Backend, op: Operands, pred_col: Any, pred_row: Any, obs_col: Any,
+           obs_row: Any) -> Verdict:
     """Compare predicted and observed checksums of every vector; one host transfer of counts."""
     bias = op.bias is not None
-    cols = _side(pred_col, obs_col, op.k, op.m, op.dtype, bias)
-    rows = _side(pred_row, obs_row, op.k, op.n, op.dtype, bias)
-    xp = op.xp
-    counts = _host(xp.stack([cols.bad.sum() + rows.bad.sum(),
-                             (~cols.verifiable).sum() + (~rows.verifiable).sum()]))
-    return Verdict(cols, rows, int(counts[0]), int(counts[1]))
+    counts = op.xp.zeros(2, dtype=np.int64)
+    cols = _side(be, pred_col, obs_col, op.k, op.m, op.dtype, bias, counts)
+    rows = _side(be, pred_row, obs_row, op.k, op.n, op.dtype, bias, counts)
+    n_bad, n_unverifiable = (int(c) for c in _host(counts))
+    return Verdict(cols, rows, n_bad, n_unverifiable)
 
 
 @dataclass

@@ -65,7 +65,7 @@ def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, 
 
 def _reverify(be: Backend, one: Operands, view: Any, pred: tuple[Any, Any]) -> Verdict:
     obs_col, obs_row = observe(be, view)
-    return verify(one, pred[0], pred[1], obs_col, obs_row)
+    return verify(be, one, pred[0], pred[1], obs_col, obs_row)
 
 
 def _rebuild(xp: Any, c: Any, diagnosis: Diagnosis, pred: tuple[Any, Any]) -> None:

@@ -39,6 +39,22 @@ _U64 = 2.0 ** -53
 _MARGIN = 1.01
 
 
+def threshold_coefficients(k: int, length: int, dtype: np.dtype,
+                           bias: bool = False) -> tuple[float, float, float]:
+    """``(c_obs, c_pred, floor)`` with ``threshold = c_obs * obs_abs + c_pred * pred_abs + floor``.
+
+    The backends evaluate this linear form on the device (see :func:`threshold` for the terms).
+    """
+    u_out = unit_roundoff(dtype)
+    u_acc = unit_roundoff(accumulation_dtype(dtype))
+    checksum = _U64 * (length + k)
+    c_pred = KAPPA * u_acc * math.sqrt(max(k, 1)) + checksum
+    if bias:
+        c_pred += u_out
+    floor = smallest_normal(dtype) * (length + k)
+    return _MARGIN * u_out + checksum, c_pred, floor
+
+
 def threshold(pred_abs: Any, obs_abs: Any, k: int, length: int, dtype: np.dtype,
               bias: bool = False) -> Any:
     """Per-vector detection threshold for the plain checksum difference ``d1``.
@@ -64,14 +80,8 @@ def threshold(pred_abs: Any, obs_abs: Any, k: int, length: int, dtype: np.dtype,
     -------
     array, float64, same shape as ``pred_abs``.
     """
-    u_out = unit_roundoff(dtype)
-    u_acc = unit_roundoff(accumulation_dtype(dtype))
-    checksum = _U64 * (length + k)
-    growth = KAPPA * u_acc * math.sqrt(max(k, 1)) + checksum
-    floor = smallest_normal(dtype) * (length + k)
-    if bias:
-        growth = growth + u_out
-    return (_MARGIN * u_out + checksum) * obs_abs + growth * pred_abs + floor
+    c_obs, c_pred, floor = threshold_coefficients(k, length, dtype, bias)
+    return c_obs * obs_abs + c_pred * pred_abs + floor
 
 
 def element_tolerance(pred_abs: Any, k: int, dtype: np.dtype) -> Any:

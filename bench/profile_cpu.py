@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             "C row_reduce": lambda: be.row_reduce(out, None, e()),
             "predict (4 reductions)": lambda: predict(be, op, None, None),
             "observe (2 reductions)": lambda: observe(be, out),
-            "verify": lambda: verify(op, pc, pr, oc, orow),
+            "verify": lambda: verify(be, op, pc, pr, oc, orow),
             "matmul off": lambda: abftgemm.matmul(a, b, check="off"),
             "matmul correct": lambda: abftgemm.matmul(a, b),
             "numpy.matmul": lambda: np.matmul(a, b),

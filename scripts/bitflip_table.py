@@ -216,7 +216,7 @@ class CleanStats:
         be.gemm(op.a, op.b, out, None)
         pc, pr = predict(be, op, None, None)
         oc, orr = observe(be, out)
-        v = verify(op, pc, pr, oc, orr)
+        v = verify(be, op, pc, pr, oc, orr)
         d = np.abs(_host(v.cols.diff[..., 0])).ravel()
         tau = _host(v.cols.tau).ravel()
         self.matrices += 1

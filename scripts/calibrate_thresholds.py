@@ -47,7 +47,7 @@ def worst_ratio(xp, dtype, a64, b64) -> float:
     be.gemm(op.a, op.b, out, None)
     pc, pr = predict(be, op, None, None)
     oc, orr = observe(be, out)
-    v = verify(op, pc, pr, oc, orr)
+    v = verify(be, op, pc, pr, oc, orr)
     ratios = [float((abs(s.diff[..., 0]) / s.tau).max()) for s in (v.cols, v.rows)]
     assert v.clean, f"false positive: {ratios}"
     return max(ratios)

@@ -25,6 +25,7 @@ REDUCE_FILE = "reduce.cu"
 REDUCE_INIT = "abft_reduce_init"
 ROW_REDUCE = "abft_row_reduce"
 COL_REDUCE = "abft_col_reduce"
+FLAG = "abft_flag"
 
 
 def instance(kernel: str, dtype_name: str) -> str:
@@ -34,7 +35,7 @@ def instance(kernel: str, dtype_name: str) -> str:
 
 #: Source file -> every name expression compiled from it.
 MODULES: dict[str, tuple[str, ...]] = {
-    REDUCE_FILE: (REDUCE_INIT,)
+    REDUCE_FILE: (REDUCE_INIT, FLAG)
     + tuple(instance(k, t) for k in (ROW_REDUCE, COL_REDUCE) for t in CUDA_TYPES),
 }
 
