@@ -6,9 +6,9 @@ recomputes what checksums cannot repair, and raises :class:`UncorrectableError` 
 wrong data.
 """
 from abftgemm.checksums import SUPPORTED_DTYPES, Checksums
-from abftgemm.gemm import CHECK_MODES, checksums_of, matmul
+from abftgemm.gemm import CHECK_MODES, DeferredCheck, checksums_of, matmul, matmul_deferred
 from abftgemm.report import Event, Report, UncorrectableError
 
-__all__ = ["matmul", "checksums_of", "Checksums", "Report", "Event", "UncorrectableError", "CHECK_MODES",
+__all__ = ["matmul", "matmul_deferred", "DeferredCheck", "checksums_of", "Checksums", "Report", "Event", "UncorrectableError", "CHECK_MODES",
            "SUPPORTED_DTYPES"]
 __version__ = "0.1.0"

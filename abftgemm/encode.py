@@ -34,15 +34,37 @@ def predict(be: Backend, op: Operands, a_checksums: Checksums | None,
         pred_row = _reduce(be.row_reduce, op.a, b_rows, op.batch, op.m)
     pred_col = _reduce(be.col_reduce, op.b, xp.ascontiguousarray(a_cols), op.batch, op.n)
     if op.bias is not None:
-        bias = op.bias.astype(np.float64)
-        m, n = op.m, op.n
-        pred_col[..., 0] += m * bias
-        pred_col[..., 1] += (m + 1) / 2 * bias  # sum of the location weights (i+1)/m
-        pred_col[..., 2] += m * xp.abs(bias)
-        pred_row[..., 0] += bias.sum()
-        pred_row[..., 1] += (location_weights(n, xp) * bias).sum()
-        pred_row[..., 2] += xp.abs(bias).sum()
+        _add_bias_to_cols(op, pred_col)
+        _add_bias_to_rows(op, pred_row)
     return pred_col, pred_row
+
+
+def predict_rows(be: Backend, op: Operands, b_checksums: Checksums | None) -> Any:
+    """Predicted row checksums only, float64 ``(batch, m, 5)`` (reads ``a`` once, ``b`` at most
+    once)."""
+    b_rows = _passed(b_checksums, "rows")
+    if b_rows is None:
+        b_rows = _reduce(be.row_reduce, op.b, None, op.b.shape[0], op.k)[..., :3]
+    pred_row = _reduce(be.row_reduce, op.a, op.xp.ascontiguousarray(b_rows), op.batch, op.m)
+    if op.bias is not None:
+        _add_bias_to_rows(op, pred_row)
+    return pred_row
+
+
+def _add_bias_to_cols(op: Operands, pred_col: Any) -> None:
+    bias = op.bias.astype(np.float64)
+    m = op.m
+    pred_col[..., 0] += m * bias
+    pred_col[..., 1] += (m + 1) / 2 * bias  # sum of the location weights (i+1)/m
+    pred_col[..., 2] += m * op.xp.abs(bias)
+
+
+def _add_bias_to_rows(op: Operands, pred_row: Any) -> None:
+    bias = op.bias.astype(np.float64)
+    xp = op.xp
+    pred_row[..., 0] += bias.sum()
+    pred_row[..., 1] += (location_weights(op.n, xp) * bias).sum()
+    pred_row[..., 2] += xp.abs(bias).sum()
 
 
 def observe(be: Backend, out: Any) -> tuple[Any, Any]:

@@ -13,8 +13,8 @@ import numpy as np
 
 from abftgemm.backend import Backend, array_module, get_backend
 from abftgemm.checksums import Checksums
-from abftgemm.encode import observe, predict
-from abftgemm.locate import diagnose, verify
+from abftgemm.encode import observe, predict, predict_rows
+from abftgemm.locate import diagnose, verify, verify_rows
 from abftgemm.operands import Operands
 from abftgemm.repair import repair_batch
 from abftgemm.report import Report
@@ -71,12 +71,7 @@ def matmul(a: Any, b: Any, *, bias: Any | None = None, check: str = "correct",
     """
     if check not in CHECK_MODES:
         raise ValueError(f"check must be one of {CHECK_MODES}, got {check!r}")
-    op = Operands.prepare(a, b, bias)
-    be = get_backend(op.xp)
-    out = op.xp.empty((op.batch, op.m, op.n), dtype=op.dtype)
-    be.gemm(op.a, op.b, out, op.bias)
-    if fault_hook is not None:
-        fault_hook(name, out.reshape(op.batch_shape + (op.m, op.n)))
+    be, op, out = _product(a, b, bias, fault_hook, name)
     report = Report()
     checksums = None
     if check != "off" and out.size:
@@ -85,6 +80,91 @@ def matmul(a: Any, b: Any, *, bias: Any | None = None, check: str = "correct",
     result = op.restore(out)
     extras = ([report] if return_report else []) + ([checksums] if return_checksums else [])
     return (result, *extras) if extras else result
+
+
+def _product(a: Any, b: Any, bias: Any | None, fault_hook: FaultHook | None,
+             name: str) -> tuple[Backend, Operands, Any]:
+    """Validate, run the GEMM into a fresh ``(batch, m, n)`` array, let ``fault_hook`` see it."""
+    op = Operands.prepare(a, b, bias)
+    be = get_backend(op.xp)
+    out = op.xp.empty((op.batch, op.m, op.n), dtype=op.dtype)
+    be.gemm(op.a, op.b, out, op.bias)
+    if fault_hook is not None:
+        fault_hook(name, out.reshape(op.batch_shape + (op.m, op.n)))
+    return be, op, out
+
+
+def matmul_deferred(a: Any, b: Any, *, check: str = "correct",
+                    fault_hook: FaultHook | None = None, name: str = "matmul",
+                    b_checksums: Checksums | None = None) -> tuple[Any, "DeferredCheck | None"]:
+    """``a @ b`` whose verification is left to the kernel that consumes the product.
+
+    Reading a large product only to verify it can cost more than a third of the GEMM (attention
+    scores); the kernel that reads it anyway (the softmax) can observe its row checksums on the
+    way through and hand them to :meth:`DeferredCheck.verify_rows`. Only the row checksums are
+    predicted (one read of ``a``, at most one of ``b``); a flagged row is repaired with full
+    two-direction verification, as in :func:`matmul`.
+
+    Parameters
+    ----------
+    a, b, check, fault_hook, name
+        As in :func:`matmul`.
+    b_checksums : Checksums, optional
+        Row encoding of ``b`` (``b_checksums.rows``), handed on from an earlier product.
+
+    Returns
+    -------
+    c : array (..., m, n)
+        The unverified product.
+    deferred : DeferredCheck or None
+        None when ``check == "off"`` (or the product is empty).
+    """
+    if check not in CHECK_MODES:
+        raise ValueError(f"check must be one of {CHECK_MODES}, got {check!r}")
+    be, op, out = _product(a, b, None, fault_hook, name)
+    if check == "off" or not out.size:
+        return op.restore(out), None
+    return op.restore(out), DeferredCheck(be, op, out, predict_rows(be, op, b_checksums), check,
+                                          name)
+
+
+class DeferredCheck:
+    """The pending row verification of a product from :func:`matmul_deferred`."""
+
+    def __init__(self, be: Backend, op: Operands, out: Any, pred_row: Any, check: str, name: str):
+        self.be, self.op, self.out, self.pred_row = be, op, out, pred_row
+        self.check, self.name = check, name
+
+    def verify_rows(self, obs_row: Any, report: Report) -> list[int]:
+        """Verify the product against its observed row checksums; repair it in place.
+
+        Parameters
+        ----------
+        obs_row : array (batch, m, 5) float64
+            Per row of the product as it was read: ``[sum, sum of (j+1)/n weighted, sum of |.|,
+            non-finite count, last non-finite index or -1]`` (what the backends' ``row_reduce``
+            computes with default weights).
+        report : Report
+            Receives the events.
+
+        Returns
+        -------
+        list of int
+            Flat batch indices whose product was modified (the consumer must redo its work on
+            them). Raises :class:`UncorrectableError` as :func:`matmul` does.
+        """
+        op = self.op
+        verdict = verify_rows(self.be, op, self.pred_row, obs_row)
+        report.events.extend(verdict.input_events(self.name))
+        report.checked[self.name] = report.checked.get(self.name, 0) + op.batch
+        repaired = []
+        for b in ([] if verdict.clean else verdict.flagged_batches()):
+            if self.check == "detect":
+                report.events.append(diagnose(verdict, b).event(self.name, b, "reported"))
+                continue
+            repair_batch(self.be, op, self.out, b, verdict, self.name, report)
+            repaired.append(b)
+        return repaired
 
 
 def _protect(be: Backend, op: Operands, out: Any, check: str, name: str, report: Report,

@@ -24,8 +24,8 @@ LOCATION_SLACK = 0.25
 class Side:
     """Verification of one direction (columns or rows), shape ``(batch, vectors)``, on the device."""
 
-    pred: Any        # (batch, vectors, 5) predicted checksums
-    obs: Any         # (batch, vectors, 5) observed checksums
+    pred: Any        # (batch, vectors, 5) predicted checksums (None: direction not checked)
+    obs: Any         # (batch, vectors, 5) observed checksums (None: direction not checked)
     tau: Any         # (batch, vectors) threshold for the plain difference
     bad: Any         # (batch, vectors) bool: flagged
     verifiable: Any  # (batch, vectors) bool: prediction finite (inputs finite)
@@ -71,13 +71,15 @@ class Verdict:
         """One ``input-nonfinite`` event per batch item whose inputs hold INF/NaN."""
         if self.n_unverifiable == 0:
             return []
-        cols, rows = ~_host(self.cols.verifiable), ~_host(self.rows.verifiable)
-        cols, rows = np.broadcast_arrays(cols, rows[:, :1]) [0], np.broadcast_arrays(rows, cols[:, :1])[0]
+        cols, rows = (~_host(side.verifiable) & (side.pred is not None)
+                      for side in (self.cols, self.rows))
+        batch = max(cols.shape[0], rows.shape[0])
         events = []
-        for b in range(max(cols.shape[0], rows.shape[0])):
-            if cols[b].any() or rows[b].any():
-                events.append(Event(site, b, "input-nonfinite", tuple(map(int, rows[b].nonzero()[0])),
-                                    tuple(map(int, cols[b].nonzero()[0])), float("nan"), float("nan"),
+        for b in range(batch):
+            r, c = rows[min(b, rows.shape[0] - 1)], cols[min(b, cols.shape[0] - 1)]
+            if c.any() or r.any():
+                events.append(Event(site, b, "input-nonfinite", tuple(map(int, r.nonzero()[0])),
+                                    tuple(map(int, c.nonzero()[0])), float("nan"), float("nan"),
                                     "passed-through"))
         return events
 
@@ -89,6 +91,17 @@ def verify(be: Backend, op: Operands, pred_col: Any, pred_row: Any, obs_col: Any
     counts = op.xp.zeros(2, dtype=np.int64)
     cols = _side(be, pred_col, obs_col, op.k, op.m, op.dtype, bias, counts)
     rows = _side(be, pred_row, obs_row, op.k, op.n, op.dtype, bias, counts)
+    n_bad, n_unverifiable = (int(c) for c in _host(counts))
+    return Verdict(cols, rows, n_bad, n_unverifiable)
+
+
+def verify_rows(be: Backend, op: Operands, pred_row: Any, obs_row: Any) -> Verdict:
+    """Like :func:`verify` with the row checksums only (the column side is absent: never flagged,
+    never confirming), for products whose consumer observed their rows on the way through."""
+    counts = op.xp.zeros(2, dtype=np.int64)
+    rows = _side(be, pred_row, obs_row, op.k, op.n, op.dtype, op.bias is not None, counts)
+    absent = op.xp.zeros((rows.bad.shape[0], op.n), dtype=bool)
+    cols = Side(None, None, None, absent, absent, op.m)
     n_bad, n_unverifiable = (int(c) for c in _host(counts))
     return Verdict(cols, rows, n_bad, n_unverifiable)
 

@@ -109,11 +109,11 @@ class MultiHeadAttention:
         k, k_sums = run.gemm("k_proj", x, p["wk"], bias=p["bk"], a_checksums=x_sums)
         v, v_sums = run.gemm("v_proj", x, p["wv"], bias=p["bv"], a_checksums=x_sums)
         qh, kh, vh = (self._split(t) for t in (q, k, v))
-        scores, _ = run.gemm("scores", qh, kh.transpose(0, 2, 1),
-                             a_checksums=self._split_sums(q_sums),
-                             b_checksums=_transposed(self._split_sums(k_sums)))
+        # The scores are verified by the softmax, which reads them anyway (row checksums).
+        scores, deferred = run.gemm_deferred("scores", qh, kh.transpose(0, 2, 1),
+                                             b_checksums=_transposed(self._split_sums(k_sums)))
         vis = self._visible(mask, b, s)
-        probs = run.softmax(scores, vis)
+        probs = run.softmax(scores, deferred, vis, mask)
         ctx, ctx_sums = run.gemm("context", probs, vh)
         merged = self._merge(ctx)
         y, _ = run.gemm("out_proj", merged, p["wo"], bias=p["bo"],
@@ -249,21 +249,38 @@ class _Run:
         self.report.extend(report)
         return c, sums
 
-    def softmax(self, scores: Any, visible: Any | None) -> Any:
+    def gemm_deferred(self, site: str, a: Any, b: Any,
+                      b_checksums: Checksums | None) -> tuple[Any, Any]:
+        mode = self._mode(site)
+        return abftgemm.matmul_deferred(a, b, check=mode, fault_hook=self.fault_hook, name=site,
+                                        b_checksums=b_checksums if mode != "off" else None)
+
+    def softmax(self, scores: Any, deferred: Any | None, visible: Any | None,
+                key_mask: Any | None) -> Any:
+        """Softmax of the raw scores; verifies the scores on the way (``deferred``), then checks
+        the probabilities by their invariants."""
         layer = self.layer
-        acc = accumulation_dtype(layer.dtype)
-        z = scores.astype(acc) * (1 / math.sqrt(layer.head_dim))
-        return softmax.checked(
-            "softmax", lambda: softmax.softmax_forward(z, visible, layer.dtype),
-            lambda p: softmax.check_forward(p, z, visible), layer.check, self.report,
-            self.fault_hook)
+        scale = 1 / math.sqrt(layer.head_dim)
+
+        def compute() -> Any:
+            probs, stats = softmax.softmax_with_row_stats(scores, scale, visible, key_mask,
+                                                          layer.causal, layer.n_heads, layer.dtype)
+            return probs, stats
+
+        probs, stats = compute()
+        if deferred is not None and deferred.verify_rows(stats, self.report):
+            probs, _ = compute()  # the scores were repaired in place
+        z = scores.astype(accumulation_dtype(layer.dtype)) * scale
+        return softmax.checked("softmax", probs, lambda: compute()[0],
+                               lambda p: softmax.check_forward(p, z, visible), layer.check,
+                               self.report, self.fault_hook)
 
     def softmax_backward(self, d_probs: Any, probs: Any, scale: float) -> Any:
         layer = self.layer
-        ds = softmax.checked(
-            "softmax_backward", lambda: softmax.softmax_backward(d_probs, probs, layer.dtype),
-            lambda g: softmax.check_backward(g, d_probs, probs), layer.check, self.report,
-            self.fault_hook)
+        compute = lambda: softmax.softmax_backward(d_probs, probs, layer.dtype)  # noqa: E731
+        ds = softmax.checked("softmax_backward", compute(), compute,
+                             lambda g: softmax.check_backward(g, d_probs, probs), layer.check,
+                             self.report, self.fault_hook)
         return (ds * scale).astype(layer.dtype)
 
 

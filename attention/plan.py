@@ -1,8 +1,10 @@
 """The checking plan: per site, what is checked, where its checksums come from, and how often.
 
-Every GEMM site is verified in both directions (row and column checksums) when it is checked: one
-direction locates 0D errors, both are needed to repair 1R (column checks) and 1C (row checks)
-without recomputation. Checksums "passed" cost no encoding pass: they are the verified checksums
+Every GEMM site but one is verified in both directions (row and column checksums) when it is
+checked: one direction locates 0D errors, both are needed to repair 1R (column checks) and 1C (row
+checks) without recomputation. The scores are the exception: reading them only to verify them
+costs over 30% of their GEMM on a GPU, so the softmax observes their row checksums on its own read
+(0D and 1C are rebuilt from row checksums; a bad row is recomputed, from Q's row and K). Checksums "passed" cost no encoding pass: they are the verified checksums
 of an earlier product (or of the layer input, encoded once for three products).
 
 How often is a trade-off: :func:`adaptive_frequencies` picks, from a fault rate and per-site cost
@@ -44,7 +46,8 @@ _SITES: dict[str, SitePlan] = {
     "q_proj": SitePlan("Q = X Wq + bq", "passed: column encoding of X (encoded once for Q, K, V)"),
     "k_proj": SitePlan("K = X Wk + bk", "passed: column encoding of X"),
     "v_proj": SitePlan("V = X Wv + bv", "passed: column encoding of X"),
-    "scores": SitePlan("S_h = Q_h K_h^T", "passed: column encodings of Q and K (both operands)"),
+    "scores": SitePlan("S_h = Q_h K_h^T", "passed: column encoding of K; row checksums only, "
+                       "observed by the softmax on its one read of S (abftgemm.matmul_deferred)"),
     "context": SitePlan("CL_h = P_h V_h", "encoded: P (no linear checksum crosses the softmax)"),
     "out_proj": SitePlan("O = CL Wo + bo", "passed: column encoding of CL from the context site"),
     "d_wo": SitePlan("dWo = CL^T dO", "encoded"),

@@ -44,6 +44,27 @@ def softmax_forward(z: Any, visible: Any | None, dtype: np.dtype) -> Any:
     return (e / xp.where(total > 0, total, 1)).astype(dtype)
 
 
+def softmax_with_row_stats(scores: Any, scale: float, visible: Any | None, key_mask: Any | None,
+                           causal: bool, heads: int, dtype: np.dtype) -> tuple[Any, Any]:
+    """``P`` from raw scores ``(batch*heads, seq, seq)`` and the row checksums of the scores.
+
+    The row statistics are what :meth:`abftgemm.DeferredCheck.verify_rows` needs. On the GPU one
+    fused kernel reads the scores once for both; on the CPU the softmax and a row reduction run
+    one after the other over the same data.
+    """
+    xp = _xp(scores)
+    if xp.__name__ == "cupy":
+        from abftgemm import _cuda_softmax
+
+        return _cuda_softmax.softmax_rows(scores, scale, key_mask, causal, heads, scores.shape[-1])
+    from abftgemm.backend import get_backend
+
+    stats = np.empty(scores.shape[:-1] + (5,))
+    get_backend(np).row_reduce(scores, None, stats)
+    z = scores.astype(accumulation_dtype(dtype)) * scale
+    return softmax_forward(z, visible, dtype), stats
+
+
 def check_forward(p: Any, z: Any, visible: Any | None) -> tuple[bool, float, float]:
     """Verify ``P`` against the two forward invariants; returns (ok, worst error, tolerance)."""
     xp = _xp(z)
@@ -110,13 +131,13 @@ def check_backward(ds: Any, dp: Any, p: Any) -> tuple[bool, float, float]:
     return worst <= 1, float(plain_err.reshape(-1)[t]), float(plain_tol.reshape(-1)[t])
 
 
-def checked(site: str, compute: Callable[[], Any], verify: Callable[[Any], tuple[bool, float, float]],
-            check: str, report: Report, fault_hook: Callable | None) -> Any:
-    """Run ``compute``, let ``fault_hook`` corrupt it, verify; recompute once if it fails.
+def checked(site: str, out: Any, recompute: Callable[[], Any],
+            verify: Callable[[Any], tuple[bool, float, float]], check: str, report: Report,
+            fault_hook: Callable | None) -> Any:
+    """Let ``fault_hook`` corrupt ``out``, verify it; if that fails, ``recompute()`` once.
 
     ``check="off"`` skips verification, ``"detect"`` reports without recomputing.
     """
-    out = compute()
     if fault_hook is not None:
         fault_hook(site, out)
     if check == "off":
@@ -128,7 +149,7 @@ def checked(site: str, compute: Callable[[], Any], verify: Callable[[Any], tuple
     if check == "detect":
         report.events.append(Event(site, 0, "2D", (), (), worst, tol, "reported"))
         return out
-    out = compute()
+    out = recompute()
     ok, worst_again, tol_again = verify(out)
     report.events.append(Event(site, 0, "2D", (), (), worst, tol,
                                "recomputed" if ok else "reported"))
