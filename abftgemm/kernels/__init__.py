@@ -27,6 +27,10 @@ ROW_REDUCE = "abft_row_reduce"
 COL_REDUCE = "abft_col_reduce"
 FLAG = "abft_flag"
 
+SOFTMAX_FILE = "softmax.cu"
+#: Fused masked softmax + row checksum statistics of the raw scores (abftgemm._cuda_softmax).
+SOFTMAX_ROWS = "abft_softmax_rows"
+
 
 def instance(kernel: str, dtype_name: str) -> str:
     """The name expression of template ``kernel`` instantiated for NumPy dtype ``dtype_name``."""
@@ -37,6 +41,7 @@ def instance(kernel: str, dtype_name: str) -> str:
 MODULES: dict[str, tuple[str, ...]] = {
     REDUCE_FILE: (REDUCE_INIT, FLAG)
     + tuple(instance(k, t) for k in (ROW_REDUCE, COL_REDUCE) for t in CUDA_TYPES),
+    SOFTMAX_FILE: tuple(instance(SOFTMAX_ROWS, t) for t in CUDA_TYPES),
 }
 
 
