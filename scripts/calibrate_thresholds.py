@@ -26,6 +26,7 @@ def cases(rng: np.random.Generator, m: int, k: int, n: int, big: float):
     yield "positive", rng.random((m, k)), rng.random((k, n))
     yield "identical rows", np.tile(rng.random((1, k)), (m, 1)), rng.random((k, n))
     yield "constant", np.full((m, k), 0.1), np.full((k, n), 0.3)
+    yield "constant small", np.full((m, k), 0.01), np.full((k, n), 0.013)
     e = 3 if big > 1e30 else 1  # decades of scaling the dtype can hold without overflow
     scale_r = 10.0 ** rng.integers(-e, e + 1, size=(m, 1))
     scale_c = 10.0 ** rng.integers(-e, e + 1, size=(1, n))
@@ -59,7 +60,8 @@ def main() -> None:
     args = parser.parse_args()
     xp = __import__(args.backend)
     rng = np.random.default_rng(0)
-    shapes = [(64, 64, 64), (256, 1024, 256), (128, 8192, 128), (2048, 64, 512)]
+    shapes = [(64, 64, 64), (64, 192, 64), (64, 256, 64), (256, 1024, 256), (128, 8192, 128),
+              (2048, 64, 512)]
     print(f"{'dtype':10s} {'case':18s} {'m,k,n':>16s} {'max |d|/tau':>12s}")
     for dtype in SUPPORTED_DTYPES:
         worst = 0.0
