@@ -32,16 +32,17 @@ LOG_CHECK_FLOOR = 1e-3
 def softmax_forward(z: Any, visible: Any | None, dtype: np.dtype) -> Any:
     """Softmax over the last axis of scaled scores ``z`` (accumulation dtype) where ``visible``.
 
-    Rows with no visible entry give all zeros. Returns ``P`` in ``dtype``.
+    Rows with no visible entry give all zeros; a visible NaN makes its row NaN, as plain
+    arithmetic does (the GPU kernel behaves the same). Returns ``P`` in ``dtype``.
     """
     xp = _xp(z)
     if visible is not None:
         z = xp.where(visible, z, -np.inf)
     top = z.max(axis=-1, keepdims=True)
-    top = xp.where(xp.isfinite(top), top, 0)
+    top = xp.where(top == -np.inf, 0, top)  # no visible key: exp(-inf) = 0 everywhere
     e = xp.exp(z - top)
     total = e.sum(axis=-1, keepdims=True)
-    return (e / xp.where(total > 0, total, 1)).astype(dtype)
+    return (e / xp.where(total == 0, 1, total)).astype(dtype)
 
 
 def softmax_with_row_stats(scores: Any, scale: float, visible: Any | None, key_mask: Any | None,
@@ -66,18 +67,25 @@ def softmax_with_row_stats(scores: Any, scale: float, visible: Any | None, key_m
 
 
 def check_forward(p: Any, z: Any, visible: Any | None) -> tuple[bool, float, float]:
-    """Verify ``P`` against the two forward invariants; returns (ok, worst error, tolerance)."""
+    """Verify ``P`` against the two forward invariants; returns (ok, worst error, tolerance).
+
+    Rows whose visible scores are not all finite are left out: the scores were verified before
+    the softmax, so such rows come from non-finite inputs and pass through as plain softmax
+    would compute them.
+    """
     xp = _xp(z)
     acc = z.dtype
     u = unit_roundoff(p.dtype) + z.shape[-1] * unit_roundoff(acc)
     p = p.astype(acc)
+    finite = xp.isfinite(z) if visible is None else (xp.isfinite(z) | ~visible)
+    rows = finite.all(-1)
     rows_visible = xp.ones(p.shape[:-1], dtype=bool) if visible is None else visible.any(-1)
-    row_error = xp.abs(p.sum(-1) - rows_visible)
+    row_error = xp.where(rows, xp.abs(p.sum(-1) - rows_visible), 0)
     row_tol = 4 * u
     # log identity on the entries that matter
     top = p.max(axis=-1, keepdims=True)
     z_top = xp.take_along_axis(z, p.argmax(axis=-1)[..., None], axis=-1)
-    used = p > LOG_CHECK_FLOOR * top
+    used = (p > LOG_CHECK_FLOOR * top) & rows[..., None]
     if visible is not None:
         used &= visible
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -85,7 +93,8 @@ def check_forward(p: Any, z: Any, visible: Any | None) -> tuple[bool, float, flo
             xp.where(used, z, 0) - xp.where(used, z_top, 0))
     log_error = xp.where(used, xp.abs(log_gap), 0)
     # relative error of P entries >= floor*top is ~u each; logs turn that into absolute ~2u
-    log_tol = 8 * u + 4 * unit_roundoff(acc) * float(xp.abs(z).max() if z.size else 0)
+    z_max = float(xp.where(used, xp.abs(z), 0).max()) if z.size else 0.0
+    log_tol = 8 * u + 4 * unit_roundoff(acc) * z_max
     worst_row = float(row_error.max()) if row_error.size else 0.0
     worst_log = float(log_error.max()) if log_error.size else 0.0
     ok = math.isfinite(worst_row) and math.isfinite(worst_log) and worst_row <= row_tol \

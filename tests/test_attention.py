@@ -214,3 +214,15 @@ def test_plan_frequencies_and_adaptive_model():
     remaining = sum(0.1 * v * (1 - freq[s]) for s, v in {"a": 0.6, "b": 0.3, "c": 0.1}.items())
     assert remaining == pytest.approx(0.02)
     assert "every call" in plan.with_frequencies({"q_proj": 1.0}).table()
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_nonfinite_input_passes_through_like_plain_attention(xp):
+    layer, x, mask, dy = problem(xp, "float32")
+    x_bad = host(x).copy()
+    x_bad[1, 2, 3] = np.nan
+    y, _ = layer.forward(xp.asarray(x_bad))
+    layer.check = "off"
+    y_plain, _ = layer.forward(xp.asarray(x_bad))
+    np.testing.assert_array_equal(host(y), host(y_plain))  # NaN where plain attention has NaN
+    assert np.isnan(host(y)[1]).any() and np.isfinite(host(y)[0]).all()
