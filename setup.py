@@ -15,8 +15,9 @@ setup(
         "cuda12": ["cupy-cuda12x>=14.1.1"],
         "cuda13": ["cupy-cuda13x>=14.1.1"],
         "test": ["pytest>=7", "hypothesis>=6.90"],
-        # Compiles the CUDA kernels through NVRTC without a GPU (tests/test_kernels_compile.py).
-        "kernels": ["cupy-cuda13x>=14.1.1", "nvidia-cuda-nvrtc>=13"],
+        # Compiles the CUDA kernels through NVRTC without a GPU (tests/test_kernels_compile.py):
+        # CuPy, NVRTC and the CUDA headers, all from pip (no system CUDA toolkit needed).
+        "kernels": ["cupy-cuda13x>=14.1.1", "cuda-toolkit[cudart,nvrtc]==13.*"],
         "plots": ["matplotlib>=3.7"],
         "notebooks": ["nbformat>=5.9", "nbclient>=0.9", "ipykernel>=6.25"],
     },
