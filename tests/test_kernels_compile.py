@@ -25,7 +25,7 @@ def _nvrtc_missing() -> str | None:
     except Exception as e:  # ImportError, or the shared library failing to load
         return (
             f"CuPy's NVRTC is unavailable ({type(e).__name__}: {e}); "
-            "pip install -e ".[kernels]""
+            "pip install -e '.[kernels]'"
         )
     return None
 
