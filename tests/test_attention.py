@@ -226,3 +226,11 @@ def test_nonfinite_input_passes_through_like_plain_attention(xp):
     y_plain, _ = layer.forward(xp.asarray(x_bad))
     np.testing.assert_array_equal(host(y), host(y_plain))  # NaN where plain attention has NaN
     assert np.isnan(host(y)[1]).any() and np.isfinite(host(y)[0]).all()
+
+
+def test_adaptive_frequencies_extremes():
+    vulnerability, cost = {"a": 0.5, "b": 0.5}, {"a": 1.0, "b": 2.0}
+    assert adaptive_frequencies(1e-3, vulnerability, cost, target=1e-2) == {"a": 0.0, "b": 0.0}
+    assert adaptive_frequencies(1e-3, vulnerability, cost, target=0.0) == {"a": 1.0, "b": 1.0}
+    with pytest.raises(ValueError):
+        adaptive_frequencies(-1.0, vulnerability, cost, target=0.0)
