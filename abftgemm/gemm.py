@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import numpy as np
 
 from abftgemm.backend import Backend, array_module, get_backend
 from abftgemm.checksums import Checksums

@@ -15,7 +15,7 @@ import abftgemm
 from abftgemm.checksums import Checksums, accumulation_dtype, check_dtype
 from abftgemm.report import Report
 from attention import softmax
-from attention.plan import SITES, CheckingPlan
+from attention.plan import CheckingPlan
 
 FaultHook = Callable[[str, Any], None]
 PARAM_KEYS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
@@ -146,7 +146,7 @@ class MultiHeadAttention:
             raise ValueError(f"dy must have shape {x.shape} and dtype {self.dtype}, "
                              f"got {dy.shape} {dy.dtype}")
         run = _Run(self, fault_hook)
-        p, b = self.params, x.shape[0]
+        p = self.params
         flat = (-1, self.d_model)
         d_wo, _ = run.gemm("d_wo", cache["context"].reshape(flat).T, dy.reshape(flat))
         d_ctx, d_ctx_sums = run.gemm("d_context", dy, p["wo"].T)

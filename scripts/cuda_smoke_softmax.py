@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import cupy
-import ml_dtypes
 import numpy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from abftgemm._cuda_softmax import softmax_rows  # noqa: E402
+from cuda_smoke import to_device, widen  # noqa: E402  (scripts/ is on sys.path)
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 #: Unit roundoff of the stored dtype and of the arithmetic the kernel uses for it.
@@ -38,25 +38,6 @@ BATCH, HEADS = 2, 3
 # 2048: exactly the register cache for 16-bit types (aligned rows), re-read for 32/64-bit;
 # 2500: re-read for every type; 300 and 7: rows start at varying 16-byte offsets.
 SEQS = (1, 7, 64, 300, 2048, 2500)
-
-
-def host_dtype(name: str) -> numpy.dtype:
-    """The NumPy dtype called ``name`` (bfloat16 from ml_dtypes)."""
-    return numpy.dtype(ml_dtypes.bfloat16 if name == "bfloat16" else name)
-
-
-def to_device(host: numpy.ndarray, dtype: str) -> cupy.ndarray:
-    """Round ``host`` to ``dtype`` on the host and upload the bits."""
-    h = numpy.ascontiguousarray(host.astype(host_dtype(dtype)))
-    return cupy.asarray(h.view(UINT[h.itemsize])).view(h.dtype)
-
-
-def widen(x: cupy.ndarray) -> cupy.ndarray:
-    """Exact float64 copy of ``x`` (bfloat16 widened through its bits)."""
-    if x.dtype.name == "bfloat16":
-        bits = x.view(cupy.uint16).astype(cupy.uint32) << 16
-        return bits.view(cupy.float32).astype(cupy.float64)
-    return x.astype(cupy.float64)
 
 
 def visibility(key_mask: cupy.ndarray | None, causal: bool, batch: int, seq: int) -> cupy.ndarray:

@@ -45,6 +45,11 @@ MODULES: dict[str, tuple[str, ...]] = {
 }
 
 
+#: Device code every source needs (checksum accumulation), prepended rather than #include-d:
+#: CuPy's kernel cache is keyed on the source text, which would not see a changed header.
+PRELUDE = "checksum_acc.cuh"
+
+
 def source(filename: str) -> str:
-    """The text of kernel source ``filename`` (a key of :data:`MODULES`)."""
-    return (KERNEL_DIR / filename).read_text()
+    """The text NVRTC compiles for ``filename`` (a key of :data:`MODULES`): prelude + file."""
+    return (KERNEL_DIR / PRELUDE).read_text() + "\n" + (KERNEL_DIR / filename).read_text()

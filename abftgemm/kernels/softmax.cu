@@ -4,7 +4,8 @@
 //   - probs: P = softmax over the visible keys of scale * score, hidden entries 0, a row without
 //     a visible key all 0. Arithmetic in float for 16/32-bit T, double for double;
 //   - stats (rows, 5): for the RAW row v (all len entries, masked or not), accumulated in double,
-//     exactly the fields of abft_row_reduce (reduce.cu) with coef == nullptr:
+//     exactly the fields of abft_row_reduce (reduce.cu) with coef == nullptr, through the same
+//     accumulator (checksum_acc.cuh, prepended by abftgemm.kernels.source):
 //       [sum v, sum ((l+1)/len) v, sum |v|, #non-finite v, last non-finite index or -1].
 //
 // Softmax semantics, element for element those of attention/softmax.py softmax_forward except
@@ -23,62 +24,7 @@
 //
 // Compiled by NVRTC through cupy.RawModule (abftgemm/kernels/__init__.py has the options and
 // name expressions); no host headers, so no INFINITY: -inf is a bit pattern.
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-
 namespace {
-
-// ---- Copied from reduce.cu (abft_row_reduce with coef == nullptr); keep the two in step. ----
-
-__device__ __forceinline__ double to_double(float v) { return static_cast<double>(v); }
-__device__ __forceinline__ double to_double(double v) { return v; }
-
-// All exponent bits set <=> INF or NaN.
-__device__ __forceinline__ bool not_finite(double v) {
-    const long long exp_mask = 0x7ff0000000000000LL;
-    return (__double_as_longlong(v) & exp_mask) == exp_mask;
-}
-
-struct Acc {
-    double s0, s1, s2;
-    double weight_scale;  // 1 / L: location weights (l + 1) / L stay <= 1
-    int count, last;
-
-    __device__ __forceinline__ void init(int len) {
-        s0 = 0.0; s1 = 0.0; s2 = 0.0; count = 0; last = -1;
-        weight_scale = 1.0 / static_cast<double>(len > 0 ? len : 1);
-    }
-
-    // Element l (0-based) of the row, coefficients (1, (l + 1) / L, 1).
-    __device__ __forceinline__ void add(double v, int l) {
-        s0 += v;
-        s1 += static_cast<double>(l + 1) * weight_scale * v;
-        s2 += fabs(v);
-        if (not_finite(v)) {
-            ++count;
-            last = max(last, l);
-        }
-    }
-
-    __device__ __forceinline__ void merge(double t0, double t1, double t2, int tc, int tl) {
-        s0 += t0; s1 += t1; s2 += t2; count += tc; last = max(last, tl);
-    }
-
-    __device__ __forceinline__ void store(double* __restrict__ out) const {
-        out[0] = s0; out[1] = s1; out[2] = s2;
-        out[3] = static_cast<double>(count);
-        out[4] = static_cast<double>(last);
-    }
-};
-
-__device__ __forceinline__ void warp_allreduce(Acc& a) {
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        a.merge(__shfl_xor_sync(0xffffffffu, a.s0, off), __shfl_xor_sync(0xffffffffu, a.s1, off),
-                __shfl_xor_sync(0xffffffffu, a.s2, off), __shfl_xor_sync(0xffffffffu, a.count, off),
-                __shfl_xor_sync(0xffffffffu, a.last, off));
-    }
-}
 
 // ---- Softmax arithmetic: float for __half, __nv_bfloat16 and float; double for double. ----
 

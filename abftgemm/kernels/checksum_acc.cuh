@@ -1,0 +1,82 @@
+// Checksum accumulation shared by every abftgemm kernel: abftgemm.kernels.source() prepends this
+// file to each .cu source (rather than #include-ing it, so that CuPy's kernel cache, keyed on the
+// source text, sees a change here).
+//
+// Per vector v of length L the accumulator produces five float64 numbers
+//     [sum c0[l]*v[l], sum c1[l]*v[l], sum c2[l]*|v[l]|, #non-finite, last non-finite index or -1]
+// with c0 = 1, c1 = (l + 1) / L, c2 = 1 when no coefficient array is given (coef == nullptr), else
+// c_j[l] = coef[3*l + j]. Non-finite elements still enter the sums, as plain arithmetic would.
+// NVRTC has no host headers, so no INFINITY / <cmath>: finiteness is a bit test on the double.
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace {
+
+__device__ __forceinline__ double to_double(float v) { return static_cast<double>(v); }
+__device__ __forceinline__ double to_double(double v) { return v; }
+__device__ __forceinline__ double to_double(__half v) {
+    return static_cast<double>(__half2float(v));
+}
+__device__ __forceinline__ double to_double(__nv_bfloat16 v) {
+    return static_cast<double>(__bfloat162float(v));
+}
+
+// All exponent bits set <=> INF or NaN. Conversions to double keep INF/NaN, so one test serves
+// every element type.
+__device__ __forceinline__ bool not_finite(double v) {
+    const long long exp_mask = 0x7ff0000000000000LL;
+    return (__double_as_longlong(v) & exp_mask) == exp_mask;
+}
+
+struct Acc {
+    double s0, s1, s2;
+    double weight_scale;  // 1 / L: default location weights (l + 1) / L stay <= 1, so the
+                          // weighted sum cannot overflow where the plain sum does not
+    int count, last;
+
+    __device__ __forceinline__ void init(int len) {
+        s0 = 0.0; s1 = 0.0; s2 = 0.0; count = 0; last = -1;
+        weight_scale = 1.0 / static_cast<double>(len > 0 ? len : 1);
+    }
+
+    // Element l (0-based) of the vector with the default coefficients (1, (l + 1) / L, 1).
+    __device__ __forceinline__ void add(double v, int l) { add(v, l, nullptr); }
+
+    // Element l (0-based) of the vector; coef is this batch's (L, 3) coefficients or null.
+    __device__ __forceinline__ void add(double v, int l, const double* __restrict__ coef) {
+        double c0 = 1.0, c1 = static_cast<double>(l + 1) * weight_scale, c2 = 1.0;
+        if (coef != nullptr) {
+            c0 = coef[3LL * l];
+            c1 = coef[3LL * l + 1];
+            c2 = coef[3LL * l + 2];
+        }
+        s0 += c0 * v;
+        s1 += c1 * v;
+        s2 += c2 * fabs(v);
+        if (not_finite(v)) {
+            ++count;
+            last = max(last, l);
+        }
+    }
+
+    __device__ __forceinline__ void merge(double t0, double t1, double t2, int tc, int tl) {
+        s0 += t0; s1 += t1; s2 += t2; count += tc; last = max(last, tl);
+    }
+
+    __device__ __forceinline__ void store(double* __restrict__ out) const {
+        out[0] = s0; out[1] = s1; out[2] = s2;
+        out[3] = static_cast<double>(count);
+        out[4] = static_cast<double>(last);
+    }
+};
+
+__device__ __forceinline__ void warp_allreduce(Acc& a) {
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        a.merge(__shfl_xor_sync(0xffffffffu, a.s0, off), __shfl_xor_sync(0xffffffffu, a.s1, off),
+                __shfl_xor_sync(0xffffffffu, a.s2, off), __shfl_xor_sync(0xffffffffu, a.count, off),
+                __shfl_xor_sync(0xffffffffu, a.last, off));
+    }
+}
+
+}  // namespace
