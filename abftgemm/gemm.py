@@ -1,14 +1,13 @@
 """Protected matrix product: encode -> GEMM -> verify -> locate -> correct (or recompute).
 
-Everything here is array-module generic; the heavy passes are the backend's four primitives
-(:mod:`abftgemm.backend`). The fast path (no fault) costs one GEMM, one reduction of each operand
-per check direction (fewer when checksums are passed in) and one reduction of the product per
-direction, and a single device-to-host transfer of three counts.
+Everything here is array-module generic; the heavy passes are the backend's primitives
+(:mod:`abftgemm.backend`). The fast path (no fault) costs one GEMM, one read of ``a``, two of
+``b`` (one when its encoding is passed in), one read of the product for both check directions,
+a flag pass over the checksums and a single device-to-host transfer of two counts.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
-
 
 from abftgemm.backend import Backend, array_module, get_backend
 from abftgemm.checksums import Checksums
