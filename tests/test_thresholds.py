@@ -38,7 +38,7 @@ def test_threshold_terms():
     assert 0 < t[0] < t[1]
     assert threshold(1.0, 0.0, 256, 32, np.float32) > threshold(1.0, 0.0, 64, 32, np.float32)
     # output rounding: 1.01 u_out per unit of observed |C| (plus the subnormal floor)
-    assert threshold(0.0, 1e4, 64, 32, np.float16) / 1e4 == pytest.approx(1.01 * 2.0 ** -11, rel=1e-3)
+    assert threshold(0.0, 1e6, 64, 32, np.float16) / 1e6 == pytest.approx(1.01 * 2.0 ** -11, rel=1e-3)
     assert threshold(1.0, 1.0, 64, 32, np.float32, bias=True) > threshold(1.0, 1.0, 64, 32,
                                                                            np.float32)
     assert element_tolerance(np.array([1.0]), 64, np.float16)[0] > 2 * 2.0 ** -11
