@@ -261,18 +261,28 @@ class _Run:
         the probabilities by their invariants."""
         layer = self.layer
         scale = 1 / math.sqrt(layer.head_dim)
+        acc = accumulation_dtype(layer.dtype)
+        on_gpu = layer.xp.__name__ == "cupy"  # the GPU kernel scales the raw scores itself
+        z = None
 
-        def compute() -> Any:
-            probs, stats = softmax.softmax_with_row_stats(scores, scale, visible, key_mask,
-                                                          layer.causal, layer.n_heads, layer.dtype)
-            return probs, stats
+        def compute() -> tuple[Any, Any]:
+            nonlocal z
+            z = None if on_gpu else scores.astype(acc) * scale
+            return softmax.softmax_with_row_stats(scores, z, scale, visible, key_mask,
+                                                  layer.causal, layer.n_heads, layer.dtype,
+                                                  want_stats=deferred is not None)
 
         probs, stats = compute()
         if deferred is not None and deferred.verify_rows(stats, self.report):
             probs, _ = compute()  # the scores were repaired in place
-        z = scores.astype(accumulation_dtype(layer.dtype)) * scale
-        return softmax.checked("softmax", probs, lambda: compute()[0],
-                               lambda p: softmax.check_forward(p, z, visible), layer.check,
+
+        def verify(p: Any) -> tuple[bool, float, float]:
+            nonlocal z
+            if z is None:
+                z = scores.astype(acc) * scale
+            return softmax.check_forward(p, z, visible)
+
+        return softmax.checked("softmax", probs, lambda: compute()[0], verify, layer.check,
                                self.report, self.fault_hook)
 
     def softmax_backward(self, d_probs: Any, probs: Any, scale: float) -> Any:

@@ -45,24 +45,27 @@ def softmax_forward(z: Any, visible: Any | None, dtype: np.dtype) -> Any:
     return (e / xp.where(total == 0, 1, total)).astype(dtype)
 
 
-def softmax_with_row_stats(scores: Any, scale: float, visible: Any | None, key_mask: Any | None,
-                           causal: bool, heads: int, dtype: np.dtype) -> tuple[Any, Any]:
+def softmax_with_row_stats(scores: Any, z: Any | None, scale: float, visible: Any | None,
+                           key_mask: Any | None, causal: bool, heads: int, dtype: np.dtype,
+                           want_stats: bool) -> tuple[Any, Any | None]:
     """``P`` from raw scores ``(batch*heads, seq, seq)`` and the row checksums of the scores.
 
     The row statistics are what :meth:`abftgemm.DeferredCheck.verify_rows` needs. On the GPU one
-    fused kernel reads the scores once for both; on the CPU the softmax and a row reduction run
-    one after the other over the same data.
+    fused kernel reads the raw scores once for both (``z`` is not used; the statistics come for
+    free). On the CPU the softmax runs on the scaled scores ``z`` and, only when ``want_stats``,
+    a row reduction of the raw scores follows (otherwise the statistics are None).
     """
     xp = _xp(scores)
     if xp.__name__ == "cupy":
         from abftgemm import _cuda_softmax
 
         return _cuda_softmax.softmax_rows(scores, scale, key_mask, causal, heads, scores.shape[-1])
-    from abftgemm.backend import get_backend
+    stats = None
+    if want_stats:
+        from abftgemm.backend import get_backend
 
-    stats = np.empty(scores.shape[:-1] + (5,))
-    get_backend(np).row_reduce(scores, None, stats)
-    z = scores.astype(accumulation_dtype(dtype)) * scale
+        stats = np.empty(scores.shape[:-1] + (5,))
+        get_backend(np).row_reduce(scores, None, stats)
     return softmax_forward(z, visible, dtype), stats
 
 
