@@ -56,6 +56,13 @@ def is_cupy_array(x: object) -> bool:
     return cupy is not None and isinstance(x, cupy.ndarray)
 
 
+def to_host(x: Any) -> Any:
+    """A NumPy array with the contents of NumPy or CuPy array ``x`` (CuPy arrays are copied)."""
+    import numpy
+
+    return x.get() if is_cupy_array(x) else numpy.asarray(x)
+
+
 def array_module(*arrays: object) -> ModuleType:
     """The array module (numpy or cupy) of ``arrays``.
 

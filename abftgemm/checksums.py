@@ -60,16 +60,6 @@ class Checksums:
         """Encodings of the transposed matrix (columns and rows swap)."""
         return Checksums(cols=self.rows, rows=self.cols)
 
-    def select_cols(self, start: int, stop: int) -> "Checksums":
-        """Encodings of the column block ``X[..., start:stop]`` (its row encoding is unknown)."""
-        return Checksums(cols=None if self.cols is None else self.cols[:, start:stop], rows=None)
-
-    def reshape_batch(self, batch: int) -> "Checksums":
-        """View with the leading dimension regrouped (e.g. ``(b, heads*x, 3) -> (b*heads, x, 3)``)."""
-        def regroup(e: Any | None) -> Any | None:
-            return None if e is None else e.reshape(batch, -1, 3)
-        return Checksums(cols=regroup(self.cols), rows=regroup(self.rows))
-
 
 def accumulation_dtype(dtype: np.dtype) -> np.dtype:
     """Precision the GEMM accumulates in: float64 for float64 data, float32 otherwise."""

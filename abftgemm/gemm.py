@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 from abftgemm.backend import Backend, array_module, get_backend
 from abftgemm.checksums import Checksums
 from abftgemm.encode import observe, predict, predict_rows
@@ -181,16 +183,22 @@ def _protect(be: Backend, op: Operands, out: Any, check: str, name: str, report:
     return Checksums(cols=obs_col[..., :3], rows=obs_row[..., :3])
 
 
-def checksums_of(x: Any) -> Checksums:
-    """Column and row encodings of ``x`` (``(..., r, c)``, batch flattened), to pass to matmul.
+def checksums_of(x: Any, rows: bool = True) -> Checksums:
+    """Column and (unless ``rows=False``) row encodings of ``x`` (``(..., r, c)``, batch
+    flattened), to pass to matmul.
 
     Use it to encode an operand once and reuse it across several products (e.g. the input of the
-    query, key and value projections).
+    query, key and value projections, whose column encoding is all they need).
     """
     xp = array_module(x)
     if x.ndim < 2:
         raise ValueError(f"checksums_of needs a matrix or a batch of matrices, got shape {x.shape}")
     r, c = x.shape[-2:]
     x3 = x.reshape(-1, r, c)
-    cols, rows = observe(get_backend(xp), x3)
-    return Checksums(cols=cols[..., :3], rows=rows[..., :3])
+    be = get_backend(xp)
+    if not rows:
+        cols = xp.empty((x3.shape[0], c, 5), dtype=np.float64)
+        be.col_reduce(x3, None, cols)
+        return Checksums(cols=cols[..., :3])
+    cols, row_sums = observe(be, x3)
+    return Checksums(cols=cols[..., :3], rows=row_sums[..., :3])

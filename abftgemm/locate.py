@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from abftgemm.backend import Backend
+from abftgemm.backend import Backend, to_host
 from abftgemm.operands import Operands
 from abftgemm.report import Event
 from abftgemm.thresholds import threshold_coefficients
@@ -65,13 +65,13 @@ class Verdict:
     def flagged_batches(self) -> list[int]:
         """Batch indices with at least one flagged vector (host list)."""
         any_bad = self.cols.bad.any(-1) | self.rows.bad.any(-1)
-        return [int(b) for b in _host(any_bad).nonzero()[0]]
+        return [int(b) for b in to_host(any_bad).nonzero()[0]]
 
     def input_events(self, site: str) -> list[Event]:
         """One ``input-nonfinite`` event per batch item whose inputs hold INF/NaN."""
         if self.n_unverifiable == 0:
             return []
-        cols, rows = (~_host(side.verifiable) & (side.pred is not None)
+        cols, rows = (~to_host(side.verifiable) & (side.pred is not None)
                       for side in (self.cols, self.rows))
         batch = max(cols.shape[0], rows.shape[0])
         events = []
@@ -91,7 +91,7 @@ def verify(be: Backend, op: Operands, pred_col: Any, pred_row: Any, obs_col: Any
     counts = op.xp.zeros(2, dtype=np.int64)
     cols = _side(be, pred_col, obs_col, op.k, op.m, op.dtype, bias, counts)
     rows = _side(be, pred_row, obs_row, op.k, op.n, op.dtype, bias, counts)
-    n_bad, n_unverifiable = (int(c) for c in _host(counts))
+    n_bad, n_unverifiable = (int(c) for c in to_host(counts))
     return Verdict(cols, rows, n_bad, n_unverifiable)
 
 
@@ -102,7 +102,7 @@ def verify_rows(be: Backend, op: Operands, pred_row: Any, obs_row: Any) -> Verdi
     rows = _side(be, pred_row, obs_row, op.k, op.n, op.dtype, op.bias is not None, counts)
     absent = op.xp.zeros((rows.bad.shape[0], op.n), dtype=bool)
     cols = Side(None, None, None, absent, absent, op.m)
-    n_bad, n_unverifiable = (int(c) for c in _host(counts))
+    n_bad, n_unverifiable = (int(c) for c in to_host(counts))
     return Verdict(cols, rows, n_bad, n_unverifiable)
 
 
@@ -151,10 +151,10 @@ def diagnose(verdict: Verdict, b: int) -> Diagnosis:
 
 def _flagged(side: Side, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Flagged vector indices of batch ``b``, their located positions (-1: none), verifiability."""
-    bad = _host(side.bad[b])
+    bad = to_host(side.bad[b])
     idx = bad.nonzero()[0]
-    diff = _host(side.diff[b][idx]) if len(idx) else np.zeros((0, 2))
-    nonfinite = _host(side.nonfinite[b][idx]) if len(idx) else np.zeros((0, 2))
+    diff = to_host(side.diff[b][idx]) if len(idx) else np.zeros((0, 2))
+    nonfinite = to_host(side.nonfinite[b][idx]) if len(idx) else np.zeros((0, 2))
     loc = np.full(len(idx), -1, dtype=np.int64)
     for t in range(len(idx)):
         count, last = nonfinite[t]
@@ -165,7 +165,7 @@ def _flagged(side: Side, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             r = round(pos) if np.isfinite(pos) else -1
             if 0 <= r < side.length and abs(pos - r) <= LOCATION_SLACK:
                 loc[t] = r
-    ok = _host(side.verifiable[b if side.verifiable.shape[0] > 1 else 0])
+    ok = to_host(side.verifiable[b if side.verifiable.shape[0] > 1 else 0])
     return idx, loc, ok
 
 
@@ -198,18 +198,13 @@ def _worst(verdict: Verdict, b: int) -> tuple[float, float]:
     """Largest flagged ``|d|`` of batch ``b`` and the threshold of that vector."""
     best = (0.0, 0.0)
     for side in (verdict.cols, verdict.rows):
-        bad = _host(side.bad[b])
+        bad = to_host(side.bad[b])
         if not bad.any():
             continue
-        d = np.abs(_host(side.diff[b][..., 0]))[bad]
-        tau = _host(side.tau[b])[bad]
+        d = np.abs(to_host(side.diff[b][..., 0]))[bad]
+        tau = to_host(side.tau[b])[bad]
         key = np.where(np.isfinite(d), d, np.inf)
         t = int(np.argmax(key))
         if not best[0] >= key[t]:
             best = (float(d[t]), float(tau[t]))
     return best
-
-
-def _host(x: Any) -> np.ndarray:
-    """A NumPy copy of a NumPy or CuPy array."""
-    return x.get() if hasattr(x, "get") else np.asarray(x)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from abftgemm.backend import Backend
+from abftgemm.backend import Backend, to_host
 from abftgemm.encode import observe, predict
 from abftgemm.locate import Diagnosis, Verdict, diagnose, verify
 from abftgemm.operands import Operands, item
@@ -111,12 +111,12 @@ def _overflowed(one: Operands, c: Any) -> tuple[list[int], list[int]] | None:
     rows, cols = (_host_ints(ix) for ix in xp.nonzero(xp.isinf(c)))
     if not rows:
         return None
-    a = _host(one.a[0][xp.asarray(np.array(rows))]).astype(np.float64)
-    b = _host(one.b[0][:, xp.asarray(np.array(cols))]).astype(np.float64)
+    a = to_host(one.a[0][xp.asarray(np.array(rows))]).astype(np.float64)
+    b = to_host(one.b[0][:, xp.asarray(np.array(cols))]).astype(np.float64)
     exact = (a * b.T).sum(axis=1)
     if one.bias is not None:
-        exact += _host(one.bias).astype(np.float64)[cols]
-    delivered = _host(c[xp.asarray(np.array(rows)), xp.asarray(np.array(cols))]).astype(np.float64)
+        exact += to_host(one.bias).astype(np.float64)[cols]
+    delivered = to_host(c[xp.asarray(np.array(rows)), xp.asarray(np.array(cols))]).astype(np.float64)
     with np.errstate(over="ignore"):  # overflowing to INF is the point of the comparison
         rounded = exact.astype(c.dtype).astype(np.float64)
     return (rows, cols) if bool((rounded == delivered).all()) else None
@@ -125,14 +125,10 @@ def _overflowed(one: Operands, c: Any) -> tuple[list[int], list[int]] | None:
 def _explained_by(verdict: Verdict, overflow: tuple[list[int], list[int]]) -> bool:
     """True when every vector still flagged holds one of the overflowed elements."""
     rows, cols = set(overflow[0]), set(overflow[1])
-    bad_rows = set(_host(verdict.rows.bad[0]).nonzero()[0].tolist())
-    bad_cols = set(_host(verdict.cols.bad[0]).nonzero()[0].tolist())
+    bad_rows = set(to_host(verdict.rows.bad[0]).nonzero()[0].tolist())
+    bad_cols = set(to_host(verdict.cols.bad[0]).nonzero()[0].tolist())
     return bad_rows <= rows and bad_cols <= cols
 
 
-def _host(x: Any) -> np.ndarray:
-    return x.get() if hasattr(x, "get") else np.asarray(x)
-
-
 def _host_ints(ix: Any) -> list[int]:
-    return [int(i) for i in _host(ix)]
+    return [int(i) for i in to_host(ix)]

@@ -16,7 +16,8 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from abftgemm.checksums import SUPPORTED_DTYPES, unit_roundoff
+from abftgemm.backend import to_host
+from abftgemm.checksums import SUPPORTED_DTYPES
 from abftgemm.faults import KINDS, PATTERNS, Fault, bit_layout
 from abftgemm.thresholds import element_tolerance, threshold
 
@@ -78,15 +79,15 @@ def faults(draw: Any, kinds: tuple[str, ...] = KINDS, patterns: tuple[str, ...] 
 
 def reference(a: Any, b: Any) -> np.ndarray:
     """``a @ b`` in float64 on the host."""
-    return np.matmul(_host(a).astype(np.float64), _host(b).astype(np.float64))
+    return np.matmul(to_host(a).astype(np.float64), to_host(b).astype(np.float64))
 
 
 def assert_matches_reference(c: Any, a: Any, b: Any) -> None:
     """Assert ``c`` is ``a @ b`` up to the rounding the threshold model allows (NaN where INF/NaN)."""
-    a64, b64 = _host(a).astype(np.float64), _host(b).astype(np.float64)
+    a64, b64 = to_host(a).astype(np.float64), to_host(b).astype(np.float64)
     ref = np.matmul(a64, b64)
-    tol = element_tolerance(np.matmul(np.abs(a64), np.abs(b64)), a64.shape[-1], _host(c).dtype)
-    got = _host(c).astype(np.float64)
+    tol = element_tolerance(np.matmul(np.abs(a64), np.abs(b64)), a64.shape[-1], to_host(c).dtype)
+    got = to_host(c).astype(np.float64)
     finite = np.isfinite(ref)
     np.testing.assert_array_equal(np.isfinite(got), finite)
     err = np.abs(got - ref)[finite]
@@ -101,11 +102,11 @@ def silent_error_bound(a: Any, b: Any, c_clean: Any) -> np.ndarray:
     two errors of opposite sign in one column cancel in its checksum, so each need only stay under
     its row's threshold (and vice versa).
     """
-    a64, b64 = _host(a).astype(np.float64), _host(b).astype(np.float64)
-    c = _host(c_clean).astype(np.float64)
+    a64, b64 = to_host(a).astype(np.float64), to_host(b).astype(np.float64)
+    c = to_host(c_clean).astype(np.float64)
     p = np.matmul(np.abs(a64), np.abs(b64))
     k, (m, n) = a64.shape[-1], c.shape[-2:]
-    dtype = _host(c_clean).dtype
+    dtype = to_host(c_clean).dtype
     tau_col = threshold(p.sum(-2), np.abs(c).sum(-2), k, m, dtype)[..., None, :]
     tau_row = threshold(p.sum(-1), np.abs(c).sum(-1), k, n, dtype)[..., :, None]
     return np.maximum(tau_col, tau_row)
@@ -117,9 +118,5 @@ def exponent_bits(dtype: Any) -> range:
     return range(mantissa, mantissa + exponent)
 
 
-def _host(x: Any) -> np.ndarray:
-    return x.get() if hasattr(x, "get") else np.asarray(x)
-
-
 __all__ = ["dtypes", "matmul_shapes", "operand_pairs", "faults", "reference",
-           "assert_matches_reference", "silent_error_bound", "exponent_bits", "unit_roundoff"]
+           "assert_matches_reference", "silent_error_bound", "exponent_bits"]

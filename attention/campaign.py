@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 import abftgemm
 from abftgemm import Report, UncorrectableError
+from abftgemm.backend import to_host
 from abftgemm.faults import PATTERNS, Fault, bit_layout, chain
 from attention import INVARIANT_SITES, SITES, MultiHeadAttention, reference
 
@@ -163,7 +164,7 @@ class _Testbed:
 
     def _atol(self) -> dict[str, dict[str, float]]:
         """Per result: the absolute tolerance of the "differs" test (module docstring)."""
-        host = {k: _host(v, self.xp).astype(np.float64) for k, v in
+        host = {k: to_host(v).astype(np.float64) for k, v in
                 {"x": self.x, "dy": self.dy, "a": self.a, "b": self.b,
                  **self.layer.params}.items()}
         n_heads = self.config.n_heads
@@ -175,7 +176,7 @@ class _Testbed:
         for target, results in self.reference.items():
             atol[target] = {}
             for key, r in results.items():
-                r = _host(r, self.xp).astype(np.float64)
+                r = to_host(r).astype(np.float64)
                 noise = float(np.abs(r - exact[target][key]).max())
                 atol[target][key] = max(scale * float(np.abs(r).max()), NOISE_FACTOR * noise)
         return atol
@@ -213,11 +214,6 @@ class _Testbed:
             if not bool(ok.all()):
                 return True
         return False
-
-
-def _host(a: Any, xp: Any) -> np.ndarray:
-    """``a`` as a NumPy array."""
-    return a if xp is np else xp.asnumpy(a)
 
 
 def _nonfinite(results: dict[str, Any] | None, xp: Any) -> bool:
@@ -357,7 +353,7 @@ def _capture(bench: _Testbed, fault: Fault | None) -> dict[str, np.ndarray]:
 
     def record(site: str, c: Any) -> None:
         if site in STAGES and site not in seen:
-            seen[site] = _host(c[0], bench.xp).astype(np.float64)
+            seen[site] = to_host(c[0]).astype(np.float64)
 
     bench.layer.check = "off"
     bench.layer.forward(bench.x, fault_hook=record if fault is None else chain(fault, record))

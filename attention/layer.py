@@ -104,8 +104,8 @@ class MultiHeadAttention:
         run = _Run(self, fault_hook)
         p = self.params
         b, s, d = x.shape
-        x_sums = abftgemm.checksums_of(x) if self.check != "off" else None
-        q, q_sums = run.gemm("q_proj", x, p["wq"], bias=p["bq"], a_checksums=x_sums)
+        x_sums = abftgemm.checksums_of(x, rows=False) if self.check != "off" else None
+        q, _ = run.gemm("q_proj", x, p["wq"], bias=p["bq"], a_checksums=x_sums)
         k, k_sums = run.gemm("k_proj", x, p["wk"], bias=p["bk"], a_checksums=x_sums)
         v, v_sums = run.gemm("v_proj", x, p["wv"], bias=p["bv"], a_checksums=x_sums)
         qh, kh, vh = (self._split(t) for t in (q, k, v))

@@ -40,6 +40,7 @@ import numpy as np
 from tqdm import tqdm
 
 from abftgemm import UncorrectableError
+from abftgemm.backend import to_host
 from abftgemm.faults import Fault, bit_layout
 from attention import SITES
 from attention.model import GPT, MLP_SITES, GPTConfig
@@ -184,7 +185,7 @@ class Adam:
         """Write parameters, moments and step count to ``path`` (``.npz``)."""
         host = {"t": np.array(self.t)}
         for prefix, group in (("p", self.params), ("m", self.m), ("v", self.v)):
-            host.update({f"{prefix}/{k}": _host(a, xp) for k, a in group.items()})
+            host.update({f"{prefix}/{k}": to_host(a) for k, a in group.items()})
         np.savez(path, **host)
 
     def load(self, path: Path, xp: Any) -> None:
@@ -194,10 +195,6 @@ class Adam:
             for prefix, group in (("p", self.params), ("m", self.m), ("v", self.v)):
                 for k, a in group.items():
                     a[...] = xp.asarray(saved[f"{prefix}/{k}"])
-
-
-def _host(a: Any, xp: Any) -> np.ndarray:
-    return a if xp is np else xp.asnumpy(a)
 
 
 @dataclass

@@ -52,7 +52,7 @@ import numpy as np
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 import abftgemm  # noqa: E402
-from abftgemm.backend import get_backend  # noqa: E402
+from abftgemm.backend import get_backend, to_host  # noqa: E402
 from abftgemm.checksums import SUPPORTED_DTYPES  # noqa: E402
 from abftgemm.encode import observe, predict  # noqa: E402
 from abftgemm.faults import Fault, bit_layout, bit_name  # noqa: E402
@@ -146,7 +146,7 @@ def within_rounding(prob: Problem, c: Any) -> bool:
     The same criterion as :func:`abftgemm.testing.assert_matches_reference`: the fault-free output
     meets it, and a repaired output that meets it is as accurate as a fault-free one.
     """
-    got = _host(c).astype(np.float64)
+    got = to_host(c).astype(np.float64)
     with np.errstate(invalid="ignore"):
         return bool(np.isfinite(got).all() and (np.abs(got - prob.exact) <= prob.tol).all())
 
@@ -217,8 +217,8 @@ class CleanStats:
         pc, pr = predict(be, op, None, None)
         oc, orr = observe(be, out)
         v = verify(be, op, pc, pr, oc, orr)
-        d = np.abs(_host(v.cols.diff[..., 0])).ravel()
-        tau = _host(v.cols.tau).ravel()
+        d = np.abs(to_host(v.cols.diff[..., 0])).ravel()
+        tau = to_host(v.cols.tau).ravel()
         self.matrices += 1
         self.columns += d.size
         big = int((d > 1.0).sum())
@@ -228,10 +228,6 @@ class CleanStats:
         self.max_d = max(self.max_d, float(d.max()))
         self.max_ratio = max(self.max_ratio, float((d / tau).max()))
         self.taus.extend(tau.tolist())
-
-
-def _host(x: Any) -> np.ndarray:
-    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
 def clean_stats(xp: Any, dtype: np.dtype, size: tuple[int, int, int], scale: float,

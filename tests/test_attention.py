@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import abftgemm
+from abftgemm.backend import to_host
 from abftgemm.faults import Fault, Recorder, bit_layout
 from attention import (INVARIANT_SITES, SITES, CheckingPlan, MultiHeadAttention,
                        adaptive_frequencies)
@@ -20,12 +21,8 @@ FAULT_KINDS = ("inf", "-inf", "nan", "near-inf", "top-exponent", "bitflip", "add
 PATTERNS = ("element", "row", "column", "tile", "warp")
 
 
-def host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
-
-
 def close(got, want, rel):
-    got, want = host(got).astype(np.float64), host(want).astype(np.float64)
+    got, want = to_host(got).astype(np.float64), to_host(want).astype(np.float64)
     scale = max(float(np.abs(want).max()), 1.0) if want.size else 1.0  # O(1) data; grad of bk is 0
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=0, atol=rel * scale)
@@ -65,10 +62,10 @@ def test_layer_matches_float64_reference(xp, dtype, batch, seq, heads, head_dim,
     layer, x, mask, dy = problem(xp, dtype, batch, seq, heads * head_dim, heads, causal, masked, seed)
     y, dx, grads, report = run(layer, x, mask, dy)
     assert not report.detected, report.summary()
-    params = {k: host(v) for k, v in layer.params.items()}
-    m = None if mask is None else host(mask)
-    y_ref, cache = ref.forward(host(x), params, heads, m, causal)
-    dx_ref, grads_ref = ref.backward(host(dy), cache, params, heads)
+    params = {k: to_host(v) for k, v in layer.params.items()}
+    m = None if mask is None else to_host(mask)
+    y_ref, cache = ref.forward(to_host(x), params, heads, m, causal)
+    dx_ref, grads_ref = ref.backward(to_host(dy), cache, params, heads)
     rel = REL_TOL[dtype]
     close(y, y_ref, rel)
     close(dx, dx_ref, rel)
@@ -108,10 +105,10 @@ def test_extreme_faults_in_low_precision_are_caught(xp, dtype, site):
         fault = Fault(kind, "element", seed=3, sites=site)
         y, dx, grads, report = run(layer, x, mask, dy, fault)
         assert site in report.sites, report.summary()
-        close(y, host(y0), REL_TOL[dtype])
-        close(dx, host(dx0), REL_TOL[dtype])
+        close(y, to_host(y0), REL_TOL[dtype])
+        close(dx, to_host(dx0), REL_TOL[dtype])
         for key in g0:
-            close(grads[key], host(g0[key]), REL_TOL[dtype])
+            close(grads[key], to_host(g0[key]), REL_TOL[dtype])
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
@@ -123,8 +120,8 @@ def test_softmax_faults_are_caught_by_invariants(xp, site):
         fault = Fault(kind, pattern, seed=5, sites=site, row=3, magnitude=0.25, factor=1.5)
         y, dx, grads, report = run(layer, x, mask, dy, fault)
         assert site in report.sites and report.recomputed >= 1, (kind, report.summary())
-        close(y, host(y0), 1e-6)
-        close(dx, host(dx0), 1e-6)
+        close(y, to_host(y0), 1e-6)
+        close(dx, to_host(dx0), 1e-6)
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
@@ -150,7 +147,7 @@ def test_every_site_reaches_the_hook(xp):
 
 def spread(y, y0):
     """Boolean (batch, seq) map of output rows that changed, and whether columns did."""
-    diff = np.abs(host(y).astype(np.float64) - host(y0).astype(np.float64)) > 1e-9
+    diff = np.abs(to_host(y).astype(np.float64) - to_host(y0).astype(np.float64)) > 1e-9
     return diff.any(-1), diff
 
 
@@ -172,7 +169,7 @@ def test_unprotected_faults_spread_as_design_table_says(xp):
         assert not layer.last_report.events
     fault = Fault("nan", "element", seed=0, sites="k_proj", row=3, col=2)
     y, _ = layer.forward(x, fault_hook=fault)
-    assert np.isnan(host(y)).all()  # an INF/NaN key poisons every softmax row
+    assert np.isnan(to_host(y)).all()  # an INF/NaN key poisons every softmax row
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
@@ -180,7 +177,7 @@ def test_detect_mode_reports_without_repairing(xp):
     layer, x, mask, dy = problem(xp, "float32")
     layer.check = "detect"
     y, _ = layer.forward(x, fault_hook=Fault("inf", "element", seed=0, sites="out_proj"))
-    assert np.isinf(host(y)).sum() == 1
+    assert np.isinf(to_host(y)).sum() == 1
     assert [e.action for e in layer.last_report.events] == ["reported"]
 
 
@@ -219,13 +216,13 @@ def test_plan_frequencies_and_adaptive_model():
 @pytest.mark.parametrize("xp", BACKENDS)
 def test_nonfinite_input_passes_through_like_plain_attention(xp):
     layer, x, mask, dy = problem(xp, "float32")
-    x_bad = host(x).copy()
+    x_bad = to_host(x).copy()
     x_bad[1, 2, 3] = np.nan
     y, _ = layer.forward(xp.asarray(x_bad))
     layer.check = "off"
     y_plain, _ = layer.forward(xp.asarray(x_bad))
-    np.testing.assert_array_equal(host(y), host(y_plain))  # NaN where plain attention has NaN
-    assert np.isnan(host(y)[1]).any() and np.isfinite(host(y)[0]).all()
+    np.testing.assert_array_equal(to_host(y), to_host(y_plain))  # NaN where plain attention has NaN
+    assert np.isnan(to_host(y)[1]).any() and np.isfinite(to_host(y)[0]).all()
 
 
 def test_adaptive_frequencies_extremes():

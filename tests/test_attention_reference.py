@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attention import reference as ref
+from finite_differences import central_differences
 
 FD_EPS = 1e-6
 RTOL = 1e-6
@@ -51,16 +52,7 @@ def make_mask(case: str, batch: int, seq: int) -> tuple[np.ndarray | None, bool]
 
 def central_difference(f: Callable[[], float], a: np.ndarray, eps: float = FD_EPS) -> np.ndarray:
     """Central-difference gradient of ``f()`` w.r.t. every entry of ``a`` (perturbed in place)."""
-    grad = np.zeros_like(a)
-    for idx in np.ndindex(a.shape):
-        orig = a[idx]
-        a[idx] = orig + eps
-        f_plus = f()
-        a[idx] = orig - eps
-        f_minus = f()
-        a[idx] = orig
-        grad[idx] = (f_plus - f_minus) / (2 * eps)
-    return grad
+    return central_differences(f, a, list(np.ndindex(a.shape)), eps).reshape(a.shape)
 
 
 def check_gradients(

@@ -7,8 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import abftgemm
+from abftgemm.backend import to_host
 from abftgemm import testing as at
-from abftgemm.faults import Fault, bit_layout
+from abftgemm.faults import Fault
 from conftest import BACKENDS
 
 DTYPES = [pytest.param(d, id=np.dtype(d).name) for d in abftgemm.SUPPORTED_DTYPES]
@@ -17,10 +18,6 @@ EXTREME = ("inf", "-inf", "nan", "near-inf")
 
 def to(xp, *arrays):
     return tuple(xp.asarray(x) for x in arrays)
-
-
-def host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
@@ -32,10 +29,10 @@ def test_clean_products_match_reference_and_are_never_flagged(xp, dtype, data):
     a, b = to(xp, a, b)
     c, report = abftgemm.matmul(a, b, return_report=True)
     assert not report.detected, report.summary()
-    assert c.shape == np.matmul(host(a), host(b)).shape
+    assert c.shape == np.matmul(to_host(a), to_host(b)).shape
     at.assert_matches_reference(c, a, b)
     if integer:
-        np.testing.assert_array_equal(host(c).astype(np.float64), at.reference(a, b))
+        np.testing.assert_array_equal(to_host(c).astype(np.float64), at.reference(a, b))
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
@@ -47,7 +44,7 @@ def test_edge_shapes_match_numpy(xp, shapes):
     rng = np.random.default_rng(0)
     a, b = (rng.integers(-3, 4, size=s).astype(np.float32) for s in shapes)
     c = abftgemm.matmul(*to(xp, a, b))
-    np.testing.assert_array_equal(host(c), np.matmul(a, b))
+    np.testing.assert_array_equal(to_host(c), np.matmul(a, b))
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
@@ -62,17 +59,17 @@ def test_single_fault_is_corrected_or_within_rounding_noise(xp, dtype, data):
     clean = abftgemm.matmul(a, b, check="off")
     c, report = abftgemm.matmul(a, b, fault_hook=fault, return_report=True)
     bound = at.silent_error_bound(a, b, clean)
-    err = np.abs(host(c).astype(np.float64) - host(clean).astype(np.float64))
-    assert np.isfinite(host(c)).all()
+    err = np.abs(to_host(c).astype(np.float64) - to_host(clean).astype(np.float64))
+    assert np.isfinite(to_host(c)).all()
     assert (err <= bound).all(), (fault.injected, report.summary())
-    injected = np.abs(host(c_faulty_copy(fault, clean)) - host(clean).astype(np.float64))
+    injected = np.abs(to_host(c_faulty_copy(fault, clean)) - to_host(clean).astype(np.float64))
     if not (injected <= bound).all():  # some change stood out from rounding noise
         assert report.detected and report.sites == {"matmul"}, (fault.injected, report.summary())
 
 
 def c_faulty_copy(fault, clean):
     """The fault-free product with the recorded injection applied (what verification saw)."""
-    faulty = host(clean).astype(np.float64).copy()
+    faulty = to_host(clean).astype(np.float64).copy()
     for inj in fault.injected:
         faulty[inj.batch + (np.array(inj.rows), np.array(inj.cols))] = inj.new
     return faulty
@@ -89,12 +86,11 @@ def test_extreme_faults_are_always_detected_and_corrected(xp, dtype, kind, patte
     a = rng.choice([-1.0, -0.5, 0.5, 1.0], size=(2, 40, 1)).astype(dtype)
     b = rng.choice([-1.5, -1.0, -0.5, 0.5, 1.0, 1.5], size=(1, 36)).astype(dtype)
     a, b = to(xp, a, b)  # every product element is in [0.25, 1.5]
-    mantissa, exponent = bit_layout(dtype)
-    fault = (Fault("bitflip", pattern, seed=3, bit=mantissa + exponent - 1)
+    fault = (Fault("bitflip", pattern, seed=3, bit=at.exponent_bits(dtype)[-1])
              if kind == "exponent-bitflip" else Fault(kind, pattern, seed=3))
     c, report = abftgemm.matmul(a, b, fault_hook=fault, return_report=True)
     assert report.detected, report.summary()
-    np.testing.assert_array_equal(host(c), host(abftgemm.matmul(a, b, check="off")))
+    np.testing.assert_array_equal(to_host(c), to_host(abftgemm.matmul(a, b, check="off")))
     expected = {"element": "0D", "row": "1R", "column": "1C"}.get(pattern)
     if expected:
         assert {e.pattern for e in report.events} == {expected}, report.summary()
@@ -111,7 +107,7 @@ def test_2d_faults_are_recomputed(xp):
         c[3:6, 10:12] = 1e6  # two errors in each of several rows and columns
     c, report = abftgemm.matmul(a, b, fault_hook=hook, return_report=True)
     assert report.recomputed >= 1 and {e.pattern for e in report.events} == {"2D"}
-    np.testing.assert_array_equal(host(c), host(abftgemm.matmul(a, b, check="off")))
+    np.testing.assert_array_equal(to_host(c), to_host(abftgemm.matmul(a, b, check="off")))
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
@@ -123,7 +119,7 @@ def test_detect_reports_and_never_modifies(xp, dtype):
     c, report = abftgemm.matmul(a, b, check="detect", fault_hook=fault, return_report=True)
     assert report.detected and [e.action for e in report.events] == ["reported"]
     row = fault.injected[0].rows[0]
-    assert np.isnan(host(c)[row]).all() and np.isfinite(np.delete(host(c), row, axis=0)).all()
+    assert np.isnan(to_host(c)[row]).all() and np.isfinite(np.delete(to_host(c), row, axis=0)).all()
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
@@ -134,7 +130,7 @@ def test_off_is_the_plain_product(xp, dtype):
     fault = Fault("inf", "element", seed=0)
     c, report = abftgemm.matmul(a, b, check="off", fault_hook=fault, return_report=True)
     assert report.events == [] and report.checked == {}
-    assert np.isinf(host(c)).sum() == 1
+    assert np.isinf(to_host(c)).sum() == 1
     c_plain = abftgemm.matmul(a, b, check="off")
     at.assert_matches_reference(c_plain, a, b)
     if np.dtype(dtype) in (np.float32, np.float64) and xp is np:
@@ -151,7 +147,7 @@ def test_nonfinite_inputs_pass_through_and_are_reported(xp, bad):
     expected = np.matmul(a, b)
     fault = Fault("additive", "element", seed=0, batch=1, row=7, col=3, magnitude=100.0)
     c, report = abftgemm.matmul(*to(xp, a, b), fault_hook=fault, return_report=True)
-    np.testing.assert_array_equal(host(c), expected)  # NaN positions compare equal too
+    np.testing.assert_array_equal(to_host(c), expected)  # NaN positions compare equal too
     kinds = {e.pattern for e in report.events}
     assert "input-nonfinite" in kinds and report.detected  # the fault in a clean row is still fixed
     nonfinite = [e for e in report.events if e.pattern == "input-nonfinite"]
@@ -165,7 +161,7 @@ def test_bias_is_inside_the_protection(xp):
     fault = Fault("near-inf", "column", seed=0)
     c, report = abftgemm.matmul(*to(xp, a, b), bias=xp.asarray(bias), fault_hook=fault,
                                 return_report=True)
-    np.testing.assert_array_equal(host(c), a @ b + bias)
+    np.testing.assert_array_equal(to_host(c), a @ b + bias)
     assert report.corrected == 12
 
 
@@ -175,12 +171,15 @@ def test_checksum_passing_chains_products_without_encoding(xp):
     x, w1, w2 = (rng.integers(-2, 3, s).astype(np.float64) for s in ((3, 16, 8), (8, 8), (8, 5)))
     x, w1, w2 = to(xp, x, w1, w2)
     h, sums = abftgemm.matmul(x, w1, return_checksums=True)
-    ref_cols = np.stack([host(h).sum(1), (np.arange(1, 17)[:, None] / 16 * host(h)).sum(1),
-                         np.abs(host(h)).sum(1)], axis=-1)
-    np.testing.assert_array_equal(host(sums.cols), ref_cols)
+    ref_cols = np.stack([to_host(h).sum(1), (np.arange(1, 17)[:, None] / 16 * to_host(h)).sum(1),
+                         np.abs(to_host(h)).sum(1)], axis=-1)
+    np.testing.assert_array_equal(to_host(sums.cols), ref_cols)
+    encoded = abftgemm.checksums_of(h, rows=False)
+    np.testing.assert_allclose(to_host(encoded.cols), ref_cols, rtol=1e-12)
+    assert encoded.rows is None and abftgemm.checksums_of(h).rows.shape == (3, 16, 3)
     fault = Fault("bitflip", "element", seed=1, bit=62)
     y, report = abftgemm.matmul(h, w2, a_checksums=sums, fault_hook=fault, return_report=True)
-    np.testing.assert_array_equal(host(y), host(h) @ host(w2))
+    np.testing.assert_array_equal(to_host(y), to_host(h) @ to_host(w2))
     assert report.corrected == 1
 
 
@@ -193,7 +192,7 @@ def test_corrupted_passed_checksum_is_recomputed_not_corrected_into_data(xp):
     bad_cols[0, 3, 0] += 50.0  # column 3 of a: its checksum no longer matches the data
     c, report = abftgemm.matmul(a, b, a_checksums=abftgemm.Checksums(cols=bad_cols),
                                 return_report=True)
-    np.testing.assert_array_equal(host(c), host(a) @ host(b))
+    np.testing.assert_array_equal(to_host(c), to_host(a) @ to_host(b))
     assert [e.pattern for e in report.events] == ["checksum"]
     assert report.events[0].action == "checksum-recomputed"
 
@@ -229,7 +228,7 @@ def test_bad_shapes_raise_clearly(xp, a_shape, b_shape, error, match):
     a, b = xp.ones(a_shape, dtype=np.float32), xp.ones(b_shape, dtype=np.float32)
     with pytest.raises(error, match=match):
         abftgemm.matmul(a, b)
-    assert (host(a) == 1).all() and (host(b) == 1).all()
+    assert (to_host(a) == 1).all() and (to_host(b) == 1).all()
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
@@ -265,9 +264,9 @@ def test_transposed_and_strided_operands(xp):
     a = rng.integers(-3, 4, (2, 9, 7)).astype(np.float32)
     b = rng.integers(-3, 4, (2, 5, 9)).astype(np.float32)
     c = abftgemm.matmul(xp.asarray(a).transpose(0, 2, 1), xp.asarray(b).transpose(0, 2, 1))
-    np.testing.assert_array_equal(host(c), a.transpose(0, 2, 1) @ b.transpose(0, 2, 1))
+    np.testing.assert_array_equal(to_host(c), a.transpose(0, 2, 1) @ b.transpose(0, 2, 1))
     c = abftgemm.matmul(xp.asarray(a)[:, ::2, :], xp.asarray(b)[0, :, 1:8].T)
-    np.testing.assert_array_equal(host(c), a[:, ::2, :] @ b[0, :, 1:8].T)
+    np.testing.assert_array_equal(to_host(c), a[:, ::2, :] @ b[0, :, 1:8].T)
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
@@ -276,7 +275,7 @@ def test_overflow_is_passed_through_as_inf_like_plain_matmul(xp):
     b = np.full((9, 2), 73, dtype=np.float16)
     b[:, 1] = 1
     c, report = abftgemm.matmul(*to(xp, a, b), return_report=True)
-    assert np.isinf(host(c)[:, 0]).all() and (host(c)[:, 1] == 900).all()
+    assert np.isinf(to_host(c)[:, 0]).all() and (to_host(c)[:, 1] == 900).all()
     assert not report.detected and {e.pattern for e in report.events} == {"overflow"}
 
 
@@ -297,7 +296,7 @@ def test_deferred_row_verification_repairs_the_product(xp, pattern, expected):
     report = abftgemm.Report()
     repaired = deferred.verify_rows(stats, report)
     assert repaired == [fault.injected[0].batch[0]] and report.detected
-    np.testing.assert_array_equal(host(c), host(a) @ host(b))
+    np.testing.assert_array_equal(to_host(c), to_host(a) @ to_host(b))
     if expected:
         assert [e.pattern for e in report.events] == [expected]
     assert abftgemm.matmul_deferred(a, b, check="off")[1] is None
