@@ -30,11 +30,11 @@ def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, 
     """Make ``out[b]`` verify against checksums derived from the inputs, or raise."""
     one = item(op, b)
     view = out[b:b + 1]
-    first = diagnose(verdict, b)
     pred = predict(be, one, None, None)
     fresh = _reverify(be, one, view, pred)
-    if fresh.clean:
-        report.events.append(first.event(site, b, "checksum-recomputed", pattern="checksum"))
+    if fresh.clean:  # the data agrees with checksums derived afresh: the old ones were wrong
+        report.events.append(diagnose(verdict, b).event(site, b, "checksum-recomputed",
+                                                        pattern="checksum"))
         return
     diagnosis = diagnose(fresh, 0)
     if diagnosis.cells:
