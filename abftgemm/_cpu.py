@@ -11,15 +11,16 @@ from typing import Any
 
 import numba
 import numpy as np
-from numba import prange
+from numba.extending import overload
 
 from abftgemm.checksums import location_weights
+
 
 #: Let LLVM reorder and fuse the float64 sums so they vectorize. Not ``fastmath=True``: that also
 #: assumes no NaN/INF and would break the non-finite checks. Reordering is covered by the float64
 #: checksum term of the threshold, which bounds any summation order.
 _FAST = {"reassoc", "contract"}
-_ROW_BLOCK = 64
+_ROW_BLOCK = 64  # rows per cache-resident block of _both_reduce (default row coefficients)
 
 
 @numba.njit(cache=True, inline="always")
@@ -35,47 +36,85 @@ def _scan(v: Any, out: Any) -> None:
     out[4] = last
 
 
-# The kernels sweep the matrix row by row (one sequential read) and handle four rows per step:
-# column sums live in float64 arrays of the row's length, and updating them once per four rows
-# instead of once per row cut a 2048x2048 column reduction from 0.85 to 0.32 ms.
+# The kernels sweep the matrix row by row (one sequential read) and handle several rows per step.
+# Column sums live in float64 arrays of the row's length; updating them once per eight rows
+# instead of once per row cut a 2048x2048 column reduction from 0.85 to 0.30 ms (data in cache)
+# and from 2.0 to 0.70 ms (data in memory). Row sums with the default coefficients compute the
+# location weights in registers: loading three coefficient vectors per element had made the row
+# pass 0.88 ms from memory, against 0.50 ms without the loads (bench/NOTES.md).
+
+_COL_STEP = 8  # rows per column-sum update
+_ROW_STEP = 4  # rows per row-sum step (each coefficient vector element loaded once per four rows)
 
 
-def _col_reduce(x: Any, coef: Any, out: Any, partial: Any) -> None:
-    """Column reduction: ``partial`` is ``(batch, blocks, 3, ncols)`` scratch, one per row block."""
-    nrows = x.shape[1]
-    blocks = partial.shape[1]
-    rows_per = (nrows + blocks - 1) // blocks
-    for task in prange(out.shape[0] * blocks):
-        b, k = task // blocks, task % blocks
-        i0, i1 = k * rows_per, min(k * rows_per + rows_per, nrows)
-        _sum_columns(x[min(b, x.shape[0] - 1)], coef[min(b, coef.shape[0] - 1)], i0, i1,
-                     partial[b, k], True)
-    _combine_columns(x, partial, out)
+def _vector_coefficients(c: Any, l: int) -> tuple[float, float, float]:
+    """Coefficients ``(plain, weighted, absolute)`` of position ``l``: ``c[:, l]`` for a
+    ``(3, L)`` array, ``(1, c[l], 1)`` for the default location weights ``c`` ``(L,)`` (compiled
+    per case by the overload below; the constant ones cost no loads)."""
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+@overload(_vector_coefficients, inline="always")
+def _vector_coefficients_impl(c, l):  # noqa: ANN001 (numba compares signatures)
+    if c.ndim == 1:
+        return lambda c, l: (1.0, c[l], 1.0)
+    return lambda c, l: (c[0, l], c[1, l], c[2, l])
+
+
+def _batch_item(coef: Any, b: int) -> Any:
+    """``coef[b]`` (``coef[0]`` when it broadcasts); the default weights ``(L,)`` as they are."""
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+@overload(_batch_item, inline="always")
+def _batch_item_impl(coef, b):  # noqa: ANN001 (numba compares signatures)
+    if coef.ndim == 1:
+        return lambda coef, b: coef
+    return lambda coef, b: coef[min(b, coef.shape[0] - 1)]
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _col_reduce(x: Any, coef: Any, out: Any) -> None:
+    """Column reduction of every batch item (see backend.py ``col_reduce``)."""
+    p = np.empty((3, x.shape[2]))
+    for b in range(out.shape[0]):
+        xb = x[min(b, x.shape[0] - 1)]
+        p[:] = 0.0
+        _sum_columns(xb, _batch_item(coef, b), 0, xb.shape[0], p)
+        _store_columns(xb, p, out[b])
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
-def _sum_columns(x: Any, c: Any, i0: int, i1: int, p: Any, zero: bool) -> None:
-    """``p[f, j] (=, or += unless zero) sum over rows i0..i1 of c[f, i] * x[i, j]`` (``|x|`` for
-    f = 2)."""
+def _sum_columns(x: Any, c: Any, i0: int, i1: int, p: Any) -> None:
+    """``p[f, j] += sum over rows i0..i1 of c[f, i] * x[i, j]`` (``|x|`` for f = 2)."""
     p0, p1, p2 = p[0], p[1], p[2]
-    if zero:
-        p[:] = 0.0
     i = i0
-    while i + 4 <= i1:
+    while i + _COL_STEP <= i1:
         r0, r1, r2, r3 = x[i], x[i + 1], x[i + 2], x[i + 3]
-        a0, a1, a2, a3 = c[0, i], c[0, i + 1], c[0, i + 2], c[0, i + 3]
-        w0, w1, w2, w3 = c[1, i], c[1, i + 1], c[1, i + 2], c[1, i + 3]
-        g0, g1, g2, g3 = c[2, i], c[2, i + 1], c[2, i + 2], c[2, i + 3]
+        r4, r5, r6, r7 = x[i + 4], x[i + 5], x[i + 6], x[i + 7]
+        a0, w0, g0 = _vector_coefficients(c, i)
+        a1, w1, g1 = _vector_coefficients(c, i + 1)
+        a2, w2, g2 = _vector_coefficients(c, i + 2)
+        a3, w3, g3 = _vector_coefficients(c, i + 3)
+        a4, w4, g4 = _vector_coefficients(c, i + 4)
+        a5, w5, g5 = _vector_coefficients(c, i + 5)
+        a6, w6, g6 = _vector_coefficients(c, i + 6)
+        a7, w7, g7 = _vector_coefficients(c, i + 7)
         for j in range(p0.shape[0]):
             v0, v1 = np.float64(r0[j]), np.float64(r1[j])
             v2, v3 = np.float64(r2[j]), np.float64(r3[j])
-            p0[j] += a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
-            p1[j] += w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3
-            p2[j] += g0 * abs(v0) + g1 * abs(v1) + g2 * abs(v2) + g3 * abs(v3)
-        i += 4
+            v4, v5 = np.float64(r4[j]), np.float64(r5[j])
+            v6, v7 = np.float64(r6[j]), np.float64(r7[j])
+            p0[j] += (a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
+                      + a4 * v4 + a5 * v5 + a6 * v6 + a7 * v7)
+            p1[j] += (w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3
+                      + w4 * v4 + w5 * v5 + w6 * v6 + w7 * v7)
+            p2[j] += (g0 * abs(v0) + g1 * abs(v1) + g2 * abs(v2) + g3 * abs(v3)
+                      + g4 * abs(v4) + g5 * abs(v5) + g6 * abs(v6) + g7 * abs(v7))
+        i += _COL_STEP
     while i < i1:
         r0 = x[i]
-        a0, w0, g0 = c[0, i], c[1, i], c[2, i]
+        a0, w0, g0 = _vector_coefficients(c, i)
         for j in range(p0.shape[0]):
             v0 = np.float64(r0[j])
             p0[j] += a0 * v0
@@ -85,30 +124,16 @@ def _sum_columns(x: Any, c: Any, i0: int, i1: int, p: Any, zero: bool) -> None:
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
-def _sum_row(row: Any, c0: Any, c1: Any, c2: Any, o: Any) -> None:
-    """``o = [sum c0*row, sum c1*row, sum c2*|row|, non-finite count, last non-finite index]``."""
-    s0 = 0.0
-    s1 = 0.0
-    s2 = 0.0
-    for j in range(row.shape[0]):
-        v = np.float64(row[j])
-        s0 += c0[j] * v
-        s1 += c1[j] * v
-        s2 += c2[j] * abs(v)
-    _store(row, s0, s1, s2, o)
-
-
-@numba.njit(cache=True, fastmath=_FAST, inline="always")
 def _sum_rows(x: Any, c: Any, i0: int, i1: int, out: Any) -> None:
-    """:func:`_sum_row` for rows ``i0..i1``, four at a time (each weight read once per four)."""
-    c0, c1, c2 = c[0], c[1], c[2]
+    """For rows ``i0..i1``: ``out[i] = [sum c0*row, sum c1*row, sum c2*|row|, non-finite count,
+    last non-finite index]``, four rows at a time (each coefficient read once per four rows)."""
     i = i0
-    while i + 4 <= i1:
+    while i + _ROW_STEP <= i1:
         r0, r1, r2, r3 = x[i], x[i + 1], x[i + 2], x[i + 3]
         s00 = s01 = s02 = s10 = s11 = s12 = 0.0
         s20 = s21 = s22 = s30 = s31 = s32 = 0.0
         for j in range(r0.shape[0]):
-            a, w, g = c0[j], c1[j], c2[j]
+            a, w, g = _vector_coefficients(c, j)
             v0, v1 = np.float64(r0[j]), np.float64(r1[j])
             v2, v3 = np.float64(r2[j]), np.float64(r3[j])
             s00 += a * v0
@@ -127,10 +152,23 @@ def _sum_rows(x: Any, c: Any, i0: int, i1: int, out: Any) -> None:
         _store(r1, s10, s11, s12, out[i + 1])
         _store(r2, s20, s21, s22, out[i + 2])
         _store(r3, s30, s31, s32, out[i + 3])
-        i += 4
+        i += _ROW_STEP
     while i < i1:
-        _sum_row(x[i], c0, c1, c2, out[i])
+        _sum_row(x[i], c, out[i])
         i += 1
+
+
+@numba.njit(cache=True, fastmath=_FAST, inline="always")
+def _sum_row(row: Any, c: Any, o: Any) -> None:
+    """One row of :func:`_sum_rows`."""
+    s0 = s1 = s2 = 0.0
+    for j in range(row.shape[0]):
+        a, w, g = _vector_coefficients(c, j)
+        v = np.float64(row[j])
+        s0 += a * v
+        s1 += w * v
+        s2 += g * abs(v)
+    _store(row, s0, s1, s2, o)
 
 
 @numba.njit(cache=True, inline="always")
@@ -141,100 +179,64 @@ def _store(row: Any, s0: float, s1: float, s2: float, o: Any) -> None:
         _scan(row, o)
 
 
+@numba.njit(cache=True, fastmath=_FAST)
 def _row_reduce(x: Any, coef: Any, out: Any) -> None:
-    batch, nrows = out.shape[0], out.shape[1]
-    nblocks = (nrows + _ROW_BLOCK - 1) // _ROW_BLOCK
-    for task in prange(batch * nblocks):
-        b = task // nblocks
-        i0 = (task % nblocks) * _ROW_BLOCK
-        _sum_rows(x[min(b, x.shape[0] - 1)], coef[min(b, coef.shape[0] - 1)], i0,
-                  min(i0 + _ROW_BLOCK, nrows), out[b])
+    """Row reduction of every batch item (see backend.py ``row_reduce``).
+
+    With the default coefficients the rows are read one at a time: several concurrent row streams
+    read from memory 1.5x slower on the machine measured (0.86 vs 0.56 ms for 2048x2048 float32),
+    and without coefficient vectors to share there is nothing to gain.
+    """
+    for b in range(out.shape[0]):
+        xb, cb = x[min(b, x.shape[0] - 1)], _batch_item(coef, b)
+        if coef.ndim == 1:
+            for i in range(xb.shape[0]):
+                _sum_row(xb[i], cb, out[b, i])
+        else:
+            _sum_rows(xb, cb, 0, xb.shape[0], out[b])
 
 
-def _both_reduce(x: Any, ccoef: Any, rcoef: Any, out_col: Any, out_row: Any, partial: Any) -> None:
-    """Column and row reductions in one read of ``x``.
+@numba.njit(cache=True, fastmath=_FAST)
+def _both_reduce(x: Any, ccoef: Any, rcoef: Any, out_col: Any, out_row: Any) -> None:
+    """Column and row reductions of every batch item in one read of it from memory.
 
     ``ccoef``/``rcoef`` are ``(batch or 1, 3, L)`` (coefficient-major, so the inner loops read
-    them contiguously). ``partial`` is ``(batch, blocks, 3, ncols)`` scratch: each row block sums
-    its columns there, and the blocks are added up at the end. Four rows at a time feed both the
-    column sums and their own row sums from one load.
+    them contiguously) or the default location weights ``(L,)``. The rows go through in blocks that stay in cache
+    for their second use. With default row coefficients, a block's row sums stream it in from
+    memory one row at a time, then its column sums re-read it from cache (2048x2048 float32:
+    0.83 ms, against 0.97 ms the other way round). With coefficient vectors, eight rows feed the
+    column sums, then their row sums four at a time (each coefficient loaded once per four rows;
+    one row at a time took 1.8 ms).
     """
     nrows = x.shape[1]
-    blocks = partial.shape[1]
-    rows_per = (nrows + blocks - 1) // blocks
-    for task in prange(out_col.shape[0] * blocks):
-        b, k = task // blocks, task % blocks
-        i0, i1 = k * rows_per, min(k * rows_per + rows_per, nrows)
+    p = np.empty((3, x.shape[2]))
+    for b in range(out_col.shape[0]):
         xb = x[min(b, x.shape[0] - 1)]
-        cc = ccoef[min(b, ccoef.shape[0] - 1)]
-        rc = rcoef[min(b, rcoef.shape[0] - 1)]
-        p = partial[b, k]
+        cc, rc = _batch_item(ccoef, b), _batch_item(rcoef, b)
         p[:] = 0.0
-        i = i0
-        while i + 4 <= i1:
-            _four_rows_both(xb, cc, rc, i, p, out_row[b])
-            i += 4
-        if i < i1:
-            _sum_columns(xb, cc, i, i1, p, False)
-            _sum_rows(xb, rc, i, i1, out_row[b])
-    _combine_columns(x, partial, out_col)
+        if rcoef.ndim == 1:
+            for i in range(0, nrows, _ROW_BLOCK):
+                e = min(i + _ROW_BLOCK, nrows)
+                for r in range(i, e):
+                    _sum_row(xb[r], rc, out_row[b, r])
+                _sum_columns(xb, cc, i, e, p)
+        else:
+            for i in range(0, nrows, _COL_STEP):
+                e = min(i + _COL_STEP, nrows)
+                _sum_columns(xb, cc, i, e, p)
+                _sum_rows(xb, rc, i, e, out_row[b])
+        _store_columns(xb, p, out_col[b])
 
 
-@numba.njit(cache=True, fastmath=_FAST, inline="always")
-def _four_rows_both(x: Any, cc: Any, rc: Any, i: int, p: Any, out: Any) -> None:
-    """Rows ``i..i+3``: add them into the column sums ``p`` and write their own row sums."""
-    r0, r1, r2, r3 = x[i], x[i + 1], x[i + 2], x[i + 3]
-    a0, a1, a2, a3 = cc[0, i], cc[0, i + 1], cc[0, i + 2], cc[0, i + 3]
-    w0, w1, w2, w3 = cc[1, i], cc[1, i + 1], cc[1, i + 2], cc[1, i + 3]
-    g0, g1, g2, g3 = cc[2, i], cc[2, i + 1], cc[2, i + 2], cc[2, i + 3]
-    c0, c1, c2 = rc[0], rc[1], rc[2]
-    p0, p1, p2 = p[0], p[1], p[2]
-    s00 = s01 = s02 = s10 = s11 = s12 = 0.0
-    s20 = s21 = s22 = s30 = s31 = s32 = 0.0
-    for j in range(r0.shape[0]):
-        v0, v1 = np.float64(r0[j]), np.float64(r1[j])
-        v2, v3 = np.float64(r2[j]), np.float64(r3[j])
-        b0, b1, b2, b3 = abs(v0), abs(v1), abs(v2), abs(v3)
-        p0[j] += a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
-        p1[j] += w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3
-        p2[j] += g0 * b0 + g1 * b1 + g2 * b2 + g3 * b3
-        e, f, h = c0[j], c1[j], c2[j]
-        s00 += e * v0
-        s01 += f * v0
-        s02 += h * b0
-        s10 += e * v1
-        s11 += f * v1
-        s12 += h * b1
-        s20 += e * v2
-        s21 += f * v2
-        s22 += h * b2
-        s30 += e * v3
-        s31 += f * v3
-        s32 += h * b3
-    _store(r0, s00, s01, s02, out[i])
-    _store(r1, s10, s11, s12, out[i + 1])
-    _store(r2, s20, s21, s22, out[i + 2])
-    _store(r3, s30, s31, s32, out[i + 3])
-
-
-@numba.njit(cache=True)
-def _combine_columns(x: Any, partial: Any, out_col: Any) -> None:
-    """Add up the row blocks' column sums of :func:`_both_reduce`."""
-    batch, ncols = out_col.shape[0], out_col.shape[1]
-    for b in range(batch):
-        xb = min(b, x.shape[0] - 1)
-        for j in range(ncols):
-            t0 = 0.0
-            t1 = 0.0
-            t2 = 0.0
-            for k in range(partial.shape[1]):
-                t0 += partial[b, k, 0, j]
-                t1 += partial[b, k, 1, j]
-                t2 += partial[b, k, 2, j]
-            o = out_col[b, j]
-            o[0], o[1], o[2], o[3], o[4] = t0, t1, t2, 0.0, -1.0
-            if not (np.isfinite(t0) and np.isfinite(t1) and np.isfinite(t2)):
-                _scan(x[xb, :, j], o)
+@numba.njit(cache=True, inline="always")
+def _store_columns(x: Any, p: Any, out: Any) -> None:
+    """Write the column sums ``p`` ``(3, ncols)`` of ``x`` into ``out`` ``(ncols, 5)``; count a
+    column's non-finite elements only when one of its sums is not finite."""
+    for j in range(p.shape[1]):
+        o = out[j]
+        o[0], o[1], o[2], o[3], o[4] = p[0, j], p[1, j], p[2, j], 0.0, -1.0
+        if not (np.isfinite(p[0, j]) and np.isfinite(p[1, j]) and np.isfinite(p[2, j])):
+            _scan(x[:, j], o)
 
 
 @numba.njit(cache=True)
@@ -256,45 +258,24 @@ def _flag(pred: Any, obs: Any, c_obs: float, c_pred: float, floor: float, tau: A
         counts[1] += not ok
 
 
-class _Kernel:
-    """One kernel compiled twice: threaded for large inputs, serial for small ones.
-
-    Small reductions finish before threads can be woken, and right after a GEMM the BLAS threads
-    still spin on the cores numba would use: on 2 cores the serial build was faster up to
-    2048x2048 (8.0 vs 9.9 ms of checks at 2048^3). Below ``PARALLEL_MIN_ELEMENTS`` the serial build
-    (``prange`` runs as ``range``) is used.
-    """
-
-    def __init__(self, fn: Any):
-        self.parallel = numba.njit(parallel=True, cache=True, fastmath=_FAST)(fn)
-        self.serial = numba.njit(cache=True, fastmath=_FAST)(fn)
-
-    def __call__(self, x: np.ndarray, *args: Any) -> None:
-        run = self.parallel if x.size >= PARALLEL_MIN_ELEMENTS else self.serial
-        run(x, *args)
-
-
-PARALLEL_MIN_ELEMENTS = 1 << 24
-_col_reduce_kernel = _Kernel(_col_reduce)
-_row_reduce_kernel = _Kernel(_row_reduce)
-_both_reduce_kernel = _Kernel(_both_reduce)
+def _coef_major(coef: np.ndarray | None, length: int) -> np.ndarray:
+    """Coefficients ``(batch or 1, length, 3)`` as a contiguous ``(batch or 1, 3, length)`` array,
+    so the kernels' inner loops read each weight vector contiguously; None (the defaults) as the
+    location weights alone, ``(length,)``."""
+    if coef is None:
+        return _default_weights(length)
+    return np.ascontiguousarray(coef.transpose(0, 2, 1))
 
 
 @lru_cache(maxsize=64)
-def _default_coef(length: int) -> np.ndarray:
-    """``(1, 3, length)``: weights of the plain sum, the location-weighted sum, the absolute sum."""
-    coef = np.ones((1, 3, length))
-    coef[0, 1] = location_weights(length)
-    coef.setflags(write=False)
-    return coef
-
-
-def _coef_major(coef: np.ndarray | None, length: int) -> np.ndarray:
-    """Coefficients ``(batch or 1, length, 3)`` as a contiguous ``(batch or 1, 3, length)`` array,
-    so the kernels' inner loops read each weight vector contiguously."""
-    if coef is None:
-        return _default_coef(length)
-    return np.ascontiguousarray(coef.transpose(0, 2, 1))
+def _default_weights(length: int) -> np.ndarray:
+    """Location weights ``(l+1)/length`` (read-only, shared). They are data, not computed in the
+    kernels: with ``(l+1) * (1/length)`` computed inline, LLVM's reassociation factored the
+    ``1/length`` out of the sum, and ``sum (l+1) * x_l`` overflowed for near-INF float64 errors
+    (the normalization exists to prevent exactly that)."""
+    weights = location_weights(length)
+    weights.setflags(write=False)
+    return weights
 
 
 def _kernel_view(x: np.ndarray) -> np.ndarray:
@@ -329,24 +310,15 @@ class CpuBackend:
         out[...] = acc
 
     def col_reduce(self, x: np.ndarray, coef: np.ndarray | None, out: np.ndarray) -> None:
-        _col_reduce_kernel(_kernel_view(x), _coef_major(coef, x.shape[1]), out,
-                           _partial(x, out))
+        _col_reduce(_kernel_view(x), _coef_major(coef, x.shape[1]), out)
 
     def row_reduce(self, x: np.ndarray, coef: np.ndarray | None, out: np.ndarray) -> None:
-        _row_reduce_kernel(_kernel_view(x), _coef_major(coef, x.shape[2]), out)
+        _row_reduce(_kernel_view(x), _coef_major(coef, x.shape[2]), out)
 
     def both_reduce(self, x: np.ndarray, col_coef: np.ndarray | None,
                     row_coef: np.ndarray | None, out_col: np.ndarray, out_row: np.ndarray) -> None:
-        nrows, ncols = x.shape[1:]
-        _both_reduce_kernel(_kernel_view(x), _coef_major(col_coef, nrows),
-                            _coef_major(row_coef, ncols), out_col, out_row, _partial(x, out_col))
-
-
-def _partial(x: np.ndarray, out_col: np.ndarray) -> np.ndarray:
-    """Scratch for the column sums of each row block: one block per thread that will run."""
-    threads = numba.get_num_threads() if x.size >= PARALLEL_MIN_ELEMENTS else 1
-    blocks = max(1, min(threads, x.shape[1] // _ROW_BLOCK))
-    return np.empty((out_col.shape[0], blocks, 3, x.shape[2]))
+        _both_reduce(_kernel_view(x), _coef_major(col_coef, x.shape[1]),
+                     _coef_major(row_coef, x.shape[2]), out_col, out_row)
 
 
 @lru_cache(maxsize=1)
