@@ -20,7 +20,7 @@ from abftgemm.checksums import location_weights
 #: assumes no NaN/INF and would break the non-finite checks. Reordering is covered by the float64
 #: checksum term of the threshold, which bounds any summation order.
 _FAST = {"reassoc", "contract"}
-_ROW_BLOCK = 64  # rows per cache-resident block of _both_reduce (default row coefficients)
+_ROW_BLOCK = 64  # rows per cache-resident block of _both_reduce
 
 
 @numba.njit(cache=True, inline="always")
@@ -36,12 +36,15 @@ def _scan(v: Any, out: Any) -> None:
     out[4] = last
 
 
-# The kernels sweep the matrix row by row (one sequential read) and handle several rows per step.
-# Column sums live in float64 arrays of the row's length; updating them once per eight rows
-# instead of once per row cut a 2048x2048 column reduction from 0.85 to 0.30 ms (data in cache)
-# and from 2.0 to 0.70 ms (data in memory). Row sums with the default coefficients compute the
-# location weights in registers: loading three coefficient vectors per element had made the row
-# pass 0.88 ms from memory, against 0.50 ms without the loads (bench/NOTES.md).
+# The kernels sweep the matrix row by row (sequential reads) and are single-threaded: right after
+# a GEMM, OpenBLAS's worker threads spin on the other cores for ~0.1 s, and numba threads competing
+# with them made the checks slower, not faster (bench/NOTES.md). On one core the passes are bound
+# by memory bandwidth (~35 GB/s) plus arithmetic that overlaps it poorly, so the kernels keep the
+# arithmetic and the loads per element low. Column sums live in float64 arrays of the row's
+# length; updating them once per eight rows instead of once per row cut a 2048x2048 column
+# reduction from 2.0 to 0.70 ms (from memory). The default coefficients (plain and absolute sums,
+# location weights) load only the weight vector: loading three coefficient vectors per element had
+# made the row pass 0.88 ms, against 0.53 ms.
 
 _COL_STEP = 8  # rows per column-sum update
 _ROW_STEP = 4  # rows per row-sum step (each coefficient vector element loaded once per four rows)
@@ -201,12 +204,12 @@ def _both_reduce(x: Any, ccoef: Any, rcoef: Any, out_col: Any, out_row: Any) -> 
     """Column and row reductions of every batch item in one read of it from memory.
 
     ``ccoef``/``rcoef`` are ``(batch or 1, 3, L)`` (coefficient-major, so the inner loops read
-    them contiguously) or the default location weights ``(L,)``. The rows go through in blocks that stay in cache
-    for their second use. With default row coefficients, a block's row sums stream it in from
-    memory one row at a time, then its column sums re-read it from cache (2048x2048 float32:
-    0.83 ms, against 0.97 ms the other way round). With coefficient vectors, eight rows feed the
-    column sums, then their row sums four at a time (each coefficient loaded once per four rows;
-    one row at a time took 1.8 ms).
+    them contiguously) or the default location weights ``(L,)``. The rows go through in blocks of
+    64 that stay in cache for their second use (2048x2048 float32, from memory). With default row
+    coefficients a block's row sums stream it in one row at a time, then its column sums re-read
+    it (0.83 ms, against 0.97 ms the other way round); with coefficient vectors the column sums
+    stream it in, then its row sums re-read it four rows at a time, each coefficient loaded once
+    per four rows (0.88 ms; one row at a time took 1.8 ms, eight-row blocks 0.94 ms).
     """
     nrows = x.shape[1]
     p = np.empty((3, x.shape[2]))
@@ -214,15 +217,13 @@ def _both_reduce(x: Any, ccoef: Any, rcoef: Any, out_col: Any, out_row: Any) -> 
         xb = x[min(b, x.shape[0] - 1)]
         cc, rc = _batch_item(ccoef, b), _batch_item(rcoef, b)
         p[:] = 0.0
-        if rcoef.ndim == 1:
-            for i in range(0, nrows, _ROW_BLOCK):
-                e = min(i + _ROW_BLOCK, nrows)
+        for i in range(0, nrows, _ROW_BLOCK):
+            e = min(i + _ROW_BLOCK, nrows)
+            if rcoef.ndim == 1:
                 for r in range(i, e):
                     _sum_row(xb[r], rc, out_row[b, r])
                 _sum_columns(xb, cc, i, e, p)
-        else:
-            for i in range(0, nrows, _COL_STEP):
-                e = min(i + _COL_STEP, nrows)
+            else:
                 _sum_columns(xb, cc, i, e, p)
                 _sum_rows(xb, rc, i, e, out_row[b])
         _store_columns(xb, p, out_col[b])
