@@ -170,8 +170,8 @@ class DeferredCheck:
 def _protect(be: Backend, op: Operands, out: Any, check: str, name: str, report: Report,
              a_checksums: Checksums | None, b_checksums: Checksums | None) -> Checksums:
     """Verify ``out`` (and repair it when ``check == "correct"``); return its encodings."""
+    obs_col, obs_row = observe(be, out)  # first: the product is freshest in cache
     pred_col, pred_row = predict(be, op, a_checksums, b_checksums)
-    obs_col, obs_row = observe(be, out)
     verdict = verify(be, op, pred_col, pred_row, obs_col, obs_row)
     report.events.extend(verdict.input_events(name))
     for b in ([] if verdict.clean else verdict.flagged_batches()):
