@@ -84,3 +84,15 @@ def test_random_bfloat16_matches_ml_dtypes_rounding() -> None:
     assert y.dtype == gemm.dtype_of("bfloat16")
     np.testing.assert_array_equal(y.view(np.uint16), x.astype(y.dtype).view(np.uint16))
     assert np.count_nonzero(x) == x.size
+
+
+def test_cpu_passes_script_times_every_pass() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "cpu_passes.py"), "--size", "64", "--repeats", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines()[2:] if line.strip()]
+    assert len(rows) == 6, proc.stdout
+    for line in rows:
+        hot, memory = (float(v) for v in line.split()[-2:])
+        assert hot > 0 and memory > 0, line
