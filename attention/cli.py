@@ -12,10 +12,8 @@
                    two CPU cores), printing their tables.
 
 Common flags: ``--backend numpy|cupy`` (default: cupy when CuPy imports and sees a GPU, else
-numpy), ``--seed``, ``--out``, ``--threads`` (numba threads of the CPU backend; default 1: the
-GEMMs here are small, and on a loaded two-core machine numba's spinning worker threads, competing
-with OpenBLAS's and other processes', made a small protected product 100x slower -- 12 ms instead
-of 0.12 ms in our measurement), ``--no-progress``.
+numpy), ``--seed``, ``--out``, ``--no-progress``. (The CPU checks are single-threaded: see
+bench/NOTES.md on threads next to OpenBLAS.)
 """
 from __future__ import annotations
 
@@ -59,8 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--backend", choices=("numpy", "cupy"), default=None,
                         help="array backend (default: cupy when a GPU is usable, else numpy)")
     common.add_argument("--seed", type=int, default=0, help="seed of everything random")
-    common.add_argument("--threads", type=int, default=1,
-                        help="numba threads of the CPU backend (default 1)")
     common.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
     parser = argparse.ArgumentParser(prog="abft", description=__doc__.split("\n\n")[0])
@@ -124,10 +120,6 @@ def main(argv: list[str] | None = None) -> int:
     elif args.backend == "cupy" and not gpu_usable():
         print("abft: --backend cupy, but CuPy is not installed or sees no GPU", file=sys.stderr)
         return 2
-    if args.backend == "numpy":
-        import numba
-
-        numba.set_num_threads(max(1, min(args.threads, numba.config.NUMBA_NUM_THREADS)))
     command = {"campaign": _campaign, "train": _train, "bench": _bench, "demo": _demo}
     return command[args.command](args)
 

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from abftgemm.checksums import accumulation_dtype, unit_roundoff
+from attention import _cpu_checks
 from abftgemm.report import Event, Report, UncorrectableError
 
 #: P entries below this fraction of their row's maximum are skipped by the log identity: their
@@ -74,17 +75,38 @@ def check_forward(p: Any, z: Any, visible: Any | None) -> tuple[bool, float, flo
 
     Rows whose visible scores are not all finite are left out: the scores were verified before
     the softmax, so such rows come from non-finite inputs and pass through as plain softmax
-    would compute them.
+    would compute them. NumPy arrays are checked by the numba kernel of
+    :mod:`attention._cpu_checks`, CuPy arrays by array operations; same invariants, same
+    tolerances.
     """
     xp = _xp(z)
     acc = z.dtype
     u = unit_roundoff(p.dtype) + z.shape[-1] * unit_roundoff(acc)
-    p = p.astype(acc)
+    if not z.size:
+        worst_row = worst_log = z_max = 0.0
+    elif xp is np:
+        visible_rows = None if visible is None else _cpu_checks.rows(visible)
+        worst_row, worst_log, z_max = _cpu_checks.forward_errors(
+            _cpu_checks.rows(p, acc), _cpu_checks.rows(z), visible_rows, LOG_CHECK_FLOOR)
+    else:
+        worst_row, worst_log, z_max = _forward_errors(p.astype(acc), z, visible)
+    row_tol = 4 * u
+    # relative error of P entries >= floor*top is ~u each; logs turn that into absolute ~2u
+    log_tol = 8 * u + 4 * unit_roundoff(acc) * z_max
+    ok = math.isfinite(worst_row) and math.isfinite(worst_log) and worst_row <= row_tol \
+        and worst_log <= log_tol
+    worst, tol = (worst_row, row_tol) if worst_row / row_tol >= worst_log / log_tol else \
+        (worst_log, log_tol)
+    return ok, worst, tol
+
+
+def _forward_errors(p: Any, z: Any, visible: Any | None) -> tuple[float, float, float]:
+    """Array-module version of :func:`attention._cpu_checks.forward_errors` (for CuPy)."""
+    xp = _xp(z)
     finite = xp.isfinite(z) if visible is None else (xp.isfinite(z) | ~visible)
     rows = finite.all(-1)
     rows_visible = xp.ones(p.shape[:-1], dtype=bool) if visible is None else visible.any(-1)
     row_error = xp.where(rows, xp.abs(p.sum(-1) - rows_visible), 0)
-    row_tol = 4 * u
     # log identity on the entries that matter
     top = p.max(axis=-1, keepdims=True)
     z_top = xp.take_along_axis(z, p.argmax(axis=-1)[..., None], axis=-1)
@@ -95,16 +117,8 @@ def check_forward(p: Any, z: Any, visible: Any | None) -> tuple[bool, float, flo
         log_gap = xp.log(xp.where(used, p, 1)) - xp.log(xp.where(top > 0, top, 1)) - (
             xp.where(used, z, 0) - xp.where(used, z_top, 0))
     log_error = xp.where(used, xp.abs(log_gap), 0)
-    # relative error of P entries >= floor*top is ~u each; logs turn that into absolute ~2u
-    z_max = float(xp.where(used, xp.abs(z), 0).max()) if z.size else 0.0
-    log_tol = 8 * u + 4 * unit_roundoff(acc) * z_max
-    worst_row = float(row_error.max()) if row_error.size else 0.0
-    worst_log = float(log_error.max()) if log_error.size else 0.0
-    ok = math.isfinite(worst_row) and math.isfinite(worst_log) and worst_row <= row_tol \
-        and worst_log <= log_tol
-    worst, tol = (worst_row, row_tol) if worst_row / row_tol >= worst_log / log_tol else \
-        (worst_log, log_tol)
-    return ok, worst, tol
+    return (float(row_error.max()), float(log_error.max()),
+            float(xp.where(used, xp.abs(z), 0).max()))
 
 
 def softmax_backward(dp: Any, p: Any, dtype: np.dtype) -> Any:
@@ -123,24 +137,41 @@ def check_backward(ds: Any, dp: Any, p: Any) -> tuple[bool, float, float]:
       for P stored in a low-precision dtype);
     - weighted by dP: ``sum_j dS_ij dP_ij = sum_j P_ij dP_ij**2 - r**2`` (a variance), which also
       catches faults that keep the plain sum, such as a scaled row.
+
+    Returns (ok, plain error, plain tolerance) of the row that is worst by either checksum.
+    NumPy arrays go through the numba kernel of :mod:`attention._cpu_checks`.
     """
     xp = _xp(ds)
     acc = ds.dtype
-    p, dp = p.astype(acc), dp.astype(acc)
-    terms = p * dp
-    r = terms.sum(-1)
     u = 8 * ds.shape[-1] * unit_roundoff(acc)
     tiny = float(np.finfo(acc).tiny)
+    if not ds.size:
+        return True, 0.0, tiny
+    if xp is np:
+        rows = _cpu_checks.rows
+        worst, err, tol = _cpu_checks.backward_ratio(rows(ds), rows(dp, acc), rows(p, acc), u,
+                                                     tiny)
+    else:
+        worst, err, tol = _backward_ratio(ds, dp.astype(acc), p.astype(acc), u, tiny)
+    return worst <= 1, err, tol
+
+
+def _backward_ratio(ds: Any, dp: Any, p: Any, u: float, tiny: float) -> tuple[float, float, float]:
+    """Array-module version of :func:`attention._cpu_checks.backward_ratio` (for CuPy)."""
+    xp = _xp(ds)
+    terms = p * dp
+    r = terms.sum(-1)
     plain_err = xp.abs(ds.sum(-1) - r * (1 - p.sum(-1)))
     plain_tol = u * (xp.abs(terms).sum(-1) + xp.abs(ds).sum(-1) + xp.abs(r)) + tiny
     second = (terms * dp).sum(-1)
     weighted_err = xp.abs((ds * dp).sum(-1) - (second - r * r))
     weighted_tol = u * (xp.abs(second) + r * r + xp.abs(ds * dp).sum(-1)) + tiny
-    ratio = xp.maximum(plain_err / plain_tol, weighted_err / weighted_tol)
+    with np.errstate(invalid="ignore"):  # NaN errors become an infinite ratio just below
+        ratio = xp.maximum(plain_err / plain_tol, weighted_err / weighted_tol)
     ratio = xp.where(xp.isfinite(ratio), ratio, np.inf)
     t = int(xp.argmax(ratio))
-    worst = float(ratio.reshape(-1)[t])
-    return worst <= 1, float(plain_err.reshape(-1)[t]), float(plain_tol.reshape(-1)[t])
+    return (float(ratio.reshape(-1)[t]), float(plain_err.reshape(-1)[t]),
+            float(plain_tol.reshape(-1)[t]))
 
 
 def checked(site: str, out: Any, recompute: Callable[[], Any],
