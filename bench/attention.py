@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -88,16 +88,20 @@ def site_costs(case: Case, repeats: int, warmup: int, gpu: bool) -> dict[str, fl
                                          probability=1.0 if s == site else 0.0)
                              for s, p in base_plan.sites.items()})
 
-    def timed(plan: CheckingPlan, check: str) -> float:
-        layer.plan = plan
-        return timing.time_many({"t": lambda: case.both(check)}, repeats, warmup, gpu=gpu)["t"]
+    def run(plan: CheckingPlan, check: str) -> Callable[[], object]:
+        def call() -> object:
+            layer.plan = plan
+            return case.both(check)
+        return call
 
-    off = timed(base_plan, "off")
-    none = timed(only(None), "correct")
-    costs = {"invariants": none - off}
-    for site in SITES:
-        costs[site] = timed(only(site), "correct") - none
+    # One interleaved series (every configuration once per round), so drift in the machine's
+    # speed during the measurement hits every configuration alike.
+    configs = {"off": run(base_plan, "off"), "none": run(only(None), "correct")}
+    configs.update({site: run(only(site), "correct") for site in SITES})
+    ms = timing.time_many(configs, repeats, warmup, gpu=gpu)
     layer.plan = base_plan
+    costs = {"invariants": ms["none"] - ms["off"]}
+    costs.update({site: ms[site] - ms["none"] for site in SITES})
     return costs
 
 
