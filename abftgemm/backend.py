@@ -11,7 +11,8 @@ batch dimension is either the full batch or 1 (broadcast):
 ``col_reduce(x, coef, out)`` / ``row_reduce(x, coef, out)``
     One pass over ``x`` producing, per column (resp. row) vector ``v`` of length ``L``, five float64
     numbers ``[sum(c0*v), sum(c1*v), sum(c2*|v|), count(!isfinite(v)), last non-finite index or -1]``.
-    ``coef`` has shape ``(batch or 1, L, 3)`` float64, or is None for ``c0=1, c1=index+1, c2=1``.
+    ``coef`` has shape ``(batch or 1, L, 3)`` float64, or is None for the defaults ``c0=1,
+    c1=(index+1)/L, c2=1``.
     ``out`` has shape ``(batch, vectors, 5)`` float64.
 ``both_reduce(x, col_coef, row_coef, out_col, out_row)``
     ``col_reduce`` and ``row_reduce`` of the same ``x`` in one read of it.
