@@ -2,7 +2,7 @@
 
 Usage::
 
-    python bench/attention.py [--backend numpy|cupy] [--json PATH] [--quick] [--sites]
+    python bench/attention.py [--backend numpy|cupy] [--json PATH] [--quick] [--sites] [--cases A,B]
 
 Cases (``(batch, heads, seq, head_dim)``): on the CPU small shapes in float32; on the GPU
 BERT-base (8, 12, 512, 64), BERT-large (8, 16, 512, 64), GPT-2 (8, 12, 1024, 64) and Llama-7B-like
@@ -162,6 +162,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     gpu = args.backend == "cupy"
     cases = (QUICK_GPU if args.quick else GPU_CASES) if gpu else \
         (QUICK_CPU if args.quick else CPU_CASES)
+    if args.cases:
+        known = {**GPU_CASES, **CPU_CASES, **QUICK_GPU, **QUICK_CPU}
+        unknown = sorted(set(args.cases.split(",")) - known.keys())
+        if unknown:
+            raise SystemExit(f"unknown case(s) {unknown}; known: {sorted(known)}")
+        cases = {name: known[name] for name in args.cases.split(",")}
     dtypes = ["float16", "bfloat16"] if gpu else ["float32"]
     repeats = args.repeats or (3 if args.quick else (10 if gpu else 5))
     warmup = 1 if args.quick else 2
@@ -206,6 +212,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="one small case, few repeats")
     parser.add_argument("--repeats", type=int, default=0)
     parser.add_argument("--sites", action="store_true", help="also measure per-site costs")
+    parser.add_argument("--cases", default="",
+                        help="comma-separated case names (default: the backend's set)")
     return parser.parse_args(argv)
 
 
