@@ -281,7 +281,37 @@ def _default_weights(length: int) -> np.ndarray:
 
 def _kernel_view(x: np.ndarray) -> np.ndarray:
     """float32/float64 data as is (any strides); 16-bit data upcast to float32."""
-    return x if x.dtype in (np.float32, np.float64) else x.astype(np.float32)
+    return x if x.dtype in (np.float32, np.float64) else _as_float32(x)
+
+
+def _as_float32(x: np.ndarray) -> np.ndarray:
+    """16-bit data as a new float32 array, exactly as ``x.astype(np.float32)``.
+
+    float16 goes through a table of all 65536 bit patterns: NumPy's own float16 conversion runs
+    a scalar loop (380 us for 512x512 here, against 58 us for the lookup). bfloat16 (ml_dtypes)
+    converts fast already.
+    """
+    if x.dtype != np.float16:
+        return x.astype(np.float32)
+    out = np.empty(x.shape, dtype=np.float32)
+    _lookup(np.ascontiguousarray(x).view(np.uint16).reshape(-1), _float16_table(),
+            out.reshape(-1))
+    return out
+
+
+@lru_cache(maxsize=1)
+def _float16_table() -> np.ndarray:
+    """The float32 value of every float16 bit pattern (NumPy's conversion, tabulated once)."""
+    table = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    table = table.astype(np.float32)
+    table.setflags(write=False)
+    return table
+
+
+@numba.njit(cache=True)
+def _lookup(bits: Any, table: Any, out: Any) -> None:
+    for i in range(bits.shape[0]):
+        out[i] = table[bits[i]]
 
 
 class CpuBackend:
@@ -305,9 +335,9 @@ class CpuBackend:
                 out += bias
             return
         # 16-bit: accumulate in float32 (as cuBLAS does with compute type 32F), round once.
-        acc = np.matmul(a.astype(np.float32), b.astype(np.float32))
+        acc = np.matmul(_as_float32(a), _as_float32(b))
         if bias is not None:
-            acc += bias.astype(np.float32)
+            acc += _as_float32(bias)
         out[...] = acc
 
     def col_reduce(self, x: np.ndarray, coef: np.ndarray | None, out: np.ndarray) -> None:
