@@ -112,6 +112,29 @@ def test_2d_faults_are_recomputed(xp):
 
 @pytest.mark.parametrize("xp", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_errors_that_locate_like_single_ones_are_never_rebuilt_into_invisible_ones(xp, dtype):
+    """Found by the deep hypothesis profile: a 4x4 tile of equal-magnitude errors whose signs make
+    every row's weighted checksum point at one column. Rebuilding those "single" errors left a
+    +-v pattern whose row, column and weighted sums all cancel: verified clean, returned wrong.
+    The rebuilt elements are now confirmed against a recomputation first."""
+    a = np.zeros((12, 7), dtype)
+    a[0:4, 0] = 1
+    b = np.ones((7, 8), dtype)
+    a, b = to(xp, a, b)  # the product is 1 in rows 0-3, 0 in the rows of the tile
+    signs = np.array([[1, 1, 1, -1], [1, 1, -1, 1], [1, 1, -1, 1], [1, 1, 1, -1]])
+
+    def hook(site, c):
+        # Each row's errors (cols 3-6, weights 4/8..7/8) sum to 2 v with weighted sum 8/8 v or
+        # 10/8 v: "a single error" at col 3 or 4. Columns 5 and 6 cancel in every checksum.
+        c[7:11, 3:7] = xp.asarray((signs * 16).astype(c.dtype))
+
+    c, report = abftgemm.matmul(a, b, fault_hook=hook, return_report=True)
+    assert report.detected and report.recomputed >= 1, report.summary()
+    np.testing.assert_array_equal(to_host(c), to_host(abftgemm.matmul(a, b, check="off")))
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_detect_reports_and_never_modifies(xp, dtype):
     rng = np.random.default_rng(2)
     a, b = to(xp, rng.integers(-3, 4, (20, 8)).astype(dtype), rng.integers(-3, 4, (8, 24)).astype(dtype))
