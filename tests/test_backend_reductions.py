@@ -130,3 +130,35 @@ def test_location_weighted_sum_of_near_inf_float64_stays_finite(xp):
     rows = to_host(out_row)[0]
     assert np.isfinite(rows[:, :3]).all(), rows[:3]
     np.testing.assert_allclose(rows[:, 1] / rows[:, 0] * 40 - 1, 33, atol=1e-6)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_flag_matches_reference(xp):
+    """``flag``: threshold, verifiability (finite prediction) and disagreement per vector, and the
+    two counts, including non-finite predictions and observations."""
+    rng = np.random.default_rng(0)
+    pred = rng.standard_normal((2, 500, 5))
+    obs = pred + rng.standard_normal((2, 500, 5)) * 1e-3
+    pred[..., 2], obs[..., 2], obs[..., 3] = np.abs(pred[..., 2]) * 10, np.abs(obs[..., 2]) * 10, 0
+    obs[0, 5, 0] += 100        # plain checksum off
+    obs[0, 6, 1] += 100        # weighted checksum off
+    pred[0, 7, 1] = np.nan     # unverifiable
+    obs[1, 9, 2] = np.inf      # observed |C| sum overflowed
+    obs[1, 11, 3] = 1          # a non-finite element
+    pred[1, 13, 0] = np.inf    # unverifiable
+    obs[1, 15, 0] = np.nan     # observed sum NaN
+    coefficients = (0.01, 0.02, 1e-9)
+    counts = xp.zeros(2, dtype=np.int64)
+    tau, bad, verifiable = get_backend(xp).flag(xp.asarray(pred), xp.asarray(obs), coefficients,
+                                                counts)
+    want_tau = 0.01 * obs[..., 2] + 0.02 * pred[..., 2] + 1e-9
+    ok = np.isfinite(pred[..., :3]).all(-1)
+    with np.errstate(invalid="ignore"):
+        within = ((np.abs(pred[..., 0] - obs[..., 0]) <= want_tau)
+                  & (np.abs(pred[..., 1] - obs[..., 1]) <= want_tau)
+                  & np.isfinite(obs[..., 2]) & (obs[..., 3] == 0))
+    np.testing.assert_allclose(to_host(tau), want_tau, rtol=1e-15)
+    np.testing.assert_array_equal(to_host(verifiable), ok)
+    np.testing.assert_array_equal(to_host(bad), ok & ~within)
+    assert to_host(counts).tolist() == [int((ok & ~within).sum()), int((~ok).sum())]
+    assert {(0, 5), (0, 6), (1, 9), (1, 11), (1, 15)} <= set(zip(*to_host(bad).nonzero()))
