@@ -22,7 +22,6 @@ from typing import Any, Callable
 import numpy as np
 
 from abftgemm.checksums import accumulation_dtype, unit_roundoff
-from attention import _cpu_checks
 from abftgemm.report import Event, Report, UncorrectableError
 
 #: P entries below this fraction of their row's maximum are skipped by the log identity: their
@@ -85,6 +84,8 @@ def check_forward(p: Any, z: Any, visible: Any | None) -> tuple[bool, float, flo
     if not z.size:
         worst_row = worst_log = z_max = 0.0
     elif xp is np:
+        from attention import _cpu_checks  # numba: loaded with the CPU path only
+
         visible_rows = None if visible is None else _cpu_checks.rows(visible)
         worst_row, worst_log, z_max = _cpu_checks.forward_errors(
             _cpu_checks.rows(p, acc), _cpu_checks.rows(z), visible_rows, LOG_CHECK_FLOOR)
@@ -148,6 +149,8 @@ def check_backward(ds: Any, dp: Any, p: Any) -> tuple[bool, float, float]:
     if not ds.size:
         return True, 0.0, tiny
     if xp is np:
+        from attention import _cpu_checks  # numba: loaded with the CPU path only
+
         rows = _cpu_checks.rows
         worst, err, tol = _cpu_checks.backward_ratio(rows(ds), rows(dp, acc), rows(p, acc), u,
                                                      tiny)
