@@ -8,8 +8,9 @@
                    loss.png under ``--out``.
 ``abft bench``     runs ``bench/gemm.py`` and ``bench/attention.py`` (when present) with the same
                    ``--backend``, writing ``gemm.json`` / ``attention.json`` under ``--out``.
-``abft demo``      a quick campaign and a quick training run (``make demo``; about a minute on
-                   two CPU cores), printing their tables.
+``abft demo``      a quick campaign and a quick training run (``make demo``; about 20 s on
+                   two CPU cores the first time, 8 s once the kernels are cached), printing
+                   their tables.
 
 Common flags: ``--backend numpy|cupy`` (default: cupy when CuPy imports and sees a GPU, else
 numpy), ``--seed``, ``--out``, ``--no-progress``. (The CPU checks are single-threaded: see
