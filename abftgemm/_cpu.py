@@ -311,8 +311,7 @@ def _as_float32(x: np.ndarray) -> np.ndarray:
 @lru_cache(maxsize=1)
 def _float16_table() -> np.ndarray:
     """The float32 value of every float16 bit pattern (NumPy's conversion, tabulated once)."""
-    table = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
-    table = table.astype(np.float32)
+    table = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
     table.setflags(write=False)
     return table
 
