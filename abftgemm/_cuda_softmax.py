@@ -17,11 +17,9 @@ import cupy
 import numpy
 
 from abftgemm import kernels
+from abftgemm._cuda import _INT32_MAX, _bits, _cdiv
 
 _BLOCK = 256  # 8 warps per block, one warp per score row
-_INT32_MAX = 2**31 - 1
-#: Unsigned integer dtypes of each item size, for bit copies that work for every element type.
-_BITS = {2: numpy.uint16, 4: numpy.uint32, 8: numpy.uint64}
 
 
 def softmax_rows(
@@ -80,7 +78,7 @@ def softmax_rows(
         if rows == 0 or seq == 0:
             return probs, stats
         kernel = _kernel(scores.device.id, dtype)
-        blocks = min(-(-rows // (_BLOCK // 32)), _INT32_MAX)
+        blocks = min(_cdiv(rows, _BLOCK // 32), _INT32_MAX)
         kernel((blocks,), (_BLOCK,),
                (scores, numpy.int64(rows), numpy.int32(seq), numpy.int32(seq),
                 numpy.int32(heads), numpy.float64(scale), key_mask,
@@ -103,8 +101,7 @@ def _check(
     batch = scores.shape[0] // heads
     if not scores.flags.c_contiguous:
         # Through unsigned bits: CuPy has no bfloat16 copy kernel to rely on.
-        bits = _BITS[scores.itemsize]
-        scores = cupy.ascontiguousarray(scores.view(bits)).view(scores.dtype)
+        scores = cupy.ascontiguousarray(_bits(scores)).view(scores.dtype)
     if key_mask is not None:
         if key_mask.shape != (batch, seq):
             raise ValueError(f"key_mask must be ({batch}, {seq}), got {key_mask.shape}")

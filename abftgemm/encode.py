@@ -19,10 +19,7 @@ def predict(be: Backend, op: Operands, a_checksums: Checksums | None,
     encoding and the predicted row checksums, ``b`` again for the predicted column checksums.
     """
     xp = op.xp
-    b_rows = _passed(b_checksums, "rows")
-    if b_rows is None:
-        b_rows = _reduce(be.row_reduce, op.b, None, op.b.shape[0], op.k)[..., :3]
-    b_rows = xp.ascontiguousarray(b_rows)
+    b_rows = _row_encoding_of_b(be, op, b_checksums)
     a_cols = _passed(a_checksums, "cols")
     if a_cols is None:
         batch = max(op.a.shape[0], b_rows.shape[0])
@@ -42,13 +39,19 @@ def predict(be: Backend, op: Operands, a_checksums: Checksums | None,
 def predict_rows(be: Backend, op: Operands, b_checksums: Checksums | None) -> Any:
     """Predicted row checksums only, float64 ``(batch, m, 5)`` (reads ``a`` once, ``b`` at most
     once)."""
-    b_rows = _passed(b_checksums, "rows")
-    if b_rows is None:
-        b_rows = _reduce(be.row_reduce, op.b, None, op.b.shape[0], op.k)[..., :3]
-    pred_row = _reduce(be.row_reduce, op.a, op.xp.ascontiguousarray(b_rows), op.batch, op.m)
+    pred_row = _reduce(be.row_reduce, op.a, _row_encoding_of_b(be, op, b_checksums), op.batch,
+                       op.m)
     if op.bias is not None:
         _add_bias_to_rows(op, pred_row)
     return pred_row
+
+
+def _row_encoding_of_b(be: Backend, op: Operands, b_checksums: Checksums | None) -> Any:
+    """``b``'s row encoding ``(batch or 1, k, 3)``, contiguous: handed in, or one pass over ``b``."""
+    b_rows = _passed(b_checksums, "rows")
+    if b_rows is None:
+        b_rows = _reduce(be.row_reduce, op.b, None, op.b.shape[0], op.k)[..., :3]
+    return op.xp.ascontiguousarray(b_rows)
 
 
 def _add_bias_to_cols(op: Operands, pred_col: Any) -> None:

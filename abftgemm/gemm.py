@@ -14,7 +14,7 @@ import numpy as np
 from abftgemm.backend import Backend, array_module, get_backend
 from abftgemm.checksums import Checksums
 from abftgemm.encode import observe, predict, predict_rows
-from abftgemm.locate import diagnose, verify, verify_rows
+from abftgemm.locate import Verdict, diagnose, verify, verify_rows
 from abftgemm.operands import Operands
 from abftgemm.repair import repair_batch
 from abftgemm.report import Report
@@ -155,16 +155,8 @@ class DeferredCheck:
         """
         op = self.op
         verdict = verify_rows(self.be, op, self.pred_row, obs_row)
-        report.events.extend(verdict.input_events(self.name))
         report.checked[self.name] = report.checked.get(self.name, 0) + op.batch
-        repaired = []
-        for b in ([] if verdict.clean else verdict.flagged_batches()):
-            if self.check == "detect":
-                report.events.append(diagnose(verdict, b).event(self.name, b, "reported"))
-                continue
-            repair_batch(self.be, op, self.out, b, verdict, self.name, report)
-            repaired.append(b)
-        return repaired
+        return _settle(self.be, op, self.out, verdict, self.check, self.name, report)
 
 
 def _protect(be: Backend, op: Operands, out: Any, check: str, name: str, report: Report,
@@ -173,14 +165,24 @@ def _protect(be: Backend, op: Operands, out: Any, check: str, name: str, report:
     obs_col, obs_row = observe(be, out)  # first: the product is freshest in cache
     pred_col, pred_row = predict(be, op, a_checksums, b_checksums)
     verdict = verify(be, op, pred_col, pred_row, obs_col, obs_row)
+    for b in _settle(be, op, out, verdict, check, name, report):
+        obs_col[b], obs_row[b] = (o[0] for o in observe(be, out[b:b + 1]))
+    return Checksums(cols=obs_col[..., :3], rows=obs_row[..., :3])
+
+
+def _settle(be: Backend, op: Operands, out: Any, verdict: Verdict, check: str, name: str,
+            report: Report) -> list[int]:
+    """Report what ``verdict`` found; with ``check == "correct"`` repair every flagged batch item
+    in place (or raise). Returns the batch indices that were repaired."""
     report.events.extend(verdict.input_events(name))
+    repaired = []
     for b in ([] if verdict.clean else verdict.flagged_batches()):
         if check == "detect":
             report.events.append(diagnose(verdict, b).event(name, b, "reported"))
             continue
         repair_batch(be, op, out, b, verdict, name, report)
-        obs_col[b], obs_row[b] = (o[0] for o in observe(be, out[b:b + 1]))
-    return Checksums(cols=obs_col[..., :3], rows=obs_row[..., :3])
+        repaired.append(b)
+    return repaired
 
 
 def checksums_of(x: Any, rows: bool = True) -> Checksums:

@@ -80,17 +80,25 @@ def check_forward(p: Any, z: Any, visible: Any | None) -> tuple[bool, float, flo
     """
     xp = _xp(z)
     acc = z.dtype
-    u = unit_roundoff(p.dtype) + z.shape[-1] * unit_roundoff(acc)
     if not z.size:
-        worst_row = worst_log = z_max = 0.0
+        errors = (0.0, 0.0, 0.0)
     elif xp is np:
         from attention import _cpu_checks  # numba: loaded with the CPU path only
 
         visible_rows = None if visible is None else _cpu_checks.rows(visible)
-        worst_row, worst_log, z_max = _cpu_checks.forward_errors(
-            _cpu_checks.rows(p, acc), _cpu_checks.rows(z), visible_rows, LOG_CHECK_FLOOR)
+        errors = _cpu_checks.forward_errors(_cpu_checks.rows(p, acc), _cpu_checks.rows(z),
+                                            visible_rows, LOG_CHECK_FLOOR)
     else:
-        worst_row, worst_log, z_max = _forward_errors(p.astype(acc), z, visible)
+        errors = _forward_errors(p.astype(acc), z, visible)
+    return _forward_verdict(errors, p.dtype, acc, z.shape[-1])
+
+
+def _forward_verdict(errors: tuple[float, float, float], p_dtype: np.dtype, acc: np.dtype,
+                     length: int) -> tuple[bool, float, float]:
+    """(ok, worst error, its tolerance) from ``(worst row-sum error, worst log-identity error,
+    largest |z| the identity used)`` of probabilities stored in ``p_dtype``, rows of ``length``."""
+    worst_row, worst_log, z_max = errors
+    u = unit_roundoff(p_dtype) + length * unit_roundoff(acc)
     row_tol = 4 * u
     # relative error of P entries >= floor*top is ~u each; logs turn that into absolute ~2u
     log_tol = 8 * u + 4 * unit_roundoff(acc) * z_max
@@ -144,8 +152,7 @@ def check_backward(ds: Any, dp: Any, p: Any) -> tuple[bool, float, float]:
     """
     xp = _xp(ds)
     acc = ds.dtype
-    u = 8 * ds.shape[-1] * unit_roundoff(acc)
-    tiny = float(np.finfo(acc).tiny)
+    u, tiny = _backward_tolerance(ds)
     if not ds.size:
         return True, 0.0, tiny
     if xp is np:
@@ -157,6 +164,11 @@ def check_backward(ds: Any, dp: Any, p: Any) -> tuple[bool, float, float]:
     else:
         worst, err, tol = _backward_ratio(ds, dp.astype(acc), p.astype(acc), u, tiny)
     return worst <= 1, err, tol
+
+
+def _backward_tolerance(ds: Any) -> tuple[float, float]:
+    """``(u, tiny)``: a row's tolerance is ``u * (sum of its magnitudes) + tiny``."""
+    return 8 * ds.shape[-1] * unit_roundoff(ds.dtype), float(np.finfo(ds.dtype).tiny)
 
 
 def _backward_ratio(ds: Any, dp: Any, p: Any, u: float, tiny: float) -> tuple[float, float, float]:

@@ -216,8 +216,6 @@ class Runner:
         if target is not None:
             extra["target_ratio"] = target
         self._record(group, shape, dtype, times["protected"], times["unprotected"], peers, extra)
-        del a, b, fns
-        self.free()
 
     def chained_case(self, shape: Shape, dtype: str) -> None:
         """``X @ W`` with X's encoding from the product that made X and W's encoding stored."""
@@ -249,8 +247,6 @@ class Runner:
                 "unprotected": timing.peak_memory_bytes(lambda: abftgemm.matmul(x, w, check="off"))}
         self._record("gemm-chained", shape, dtype, times["protected"], times["unprotected"],
                      {"abft-unchained": times["abft-unchained"]}, extra)
-        del x, x_cs, w, w_cs
-        self.free()
 
     def _record(self, group: str, shape: Shape, dtype: str, prot: float, unprot: float,
                 peers: dict[str, Any], extra: dict[str, Any]) -> None:
@@ -281,11 +277,14 @@ class Runner:
         torch = self.torch
         if torch is None:
             return {}
-        try:
+        def timed() -> dict[str, float]:
             ta, tb = _to_torch(torch, a, dtype), _to_torch(torch, b, dtype)
-            t = self.time({"torch.matmul": lambda: torch.matmul(ta, tb)}, events=timing.torch_events)
-            del ta, tb
-            torch.cuda.empty_cache()
+            return self.time({"torch.matmul": lambda: torch.matmul(ta, tb)},
+                             events=timing.torch_events)
+
+        try:
+            t = timed()
+            torch.cuda.empty_cache()  # the torch copies went with timed()'s frame
             return t
         except Exception as exc:
             self.note(f"torch.matmul skipped for {dtype}: {type(exc).__name__}: {str(exc)[:120]}")
@@ -436,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
                 runner.chained_case(shape, dtype)
             else:
                 runner.plain_case(group, shape, dtype)
+            runner.free()  # the case's operands went with its frame
     print()
     print(timing.format_table(runner.records))
     for text in runner.notes:

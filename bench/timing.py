@@ -140,16 +140,6 @@ def floor_ms(nbytes: float, TBps: float) -> float:
 # ------------------------------------------------------------------------------------ memory
 
 
-def pool_bytes() -> dict[str, int]:
-    """CuPy default memory pool ``used`` / ``total`` bytes and the device's ``free`` / ``capacity``."""
-    import cupy
-
-    pool = cupy.get_default_memory_pool()
-    free, capacity = cupy.cuda.runtime.memGetInfo()
-    return {"used": int(pool.used_bytes()), "total": int(pool.total_bytes()),
-            "free": int(free), "capacity": int(capacity)}
-
-
 def peak_memory_bytes(fn: Fn) -> dict[str, int]:
     """Device memory a call of ``fn`` needs beyond what is already in use.
 
