@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench gpu-check clean
+.PHONY: demo test bench gpu-check clean mutations
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# weaken thresholds, location, repair and softmax checks on purpose; the tests must notice
+# (about 7 minutes on 2 cores; scripts/mutation_check.py)
+mutations: $(STAMP)
+	$(BIN)/python scripts/mutation_check.py
 
 bench: $(STAMP)
 	$(BIN)/abft bench --out out/bench

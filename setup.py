@@ -19,7 +19,8 @@ setup(
         # CuPy, NVRTC and the CUDA headers, all from pip (no system CUDA toolkit needed).
         "kernels": ["cupy-cuda13x>=14.1.1", "cuda-toolkit[cudart,nvrtc]==13.*"],
         "plots": ["matplotlib>=3.7"],
-        "notebooks": ["nbformat>=5.9", "nbclient>=0.9", "ipykernel>=6.25"],
+        # The notebooks draw with matplotlib, so they pull in the plots extra's dependency too.
+        "notebooks": ["nbformat>=5.9", "nbclient>=0.9", "ipykernel>=6.25", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["abft=attention.__main__:main"]},
 )

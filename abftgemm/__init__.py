@@ -3,12 +3,14 @@
 ``abftgemm.matmul(a, b)`` is a drop-in for ``xp.matmul`` that detects, locates and corrects silent
 errors in the product (INF, NaN, near-INF and, beyond those, errors down to the rounding noise),
 recomputes what checksums cannot repair, and raises :class:`UncorrectableError` rather than return
-wrong data.
+wrong data. With ``check="detect"`` it leaves the data alone and announces every finding as a
+:class:`FaultDetectedWarning`.
 """
 from abftgemm.checksums import SUPPORTED_DTYPES, Checksums
 from abftgemm.gemm import CHECK_MODES, DeferredCheck, checksums_of, matmul, matmul_deferred
-from abftgemm.report import Event, Report, UncorrectableError
+from abftgemm.plan import Counters, ProtectedMatmul
+from abftgemm.report import Event, FaultDetectedWarning, Report, UncorrectableError
 
-__all__ = ["matmul", "matmul_deferred", "DeferredCheck", "checksums_of", "Checksums", "Report", "Event", "UncorrectableError", "CHECK_MODES",
-           "SUPPORTED_DTYPES"]
+__all__ = ["matmul", "ProtectedMatmul", "Counters", "matmul_deferred", "DeferredCheck", "checksums_of", "Checksums", "Report",
+           "Event", "UncorrectableError", "FaultDetectedWarning", "CHECK_MODES", "SUPPORTED_DTYPES"]
 __version__ = "0.1.0"

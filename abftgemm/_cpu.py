@@ -240,9 +240,32 @@ def _store_columns(x: Any, p: Any, out: Any) -> None:
             _scan(x[:, j], o)
 
 
+@numba.njit(cache=True, inline="always")
+def judge(p0: float, p1: float, p2: float, o0: float, o1: float, o2: float, o3: float,
+          c_obs: float, c_pred: float, floor: float, c_mag: float,
+          safe: float) -> tuple[float, bool, bool]:
+    """``(threshold, flagged, verifiable)`` of one vector from its predicted ``[plain, weighted,
+    S = sum |A||B|]`` and observed ``[plain, weighted, sum |C|, non-finite count]`` checksums
+    (the rule of backend.py ``flag``; reduce.cu's ``judge`` is the GPU's copy).
+
+    A non-finite element, or finite ones whose sums overflow, make the observed ``|C|`` sum and
+    so the threshold infinite: hence the separate finiteness test. Checksums judge a vector whose
+    inputs are finite (finite prediction) unless it may overflow (``S`` at or above ``safe``) and
+    did: that one is settled element by element on the rare path. A verifiable vector is flagged
+    when a checksum difference exceeds the threshold or its ``sum |C|`` exceeds the rigorous
+    bound ``c_mag * S + floor``.
+    """
+    t = c_obs * o2 + c_pred * p2 + floor
+    observed_finite = np.isfinite(o2) & (o3 == 0)
+    ok = np.isfinite(p0) & np.isfinite(p1) & np.isfinite(p2) & ((p2 < safe) | observed_finite)
+    within = ((abs(p0 - o0) <= t) & (abs(p1 - o1) <= t) & observed_finite
+              & (o2 <= c_mag * p2 + floor))
+    return t, ok and not within, ok
+
+
 @numba.njit(cache=True)
-def _flag(pred: Any, obs: Any, c_obs: float, c_pred: float, floor: float, tau: Any, bad: Any,
-          verifiable: Any, counts: Any) -> None:
+def _flag(pred: Any, obs: Any, c_obs: float, c_pred: float, floor: float, c_mag: float,
+          safe: float, tau: Any, bad: Any, verifiable: Any, counts: Any) -> None:
     """Threshold, verifiability and disagreement of every vector (see backend.py ``flag``).
 
     Written without short-circuit branches and with the counts kept in registers, so the loop
@@ -251,14 +274,8 @@ def _flag(pred: Any, obs: Any, c_obs: float, c_pred: float, floor: float, tau: A
     n_bad = 0
     n_unverifiable = 0
     for i in range(pred.shape[0]):
-        p0, p1, p2 = pred[i, 0], pred[i, 1], pred[i, 2]
-        o0, o1, o2, o3 = obs[i, 0], obs[i, 1], obs[i, 2], obs[i, 3]
-        t = c_obs * o2 + c_pred * p2 + floor
-        ok = np.isfinite(p0) & np.isfinite(p1) & np.isfinite(p2)
-        # A non-finite element, or finite ones whose sums overflow, make the observed |C| sum
-        # and so tau infinite: with finite predictions that is a fault on its own.
-        within = (abs(p0 - o0) <= t) & (abs(p1 - o1) <= t) & np.isfinite(o2) & (o3 == 0)
-        flagged = ok and not within
+        t, flagged, ok = judge(pred[i, 0], pred[i, 1], pred[i, 2], obs[i, 0], obs[i, 1],
+                               obs[i, 2], obs[i, 3], c_obs, c_pred, floor, c_mag, safe)
         tau[i] = t
         verifiable[i] = ok
         bad[i] = flagged
@@ -328,11 +345,11 @@ class CpuBackend:
     name = "numpy"
     xp = np
 
-    def flag(self, pred: np.ndarray, obs: np.ndarray, coefficients: tuple[float, float, float],
-             counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def flag(self, pred: np.ndarray, obs: np.ndarray,
+             coefficients: tuple[float, float, float, float], safe: float, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         shape = pred.shape[:-1]
         tau, bad, verifiable = np.empty(shape), np.empty(shape, bool), np.empty(shape, bool)
-        _flag(pred.reshape(-1, 5), obs.reshape(-1, 5), *coefficients, tau.reshape(-1),
+        _flag(pred.reshape(-1, 5), obs.reshape(-1, 5), *coefficients, safe, tau.reshape(-1),
               bad.reshape(-1), verifiable.reshape(-1), counts)
         return tau, bad, verifiable
 
@@ -347,6 +364,15 @@ class CpuBackend:
         if bias is not None:
             acc += _as_float32(bias)
         out[...] = acc
+
+    def synchronize(self) -> None:
+        """Nothing runs asynchronously on the CPU."""
+
+    def plan_workspace(self, op: Any, counters: Any, verify_columns: bool) -> Any:
+        """Workspaces and launches of a planned product (:mod:`abftgemm._cpu_plan`)."""
+        from abftgemm._cpu_plan import CpuWorkspace
+
+        return CpuWorkspace(op, counters, verify_columns)
 
     def col_reduce(self, x: np.ndarray, coef: np.ndarray | None, out: np.ndarray) -> None:
         _col_reduce(_kernel_view(x), _coef_major(coef, x.shape[1]), out)

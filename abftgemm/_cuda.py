@@ -17,7 +17,7 @@ with any non-negative batch stride. Anything else is copied to C order first.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import cupy
 import numpy
@@ -208,34 +208,26 @@ class CupyBackend:
         self, a: _Matrices, b: _Matrices, out: cupy.ndarray, m: int, n: int, k: int,
         dtype: str, accumulate: bool,
     ) -> None:
-        """Row-major ``out = a @ b (+ out)`` as column-major ``out^T = b^T a^T``."""
-        if dtype == "float64":
-            compute, one, zero = cublas.CUBLAS_COMPUTE_64F, _ONE64, _ZERO64
-        else:
-            # 32F, never a FAST_* type: fp32 data must not be rounded to TF32.
-            compute, one, zero = cublas.CUBLAS_COMPUTE_32F, _ONE32, _ZERO32
-        beta = one if accumulate else zero
-        # A row-major matrix read column-major is its transpose, which is what the swapped
-        # product wants (OP_N); a transposed one is the matrix itself, hence OP_T.
-        op_b = cublas.CUBLAS_OP_T if b.transposed else cublas.CUBLAS_OP_N
-        op_a = cublas.CUBLAS_OP_T if a.transposed else cublas.CUBLAS_OP_N
-        data_type = _DATA_TYPES[dtype]
+        """:func:`strided_batched` on CuPy's shared handle, its pointer and math modes set for
+        the call and restored after it."""
         handle = cupy.cuda.device.get_cublas_handle()
         restore = _plain_math(handle)
         try:
-            cublas.gemmStridedBatchedEx(
-                handle, op_b, op_a, n, m, k,
-                one.ctypes.data,
-                b.array.data.ptr, data_type, b.ld, b.batch_stride,
-                a.array.data.ptr, data_type, a.ld, a.batch_stride,
-                beta.ctypes.data,
-                out.data.ptr, data_type, n, m * n,
-                out.shape[0], compute, cublas.CUBLAS_GEMM_DEFAULT,
-            )
+            strided_batched(handle, a, b, out, m, n, k, dtype, accumulate)
         finally:
             restore()
 
     # ---------------------------------------------------------- reductions
+
+    def synchronize(self) -> None:
+        """Wait for the current stream (where every launch of this backend goes)."""
+        cupy.cuda.get_current_stream().synchronize()
+
+    def plan_workspace(self, op: Any, counters: Any, verify_columns: bool) -> Any:
+        """Workspaces and launches of a planned product (:mod:`abftgemm._cuda_plan`)."""
+        from abftgemm._cuda_plan import CudaWorkspace
+
+        return CudaWorkspace(op, counters, verify_columns)
 
     def col_reduce(self, x: cupy.ndarray, coef: cupy.ndarray | None, out: cupy.ndarray) -> None:
         """Checksums of every column of ``x`` ``(batch or 1, r, c)`` into ``out`` ``(batch, c, 5)``.
@@ -259,11 +251,12 @@ class CupyBackend:
         self.row_reduce(x, row_coef, out_row)
 
     def flag(self, pred: cupy.ndarray, obs: cupy.ndarray,
-             coefficients: tuple[float, float, float],
+             coefficients: tuple[float, float, float, float], safe: float,
              counts: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
         """Threshold, flags and counts of every vector in one launch (see reduce.cu abft_flag).
 
-        ``counts`` is a 2-element int64 array (bad, unverifiable) the kernel adds to.
+        ``safe`` bounds the predicted ``sum |A||B|`` of vectors that cannot overflow; ``counts``
+        is a 2-element int64 array (bad, unverifiable) the kernel adds to.
         """
         if pred.shape != obs.shape or pred.shape[-1] != 5:
             raise ValueError(f"pred {pred.shape} and obs {obs.shape} must match, (..., 5)")
@@ -274,11 +267,11 @@ class CupyBackend:
         verifiable = cupy.empty(shape, dtype=bool)
         n = tau.size
         if n:
-            c_obs, c_pred, floor = (numpy.float64(c) for c in coefficients)
+            c_obs, c_pred, floor, c_mag = (numpy.float64(c) for c in coefficients)
             kernel = self._kernel(kernels.FLAG)
             kernel((min(_cdiv(n, 256), 4096),), (256,),
-                   (pred, obs, c_obs, c_pred, floor, numpy.int64(n), tau, bad, verifiable,
-                    counts))
+                   (pred, obs, c_obs, c_pred, floor, c_mag, numpy.float64(safe), numpy.int64(n),
+                    tau, bad, verifiable, counts))
         return tau, bad, verifiable
 
     def _reduce(
@@ -339,6 +332,32 @@ class CupyBackend:
         if kernel is None:
             kernel = self._kernels[name] = _reduce_module().get_function(name)
         return kernel
+
+
+def strided_batched(handle: int, a: _Matrices, b: _Matrices, out: cupy.ndarray, m: int, n: int,
+                    k: int, dtype: str, accumulate: bool) -> None:
+    """Row-major ``out = a @ b (+ out)`` as column-major ``out^T = b^T a^T`` on ``handle``, which
+    must be in host pointer mode without TF32 math."""
+    if dtype == "float64":
+        compute, one, zero = cublas.CUBLAS_COMPUTE_64F, _ONE64, _ZERO64
+    else:
+        # 32F, never a FAST_* type: fp32 data must not be rounded to TF32.
+        compute, one, zero = cublas.CUBLAS_COMPUTE_32F, _ONE32, _ZERO32
+    beta = one if accumulate else zero
+    # A row-major matrix read column-major is its transpose, which is what the swapped
+    # product wants (OP_N); a transposed one is the matrix itself, hence OP_T.
+    op_b = cublas.CUBLAS_OP_T if b.transposed else cublas.CUBLAS_OP_N
+    op_a = cublas.CUBLAS_OP_T if a.transposed else cublas.CUBLAS_OP_N
+    data_type = _DATA_TYPES[dtype]
+    cublas.gemmStridedBatchedEx(
+        handle, op_b, op_a, n, m, k,
+        one.ctypes.data,
+        b.array.data.ptr, data_type, b.ld, b.batch_stride,
+        a.array.data.ptr, data_type, a.ld, a.batch_stride,
+        beta.ctypes.data,
+        out.data.ptr, data_type, n, m * n,
+        out.shape[0], compute, cublas.CUBLAS_GEMM_DEFAULT,
+    )
 
 
 def _plain_math(handle: int):

@@ -16,11 +16,14 @@ batch dimension is either the full batch or 1 (broadcast):
     ``out`` has shape ``(batch, vectors, 5)`` float64.
 ``both_reduce(x, col_coef, row_coef, out_col, out_row)``
     ``col_reduce`` and ``row_reduce`` of the same ``x`` in one read of it.
-``flag(pred, obs, (c_obs, c_pred, floor), counts) -> (tau, bad, verifiable)``
+``flag(pred, obs, (c_obs, c_pred, floor, c_mag), safe, counts) -> (tau, bad, verifiable)``
     Per vector of predicted/observed checksums ``(batch, vectors, 5)``: the threshold
-    ``c_obs * obs[2] + c_pred * pred[2] + floor``, whether the prediction is finite (verifiable),
-    and whether a verifiable vector disagrees (either checksum difference above the threshold, or
-    non-finite observed sums); adds the numbers of bad and unverifiable vectors to ``counts``.
+    ``c_obs * obs[2] + c_pred * pred[2] + floor``, whether checksums can judge it (verifiable:
+    the prediction is finite, and unless ``pred[2] < safe`` the observed elements are finite too,
+    otherwise it may have overflowed and is settled element by element), and whether a
+    verifiable vector disagrees (either checksum difference above the threshold, non-finite
+    observed elements, or an observed ``sum |C|`` above ``c_mag * pred[2] + floor``); adds the
+    numbers of bad and unverifiable vectors to ``counts``.
 
 Everything else (thresholds, classification, correction) is written once, on top of these, with
 array-module-generic code in :mod:`abftgemm.gemm`.
@@ -47,8 +50,8 @@ class Backend(Protocol):
     def both_reduce(self, x: Any, col_coef: Any | None, row_coef: Any | None, out_col: Any,
                     out_row: Any) -> None: ...
 
-    def flag(self, pred: Any, obs: Any, coefficients: tuple[float, float, float],
-             counts: Any) -> tuple[Any, Any, Any]: ...
+    def flag(self, pred: Any, obs: Any, coefficients: tuple[float, float, float, float],
+             safe: float, counts: Any) -> tuple[Any, Any, Any]: ...
 
 
 def is_cupy_array(x: object) -> bool:
@@ -62,6 +65,43 @@ def to_host(x: Any) -> Any:
     import numpy
 
     return x.get() if is_cupy_array(x) else numpy.asarray(x)
+
+
+def astype(x: Any, dtype: Any) -> Any:
+    """``x`` as ``dtype`` (``x`` itself when it already is), NumPy or CuPy.
+
+    CuPy has no bfloat16 arithmetic, so a CuPy bfloat16 array is widened through its bits (exact:
+    a bfloat16 is the top half of a float32). Converting a CuPy array *to* bfloat16 raises
+    TypeError.
+    """
+    import numpy
+
+    dtype = numpy.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    if is_cupy_array(x):
+        if dtype.name == "bfloat16":
+            raise TypeError(f"CuPy arrays cannot be converted to bfloat16 here (from {x.dtype})")
+        if x.dtype.name == "bfloat16":
+            x = (x.view(numpy.uint16).astype(numpy.uint32) << 16).view(numpy.float32)
+    return x.astype(dtype)
+
+
+def copy_into(out: Any, src: Any) -> None:
+    """Copy ``src`` into ``out`` (any layout; NumPy: ``src`` broadcasts), casting ``same_kind``.
+
+    Same-dtype copies go through unsigned-integer views, which CuPy supports for every element
+    type (bfloat16 included).
+    """
+    import numpy
+
+    bits = {2: numpy.uint16, 4: numpy.uint32, 8: numpy.uint64}.get(out.dtype.itemsize)
+    if out.dtype == src.dtype and bits is not None:
+        out.view(bits)[...] = src.view(bits)
+    elif is_cupy_array(out):
+        out[...] = astype(src, out.dtype)
+    else:
+        numpy.copyto(out, src, casting="same_kind")
 
 
 def array_module(*arrays: object) -> ModuleType:

@@ -1,9 +1,10 @@
 """Protected matrix product: encode -> GEMM -> verify -> locate -> correct (or recompute).
 
-Everything here is array-module generic; the heavy passes are the backend's primitives
-(:mod:`abftgemm.backend`). The fast path (no fault) costs one GEMM, one read of ``a``, two of
-``b`` (one when its encoding is passed in), one read of the product for both check directions,
-a flag pass over the checksums and a single device-to-host transfer of two counts.
+:func:`matmul` runs a cached plan (:mod:`abftgemm.plan_cache`): on the fast path one GEMM and two
+verification launches that read ``a``, ``b`` and the product once each, then one host read of
+the verdict. :func:`protect` is the full two-direction verification and repair, written once,
+array-module generic on top of the backends' primitives (:mod:`abftgemm.backend`): the rare path
+of every plan, and the check of ``directions="both"``.
 """
 from __future__ import annotations
 
@@ -16,31 +17,62 @@ from abftgemm.checksums import Checksums
 from abftgemm.encode import observe, predict, predict_rows
 from abftgemm.locate import Verdict, diagnose, verify, verify_rows
 from abftgemm.operands import Operands
+from abftgemm.plan import DIRECTIONS
+from abftgemm.plan_cache import cached_plan
+from abftgemm.nonfinite import settle_unverifiable
 from abftgemm.repair import repair_batch
-from abftgemm.report import Report
+from abftgemm.report import Report, announce
 
 FaultHook = Callable[[str, Any], None]
 CHECK_MODES = ("correct", "detect", "off")
 
 
-def matmul(a: Any, b: Any, *, bias: Any | None = None, check: str = "correct",
+def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
+           check: str = "correct", directions: str = "columns",
            fault_hook: FaultHook | None = None, name: str = "matmul",
            return_report: bool = False, a_checksums: Checksums | None = None,
            b_checksums: Checksums | None = None, return_checksums: bool = False) -> Any:
-    """Checksum-protected ``a @ b``: a drop-in for ``xp.matmul`` that detects and corrects faults.
+    """Checksum-protected ``a @ b``: a drop-in for ``np.matmul`` / ``cupy.matmul`` that detects
+    and corrects faults.
+
+    NumPy's semantics hold for NumPy arrays and CuPy's for CuPy arrays (shapes, broadcasting,
+    1-D operands, zero sizes, ``out``), with these deliberate differences: only float dtypes
+    (float16, bfloat16, float32, float64) are accepted, integer/bool/complex/object operands raise
+    TypeError instead of being computed or promoted to float64; bfloat16 @ bfloat16 returns
+    bfloat16 (NumPy computes it in float32 and returns float32); ``np.matrix`` and masked arrays
+    raise TypeError; other ndarray subclasses come back as plain arrays; NumPy's ``casting``,
+    ``order``, ``dtype``, ``subok`` and ``axes`` keywords are not taken.
 
     Parameters
     ----------
-    a : array (..., m, k) or (k,)
-        NumPy or CuPy array of float16, bfloat16 (ml_dtypes), float32 or float64.
-    b : array (..., k, n) or (k,)
-        Same array module and dtype as ``a``; batch dimensions broadcast as in ``matmul``.
+    a : array or array-like (..., m, k) or (k,)
+        NumPy or CuPy array of float16, bfloat16 (ml_dtypes), float32 or float64, any byte order;
+        NumPy array-likes (lists, objects with ``__array__``) are converted; CuPy operands need
+        CuPy arrays throughout, as ``cupy.matmul`` does.
+    b : array or array-like (..., k, n) or (k,)
+        Same array module as ``a``; batch dimensions broadcast as in ``matmul``. Mixed float
+        dtypes promote as ``np.matmul`` promotes (float16 with float32 -> float32, bfloat16 with
+        float16 or float32 -> float32, anything with float64 -> float64).
+    out : array, optional
+        Receives the result, which is returned (positional or keyword, as in ``np.matmul``). Any
+        layout; its dtype must accept the result under ``casting="same_kind"``; for NumPy its
+        leading dimensions may broadcast the result's, for CuPy its shape is the result's. A bad
+        ``out`` raises before anything is written. If the call raises
+        :class:`UncorrectableError`, the contents of ``out`` are unspecified.
     bias : array (n,), optional
-        Added to every row of the product, inside the protection (``a @ b + bias``).
+        Added to every row of the product, inside the protection (``a @ b + bias``); promoted
+        together with ``a`` and ``b``.
     check : {"correct", "detect", "off"}
         ``"correct"``: detect, locate, repair from checksums, recompute what they cannot repair,
         raise :class:`UncorrectableError` if no correct result can be delivered. ``"detect"``:
-        report, never modify. ``"off"``: the plain product.
+        report, never modify, and announce every finding as a :class:`FaultDetectedWarning`
+        (whether or not the report is returned). ``"off"``: the plain product.
+    directions : {"columns", "both"}
+        What every call verifies. ``"columns"`` (default): the column checksums, which detect
+        and locate a bad element or a bad row on one read of ``a``, ``b`` and the product; the
+        row checksums are computed only when a column flags (to repair a bad column).
+        ``"both"``: rows and columns on every call, which also detects errors that clear the row
+        threshold but not the column one (docs/detection.md compares the two).
     fault_hook : callable ``(site, c)``, optional
         Called with ``name`` and the raw product, shape ``(..., m, n)``, after the GEMM and before
         verification; it may modify ``c`` in place (fault injection).
@@ -50,16 +82,19 @@ def matmul(a: Any, b: Any, *, bias: Any | None = None, check: str = "correct",
         Also return the :class:`Report`.
     a_checksums, b_checksums : Checksums, optional
         Encodings handed on from earlier products: ``a_checksums.cols`` (column encoding of ``a``)
-        and ``b_checksums.rows`` (row encoding of ``b``) replace the encoding passes over the
-        operands. Batch dimensions are flattened: shape ``(batch or 1, vectors, 3)``.
+        replaces the read of ``a``; ``b_checksums`` is accepted for compatibility and unused (the
+        row direction is predicted afresh when it is needed). Batch dimensions are flattened:
+        shape ``(batch or 1, vectors, 3)``.
     return_checksums : bool
         Also return the :class:`Checksums` of the delivered product (flattened batch), ready to
-        pass to the next product.
+        pass to the next product: its column encoding (and the row encoding with
+        ``directions="both"``).
 
     Returns
     -------
     c : array (..., m, n)
-        The product, in ``a``'s array module. Followed by ``report`` and/or ``checksums`` when
+        The product, in ``a``'s array module (``out`` when given; a NumPy scalar for NumPy
+        vector @ vector, a 0-d array for CuPy). Followed by ``report`` and/or ``checksums`` when
         requested, in that order.
 
     Raises
@@ -71,27 +106,38 @@ def matmul(a: Any, b: Any, *, bias: Any | None = None, check: str = "correct",
     """
     if check not in CHECK_MODES:
         raise ValueError(f"check must be one of {CHECK_MODES}, got {check!r}")
-    be, op, out = _product(a, b, bias, fault_hook, name)
-    report = Report()
-    checksums = None
-    if check != "off" and out.size:
-        checksums = _protect(be, op, out, check, name, report, a_checksums, b_checksums)
-        report.checked[name] = report.checked.get(name, 0) + op.batch
-    result = op.restore(out)
+    if directions not in DIRECTIONS:
+        raise ValueError(f"directions must be one of {DIRECTIONS}, got {directions!r}")
+    op = Operands.prepare(a, b, bias, out)
+    report, checksums = Report(), None
+    if check == "off" or op.batch * op.m * op.n == 0:
+        _, _, buf = _product(op, fault_hook, name)
+    else:
+        buf = op.buffer()
+        plan = cached_plan(op, check, directions, name)
+        try:
+            plan.run(op, buf, fault_hook, a_checksums)
+            report, sums = plan.settle(checksums=True)
+        except BaseException:
+            plan.abandon()
+            raise
+        if return_checksums:  # the plan's are workspace views: the next call overwrites them
+            checksums = Checksums(*(None if x is None else op.xp.array(x)
+                                    for x in (sums.cols, sums.rows)))
+    result = op.deliver(buf)
     extras = ([report] if return_report else []) + ([checksums] if return_checksums else [])
     return (result, *extras) if extras else result
 
 
-def _product(a: Any, b: Any, bias: Any | None, fault_hook: FaultHook | None,
+def _product(op: Operands, fault_hook: FaultHook | None,
              name: str) -> tuple[Backend, Operands, Any]:
-    """Validate, run the GEMM into a fresh ``(batch, m, n)`` array, let ``fault_hook`` see it."""
-    op = Operands.prepare(a, b, bias)
+    """Run the GEMM into ``op``'s ``(batch, m, n)`` buffer, let ``fault_hook`` see it."""
     be = get_backend(op.xp)
-    out = op.xp.empty((op.batch, op.m, op.n), dtype=op.dtype)
-    be.gemm(op.a, op.b, out, op.bias)
+    buf = op.buffer()
+    be.gemm(op.a, op.b, buf, op.bias)
     if fault_hook is not None:
-        fault_hook(name, out.reshape(op.batch_shape + (op.m, op.n)))
-    return be, op, out
+        fault_hook(name, buf.reshape(op.batch_shape + (op.m, op.n)))
+    return be, op, buf
 
 
 def matmul_deferred(a: Any, b: Any, *, check: str = "correct",
@@ -121,7 +167,7 @@ def matmul_deferred(a: Any, b: Any, *, check: str = "correct",
     """
     if check not in CHECK_MODES:
         raise ValueError(f"check must be one of {CHECK_MODES}, got {check!r}")
-    be, op, out = _product(a, b, None, fault_hook, name)
+    be, op, out = _product(Operands.prepare(a, b), fault_hook, name)
     if check == "off" or not out.size:
         return op.restore(out), None
     return op.restore(out), DeferredCheck(be, op, out, predict_rows(be, op, b_checksums), check,
@@ -159,8 +205,8 @@ class DeferredCheck:
         return _settle(self.be, op, self.out, verdict, self.check, self.name, report)
 
 
-def _protect(be: Backend, op: Operands, out: Any, check: str, name: str, report: Report,
-             a_checksums: Checksums | None, b_checksums: Checksums | None) -> Checksums:
+def protect(be: Backend, op: Operands, out: Any, check: str, name: str, report: Report,
+            a_checksums: Checksums | None, b_checksums: Checksums | None) -> Checksums:
     """Verify ``out`` (and repair it when ``check == "correct"``); return its encodings."""
     obs_col, obs_row = observe(be, out)  # first: the product is freshest in cache
     pred_col, pred_row = predict(be, op, a_checksums, b_checksums)
@@ -173,8 +219,9 @@ def _protect(be: Backend, op: Operands, out: Any, check: str, name: str, report:
 def _settle(be: Backend, op: Operands, out: Any, verdict: Verdict, check: str, name: str,
             report: Report) -> list[int]:
     """Report what ``verdict`` found; with ``check == "correct"`` repair every flagged batch item
-    in place (or raise). Returns the batch indices that were repaired."""
-    report.events.extend(verdict.input_events(name))
+    in place (or raise); with ``check == "detect"`` announce every finding as a
+    :class:`~abftgemm.report.FaultDetectedWarning`. Returns the batch indices that were repaired."""
+    first_new = len(report.events)
     repaired = []
     for b in ([] if verdict.clean else verdict.flagged_batches()):
         if check == "detect":
@@ -182,7 +229,12 @@ def _settle(be: Backend, op: Operands, out: Any, verdict: Verdict, check: str, n
             continue
         repair_batch(be, op, out, b, verdict, name, report)
         repaired.append(b)
-    return repaired
+    # Elements no checksum could judge (non-finite inputs, overflow): settled one by one.
+    repaired += settle_unverifiable(be, op, out, verdict, check, name, report)
+    for event in report.events[first_new:]:
+        if event.action == "reported":  # detect mode: found and left in place
+            announce(event)
+    return sorted(set(repaired))
 
 
 def checksums_of(x: Any, rows: bool = True) -> Checksums:
@@ -196,7 +248,7 @@ def checksums_of(x: Any, rows: bool = True) -> Checksums:
     if x.ndim < 2:
         raise ValueError(f"checksums_of needs a matrix or a batch of matrices, got shape {x.shape}")
     r, c = x.shape[-2:]
-    x3 = x.reshape(-1, r, c)
+    x3 = x.reshape(int(np.prod(x.shape[:-2], dtype=np.int64)), r, c)  # -1: ambiguous at size 0
     be = get_backend(xp)
     if not rows:
         cols = xp.empty((x3.shape[0], c, 5), dtype=np.float64)

@@ -14,7 +14,7 @@ import numpy as np
 from abftgemm.backend import Backend, to_host
 from abftgemm.operands import Operands
 from abftgemm.report import Event
-from abftgemm.thresholds import threshold_coefficients
+from abftgemm.thresholds import safe_magnitude, threshold_coefficients
 
 #: A weighted-checksum ratio must land this close to an integer to count as a location.
 LOCATION_SLACK = 0.25
@@ -28,7 +28,7 @@ class Side:
     obs: Any         # (batch, vectors, 5) observed checksums (None: direction not checked)
     tau: Any         # (batch, vectors) threshold for the plain difference
     bad: Any         # (batch, vectors) bool: flagged
-    verifiable: Any  # (batch, vectors) bool: prediction finite (inputs finite)
+    verifiable: Any  # (batch, vectors) bool: checksums can judge it (backend.py ``flag``)
     length: int      # elements per vector
 
     @property
@@ -45,7 +45,7 @@ class Side:
 def _side(be: Backend, pred: Any, obs: Any, k: int, length: int, dtype: np.dtype, bias: bool,
           counts: Any) -> Side:
     coefficients = threshold_coefficients(k, length, dtype, bias)
-    tau, bad, verifiable = be.flag(pred, obs, coefficients, counts)
+    tau, bad, verifiable = be.flag(pred, obs, coefficients, safe_magnitude(k, dtype), counts)
     return Side(pred, obs, tau, bad, verifiable, length)
 
 
@@ -67,21 +67,20 @@ class Verdict:
         any_bad = self.cols.bad.any(-1) | self.rows.bad.any(-1)
         return [int(b) for b in to_host(any_bad).nonzero()[0]]
 
-    def input_events(self, site: str) -> list[Event]:
-        """One ``input-nonfinite`` event per batch item whose inputs hold INF/NaN."""
+    def unverifiable(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows and columns of batch item ``b`` that checksums could not judge (host index
+        arrays; every column when the column side is absent)."""
+        rows, cols = (to_host(side.verifiable[min(b, side.verifiable.shape[0] - 1)])
+                      for side in (self.rows, self.cols))
+        return (~rows).nonzero()[0], (~cols).nonzero()[0]
+
+    def unverifiable_batches(self) -> list[int]:
+        """Batch indices with an element that no judged vector covers (host list): an element
+        in a judged row or column was verified by it (or flagged)."""
         if self.n_unverifiable == 0:
             return []
-        cols, rows = (~to_host(side.verifiable) & (side.pred is not None)
-                      for side in (self.cols, self.rows))
-        batch = max(cols.shape[0], rows.shape[0])
-        events = []
-        for b in range(batch):
-            r, c = rows[min(b, rows.shape[0] - 1)], cols[min(b, cols.shape[0] - 1)]
-            if c.any() or r.any():
-                events.append(Event(site, b, "input-nonfinite", tuple(map(int, r.nonzero()[0])),
-                                    tuple(map(int, c.nonzero()[0])), float("nan"), float("nan"),
-                                    "passed-through"))
-        return events
+        both = ~self.rows.verifiable.all(-1) & ~self.cols.verifiable.all(-1)
+        return [int(b) for b in to_host(both).nonzero()[0]]
 
 
 def verify(be: Backend, op: Operands, pred_col: Any, pred_row: Any, obs_col: Any,
@@ -139,7 +138,7 @@ def diagnose(verdict: Verdict, b: int) -> Diagnosis:
     rows = sorted(set(map(int, R)) | {i for i, _ in cells})
     cols = sorted(set(map(int, K)) | {j for _, j in cells})
     if cells:
-        pattern = _shape(cells)
+        pattern = cell_pattern(cells)
     elif len(K) == 0 or len(R) == 0:
         # One direction flags, the other (fully verifiable) sees nothing: the predicted checksum
         # is suspect, or errors cancel in the silent direction. Repair decides which.
@@ -183,7 +182,8 @@ def _consistent(flagged: np.ndarray, located: np.ndarray, other_flagged: np.ndar
     return bool(confirmed.all() and np.isin(other_flagged, located).all())
 
 
-def _shape(cells: list[tuple[int, int]]) -> str:
+def cell_pattern(cells: list[tuple[int, int]]) -> str:
+    """``0D``, ``1R``, ``1C`` or ``2D``: the shape of a set of ``(row, col)`` cells."""
     rows, cols = {i for i, _ in cells}, {j for _, j in cells}
     if len(cells) == 1:
         return "0D"

@@ -13,8 +13,7 @@ The order, each step re-verified against checksums derived afresh from the input
    column and weighted sums all cancel): without the confirmation that product verified clean
    and was returned wrong;
 3. recompute the flagged rows and columns from the inputs (2D, several errors per vector);
-4. recompute the whole matrix; if what still disagrees is INF where the exact product exceeds
-   the dtype's range, that is overflow, as plain matmul gives, and is passed through;
+4. recompute the whole matrix;
 5. raise :class:`~abftgemm.report.UncorrectableError` with the report.
 """
 from __future__ import annotations
@@ -27,7 +26,7 @@ from abftgemm.backend import Backend, to_host
 from abftgemm.encode import observe, predict
 from abftgemm.locate import Diagnosis, Verdict, diagnose, verify
 from abftgemm.operands import Operands, item
-from abftgemm.report import Event, Report, UncorrectableError
+from abftgemm.report import Report, UncorrectableError
 from abftgemm.thresholds import element_tolerance, threshold
 
 
@@ -55,15 +54,8 @@ def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, 
         report.events.append(diagnosis.event(site, b, "recomputed"))
         return
     be.gemm(one.a, one.b, view, one.bias)
-    final = _reverify(be, one, view, pred)
-    if final.clean:
+    if _reverify(be, one, view, pred).clean:
         report.events.append(diagnosis.event(site, b, "recomputed", pattern="2D"))
-        return
-    overflow = _overflowed(one, view[0])
-    if overflow is not None and _explained_by(final, overflow):
-        report.events.append(Event(site, b, "overflow", tuple(sorted(set(overflow[0]))),
-                                   tuple(sorted(set(overflow[1]))), float("inf"), float("nan"),
-                                   "passed-through"))
         return
     report.events.append(diagnosis.event(site, b, "reported"))
     raise UncorrectableError(f"{site}[{b}]: the product does not verify even after recomputation",
@@ -96,10 +88,10 @@ def _recompute_vectors(be: Backend, one: Operands, c: Any, diagnosis: Diagnosis)
     xp = one.xp
     if diagnosis.rows:
         rows = xp.asarray(np.array(diagnosis.rows))
-        c[rows, :] = _product_rows(be, one, rows)
+        c[rows, :] = product_rows(be, one, rows)
     if diagnosis.cols:
         cols = xp.asarray(np.array(diagnosis.cols))
-        c[:, cols] = _product_cols(be, one, cols)
+        c[:, cols] = product_cols(be, one, cols)
 
 
 def _rebuilt_as_recomputed(be: Backend, one: Operands, c: Any, diagnosis: Diagnosis,
@@ -117,10 +109,10 @@ def _rebuilt_as_recomputed(be: Backend, one: Operands, c: Any, diagnosis: Diagno
     unique_rows, row_of = np.unique(rows, return_inverse=True)
     unique_cols, col_of = np.unique(cols, return_inverse=True)
     if len(unique_rows) * one.n <= one.m * len(unique_cols):
-        part = _product_rows(be, one, xp.asarray(unique_rows))
+        part = product_rows(be, one, xp.asarray(unique_rows))
         recomputed = part[xp.asarray(row_of), xp.asarray(cols)]
     else:
-        part = _product_cols(be, one, xp.asarray(unique_cols))
+        part = product_cols(be, one, xp.asarray(unique_cols))
         recomputed = part[xp.asarray(rows), xp.asarray(col_of)]
     rebuilt = c[xp.asarray(rows), xp.asarray(cols)]
     side, vectors = (fresh.cols, cols) if diagnosis.direction == "cols" else (fresh.rows, rows)
@@ -134,50 +126,17 @@ def _rebuilt_as_recomputed(be: Backend, one: Operands, c: Any, diagnosis: Diagno
     return bool((gap <= tolerance).all())
 
 
-def _product_rows(be: Backend, one: Operands, rows: Any) -> Any:
+def product_rows(be: Backend, one: Operands, rows: Any) -> Any:
     """Rows ``rows`` of the product, ``(len(rows), n)``, recomputed with the backend's GEMM."""
     part = one.xp.empty((1, len(rows), one.n), dtype=one.dtype)
     be.gemm(one.a[0][rows][None], one.b, part, one.bias)
     return part[0]
 
 
-def _product_cols(be: Backend, one: Operands, cols: Any) -> Any:
+def product_cols(be: Backend, one: Operands, cols: Any) -> Any:
     """Columns ``cols`` of the product, ``(m, len(cols))``, recomputed with the backend's GEMM."""
     xp = one.xp
     part = xp.empty((1, one.m, len(cols)), dtype=one.dtype)
     bias = None if one.bias is None else xp.ascontiguousarray(one.bias[cols])
     be.gemm(one.a, xp.ascontiguousarray(one.b[0][:, cols])[None], part, bias)
     return part[0]
-
-
-def _overflowed(one: Operands, c: Any) -> tuple[list[int], list[int]] | None:
-    """Positions of the INF elements of ``c`` if every one is a genuine overflow, else None.
-
-    Checked element by element against the exact (float64) dot product: an INF is genuine when
-    that product, rounded to the dtype, overflows with the same sign.
-    """
-    xp = one.xp
-    rows, cols = (_host_ints(ix) for ix in xp.nonzero(xp.isinf(c)))
-    if not rows:
-        return None
-    a = to_host(one.a[0][xp.asarray(np.array(rows))]).astype(np.float64)
-    b = to_host(one.b[0][:, xp.asarray(np.array(cols))]).astype(np.float64)
-    exact = (a * b.T).sum(axis=1)
-    if one.bias is not None:
-        exact += to_host(one.bias).astype(np.float64)[cols]
-    delivered = to_host(c[xp.asarray(np.array(rows)), xp.asarray(np.array(cols))]).astype(np.float64)
-    with np.errstate(over="ignore"):  # overflowing to INF is the point of the comparison
-        rounded = exact.astype(c.dtype).astype(np.float64)
-    return (rows, cols) if bool((rounded == delivered).all()) else None
-
-
-def _explained_by(verdict: Verdict, overflow: tuple[list[int], list[int]]) -> bool:
-    """True when every vector still flagged holds one of the overflowed elements."""
-    rows, cols = set(overflow[0]), set(overflow[1])
-    bad_rows = set(to_host(verdict.rows.bad[0]).nonzero()[0].tolist())
-    bad_cols = set(to_host(verdict.cols.bad[0]).nonzero()[0].tolist())
-    return bad_rows <= rows and bad_cols <= cols
-
-
-def _host_ints(ix: Any) -> list[int]:
-    return [int(i) for i in to_host(ix)]

@@ -1,6 +1,9 @@
-"""What a protected product found and did: :class:`Event`, :class:`Report`, :class:`UncorrectableError`."""
+"""What a protected product found and did: :class:`Event`, :class:`Report`,
+:class:`UncorrectableError`, and :class:`FaultDetectedWarning` for findings left in place."""
 from __future__ import annotations
 
+import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -114,3 +117,41 @@ class UncorrectableError(RuntimeError):
     def __init__(self, message: str, report: Report):
         super().__init__(f"{message}\n{report.summary()}")
         self.report = report
+
+
+class FaultDetectedWarning(UserWarning):
+    """A check with ``check="detect"`` found a fault and left the output as it was computed.
+
+    One warning per finding (one :class:`Event` with action ``"reported"``), naming the site,
+    pattern and location, attributed to the line that called the library. Clean calls never
+    warn, nor do non-finite inputs or a genuine overflow (they are not faults). Filter it like any
+    warning: ``warnings.simplefilter("error", abftgemm.FaultDetectedWarning)`` stops at the first
+    fault; ``"ignore"`` when you read the :class:`Report` yourself.
+    """
+
+
+#: Top-level packages whose frames a warning skips to reach the user's line (see
+#: :func:`register_library_package`).
+_LIBRARY_PACKAGES = {"abftgemm"}
+
+
+def register_library_package(package: str) -> None:
+    """Attribute :class:`FaultDetectedWarning` to the callers of ``package`` rather than to
+    ``package`` itself: for libraries built on abftgemm (the attention layer registers itself)."""
+    _LIBRARY_PACKAGES.add(package)
+
+
+def announce(event: Event) -> None:
+    """Warn (:class:`FaultDetectedWarning`) about a fault that a detect-mode check left in place."""
+    warnings.warn(f"fault detected and left in place (check='detect'): {event}",
+                  FaultDetectedWarning, stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """``stacklevel`` for :func:`warnings.warn` called from :func:`announce` that points at the
+    first frame outside the library packages."""
+    frame, level = sys._getframe(2), 2  # 1: announce; 2: announce's caller
+    while frame is not None and \
+            frame.f_globals.get("__name__", "").partition(".")[0] in _LIBRARY_PACKAGES:
+        frame, level = frame.f_back, level + 1
+    return level

@@ -4,9 +4,19 @@ Strategies build NumPy operands (move them with ``xp.asarray``); the helpers acc
 Small-integer-valued operands make every product exact in every supported dtype, so detection,
 location and correction can be asserted with ``==``.
 
+Which assertion when:
+
+- :func:`assert_protected` for a product computed with a fault injected (``fault_hook``): it
+  states the library's guarantee, which allows a fault too small to tell from rounding to stay.
+- :func:`assert_matches_reference` for a product computed without faults: rounding only.
+  Under injected faults it fails on low-mantissa bit flips that no check can see.
+
 >>> from hypothesis import given
 >>> @given(ab=operand_pairs(np.float32), fault=faults())
-... def test_mine(ab, fault): ...
+... def test_mine(ab, fault):
+...     a, b = ab
+...     c, report = abftgemm.matmul(a, b, fault_hook=fault, return_report=True)
+...     assert_protected(c, a, b, report)
 """
 from __future__ import annotations
 
@@ -19,6 +29,8 @@ from hypothesis.extra import numpy as hnp
 from abftgemm.backend import to_host
 from abftgemm.checksums import SUPPORTED_DTYPES
 from abftgemm.faults import KINDS, PATTERNS, Fault, bit_layout
+from abftgemm.gemm import matmul
+from abftgemm.report import Report
 from abftgemm.thresholds import element_tolerance, threshold
 
 #: Largest |value| of integer-valued operands per dtype, and the largest k that keeps every partial
@@ -83,7 +95,12 @@ def reference(a: Any, b: Any) -> np.ndarray:
 
 
 def assert_matches_reference(c: Any, a: Any, b: Any) -> None:
-    """Assert ``c`` is ``a @ b`` up to the rounding the threshold model allows (NaN where INF/NaN)."""
+    """Assert ``c`` is ``a @ b`` up to the rounding the threshold model allows (NaN where INF/NaN).
+
+    For fault-free products (no ``fault_hook``, or ``check="off"``). With a fault injected use
+    :func:`assert_protected`: a flip of a low mantissa bit changes an element by less than any
+    check can tell from rounding, stays in the output by design, and fails this assertion.
+    """
     a64, b64 = to_host(a).astype(np.float64), to_host(b).astype(np.float64)
     ref = np.matmul(a64, b64)
     tol = element_tolerance(np.matmul(np.abs(a64), np.abs(b64)), a64.shape[-1], to_host(c).dtype)
@@ -112,6 +129,64 @@ def silent_error_bound(a: Any, b: Any, c_clean: Any) -> np.ndarray:
     return np.maximum(tau_col, tau_row)
 
 
+def assert_protected(c: Any, a: Any, b: Any, report: Report, c_clean: Any | None = None) -> None:
+    """Assert that ``c``, a protected ``a @ b`` computed under an injected fault, keeps the
+    library's guarantee.
+
+    Every element of ``c`` is the fault-free product's, up to rounding, or differs from it by no
+    more than :func:`silent_error_bound` (a fault that small cannot be told from rounding, so it
+    may stay, reported or not), or ``report`` holds a ``"reported"`` event for its batch item
+    (``check="detect"``: found and left in place). With ``check="correct"`` nothing is left
+    reported, so every larger error fails the assertion: it must have been repaired. A non-finite
+    element counts as a larger error. Elements whose fault-free value is INF/NaN (non-finite
+    inputs, overflow) are not compared.
+
+    Use it, rather than :func:`assert_matches_reference`, whenever a fault was injected.
+
+    Parameters
+    ----------
+    c : array or scalar
+        What :func:`abftgemm.matmul` returned (NumPy or CuPy).
+    a, b : array
+        The operands it was given.
+    report : Report
+        The report of the same call (``return_report=True``).
+    c_clean : array, optional
+        The fault-free product; default ``abftgemm.matmul(a, b, check="off")``. Pass it for a
+        product with ``bias``.
+    """
+    a_h, b_h = to_host(a), to_host(b)
+    clean = np.asarray(to_host(matmul(a, b, check="off") if c_clean is None else c_clean))
+    got = np.asarray(to_host(c))
+    assert got.shape == clean.shape, f"c has shape {got.shape}, the product {clean.shape}"
+    a2 = a_h[None, :] if a_h.ndim == 1 else a_h  # 1-D operands as matrices: (m, n) per item
+    b2 = b_h[:, None] if b_h.ndim == 1 else b_h
+    full = np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2]) + (a2.shape[-2], b2.shape[-1])
+    clean, got = clean.reshape(full), got.reshape(full)
+    a64, b64 = a2.astype(np.float64), b2.astype(np.float64)
+    # c and c_clean each sit within the element tolerance of the exact product when fault-free
+    # (a recomputation may sum in another order): twice it, plus what a silent fault may add.
+    allowed = silent_error_bound(a2, b2, clean) + 2 * element_tolerance(
+        np.matmul(np.abs(a64), np.abs(b64)), a64.shape[-1], clean.dtype)
+    clean64, got64 = clean.astype(np.float64), got.astype(np.float64)
+    with np.errstate(invalid="ignore"):  # INF - INF where a fault made an element INF
+        beyond = ~(np.abs(got64 - clean64) <= allowed) & np.isfinite(clean64)
+    batch = int(np.prod(full[:-2], dtype=np.int64))
+    per_item = beyond.reshape(batch, -1).any(-1) if beyond.size else np.zeros(batch, bool)
+    reported = {e.batch for e in report.events if e.action == "reported"}
+    unexplained = [i for i in np.flatnonzero(per_item).tolist() if i not in reported]
+    if unexplained:
+        at = np.unravel_index(np.flatnonzero(beyond.reshape(batch, -1)[unexplained[0]])[0],
+                              full[-2:])
+        where = tuple(int(i) for i in (np.unravel_index(unexplained[0], full[:-2])
+                                       if len(full) > 2 else ()) + at)
+        raise AssertionError(
+            f"c differs from the fault-free product by more than the silent-error bound in batch "
+            f"items {unexplained} that the report does not mark as detected; first at {where}: "
+            f"{got64[where]:.9g} vs {clean64[where]:.9g} (allowed {allowed[where]:.3g})\n"
+            f"{report.summary()}")
+
+
 def exponent_bits(dtype: Any) -> range:
     """Bit positions of the exponent field of ``dtype``."""
     mantissa, exponent = bit_layout(dtype)
@@ -119,4 +194,4 @@ def exponent_bits(dtype: Any) -> range:
 
 
 __all__ = ["dtypes", "matmul_shapes", "operand_pairs", "faults", "reference",
-           "assert_matches_reference", "silent_error_bound", "exponent_bits"]
+           "assert_matches_reference", "assert_protected", "silent_error_bound", "exponent_bits"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from abftgemm.checksums import accumulation_dtype, smallest_normal, unit_roundoff
@@ -43,10 +44,12 @@ _MARGIN = 1.01
 
 
 def threshold_coefficients(k: int, length: int, dtype: np.dtype,
-                           bias: bool = False) -> tuple[float, float, float]:
-    """``(c_obs, c_pred, floor)`` with ``threshold = c_obs * obs_abs + c_pred * pred_abs + floor``.
+                           bias: bool = False) -> tuple[float, float, float, float]:
+    """``(c_obs, c_pred, floor, c_mag)`` of the checks of one vector.
 
-    The backends evaluate this linear form on the device (see :func:`threshold` for the terms).
+    ``threshold = c_obs * obs_abs + c_pred * pred_abs + floor`` bounds the checksum differences
+    (see :func:`threshold` for the terms); ``c_mag * pred_abs + floor`` bounds the observed
+    ``sum |C|`` (see :func:`magnitude_coefficient`). The backends evaluate both on the device.
     """
     u_out = unit_roundoff(dtype)
     u_acc = unit_roundoff(accumulation_dtype(dtype))
@@ -55,7 +58,25 @@ def threshold_coefficients(k: int, length: int, dtype: np.dtype,
     if bias:
         c_pred += u_out
     floor = smallest_normal(dtype) * (length + k)
-    return _MARGIN * u_out + checksum, c_pred, floor
+    return (_MARGIN * u_out + checksum, c_pred, floor,
+            magnitude_coefficient(k, length, dtype))
+
+
+def magnitude_coefficient(k: int, length: int, dtype: np.dtype) -> float:
+    """``c_mag`` with ``sum |C| <= c_mag * S + floor`` over any fault-free vector of the product.
+
+    Every element is a length-``k`` dot product (plus a bias) whose every rounding, in any
+    summation order, grows it by at most ``(1 + u_acc)``: ``|C_ij| <= (1 + u_acc)**(k + 1) P_ij``;
+    rounding to the output dtype, and once more where a bias is added after the product was
+    rounded, adds ``(1 + u_out)**2``; the float64 sums of ``|C|`` and of ``S`` add at most
+    ``(1 + u64)**(length + k)`` each. A rigorous bound, so it never flags clean data; it catches
+    what the checksum differences can miss: large errors whose signs cancel in both the plain and
+    the weighted sum of a vector (a +-near-INF pattern symmetric about the vector's middle).
+    """
+    u_out = unit_roundoff(dtype)
+    u_acc = unit_roundoff(accumulation_dtype(dtype))
+    growth = math.exp((k + 1) * math.log1p(u_acc)) * (1 + u_out) ** 2
+    return growth * math.exp(2 * (length + k) * math.log1p(_U64)) * _MARGIN
 
 
 def threshold(pred_abs: Any, obs_abs: Any, k: int, length: int, dtype: np.dtype,
@@ -83,7 +104,7 @@ def threshold(pred_abs: Any, obs_abs: Any, k: int, length: int, dtype: np.dtype,
     -------
     array, float64, same shape as ``pred_abs``.
     """
-    c_obs, c_pred, floor = threshold_coefficients(k, length, dtype, bias)
+    c_obs, c_pred, floor, _ = threshold_coefficients(k, length, dtype, bias)
     return c_obs * obs_abs + c_pred * pred_abs + floor
 
 
@@ -97,3 +118,36 @@ def element_tolerance(pred_abs: Any, k: int, dtype: np.dtype) -> Any:
     u_acc = unit_roundoff(accumulation_dtype(dtype))
     return (KAPPA * u_acc * math.sqrt(max(k, 1)) + 2 * u_out) * pred_abs \
         + smallest_normal(dtype) * (k + 1)
+
+
+def largest_finite(dtype: np.dtype) -> float:
+    """Largest finite value of ``dtype`` (bfloat16 included)."""
+    return float(ml_dtypes.finfo(np.dtype(dtype)).max)
+
+
+def growth_margin(k: int, dtype: np.dtype) -> float:
+    """``delta`` with ``|any partial sum| <= (1 + delta) * sum |terms|`` in the GEMM's accumulator.
+
+    A length-``k`` dot product (plus a bias term) rounds each product and each addition once:
+    ``(1 + u_acc)**(k + 1) - 1 <= 1.01 (k + 1) u_acc`` while ``(k + 1) u_acc <= 0.01``
+    (Higham, Lemma 3.1), a rigorous bound whatever the summation order.
+    """
+    return 1.01 * (max(k, 1) + 1) * unit_roundoff(accumulation_dtype(dtype))
+
+
+def overflow_limits(dtype: np.dtype) -> tuple[float, float]:
+    """``(output limit, accumulator limit)``: the largest finite values of ``dtype`` and of the
+    precision the GEMM accumulates in (float32 for 16-bit data)."""
+    return largest_finite(dtype), largest_finite(accumulation_dtype(dtype))
+
+
+def safe_magnitude(k: int, dtype: np.dtype) -> float:
+    """Bound on ``S = sum |A||B|`` (of a vector, or ``P_ij`` of one element) below which no
+    element can overflow.
+
+    Every partial sum of an element, and the element itself, is at most ``(1 + delta) P_ij`` in
+    magnitude (:func:`growth_margin`), and ``P_ij <= S`` for every element of the vector; below
+    this bound neither the accumulator nor the rounding to ``dtype`` can reach INF, so a vector
+    with finite inputs and ``S`` under it cannot legitimately hold INF or NaN.
+    """
+    return min(overflow_limits(dtype)) / (1 + growth_margin(k, dtype))

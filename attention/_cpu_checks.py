@@ -71,7 +71,10 @@ def backward_ratio(ds: Any, dp: Any, p: Any, u: float, tiny: float) -> tuple[flo
     """``(worst error/tolerance ratio, that row's plain error, its plain tolerance)``.
 
     ``(rows, L)`` float arrays; see :func:`attention.softmax.check_backward` for the two row
-    checksums and their tolerances. A non-finite ratio counts as infinite.
+    checksums and their tolerances. A non-finite ratio counts as infinite. Rows whose
+    input-only sums (of P, ``|P dP|``, ``P dP**2``) are not finite are skipped: their P or dP
+    holds INF/NaN, or overflows the check's own arithmetic, and plain math's dS passes through
+    (a worst ratio of -1: no row was judged).
     """
     worst, worst_err, worst_tol = -1.0, 0.0, 0.0
     for i in range(ds.shape[0]):
@@ -87,6 +90,8 @@ def backward_ratio(ds: Any, dp: Any, p: Any, u: float, tiny: float) -> tuple[flo
             second += term * dpj
             ds_dp += dsj * dpj
             abs_ds_dp += abs(dsj * dpj)
+        if not (math.isfinite(sum_p) and math.isfinite(abs_terms) and math.isfinite(second)):
+            continue
         plain_err = abs(sum_ds - r * (1 - sum_p))
         plain_tol = u * (abs_terms + abs_ds + abs(r)) + tiny
         weighted_err = abs(ds_dp - (second - r * r))

@@ -9,31 +9,39 @@ single :class:`abftgemm.faults.Fault` at that site.  Every trial is compared wit
 unprotected run of the same layer on the same inputs: output ``y``, ``dx`` and every gradient
 (for ``"gemm"``: the product).  ``clean_trials`` runs without a fault measure false positives.
 
-Outcome of a trial (each trial counts in exactly one of ``detected``, ``silent``, ``masked``)::
+Outcome of a trial: each trial counts in exactly one of these five (see :data:`OUTCOMES`)::
 
-    detected       protection flagged something (an event, or UncorrectableError)
-    silent         nothing flagged, yet some result differs from the fault-free run
-    masked         nothing flagged and every result matches the fault-free run
+    detected             protection flagged something (an event, or UncorrectableError)
+    silent               nothing flagged, and some result differs from the fault-free run by more
+                         than the tolerance below: silent corruption
+    silent_within_bound  nothing flagged, some result differs from the fault-free run, but every
+                         difference is within the tolerance (e.g. a fault smaller than the
+                         detection threshold: a y element moved from 1.247e-4 to 1.857e-4)
+    masked               nothing flagged and every result is bit-identical to the fault-free run
 
-and, overlapping those: ``corrected`` (trials with elements rebuilt from checksums),
+and, overlapping ``detected``: ``corrected`` (trials with elements rebuilt from checksums),
 ``recomputed`` (trials with a recomputation), ``uncorrectable`` (UncorrectableError raised),
-``miscorrected`` (flagged and delivered, but a result still differs), ``nonfinite_output`` (``y``,
-``dx`` or a gradient holds INF/NaN), ``detected_at_site`` (flagged at the faulted site itself).
-With ``check="off"`` detection is 0 by definition; ``silent`` counts the damage.
+``miscorrected`` (flagged and delivered, but a result still differs beyond the tolerance);
+overlapping everything: ``nonfinite_output`` (``y``, ``dx`` or a gradient holds INF/NaN),
+``detected_at_site`` (flagged at the faulted site itself).  With ``check="off"`` detection is 0
+by definition; ``silent`` counts the damage.  Clean (fault-free) trials run protected only: an
+unprotected run cannot flag anything, so it cannot have a false positive.
 
-"Differs": ``|r - r_ref| > rtol * |r_ref| + atol`` for any element of any result ``r`` (NaN
-differs from everything), where ``atol = max(atol_scale * max|r_ref|, NOISE_FACTOR * noise)`` and
-``noise = max|r_ref - r_exact|`` is the rounding error of the fault-free run itself against the
-float64 reference (:mod:`attention.reference`; ``a @ b`` in float64 for ``"gemm"``).
-``(rtol, atol_scale)`` come from :data:`TOLERANCES` by dtype -- for float32 ``(1e-4, 1e-4)``: a
-corrected element is rebuilt as checksum minus the sum of the others, which carries a rounding
-error of a few ``eps * sum|row|``; a thousand times the float32 rounding unit relative to the
-largest value is damage, not rounding.  The noise term matters for results that are exactly 0 in
-exact arithmetic and pure rounding in floating point, such as the gradient of the key bias ``bk``
-(softmax is invariant to it): any re-association, a correction included, changes them completely.
+The tolerance ("differs beyond"): ``|r - r_ref| > rtol * |r_ref| + atol`` for any element of any
+result ``r`` (NaN differs from everything), where ``atol = max(atol_scale * max|r_ref|,
+NOISE_FACTOR * noise)`` and ``noise = max|r_ref - r_exact|`` is the rounding error of the
+fault-free run itself against the float64 reference (:mod:`attention.reference`; ``a @ b`` in
+float64 for ``"gemm"``).  ``(rtol, atol_scale)`` come from :data:`TOLERANCES` by dtype -- for
+float32 ``(1e-4, 1e-4)``: a corrected element is rebuilt as checksum minus the sum of the
+others, which carries a rounding error of a few ``eps * sum|row|``; a thousand times the float32
+rounding unit relative to the largest value is damage, not rounding.  The noise term matters for
+results that are exactly 0 in exact arithmetic and pure rounding in floating point, such as the
+gradient of the key bias ``bk`` (softmax is invariant to it): any re-association, a correction
+included, changes them completely.
 """
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
@@ -46,6 +54,7 @@ from abftgemm import Report, UncorrectableError
 from abftgemm.backend import to_host
 from abftgemm.faults import PATTERNS, Fault, bit_layout, chain
 from attention import INVARIANT_SITES, SITES, MultiHeadAttention, reference
+from attention.flags import option
 
 GEMM_SITE = "gemm"
 #: Sites of a campaign by default: the layer's GEMM and invariant sites, then a standalone GEMM.
@@ -57,9 +66,11 @@ TOLERANCES: dict[str, tuple[float, float]] = {
 }
 #: Multiple of the fault-free run's own rounding error that still counts as equal.
 NOISE_FACTOR = 10.0
+#: The outcomes of the module docstring: every trial counts in exactly one.
+OUTCOMES: tuple[str, ...] = ("detected", "silent", "silent_within_bound", "masked")
 COUNTS: tuple[str, ...] = (
-    "injected", "detected", "detected_at_site", "corrected", "corrected_elements", "recomputed",
-    "uncorrectable", "silent", "masked", "miscorrected", "nonfinite_output", "false_positives",
+    "injected", *OUTCOMES, "detected_at_site", "corrected", "corrected_elements", "recomputed",
+    "uncorrectable", "miscorrected", "nonfinite_output", "false_positives",
 )
 
 
@@ -79,42 +90,78 @@ def fault_kinds(dtype: Any, additive: float = 1.0) -> dict[str, dict[str, Any]]:
     }
 
 
+#: Fault kinds of a campaign (labels of :func:`fault_kinds`).
+KINDS: tuple[str, ...] = ("inf", "-inf", "nan", "near-inf", "bitflip-exp", "bitflip-mant",
+                          "additive")
+
+
 @dataclass(frozen=True)
 class CampaignConfig:
-    """What a campaign runs.
+    """What a campaign runs (each field is also an ``abft campaign`` flag).
 
     Attributes
     ----------
     trials : int
-        Seeded trials per (site, kind, pattern, mode).
+        Seeded trials per (site, kind, pattern, mode), at least 1.
     clean_trials : int
-        Fault-free trials per mode (false positives).
+        Fault-free protected trials (false positives), at least 0.
     batch, seq, d_model, n_heads : int
-        Attention layer and input sizes.
+        Attention layer and input sizes: ``seq >= 2``, ``d_model`` a multiple of ``n_heads``
+        with at least 2 columns per head (the propagation fault hits column 1 of head 0).
     gemm : tuple of int
         ``(m, k, n)`` of the standalone product.
     dtype : str
     additive : float
-        Magnitude of the ``"additive"`` kind.
+        Magnitude of the ``"additive"`` kind (finite, non-zero).
     sites, kinds, patterns : tuple of str
-        Subsets to run (defaults: everything).
+        Subsets to run (defaults: everything), each non-empty and known.
     seed : int
+
+    Raises
+    ------
+    ValueError
+        On any value outside those ranges, naming the flag.
     """
 
-    trials: int = 2
-    clean_trials: int = 10
-    batch: int = 2
-    seq: int = 16
-    d_model: int = 32
-    n_heads: int = 4
-    gemm: tuple[int, int, int] = (32, 32, 32)
-    dtype: str = "float32"
-    additive: float = 1.0
-    sites: tuple[str, ...] = DEFAULT_SITES
-    kinds: tuple[str, ...] = ("inf", "-inf", "nan", "near-inf", "bitflip-exp", "bitflip-mant",
-                              "additive")
-    patterns: tuple[str, ...] = PATTERNS
-    seed: int = 0
+    trials: int = option(2, "seeded trials per (site, kind, pattern, protection mode)")
+    clean_trials: int = option(10, "fault-free protected trials (false positives)")
+    batch: int = option(2, "layer input batch")
+    seq: int = option(16, "layer input sequence length")
+    d_model: int = option(32, "layer width")
+    n_heads: int = option(4, "attention heads (must divide --d-model)", flag="--heads")
+    gemm: tuple[int, int, int] = option((32, 32, 32), "shape of the standalone product",
+                                        nargs=3, metavar=("M", "K", "N"))
+    dtype: str = option("float32", "layer and product dtype", choices=tuple(TOLERANCES))
+    additive: float = option(1.0, "magnitude of 'additive' faults")
+    sites: tuple[str, ...] = option(DEFAULT_SITES, "sites to fault", choices=DEFAULT_SITES)
+    kinds: tuple[str, ...] = option(KINDS, "fault kinds", choices=KINDS)
+    patterns: tuple[str, ...] = option(PATTERNS, "fault patterns", choices=PATTERNS)
+    seed: int = option(0, "seed of everything random")
+
+    def __post_init__(self) -> None:
+        at_least = {"--trials": (self.trials, 1), "--clean-trials": (self.clean_trials, 0),
+                    "--batch": (self.batch, 1), "--seq": (self.seq, 2),
+                    "--d-model": (self.d_model, 1), "--heads": (self.n_heads, 1),
+                    "--gemm": (min(self.gemm), 1)}
+        for flag, (value, low) in at_least.items():
+            if value < low:
+                raise ValueError(f"{flag} must be at least {low}, got {value}")
+        if len(self.gemm) != 3:
+            raise ValueError(f"--gemm takes three sizes M K N, got {self.gemm}")
+        if self.d_model % self.n_heads or self.d_model // self.n_heads < 2:
+            raise ValueError(f"--heads ({self.n_heads}) must divide --d-model ({self.d_model}) "
+                             "into heads of at least 2 columns")
+        if self.dtype not in TOLERANCES:
+            raise ValueError(f"--dtype must be one of {', '.join(TOLERANCES)}, got {self.dtype}")
+        if not (math.isfinite(self.additive) and self.additive != 0):
+            raise ValueError(f"--additive must be finite and non-zero, got {self.additive}")
+        for flag, chosen, known in (("--sites", self.sites, DEFAULT_SITES),
+                                    ("--kinds", self.kinds, KINDS),
+                                    ("--patterns", self.patterns, PATTERNS)):
+            unknown = [c for c in chosen if c not in known]
+            if unknown or not chosen:
+                raise ValueError(f"{flag}: unknown {', '.join(unknown) or '(none given)'}; "
+                                 f"choose from {', '.join(known)}")
 
 
 @dataclass
@@ -202,18 +249,24 @@ class _Testbed:
             return _Trial(report, True, None, bool(getattr(hook, "injected", False)))
         return _Trial(report, False, results, bool(getattr(hook, "injected", False)))
 
-    def differs(self, site: str, results: dict[str, Any]) -> bool:
-        """Whether any result differs from the fault-free one beyond :data:`TOLERANCES`."""
+    def compare(self, site: str, results: dict[str, Any]) -> str:
+        """``"equal"`` (bit-identical to the fault-free run), ``"within"`` (differs, within the
+        tolerance of the module docstring) or ``"beyond"``."""
         target = GEMM_SITE if site == GEMM_SITE else "layer"
         rtol, _ = TOLERANCES[np.dtype(self.layer.dtype).name]
         xp = self.xp
+        verdict = "equal"
         for key, r in results.items():
-            expected = self.reference[target][key].astype(np.float64)
+            reference = self.reference[target][key]
+            if bool(xp.array_equal(r, reference)):
+                continue
+            expected = reference.astype(np.float64)
             atol = self.atol[target][key]
             ok = xp.abs(r.astype(np.float64) - expected) <= rtol * xp.abs(expected) + atol
             if not bool(ok.all()):
-                return True
-        return False
+                return "beyond"
+            verdict = "within"
+        return verdict
 
 
 def _nonfinite(results: dict[str, Any] | None, xp: Any) -> bool:
@@ -225,7 +278,7 @@ def _tally(record: Record, bench: _Testbed, trial: _Trial) -> None:
     n = record.counts
     report = trial.report
     detected = report.detected or trial.uncorrectable
-    differs = trial.results is not None and bench.differs(record.site, trial.results)
+    verdict = "equal" if trial.results is None else bench.compare(record.site, trial.results)
     record.trials += 1
     n["injected"] += trial.injected
     n["detected"] += detected
@@ -234,9 +287,10 @@ def _tally(record: Record, bench: _Testbed, trial: _Trial) -> None:
     n["corrected_elements"] += report.corrected
     n["recomputed"] += report.recomputed > 0
     n["uncorrectable"] += trial.uncorrectable
-    n["silent"] += differs and not detected
-    n["masked"] += not differs and not detected
-    n["miscorrected"] += differs and detected
+    n["silent"] += verdict == "beyond" and not detected
+    n["silent_within_bound"] += verdict == "within" and not detected
+    n["masked"] += verdict == "equal" and not detected
+    n["miscorrected"] += verdict == "beyond" and detected
     n["nonfinite_output"] += _nonfinite(trial.results, bench.xp)
     n["false_positives"] += detected and record.kind == "none"
 
@@ -254,7 +308,8 @@ def _cells(config: CampaignConfig) -> Iterator[tuple[str, str, str]]:
 
 
 MODES: tuple[tuple[str, bool], ...] = (("correct", True), ("off", False))
-#: Site names of the clean records: a whole layer run (every layer site) and one product.
+#: Site names of the (protected) clean records: a whole layer run (every layer site) and one
+#: product.
 CLEAN_TARGETS: tuple[str, ...] = ("layer", GEMM_SITE)
 
 
@@ -274,19 +329,15 @@ def run_campaign(config: CampaignConfig, xp: Any, progress: bool = True) -> list
     list of dict
         One record per (site, kind, pattern, protected) with ``site``, ``kind``, ``pattern``,
         ``protected``, ``fault`` (the :class:`Fault` arguments), ``trials`` and the counts of
-        :data:`COUNTS`; then the clean records (``kind == pattern == "none"``, site ``"layer"``
-        for a whole forward+backward or ``"gemm"``), whose ``false_positives`` count clean trials
-        flagged anywhere.
+        :data:`COUNTS`; then the clean records (``kind == pattern == "none"``, protected only, site
+        ``"layer"`` for a whole forward+backward or ``"gemm"``), whose ``false_positives`` count
+        clean trials flagged anywhere.
     """
     kinds = fault_kinds(config.dtype, config.additive)
-    unknown = set(config.kinds) - set(kinds)
-    if unknown:
-        raise ValueError(f"unknown fault kinds {sorted(unknown)}; choose from {sorted(kinds)}")
     faulty = {(site, kind, pattern, protected): Record(site, kind, pattern, protected,
                                                        dict(kinds[kind]))
               for site, kind, pattern in _cells(config) for _, protected in MODES}
-    clean = {(target, protected): Record(target, "none", "none", protected, {})
-             for target in CLEAN_TARGETS for _, protected in MODES}
+    clean = {target: Record(target, "none", "none", True, {}) for target in CLEAN_TARGETS}
     total = config.trials * len(faulty) + config.clean_trials * len(clean)
     bar = tqdm(total=total, desc="campaign", leave=False, disable=None if progress else True)
     with np.errstate(all="ignore"):  # the faults overflow and poison on purpose
@@ -300,10 +351,9 @@ def _trials(config: CampaignConfig, xp: Any, kinds: dict[str, dict[str, Any]],
     """Run every trial, tallying into ``faulty`` and ``clean``."""
     for t in range(max(config.trials, config.clean_trials)):
         bench = _Testbed(config, xp, t)
-        for check, protected in MODES if t < config.clean_trials else ():
-            for target in CLEAN_TARGETS:
-                _tally(clean[target, protected], bench, bench.run(target, check, None))
-                bar.update()
+        for target in CLEAN_TARGETS if t < config.clean_trials else ():
+            _tally(clean[target], bench, bench.run(target, "correct", None))
+            bar.update()
         for site, kind, pattern in _cells(config) if t < config.trials else ():
             for check, protected in MODES:
                 seed = _fault_seed(config.seed, site, kind, pattern, t)
@@ -314,9 +364,9 @@ def _trials(config: CampaignConfig, xp: Any, kinds: dict[str, dict[str, Any]],
 
 # ----------------------------------------------------------------------------- propagation
 
-#: Sites whose unprotected faults :func:`propagation` follows (DESIGN.md §4 table).
+#: Sites whose unprotected faults :func:`propagation` follows.
 PROPAGATION_SITES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "scores", "context")
-#: Stages observed: hook site -> name in DESIGN.md §4 (AS scores, AP probabilities, CL context, O).
+#: Stages observed: hook site -> name (AS scores, AP probabilities, CL context, O output).
 STAGES: dict[str, str] = {"scores": "AS", "softmax": "AP", "context": "CL", "out_proj": "O"}
 
 
@@ -382,16 +432,17 @@ def spread(diff: np.ndarray) -> str:
 
 def site_table(records: list[dict[str, Any]]) -> str:
     """Per site, summed over kinds and patterns: protected outcomes vs. unprotected damage."""
-    head = ("| site | trials | protected: detected | corrected | recomputed | uncorrectable | "
-            "silent | miscorrected | unprotected: silent | nonfinite | masked |")
-    lines = [head, "|" + "---|" * 11]
+    head = ("| site | trials per mode | protected: detected | corrected | recomputed | "
+            "uncorrectable | miscorrected | silent, within bound | silent corruption | masked | "
+            "unprotected: silent corruption | silent, within bound | masked | non-finite output |")
+    lines = [head, "|" + "---|" * 14]
     for site in dict.fromkeys(r["site"] for r in records if r["kind"] != "none"):
         p = _sum(records, site, True)
         u = _sum(records, site, False)
-        lines.append(f"| {site} | {p['trials']} | {p['detected']} | {p['corrected']} | "
-                     f"{p['recomputed']} | {p['uncorrectable']} | {p['silent']} | "
-                     f"{p['miscorrected']} | {u['silent']} | {u['nonfinite_output']} | "
-                     f"{u['masked']} |")
+        cells = [p[k] for k in ("trials", "detected", "corrected", "recomputed", "uncorrectable",
+                                "miscorrected", "silent_within_bound", "silent", "masked")]
+        cells += [u[k] for k in ("silent", "silent_within_bound", "masked", "nonfinite_output")]
+        lines.append(f"| {site} | " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 
@@ -409,22 +460,50 @@ def coverage_table(records: list[dict[str, Any]]) -> str:
 
 
 def clean_table(records: list[dict[str, Any]]) -> str:
-    """False positives of the fault-free trials."""
-    lines = ["| clean run | protected | trials | false positives | differs from fault-free |",
-             "|---|---|---|---|---|"]
+    """The protected fault-free trials: false positives, and how the results compare with the
+    unprotected fault-free run."""
+    lines = ["| clean run (protected) | trials | false positives | bit-identical to unprotected | "
+             "differs, within bound | differs beyond bound |", "|---|---|---|---|---|---|"]
     for r in records:
         if r["kind"] == "none":
-            lines.append(f"| {r['site']} | {r['protected']} | {r['trials']} | "
-                         f"{r['false_positives']} | {r['silent'] + r['miscorrected']} |")
+            lines.append(f"| {r['site']} | {r['trials']} | {r['false_positives']} | "
+                         f"{r['masked']} | {r['silent_within_bound']} | "
+                         f"{r['silent'] + r['miscorrected']} |")
     return "\n".join(lines)
 
 
 def propagation_table(prop: dict[str, dict[str, np.ndarray]]) -> str:
-    """The DESIGN.md §4 table, measured: where one unprotected element fault spreads."""
+    """Where one unprotected element fault spreads (stages of :data:`STAGES`), measured."""
     lines = ["| fault in | " + " | ".join(STAGES.values()) + " |", "|" + "---|" * (len(STAGES) + 1)]
     for site, stages in prop.items():
         lines.append(f"| {site} | " + " | ".join(spread(d) for d in stages.values()) + " |")
     return "\n".join(lines)
+
+
+#: campaign.md's glossary: what every outcome and column means.
+GLOSSARY = """\
+Outcomes (every trial counts in exactly one of the first four):
+
+- **detected**: protection flagged the trial (an event at any site, or `UncorrectableError`).
+- **silent corruption**: nothing flagged, and a result differs from the fault-free run beyond the
+  bound below.
+- **silent, within bound**: nothing flagged, a result differs from the fault-free run, but by no
+  more than the bound (a fault below the detection threshold that still moved some values).
+- **masked**: nothing flagged, every result bit-identical to the fault-free run.
+
+Overlapping **detected**: **corrected** (elements rebuilt from checksums), **recomputed** (rows,
+columns or tiles recomputed from the inputs), **uncorrectable** (`UncorrectableError` raised, no
+result delivered), **miscorrected** (delivered, still beyond the bound). **non-finite output**:
+y, dx or a gradient holds INF/NaN. **trials per mode**: trials with protection on
+(`check="correct"`), and as many with it off (`check="off"`), on the same inputs and faults.
+**false positives**: fault-free protected trials flagged anywhere."""
+
+#: campaign.md's legend of the propagation table.
+STAGE_LEGEND = """\
+Stages: **AS** attention scores Q_h K_hᵀ/√d, **AP** attention probabilities softmax(AS), **CL**
+context AP·V_h, **O** output of the layer (all heads, after the output projection). Cells: `-`
+unchanged, `0D` one element, `row (c/n cols)` one row, `column (r/n rows)` one column, `all`
+every element, `2D (r x c)` a block of rows and columns."""
 
 
 def markdown(records: list[dict[str, Any]], prop: dict[str, dict[str, np.ndarray]],
@@ -436,15 +515,16 @@ def markdown(records: list[dict[str, Any]], prop: dict[str, dict[str, np.ndarray
         f"Backend {backend}, dtype {config.dtype}, layer batch={config.batch} seq={config.seq} "
         f"d_model={config.d_model} heads={config.n_heads}, standalone GEMM (m, k, n)="
         f"{config.gemm}; {config.trials} trial(s) per (site, kind, pattern, mode), "
-        f"{config.clean_trials} clean trial(s) per mode; seed {config.seed}.",
-        f"A trial's results (y, dx, every gradient; the product for `gemm`) *differ* when "
-        f"|r - r_ref| > {rtol:g}·|r_ref| + atol, atol = max({scale:g}·max|r_ref|, "
-        f"{NOISE_FACTOR:g}·(rounding error of the fault-free run against float64)). "
-        "detected + silent + masked = trials; miscorrected = detected, delivered, still differs.",
+        f"{config.clean_trials} clean protected trial(s) per target; seed {config.seed}.",
+        GLOSSARY,
+        f"The bound: a trial's results (y, dx, every gradient; the product for `gemm`) differ "
+        f"beyond it when |r - r_ref| > {rtol:g}·|r_ref| + atol for some element, atol = "
+        f"max({scale:g}·max|r_ref|, {NOISE_FACTOR:g}·(rounding error of the fault-free run "
+        "against float64)), r_ref the unprotected fault-free run.",
         "## Outcomes per site (summed over kinds and patterns)", site_table(records),
         "## Protected coverage: detected / trials", coverage_table(records),
         "## Clean runs", clean_table(records),
-        "## Propagation of one unprotected element fault (batch 0, head 0)",
+        "## Propagation of one unprotected element fault (batch 0, head 0)", STAGE_LEGEND,
         propagation_table(prop),
     ]) + "\n"
 

@@ -5,28 +5,33 @@
                    propagation.png under ``--out``.
 ``abft train``     a character-level GPT trained unprotected, protected and with
                    checkpoint/restore under faults (:mod:`attention.train`): train.json, train.md,
-                   loss.png under ``--out``.
+                   loss.png under ``--out``.  The PNG files need matplotlib
+                   (``pip install "abftgemm[plots]"``); without it they are skipped with a note.
 ``abft bench``     runs ``bench/gemm.py`` and ``bench/attention.py`` (when present) with the same
                    ``--backend``, writing ``gemm.json`` / ``attention.json`` under ``--out``.
-``abft demo``      a quick campaign and a quick training run (``make demo``; about 20 s on
-                   two CPU cores the first time, 8 s once the kernels are cached), printing
-                   their tables.
+``abft demo``      a quick campaign and a quick training run (what ``make demo`` runs),
+                   printing their tables.
 
 Common flags: ``--backend numpy|cupy`` (default: cupy when CuPy imports and sees a GPU, else
-numpy), ``--seed``, ``--out``, ``--no-progress``. (The CPU checks are single-threaded: see
+numpy), ``--seed``, ``--out``, ``--no-progress``; ``abft COMMAND --help`` lists the rest with their
+defaults.  A bad flag or value prints one line and exits with status 2. (The CPU checks are single-threaded: see
 bench/NOTES.md on threads next to OpenBLAS.)
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
-from abftgemm.faults import PATTERNS
+from attention.flags import add_flags, from_args
 
+T = TypeVar("T")
+#: How to get the plots when matplotlib is missing.
+PLOTS_HINT = 'pip install "abftgemm[plots]"'
 BENCH_SCRIPTS: tuple[str, ...] = ("gemm.py", "attention.py")
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 
@@ -52,69 +57,64 @@ def array_module(backend: str) -> ModuleType:
     return numpy
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``abft`` argument parser with its four subcommands."""
+    """The ``abft`` argument parser with its four subcommands.
+
+    The flags of ``campaign`` and ``train`` are the fields of
+    :class:`attention.campaign.CampaignConfig` and :class:`attention.train.TrainConfig`
+    (:mod:`attention.flags`).
+    """
+    from attention.campaign import CampaignConfig
+    from attention.train import TrainConfig
+
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--backend", choices=("numpy", "cupy"), default=None,
                         help="array backend (default: cupy when a GPU is usable, else numpy)")
-    common.add_argument("--seed", type=int, default=0, help="seed of everything random")
     common.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
-    parser = argparse.ArgumentParser(prog="abft", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="abft", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    camp = sub.add_parser("campaign", parents=[common], help="fault-injection campaign")
-    camp.add_argument("--out", type=Path, default=Path("out/campaign"))
-    _campaign_flags(camp)
+    camp = sub.add_parser("campaign", parents=[common], help="fault-injection campaign",
+                          description=(CampaignConfig.__doc__ or "").splitlines()[0])
+    camp.add_argument("--out", type=Path, default=Path("out/campaign"),
+                      help="output folder (default: out/campaign)")
+    add_flags(camp, CampaignConfig)
 
-    train = sub.add_parser("train", parents=[common], help="training under faults")
-    train.add_argument("--out", type=Path, default=Path("out/train"))
-    _train_flags(train)
+    train = sub.add_parser("train", parents=[common], help="training under faults",
+                           description=(TrainConfig.__doc__ or "").splitlines()[0])
+    train.add_argument("--out", type=Path, default=Path("out/train"),
+                       help="output folder (default: out/train)")
+    add_flags(train, TrainConfig)
 
     bench = sub.add_parser("bench", parents=[common], help="run bench/gemm.py, bench/attention.py")
-    bench.add_argument("--out", type=Path, default=Path("out/bench"))
+    bench.add_argument("--out", type=Path, default=Path("out/bench"),
+                       help="output folder (default: out/bench)")
     bench.add_argument("--quick", action="store_true", help="pass --quick to the benchmarks")
 
     demo = sub.add_parser("demo", parents=[common], help="quick campaign + quick training")
-    demo.add_argument("--out", type=Path, default=Path("out/demo"))
+    demo.add_argument("--out", type=Path, default=Path("out/demo"),
+                      help="output folder (default: out/demo)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of everything random (default: 0)")
     return parser
 
 
-def _campaign_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trials", type=int, default=2, help="trials per (site, kind, pattern, mode)")
-    p.add_argument("--clean-trials", type=int, default=10, help="fault-free trials per mode")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--d-model", type=int, default=32)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--gemm", type=int, nargs=3, default=(32, 32, 32), metavar=("M", "K", "N"),
-                   help="shape of the standalone product")
-    p.add_argument("--dtype", default="float32",
-                   choices=("float16", "bfloat16", "float32", "float64"))
-    p.add_argument("--additive", type=float, default=1.0, help="magnitude of 'additive' faults")
-    p.add_argument("--sites", nargs="+", default=None, help="subset of sites (default: all)")
-    p.add_argument("--kinds", nargs="+", default=None, help="subset of fault kinds (default: all)")
-    p.add_argument("--patterns", nargs="+", default=None, choices=PATTERNS,
-                   help="subset of patterns (default: all)")
-
-
-def _train_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--d-model", type=int, default=32)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--d-ff", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--fault-rate", type=float, default=0.05,
-                   help="probability that a step gets one extreme fault")
-    p.add_argument("--checkpoint-every", type=int, default=20)
-    p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+class _BadFlags(ValueError):
+    """A configuration refused a flag's value (raised before anything runs)."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``abft`` and ``python -m attention``; returns the exit status."""
+    """Entry point of ``abft`` and ``python -m attention``; returns the exit status.
+
+    Bad flags or values print one line on stderr and return 2.
+    """
     args = build_parser().parse_args(argv)
     if args.backend is None:
         args.backend = "cupy" if gpu_usable() else "numpy"
@@ -122,25 +122,41 @@ def main(argv: list[str] | None = None) -> int:
         print("abft: --backend cupy, but CuPy is not installed or sees no GPU", file=sys.stderr)
         return 2
     command = {"campaign": _campaign, "train": _train, "bench": _bench, "demo": _demo}
-    return command[args.command](args)
+    try:
+        return command[args.command](args)
+    except _BadFlags as exc:
+        print(f"abft {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _config(config: type[T], args: argparse.Namespace) -> T:
+    try:
+        return from_args(config, args)
+    except ValueError as exc:
+        raise _BadFlags(str(exc)) from None
+
+
+def _plots() -> ModuleType | None:
+    """:mod:`attention.plots`, or None (with one line saying how to get it) without matplotlib."""
+    try:
+        return importlib.import_module("attention.plots")
+    except ModuleNotFoundError as exc:
+        if exc.name != "matplotlib":
+            raise
+        print(f"plots skipped: matplotlib is not installed ({PLOTS_HINT})")
+        return None
 
 
 def _campaign(args: argparse.Namespace) -> int:
-    from attention.campaign import DEFAULT_SITES, CampaignConfig
+    from attention.campaign import CampaignConfig
 
-    config = CampaignConfig(
-        trials=args.trials, clean_trials=args.clean_trials, batch=args.batch, seq=args.seq,
-        d_model=args.d_model, n_heads=args.heads, gemm=tuple(args.gemm), dtype=args.dtype,
-        additive=args.additive, sites=tuple(args.sites or DEFAULT_SITES),
-        kinds=tuple(args.kinds or CampaignConfig.kinds),
-        patterns=tuple(args.patterns or PATTERNS), seed=args.seed)
-    return _run_campaign(config, args)
+    return _run_campaign(_config(CampaignConfig, args), args)
 
 
 def _run_campaign(config: Any, args: argparse.Namespace) -> int:
     import json
 
-    from attention import campaign, plots
+    from attention import campaign
 
     xp = array_module(args.backend)
     print(f"campaign: backend {args.backend}, {config.trials} trial(s) per cell, "
@@ -152,27 +168,26 @@ def _run_campaign(config: Any, args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "campaign.json").write_text(json.dumps(records, indent=1))
     (out / "campaign.md").write_text(campaign.markdown(records, prop, config, args.backend))
-    plots.coverage_heatmap(records, out / "coverage.png")
-    plots.propagation_grid(prop, out / "propagation.png")
+    written = ["campaign.json", "campaign.md"]
+    plots = _plots()
+    if plots is not None:
+        plots.coverage_bars(records, out / "coverage.png")
+        plots.propagation_grid(prop, out / "propagation.png")
+        written += ["coverage.png", "propagation.png"]
     print(campaign.site_table(records), campaign.clean_table(records),
           campaign.propagation_table(prop), sep="\n\n")
-    print(f"\nwrote {out}/campaign.json, campaign.md, coverage.png, propagation.png")
+    print(f"\nwrote {out}/" + ", ".join(written))
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
     from attention.train import TrainConfig
 
-    config = TrainConfig(
-        steps=args.steps, batch=args.batch, seq=args.seq, d_model=args.d_model,
-        n_heads=args.heads, n_layers=args.layers, d_ff=args.d_ff, lr=args.lr,
-        fault_rate=args.fault_rate, checkpoint_every=args.checkpoint_every, dtype=args.dtype,
-        seed=args.seed)
-    return _run_train(config, args)
+    return _run_train(_config(TrainConfig, args), args)
 
 
 def _run_train(config: Any, args: argparse.Namespace) -> int:
-    from attention import plots, train
+    from attention import train
 
     xp = array_module(args.backend)
     print(f"train: backend {args.backend}, {config.steps} steps x 4 runs, fault rate "
@@ -180,9 +195,13 @@ def _run_train(config: Any, args: argparse.Namespace) -> int:
     summary = train.train(config, xp, args.out, progress=not args.no_progress)
     table = train.format_table(summary)
     (args.out / "train.md").write_text("# Training under faults\n\n" + table + "\n")
-    plots.loss_curves(summary, args.out / "loss.png")
+    written = ["train.json", "train.md"]
+    plots = _plots()
+    if plots is not None:
+        plots.loss_curves(summary, args.out / "loss.png")
+        written.append("loss.png")
     print(table)
-    print(f"\nwrote {args.out}/train.json, train.md, loss.png")
+    print(f"\nwrote {args.out}/" + ", ".join(written))
     return 0
 
 

@@ -13,9 +13,11 @@ import numpy as np
 
 import abftgemm
 from abftgemm.checksums import Checksums, accumulation_dtype, check_dtype
-from abftgemm.report import Report
+from abftgemm.report import Report, register_library_package
 from attention import softmax
 from attention.plan import CheckingPlan
+
+register_library_package("attention")  # fault warnings point at the caller of the layer
 
 FaultHook = Callable[[str, Any], None]
 PARAM_KEYS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
@@ -259,6 +261,8 @@ class _Run:
                 key_mask: Any | None) -> Any:
         """Softmax of the raw scores; verifies the scores on the way (``deferred``), then checks
         the probabilities by their invariants."""
+        if scores.size == 0:  # seq = 0: no rows to normalize (reductions over nothing fail)
+            return scores
         layer = self.layer
         scale = 1 / math.sqrt(layer.head_dim)
         acc = accumulation_dtype(layer.dtype)
@@ -286,6 +290,8 @@ class _Run:
                                self.report, self.fault_hook)
 
     def softmax_backward(self, d_probs: Any, probs: Any, scale: float) -> Any:
+        if d_probs.size == 0:  # seq = 0
+            return d_probs
         layer = self.layer
         compute = lambda: softmax.softmax_backward(d_probs, probs, layer.dtype)  # noqa: E731
         ds = softmax.checked("softmax_backward", compute(), compute,

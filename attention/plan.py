@@ -1,11 +1,13 @@
 """The checking plan: per site, what is checked, where its checksums come from, and how often.
 
-Every GEMM site but one is verified in both directions (row and column checksums) when it is
-checked: one direction locates 0D errors, both are needed to repair 1R (column checks) and 1C (row
-checks) without recomputation. The scores are the exception: reading them only to verify them
-costs over 30% of their GEMM on a GPU, so the softmax observes their row checksums on its own read
-(0D and 1C are rebuilt from row checksums; a bad row is recomputed, from Q's row and K). Checksums "passed" cost no encoding pass: they are the verified checksums
-of an earlier product (or of the layer input, encoded once for three products).
+:data:`ROUTES` is the table the functional core (:mod:`attention.functional`) executes: per GEMM
+site, its operands, its bias, where the checksums come from and how it is verified. Sites are
+planned products (:class:`abftgemm.ProtectedMatmul`) verified by their column checksums; the row
+direction is computed on the rare path, when a column flags. The scores and ``dP`` are the
+exception: reading them only to verify them costs over 30% of their GEMM on a GPU, so the softmax
+kernels (forward and backward) observe their row checksums on the read they make anyway
+(:class:`abftgemm.deferred.DeferredRows`). Checksums "passed" cost no encoding pass: they are the
+column encodings an earlier product's verification observed.
 
 How often is a trade-off: :func:`adaptive_frequencies` picks, from a fault rate and per-site cost
 and vulnerability, the cheapest per-site checking probabilities that keep the expected number of
@@ -42,25 +44,84 @@ class SitePlan:
     probability: float = 1.0
 
 
-_SITES: dict[str, SitePlan] = {
-    "q_proj": SitePlan("Q = X Wq + bq", "passed: column encoding of X (encoded once for Q, K, V)"),
-    "k_proj": SitePlan("K = X Wk + bk", "passed: column encoding of X"),
-    "v_proj": SitePlan("V = X Wv + bv", "passed: column encoding of X"),
-    "scores": SitePlan("S_h = Q_h K_h^T", "passed: column encoding of K; row checksums only, "
-                       "observed by the softmax on its one read of S (abftgemm.matmul_deferred)"),
-    "context": SitePlan("CL_h = P_h V_h", "encoded: P (no linear checksum crosses the softmax)"),
-    "out_proj": SitePlan("O = CL Wo + bo", "passed: column encoding of CL from the context site"),
-    "d_wo": SitePlan("dWo = CL^T dO", "encoded"),
-    "d_context": SitePlan("dCL = dO Wo^T", "encoded"),
-    "d_probs": SitePlan("dP_h = dCL_h V_h^T", "passed: column encodings of dCL and V"),
-    "d_v": SitePlan("dV_h = P_h^T dCL_h", "encoded"),
-    "d_q": SitePlan("dQ_h = dS_h K_h", "encoded"),
-    "d_k": SitePlan("dK_h = dS_h^T Q_h", "encoded"),
-    "d_wq": SitePlan("dWq = X^T dQ", "encoded"),
-    "d_wk": SitePlan("dWk = X^T dK", "encoded"),
-    "d_wv": SitePlan("dWv = X^T dV", "encoded"),
-    "d_x": SitePlan("dX = [dQ dK dV] [Wq Wk Wv]^T", "encoded"),
+@dataclass(frozen=True)
+class Route:
+    """Where a site's operands and checksums come from: the table the functional core executes.
+
+    Tensor names are those of :mod:`attention.functional` (``"x"``: the query input; ``"key"``,
+    ``"value"``: the key and value inputs, ``"x"`` again in self-attention; ``"qh"``: Q split
+    into heads, ...); a trailing ``"^T"`` transposes the last two axes.
+
+    Attributes
+    ----------
+    out : str
+        Name of the product.
+    a, b : str
+        Names of the operands.
+    bias : str or None
+        Name of the bias added inside the protection.
+    a_sums : str or None
+        "Passed": the tensor whose column encoding (observed by the site that produced it) is
+        the column encoding of ``a``, so ``a`` is not read for it. None: encoded from ``a``.
+    verify : {"columns", "rows by consumer"}
+        ``"columns"``: a planned product verified by its own two launches. ``"rows by consumer"``:
+        the next kernel that reads the product observes its row checksums on that read.
+    b_rows : str or None
+        For ``"rows by consumer"``: the tensor whose column encoding is the row encoding of ``b``
+        (``b`` is that tensor transposed).
+    """
+
+    out: str
+    a: str
+    b: str
+    bias: str | None = None
+    a_sums: str | None = None
+    verify: str = "columns"
+    b_rows: str | None = None
+
+    def describe(self) -> str:
+        """The checksum route in words (the ``checksums`` column of the plan's table)."""
+        if self.verify == "rows by consumer":
+            return (f"passed: column encoding of {self.b_rows} as the row encoding of {self.b}; "
+                    "row checksums only, observed by the softmax kernel on its one read")
+        return f"passed: column encoding of {self.a_sums}" if self.a_sums else "encoded"
+
+
+#: Every GEMM site's route (self-attention; cross-attention reads ``key``/``value`` where the
+#: table says so and adds the sites of :data:`CROSS_SITES`).
+ROUTES: dict[str, Route] = {
+    "q_proj": Route("q", "x", "wq", "bq"),
+    "k_proj": Route("k", "key", "wk", "bk"),
+    "v_proj": Route("v", "value", "wv", "bv"),
+    "scores": Route("scores", "qh", "kh^T", verify="rows by consumer", b_rows="kh"),
+    "context": Route("context_h", "probs", "vh"),
+    "out_proj": Route("y", "context", "wo", "bo", a_sums="context_h"),
+    "d_wo": Route("d_wo", "context^T", "dy"),
+    "d_context": Route("d_context", "dy", "wo^T"),
+    "d_probs": Route("d_probs", "d_context_h", "vh^T", verify="rows by consumer", b_rows="vh"),
+    "d_v": Route("d_vh", "probs^T", "d_context_h"),
+    "d_q": Route("d_qh", "d_scores", "kh"),
+    "d_k": Route("d_kh", "d_scores^T", "qh"),
+    "d_wq": Route("d_wq", "x^T", "dq"),
+    "d_wk": Route("d_wk", "key^T", "dk"),
+    "d_wv": Route("d_wv", "value^T", "dv"),
+    "d_x": Route("dx", "d_qkv", "w_qkv^T"),
+    "d_key": Route("d_key", "dk", "wk^T"),
+    "d_value": Route("d_value", "dv", "wv^T"),
 }
+
+_PRODUCTS = {
+    "q_proj": "Q = X Wq + bq", "k_proj": "K = X_k Wk + bk", "v_proj": "V = X_v Wv + bv",
+    "scores": "S_h = Q_h K_h^T", "context": "CL_h = P_h V_h", "out_proj": "O = CL Wo + bo",
+    "d_wo": "dWo = CL^T dO", "d_context": "dCL = dO Wo^T", "d_probs": "dP_h = dCL_h V_h^T",
+    "d_v": "dV_h = P_h^T dCL_h", "d_q": "dQ_h = dS_h K_h", "d_k": "dK_h = dS_h^T Q_h",
+    "d_wq": "dWq = X^T dQ", "d_wk": "dWk = X_k^T dK", "d_wv": "dWv = X_v^T dV",
+    "d_x": "dX = [dQ dK dV] [Wq Wk Wv]^T (self-attention; cross-attention: dQ Wq^T)",
+    "d_key": "dX_k = dK Wk^T (cross-attention only)",
+    "d_value": "dX_v = dV Wv^T (cross-attention only)",
+}
+
+_SITES: dict[str, SitePlan] = {s: SitePlan(_PRODUCTS[s], r.describe()) for s, r in ROUTES.items()}
 
 #: Non-GEMM steps checked by invariants (they receive ``fault_hook`` calls too).
 INVARIANT_SITES = {
@@ -72,6 +133,9 @@ FORWARD_SITES = ("q_proj", "k_proj", "v_proj", "scores", "context", "out_proj")
 BACKWARD_SITES = ("d_wo", "d_context", "d_probs", "d_v", "d_q", "d_k", "d_wq", "d_wk", "d_wv",
                   "d_x")
 SITES = FORWARD_SITES + BACKWARD_SITES
+#: Sites only cross-attention runs (the gradients of the separate key and value inputs).
+CROSS_SITES = ("d_key", "d_value")
+ALL_SITES = SITES + CROSS_SITES
 
 
 @dataclass
@@ -90,11 +154,11 @@ class CheckingPlan:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        unknown = set(self.sites) - set(SITES)
+        unknown = set(self.sites) - set(ALL_SITES)
         if unknown:
-            raise ValueError(f"unknown sites in plan: {sorted(unknown)}; sites are {SITES}")
+            raise ValueError(f"unknown sites in plan: {sorted(unknown)}; sites are {ALL_SITES}")
         self.sites = {**_SITES, **self.sites}
-        self._calls = {s: 0 for s in SITES}
+        self._calls = {s: 0 for s in ALL_SITES}
         self._rng = np.random.default_rng(self.seed)
 
     def with_frequencies(self, probabilities: Mapping[str, float]) -> "CheckingPlan":
@@ -114,7 +178,7 @@ class CheckingPlan:
     def table(self) -> str:
         """The plan as a markdown table."""
         lines = ["| site | product | checksums | checked |", "|---|---|---|---|"]
-        for s in SITES:
+        for s in ALL_SITES:
             p = self.sites[s]
             how = "every call" if p.every == 1 and p.probability >= 1 else \
                 f"every {p.every}, p={p.probability:.3g}"

@@ -1,4 +1,8 @@
-"""Figures of the campaign and of training under faults (matplotlib, Agg backend, PNG files)."""
+"""Figures of the campaign and of training under faults (matplotlib, Agg backend, PNG files).
+
+matplotlib is optional (``pip install "abftgemm[plots]"``): importing this module without it
+raises ModuleNotFoundError, which ``abft`` turns into a one-line note and skips the figures.
+"""
 from __future__ import annotations
 
 import math
@@ -11,9 +15,40 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
 
+#: Full names of the propagation stages (the columns of :func:`propagation_grid`).
+STAGE_NAMES: dict[str, str] = {"AS": "attention scores", "AP": "attention probabilities",
+                               "CL": "context", "O": "layer output"}
 
-def coverage_heatmap(records: list[dict[str, Any]], path: Path) -> None:
-    """Site x kind heatmaps: protected detected/trials, and unprotected silent/trials.
+
+#: Outcome -> (label, colour) of :func:`coverage_bars`, in stacking order.  Okabe-Ito colours
+#: (distinguishable with every common colour-vision deficiency), one meaning each: blues for the
+#: trials protection caught, vermillion and reddish purple for wrong results delivered, orange for
+#: small undetected changes, grey for no effect.
+OUTCOME_STYLE: dict[str, tuple[str, str]] = {
+    "repaired": ("detected, delivered within bound", "#0072B2"),
+    "uncorrectable": ("detected, raised UncorrectableError", "#56B4E9"),
+    "miscorrected": ("detected, delivered beyond bound", "#CC79A7"),
+    "silent": ("silent corruption", "#D55E00"),
+    "silent_within_bound": ("silent, within bound", "#E69F00"),
+    "masked": ("masked (bit-identical)", "#BBBBBB"),
+}
+
+
+def outcome_shares(records: list[dict[str, Any]], site: str, protected: bool) -> dict[str, float]:
+    """Share of the trials at ``site`` (summed over kinds and patterns) per :data:`OUTCOME_STYLE`
+    outcome; the shares add up to 1 (all NaN when the site has no trial)."""
+    cell = [r for r in records if r["kind"] != "none" and r["site"] == site
+            and r["protected"] == protected]
+    n = {k: sum(r[k] for r in cell) for k in ("trials", "detected", "uncorrectable",
+                                                  "miscorrected", "silent",
+                                                  "silent_within_bound", "masked")}
+    counts = {"repaired": n["detected"] - n["uncorrectable"] - n["miscorrected"],
+              **{k: n[k] for k in OUTCOME_STYLE if k != "repaired"}}
+    return {k: v / n["trials"] if n["trials"] else math.nan for k, v in counts.items()}
+
+
+def coverage_bars(records: list[dict[str, Any]], path: Path) -> None:
+    """Per site, the share of each trial outcome, protected (left) and unprotected (right).
 
     Parameters
     ----------
@@ -22,35 +57,35 @@ def coverage_heatmap(records: list[dict[str, Any]], path: Path) -> None:
     path : Path
         PNG file to write.
     """
-    faulty = [r for r in records if r["kind"] != "none"]
-    sites = list(dict.fromkeys(r["site"] for r in faulty))
-    kinds = list(dict.fromkeys(r["kind"] for r in faulty))
-    panels = (("protected: detected / trials", True, "detected"),
-              ("unprotected: silent corruption / trials", False, "silent"))
-    fig, axes = plt.subplots(1, 2, figsize=(4 + 1.6 * len(kinds), 1.5 + 0.35 * len(sites)),
+    sites = list(dict.fromkeys(r["site"] for r in records if r["kind"] != "none"))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 1.8 + 0.3 * len(sites)), sharey=True,
                              constrained_layout=True)
-    for ax, (title, protected, count) in zip(axes, panels):
-        rate = np.zeros((len(sites), len(kinds)))
-        for i, site in enumerate(sites):
-            for j, kind in enumerate(kinds):
-                cell = [r for r in faulty if (r["site"], r["kind"], r["protected"])
-                        == (site, kind, protected)]
-                trials = sum(r["trials"] for r in cell)
-                rate[i, j] = sum(r[count] for r in cell) / trials if trials else math.nan
-        image = ax.imshow(rate, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-        for (i, j), v in np.ndenumerate(rate):
-            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
-                    color="black" if v > 0.5 else "white")
-        ax.set_xticks(range(len(kinds)), kinds, rotation=45, ha="right")
-        ax.set_yticks(range(len(sites)), sites)
-        ax.set_title(title)
-    fig.colorbar(image, ax=axes, shrink=0.6)
+    rows = np.arange(len(sites))
+    for ax, protected in zip(axes, (True, False)):
+        shares = [outcome_shares(records, site, protected) for site in sites]
+        left = np.zeros(len(sites))
+        for outcome, (label, colour) in OUTCOME_STYLE.items():
+            width = np.array([s[outcome] for s in shares])
+            ax.barh(rows, width, left=left, color=colour, label=label, edgecolor="white",
+                    linewidth=0.5)
+            left += np.nan_to_num(width)
+        ax.set_xlim(0, 1)
+        ax.set_xlabel("share of trials")
+        ax.set_title("protection on (check=\"correct\")" if protected
+                     else "protection off (check=\"off\")")
+    axes[0].set_yticks(rows, sites)
+    axes[0].invert_yaxis()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=3, frameon=False)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def propagation_grid(prop: dict[str, dict[str, np.ndarray]], path: Path) -> None:
-    """log10 |faulty - clean| per fault site (rows) and stage AS, AP, CL, O (columns).
+    """log10 |faulty - clean| per fault site (rows) and stage (columns).
+
+    Stages: AS attention scores, AP attention probabilities (softmax of AS), CL context (AP V),
+    O layer output (all heads, after the output projection).
 
     Parameters
     ----------
@@ -75,7 +110,7 @@ def propagation_grid(prop: dict[str, dict[str, np.ndarray]], path: Path) -> None
             ax.set_xticks([])
             ax.set_yticks([])
             if i == 0:
-                ax.set_title(stage)
+                ax.set_title(f"{stage}: {STAGE_NAMES.get(stage, stage)}", fontsize=9)
             if j == 0:
                 ax.set_ylabel(f"fault in {site}")
     fig.colorbar(image, ax=axes, shrink=0.5, label="log10 |faulty - clean| (white: unchanged)")

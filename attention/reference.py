@@ -1,8 +1,9 @@
 """Float64 NumPy reference for multi-head self-attention (forward and analytic backward).
 
-This module is the test oracle for the checksum-protected attention layer
-(DESIGN.md §4, §6).  It is deliberately plain: NumPy only, everything in
-float64, one small function per step, no fault tolerance.
+This module is the test oracle for the checksum-protected attention layer.
+It is deliberately plain: NumPy only, everything in float64, one small
+function per step, no fault tolerance.  Its backward pass is checked against
+central finite differences (tests/test_attention_reference.py).
 
 Conventions (a contract other code relies on)
 ---------------------------------------------

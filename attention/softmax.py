@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from abftgemm.checksums import accumulation_dtype, unit_roundoff
-from abftgemm.report import Event, Report, UncorrectableError
+from abftgemm.report import Event, Report, UncorrectableError, announce
 
 #: P entries below this fraction of their row's maximum are skipped by the log identity: their
 #: logarithms are dominated by the rounding of tiny numbers, and they carry almost no weight.
@@ -147,8 +147,12 @@ def check_backward(ds: Any, dp: Any, p: Any) -> tuple[bool, float, float]:
     - weighted by dP: ``sum_j dS_ij dP_ij = sum_j P_ij dP_ij**2 - r**2`` (a variance), which also
       catches faults that keep the plain sum, such as a scaled row.
 
-    Returns (ok, plain error, plain tolerance) of the row that is worst by either checksum.
-    NumPy arrays go through the numba kernel of :mod:`attention._cpu_checks`.
+    Rows whose P or dP hold INF/NaN (the user's non-finite data, or an overflow upstream; a
+    fault there was caught by the check of the product or softmax that made them) are not
+    judged: their dS passes through as plain math computes it. A fault in dS itself leaves
+    P and dP finite and is judged. Returns (ok, plain error, plain tolerance) of the row that is
+    worst by either checksum. NumPy arrays go through the numba kernel of
+    :mod:`attention._cpu_checks`.
     """
     xp = _xp(ds)
     acc = ds.dtype
@@ -184,6 +188,9 @@ def _backward_ratio(ds: Any, dp: Any, p: Any, u: float, tiny: float) -> tuple[fl
     with np.errstate(invalid="ignore"):  # NaN errors become an infinite ratio just below
         ratio = xp.maximum(plain_err / plain_tol, weighted_err / weighted_tol)
     ratio = xp.where(xp.isfinite(ratio), ratio, np.inf)
+    # Rows with INF/NaN in P or dP (or overflowing the check's arithmetic) are not judged.
+    judged = xp.isfinite(p.sum(-1)) & xp.isfinite(xp.abs(terms).sum(-1)) & xp.isfinite(second)
+    ratio = xp.where(judged, ratio, -1.0)
     t = int(xp.argmax(ratio))
     return (float(ratio.reshape(-1)[t]), float(plain_err.reshape(-1)[t]),
             float(plain_tol.reshape(-1)[t]))
@@ -206,6 +213,7 @@ def checked(site: str, out: Any, recompute: Callable[[], Any],
         return out
     if check == "detect":
         report.events.append(Event(site, 0, "2D", (), (), worst, tol, "reported"))
+        announce(report.events[-1])
         return out
     out = recompute()
     ok, worst_again, tol_again = verify(out)

@@ -43,6 +43,7 @@ from abftgemm import UncorrectableError
 from abftgemm.backend import to_host
 from abftgemm.faults import Fault, bit_layout
 from attention import SITES
+from attention.flags import option
 from attention.model import GPT, MLP_SITES, GPTConfig
 
 FAULT_KINDS: tuple[str, ...] = ("inf", "-inf", "nan", "near-inf", "bitflip")
@@ -83,41 +84,64 @@ def synthetic_corpus(n_chars: int, seed: int) -> str:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Sizes and knobs of :func:`train`.
+    """Sizes and knobs of :func:`train` (each field is also an ``abft train`` flag).
 
     Attributes
     ----------
     steps, batch, seq : int
-        Optimizer steps per run, sequences per batch, characters per sequence.
+        Optimizer steps per run, sequences per batch, characters per sequence (``seq >= 2``).
     d_model, n_heads, n_layers, d_ff : int
-        Model sizes (see :class:`attention.model.GPTConfig`).
+        Model sizes (see :class:`attention.model.GPTConfig`); ``n_heads`` divides ``d_model``.
     lr : float
-        Adam learning rate.
+        Adam learning rate (positive).
     fault_rate : float
-        Probability that a step gets one fault.
+        Probability that a step gets one fault, in [0, 1].
     checkpoint_every : int
-        Steps between checkpoints of the checkpoint/restore run.
+        Steps between checkpoints of the checkpoint/restore run (at least 1).
     corpus_chars : int
-        Length of the synthetic training text.
+        Length of the synthetic training text (more than ``seq`` characters).
     dtype : str
         Model dtype.
     seed : int
         Seed of the model, the batches and the fault schedule.
+
+    Raises
+    ------
+    ValueError
+        On any value outside those ranges, naming the flag.
     """
 
-    steps: int = 300
-    batch: int = 8
-    seq: int = 32
-    d_model: int = 32
-    n_heads: int = 4
-    n_layers: int = 2
-    d_ff: int = 64
-    lr: float = 3e-3
-    fault_rate: float = 0.05
-    checkpoint_every: int = 20
-    corpus_chars: int = 20000
-    dtype: str = "float32"
-    seed: int = 0
+    steps: int = option(300, "optimizer steps per run")
+    batch: int = option(8, "sequences per batch")
+    seq: int = option(32, "characters per sequence")
+    d_model: int = option(32, "model width")
+    n_heads: int = option(4, "attention heads (must divide --d-model)", flag="--heads")
+    n_layers: int = option(2, "transformer blocks", flag="--layers")
+    d_ff: int = option(64, "MLP hidden width")
+    lr: float = option(3e-3, "Adam learning rate")
+    fault_rate: float = option(0.05, "probability that a step gets one extreme fault")
+    checkpoint_every: int = option(20, "steps between checkpoints of the checkpoint/restore run")
+    corpus_chars: int = option(20000, "length of the synthetic training text")
+    dtype: str = option("float32", "model dtype", choices=("float32", "float64"))
+    seed: int = option(0, "seed of the model, the batches and the fault schedule")
+
+    def __post_init__(self) -> None:
+        at_least = {"--steps": (self.steps, 1), "--batch": (self.batch, 1),
+                    "--seq": (self.seq, 2), "--d-model": (self.d_model, 1),
+                    "--heads": (self.n_heads, 1), "--layers": (self.n_layers, 1),
+                    "--d-ff": (self.d_ff, 1), "--checkpoint-every": (self.checkpoint_every, 1),
+                    "--corpus-chars": (self.corpus_chars, self.seq + 2)}
+        for flag, (value, low) in at_least.items():
+            if value < low:
+                raise ValueError(f"{flag} must be at least {low}, got {value}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"--heads ({self.n_heads}) must divide --d-model ({self.d_model})")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        if not 0 <= self.fault_rate <= 1:
+            raise ValueError(f"--fault-rate must be in [0, 1], got {self.fault_rate}")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"--dtype must be float32 or float64, got {self.dtype}")
 
 
 @dataclass(frozen=True)

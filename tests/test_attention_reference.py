@@ -17,7 +17,12 @@ from hypothesis import strategies as st
 from attention import reference as ref
 from finite_differences import central_differences
 
+#: Central differences of the O(1) loss sum(g * y) (x, g standard normal, unit-scale weights):
+#: truncation error eps^2/6 |f'''| ~ 1e-12, cancellation error ~ u64 |L| / eps ~ 1e-16 * 10 /
+#: 1e-6 = 1e-9; eps = 1e-6 balances the two near their minimum.
 FD_EPS = 1e-6
+#: The finite-difference error above (~1e-9) with a 10x margin in absolute terms (ATOL); the
+#: cancellation term grows with |L|, so large gradients get 1e-6 relative (RTOL) instead.
 RTOL = 1e-6
 ATOL = 1e-8
 
@@ -128,7 +133,7 @@ def test_backward_matches_finite_differences(case: str) -> None:
     check_gradients(x, params, g, n_heads, mask, causal)
 
 
-@settings(deadline=None, max_examples=100)
+@settings(deadline=None)  # examples per the profile: 30 dev, 300 CI
 @given(
     batch=st.integers(1, 2),
     seq=st.integers(1, 4),
@@ -166,6 +171,9 @@ def test_forward_matches_naive_loop(case: str, shape: tuple[int, int, int, int])
     mask, causal = make_mask(case, batch, seq)
     y, cache = ref.forward(x, params, n_heads, mask=mask, causal=causal)
     expected = naive_forward(x, params, n_heads, mask, causal)
+    # two float64 evaluations of O(1) sums of at most 6 terms, in different orders: they differ
+    # by a few u64 = 1e-16 (relative to the O(1) magnitudes); 1e-12 is far above that and far
+    # below any mistake in the formula.
     np.testing.assert_allclose(y, expected, rtol=1e-12, atol=1e-12)
     assert y.dtype == np.float64
     assert cache["p"].shape == (batch, n_heads, seq, seq)
@@ -196,7 +204,7 @@ def test_probabilities_rows_sum_to_one_or_zero() -> None:
     assert np.all(p[~np.broadcast_to(vis, p.shape)] == 0.0)
     sums = p.sum(axis=-1)
     has_key = np.broadcast_to(vis.any(axis=-1), sums.shape)
-    np.testing.assert_allclose(sums[has_key], 1.0, rtol=1e-14)
+    np.testing.assert_allclose(sums[has_key], 1.0, rtol=1e-14)  # 4 terms: <= 4 u64 = 9e-16
     assert np.all(sums[~has_key] == 0.0)
     # query 0 of batch row 0 sees only key 0, which is padded: no visible key
     assert not has_key[0, 0, 0] and has_key[0, 0, 1]
@@ -239,17 +247,6 @@ def test_fully_masked_rows_output_bias_and_get_zero_score_gradient() -> None:
         assert np.all(steps[key][1] == 0.0), key
     # the gradient is nonetheless correct there (bo still receives it)
     check_gradients(x, params, g, n_heads, mask, causal=True)
-
-
-def test_backward_wrapper_matches_steps() -> None:
-    x, params, g = make_problem(2, 3, 4, seed=6)
-    _, cache = ref.forward(x, params, 2)
-    dx, grads = ref.backward(g, cache, params, 2)
-    steps = ref.backward_steps(g, cache, params, 2)
-    np.testing.assert_array_equal(dx, steps["dx"])
-    assert set(grads) == set(ref.PARAM_KEYS)
-    for key in ref.PARAM_KEYS:
-        np.testing.assert_array_equal(grads[key], steps[key])
 
 
 def test_split_merge_heads_roundtrip_and_layout() -> None:

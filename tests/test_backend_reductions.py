@@ -147,18 +147,20 @@ def test_flag_matches_reference(xp):
     obs[1, 11, 3] = 1          # a non-finite element
     pred[1, 13, 0] = np.inf    # unverifiable
     obs[1, 15, 0] = np.nan     # observed sum NaN
-    coefficients = (0.01, 0.02, 1e-9)
+    obs[1, 17, 2] = pred[1, 17, 2] * 1.5 + 1e-6  # sum |C| above its bound: a magnitude fault
+    coefficients = (0.01, 0.02, 1e-9, 1.25)
     counts = xp.zeros(2, dtype=np.int64)
     tau, bad, verifiable = get_backend(xp).flag(xp.asarray(pred), xp.asarray(obs), coefficients,
-                                                counts)
+                                                np.inf, counts)  # nothing may overflow
     want_tau = 0.01 * obs[..., 2] + 0.02 * pred[..., 2] + 1e-9
     ok = np.isfinite(pred[..., :3]).all(-1)
     with np.errstate(invalid="ignore"):
         within = ((np.abs(pred[..., 0] - obs[..., 0]) <= want_tau)
                   & (np.abs(pred[..., 1] - obs[..., 1]) <= want_tau)
-                  & np.isfinite(obs[..., 2]) & (obs[..., 3] == 0))
+                  & np.isfinite(obs[..., 2]) & (obs[..., 3] == 0)
+                  & (obs[..., 2] <= 1.25 * pred[..., 2] + 1e-9))
     np.testing.assert_allclose(to_host(tau), want_tau, rtol=1e-15)
     np.testing.assert_array_equal(to_host(verifiable), ok)
     np.testing.assert_array_equal(to_host(bad), ok & ~within)
     assert to_host(counts).tolist() == [int((ok & ~within).sum()), int((~ok).sum())]
-    assert {(0, 5), (0, 6), (1, 9), (1, 11), (1, 15)} <= set(zip(*to_host(bad).nonzero()))
+    assert {(0, 5), (0, 6), (1, 9), (1, 11), (1, 15), (1, 17)} <= set(zip(*to_host(bad).nonzero()))

@@ -7,11 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from attention import cli
-from attention.campaign import COUNTS
+from attention.campaign import COUNTS, DEFAULT_SITES, KINDS, OUTCOMES
 from attention.cli import main
+from abftgemm.faults import PATTERNS
 from conftest import GPU
 
 EXTREME = ("inf", "nan", "bitflip-exp")
@@ -33,7 +35,13 @@ def test_campaign_writes_its_files(campaign: tuple[Path, list[dict]]) -> None:
     out, _ = campaign
     for name in ("campaign.json", "campaign.md", "coverage.png", "propagation.png"):
         assert (out / name).stat().st_size > 0
-    assert "| fault in | AS | AP | CL | O |" in (out / "campaign.md").read_text()
+    text = (out / "campaign.md").read_text()
+    assert "| fault in | AS | AP | CL | O |" in text
+    # every outcome and stage the tables use is defined
+    for term in ("**detected**", "**silent corruption**", "**silent, within bound**",
+                 "**masked**", "**miscorrected**", "**false positives**", "**AS** attention scores",
+                 "**AP** attention probabilities", "**CL** context", "**O** output"):
+        assert term in " ".join(text.split()), term
 
 
 def test_campaign_records(campaign: tuple[Path, list[dict]]) -> None:
@@ -41,11 +49,14 @@ def test_campaign_records(campaign: tuple[Path, list[dict]]) -> None:
     fields = {"site", "kind", "pattern", "protected", "trials", "detected", "corrected",
               "recomputed", "uncorrectable", "silent", "false_positives", "nonfinite_output"}
     cells = {(r["site"], r["kind"], r["pattern"], r["protected"]) for r in records}
-    assert len(cells) == len(records) == 5 * 4 * 3 * 2 + 2 * 2
+    # 5 sites x 4 kinds x 3 patterns x 2 modes, then the protected clean runs of layer and gemm
+    assert len(cells) == len(records) == 5 * 4 * 3 * 2 + 2
     for r in records:
         assert fields | set(COUNTS) <= set(r)
-        assert r["detected"] + r["silent"] + r["masked"] == r["trials"]
+        assert sum(r[k] for k in OUTCOMES) == r["trials"]
         assert r["trials"] == (3 if r["kind"] == "none" else 2)
+        if r["kind"] == "none":
+            assert r["protected"]  # an unprotected run flags nothing: no false positive to count
         if not r["protected"]:
             assert r["detected"] == r["corrected"] == r["recomputed"] == 0
 
@@ -54,7 +65,7 @@ def test_campaign_protected_numbers(campaign: tuple[Path, list[dict]]) -> None:
     _, records = campaign
     by_cell = {(r["site"], r["kind"], r["pattern"], r["protected"]): r for r in records}
     for r in records:
-        if r["kind"] == "none":
+        if r["kind"] == "none":  # protected clean runs (the records test checks they are)
             assert r["false_positives"] == 0
             continue
         unprotected = by_cell[r["site"], r["kind"], r["pattern"], False]
@@ -82,7 +93,15 @@ def test_train(tmp_path: Path) -> None:
     assert all(isinstance(v, float) and math.isfinite(v) for v in protected["losses"])
     assert protected["faults_injected"] == len(summary["schedule"]) > 0
     assert protected["detected"] == protected["faults_injected"]
-    assert protected["max_abs_loss_diff"] < 1e-4
+    # Every fault is repaired where it struck, so the protected run differs from the fault-free
+    # one only by the rounding of rebuilt elements (a few ulps of the values they replace) as it
+    # carries through later steps.  Measured: 4.8e-7, 2 ulps of a float32 loss in [2, 4), over
+    # 16 steps.  Budget: 2 ulps of the largest fault-free loss per step.  An unrepaired fault
+    # makes the loss non-finite (these faults are INF, NaN, near-INF or exponent flips) or moves
+    # it by orders of magnitude more.
+    fault_free = summary["runs"]["fault_free"]["losses"]
+    ulp = float(np.spacing(np.float32(max(fault_free))))
+    assert protected["max_abs_loss_diff"] <= 2 * len(fault_free) * ulp
     assert {"ratio", "t_fault_free", "t_protected", "t_checkpoint", "save_seconds",
             "load_seconds", "replay_seconds", "replayed_steps"} <= set(summary["overhead"])
     for name in ("train.md", "loss.png"):
@@ -120,3 +139,61 @@ def test_module_entry_point() -> None:
     assert done.returncode == 0
     for command in ("campaign", "train", "bench", "demo"):
         assert command in done.stdout
+
+
+BAD_FLAGS = [
+    ["campaign", "--sites", "q_prj"],               # a typo once ran and called every trial masked
+    ["campaign", "--kinds", "bitflip"],
+    ["campaign", "--patterns", "diagonal"],
+    ["campaign", "--heads", "3"],                   # does not divide --d-model 32
+    ["campaign", "--seq", "1"],
+    ["campaign", "--trials", "0"],
+    ["campaign", "--trials", "-2"],
+    ["campaign", "--gemm", "8", "0", "8"],
+    ["campaign", "--additive", "nan"],
+    ["train", "--heads", "5"],
+    ["train", "--seq", "1"],
+    ["train", "--checkpoint-every", "0"],
+    ["train", "--fault-rate", "1.5"],
+    ["train", "--steps", "0"],
+    ["train", "--lr", "-1"],
+    ["campaign", "--trials", "two"],
+    ["train", "--no-such-flag"],
+]
+
+
+@pytest.mark.parametrize("flags", BAD_FLAGS, ids=[" ".join(f) for f in BAD_FLAGS])
+def test_bad_flags_one_line_exit_2(flags: list[str], tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main([flags[0], "--backend", "numpy", "--out", str(out), *flags[1:]]))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("abft") and ": error: " in err
+    assert not out.exists()  # refused before anything ran
+
+
+def test_help_lists_defaults_and_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["campaign", "--help"])
+    assert exit_info.value.code == 0
+    flat = " ".join(capsys.readouterr().out.split())
+    for name in (*DEFAULT_SITES, *KINDS, *PATTERNS):
+        assert name in flat, name
+    for default in ("(default: 2)", "(default: 10)", "(default: 32 32 32)", "(default: all)",
+                    "(default: float32)"):
+        assert default in flat, default
+
+
+def test_without_matplotlib_plots_are_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # "import matplotlib" now fails
+    monkeypatch.delitem(sys.modules, "attention.plots", raising=False)
+    status = main(["train", "--backend", "numpy", "--out", str(tmp_path), "--no-progress",
+                   "--steps", "2", "--batch", "2", "--layers", "1", "--d-ff", "8", *TINY_LAYER])
+    assert status == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "plots skipped" in line]
+    assert notes == ['plots skipped: matplotlib is not installed (pip install "abftgemm[plots]")']
+    assert (tmp_path / "train.json").exists() and not (tmp_path / "loss.png").exists()

@@ -2,7 +2,8 @@
 
 Each notebook is executed with nbclient in a fresh "python3" kernel that runs THIS interpreter
 (a kernelspec written to a temporary JUPYTER_PATH entry, which takes precedence over any user or
-system "python3" spec), with the repository root as working directory and on PYTHONPATH.  The
+system "python3" spec), in an empty temporary working directory and with the repository kept off
+PYTHONPATH: a notebook must work wherever it is opened, from the installed package alone.  The
 executed copy is never written back.  Needs the "notebooks" and "plots" extras (nbformat,
 nbclient, ipykernel, matplotlib); the tests are skipped without them.
 """
@@ -54,7 +55,7 @@ def test_committed_without_outputs(path: Path):
 
 @pytest.fixture(scope="module")
 def kernel_env(tmp_path_factory):
-    """A "python3" kernelspec for this interpreter, first on JUPYTER_PATH; repo on PYTHONPATH."""
+    """A "python3" kernelspec for this interpreter, first on JUPYTER_PATH; repo off PYTHONPATH."""
     pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
     pytest.importorskip("matplotlib")
@@ -68,7 +69,9 @@ def kernel_env(tmp_path_factory):
     }))
     saved = {k: os.environ.get(k) for k in ("JUPYTER_PATH", "PYTHONPATH")}
     os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(data), saved["JUPYTER_PATH"]]))
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), saved["PYTHONPATH"]]))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (saved["PYTHONPATH"] or "").split(os.pathsep)
+        if p and Path(p).resolve() != ROOT)
     try:
         from jupyter_client.kernelspec import KernelSpecManager
 
@@ -84,14 +87,15 @@ def kernel_env(tmp_path_factory):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
-def test_notebook_executes(path: Path, kernel_env):
-    """Run every cell in a fresh kernel; any exception (a failed assert included) fails the test."""
+def test_notebook_executes(path: Path, kernel_env, tmp_path: Path):
+    """Run every cell in a fresh kernel started in an empty folder outside the repository; any
+    exception (a failed assert included) fails the test."""
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, kernel_name="python3", timeout=CELL_TIMEOUT,
                             allow_errors=False, record_timing=False,
-                            resources={"metadata": {"path": str(ROOT)}})
+                            resources={"metadata": {"path": str(tmp_path)}})
     start = time.perf_counter()
     client.execute()  # raises CellExecutionError (with the traceback) on the first failing cell
     seconds = time.perf_counter() - start

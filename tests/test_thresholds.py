@@ -29,7 +29,7 @@ def test_adversarial_clean_products_stay_below_the_threshold(xp, dtype, shape):
     big = calibrate._largest(dtype)
     for label, a64, b64 in calibrate.cases(rng, *shape, big):
         ratio = calibrate.worst_ratio(xp, dtype, a64, b64)  # asserts nothing is flagged
-        assert ratio < 1, (label, ratio)
+        assert ratio < 1, (label, ratio)  # |d| / tau < 1 is what "not flagged" means
 
 
 def test_threshold_terms():
@@ -37,7 +37,9 @@ def test_threshold_terms():
     t = threshold(np.array([0.0, 1.0]), np.array([0.0, 0.0]), 64, 32, np.dtype(np.float32))
     assert 0 < t[0] < t[1]
     assert threshold(1.0, 0.0, 256, 32, np.float32) > threshold(1.0, 0.0, 64, 32, np.float32)
-    # output rounding: 1.01 u_out per unit of observed |C| (plus the subnormal floor)
+    # output rounding: 1.01 u_out per unit of observed |C|, plus the float64 checksum term
+    # u64 (32 + 64) / (1.01 u_out) = 2e-11 and the subnormal floor 6e-5 * 96 / 1e6 / 4.9e-4 = 1.2e-5
+    # relative to it: rel=1e-3 holds those and would not hold a changed coefficient.
     assert threshold(0.0, 1e6, 64, 32, np.float16) / 1e6 == pytest.approx(1.01 * 2.0 ** -11, rel=1e-3)
     assert threshold(1.0, 1.0, 64, 32, np.float32, bias=True) > threshold(1.0, 1.0, 64, 32,
                                                                            np.float32)

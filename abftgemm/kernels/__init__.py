@@ -32,6 +32,12 @@ SOFTMAX_FILE = "softmax.cu"
 SOFTMAX_ROWS = "abft_softmax_rows"
 
 
+PLAN_FILE = "plan.cu"
+#: The two verification launches of a planned product (abftgemm._cuda_plan).
+PLAN_PREDICT = "abft_plan_predict"
+PLAN_OBSERVE_FLAG = "abft_plan_observe_flag"
+
+
 def instance(kernel: str, dtype_name: str) -> str:
     """The name expression of template ``kernel`` instantiated for NumPy dtype ``dtype_name``."""
     return f"{kernel}<{CUDA_TYPES[dtype_name]}>"
@@ -42,6 +48,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     REDUCE_FILE: (REDUCE_INIT, FLAG)
     + tuple(instance(k, t) for k in (ROW_REDUCE, COL_REDUCE) for t in CUDA_TYPES),
     SOFTMAX_FILE: tuple(instance(SOFTMAX_ROWS, t) for t in CUDA_TYPES),
+    PLAN_FILE: tuple(instance(k, t) for k in (PLAN_PREDICT, PLAN_OBSERVE_FLAG) for t in CUDA_TYPES),
 }
 
 

@@ -79,4 +79,24 @@ __device__ __forceinline__ void warp_allreduce(Acc& a) {
     }
 }
 
+// The verdict on one vector (abftgemm._cpu.judge is the CPU's copy): from the predicted
+// [plain, weighted, S = sum |A||B|] and observed [plain, weighted, sum |C|, non-finite count]
+// checksums, sets the threshold tau and returns whether the vector is flagged; *verifiable says
+// whether its inputs are finite (finite prediction) and it is not an overflow to settle on the
+// host (S at or above safe and holding INF/NaN). Flagged: verifiable and a checksum difference
+// above tau, a non-finite element, or sum |C| above the rigorous bound c_mag * S + floor.
+__device__ __forceinline__ bool judge(const double* p, double o0, double o1, double o2,
+                                      double o3, double c_obs, double c_pred, double floor_abs,
+                                      double c_mag, double safe, double* tau, bool* verifiable) {
+    const double t = c_obs * o2 + c_pred * p[2] + floor_abs;
+    const bool observed_finite = !not_finite(o2) && o3 == 0.0;
+    const bool ok = !not_finite(p[0]) && !not_finite(p[1]) && !not_finite(p[2]) &&
+                    (p[2] < safe || observed_finite);
+    const bool within = fabs(p[0] - o0) <= t && fabs(p[1] - o1) <= t && observed_finite &&
+                        o2 <= c_mag * p[2] + floor_abs;
+    *tau = t;
+    *verifiable = ok;
+    return ok && !within;
+}
+
 }  // namespace

@@ -127,28 +127,22 @@ __global__ void abft_col_reduce(const T* __restrict__ x, long long batch_stride,
 }
 
 // Flags the vectors whose checksums disagree, for n vectors of 5 float64 fields each (predicted
-// and observed, as written by the reductions above):
-//     tau = c_obs * obs[2] + c_pred * pred[2] + floor_abs          (abftgemm/thresholds.py)
-//     verifiable = pred[0], pred[1], pred[2] all finite            (inputs hold no INF/NaN)
-//     bad = verifiable && !(|pred[0]-obs[0]| <= tau && |pred[1]-obs[1]| <= tau
-//                           && obs[2] finite && obs[3] == 0)
-// A non-finite element (or finite ones whose sums overflow) makes obs[2] and so tau infinite,
-// hence the separate finiteness tests. counts[0] and counts[1] accumulate the numbers of bad and
-// unverifiable vectors; only such (rare) vectors touch them.
+// and observed, as written by the reductions above), by the rule of judge (checksum_acc.cuh;
+// the coefficients come from abftgemm/thresholds.py). counts[0] and counts[1] accumulate the
+// numbers of bad and unverifiable vectors; only such (rare) vectors touch them.
 extern "C" __global__ void abft_flag(const double* __restrict__ pred,
                                      const double* __restrict__ obs, double c_obs, double c_pred,
-                                     double floor_abs, long long n, double* __restrict__ tau,
-                                     bool* __restrict__ bad, bool* __restrict__ verifiable,
+                                     double floor_abs, double c_mag, double safe, long long n,
+                                     double* __restrict__ tau, bool* __restrict__ bad,
+                                     bool* __restrict__ verifiable,
                                      unsigned long long* __restrict__ counts) {
     for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
          i += static_cast<long long>(gridDim.x) * blockDim.x) {
-        const double* p = pred + 5 * i;
         const double* o = obs + 5 * i;
-        const double t = c_obs * o[2] + c_pred * p[2] + floor_abs;
-        const bool ok = !not_finite(p[0]) && !not_finite(p[1]) && !not_finite(p[2]);
-        const bool within = fabs(p[0] - o[0]) <= t && fabs(p[1] - o[1]) <= t &&
-                            !not_finite(o[2]) && o[3] == 0.0;
-        const bool flagged = ok && !within;
+        double t;
+        bool ok;
+        const bool flagged = judge(pred + 5 * i, o[0], o[1], o[2], o[3], c_obs, c_pred,
+                                   floor_abs, c_mag, safe, &t, &ok);
         tau[i] = t;
         bad[i] = flagged;
         verifiable[i] = ok;

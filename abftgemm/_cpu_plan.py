@@ -1,0 +1,265 @@
+"""CPU kernels of a planned product: the two verification launches of the fast path.
+
+A planned product (:class:`abftgemm.plan.ProtectedMatmul`) verifies its columns on the fast path:
+
+1. :func:`predict_cols` reads ``a`` once for its column encoding ``E^T A`` (plain sums, sums
+   weighted by the location weights ``(i+1)/m``, sums of ``|.|``) and ``b`` once to carry it
+   through: ``pred = (E^T A) B`` and ``S = (1^T |A|) |B|`` per column of the product;
+2. :func:`observe_flag_cols` reads the product once for its column checksums and judges every
+   column on the same pass, adding the numbers of flagged and unverifiable columns per batch item
+   to a small verdict array.
+
+Both write only into workspaces the plan allocated, so an execute allocates nothing. 16-bit
+products are observed through a 65536-entry float32 table of their bit patterns, a few rows at a
+time, so that the product is read once and never copied whole. The judgement of a column is the
+same as the ``flag`` primitive's (:func:`abftgemm._cpu.judge`).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import numba
+import numpy as np
+
+from abftgemm._cpu import _COL_STEP, _FAST, _lookup, _store_columns, _sum_columns, judge
+
+#: Rows of a 16-bit product converted to float32 at a time (a multiple of the column step; the
+#: block of 64 rows of 4096 float32 values is 1 MiB, cache resident).
+_BITS_BLOCK = 8 * _COL_STEP
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def predict_cols(a: Any, b: Any, bias: Any, encode_a: bool, weights_m: Any, enc: Any, p: Any,
+                 pred: Any) -> None:
+    """Predicted column checksums of every batch item of ``a @ b (+ bias)``.
+
+    Parameters
+    ----------
+    a : (batch or 1, m, k) float32/float64
+    b : (batch or 1, k, n) float32/float64
+    bias : (n,) float64, or (0,) for none
+    encode_a : bool
+        Compute ``enc`` from ``a`` (False: ``enc`` holds an encoding handed in or kept constant).
+    weights_m : (m,) float64 location weights
+    enc : (batch or 1, 3, k) float64 workspace: the column encoding of ``a``
+    p : (3, n) float64 workspace
+    pred : (batch, 3, n) float64 output: ``[plain, weighted, sum |A||B|]`` per column
+    """
+    m = a.shape[1]
+    if encode_a:
+        encode_cols(a, weights_m, enc)
+    mean_weight = (m + 1) / 2 / max(m, 1)
+    for t in range(pred.shape[0]):
+        p[:] = 0.0
+        bt = b[min(t, b.shape[0] - 1)]
+        _sum_columns(bt, enc[min(t, enc.shape[0] - 1)], 0, bt.shape[0], p)
+        for j in range(bias.shape[0]):
+            pred_bias = bias[j] * m
+            p[0, j] += pred_bias
+            p[1, j] += pred_bias * mean_weight
+            p[2, j] += abs(pred_bias)
+        pred[t] = p
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def encode_cols(a: Any, weights_m: Any, enc: Any) -> None:
+    """Column encoding ``enc`` (batch, 3, k) of ``a`` (batch, m, k): plain, location-weighted
+    and absolute column sums."""
+    for i in range(enc.shape[0]):
+        enc[i] = 0.0
+        _sum_columns(a[i], weights_m, 0, a.shape[1], enc[i])
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def observe_flag_cols(c: Any, weights_m: Any, pred: Any, c_obs: float, c_pred: float,
+                      floor: float, c_mag: float, safe: float, p: Any, obs: Any,
+                      verdict: Any) -> None:
+    """Observe the column checksums of a float32/float64 product and judge every column.
+
+    ``c`` (batch, m, n); ``pred`` (batch, 3, n) from :func:`predict_cols`; ``p`` (3, n)
+    workspace; ``obs`` (batch, n, 5) output (the observed column checksums, as the backends'
+    ``col_reduce`` gives them); ``verdict`` (batch, 2) int64: the numbers of flagged and
+    unverifiable columns of each batch item are added to it.
+    """
+    for t in range(c.shape[0]):
+        p[:] = 0.0
+        _sum_columns(c[t], weights_m, 0, c.shape[1], p)
+        _store_columns(c[t], p, obs[t])
+        _judge_columns(pred[t], obs[t], c_obs, c_pred, floor, c_mag, safe, verdict[t])
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def observe_flag_cols_bits(bits: Any, table: Any, weights_m: Any, pred: Any, c_obs: float,
+                           c_pred: float, floor: float, c_mag: float, safe: float, p: Any,
+                           scratch: Any, obs: Any, verdict: Any) -> None:
+    """:func:`observe_flag_cols` for a 16-bit product given as its bit patterns ``bits``
+    (uint16) and ``table`` (the float32 value of each pattern); ``scratch`` is a float32
+    ``(rows, n)`` workspace that holds a block of converted rows."""
+    m = bits.shape[1]
+    block = scratch.shape[0]
+    for t in range(bits.shape[0]):
+        p[:] = 0.0
+        for i0 in range(0, m, block):
+            rows = min(block, m - i0)
+            for i in range(rows):
+                src, dst = bits[t, i0 + i], scratch[i]
+                for j in range(src.shape[0]):
+                    dst[j] = table[src[j]]
+            _sum_columns(scratch, weights_m[i0:i0 + rows], 0, rows, p)
+        for j in range(p.shape[1]):
+            o = obs[t, j]
+            o[0], o[1], o[2], o[3], o[4] = p[0, j], p[1, j], p[2, j], 0.0, -1.0
+            if not (np.isfinite(p[0, j]) and np.isfinite(p[1, j]) and np.isfinite(p[2, j])):
+                count, last = 0, -1
+                for i in range(m):
+                    if not np.isfinite(table[bits[t, i, j]]):
+                        count += 1
+                        last = i
+                o[3], o[4] = count, last
+        _judge_columns(pred[t], obs[t], c_obs, c_pred, floor, c_mag, safe, verdict[t])
+
+
+@numba.njit(cache=True, inline="always")
+def _judge_columns(pred: Any, obs: Any, c_obs: float, c_pred: float, floor: float,
+                   c_mag: float, safe: float, verdict: Any) -> None:
+    """Add the flagged and unverifiable columns of one batch item to ``verdict`` (2,)."""
+    n_bad = 0
+    n_unverifiable = 0
+    for j in range(obs.shape[0]):
+        _, flagged, ok = judge(pred[0, j], pred[1, j], pred[2, j], obs[j, 0], obs[j, 1],
+                               obs[j, 2], obs[j, 3], c_obs, c_pred, floor, c_mag, safe)
+        n_bad += flagged
+        n_unverifiable += not ok
+    verdict[0] += n_bad
+    verdict[1] += n_unverifiable
+
+
+@numba.njit(cache=True)
+def add_bias(c: Any, bias: Any) -> None:
+    """``c[t, i, :] += bias`` for every row (NumPy's broadcasting ``+=`` allocates a buffer)."""
+    for t in range(c.shape[0]):
+        for i in range(c.shape[1]):
+            row = c[t, i]
+            for j in range(row.shape[0]):
+                row[j] += bias[j]
+
+
+@lru_cache(maxsize=2)
+def bits_table(dtype: np.dtype) -> np.ndarray:
+    """The float32 value of every bit pattern of the 16-bit ``dtype`` (read-only, tabulated once)."""
+    table = np.arange(1 << 16, dtype=np.uint16).view(dtype).astype(np.float32)
+    table.setflags(write=False)
+    return table
+
+
+class CpuWorkspace:
+    """Every array a planned product needs on the CPU, allocated once, and the launches that
+    use them. ``counters`` (a :class:`abftgemm.plan.Counters`) counts both."""
+
+    def __init__(self, op: Any, counters: Any, verify_columns: bool):
+        self._counters = counters
+        batch, m, k, n = op.batch, op.m, op.k, op.n
+        self.coefficients = (0.0, 0.0, 0.0, 0.0)
+        self.safe = np.inf
+        self._wide = op.dtype.itemsize == 2
+        if self._wide:  # 16-bit: the GEMM runs in float32 (as cuBLAS accumulates), rounded once
+            self._table = bits_table(op.dtype)
+            self._a32 = self._alloc(op.a.shape, np.float32)
+            self._b32 = self._alloc(op.b.shape, np.float32)
+            self._c32 = self._alloc((batch, m, n), np.float32)
+            self._bias32 = self._alloc((n,), np.float32)
+        self._verify = verify_columns
+        if not verify_columns:
+            return
+        self._weights = self._alloc((m,), np.float64)
+        self._weights[:] = np.arange(1, m + 1) / m
+        self._bias64 = self._alloc((n if op.bias is not None else 0,), np.float64)
+        self._enc = self._alloc((max(op.a.shape[0], 1), 3, k), np.float64)
+        self._enc_rows = op.a.shape[0]
+        self._p = self._alloc((3, n), np.float64)
+        self._pred = self._alloc((batch, 3, n), np.float64)
+        self._obs = self._alloc((batch, n, 5), np.float64)
+        self._verdict = self._alloc((batch, 2), np.int64)
+        if self._wide:
+            self._scratch = self._alloc((min(_BITS_BLOCK, max(m, 1)), n), np.float32)
+
+    def _alloc(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        self._counters.allocations += 1
+        return np.zeros(shape, dtype=dtype)
+
+    # The GEMM: one launch, and one more to add a bias (as on the GPU).
+    def gemm(self, op: Any, c: np.ndarray) -> None:
+        """``c = op.a @ op.b (+ op.bias)`` without allocating."""
+        self._counters.launches += 1 + (op.bias is not None)
+        if not self._wide:
+            np.matmul(op.a, op.b, out=c)
+            if op.bias is not None:
+                add_bias(c, op.bias)
+            return
+        self._upcast(op.a, self._a32)
+        self._upcast(op.b, self._b32)
+        np.matmul(self._a32, self._b32, out=self._c32)
+        if op.bias is not None:
+            self._upcast(op.bias, self._bias32)
+            add_bias(self._c32, self._bias32)
+        c[...] = self._c32
+
+    def _upcast(self, x: np.ndarray, out: np.ndarray) -> None:
+        if x.flags.c_contiguous:
+            _lookup(x.reshape(-1).view(np.uint16), self._table, out.reshape(-1))
+        else:
+            np.copyto(out, x, casting="unsafe")
+
+    # The two verification launches.
+    def encode(self, a: np.ndarray) -> None:
+        """Column encoding of ``a`` into the workspace now (a constant operand)."""
+        self._counters.launches += 1
+        if self._wide:
+            self._upcast(a, self._a32)
+            a = self._a32
+        self._enc_rows = a.shape[0]
+        encode_cols(a, self._weights, self._enc[:self._enc_rows])
+
+    def set_encoding(self, cols: np.ndarray) -> None:
+        """Use the column encoding ``cols`` ``(batch or 1, k, 3)`` handed on from elsewhere."""
+        self._enc_rows = cols.shape[0]
+        np.copyto(self._enc[:self._enc_rows], cols.transpose(0, 2, 1))
+
+    def predict(self, op: Any, encode_a: bool) -> None:
+        """Predicted column checksums of the product of ``op`` (launch 1)."""
+        self._counters.launches += 1
+        if op.bias is not None:
+            np.copyto(self._bias64, op.bias, casting="unsafe")
+        if encode_a:
+            self._enc_rows = op.a.shape[0]
+        a = self._a32 if self._wide else op.a
+        b = self._b32 if self._wide else op.b
+        predict_cols(a, b, self._bias64, encode_a, self._weights, self._enc[:self._enc_rows],
+                     self._p, self._pred)
+
+    def observe_flag(self, c: np.ndarray) -> None:
+        """Observe and judge the product's columns (launch 2)."""
+        self._counters.launches += 1
+        self._verdict[:] = 0
+        if self._wide:
+            observe_flag_cols_bits(c.view(np.uint16), self._table, self._weights, self._pred,
+                                   *self.coefficients, self.safe, self._p, self._scratch,
+                                   self._obs, self._verdict)
+        else:
+            observe_flag_cols(c, self._weights, self._pred, *self.coefficients, self.safe,
+                              self._p, self._obs, self._verdict)
+
+    def release(self) -> None:
+        """Nothing to free beyond the arrays, which go with the workspace object."""
+
+    def fetch_verdict(self) -> None:
+        """The verdict is already in host memory."""
+
+    def verdict_flagged(self) -> bool:
+        """True when the last observation flagged a column or found one unverifiable."""
+        return bool(self._verdict.any())
+
+    def observed_cols(self) -> np.ndarray:
+        """Observed column encoding of the last product, ``(batch, n, 3)`` (a workspace view)."""
+        return self._obs[..., :3]

@@ -1,0 +1,189 @@
+"""GPU workspaces and launches of a planned product (abftgemm/kernels/plan.cu).
+
+Everything is allocated when the plan is made: the accumulators and counters of the two
+verification kernels (which leave them zeroed for the next execute), the observed checksums, the
+cumulative verdict on the device and a pinned host copy of it, and a cuBLAS handle of the plan's
+own in host pointer mode without TF32, so that no shared handle state is read or changed per call.
+An execute is the GEMM (one cuBLAS call; a bias adds one broadcast copy before it) and two kernel
+launches, with no allocation and no synchronization; settle copies the verdict into pinned memory
+asynchronously and waits for that copy only.
+
+Operands are used in place when cuBLAS can read them (row-major or transposed matrices, any
+leading dimension); other layouts are copied (an allocation per execute, as for an unplanned
+product).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import cupy
+import cupyx
+import numpy
+from cupy_backends.cuda.libs import cublas
+
+from abftgemm import kernels
+from abftgemm._cuda import _bits, _cdiv, _matrices, strided_batched
+
+_THREADS = 256  # PLAN_THREADS in plan.cu
+_SLAB = 32  # SLAB in plan.cu
+_MIN_CHUNK_ROWS = 64  # shortest row chunk worth a block of its own
+_BLOCKS_PER_SM = 4  # blocks per SM the grids aim for
+
+
+class CudaWorkspace:
+    """Device workspaces, kernels and cuBLAS handle of one planned product."""
+
+    def __init__(self, op: Any, counters: Any, verify_columns: bool):
+        self._counters = counters
+        self._dtype = op.dtype.name
+        self._handle = cublas.create()
+        cublas.setPointerMode(self._handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        cublas.setMathMode(self._handle, cublas.CUBLAS_DEFAULT_MATH)
+        self.coefficients = (0.0, 0.0, 0.0, 0.0)
+        self.safe = numpy.inf
+        self._verify = verify_columns
+        if not verify_columns:
+            return
+        batch, m, k, n = op.batch, op.m, op.k, op.n
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self._slabs = _cdiv(k, _SLAB)
+        self._a_chunks, self._a_chunk_rows = _chunks(batch * self._slabs, m, sms)
+        self._tile = 32 * (16 // op.dtype.itemsize)
+        self._tiles = _cdiv(n, self._tile)
+        self._c_chunks, self._c_chunk_rows = _chunks(batch * self._tiles, m, sms)
+        self._enc_acc = self._zeros((batch, self._slabs, 3, _SLAB), numpy.float64)
+        self._slab_count = self._zeros((batch, self._slabs), numpy.uint32)
+        self._pred = self._zeros((batch, 3, n), numpy.float64)
+        self._acc = self._zeros((batch, 3, n), numpy.float64)
+        self._bad_count = self._zeros((batch, n), numpy.int32)
+        self._bad_last = self._zeros((batch, n), numpy.int32)
+        self._bad_last.fill(-1)
+        self._tile_count = self._zeros((batch, self._tiles), numpy.uint32)
+        self._obs = self._zeros((batch, n, 5), numpy.float64)
+        self._verdict = self._zeros((batch, 2), numpy.uint64)
+        self._verdict_host = cupyx.zeros_pinned((batch, 2), numpy.uint64)
+        self._verdict_seen = numpy.zeros((batch, 2), numpy.uint64)
+        self._counters.allocations += 1
+        self._enc_given: cupy.ndarray | None = None
+        self._bias: cupy.ndarray | None = None
+        self._predict = _kernel(kernels.instance(kernels.PLAN_PREDICT, self._dtype))
+        self._observe_flag = _kernel(kernels.instance(kernels.PLAN_OBSERVE_FLAG, self._dtype))
+
+    def _zeros(self, shape: tuple[int, ...], dtype: Any) -> cupy.ndarray:
+        self._counters.allocations += 1
+        return cupy.zeros(shape, dtype=dtype)
+
+    def release(self) -> None:
+        """Destroy the plan's cuBLAS handle (the arrays go with the workspace object)."""
+        if self._handle is not None:
+            cublas.destroy(self._handle)
+            self._handle = None
+
+    def gemm(self, op: Any, c: cupy.ndarray) -> None:
+        """``c = op.a @ op.b (+ op.bias)`` on the plan's handle and the current stream."""
+        batch, m, n = c.shape
+        k = op.a.shape[2]
+        if op.bias is not None:
+            self._counters.launches += 1
+            _bits(c)[...] = _bits(op.bias)
+        if c.size == 0 or k == 0:
+            if op.bias is None and c.size:
+                self._counters.launches += 1
+                _bits(c).fill(0)
+            return
+        self._counters.launches += 1
+        cublas.setStream(self._handle, cupy.cuda.get_current_stream().ptr)
+        strided_batched(self._handle, _matrices(op.a), _matrices(op.b), c, m, n, k, self._dtype,
+                        op.bias is not None)
+
+    def encode(self, a: cupy.ndarray) -> None:
+        """Column encoding of the constant ``a`` (batch or 1, m, k) into the workspace now."""
+        from abftgemm._cuda import backend
+
+        self._counters.launches += 1
+        self._counters.allocations += 1
+        full = cupy.empty((a.shape[0], a.shape[2], 5), dtype=numpy.float64)
+        backend().col_reduce(a, None, full)
+        self._enc_given = full[..., :3]
+
+    def set_encoding(self, cols: cupy.ndarray) -> None:
+        """Use the column encoding ``cols`` ``(batch or 1, k, 3)`` handed on from elsewhere."""
+        self._enc_given = cols
+
+    def predict(self, op: Any, encode_a: bool) -> None:
+        """Launch 1: predicted column checksums of the product of ``op`` into ``pred``."""
+        self._counters.launches += 1
+        a, b = _matrices(op.a), _matrices(op.b)
+        enc = None if encode_a else self._enc_given
+        if enc is not None:
+            if enc.strides[2] != 8:
+                enc = cupy.ascontiguousarray(enc)
+            enc_args = (enc, numpy.int64(enc.strides[0] // 8), numpy.int64(enc.strides[1] // 8),
+                        numpy.int32(enc.shape[0]))
+            chunks, chunk_rows = 1, op.m
+        else:
+            enc_args = (None, numpy.int64(0), numpy.int64(0), numpy.int32(0))
+            chunks, chunk_rows = self._a_chunks, self._a_chunk_rows
+        batch = self._pred.shape[0]
+        self._predict(
+            (batch * self._slabs * chunks,), (_THREADS,),
+            (a.array, numpy.int64(a.batch_stride), numpy.int64(a.ld), numpy.int32(a.transposed),
+             numpy.int32(op.a.shape[0]),
+             b.array, numpy.int64(b.batch_stride), numpy.int64(b.ld), numpy.int32(b.transposed),
+             numpy.int32(op.b.shape[0]), *enc_args, self._enc_acc, self._slab_count, self._pred,
+             numpy.int32(op.m), numpy.int32(op.k), numpy.int32(op.n), numpy.int32(self._slabs),
+             numpy.int32(chunks), numpy.int32(chunk_rows)))
+        self._bias = op.bias
+
+    def observe_flag(self, c: cupy.ndarray) -> None:
+        """Launch 2: observe and judge the product's columns; adds to the verdict."""
+        self._counters.launches += 1
+        batch, m, n = c.shape
+        c_obs, c_pred, floor, c_mag = (numpy.float64(x) for x in self.coefficients)
+        vector = n % (16 // c.itemsize) == 0 and c.data.ptr % 16 == 0
+        self._observe_flag(
+            (batch * self._tiles * self._c_chunks,), (_THREADS,),
+            (c, self._bias, self._acc, self._bad_count, self._bad_last, self._tile_count,
+             self._pred, c_obs, c_pred, floor, c_mag, numpy.float64(self.safe), self._obs,
+             self._verdict, numpy.int32(m), numpy.int32(n), numpy.int32(self._tiles),
+             numpy.int32(self._c_chunks), numpy.int32(self._c_chunk_rows), numpy.int32(vector)))
+
+    def fetch_verdict(self) -> None:
+        """Queue the copy of the cumulative verdict into pinned host memory (no wait)."""
+        self._verdict.get(stream=cupy.cuda.get_current_stream(), out=self._verdict_host,
+                          blocking=False)
+
+    def verdict_flagged(self) -> bool:
+        """After :meth:`fetch_verdict` and a synchronization: True when a column was flagged or
+        found unverifiable since the previous read of the cumulative verdict."""
+        changed = bool((self._verdict_host != self._verdict_seen).any())
+        self._verdict_seen[...] = self._verdict_host
+        return changed
+
+    def observed_cols(self) -> cupy.ndarray:
+        """Observed column encoding of the last product, ``(batch, n, 3)`` (a workspace view)."""
+        return self._obs[..., :3]
+
+
+def _chunks(blocks: int, rows: int, sms: int) -> tuple[int, int]:
+    """``(chunks, rows per chunk)`` splitting ``rows`` until ``blocks * chunks`` fills the GPU."""
+    target = _BLOCKS_PER_SM * sms
+    if blocks >= target or rows < 2 * _MIN_CHUNK_ROWS:
+        return 1, max(rows, 1)
+    chunk_rows = _cdiv(rows, min(_cdiv(target, blocks), rows // _MIN_CHUNK_ROWS))
+    return _cdiv(rows, chunk_rows), chunk_rows
+
+
+def _kernel(name: str) -> cupy.RawKernel:
+    return _plan_module().get_function(name)
+
+
+@functools.cache
+def _plan_module() -> cupy.RawModule:
+    """The RawModule of plan.cu; CuPy compiles it lazily and caches it per device."""
+    return cupy.RawModule(
+        code=kernels.source(kernels.PLAN_FILE),
+        options=kernels.NVRTC_OPTIONS,
+        name_expressions=kernels.MODULES[kernels.PLAN_FILE],
+    )

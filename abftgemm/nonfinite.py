@@ -1,0 +1,219 @@
+"""Settle, element by element, what checksums cannot judge: non-finite inputs and overflow.
+
+A row or column of the product escapes checksum verification (backend ``flag``) when its
+prediction is not finite -- its inputs hold INF/NaN, or, for float64 data, the float64 prediction
+itself overflowed although the inputs are finite -- or when its bound ``S = sum |A||B|`` reaches
+the overflow point (:func:`~abftgemm.thresholds.safe_magnitude`) and it does hold INF/NaN. An
+element whose row or column was judged is covered by that vector; the elements whose row AND
+column both escaped are settled here, on the host (the rare path: the clean fast path never comes
+here).
+
+Each of those elements is compared with a float64 model of it, computed from the inputs:
+``e_ij = sum_c a_ic b_cj (+ bias_j)``, the sums ``P+_ij`` and ``P-_ij`` of its positive and negative
+terms, and ``P_ij = P+_ij + P-_ij``. Rounding allows, and nothing else does:
+
+- a finite value within :func:`~abftgemm.thresholds.element_tolerance` of ``e_ij`` (twice: the model
+  is itself a float64 computation, which matters for float64 data only);
+- ``+INF`` when a partial sum can reach the accumulator's limit (``(1 + delta) P+_ij >= limit``,
+  :func:`~abftgemm.thresholds.growth_margin`) or ``e_ij`` rounds past the output's limit; ``-INF``
+  likewise with ``P-_ij``; NaN only when both are possible (``INF - INF``).
+
+Why a model and not a comparison with a recomputation by the backend's GEMM alone: recomputing a
+few rows or columns runs another kernel with another summation order, and at the overflow
+boundary one order overflows where another does not, so two computations may disagree without a
+fault. The model admits exactly the outcomes rounding can produce; the recomputation supplies the
+replacement values, since it is the same GEMM that plain math runs.
+
+Elements whose own inputs (row of ``a``, column of ``b``, bias) hold INF/NaN are passed through as
+plain math gives them (``input-nonfinite``); allowed non-finite elements with finite inputs are a
+genuine overflow (``overflow``), passed through untouched; any other element is a fault: recomputed
+in correct mode (and judged again), reported in detect mode.
+
+Float64 data can overflow float64 in the model itself (products of 1e154-sized operands): every
+row of ``a`` and column of ``b`` is scaled by a power of two (exact) that keeps the products finite,
+and each element is judged in its scaled units.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from abftgemm.backend import Backend, to_host
+from abftgemm.locate import Verdict, cell_pattern
+from abftgemm.operands import Operands, item
+from abftgemm.repair import product_cols, product_rows
+from abftgemm.report import Event, Report, UncorrectableError
+from abftgemm.thresholds import element_tolerance, growth_margin, overflow_limits
+
+#: Scaled operands stay below 2**_SCALED_EXPONENT, so a product of two stays below 2**1000 and a
+#: sum of fewer than 2**23 of them stays finite in float64.
+_SCALED_EXPONENT = 500
+
+
+def settle_unverifiable(be: Backend, op: Operands, out: Any, verdict: Verdict, check: str,
+                        site: str, report: Report) -> list[int]:
+    """Settle every element that no judged vector covers; report what it is.
+
+    Parameters
+    ----------
+    be, op : the backend and the product's operands
+    out : array (batch, m, n)
+        The delivered product; faulty elements are replaced in place when ``check == "correct"``.
+    verdict : Verdict
+        The product's verification (its unverifiable rows and columns).
+    check : {"correct", "detect"}
+    site : str
+    report : Report
+        Receives ``input-nonfinite`` and ``overflow`` events, and the faults found.
+
+    Returns
+    -------
+    list of int
+        Batch indices whose product was modified. Raises
+        :class:`~abftgemm.report.UncorrectableError` when a recomputed element is still not one
+        rounding allows.
+    """
+    repaired = []
+    for b in verdict.unverifiable_batches():
+        rows, cols = verdict.unverifiable(b)
+        if _settle_item(be, item(op, b), out[b], rows, cols, b, check, site, report):
+            repaired.append(b)
+    return repaired
+
+
+@dataclass
+class _Model:
+    """Float64 model of the elements ``rows x cols`` of one product, in scaled units."""
+
+    exact: np.ndarray          # (r, c) e_ij
+    positive: np.ndarray       # (r, c) P+_ij
+    negative: np.ndarray       # (r, c) P-_ij
+    shift: np.ndarray          # (r, c) int: element (i, j) is judged in units of 2**shift
+    inputs_finite: np.ndarray  # (r, c) bool: row i of a, column j of b and bias_j are finite
+    k: int
+    dtype: np.dtype
+
+    def allows(self, delivered: np.ndarray) -> np.ndarray:
+        """(r, c) bool: ``delivered`` (float64) is an outcome rounding allows (or its inputs are
+        not finite, so anything plain math gives is right)."""
+        out_limit, acc_limit = (np.ldexp(limit, -self.shift)
+                                for limit in overflow_limits(self.dtype))
+        growth = 1 + growth_margin(self.k, self.dtype)
+        up = self.positive * growth >= acc_limit
+        down = self.negative * growth >= acc_limit
+        tol = self.tolerance()
+        d = np.ldexp(delivered, -self.shift)
+        with np.errstate(invalid="ignore"):  # INF - INF in the finite test: not allowed there
+            finite = np.abs(d - self.exact) <= tol
+        plus = (d == np.inf) & (up | (self.exact + tol >= out_limit))
+        minus = (d == -np.inf) & (down | (self.exact - tol <= -out_limit))
+        nan = np.isnan(d) & up & down
+        return finite | plus | minus | nan | ~self.inputs_finite
+
+    def tolerance(self) -> np.ndarray:
+        """(r, c) how far a finite element may sit from the model (scaled units)."""
+        size = self.positive + self.negative
+        return element_tolerance(size, self.k, self.dtype) \
+            + element_tolerance(size, self.k, np.float64)
+
+    def gap(self, delivered: np.ndarray) -> np.ndarray:
+        """(r, c) ``|delivered - e|`` in the data's own units."""
+        with np.errstate(invalid="ignore", over="ignore"):
+            return np.abs(delivered - np.ldexp(self.exact, self.shift))
+
+
+def _model(one: Operands, rows: np.ndarray, cols: np.ndarray) -> _Model:
+    """The float64 model of elements ``rows x cols`` of the single product ``one``."""
+    xp = one.xp
+    a = to_host(one.a[0][xp.asarray(rows)]).astype(np.float64)
+    b = to_host(one.b[0][:, xp.asarray(cols)]).astype(np.float64)
+    bias = np.zeros(len(cols)) if one.bias is None else \
+        to_host(one.bias[xp.asarray(cols)]).astype(np.float64)
+    a_finite, b_finite = np.isfinite(a), np.isfinite(b)
+    inputs_finite = a_finite.all(1)[:, None] & (b_finite.all(0) & np.isfinite(bias))[None, :]
+    a, b, bias = np.where(a_finite, a, 0), np.where(b_finite, b, 0), np.nan_to_num(bias)
+    shift_a = _shift(np.abs(a).max(1, initial=0))
+    shift_b = _shift(np.maximum(np.abs(b).max(0, initial=0), np.abs(bias)))
+    shift = shift_a[:, None] + shift_b[None, :]
+    a, b = np.ldexp(a, -shift_a[:, None]), np.ldexp(b, -shift_b[None, :])
+    bias = np.ldexp(bias[None, :], -shift)
+    a_pos, a_neg, b_pos, b_neg = np.maximum(a, 0), np.maximum(-a, 0), np.maximum(b, 0), \
+        np.maximum(-b, 0)
+    positive = a_pos @ b_pos + a_neg @ b_neg + np.maximum(bias, 0)
+    negative = a_pos @ b_neg + a_neg @ b_pos + np.maximum(-bias, 0)
+    return _Model(a @ b + bias, positive, negative, shift, inputs_finite, one.k,
+                  np.dtype(one.dtype))
+
+
+def _shift(magnitude: np.ndarray) -> np.ndarray:
+    """Power-of-two exponents that bring ``magnitude`` below ``2**_SCALED_EXPONENT`` (0 for data
+    that needs no scaling: every 16- and 32-bit value, and most float64 ones)."""
+    return np.maximum(np.frexp(magnitude)[1] - _SCALED_EXPONENT, 0)
+
+
+def _settle_item(be: Backend, one: Operands, c: Any, rows: np.ndarray, cols: np.ndarray, b: int,
+                 check: str, site: str, report: Report) -> bool:
+    """Settle elements ``rows x cols`` of product ``c`` ``(m, n)``; True when ``c`` changed."""
+    xp = one.xp
+    model = _model(one, rows, cols)
+    delivered = to_host(c[xp.asarray(rows)][:, xp.asarray(cols)]).astype(np.float64)
+    allowed = model.allows(delivered)
+    passed = ~np.isfinite(delivered) & allowed
+    for pattern, cells in (("input-nonfinite", ~model.inputs_finite),
+                           ("overflow", passed & model.inputs_finite)):
+        if cells.any():
+            report.events.append(_event(site, b, pattern, rows, cols, cells, float("nan"),
+                                        float("nan"), "passed-through"))
+    if allowed.all():
+        return False
+    faulty = ~allowed
+    gap = np.where(faulty, model.gap(delivered), 0)
+    worst = np.unravel_index(np.argmax(np.where(np.isnan(gap), np.inf, gap)), gap.shape)
+    magnitude = float(gap[worst])
+    threshold = float(np.ldexp(model.tolerance(), model.shift)[worst])
+    pattern = cell_pattern(_cells(rows, cols, faulty))
+    if check == "detect":
+        report.events.append(_event(site, b, pattern, rows, cols, faulty, magnitude, threshold,
+                                    "reported"))
+        return False
+    _recompute_cells(be, one, c, rows, cols, faulty)
+    fixed = to_host(c[xp.asarray(rows)][:, xp.asarray(cols)]).astype(np.float64)
+    ok = bool(model.allows(fixed)[faulty].all())
+    report.events.append(_event(site, b, pattern, rows, cols, faulty, magnitude, threshold,
+                                "recomputed" if ok else "reported"))
+    if not ok:
+        raise UncorrectableError(f"{site}[{b}]: recomputed elements are still not what the "
+                                 "inputs allow", report)
+    return True
+
+
+def _recompute_cells(be: Backend, one: Operands, c: Any, rows: np.ndarray, cols: np.ndarray,
+                     faulty: np.ndarray) -> None:
+    """Overwrite the faulty cells of ``c`` with the backend's GEMM on their rows or columns
+    (whichever is cheaper); the other elements keep the values plain math gave them."""
+    xp = one.xp
+    fi, fj = faulty.nonzero()
+    cell_rows, cell_cols = rows[fi], cols[fj]
+    unique_rows, row_of = np.unique(cell_rows, return_inverse=True)
+    unique_cols, col_of = np.unique(cell_cols, return_inverse=True)
+    if len(unique_rows) * one.n <= one.m * len(unique_cols):
+        part = product_rows(be, one, xp.asarray(unique_rows))
+        values = part[xp.asarray(row_of), xp.asarray(cell_cols)]
+    else:
+        part = product_cols(be, one, xp.asarray(unique_cols))
+        values = part[xp.asarray(cell_rows), xp.asarray(col_of)]
+    c[xp.asarray(cell_rows), xp.asarray(cell_cols)] = values
+
+
+def _cells(rows: np.ndarray, cols: np.ndarray, mask: np.ndarray) -> list[tuple[int, int]]:
+    fi, fj = mask.nonzero()
+    return [(int(rows[i]), int(cols[j])) for i, j in zip(fi, fj)]
+
+
+def _event(site: str, b: int, pattern: str, rows: np.ndarray, cols: np.ndarray, mask: np.ndarray,
+           magnitude: float, threshold: float, action: str) -> Event:
+    """An event naming the rows and columns of the cells ``mask`` selects in ``rows x cols``."""
+    return Event(site, b, pattern, tuple(int(r) for r in rows[mask.any(1)]),
+                 tuple(int(j) for j in cols[mask.any(0)]), magnitude, threshold, action)

@@ -1,0 +1,313 @@
+"""Planned protected products: plan once, then execute many times with nothing but the work.
+
+:class:`ProtectedMatmul` validates and plans a product once (shapes, dtype, bias, check mode),
+allocates every workspace and precomputes what does not change. Each :meth:`~ProtectedMatmul.execute`
+then runs the GEMM and, on the default ``directions="columns"`` fast path, two verification
+launches (predict the column checksums from the operands; observe the product's column checksums
+and judge every column on the same read), with no allocation (given ``out=``) and no host
+synchronization. :meth:`~ProtectedMatmul.settle` reads the verdict (two counts per batch item) and
+only when something was flagged runs the rare path: full two-direction verification, location,
+repair and recomputation (:mod:`abftgemm.repair`), exactly as an unplanned product would.
+
+Why one direction on the fast path: weighted column checksums alone detect an error, locate it
+in its column, and correct a single element or a whole bad row; the row direction is needed only
+to repair a bad column, and the rare path computes it then. Reading ``a``, ``b`` and the product
+once each instead of ``a`` and ``b`` twice is what brings the CPU overhead near the memory floor
+(docs/design.md). ``directions="both"`` keeps the stronger two-direction check on every call
+(all of it at :meth:`~ProtectedMatmul.settle`); docs/detection.md compares the two.
+
+Counters (:class:`Counters`) record the launches, workspace allocations and host syncs of a plan,
+so that tests can prove the structure on the CPU, where the kernel boundaries are the GPU's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from abftgemm.backend import Backend, get_backend
+from abftgemm.checksums import Checksums
+from abftgemm.operands import Operands
+from abftgemm.report import Report
+from abftgemm.thresholds import safe_magnitude, threshold_coefficients
+
+FaultHook = Callable[[str, Any], None]
+DIRECTIONS = ("columns", "both")
+
+
+@dataclass
+class Counters:
+    """What a plan has done since it was created.
+
+    Attributes
+    ----------
+    launches : int
+        Kernel launches (the GEMM counts as one; on the CPU each compiled kernel call counts).
+    allocations : int
+        Arrays allocated by the plan (workspaces at planning; an output when ``out`` is not given).
+    syncs : int
+        Host synchronizations (reads of device results by the host; one per clean settle).
+    """
+
+    launches: int = 0
+    allocations: int = 0
+    syncs: int = 0
+
+
+class ProtectedMatmul:
+    """A checksum-protected ``a @ b (+ bias)`` planned for one layout, executed many times.
+
+    Parameters
+    ----------
+    a, b : array
+        Operands (NumPy or CuPy) whose shapes, dtype and array module the plan is made for; as in
+        :func:`abftgemm.matmul` (batch dimensions broadcast; 1-D operands allowed).
+    bias : array (n,), optional
+        Planned with a bias: every execute adds one (``a @ b + bias``) inside the protection.
+    check : {"correct", "detect"}
+        What :meth:`settle` does with a finding: repair (or raise), or report only.
+    directions : {"columns", "both"}
+        ``"columns"`` (default): the fast path verifies column checksums only (see the module
+        docstring). ``"both"``: rows and columns on every call.
+    name : str
+        Site name in reports and for ``fault_hook``.
+    constant_a : bool
+        ``a`` does not change between executes (a weight): its column encoding is computed once
+        here, and again only after :meth:`reset_constant`.
+    counters : Counters, optional
+        Counters to add to (several plans may share one, e.g. the sites of a layer); default a
+        new one, :attr:`counters`.
+
+    Examples
+    --------
+    >>> with ProtectedMatmul(x, w, constant_a=False) as plan:      # doctest: +SKIP
+    ...     for batch in batches:
+    ...         y = plan.execute(batch, w)
+    ...         report = plan.settle()
+    """
+
+    def __init__(self, a: Any, b: Any, *, bias: Any | None = None, check: str = "correct",
+                 directions: str = "columns", name: str = "matmul", constant_a: bool = False,
+                 counters: Counters | None = None):
+        if check not in ("correct", "detect"):
+            raise ValueError(f"check must be 'correct' or 'detect' for a plan, got {check!r} "
+                             "(check='off' needs no plan: use abftgemm.matmul)")
+        if directions not in DIRECTIONS:
+            raise ValueError(f"directions must be one of {DIRECTIONS}, got {directions!r}")
+        op = Operands.prepare(a, b, bias)
+        self.check, self.directions, self.name = check, directions, name
+        self.counters = Counters() if counters is None else counters
+        self._signature = signature_of(op)
+        self._be: Backend = get_backend(op.xp)
+        self._constant_a = constant_a
+        self._verify_columns = directions == "columns"
+        self._work = self._be.plan_workspace(op, self.counters, self._verify_columns)
+        if self._verify_columns:
+            self._work.coefficients = threshold_coefficients(op.k, op.m, op.dtype,
+                                                             op.bias is not None)
+            self._work.safe = safe_magnitude(op.k, op.dtype)
+            if constant_a:
+                self._work.encode(op.a)
+        self._pending: _Pending | None = None
+
+    # ------------------------------------------------------------------ public
+
+    def execute(self, a: Any, b: Any, *, bias: Any | None = None, out: Any | None = None,
+                fault_hook: FaultHook | None = None,
+                a_checksums: Checksums | None = None) -> Any:
+        """Run the product and queue its verification; call :meth:`settle` for the verdict.
+
+        Parameters
+        ----------
+        a, b, bias : array
+            Operands of the planned shapes and dtype (``bias`` if and only if planned with one).
+        out : array, optional
+            C-contiguous array of the product's shape and dtype, overlapping no operand, that
+            receives the result; without it a new array is allocated (the only allocation of an
+            execute).
+        fault_hook : callable ``(site, c)``, optional
+            Sees the raw product before verification (fault injection).
+        a_checksums : Checksums, optional
+            Column encoding of ``a`` handed on from an earlier product (``a_checksums.cols``):
+            skips the read of ``a``.
+
+        Returns
+        -------
+        array
+            The product (``out`` when given). Do not trust it before :meth:`settle` returns.
+        """
+        op = self._planned(a, b, bias, out)
+        if out is None:
+            self.counters.allocations += 1
+        elif not op.direct:
+            raise ValueError(f"{self.name}: a plan writes straight into out, which must be a "
+                             f"C-contiguous {op.dtype} array of shape {op.shape} that overlaps "
+                             "no operand (abftgemm.matmul takes any out)")
+        c = op.buffer()
+        self.run(op, c, fault_hook, a_checksums)
+        return op.restore(c)
+
+    def run(self, op: Operands, c: Any, fault_hook: FaultHook | None = None,
+            a_checksums: Checksums | None = None) -> None:
+        """:meth:`execute` for operands already validated against the plan (``op``, from
+        :meth:`Operands.prepare` with the planned signature) into the ``(batch, m, n)`` buffer
+        ``c`` (``op.buffer()``); what :func:`abftgemm.matmul` calls."""
+        if self._pending is not None:
+            raise RuntimeError(f"{self.name}: settle() the previous execute first")
+        if a_checksums is not None and self._constant_a:
+            raise ValueError(f"{self.name}: a_checksums given to a plan with a constant a")
+        self._work.gemm(op, c)
+        if fault_hook is not None:
+            fault_hook(self.name, c.reshape(op.batch_shape + (op.m, op.n)))
+        if self._verify_columns:
+            if a_checksums is not None and a_checksums.cols is not None:
+                self._work.set_encoding(a_checksums.cols)
+                encode_a = False
+            else:
+                encode_a = not self._constant_a
+            self._work.predict(op, encode_a)
+            self._work.observe_flag(c)
+        self._pending = _Pending(op, c, a_checksums)
+
+    def signature(self) -> tuple:
+        """What the plan was made for: array module, dtype, operand and result shapes, bias."""
+        return self._signature
+
+    def observed_checksums(self) -> Checksums:
+        """Column encoding ``(batch, n, 3)`` of the last executed product, as its verification
+        launch observed it: what :meth:`settle` hands on, available before it (to chain products
+        whose settles are batched; trusted only once the settle is clean). A workspace view,
+        valid until the next execute; ``directions="columns"`` plans only."""
+        if self._pending is None or not self._verify_columns:
+            raise RuntimeError(f"{self.name}: no executed column-verified product to read")
+        return Checksums(cols=self._work.observed_cols())
+
+    def abandon(self) -> None:
+        """Forget an execute that will not be settled (its caller failed in between)."""
+        self._pending = None
+
+    def settle(self, *, checksums: bool = False) -> Report | tuple[Report, Checksums]:
+        """Read the verdict of the last execute; repair (or report) what it flagged.
+
+        Parameters
+        ----------
+        checksums : bool
+            Also return the encodings of the delivered product, ready to hand on (as the
+            ``a_checksums`` of a next product): ``Checksums(cols=...)`` on the default path (a
+            view of a workspace, valid until the next execute); rows too with
+            ``directions="both"``.
+
+        Returns
+        -------
+        Report
+            What was found and done (``report.checked[name]`` counts the verified products).
+
+        Raises
+        ------
+        UncorrectableError
+            When ``check="correct"`` and no verified result could be delivered.
+        """
+        self._start_settle()
+        self.counters.syncs += 1
+        self._be.synchronize()
+        return self._finish_settle(checksums)
+
+    def _start_settle(self) -> None:
+        """Queue the copy of the verdict to the host (nothing to queue on the CPU)."""
+        if self._pending is None:
+            raise RuntimeError(f"{self.name}: settle() without an execute")
+        if self._verify_columns:
+            self._work.fetch_verdict()
+
+    def _finish_settle(self, checksums: bool) -> Report | tuple[Report, Checksums]:
+        """With the verdict on the host: report, and run the rare path if it flagged anything."""
+        from abftgemm.gemm import protect  # the rare path; gemm imports this module
+
+        pending, self._pending = self._pending, None
+        op, c = pending.op, pending.c
+        report = Report()
+        if self._verify_columns and not self._work.verdict_flagged():
+            sums = Checksums(cols=self._work.observed_cols())
+        else:
+            sums = protect(self._be, op, c, self.check, self.name, report, pending.a_checksums,
+                           None)
+            if self._verify_columns:  # the fast path hands on column encodings only
+                sums = Checksums(cols=sums.cols)
+        report.checked[self.name] = op.batch
+        return (report, sums) if checksums else report
+
+    def reset_constant(self, a: Any, b: Any, bias: Any | None = None) -> None:
+        """Recompute the encoding of the constant ``a`` (after the weight changed); ``b`` and
+        ``bias``: any operands of the planned layout."""
+        if not self._constant_a:
+            raise ValueError(f"{self.name}: planned without constant_a")
+        if self._work is not None:
+            self._work.encode(self._planned(a, b, bias).a)
+
+    def release(self) -> None:
+        """Free the workspaces; the plan cannot execute afterwards."""
+        if self._work is not None:
+            self._work.release()
+        self._work = None
+        self._signature = None
+        self._pending = None
+
+    def __enter__(self) -> "ProtectedMatmul":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    # ----------------------------------------------------------------- private
+
+    def _planned(self, a: Any, b: Any, bias: Any | None, out: Any | None = None) -> Operands:
+        if self._signature is None:
+            raise RuntimeError(f"{self.name}: the plan was released")
+        op = Operands.prepare(a, b, bias, out)
+        if signature_of(op) != self._signature:
+            raise ValueError(f"{self.name}: operands {_describe(op)} do not match the plan "
+                             f"({_describe_signature(self._signature)})")
+        return op
+
+
+def settle_all(plans: list[ProtectedMatmul]) -> list[Report]:
+    """Settle several executed plans with one host synchronization.
+
+    The verdict copies of every plan are queued, the host waits once, and each plan then reports
+    (running its rare path if flagged), in order. Each distinct :class:`Counters` among the plans
+    (plans may share one) counts one sync.
+
+    Returns
+    -------
+    list of Report
+        One per plan, in order. Raises :class:`UncorrectableError` as :meth:`ProtectedMatmul.settle`.
+    """
+    for plan in plans:
+        plan._start_settle()
+    for counters in {id(p.counters): p.counters for p in plans}.values():
+        counters.syncs += 1
+    if plans:
+        plans[0]._be.synchronize()
+    return [plan._finish_settle(False) for plan in plans]
+
+
+@dataclass
+class _Pending:
+    op: Operands
+    c: Any
+    a_checksums: Checksums | None
+
+
+def signature_of(op: Operands) -> tuple:
+    bias = None if op.bias is None else op.bias.shape
+    return (op.xp.__name__, op.dtype, op.a.shape, op.b.shape, op.shape, bias)
+
+
+def _describe(op: Operands) -> str:
+    return _describe_signature(signature_of(op))
+
+
+def _describe_signature(sig: tuple) -> str:
+    xp, dtype, a, b, _, bias = sig
+    return f"{xp} {dtype} {a} @ {b}" + ("" if bias is None else f" + bias {bias}")

@@ -1,0 +1,44 @@
+"""What one call of the functional attention core runs under: check mode, checking frequencies,
+fault hook, and the report it fills. The core keeps no other state between calls."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from abftgemm.report import Report
+from attention.plan import CheckingPlan
+
+FaultHook = Callable[[str, Any], None]
+CHECK_MODES = ("correct", "detect", "off")
+
+
+@dataclass
+class Context:
+    """Explicit state of one forward or backward call.
+
+    Attributes
+    ----------
+    check : {"correct", "detect", "off"}
+        As in :func:`abftgemm.matmul`, for every site.
+    plan : CheckingPlan
+        How often each site is checked (its call counters advance with every call).
+    fault_hook : callable ``(site, c)``, optional
+        Sees every site's raw output before verification (fault injection).
+    report : Report
+        Receives the findings of the call.
+    """
+
+    check: str = "correct"
+    plan: CheckingPlan = field(default_factory=CheckingPlan)
+    fault_hook: FaultHook | None = None
+    report: Report = field(default_factory=Report)
+
+    def __post_init__(self) -> None:
+        if self.check not in CHECK_MODES:
+            raise ValueError(f"check must be one of {CHECK_MODES}, got {self.check!r}")
+
+    def mode(self, site: str) -> str:
+        """The check mode of this call of ``site`` (advances the plan's counter)."""
+        if self.check == "off":
+            return "off"
+        return self.check if self.plan.should_check(site) else "off"

@@ -1,0 +1,65 @@
+"""The planned products and reusable buffers of an attention layer, per shape.
+
+A :class:`Workspace` holds one planned product per site, layout and check mode
+(:class:`abftgemm.ProtectedMatmul`, or :class:`abftgemm.deferred.DeferredRows` for the products
+the softmax kernels verify), all counting into one :class:`abftgemm.plan.Counters`, and the
+intermediate buffers a pass reuses from call to call. Outputs and saved activations are not
+kept here: they are new arrays every call.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from abftgemm.deferred import DeferredRows
+from abftgemm.plan import Counters, ProtectedMatmul
+
+
+class Workspace:
+    """Plans and buffers, created on first use and reused at the same shapes."""
+
+    def __init__(self) -> None:
+        self.counters = Counters()
+        self._plans: dict[tuple, Any] = {}
+        self._buffers: dict[tuple, Any] = {}
+
+    def product(self, site: str, a: Any, b: Any, bias: Any | None, check: str) -> ProtectedMatmul:
+        """The planned product of ``site`` for these operands' layout."""
+        key = (site, check, _layout(a), _layout(b), None if bias is None else bias.shape)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = ProtectedMatmul(a, b, bias=bias, check=check, name=site,
+                                                      counters=self.counters)
+        return plan
+
+    def deferred(self, site: str, a: Any, b: Any, check: str) -> DeferredRows:
+        """The planned, consumer-verified product of ``site`` for these operands' layout."""
+        key = (site, check, "rows", _layout(a), _layout(b))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = DeferredRows(a, b, check=check, name=site,
+                                                   counters=self.counters)
+        return plan
+
+    def buffer(self, name: str, xp: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A C-contiguous array reused by every call with this name, shape and dtype."""
+        key = (name, xp.__name__, tuple(shape), str(dtype))
+        buf = self._buffers.get(key)
+        if buf is None:
+            self.counters.allocations += 1
+            buf = self._buffers[key] = xp.empty(shape, dtype=dtype)
+        return buf
+
+    def abandon(self) -> None:
+        """Forget every pending execute (a pass that failed or is replayed)."""
+        for plan in self._plans.values():
+            plan.abandon()
+
+    def clear(self) -> None:
+        """Drop every plan and buffer."""
+        self.abandon()
+        self._plans.clear()
+        self._buffers.clear()
+
+
+def _layout(x: Any) -> tuple:
+    return (type(x).__module__, str(x.dtype), x.shape, x.strides)

@@ -1,0 +1,176 @@
+"""Planned products: same results as the unprotected product, faults repaired, and the structure
+of an execute (launches, allocations, host syncs) counted and bounded on every backend."""
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import abftgemm
+from abftgemm import ProtectedMatmul
+from abftgemm.checksums import SUPPORTED_DTYPES
+from abftgemm.faults import KINDS, PATTERNS, Fault
+from abftgemm.testing import assert_protected, matmul_shapes, operand_pairs
+from tests.conftest import BACKENDS
+
+DTYPES = [pytest.param(d, id=d.name) for d in SUPPORTED_DTYPES]
+#: An execute launches the GEMM and two verification kernels; a bias adds one launch (the
+#: broadcast before cuBLAS accumulates onto it, or the bias pass on the CPU).
+LAUNCHES = 3
+
+
+def _operands(xp, dtype, shape=(3, 32, 24, 20), bias=False, seed=0):
+    batch, m, k, n = shape
+    rng = np.random.default_rng(seed)
+    # Small integers: every product is exact in every dtype, so results compare with ==.
+    a = rng.integers(-2, 3, (batch, m, k)).astype(dtype)
+    b = rng.integers(-2, 3, (k, n)).astype(dtype)
+    c = rng.integers(-2, 3, n).astype(dtype) if bias else None
+    return xp.asarray(a), xp.asarray(b), None if c is None else xp.asarray(c)
+
+
+def _host(x):
+    return abftgemm.backend.to_host(x).astype(np.float64)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("directions", ["columns", "both"])
+def test_clean_execute_equals_the_unprotected_product(xp, dtype, bias, directions):
+    a, b, c = _operands(xp, dtype, bias=bias)
+    with ProtectedMatmul(a, b, bias=c, directions=directions) as plan:
+        for _ in range(2):  # a second execute reuses the workspaces
+            got = plan.execute(a, b, bias=c)
+            report = plan.settle()
+            want = abftgemm.matmul(a, b, bias=c, check="off")
+            np.testing.assert_array_equal(_host(got), _host(want))
+            assert not report.events and report.checked == {"matmul": 3}
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_counts_per_clean_execute(xp, dtype, bias):
+    a, b, c = _operands(xp, dtype, bias=bias)
+    plan = ProtectedMatmul(a, b, bias=c)
+    planned = plan.counters.allocations
+    out = xp.empty((3, 32, 20), dtype=a.dtype)
+    for i in range(1, 4):
+        before = plan.counters.launches
+        plan.execute(a, b, bias=c, out=out)
+        assert plan.counters.launches - before == LAUNCHES + (c is not None)
+        assert plan.counters.syncs == i - 1  # execute never waits for the device
+        plan.settle()
+        assert plan.counters.syncs == i
+        assert plan.counters.allocations == planned
+    plan.execute(a, b, bias=c)  # without out=, the result is the one allocation
+    plan.settle()
+    assert plan.counters.allocations == planned + 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_no_array_is_allocated_after_planning_numpy(dtype):
+    # Independent of the plan's own counter: NumPy reports its data allocations to tracemalloc.
+    # Every operand and temporary of this shape is >= 30 KiB (and NumPy's ufunc buffers are
+    # 8192 elements), while the Python objects of an execute (an Operands, views) take < 12 KiB.
+    a, b, c = _operands(np, dtype, shape=(4, 128, 96, 256), bias=True)
+    out = np.empty((4, 128, 256), dtype=a.dtype)
+    plan = ProtectedMatmul(a, b, bias=c)
+    plan.execute(a, b, bias=c, out=out)
+    plan.settle()
+    tracemalloc.start()
+    try:
+        current, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        for _ in range(3):
+            plan.execute(a, b, bias=c, out=out)
+            plan.settle()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak - current < 12 * 1024
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@given(ab=operand_pairs(np.float32, shapes=matmul_shapes(max_side=10, min_side=2)),
+       kind=st.sampled_from(KINDS), pattern=st.sampled_from(PATTERNS),
+       seed=st.integers(0, 2**31 - 1), directions=st.sampled_from(["columns", "both"]))
+def test_faults_are_repaired_on_the_planned_path(xp, ab, kind, pattern, seed, directions):
+    a, b = (xp.asarray(x) for x in ab)
+    clean = abftgemm.matmul(a, b, check="off")
+    plan = ProtectedMatmul(a, b, directions=directions)
+    extra = {"magnitude": 1e3} if kind == "additive" else {}
+    got = plan.execute(a, b, fault_hook=Fault(kind, pattern, seed=seed, **extra))
+    report = plan.settle()
+    assert_protected(got, a, b, report, c_clean=clean)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_detect_mode_reports_and_leaves_the_product(xp):
+    a, b, _ = _operands(xp, np.float32)
+    plan = ProtectedMatmul(a, b, check="detect")
+    got = plan.execute(a, b, fault_hook=Fault("inf", "element", seed=1))
+    with pytest.warns(abftgemm.FaultDetectedWarning):
+        report = plan.settle()
+    assert report.detected and np.isinf(_host(got)).sum() == 1
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_constant_operand_encoded_once(xp):
+    a, b, _ = _operands(xp, np.float32)
+    w = a[0]  # the weight: a (m, k) matrix applied to many batches b
+    x = xp.asarray(np.random.default_rng(1).integers(-2, 3, (5, 24, 20)).astype(np.float32))
+    plan = ProtectedMatmul(w, x, constant_a=True)
+    launches = plan.counters.launches
+    got = plan.execute(w, x)
+    assert not plan.settle().events
+    assert plan.counters.launches - launches == LAUNCHES
+    np.testing.assert_array_equal(_host(got), _host(w)[None] @ _host(x))
+    w[0, 0] += 1  # the weight changed: stale encoding -> flagged, settled by recomputation
+    plan.execute(w, x)
+    report = plan.settle()
+    assert {e.action for e in report.events} <= {"checksum-recomputed"}
+    plan.reset_constant(w, x)
+    plan.execute(w, x)
+    assert not plan.settle().events
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_checksums_hand_on_to_the_next_product(xp):
+    a, b, _ = _operands(xp, np.float32)
+    first = ProtectedMatmul(a, b)
+    h = first.execute(a, b)
+    _, sums = first.settle(checksums=True)
+    w = xp.asarray(np.random.default_rng(2).integers(-2, 3, (20, 8)).astype(np.float32))
+    second = ProtectedMatmul(h, w)
+    y = second.execute(h, w, a_checksums=sums, fault_hook=Fault("nan", "element", seed=3))
+    report = second.settle()
+    assert report.corrected == 1
+    np.testing.assert_array_equal(_host(y), _host(h) @ _host(w))
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_misuse_raises_clearly(xp):
+    a, b, _ = _operands(xp, np.float32)
+    plan = ProtectedMatmul(a, b)
+    with pytest.raises(RuntimeError, match="without an execute"):
+        plan.settle()
+    with pytest.raises(ValueError, match="do not match the plan"):
+        plan.execute(a[:, :5], b)
+    with pytest.raises(ValueError, match="writes straight into out"):
+        plan.execute(a, b, out=xp.empty((3, 20, 32), dtype=np.float32).transpose(0, 2, 1))
+    plan.execute(a, b)
+    with pytest.raises(RuntimeError, match="settle"):
+        plan.execute(a, b)
+    plan.settle()
+    plan.release()
+    with pytest.raises(RuntimeError, match="released"):
+        plan.execute(a, b)
+    with pytest.raises(ValueError, match="check"):
+        ProtectedMatmul(a, b, check="off")
+    with pytest.raises(ValueError, match="directions"):
+        ProtectedMatmul(a, b, directions="rows")
