@@ -21,6 +21,8 @@ setup(
         "plots": ["matplotlib>=3.7"],
         # The notebooks draw with matplotlib, so they pull in the plots extra's dependency too.
         "notebooks": ["nbformat>=5.9", "nbclient>=0.9", "ipykernel>=6.25", "matplotlib>=3.7"],
+        # Tensors in abftgemm.matmul and attention.torch (the nn.MultiheadAttention drop-in).
+        "torch": ["torch>=2.1"],
     },
     entry_points={"console_scripts": ["abft=attention.__main__:main"]},
 )

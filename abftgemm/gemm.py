@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from abftgemm._torch import is_tensor, tensor_matmul
 from abftgemm.backend import Backend, array_module, get_backend
 from abftgemm.checksums import Checksums
 from abftgemm.encode import observe, predict, predict_rows
@@ -48,7 +49,9 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
     a : array or array-like (..., m, k) or (k,)
         NumPy or CuPy array of float16, bfloat16 (ml_dtypes), float32 or float64, any byte order;
         NumPy array-likes (lists, objects with ``__array__``) are converted; CuPy operands need
-        CuPy arrays throughout, as ``cupy.matmul`` does.
+        CuPy arrays throughout, as ``cupy.matmul`` does. PyTorch tensors (CPU or CUDA, not
+        recording gradients) are used in place through DLPack and the result is a tensor; the
+        ``fault_hook`` and the checksums still see NumPy/CuPy arrays sharing their memory.
     b : array or array-like (..., k, n) or (k,)
         Same array module as ``a``; batch dimensions broadcast as in ``matmul``. Mixed float
         dtypes promote as ``np.matmul`` promotes (float16 with float32 -> float32, bfloat16 with
@@ -104,6 +107,11 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
     UncorrectableError
         When checksums and recomputation could not produce a verified result.
     """
+    if any(is_tensor(x) for x in (a, b, out, bias)):
+        return tensor_matmul(matmul, a, b, out, bias, check=check, directions=directions,
+                             fault_hook=fault_hook, name=name, return_report=return_report,
+                             a_checksums=a_checksums, b_checksums=b_checksums,
+                             return_checksums=return_checksums)
     if check not in CHECK_MODES:
         raise ValueError(f"check must be one of {CHECK_MODES}, got {check!r}")
     if directions not in DIRECTIONS:
@@ -202,7 +210,7 @@ class DeferredCheck:
         op = self.op
         verdict = verify_rows(self.be, op, self.pred_row, obs_row)
         report.checked[self.name] = report.checked.get(self.name, 0) + op.batch
-        return _settle(self.be, op, self.out, verdict, self.check, self.name, report)
+        return settle(self.be, op, self.out, verdict, self.check, self.name, report)
 
 
 def protect(be: Backend, op: Operands, out: Any, check: str, name: str, report: Report,
@@ -211,13 +219,13 @@ def protect(be: Backend, op: Operands, out: Any, check: str, name: str, report: 
     obs_col, obs_row = observe(be, out)  # first: the product is freshest in cache
     pred_col, pred_row = predict(be, op, a_checksums, b_checksums)
     verdict = verify(be, op, pred_col, pred_row, obs_col, obs_row)
-    for b in _settle(be, op, out, verdict, check, name, report):
+    for b in settle(be, op, out, verdict, check, name, report):
         obs_col[b], obs_row[b] = (o[0] for o in observe(be, out[b:b + 1]))
     return Checksums(cols=obs_col[..., :3], rows=obs_row[..., :3])
 
 
-def _settle(be: Backend, op: Operands, out: Any, verdict: Verdict, check: str, name: str,
-            report: Report) -> list[int]:
+def settle(be: Backend, op: Operands, out: Any, verdict: Verdict, check: str, name: str,
+           report: Report, announce_findings: bool = True) -> list[int]:
     """Report what ``verdict`` found; with ``check == "correct"`` repair every flagged batch item
     in place (or raise); with ``check == "detect"`` announce every finding as a
     :class:`~abftgemm.report.FaultDetectedWarning`. Returns the batch indices that were repaired."""
@@ -231,7 +239,7 @@ def _settle(be: Backend, op: Operands, out: Any, verdict: Verdict, check: str, n
         repaired.append(b)
     # Elements no checksum could judge (non-finite inputs, overflow): settled one by one.
     repaired += settle_unverifiable(be, op, out, verdict, check, name, report)
-    for event in report.events[first_new:]:
+    for event in report.events[first_new:] if announce_findings else ():
         if event.action == "reported":  # detect mode: found and left in place
             announce(event)
     return sorted(set(repaired))

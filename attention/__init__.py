@@ -1,7 +1,13 @@
 """Multi-head attention, forward and backward, on checksum-protected GEMMs (:mod:`abftgemm`)."""
-from attention.layer import PARAM_KEYS, MultiHeadAttention
-from attention.plan import (BACKWARD_SITES, FORWARD_SITES, INVARIANT_SITES, SITES, CheckingPlan,
-                            SitePlan, adaptive_frequencies)
+from attention.context import Context
+from attention.functional import PARAM_KEYS, attention_backward, attention_forward
+from attention.layer import MultiHeadAttention
+from attention.plan import (ALL_SITES, BACKWARD_SITES, CROSS_SITES, FORWARD_SITES,
+                            INVARIANT_SITES, ROUTES, SITES, CheckingPlan, Route, SitePlan,
+                            adaptive_frequencies)
+from attention.workspace import Workspace
 
-__all__ = ["MultiHeadAttention", "SITES", "FORWARD_SITES", "BACKWARD_SITES", "INVARIANT_SITES",
-           "CheckingPlan", "SitePlan", "adaptive_frequencies", "PARAM_KEYS"]
+__all__ = ["MultiHeadAttention", "attention_forward", "attention_backward", "Context",
+           "Workspace", "SITES", "FORWARD_SITES", "BACKWARD_SITES", "CROSS_SITES", "ALL_SITES",
+           "INVARIANT_SITES", "ROUTES", "Route", "CheckingPlan", "SitePlan",
+           "adaptive_frequencies", "PARAM_KEYS"]

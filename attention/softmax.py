@@ -229,3 +229,179 @@ def _xp(x: Any) -> Any:
     from abftgemm.backend import array_module
 
     return array_module(x)
+
+
+# ------------------------------------------------------------------ the layer's softmax steps
+
+
+class ForwardStep:
+    """The forward softmax of one pass: probabilities, the scores' observed row checksums (into
+    ``plan.observed`` when the scores are checked) and the invariant verdict.
+
+    Without a fault hook, float32/float64 layers on the CPU run one fused kernel
+    (:func:`attention._cpu_softmax.forward`); with one, the hook sees ``P`` between computing
+    and checking. ``verdict`` is ``(ok, worst, tolerance)``, or None with ``check="off"``.
+    """
+
+    def __init__(self, inp: Any, scores: Any, probs: Any, ctx: Any, ws: Any, plan: Any | None):
+        self.inp, self.scores, self.probs, self.ctx, self.ws, self.plan = \
+            inp, scores, probs, ctx, ws, plan
+        self.verdict: tuple[bool, float, float] | None = None
+        self.run()
+
+    def run(self) -> None:
+        """Compute (again, after the scores were repaired), let the hook see ``P``, check."""
+        check, hook = self.ctx.check != "off", self.ctx.fault_hook
+        errors = self._compute(fused=check and hook is None)
+        if hook is not None:
+            hook("softmax", self.probs)
+        if check:
+            self.verdict = self._verdict(errors if hook is None else None)
+
+    def recompute(self) -> tuple[bool, float, float]:
+        """Recompute after a failed invariant; the new verdict."""
+        self.verdict = self._verdict(self._compute(fused=True))
+        return self.verdict
+
+    def _stats(self) -> Any:
+        if self.plan is not None:
+            return self.plan.observed
+        return self.ws.buffer("softmax_stats", _xp(self.scores), self.scores.shape[:2] + (5,),
+                              np.float64)
+
+    def _compute(self, fused: bool) -> Any | None:
+        """Fill ``probs`` and the stats; the invariant errors when ``fused`` on the CPU."""
+        inp, scores = self.inp, self.scores
+        xp = _xp(scores)
+        scale = 1 / math.sqrt(inp.head_dim)
+        if xp is not np:
+            z = self._z()
+            self.probs[...] = softmax_forward(z, self._visible(), self.probs.dtype)
+            if self.plan is not None:
+                from abftgemm.backend import get_backend
+
+                get_backend(xp).row_reduce(scores, None, self.plan.observed)
+            return None
+        from attention import _cpu_softmax
+
+        wide = scores.dtype.itemsize == 2
+        s = scores.astype(np.float32) if wide else scores
+        out = self.ws.buffer("probs32", np, scores.shape, np.float32) if wide else self.probs
+        errors = np.zeros(3)
+        _cpu_softmax.forward(s, np.array([scale], s.dtype), *self._masks(), inp.causal,
+                             inp.n_heads, fused and not wide, LOG_CHECK_FLOOR, out,
+                             self._stats(), errors)
+        if wide:
+            self.probs[...] = out
+        return errors if fused and not wide else None
+
+    def _masks(self) -> tuple[Any, bool, Any, bool]:
+        inp = self.inp
+        keys = inp.key_visible if inp.key_visible is not None else np.ones((1, 1), bool)
+        add = inp.attn_add if inp.attn_add is not None else np.zeros((1, 1, 1))
+        return keys, inp.key_visible is not None, add, inp.attn_add is not None
+
+    def _verdict(self, errors: Any | None) -> tuple[bool, float, float]:
+        probs, scores = self.probs, self.scores
+        acc = accumulation_dtype(probs.dtype)
+        if errors is None:
+            xp = _xp(scores)
+            if xp is np:
+                from attention import _cpu_softmax
+
+                s = scores.astype(acc)
+                errors = np.zeros(3)
+                _cpu_softmax.check_forward(probs.astype(acc), s,
+                                           np.array([1 / math.sqrt(self.inp.head_dim)], acc),
+                                           *self._masks(), self.inp.causal, self.inp.n_heads,
+                                           LOG_CHECK_FLOOR, errors)
+            else:
+                return check_forward(probs, self._z(), self._visible())
+        return _forward_verdict(tuple(float(e) for e in errors), probs.dtype, acc,
+                                scores.shape[-1])
+
+    def _z(self) -> Any:
+        """Scaled (and attention-masked) scores in the accumulation dtype (array version)."""
+        acc = accumulation_dtype(self.scores.dtype)
+        z = self.scores.astype(acc) * (1 / math.sqrt(self.inp.head_dim))
+        return z if self.inp.attn_add is None else z + self.inp.attn_add.astype(acc)
+
+    def _visible(self) -> Any | None:
+        """Boolean ``(batch*heads, seq_q, seq_k)`` visibility (array version, for CuPy)."""
+        inp, (bh, sq, sk) = self.inp, self.scores.shape
+        xp = _xp(self.scores)
+        if inp.key_visible is None and not inp.causal and inp.attn_add is None:
+            return None
+        vis = xp.ones((bh // inp.n_heads, inp.n_heads, sq, sk), dtype=bool)
+        if inp.key_visible is not None:
+            vis &= inp.key_visible[:, None, None, :]
+        if inp.causal:
+            vis &= xp.tril(xp.ones((sq, sk), dtype=bool))
+        vis = vis.reshape(bh, sq, sk)
+        if inp.attn_add is not None:
+            vis &= inp.attn_add != -np.inf
+        return vis
+
+
+class BackwardStep:
+    """The backward softmax of one pass: ``dS`` (scaled, into ``d_scores``), dP's observed row
+    checksums (into ``plan.observed``) and the invariant verdict; see :class:`ForwardStep`."""
+
+    def __init__(self, d_probs: Any, probs: Any, d_scores: Any, scale: float, ctx: Any, ws: Any,
+                 plan: Any | None):
+        self.dp, self.p, self.ds, self.scale = d_probs, probs, d_scores, scale
+        self.ctx, self.ws, self.plan = ctx, ws, plan
+        self.verdict: tuple[bool, float, float] | None = None
+        self.run()
+
+    def run(self) -> None:
+        check, hook = self.ctx.check != "off", self.ctx.fault_hook
+        xp = _xp(self.dp)
+        if xp is not np or self.dp.dtype.itemsize == 2 or hook is not None or not check:
+            ds = self._unscaled()
+            if hook is not None:
+                hook("softmax_backward", ds)
+            if check:
+                self.verdict = check_backward(ds, self._acc(self.dp), self._acc(self.p))
+            self.ds[...] = ds * ds.dtype.type(self.scale)
+            return
+        from attention import _cpu_softmax
+
+        u, tiny = _backward_tolerance(self.ds)
+        result = np.array([-1.0, 0.0, 0.0])
+        _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype), True, u,
+                              tiny, self.ds, self._stats(), result)
+        self.verdict = (result[0] <= 1, float(result[1]), float(result[2]) or tiny)
+
+    def recompute(self) -> tuple[bool, float, float]:
+        ds = self._unscaled()
+        self.verdict = check_backward(ds, self._acc(self.dp), self._acc(self.p))
+        self.ds[...] = ds * ds.dtype.type(self.scale)
+        return self.verdict
+
+    def _acc(self, x: Any) -> Any:
+        acc = accumulation_dtype(x.dtype)
+        return x if x.dtype == acc else x.astype(acc)
+
+    def _stats(self) -> Any:
+        if self.plan is not None:
+            return self.plan.observed
+        return self.ws.buffer("softmax_backward_stats", _xp(self.dp), self.dp.shape[:2] + (5,),
+                              np.float64)
+
+    def _unscaled(self) -> Any:
+        """Unscaled ``dS`` in the accumulation dtype, and dP's row checksums."""
+        xp = _xp(self.dp)
+        dp, p = self._acc(self.dp), self._acc(self.p)
+        if xp is not np:
+            if self.plan is not None:
+                from abftgemm.backend import get_backend
+
+                get_backend(xp).row_reduce(self.dp, None, self.plan.observed)
+            return softmax_backward(dp, p, self.dp.dtype)
+        from attention import _cpu_softmax
+
+        ds = self.ws.buffer("ds_unscaled", np, dp.shape, dp.dtype)
+        _cpu_softmax.backward(dp, p, np.ones(1, dp.dtype), False, 0.0, 0.0, ds, self._stats(),
+                              np.zeros(3))
+        return ds

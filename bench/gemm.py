@@ -13,8 +13,8 @@ Groups
 ------
 CPU (``--backend numpy``):
 
-- ``cpu-square``: 512^3 and 2048^3 float32, the targets (ratio <= 1.25 and <= 1.05);
-- ``cpu-batched``: 8 x 256^3 float32;
+- ``cpu-square``: 512^3 and 2048^3 float32, the targets (ratio <= 1.15 and <= 1.06);
+- ``cpu-batched``: 8 x 256^3 float32 (target ratio <= 1.25);
 - ``cpu-dtype``: 512^3 float64 and float16 (information);
 - ``cpu-cold``: the first protected call in a fresh process, with the numba kernels already cached
   on disk (load only), and with an empty cache (compile), against the first unprotected call.
@@ -61,8 +61,10 @@ CPU_GROUPS = ("cpu-square", "cpu-batched", "cpu-dtype", "cpu-cold")
 GPU_GROUPS = ("gemm-projection", "gemm-batched", "gemm-chained")
 GPU_DTYPES = ("float16", "bfloat16", "float32")
 
-#: CPU targets: protected/unprotected ratio at (shape, dtype).
-CPU_TARGETS = {((1, 512, 512, 512), "float32"): 1.25, ((1, 2048, 2048, 2048), "float32"): 1.05}
+#: CPU targets: protected/unprotected ratio at (shape, dtype) (default options: the column
+#: fast path of a cached plan).
+CPU_TARGETS = {((1, 512, 512, 512), "float32"): 1.15, ((8, 256, 256, 256), "float32"): 1.25,
+               ((1, 2048, 2048, 2048), "float32"): 1.06}
 
 
 def cases(group: str, quick: bool) -> list[tuple[Shape, str]]:
@@ -198,7 +200,8 @@ class Runner:
             self.note(f"{group} {case_name(shape)} {dtype}: {flags} false flag(s) on clean data")
         del c
         fns = {"protected": lambda: abftgemm.matmul(a, b),
-               "unprotected": lambda: abftgemm.matmul(a, b, check="off")}
+               "unprotected": lambda: abftgemm.matmul(a, b, check="off"),
+               "protected-both": lambda: abftgemm.matmul(a, b, directions="both")}
         peers: dict[str, Any] = {}
         extra: dict[str, Any] = {"flags": flags}
         if self.gpu:

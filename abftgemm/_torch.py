@@ -1,0 +1,77 @@
+"""PyTorch tensors in and out of :func:`abftgemm.matmul`, without copies (DLPack).
+
+CPU tensors become NumPy arrays and CUDA tensors CuPy arrays that share their memory; the result
+comes back as a tensor on the same device sharing the result array's memory. bfloat16, which
+NumPy's DLPack import does not know, travels as its 16-bit patterns. torch is imported only when
+a tensor is passed (``sys.modules``), so the package works without it.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+_BF16_BITS = "int16"  # bfloat16 crosses DLPack as its bit patterns
+
+
+def is_tensor(x: object) -> bool:
+    """True when ``x`` is a torch tensor (without importing torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def to_array(t: Any, label: str) -> Any:
+    """The NumPy (CPU) or CuPy (CUDA) array sharing ``t``'s memory.
+
+    Raises
+    ------
+    TypeError
+        For a tensor that records gradients (``abftgemm.matmul`` is not differentiable: call it
+        under ``torch.no_grad()`` or use ``attention.torch``) or on another device type.
+    """
+    torch = sys.modules["torch"]
+    if t.requires_grad and torch.is_grad_enabled():
+        raise TypeError(f"matmul: {label} requires grad, and abftgemm.matmul records no autograd "
+                        "graph; call it under torch.no_grad() (or use attention.torch for a "
+                        "differentiable protected layer)")
+    if t.device.type not in ("cpu", "cuda"):
+        raise TypeError(f"matmul: {label} is on {t.device}; abftgemm takes CPU and CUDA tensors")
+    bf16 = t.dtype == torch.bfloat16
+    source = t.detach().view(torch.int16) if bf16 else t.detach()
+    if t.device.type == "cuda":
+        import cupy
+
+        x = cupy.from_dlpack(source)
+    else:
+        import numpy
+
+        x = numpy.from_dlpack(source)
+    if bf16:
+        import ml_dtypes
+
+        x = x.view(ml_dtypes.bfloat16)
+    return x
+
+
+def to_tensor(x: Any) -> Any:
+    """The torch tensor sharing the memory of NumPy or CuPy array (or NumPy scalar) ``x``."""
+    import numpy
+
+    torch = sys.modules["torch"]
+    if isinstance(x, numpy.generic):  # vector @ vector: a NumPy scalar, as a 0-d tensor
+        x = numpy.asarray(x)
+    if x.dtype.name == "bfloat16":
+        return torch.from_dlpack(x.view(_BF16_BITS)).view(torch.bfloat16)
+    return torch.from_dlpack(x)
+
+
+def tensor_matmul(matmul: Callable[..., Any], a: Any, b: Any, out: Any | None,
+                  bias: Any | None, **options: Any) -> Any:
+    """``matmul`` on the arrays behind tensors ``a``, ``b`` (and ``out``, ``bias``); the result
+    as a tensor (``out`` itself when given), followed by the report and checksums as arrays."""
+    arrays = {label: None if x is None else to_array(x, label) if is_tensor(x) else x
+              for label, x in (("a", a), ("b", b), ("out", out), ("bias", bias))}
+    result = matmul(arrays["a"], arrays["b"], arrays["out"], bias=arrays["bias"], **options)
+    extras = result[1:] if isinstance(result, tuple) else ()
+    c = result[0] if isinstance(result, tuple) else result
+    c = out if out is not None else to_tensor(c)
+    return (c, *extras) if extras else c

@@ -1,0 +1,103 @@
+"""Verify a product someone else computed: ``verify(c, a, b)``, with a report and the margins.
+
+The same two-direction check that protects :func:`abftgemm.matmul` (column and row checksums
+predicted from the operands in float64, observed from ``c``, judged against the rounding-error
+thresholds of :mod:`abftgemm.thresholds`, non-finite inputs and overflow settled element by
+element), run on a given ``c`` and never modifying it. Useful to check a product from another
+library, and to measure how close clean data comes to the thresholds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from abftgemm.backend import get_backend, to_host
+from abftgemm.encode import observe, predict
+from abftgemm.gemm import settle
+from abftgemm.locate import Side, verify as verify_sides
+from abftgemm.operands import Operands
+from abftgemm.report import Report
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What :func:`verify` found.
+
+    Attributes
+    ----------
+    report : Report
+        The findings (action ``"reported"`` for faults; ``input-nonfinite`` / ``overflow``
+        events for what was passed through).
+    col_diff, col_threshold : numpy.ndarray (batch, n)
+        Per column: ``|predicted - observed|`` of the plain checksum and its threshold
+        (NaN/INF where the column is not verifiable or holds non-finite values).
+    row_diff, row_threshold : numpy.ndarray (batch, m)
+        The same per row.
+    """
+
+    report: Report
+    col_diff: np.ndarray
+    col_threshold: np.ndarray
+    row_diff: np.ndarray
+    row_threshold: np.ndarray
+
+    @property
+    def clean(self) -> bool:
+        """True when no fault was found."""
+        return not self.report.detected
+
+    @property
+    def worst_ratio(self) -> float:
+        """Largest ``diff / threshold`` over the finite differences of both directions (how
+        close the data comes to being flagged; clean data stays below 1)."""
+        ratios = [d / t for d, t in ((self.col_diff, self.col_threshold),
+                                     (self.row_diff, self.row_threshold))]
+        finite = np.concatenate([r[np.isfinite(r)] for r in ratios])
+        return float(finite.max()) if finite.size else 0.0
+
+
+def verify(c: Any, a: Any, b: Any, *, bias: Any | None = None,
+           name: str = "verify") -> Verification:
+    """Check that ``c`` is ``a @ b (+ bias)`` up to rounding; never modify ``c``.
+
+    Parameters
+    ----------
+    c : array
+        The product to check, of the shape ``matmul(a, b)`` has (NumPy or CuPy, like ``a``).
+    a, b, bias : array
+        Its operands, as :func:`abftgemm.matmul` takes them.
+    name : str
+        Site name in the report.
+
+    Returns
+    -------
+    Verification
+        The report and the per-vector differences and thresholds. Findings are not announced
+        as warnings: the caller asked for them.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For operands :func:`abftgemm.matmul` would refuse, or a ``c`` of another shape or dtype.
+    """
+    op = Operands.prepare(a, b, bias)
+    if tuple(c.shape) != op.shape or c.dtype != op.dtype:
+        raise ValueError(f"verify: c is {c.dtype} {tuple(c.shape)}; a @ b is {op.dtype} {op.shape}")
+    be = get_backend(op.xp)
+    view = op.xp.ascontiguousarray(c).reshape(op.batch, op.m, op.n)
+    if view is c or view.base is c:  # never modify the caller's array, even through a view
+        view = view.copy()
+    report = Report()
+    obs_col, obs_row = observe(be, view)
+    pred_col, pred_row = predict(be, op, None, None)
+    verdict = verify_sides(be, op, pred_col, pred_row, obs_col, obs_row)
+    settle(be, op, view, verdict, "detect", name, report, announce_findings=False)
+    report.checked[name] = op.batch
+    return Verification(report, *_margins(verdict.cols), *_margins(verdict.rows))
+
+
+def _margins(side: Side) -> tuple[np.ndarray, np.ndarray]:
+    with np.errstate(invalid="ignore"):
+        return np.abs(to_host(side.diff[..., 0])), to_host(side.tau)

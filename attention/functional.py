@@ -1,0 +1,440 @@
+"""The functional attention core: forward and backward over the table of routes.
+
+``attention_forward(params, x, ctx, ...) -> (y, saved)`` and
+``attention_backward(saved, dy, ctx) -> (dx, grads)`` execute every GEMM site as the route table
+(:data:`attention.plan.ROUTES`) says, on planned products (:class:`attention.workspace.Workspace`).
+On the clean path a pass executes its sites back to back and settles them all with one host
+synchronization at its end. When that settle finds something in ``check="correct"`` mode, the
+pass is replayed with every site settled as soon as it runs, so that a repair happens at the
+source (Q, K and V are corrected before they are saved or used) as in an unplanned layer.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from abftgemm.backend import array_module, get_backend
+from abftgemm.checksums import Checksums, accumulation_dtype
+from abftgemm.plan import settle_all
+from abftgemm.report import Event, Report, UncorrectableError
+from attention import softmax
+from attention.context import Context
+from attention.plan import ROUTES
+from attention.workspace import Workspace
+
+PARAM_KEYS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
+_REPAIRS = ("corrected", "recomputed", "checksum-recomputed")
+
+
+def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: int,
+                      causal: bool = False, key: Any | None = None, value: Any | None = None,
+                      key_visible: Any | None = None, attn_mask: Any | None = None,
+                      need_weights: bool = False,
+                      workspace: Workspace | None = None) -> tuple[Any, dict[str, Any]]:
+    """Multi-head attention output, every GEMM protected.
+
+    Parameters
+    ----------
+    params : dict
+        ``"wq","wk","wv","wo"`` ``(d_model, d_model)`` applied as ``x @ w``;
+        ``"bq","bk","bv","bo"`` ``(d_model,)``; one dtype and array module.
+    x : array (batch, seq_q, d_model)
+        Query input (and key and value input in self-attention).
+    ctx : Context
+        Check mode, frequencies, fault hook; findings go to ``ctx.report``.
+    n_heads : int
+        Heads are contiguous column blocks of width ``d_model // n_heads``.
+    causal : bool
+        Query ``i`` sees keys ``j <= i`` only.
+    key, value : array (batch, seq_k, d_model), optional
+        Cross-attention inputs: ``K = key @ Wk + bk``, ``V = value @ Wv + bv`` (both or neither).
+    key_visible : bool array (batch, seq_k), optional
+        Key-padding mask, True = the key may be attended.
+    attn_mask : array (seq_q, seq_k) or (batch*heads, seq_q, seq_k), optional
+        Boolean, True = NOT allowed (torch's convention), or float, added to the scaled scores.
+    need_weights : bool
+        Also keep the attention probabilities as ``saved["probs"]``, ``(batch*heads, seq_q,
+        seq_k)`` (they are saved for backward in any case).
+    workspace : Workspace, optional
+        Plans and buffers to reuse across calls (a new one otherwise).
+
+    Returns
+    -------
+    y : array (batch, seq_q, d_model)
+    saved : dict
+        What :func:`attention_backward` needs.
+    """
+    del need_weights  # the probabilities are saved for backward anyway
+    inputs = _Inputs.of(params, x, key, value, key_visible, attn_mask, n_heads, causal)
+    ws = workspace or Workspace()
+    return _run(lambda p: _forward(p, inputs), ctx, ws, inputs.xp)
+
+
+def attention_backward(saved: dict[str, Any], dy: Any, ctx: Context, *,
+                       workspace: Workspace | None = None) -> tuple[Any, dict[str, Any]]:
+    """Gradients w.r.t. the inputs and every parameter, every GEMM protected.
+
+    Parameters
+    ----------
+    saved : dict
+        From :func:`attention_forward`.
+    dy : array (batch, seq_q, d_model)
+        Gradient of the loss w.r.t. ``y``, dtype of the layer.
+    ctx : Context
+    workspace : Workspace, optional
+
+    Returns
+    -------
+    dx : array (batch, seq_q, d_model), or a tuple ``(d_query, d_key, d_value)`` in
+        cross-attention
+    grads : dict
+        Same keys and shapes as ``params``.
+    """
+    inputs: _Inputs = saved["inputs"]
+    if dy.shape != inputs.x.shape or dy.dtype != inputs.dtype:
+        raise ValueError(f"dy must have shape {inputs.x.shape} and dtype {inputs.dtype}, "
+                         f"got {dy.shape} {dy.dtype}")
+    ws = workspace or Workspace()
+    return _run(lambda p: _backward(p, saved, dy), ctx, ws, inputs.xp)
+
+
+# ---------------------------------------------------------------------------------- passes
+
+
+def _run(body: Any, ctx: Context, ws: Workspace, xp: Any) -> Any:
+    """Run a pass with one settle; replay it site by site when the settle repaired something."""
+    first = _Pass(ctx, ws, xp, per_site=False)
+    try:
+        result = body(first)
+        origin = first.settle()
+    except UncorrectableError:
+        ws.abandon()
+        origin = Report()  # something downstream of a fault; the replay settles at the source
+    except BaseException:
+        ws.abandon()
+        raise
+    if origin is None:
+        ctx.report.extend(first.report)
+        return result
+    replay = _Pass(ctx, ws, xp, per_site=True)
+    result = body(replay)
+    seen = replay.report.sites
+    origin.events = [e for e in origin.events if e.site not in seen]
+    ctx.report.extend(origin)
+    ctx.report.extend(replay.report)
+    return result
+
+
+class _Pass:
+    """One forward or backward pass: named tensors, passed checksums, pending verdicts."""
+
+    def __init__(self, ctx: Context, ws: Workspace, xp: Any, per_site: bool):
+        self.ctx, self.ws, self.xp, self.per_site = ctx, ws, xp, per_site
+        self.env: dict[str, Any] = {}
+        self.sums: dict[str, Any] = {}
+        self.report = Report()
+        self._pending: list[tuple[str, str, Any]] = []
+
+    def tensor(self, name: str | None) -> Any:
+        if name is None:
+            return None
+        if name.endswith("^T"):
+            t = self.env[name[:-2]]
+            return t.T if t.ndim == 2 else t.transpose(0, 2, 1)
+        return self.env[name]
+
+    def gemm(self, site: str, out: Any) -> Any:
+        """Run ``site`` as its route says into ``out``; the product is also ``env[route.out]``."""
+        route = ROUTES[site]
+        a, b, bias = self.tensor(route.a), self.tensor(route.b), self.tensor(route.bias)
+        mode = self.ctx.mode(site)
+        self.env[route.out] = out
+        if mode == "off":
+            _plain(self.xp, a, b, bias, out, site, self.ctx.fault_hook)
+            return out
+        plan = self.ws.product(site, a, b, bias, mode)
+        a_sums = self.sums.get(route.a_sums)
+        if a_sums is not None:
+            a_sums = Checksums(cols=a_sums.reshape(-1, a.shape[-1], 3))
+        plan.execute(a, b, bias=bias, out=out, fault_hook=self.ctx.fault_hook,
+                     a_checksums=a_sums)
+        if self.per_site:
+            report, sums = plan.settle(checksums=True)
+            self.report.extend(report)
+            self.sums[route.out] = sums.cols
+        else:
+            self.sums[route.out] = plan.observed_checksums().cols
+            self._pending.append(("plan", site, plan))
+        return out
+
+    def gemm_deferred(self, site: str, out: Any) -> Any | None:
+        """Run a "rows by consumer" site; returns its plan (None when unchecked) for the
+        consumer to fill ``observed`` and :meth:`consumed`."""
+        route = ROUTES[site]
+        a, b = self.tensor(route.a), self.tensor(route.b)
+        mode = self.ctx.mode(site)
+        self.env[route.out] = out
+        if mode == "off":
+            _plain(self.xp, a, b, None, out, site, self.ctx.fault_hook)
+            return None
+        plan = self.ws.deferred(site, a, b, mode)
+        rows = self.sums.get(route.b_rows)
+        rows = None if rows is None else Checksums(rows=rows.reshape(-1, b.shape[-2], 3))
+        plan.execute(a, b, out, fault_hook=self.ctx.fault_hook, b_rows=rows)
+        return plan
+
+    def consumed(self, site: str, plan: Any | None, redo: Any) -> None:
+        """The consumer observed ``plan``'s rows: judge them; settle now (replay) or later.
+        ``redo()`` recomputes the consumer's work after a repair."""
+        if plan is None:
+            return
+        plan.judge()
+        if not self.per_site:
+            self._pending.append(("deferred", site, plan))
+        elif plan.settle(self.report):
+            redo()
+
+    def invariant(self, site: str, verdict: tuple[bool, float, float] | None,
+                  recheck: Any) -> None:
+        """An invariant check's verdict; in a replay, a failure recomputes once (``recheck``
+        returns the new verdict)."""
+        if verdict is None:
+            return
+        self.report.checked[site] = self.report.checked.get(site, 0) + 1
+        ok, worst, tol = verdict
+        if ok:
+            return
+        if self.ctx.check == "detect":
+            self.report.events.append(Event(site, 0, "2D", (), (), worst, tol, "reported"))
+            softmax.announce(self.report.events[-1])
+            return
+        if not self.per_site:
+            self._pending.append(("invariant", site, (worst, tol)))
+            return
+        again = recheck()
+        self.report.events.append(Event(site, 0, "2D", (), (), worst, tol,
+                                        "recomputed" if again[0] else "reported"))
+        if not again[0]:
+            raise UncorrectableError(f"{site}: invariant still violated after recomputation "
+                                     f"({again[1]:.3g} > {again[2]:.3g})", self.report)
+
+    def settle(self) -> Report | None:
+        """Settle every pending verdict with one host synchronization. Returns None when
+        nothing needs a replay, else the findings of the first site (in pass order) that
+        repaired something."""
+        plans = [p for kind, _, p in self._pending if kind == "plan"]
+        reports = iter(settle_all(plans))
+        origin = None
+        for kind, site, item in self._pending:
+            found = Report()
+            if kind == "plan":
+                found = next(reports)
+            elif kind == "deferred":
+                item.settle(found)
+            else:
+                worst, tol = item
+                found.events.append(Event(site, 0, "2D", (), (), worst, tol, "recomputed"))
+            self.report.extend(found)
+            if origin is None and any(e.action in _REPAIRS for e in found.events):
+                origin = found
+        self._pending = []
+        return origin
+
+
+def _plain(xp: Any, a: Any, b: Any, bias: Any | None, out: Any, site: str, hook: Any) -> None:
+    """The unprotected product of a site that is not checked on this call."""
+    get_backend(xp).gemm(*_as_3d(a, b), out.reshape((-1,) + out.shape[-2:]), bias)
+    if hook is not None:
+        hook(site, out)
+
+
+def _as_3d(a: Any, b: Any) -> tuple[Any, Any]:
+    return (a if a.ndim == 3 else a[None]), (b if b.ndim == 3 else b[None])
+
+
+# ---------------------------------------------------------------------------------- inputs
+
+
+class _Inputs:
+    """Validated inputs of a forward call (kept in ``saved`` for backward)."""
+
+    def __init__(self, **kw: Any):
+        self.__dict__.update(kw)
+
+    @classmethod
+    def of(cls, params: dict[str, Any], x: Any, key: Any | None, value: Any | None,
+           key_visible: Any | None, attn_mask: Any | None, n_heads: int,
+           causal: bool) -> "_Inputs":
+        xp = array_module(x)
+        wq = params["wq"]
+        d_model = wq.shape[0]
+        if n_heads <= 0 or d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be a positive multiple of n_heads "
+                             f"({n_heads})")
+        for k in PARAM_KEYS:
+            if array_module(params[k]) is not xp:
+                raise TypeError(f"x is a {xp.__name__} array; parameter {k} is not")
+        if x.ndim != 3 or x.shape[-1] != d_model:
+            raise ValueError(f"x must have shape (batch, seq, {d_model}), got {x.shape}")
+        if x.dtype != wq.dtype:
+            raise TypeError(f"x has dtype {x.dtype}; the layer's dtype is {wq.dtype}")
+        if (key is None) != (value is None):
+            raise ValueError("give both key and value (cross-attention) or neither")
+        cross = key is not None
+        for name, t in (("key", key), ("value", value)):
+            if t is None:
+                continue
+            if array_module(t) is not xp or t.dtype != x.dtype:
+                raise TypeError(f"{name} must be a {xp.__name__} {x.dtype} array like x")
+            if t.ndim != 3 or t.shape[0] != x.shape[0] or t.shape[-1] != d_model:
+                raise ValueError(f"{name} must have shape ({x.shape[0]}, seq_k, {d_model}), "
+                                 f"got {t.shape}")
+        if cross and key.shape != value.shape:
+            raise ValueError(f"key {key.shape} and value {value.shape} must have one shape")
+        batch, seq_q = x.shape[:2]
+        seq_k = key.shape[1] if cross else seq_q
+        if key_visible is not None:
+            if array_module(key_visible) is not xp:
+                raise TypeError("mask must live on the same array module as x")
+            if key_visible.shape != (batch, seq_k):
+                raise ValueError(f"mask must have shape {(batch, seq_k)} (batch, seq_k), "
+                                 f"got {key_visible.shape}")
+            if key_visible.dtype != bool:
+                raise TypeError(f"mask must be boolean (True = attend), got {key_visible.dtype}")
+        add = _additive(xp, attn_mask, batch * n_heads, seq_q, seq_k)
+        return cls(xp=xp, x=x, key=key if cross else x, value=value if cross else x,
+                   cross=cross, key_visible=key_visible, attn_add=add, n_heads=n_heads,
+                   head_dim=d_model // n_heads, d_model=d_model, causal=causal,
+                   dtype=x.dtype, params=params)
+
+
+def _additive(xp: Any, mask: Any | None, rows: int, seq_q: int, seq_k: int) -> Any | None:
+    """``attn_mask`` as an additive float64 ``(1 or rows, seq_q, seq_k)`` array (or None)."""
+    if mask is None:
+        return None
+    if array_module(mask) is not xp:
+        raise TypeError("attn_mask must live on the same array module as x")
+    if mask.shape not in ((seq_q, seq_k), (rows, seq_q, seq_k)):
+        raise ValueError(f"attn_mask must have shape {(seq_q, seq_k)} or {(rows, seq_q, seq_k)},"
+                         f" got {mask.shape}")
+    if mask.dtype == bool:
+        add = xp.where(mask, -np.inf, 0.0)
+    elif mask.dtype.kind == "f":
+        add = mask.astype(np.float64)
+    else:
+        raise TypeError(f"attn_mask must be boolean (True = not allowed) or float, got "
+                        f"{mask.dtype}")
+    return xp.ascontiguousarray(add.reshape((-1, seq_q, seq_k)))
+
+
+# ---------------------------------------------------------------------------------- forward
+
+
+def _forward(p: _Pass, inp: _Inputs) -> tuple[Any, dict[str, Any]]:
+    xp, ws, dt = p.xp, p.ws, inp.dtype
+    batch, seq_q, d = inp.x.shape
+    seq_k = inp.key.shape[1]
+    h, hd = inp.n_heads, inp.head_dim
+    p.env.update(inp.params, x=inp.x, key=inp.key, value=inp.value)
+    p.gemm("q_proj", ws.buffer("q", xp, (batch, seq_q, d), dt))
+    p.gemm("k_proj", ws.buffer("k", xp, (batch, seq_k, d), dt))
+    p.gemm("v_proj", ws.buffer("v", xp, (batch, seq_k, d), dt))
+    for name in "qkv":
+        p.env[name + "h"] = _split(xp, p.env[name], h)
+        if name in p.sums:
+            p.sums[name + "h"] = p.sums[name]
+    scores = ws.buffer("scores", xp, (batch * h, seq_q, seq_k), dt)
+    plan = p.gemm_deferred("scores", scores)
+    probs = xp.empty_like(scores)
+    p.env["probs"] = probs
+    step = softmax.ForwardStep(inp, scores, probs, p.ctx, ws, plan)
+    p.consumed("scores", plan, step.run)
+    p.invariant("softmax", step.verdict, step.recompute)
+    p.gemm("context", ws.buffer("context_h", xp, (batch * h, seq_q, hd), dt))
+    p.env["context"] = _merge(xp, p.env["context_h"], h)
+    y = p.gemm("out_proj", xp.empty((batch, seq_q, d), dt))
+    v_sums = p.sums.get("vh")
+    saved = {"inputs": inp, "qh": p.env["qh"], "kh": p.env["kh"], "vh": p.env["vh"],
+             "probs": probs, "context": p.env["context"],
+             "v_sums": None if v_sums is None else v_sums.copy()}
+    return y, saved
+
+
+def _split(xp: Any, t: Any, heads: int) -> Any:
+    """(batch, seq, d_model) -> new contiguous (batch*heads, seq, head_dim)."""
+    b, s, d = t.shape
+    out = xp.empty((b, heads, s, d // heads), t.dtype)
+    out[...] = t.reshape(b, s, heads, d // heads).transpose(0, 2, 1, 3)
+    return out.reshape(b * heads, s, d // heads)
+
+
+def _merge(xp: Any, t: Any, heads: int, out: Any | None = None) -> Any:
+    """(batch*heads, seq, head_dim) -> contiguous (batch, seq, d_model)."""
+    bh, s, hd = t.shape
+    b = bh // heads
+    out = xp.empty((b, s, heads * hd), t.dtype) if out is None else out
+    out.reshape(b, s, heads, hd)[...] = t.reshape(b, heads, s, hd).transpose(0, 2, 1, 3)
+    return out
+
+
+# ---------------------------------------------------------------------------------- backward
+
+
+def _backward(p: _Pass, saved: dict[str, Any], dy: Any) -> tuple[Any, dict[str, Any]]:
+    inp: _Inputs = saved["inputs"]
+    xp, ws, dt = p.xp, p.ws, inp.dtype
+    batch, seq_q, d = inp.x.shape
+    seq_k = inp.key.shape[1]
+    h, hd = inp.n_heads, inp.head_dim
+    flat = (-1, d)
+    par = inp.params
+    p.env.update(par, x=inp.x.reshape(flat), key=inp.key.reshape(flat),
+                 value=inp.value.reshape(flat), dy=dy.reshape(flat), context=saved["context"].reshape(flat),
+                 qh=saved["qh"], kh=saved["kh"], vh=saved["vh"], probs=saved["probs"])
+    if saved["v_sums"] is not None:
+        p.sums["vh"] = saved["v_sums"]
+    d_wo = p.gemm("d_wo", xp.empty((d, d), dt))
+    p.env["dy"] = dy
+    d_ctx = p.gemm("d_context", ws.buffer("d_context", xp, (batch, seq_q, d), dt))
+    p.env["d_context_h"] = _split(xp, d_ctx, h)
+    d_probs = ws.buffer("d_probs", xp, (batch * h, seq_q, seq_k), dt)
+    plan = p.gemm_deferred("d_probs", d_probs)
+    p.gemm("d_v", ws.buffer("d_vh", xp, (batch * h, seq_k, hd), dt))
+    d_scores = ws.buffer("d_scores", xp, (batch * h, seq_q, seq_k), dt)
+    step = softmax.BackwardStep(d_probs, saved["probs"], d_scores, 1 / math.sqrt(hd), p.ctx, ws,
+                                plan)
+    p.consumed("d_probs", plan, step.run)
+    p.invariant("softmax_backward", step.verdict, step.recompute)
+    p.env["d_scores"] = d_scores
+    p.gemm("d_q", ws.buffer("d_qh", xp, (batch * h, seq_q, hd), dt))
+    p.gemm("d_k", ws.buffer("d_kh", xp, (batch * h, seq_k, hd), dt))
+    dq = _merge(xp, p.env["d_qh"], h, ws.buffer("dq", xp, (batch, seq_q, d), dt)).reshape(flat)
+    dk = _merge(xp, p.env["d_kh"], h, ws.buffer("dk", xp, (batch, seq_k, d), dt)).reshape(flat)
+    dv = _merge(xp, p.env["d_vh"], h, ws.buffer("dv", xp, (batch, seq_k, d), dt)).reshape(flat)
+    p.env.update(dq=dq, dk=dk, dv=dv)
+    grads = {"wo": d_wo, "bo": _column_sum(dy.reshape(flat))}
+    for name in "qkv":
+        grads["w" + name] = p.gemm(f"d_w{name}", xp.empty((d, d), dt))
+        grads["b" + name] = _column_sum(p.env["d" + name])
+    if inp.cross:
+        p.env.update(d_qkv=dq, w_qkv=par["wq"])
+        d_query = p.gemm("d_x", xp.empty((batch * seq_q, d), dt)).reshape(inp.x.shape)
+        d_key = p.gemm("d_key", xp.empty((batch * seq_k, d), dt)).reshape(inp.key.shape)
+        d_value = p.gemm("d_value", xp.empty((batch * seq_k, d), dt)).reshape(inp.value.shape)
+        dx: Any = (d_query, d_key, d_value)
+    else:
+        d_qkv = ws.buffer("d_qkv", xp, (batch * seq_q, 3 * d), dt)
+        w_qkv = ws.buffer("w_qkv", xp, (d, 3 * d), dt)
+        for i, (g, w) in enumerate(((dq, "wq"), (dk, "wk"), (dv, "wv"))):
+            d_qkv[:, i * d:(i + 1) * d] = g
+            w_qkv[:, i * d:(i + 1) * d] = par[w]
+        p.env.update(d_qkv=d_qkv, w_qkv=w_qkv)
+        dx = p.gemm("d_x", xp.empty((batch * seq_q, d), dt)).reshape(inp.x.shape)
+    return dx, {k: grads[k] for k in PARAM_KEYS}
+
+
+def _column_sum(t: Any) -> Any:
+    """Bias gradient: column sums accumulated in float32/float64, returned in t's dtype."""
+    return t.astype(accumulation_dtype(t.dtype)).sum(axis=0).astype(t.dtype)

@@ -1,0 +1,160 @@
+"""The functional attention core: routes as data, one settle per pass, counted structure,
+cross-attention and masks against float64 math written here from the definitions."""
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from abftgemm.backend import to_host
+from abftgemm.faults import Fault, Recorder
+from attention import (ALL_SITES, CROSS_SITES, INVARIANT_SITES, ROUTES, SITES, Context,
+                       MultiHeadAttention, attention_backward, attention_forward)
+from attention import reference as ref
+from conftest import BACKENDS
+
+#: float64 layers against float64 math in another order: sums of at most 3*d_model = 48 terms of
+#: magnitude <= ~10 (O(1) data, unnormalized sums) round to <= 48 * 10 * 2^-53 ~ 5e-14 each, a few
+#: such steps chained; 1e-10 leaves three orders of magnitude of margin and still catches any
+#: wrong mask, transpose or missing term (those move results by O(0.01-1)).
+TOL64 = 1e-10
+
+
+def _data(xp, batch=2, seq_q=5, seq_k=7, d=8, heads=2, seed=0):
+    layer = MultiHeadAttention(d, heads, dtype="float64", xp=xp, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    x, key, value, dy = (rng.standard_normal(s) for s in
+                         ((batch, seq_q, d), (batch, seq_k, d), (batch, seq_k, d),
+                          (batch, seq_q, d)))
+    keys = rng.random((batch, seq_k)) < 0.7
+    keys[:, 0] = True
+    return layer, x, key, value, dy, keys, rng
+
+
+def _expected(params, x, key, value, dy, heads, keys, add, causal):
+    """Cross-attention forward and backward in float64, from the definitions."""
+    p = {k: to_host(v).astype(np.float64) for k, v in params.items()}
+    hd = x.shape[-1] // heads
+    q, k, v = (t @ p["w" + n] + p["b" + n] for t, n in ((x, "q"), (key, "k"), (value, "v")))
+    qh, kh, vh = (ref.split_heads(t, heads) for t in (q, k, v))
+    s = qh @ kh.transpose(0, 1, 3, 2) / np.sqrt(hd)
+    vis = np.ones(s.shape, bool) if keys is None else np.broadcast_to(keys[:, None, None, :],
+                                                                         s.shape).copy()
+    if causal:
+        vis &= np.tril(np.ones(s.shape[-2:], bool))
+    if add is not None:
+        s = s + add
+        vis &= np.isfinite(add)
+    probs = ref.masked_softmax(s, vis)
+    context = ref.merge_heads(probs @ vh)
+    y = context @ p["wo"] + p["bo"]
+    d_ctx = ref.split_heads(dy @ p["wo"].T, heads)
+    dp = d_ctx @ vh.transpose(0, 1, 3, 2)
+    dv = ref.merge_heads(probs.transpose(0, 1, 3, 2) @ d_ctx)
+    ds = ref.softmax_backward(dp, probs, vis) / np.sqrt(hd)
+    dq, dk = ref.merge_heads(ds @ kh), ref.merge_heads(ds.transpose(0, 1, 3, 2) @ qh)
+    grads = {"wo": np.einsum("bsi,bso->io", context, dy), "bo": dy.sum((0, 1))}
+    for n, t, g in (("q", x, dq), ("k", key, dk), ("v", value, dv)):
+        grads["w" + n], grads["b" + n] = np.einsum("bsi,bso->io", t, g), g.sum((0, 1))
+    return y, (dq @ p["wq"].T, dk @ p["wk"].T, dv @ p["wv"].T), grads
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cross_attention_with_masks_matches_float64(xp, mask_kind, causal):
+    layer, x, key, value, dy, keys, rng = _data(xp)
+    seq_q, seq_k = x.shape[1], key.shape[1]
+    attn_mask, add = None, None
+    if mask_kind == "bool":  # torch's convention: True = not allowed
+        attn_mask = rng.random((seq_q, seq_k)) < 0.3
+        attn_mask[:, 0] = False
+        add = np.where(attn_mask, -np.inf, 0.0)
+    elif mask_kind == "float":
+        attn_mask = add = rng.standard_normal((seq_q, seq_k))
+    ctx = Context()
+    a = {n: xp.asarray(t) for n, t in (("x", x), ("key", key), ("value", value), ("dy", dy))}
+    y, saved = attention_forward(layer.params, a["x"], ctx, n_heads=2, causal=causal,
+                                 key=a["key"], value=a["value"], key_visible=xp.asarray(keys),
+                                 attn_mask=None if attn_mask is None else xp.asarray(attn_mask))
+    dx, grads = attention_backward(saved, a["dy"], ctx)
+    y_ref, dx_ref, g_ref = _expected(layer.params, x, key, value, dy, 2, keys, add, causal)
+    assert not ctx.report.detected, ctx.report.summary()
+    assert np.abs(to_host(y) - y_ref).max() <= TOL64
+    for got, want in zip(dx, dx_ref):
+        assert np.abs(to_host(got) - want).max() <= TOL64
+    for k, want in g_ref.items():
+        assert np.abs(to_host(grads[k]) - want).max() <= TOL64, k
+    assert set(ctx.report.checked) >= set(ALL_SITES) - {"d_x"} | set(INVARIANT_SITES)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_every_route_is_used_and_every_use_is_in_the_table(xp):
+    """Self-attention runs the SITES, cross-attention adds CROSS_SITES; every product the core
+    runs reaches the hook under a site name of the route table, and every route runs."""
+    layer, x, key, value, dy, keys, _ = _data(xp)
+    seen = set()
+    for kv in ({}, {"key": xp.asarray(key), "value": xp.asarray(value)}):
+        recorder = Recorder()
+        y, cache = layer.forward(xp.asarray(x), fault_hook=recorder, **kv)
+        layer.backward(xp.asarray(dy), cache, fault_hook=recorder)
+        gemms = recorder.sites - set(INVARIANT_SITES)
+        assert gemms <= set(ROUTES)
+        seen |= gemms
+    assert seen == set(ROUTES) == set(SITES) | set(CROSS_SITES)
+    for route in ROUTES.values():  # the table names only tensors the core defines
+        for name in (route.a, route.b, route.bias, route.a_sums, route.b_rows):
+            assert name is None or name.removesuffix("^T") in _TENSORS, name
+
+
+#: The tensor names of attention.functional's passes (written out here, not read from it).
+_TENSORS = {"x", "key", "value", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q", "k", "v",
+            "qh", "kh", "vh", "scores", "probs", "context_h", "context", "dy", "d_context",
+            "d_context_h", "d_probs", "d_scores", "dq", "dk", "dv", "d_qkv", "w_qkv"}
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_clean_step_syncs_twice_and_allocates_nothing_new(xp):
+    layer = MultiHeadAttention(16, 4, causal=True, dtype="float32", xp=xp)
+    rng = np.random.default_rng(0)
+    x = xp.asarray(rng.standard_normal((2, 8, 16)).astype(np.float32))
+    dy = xp.asarray(rng.standard_normal((2, 8, 16)).astype(np.float32))
+
+    def step():
+        y, cache = layer.forward(x)
+        return layer.backward(dy, cache)
+
+    step()  # plans and buffers are made here
+    before = layer.counters.syncs, layer.counters.allocations
+    step()
+    assert layer.counters.syncs - before[0] <= 2  # one settle per pass
+    assert layer.counters.allocations == before[1]
+    if xp is np:  # independent check: what one more step leaves allocated beyond its results
+        tracemalloc.start()
+        snap = tracemalloc.take_snapshot()
+        results = step()
+        grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(snap, "filename"))
+        tracemalloc.stop()
+        kept = to_host(results[0]).nbytes + sum(g.nbytes for g in results[1].values())
+        # Besides dx and the gradients the step keeps nothing: allow 64 KiB of interpreter and
+        # tracemalloc bookkeeping (the smallest reused buffer, the scores, is 2 KiB here, and a
+        # leak of one set of buffers per step would be ~20 KiB per buffer family x 20 families).
+        assert grown - kept <= 64 * 1024, grown - kept
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("site", ["q_proj", "k_proj", "v_proj"])
+def test_replay_repairs_at_the_source(xp, site):
+    """A fault found at the pass's settle is replayed site by site: the saved Q, K and V are the
+    fault-free ones."""
+    layer = MultiHeadAttention(8, 2, causal=True, dtype="float64", xp=xp)
+    x = xp.asarray(np.random.default_rng(3).standard_normal((2, 6, 8)))
+    _, clean = layer.forward(x)
+    y, cache = layer.forward(x, fault_hook=Fault("additive", "element", seed=1, sites=site,
+                                                 magnitude=10.0))
+    assert site in layer.last_report.sites
+    for name in ("qh", "kh", "vh", "probs"):
+        # float64 replay of the same products: the only difference is the checksum repair of one
+        # element, rounded like its neighbours (2^-50 relative of O(1) values).
+        np.testing.assert_allclose(to_host(cache[name]), to_host(clean[name]), atol=1e-12)

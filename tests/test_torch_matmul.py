@@ -1,0 +1,65 @@
+"""``abftgemm.matmul`` on PyTorch tensors: tensors in, tensors out, no copies, same protection."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import abftgemm
+from abftgemm.faults import Fault
+from tests.conftest import GPU
+
+torch = pytest.importorskip("torch", reason="torch is an optional extra (pip install '.[torch]')")
+
+DEVICES = [pytest.param("cpu", id="cpu"),
+           pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(
+               GPU is None or not torch.cuda.is_available(), reason="no GPU"))]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def _ints(shape, dtype, device, seed):
+    # Small integers: every product is exact in every dtype, so results compare with ==.
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-3, 4, shape, generator=g).to(dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tensors_in_tensors_out_equal_torch_matmul(device, dtype):
+    a, b = _ints((3, 16, 8), dtype, device, 0), _ints((8, 12), dtype, device, 1)
+    c = abftgemm.matmul(a, b)
+    assert isinstance(c, torch.Tensor) and c.device == a.device and c.dtype == dtype
+    torch.testing.assert_close(c, torch.matmul(a, b), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_faults_are_repaired_and_reported_for_tensors(device):
+    a, b = _ints((2, 16, 8), torch.float32, device, 2), _ints((8, 12), torch.float32, device, 3)
+    c, report = abftgemm.matmul(a, b, fault_hook=Fault("nan", "row", seed=4), return_report=True)
+    assert report.detected and report.corrected == 12
+    torch.testing.assert_close(c, torch.matmul(a, b), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_out_and_results_share_memory_with_tensors(device):
+    a, b = _ints((16, 8), torch.float32, device, 5), _ints((8, 12), torch.float32, device, 6)
+    out = torch.empty((16, 12), device=device)
+    assert abftgemm.matmul(a, b, out) is out
+    torch.testing.assert_close(out, a @ b, rtol=0, atol=0)
+    seen = []
+    abftgemm.matmul(a, b, out, fault_hook=lambda site, c: seen.append(c))
+    # The hook's array is the tensor's memory (DLPack, no copy): writing it writes out.
+    seen[0][0, 0] = 123.0
+    assert float(out[0, 0]) == 123.0
+
+
+def test_tensors_that_record_gradients_are_refused_clearly():
+    a = torch.ones((4, 3), requires_grad=True)
+    with pytest.raises(TypeError, match="requires grad.*no_grad"):
+        abftgemm.matmul(a, torch.ones((3, 2)))
+    with torch.no_grad():
+        np.testing.assert_array_equal(abftgemm.matmul(a, torch.ones((3, 2))).numpy(), 3.0)
+
+
+def test_vector_dot_vector_is_a_0d_tensor():
+    got = abftgemm.matmul(torch.arange(4.0), torch.arange(4.0))
+    assert isinstance(got, torch.Tensor) and got.shape == () and float(got) == 14.0
