@@ -230,8 +230,8 @@ TRIALS, SIZE = 50, 256
 def allowed_count(committed: int, trials: int = TRIALS) -> int:
     """Fewest detections that still agree with the committed count.
 
-    The trials use the committed run's seeds, so on the same BLAS they reproduce its counts
-    exactly; another BLAS rounds differently and moves flips near the threshold. Allow three
+    The trials use the committed run's seeds and operands, so only rounding differences (another
+    BLAS, a changed summation order) move flips near the threshold across it. Allow three
     binomial standard deviations of the committed rate, smoothed as (count+1)/(trials+2) so that
     a committed 50/50 still tolerates about 3 misses.
     """
