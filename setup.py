@@ -9,7 +9,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["abftgemm", "abftgemm.*", "attention", "attention.*"]),
-    package_data={"abftgemm": ["kernels/*.cu", "kernels/*.cuh"]},
+    package_data={"abftgemm": ["kernels/*.cu", "kernels/*.cuh"], "attention": ["kernels/*.cu"]},
     install_requires=["numpy>=1.24", "numba>=0.59", "ml_dtypes>=0.3", "tqdm>=4.60"],
     extras_require={
         "cuda12": ["cupy-cuda12x>=14.1.1"],
@@ -24,5 +24,5 @@ setup(
         # Tensors in abftgemm.matmul and attention.torch (the nn.MultiheadAttention drop-in).
         "torch": ["torch>=2.1"],
     },
-    entry_points={"console_scripts": ["abft=attention.__main__:main"]},
+    entry_points={"console_scripts": ["abft=attention.experiments.cli:main"]},
 )

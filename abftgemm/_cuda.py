@@ -4,7 +4,7 @@ Imported by :func:`abftgemm.backend.get_backend` only once CuPy arrays are in pl
 CuPy at the top. See :mod:`abftgemm.backend` for the semantics of the three primitives.
 
 Why not ``cupy.matmul``: batched fp16 ``cupy.matmul`` runs 8-18x slower than cuBLAS and batched
-bf16 raises (DESIGN.md section 3), so :meth:`CupyBackend.gemm` calls
+bf16 raises (docs/design.md, Backends), so :meth:`CupyBackend.gemm` calls
 ``cublasGemmStridedBatchedEx`` itself. bfloat16 arrays are CuPy 14 arrays whose dtype is
 ``ml_dtypes.bfloat16`` (CuPy 14 supports that dtype when ml_dtypes is installed); this module never
 runs CuPy arithmetic on them, only bit-level copies, cuBLAS and its own kernels.

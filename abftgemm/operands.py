@@ -9,6 +9,7 @@ the user gets.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -51,7 +52,7 @@ class Operands:
         self.xp, self.a, self.b, self.bias = xp, a, b, bias
         self.batch_shape, self.shape, self.out = batch_shape, shape, out
         self.dtype = a.dtype
-        self.batch = int(np.prod(batch_shape, dtype=np.int64))
+        self.batch = math.prod(batch_shape)
         self.m, self.k, self.n = a.shape[1], a.shape[2], b.shape[2]
         self.direct = out is not None and _writable_in_place(xp, out, self)
 
@@ -92,7 +93,7 @@ class Operands:
         if a2.shape[-1] != b2.shape[-2]:
             raise ValueError(f"matmul: inner dimensions differ: a is {a.shape}, b is {b.shape}")
         try:
-            batch_shape = tuple(np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2]))
+            batch_shape = _broadcast(a2.shape[:-2], b2.shape[:-2])
         except ValueError:
             raise ValueError(f"matmul: batch dimensions do not broadcast: a is {a.shape}, "
                              f"b is {b.shape}") from None
@@ -204,16 +205,25 @@ def _writable_in_place(xp: Any, out: Any, op: Operands) -> bool:
     return not any(xp.may_share_memory(out, x) for x in (op.a, op.b, op.bias) if x is not None)
 
 
+def _broadcast(s: tuple[int, ...], t: tuple[int, ...]) -> tuple[int, ...]:
+    """``np.broadcast_shapes(s, t)``, without its cost in the common cases (equal, or one empty)."""
+    if s == t or not t:
+        return tuple(s)
+    if not s:
+        return tuple(t)
+    return tuple(np.broadcast_shapes(s, t))
+
+
 def _as_3d(xp: Any, x: Any, batch_shape: tuple[int, ...]) -> Any:
     """``x`` as ``(batch, r, c)`` or ``(1, r, c)`` (broadcast), copying only if it must."""
     r, c = x.shape[-2:]
-    own = int(np.prod(x.shape[:-2], dtype=np.int64))
+    own = math.prod(x.shape[:-2])
     if own == 1:
         return x.reshape(1, r, c)
     if x.shape[:-2] != batch_shape:  # partial broadcast, e.g. (2,1,m,k) against (1,3,k,n)
         x = xp.broadcast_to(x, batch_shape + (r, c))
     # explicit sizes: -1 is ambiguous when r or c is 0
-    return x.reshape(int(np.prod(batch_shape, dtype=np.int64)), r, c)
+    return x.reshape(math.prod(batch_shape), r, c)
 
 
 def item(op: Operands, b: int) -> Operands:

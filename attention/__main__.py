@@ -1,9 +1,9 @@
-"""``python -m attention`` and the ``abft`` console script: see :mod:`attention.cli`."""
+"""``python -m attention``: the ``abft`` command line (:mod:`attention.experiments.cli`)."""
 from __future__ import annotations
 
 import sys
 
-from attention.cli import main
+from attention.experiments.cli import main
 
 __all__ = ["main"]
 

@@ -18,7 +18,7 @@ import numpy as np
 from abftgemm.backend import array_module, get_backend
 from abftgemm.checksums import Checksums, accumulation_dtype
 from abftgemm.plan import settle_all
-from abftgemm.report import Event, Report, UncorrectableError
+from abftgemm.report import Event, Report, UncorrectableError, announce
 from attention import softmax
 from attention.context import Context
 from attention.plan import ROUTES
@@ -196,24 +196,23 @@ class _Pass:
         elif plan.settle(self.report):
             redo()
 
-    def invariant(self, site: str, verdict: tuple[bool, float, float] | None,
-                  recheck: Any) -> None:
-        """An invariant check's verdict; in a replay, a failure recomputes once (``recheck``
-        returns the new verdict)."""
+    def invariant(self, site: str, verdict: softmax.Verdict | None, recheck: Any) -> None:
+        """An invariant check's verdict, read at the settle (at once in a replay, where a
+        failure recomputes once: ``recheck`` returns the new verdict)."""
         if verdict is None:
             return
         self.report.checked[site] = self.report.checked.get(site, 0) + 1
-        ok, worst, tol = verdict
+        if not self.per_site:
+            self._pending.append(("invariant", site, verdict))
+            return
+        ok, worst, tol = verdict()
         if ok:
             return
         if self.ctx.check == "detect":
             self.report.events.append(Event(site, 0, "2D", (), (), worst, tol, "reported"))
-            softmax.announce(self.report.events[-1])
+            announce(self.report.events[-1])
             return
-        if not self.per_site:
-            self._pending.append(("invariant", site, (worst, tol)))
-            return
-        again = recheck()
+        again = recheck()()
         self.report.events.append(Event(site, 0, "2D", (), (), worst, tol,
                                         "recomputed" if again[0] else "reported"))
         if not again[0]:
@@ -234,8 +233,13 @@ class _Pass:
             elif kind == "deferred":
                 item.settle(found)
             else:
-                worst, tol = item
-                found.events.append(Event(site, 0, "2D", (), (), worst, tol, "recomputed"))
+                ok, worst, tol = item()
+                if not ok:
+                    detect = self.ctx.check == "detect"
+                    found.events.append(Event(site, 0, "2D", (), (), worst, tol,
+                                              "reported" if detect else "recomputed"))
+                    if detect:
+                        announce(found.events[-1])
             self.report.extend(found)
             if origin is None and any(e.action in _REPAIRS for e in found.events):
                 origin = found

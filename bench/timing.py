@@ -109,8 +109,8 @@ def copy_bandwidth_TBps(xp: Any = np, nbytes: int | None = None, repeats: int | 
 
     On CuPy: a device-to-device copy of a ``nbytes`` buffer (default 1 GiB), timed with CUDA
     events, median of ``repeats`` (default 20). On NumPy: ``numpy.copyto`` of a 256 MiB buffer
-    (default), perf_counter, median of ``repeats`` (default 7). Counting read + write matches how
-    DESIGN.md quotes "a device copy runs at 4.0 TB/s" on the H200.
+    (default), perf_counter, median of ``repeats`` (default 7). Counting read + write is how
+    bench/NOTES.md quotes copy bandwidths (4.12 TB/s on the H200).
     """
     if _is_cupy(xp):
         import cupy

@@ -1,11 +1,12 @@
-"""Compile every abftgemm CUDA kernel through NVRTC, as CuPy does at run time, without a GPU.
+"""Compile every CUDA kernel (abftgemm's and attention's) through NVRTC, as CuPy does at run time,
+without a GPU.
 
 CuPy's ``RawModule`` compiles with ``core.assemble_cupy_compiler_options`` (include paths, C++
 standard), then ``-ftz=true``, then ``-arch=sm_XX --device-as-default-execution-space`` (and
 ``--pch`` when enabled). Its public ``compile_using_nvrtc`` looks the arch up on the current
 device, so it fails on a machine without a GPU; this script therefore appends the last options
-itself and runs CuPy's own NVRTC program wrapper, with the options and name expressions that
-:mod:`abftgemm.kernels` gives the runtime.
+itself and runs CuPy's own NVRTC program wrapper, with the sources, options and name expressions
+that :mod:`abftgemm.kernels` and :mod:`attention.kernels` give the runtime.
 
 Run ``python scripts/compile_kernels.py [sm_80 sm_90 ...]``; exits non-zero with the NVRTC log on
 the first failure.
@@ -19,6 +20,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from abftgemm import kernels  # noqa: E402
+from attention import kernels as attention_kernels  # noqa: E402
+
+#: Every kernel registry: package name -> module with MODULES, source() and NVRTC_OPTIONS.
+REGISTRIES = {"abftgemm": kernels, "attention": attention_kernels}
 
 
 def nvrtc_options(arch: str, options: Sequence[str] = kernels.NVRTC_OPTIONS) -> tuple[str, ...]:
@@ -44,7 +49,8 @@ def nvrtc_options(arch: str, options: Sequence[str] = kernels.NVRTC_OPTIONS) -> 
 
 
 def compile_source(
-    source: str, name_expressions: Iterable[str], arch: str, filename: str = "kernel.cu"
+    source: str, name_expressions: Iterable[str], arch: str, filename: str = "kernel.cu",
+    options: Sequence[str] = kernels.NVRTC_OPTIONS,
 ) -> dict[str, str]:
     """Compile ``source`` for ``arch`` and return name expression -> lowered (mangled) name.
 
@@ -56,7 +62,7 @@ def compile_source(
     from cupy.cuda import compiler
 
     names = tuple(name_expressions)
-    opts = nvrtc_options(arch)
+    opts = nvrtc_options(arch, options)
     program = compiler._NVRTCProgram(
         source, filename, name_expressions=names or None, method="cubin"
     )
@@ -70,12 +76,12 @@ def compile_source(
 
 
 def compile_all(archs: Sequence[str] = ("sm_80", "sm_90")) -> list[str]:
-    """Compile every file of :data:`abftgemm.kernels.MODULES` for each arch in ``archs``.
+    """Compile every file of every registry in :data:`REGISTRIES` for each arch in ``archs``.
 
     Returns
     -------
     list of str
-        One ``"file arch name_expression"`` line per compiled kernel.
+        One ``"package/file arch name_expression"`` line per compiled kernel.
 
     Raises
     ------
@@ -83,10 +89,13 @@ def compile_all(archs: Sequence[str] = ("sm_80", "sm_90")) -> list[str]:
         With the NVRTC log, on the first file that fails to compile.
     """
     done = []
-    for filename, names in kernels.MODULES.items():
-        for arch in archs:
-            compile_source(kernels.source(filename), names, arch, filename)
-            done += [f"{filename} {arch} {name}" for name in names]
+    for package, registry in REGISTRIES.items():
+        for filename, names in registry.MODULES.items():
+            path = f"{package}/{filename}"
+            for arch in archs:
+                compile_source(registry.source(filename), names, arch, path,
+                               registry.NVRTC_OPTIONS)
+                done += [f"{path} {arch} {name}" for name in names]
     return done
 
 

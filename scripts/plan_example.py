@@ -1,11 +1,11 @@
 """Worked example of the adaptive checking frequency (attention.plan.adaptive_frequencies).
 
-Costs come from counts (attention.check_costs): the bytes each site's checks move and the FLOPs
-they do for the given shape, turned into milliseconds with a nominal bandwidth and FLOP rate, so
-the same command prints the same table on every machine.  Vulnerability is each site's share of
-the layer's GEMM FLOPs (a fault strikes a site in proportion to the work it does).  It prints, as
-markdown, the cheapest per-site checking probabilities that keep the expected number of unchecked
-faults per step under a target.
+Costs come from counts (attention.experiments.check_costs): the bytes each site's checks move and
+the FLOPs they do for the given shape, turned into milliseconds with a nominal bandwidth and FLOP
+rate, so the same command prints the same table on every machine.  Vulnerability is each site's
+share of the layer's GEMM FLOPs (a fault strikes a site in proportion to the work it does).  It
+prints, as markdown, the cheapest per-site checking probabilities that keep the expected number
+of unchecked faults per step under a target.
 
 ``--measure ROUNDS`` adds a cross-check: per-site timings on this machine (the layer with only
 that site checked minus the layer with none, forward+backward, medians of ``--repeats``
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from attention import SITES, CheckingPlan, adaptive_frequencies
-from attention.check_costs import check_costs, model_ms
+from attention.experiments.check_costs import check_costs, model_ms
 
 
 def site_flops(b: int, h: int, s: int, hd: int) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""The counted check costs (attention.check_costs) and the worked example that uses them."""
+"""The counted check costs (attention.experiments.check_costs) and the worked example using them."""
 from __future__ import annotations
 
 import re
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from attention import SITES
-from attention.check_costs import CheckCost, check_costs, model_ms
+from attention.experiments.check_costs import CheckCost, check_costs, model_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from attention import cli
-from attention.campaign import COUNTS, DEFAULT_SITES, KINDS, OUTCOMES
-from attention.cli import main
+from attention.experiments import cli
+from attention.experiments.campaign import COUNTS, DEFAULT_SITES, KINDS, OUTCOMES
+from attention.experiments.cli import main
 from abftgemm.faults import PATTERNS
 from conftest import GPU
 
@@ -190,7 +190,7 @@ def test_help_lists_defaults_and_choices(capsys: pytest.CaptureFixture[str]) -> 
 def test_without_matplotlib_plots_are_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # "import matplotlib" now fails
-    monkeypatch.delitem(sys.modules, "attention.plots", raising=False)
+    monkeypatch.delitem(sys.modules, "attention.experiments.plots", raising=False)
     status = main(["train", "--backend", "numpy", "--out", str(tmp_path), "--no-progress",
                    "--steps", "2", "--batch", "2", "--layers", "1", "--d-ff", "8", *TINY_LAYER])
     assert status == 0

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from abftgemm import kernels
+from attention import kernels as attention_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,12 +49,14 @@ def compile_kernels():
 def test_every_kernel_compiles_for_sm80_and_sm90(compile_kernels):
     built = compile_kernels.compile_all(("sm_80", "sm_90"))
     expected = [
-        f"{f} {arch} {name}"
-        for f, names in kernels.MODULES.items()
+        f"{package}/{f} {arch} {name}"
+        for package, registry in (("abftgemm", kernels), ("attention", attention_kernels))
+        for f, names in registry.MODULES.items()
         for arch in ("sm_80", "sm_90")
         for name in names
     ]
     assert built == expected
+    assert any(line.startswith("attention/softmax.cu") for line in built)
 
 
 def test_every_dtype_has_both_reductions():
@@ -61,6 +64,13 @@ def test_every_dtype_has_both_reductions():
     for dtype in ("float16", "bfloat16", "float32", "float64"):
         assert kernels.instance(kernels.ROW_REDUCE, dtype) in names
         assert kernels.instance(kernels.COL_REDUCE, dtype) in names
+
+
+def test_every_dtype_has_both_softmax_kernels():
+    names = attention_kernels.MODULES[attention_kernels.SOFTMAX_FILE]
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        assert attention_kernels.instance(attention_kernels.SOFTMAX_FORWARD, dtype) in names
+        assert attention_kernels.instance(attention_kernels.SOFTMAX_BACKWARD, dtype) in names
 
 
 def test_options_match_the_runtime(compile_kernels):
@@ -72,7 +82,7 @@ def test_options_match_the_runtime(compile_kernels):
 
 
 def test_nvrtc_only_errors_are_caught(compile_kernels):
-    # INFINITY comes from a host header: nvcc accepts it, NVRTC does not (DESIGN.md section 3).
+    # INFINITY comes from a host header: nvcc accepts it, NVRTC does not (docs/design.md, Backends).
     source = "__global__ void k(float* x) { x[0] = INFINITY; }"
     with pytest.raises(RuntimeError, match="INFINITY"):
         compile_kernels.compile_source(source, ["k"], "sm_90")

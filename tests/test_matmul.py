@@ -49,21 +49,25 @@ def test_edge_shapes_match_numpy(xp, shapes):
 
 @pytest.mark.parametrize("xp", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("directions", ["columns", "both"])
 @given(data=st.data())
-def test_single_fault_is_corrected_or_within_rounding_noise(xp, dtype, data):
+def test_single_fault_is_corrected_or_within_rounding_noise(xp, dtype, directions, data):
     """Every kind and pattern: the output equals the fault-free one, or the fault was too small
-    to tell from rounding and the output stays within the threshold model's bound."""
+    for the checks of ``directions`` to tell from rounding: every checked vector's error sums
+    stay within twice its threshold (abftgemm.testing.checksum_error_ratio); and a fault whose
+    sums stand out beyond that is detected."""
     a, b = data.draw(at.operand_pairs(dtype, at.matmul_shapes(min_side=2, max_k=8)))
     fault = data.draw(at.faults())
     a, b = to(xp, a, b)
     clean = abftgemm.matmul(a, b, check="off")
-    c, report = abftgemm.matmul(a, b, fault_hook=fault, return_report=True)
-    bound = at.silent_error_bound(a, b, clean)
-    err = np.abs(to_host(c).astype(np.float64) - to_host(clean).astype(np.float64))
+    c, report = abftgemm.matmul(a, b, fault_hook=fault, return_report=True,
+                                directions=directions)
     assert np.isfinite(to_host(c)).all()
-    assert (err <= bound).all(), (fault.injected, report.summary())
-    injected = np.abs(to_host(c_faulty_copy(fault, clean)) - to_host(clean).astype(np.float64))
-    if not (injected <= bound).all():  # some change stood out from rounding noise
+    at.assert_protected(c, a, b, report, directions=directions)
+    # The injected change alone, as verification saw it: beyond 2 thresholds it must be flagged
+    # (the vector's rounding is below one threshold, so its checksum difference exceeds one).
+    injected = at.checksum_error_ratio(c_faulty_copy(fault, clean), clean, a, b, directions)
+    if (injected > 2).any():
         assert report.detected and report.sites == {"matmul"}, (fault.injected, report.summary())
 
 

@@ -8,10 +8,10 @@ import pytest
 
 from abftgemm.faults import Fault
 from finite_differences import central_differences
-from attention.model import (GPT, Block, Gemm, GPTConfig, cross_entropy_backward,
-                             cross_entropy_forward, gelu_backward, gelu_forward,
-                             layer_norm_backward, layer_norm_forward, linear_backward,
-                             linear_forward)
+from attention.experiments.model import (GPT, Block, Gemm, GPTConfig,
+                                         cross_entropy_backward, cross_entropy_forward,
+                                         gelu_backward, gelu_forward, layer_norm_backward,
+                                         layer_norm_forward, linear_backward, linear_forward)
 
 CONFIG = GPTConfig(vocab=7, seq_len=5, d_model=8, n_heads=2, n_layers=2, d_ff=12, dtype="float64")
 

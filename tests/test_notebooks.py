@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 EXPECTED = ("01_quickstart.ipynb", "02_fault_propagation.ipynb",
-            "03_training_under_faults.ipynb", "04_thresholds.ipynb")
+            "03_training_under_faults.ipynb", "04_thresholds.ipynb", "05_pytorch.ipynb")
+#: Optional extras a notebook needs (it is skipped without them).
+NEEDS = {"05_pytorch.ipynb": "torch"}
 #: Seconds any one cell may take (the slowest takes a few seconds on 2 CPU cores).
 CELL_TIMEOUT = 120
 #: Seconds a whole notebook may take, kernel start-up included.
@@ -92,6 +94,9 @@ def test_notebook_executes(path: Path, kernel_env, tmp_path: Path):
     exception (a failed assert included) fails the test."""
     from nbclient import NotebookClient
 
+    extra = NEEDS.get(path.name)
+    if extra:
+        pytest.importorskip(extra, reason=f"{path.name} needs the {extra} extra")
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, kernel_name="python3", timeout=CELL_TIMEOUT,
                             allow_errors=False, record_timing=False,

@@ -106,7 +106,7 @@ def test_faults_are_repaired_on_the_planned_path(xp, ab, kind, pattern, seed, di
     extra = {"magnitude": 1e3} if kind == "additive" else {}
     got = plan.execute(a, b, fault_hook=Fault(kind, pattern, seed=seed, **extra))
     report = plan.settle()
-    assert_protected(got, a, b, report, c_clean=clean)
+    assert_protected(got, a, b, report, c_clean=clean, directions=directions)
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
@@ -174,3 +174,28 @@ def test_misuse_raises_clearly(xp):
         ProtectedMatmul(a, b, check="off")
     with pytest.raises(ValueError, match="directions"):
         ProtectedMatmul(a, b, directions="rows")
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_the_column_fast_paths_trade_is_what_the_docs_say(xp):
+    """docs/detection.md: errors +e, -2e, +e in consecutive rows of one column leave both the
+    plain and the (linearly) weighted column sums unchanged, so ``directions="columns"`` cannot
+    see them unless they break the column's magnitude bound; ``directions="both"`` sees each one
+    alone in its row and repairs it. (Should the fast path ever catch this, update the docs.)"""
+    rng = np.random.default_rng(5)
+    a = xp.asarray(rng.integers(-3, 4, (32, 24)).astype(np.float32))
+    b = xp.asarray(rng.integers(-3, 4, (24, 16)).astype(np.float32))
+    clean = _host(abftgemm.matmul(a, b, check="off"))
+
+    def second_difference(site, c):  # exact in float32: integers below 2**24
+        c[3, 5] += 64
+        c[4, 5] -= 128
+        c[5, 5] += 64
+
+    got, report = abftgemm.matmul(a, b, fault_hook=second_difference, return_report=True)
+    assert not report.detected
+    assert _host(got)[4, 5] - clean[4, 5] == -128  # the documented hole
+    got, report = abftgemm.matmul(a, b, fault_hook=second_difference, return_report=True,
+                                  directions="both")
+    assert report.detected
+    np.testing.assert_array_equal(_host(got), clean)

@@ -27,11 +27,6 @@ ROW_REDUCE = "abft_row_reduce"
 COL_REDUCE = "abft_col_reduce"
 FLAG = "abft_flag"
 
-SOFTMAX_FILE = "softmax.cu"
-#: Fused masked softmax + row checksum statistics of the raw scores (abftgemm._cuda_softmax).
-SOFTMAX_ROWS = "abft_softmax_rows"
-
-
 PLAN_FILE = "plan.cu"
 #: The two verification launches of a planned product (abftgemm._cuda_plan).
 PLAN_PREDICT = "abft_plan_predict"
@@ -47,7 +42,6 @@ def instance(kernel: str, dtype_name: str) -> str:
 MODULES: dict[str, tuple[str, ...]] = {
     REDUCE_FILE: (REDUCE_INIT, FLAG)
     + tuple(instance(k, t) for k in (ROW_REDUCE, COL_REDUCE) for t in CUDA_TYPES),
-    SOFTMAX_FILE: tuple(instance(SOFTMAX_ROWS, t) for t in CUDA_TYPES),
     PLAN_FILE: tuple(instance(k, t) for k in (PLAN_PREDICT, PLAN_OBSERVE_FLAG) for t in CUDA_TYPES),
 }
 

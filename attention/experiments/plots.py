@@ -53,7 +53,8 @@ def coverage_bars(records: list[dict[str, Any]], path: Path) -> None:
     Parameters
     ----------
     records : list of dict
-        Campaign records (:func:`attention.campaign.run_campaign`); clean records are skipped.
+        Campaign records (:func:`attention.experiments.campaign.run_campaign`); clean records
+        are skipped.
     path : Path
         PNG file to write.
     """
@@ -90,7 +91,7 @@ def propagation_grid(prop: dict[str, dict[str, np.ndarray]], path: Path) -> None
     Parameters
     ----------
     prop : dict
-        From :func:`attention.campaign.propagation`.
+        From :func:`attention.experiments.campaign.propagation`.
     path : Path
         PNG file to write.
     """
@@ -125,7 +126,7 @@ def loss_curves(summary: dict[str, Any], path: Path) -> None:
     Parameters
     ----------
     summary : dict
-        From :func:`attention.train.train`.
+        From :func:`attention.experiments.train.train`.
     path : Path
         PNG file to write.
     """

@@ -54,7 +54,7 @@ from abftgemm import Report, UncorrectableError
 from abftgemm.backend import to_host
 from abftgemm.faults import PATTERNS, Fault, bit_layout, chain
 from attention import INVARIANT_SITES, SITES, MultiHeadAttention, reference
-from attention.flags import option
+from attention.experiments.flags import option
 
 GEMM_SITE = "gemm"
 #: Sites of a campaign by default: the layer's GEMM and invariant sites, then a standalone GEMM.

@@ -1,7 +1,7 @@
 """Training under faults: unprotected vs. ABFT-protected vs. checkpoint/restore, side by side.
 
-One character-level :class:`attention.model.GPT` is trained four times from the same seed on the
-same batches:
+One character-level :class:`attention.experiments.model.GPT` is trained four times from the same
+seed on the same batches:
 
 ``fault_free``
     ``check="off"``, no faults: the reference loss curve and the baseline time.
@@ -43,8 +43,8 @@ from abftgemm import UncorrectableError
 from abftgemm.backend import to_host
 from abftgemm.faults import Fault, bit_layout
 from attention import SITES
-from attention.flags import option
-from attention.model import GPT, MLP_SITES, GPTConfig
+from attention.experiments.flags import option
+from attention.experiments.model import GPT, MLP_SITES, GPTConfig
 
 FAULT_KINDS: tuple[str, ...] = ("inf", "-inf", "nan", "near-inf", "bitflip")
 FAULT_SITES: tuple[str, ...] = SITES + MLP_SITES
@@ -91,7 +91,8 @@ class TrainConfig:
     steps, batch, seq : int
         Optimizer steps per run, sequences per batch, characters per sequence (``seq >= 2``).
     d_model, n_heads, n_layers, d_ff : int
-        Model sizes (see :class:`attention.model.GPTConfig`); ``n_heads`` divides ``d_model``.
+        Model sizes (see :class:`attention.experiments.model.GPTConfig`); ``n_heads`` divides
+        ``d_model``.
     lr : float
         Adam learning rate (positive).
     fault_rate : float

@@ -1,11 +1,11 @@
 """The ``abft`` command line: ``campaign``, ``train``, ``bench`` and ``demo``.
 
 ``abft campaign``  fault-injection campaign over every site, kind and pattern
-                   (:mod:`attention.campaign`): campaign.json, campaign.md, coverage.png,
-                   propagation.png under ``--out``.
+                   (:mod:`attention.experiments.campaign`): campaign.json, campaign.md,
+                   coverage.png, propagation.png under ``--out``.
 ``abft train``     a character-level GPT trained unprotected, protected and with
-                   checkpoint/restore under faults (:mod:`attention.train`): train.json, train.md,
-                   loss.png under ``--out``.  The PNG files need matplotlib
+                   checkpoint/restore under faults (:mod:`attention.experiments.train`):
+                   train.json, train.md, loss.png under ``--out``.  The PNG files need matplotlib
                    (``pip install "abftgemm[plots]"``); without it they are skipped with a note.
 ``abft bench``     runs ``bench/gemm.py`` and ``bench/attention.py`` (when present) with the same
                    ``--backend``, writing ``gemm.json`` / ``attention.json`` under ``--out``.
@@ -14,8 +14,8 @@
 
 Common flags: ``--backend numpy|cupy`` (default: cupy when CuPy imports and sees a GPU, else
 numpy), ``--seed``, ``--out``, ``--no-progress``; ``abft COMMAND --help`` lists the rest with their
-defaults.  A bad flag or value prints one line and exits with status 2. (The CPU checks are single-threaded: see
-bench/NOTES.md on threads next to OpenBLAS.)
+defaults.  A bad flag or value prints one line and exits with status 2. (The CPU checks are
+single-threaded: see bench/NOTES.md on threads next to OpenBLAS.)
 """
 from __future__ import annotations
 
@@ -27,13 +27,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn, TypeVar
 
-from attention.flags import add_flags, from_args
+from attention.experiments.flags import add_flags, from_args
 
 T = TypeVar("T")
 #: How to get the plots when matplotlib is missing.
 PLOTS_HINT = 'pip install "abftgemm[plots]"'
 BENCH_SCRIPTS: tuple[str, ...] = ("gemm.py", "attention.py")
-BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+#: The repository's bench/ folder (attention/experiments/cli.py -> repository root).
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 
 
 def gpu_usable() -> bool:
@@ -68,11 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``abft`` argument parser with its four subcommands.
 
     The flags of ``campaign`` and ``train`` are the fields of
-    :class:`attention.campaign.CampaignConfig` and :class:`attention.train.TrainConfig`
-    (:mod:`attention.flags`).
+    :class:`attention.experiments.campaign.CampaignConfig` and
+    :class:`attention.experiments.train.TrainConfig` (:mod:`attention.experiments.flags`).
     """
-    from attention.campaign import CampaignConfig
-    from attention.train import TrainConfig
+    from attention.experiments.campaign import CampaignConfig
+    from attention.experiments.train import TrainConfig
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--backend", choices=("numpy", "cupy"), default=None,
@@ -137,9 +138,9 @@ def _config(config: type[T], args: argparse.Namespace) -> T:
 
 
 def _plots() -> ModuleType | None:
-    """:mod:`attention.plots`, or None (with one line saying how to get it) without matplotlib."""
+    """:mod:`attention.experiments.plots`, or None (saying how to get it) without matplotlib."""
     try:
-        return importlib.import_module("attention.plots")
+        return importlib.import_module("attention.experiments.plots")
     except ModuleNotFoundError as exc:
         if exc.name != "matplotlib":
             raise
@@ -148,7 +149,7 @@ def _plots() -> ModuleType | None:
 
 
 def _campaign(args: argparse.Namespace) -> int:
-    from attention.campaign import CampaignConfig
+    from attention.experiments.campaign import CampaignConfig
 
     return _run_campaign(_config(CampaignConfig, args), args)
 
@@ -156,7 +157,7 @@ def _campaign(args: argparse.Namespace) -> int:
 def _run_campaign(config: Any, args: argparse.Namespace) -> int:
     import json
 
-    from attention import campaign
+    from attention.experiments import campaign
 
     xp = array_module(args.backend)
     print(f"campaign: backend {args.backend}, {config.trials} trial(s) per cell, "
@@ -181,13 +182,13 @@ def _run_campaign(config: Any, args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from attention.train import TrainConfig
+    from attention.experiments.train import TrainConfig
 
     return _run_train(_config(TrainConfig, args), args)
 
 
 def _run_train(config: Any, args: argparse.Namespace) -> int:
-    from attention import train
+    from attention.experiments import train
 
     xp = array_module(args.backend)
     print(f"train: backend {args.backend}, {config.steps} steps x 4 runs, fault rate "
@@ -223,8 +224,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from attention.campaign import CampaignConfig
-    from attention.train import TrainConfig
+    from attention.experiments.campaign import CampaignConfig
+    from attention.experiments.train import TrainConfig
 
     campaign = CampaignConfig(trials=2, clean_trials=10, seed=args.seed)
     train = TrainConfig(steps=200, checkpoint_every=20, seed=args.seed)

@@ -1,8 +1,8 @@
 """One definition per run configuration: dataclass fields become ``abft`` flags, and back.
 
-A configuration dataclass (:class:`attention.campaign.CampaignConfig`,
-:class:`attention.train.TrainConfig`) declares each field with :func:`option`: its default, help
-text and, where it has one, its flag name, its choices and its arity.  :func:`add_flags` turns the
+A configuration dataclass (:class:`attention.experiments.campaign.CampaignConfig`,
+:class:`attention.experiments.train.TrainConfig`) declares each field with :func:`option`: its
+default, help text and, where it has one, its flag name, its choices and its arity.  :func:`add_flags` turns the
 fields into argparse options; :func:`from_args` builds the dataclass back from the parsed
 namespace, so the dataclass's own validation (``__post_init__``) judges every value.
 """

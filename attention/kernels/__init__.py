@@ -1,0 +1,35 @@
+"""CUDA sources of the attention core and what NVRTC is asked to build from them.
+
+Registered the way :mod:`abftgemm.kernels` registers its own (same options, dtype table and
+checksum prelude), so that the runtime loader (:mod:`attention._cuda_softmax`) and the GPU-less
+compile check (``scripts/compile_kernels.py``) compile exactly the same thing. No CuPy import.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from abftgemm import kernels as _abft
+
+KERNEL_DIR = Path(__file__).resolve().parent
+
+NVRTC_OPTIONS = _abft.NVRTC_OPTIONS
+CUDA_TYPES = _abft.CUDA_TYPES
+instance = _abft.instance
+
+SOFTMAX_FILE = "softmax.cu"
+#: Masked softmax + the raw scores' row checksums + the forward invariants, one warp per row.
+SOFTMAX_FORWARD = "attn_softmax_forward"
+#: dS + dP's row checksums + the backward invariants + scaling, one warp per row.
+SOFTMAX_BACKWARD = "attn_softmax_backward"
+
+#: Source file -> every name expression compiled from it.
+MODULES: dict[str, tuple[str, ...]] = {
+    SOFTMAX_FILE: tuple(instance(k, t) for k in (SOFTMAX_FORWARD, SOFTMAX_BACKWARD)
+                        for t in CUDA_TYPES),
+}
+
+
+def source(filename: str) -> str:
+    """The text NVRTC compiles for ``filename`` (a key of :data:`MODULES`): abftgemm's checksum
+    prelude (the row checksums' accumulator) + the file."""
+    return (_abft.KERNEL_DIR / _abft.PRELUDE).read_text() + "\n" + (KERNEL_DIR / filename).read_text()

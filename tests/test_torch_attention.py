@@ -1,0 +1,328 @@
+"""``attention.torch.MultiheadAttention`` against PyTorch's own ``nn.MultiheadAttention`` as the
+oracle: same state_dict, same outputs, weights and gradients (inputs and every parameter), for
+every mask kind, self- and cross-attention, both layouts; inside stock transformer layers; and
+faults at every site repaired (``check="correct"``) or let through (``check="off"``)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from abftgemm.faults import Fault, Recorder
+
+torch = pytest.importorskip("torch", reason="torch is an optional extra (pip install '.[torch]')")
+nn = torch.nn
+
+from attention import ALL_SITES, CROSS_SITES, INVARIANT_SITES, SITES  # noqa: E402
+from attention.torch import MultiheadAttention, protect  # noqa: E402
+
+E, HEADS, N, L, S = 16, 4, 2, 5, 7
+#: Unit roundoff of each dtype, written out from the formats.
+U = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24}
+#: Longest chain of dependent rounded steps between an input and an output (backward dX:
+#: projection, scores, softmax, context, out_proj, dContext, dP, softmax backward, dQ, dX).
+CHAIN = 10
+MASKS = ("none", "bool-2d", "bool-3d", "float-2d", "float-3d", "bool-padding", "float-padding",
+         "bool-padding+bool-3d", "float-padding+float-2d", "causal-hint")
+WEIGHTS = {"averaged": (True, True), "per-head": (True, False), "none": (False, True)}
+
+
+def tolerance(dtype, reference, terms):
+    """How far two correct implementations may differ: each sums up to ``terms`` products per
+    element in its own order, worst case ``terms * u`` of the magnitude of what it sums (Higham's
+    gamma_K, constant 1), twice (both sides), compounded over CHAIN steps. Data are O(1)
+    (standard normal), so the magnitude is at least 1."""
+    scale = max(float(reference.abs().max()), 1.0) if reference.numel() else 1.0
+    return CHAIN * 2 * terms * U[dtype] * scale
+
+
+def assert_close(got, want, dtype, terms, what):
+    assert (got is None) == (want is None), what
+    if want is None:
+        return
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    diff = (got.detach().double() - want.detach().double()).abs()
+    err = float(diff.max()) if want.numel() else 0.0
+    assert err <= tolerance(dtype, want.double(), terms), (what, err)
+
+
+def masks(kind, seq_q, seq_k, dtype, gen, batched=True):
+    """(attn_mask, key_padding_mask, is_causal) of one kind; key 0 is never hidden, so no query
+    row is fully masked (torch gives NaN there, the protected layer 0: documented difference)."""
+    n = N if batched else 1
+    hide2 = torch.rand((seq_q, seq_k), generator=gen) < 0.4
+    hide3 = torch.rand((n * HEADS, seq_q, seq_k), generator=gen) < 0.4
+    pad = torch.rand((n, seq_k), generator=gen) < 0.4
+    hide2[..., 0] = hide3[..., 0] = pad[:, 0] = False
+    fl = lambda shape: torch.randn(shape, generator=gen, dtype=dtype)  # noqa: E731
+    if not batched:
+        pad = pad[0]
+    causal = torch.ones((seq_q, seq_k), dtype=torch.bool).triu(1)
+    return {
+        "none": (None, None, False),
+        "bool-2d": (hide2, None, False),
+        "bool-3d": (hide3, None, False),
+        "float-2d": (fl((seq_q, seq_k)), None, False),
+        "float-3d": (fl((n * HEADS, seq_q, seq_k)), None, False),
+        "bool-padding": (None, pad, False),
+        "float-padding": (None, fl(pad.shape).masked_fill(pad, float("-inf")), False),
+        "bool-padding+bool-3d": (hide3, pad, False),
+        "float-padding+float-2d": (fl((seq_q, seq_k)), fl(pad.shape), False),
+        "causal-hint": (causal, None, True),
+    }[kind]
+
+
+def pair(dtype, batch_first=True, bias=True, check="correct"):
+    """A stock module and a protected one loaded from its state_dict."""
+    torch.manual_seed(0)
+    stock = nn.MultiheadAttention(E, HEADS, bias=bias, batch_first=batch_first, dtype=dtype)
+    with torch.no_grad():  # non-zero biases, so that their routes are tested
+        for p in stock.parameters():
+            if p.dim() == 1:
+                p.normal_()
+    mine = MultiheadAttention(E, HEADS, bias=bias, batch_first=batch_first, dtype=dtype,
+                              check=check)
+    mine.load_state_dict(stock.state_dict())
+    return stock, mine
+
+
+def inputs(dtype, batch_first, cross, gen, batched=True, key_is_value=False):
+    def make(seq):
+        shape = ((N, seq, E) if batch_first else (seq, N, E)) if batched else (seq, E)
+        return torch.randn(shape, generator=gen, dtype=dtype).requires_grad_()
+
+    q = make(L)
+    if not cross:
+        return q, q, q
+    k = make(S)
+    return q, k, (k if key_is_value else make(S))
+
+
+def fwd_bwd(module, q, k, v, gen_seed=1, **kw):
+    """Output, weights, and the gradients of ``sum(y * g)`` (``g`` fixed random) w.r.t. the
+    inputs and every parameter."""
+    for t in (*module.parameters(), q, k, v):
+        t.grad = None
+    y, w = module(q, k, v, **kw)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(gen_seed), dtype=y.dtype)
+    (y * g).sum().backward()
+    grads = {name: p.grad for name, p in module.named_parameters()}
+    distinct = {id(t): t for t in (q, k, v)}.values()
+    return {"y": y.detach(), "weights": w, **grads,
+            **{f"d_input{i}": t.grad for i, t in enumerate(distinct)}}
+
+
+def compare(got, want, dtype, terms):
+    assert got.keys() == want.keys()
+    for key in want:
+        assert_close(got[key], want[key], dtype, terms, key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "seq-first"])
+@pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_matches_torch(dtype, mask, batch_first, cross, weights):
+    gen = torch.Generator().manual_seed(2)
+    stock, mine = pair(dtype, batch_first)
+    q, k, v = inputs(dtype, batch_first, cross, gen)
+    seq_k = S if cross else L
+    attn_mask, padding, is_causal = masks(mask, L, seq_k, dtype, gen)
+    need, average = WEIGHTS[weights]
+    kw = dict(attn_mask=attn_mask, key_padding_mask=padding, is_causal=is_causal,
+              need_weights=need, average_attn_weights=average)
+    want = fwd_bwd(stock, q, k, v, **kw)
+    got = fwd_bwd(mine, q, k, v, **kw)
+    compare(got, want, dtype, terms=max(E, seq_k, N * L))
+    assert not mine.last_report.detected, mine.last_report.summary()
+
+
+@pytest.mark.parametrize("mask", ["none", "bool-3d", "float-padding", "bool-padding+bool-3d"])
+@pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
+def test_unbatched_inputs_match_torch(mask, cross):
+    gen, dtype = torch.Generator().manual_seed(3), torch.float64
+    stock, mine = pair(dtype)
+    q, k, v = inputs(dtype, True, cross, gen, batched=False)
+    attn_mask, padding, is_causal = masks(mask, L, S if cross else L, dtype, gen, batched=False)
+    for average in (True, False):
+        kw = dict(attn_mask=attn_mask, key_padding_mask=padding, average_attn_weights=average)
+        compare(fwd_bwd(mine, q, k, v, **kw), fwd_bwd(stock, q, k, v, **kw), dtype, terms=S)
+
+
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "seq-first"])
+def test_without_bias_and_with_key_is_value(batch_first):
+    gen, dtype = torch.Generator().manual_seed(4), torch.float64
+    stock, mine = pair(dtype, batch_first, bias=False)
+    assert mine.in_proj_bias is None and mine.out_proj.bias is None
+    q, k, v = inputs(dtype, batch_first, True, gen, key_is_value=True)
+    compare(fwd_bwd(mine, q, k, v), fwd_bwd(stock, q, k, v), dtype, terms=N * S)
+
+
+def test_is_causal_without_a_mask_applies_the_causal_mask():
+    """PyTorch requires attn_mask with is_causal; the protected module applies the causal mask
+    itself, equal to PyTorch's output with the explicit mask."""
+    gen, dtype = torch.Generator().manual_seed(11), torch.float64
+    stock, mine = pair(dtype)
+    q, k, v = inputs(dtype, True, False, gen)
+    causal = torch.ones((L, L), dtype=torch.bool).triu(1)
+    compare(fwd_bwd(mine, q, k, v, is_causal=True), fwd_bwd(stock, q, k, v, attn_mask=causal),
+            dtype, terms=N * L)
+
+
+def test_same_parameters_and_state_dict_as_torch():
+    stock, mine = pair(torch.float32)
+    assert isinstance(mine, nn.MultiheadAttention)
+    assert list(mine.state_dict()) == list(stock.state_dict())
+    assert [n for n, _ in mine.named_parameters()] == [n for n, _ in stock.named_parameters()]
+    # from_torch and protect() keep the very Parameter objects (an optimizer still holds them).
+    shared = MultiheadAttention.from_torch(stock)
+    assert all(a is b for a, b in zip(shared.parameters(), stock.parameters()))
+    model = nn.Sequential(nn.Linear(E, E), stock)
+    before = list(model.parameters())
+    protect(model)
+    assert isinstance(model[1], MultiheadAttention)
+    assert all(a is b for a, b in zip(model.parameters(), before))
+
+
+# ------------------------------------------------------------------------ stock transformer
+
+
+def encoder_layers(batch_first, dtype=torch.float64):
+    torch.manual_seed(5)
+    stock = nn.TransformerEncoderLayer(E, HEADS, dim_feedforward=32, dropout=0.0,
+                                       batch_first=batch_first, dtype=dtype)
+    mine = protect(copy.deepcopy(stock))
+    assert isinstance(mine.self_attn, MultiheadAttention)
+    return stock, mine
+
+
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "seq-first"])
+def test_inside_a_stock_transformer_encoder_layer(batch_first):
+    dtype, gen = torch.float64, torch.Generator().manual_seed(6)
+    stock, mine = encoder_layers(batch_first, dtype)
+    x = torch.randn((N, L, E) if batch_first else (L, N, E), generator=gen, dtype=dtype)
+    causal = nn.Transformer.generate_square_subsequent_mask(L, dtype=dtype)
+    padding = torch.zeros((N, L), dtype=torch.bool)
+    padding[1, -2:] = True
+    results = []
+    for layer in (stock, mine):
+        xi = x.clone().requires_grad_()
+        y = layer(xi, src_mask=causal, src_key_padding_mask=padding, is_causal=True)
+        (y * y.detach().sin()).sum().backward()
+        results.append({"y": y.detach(), "dx": xi.grad,
+                        **{n: p.grad for n, p in layer.named_parameters()}})
+    compare(results[1], results[0], dtype, terms=max(32, N * L))
+    assert mine.self_attn.last_report.checked, "the protected forward did not run"
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["layer", "encoder-with-padding"])
+def test_inference_fast_paths_still_run_the_protected_forward(nested):
+    """In eval mode under no_grad, TransformerEncoderLayer and TransformerEncoder take fused
+    paths that read the weights and skip self_attn.forward; the protected module keeps them off."""
+    dtype, gen = torch.float32, torch.Generator().manual_seed(7)
+    stock, mine = encoder_layers(True, dtype)
+    if nested:
+        stock, mine = (protect(nn.TransformerEncoder(layer, 1, enable_nested_tensor=True))
+                       if layer is mine else nn.TransformerEncoder(layer, 1)
+                       for layer in (stock, mine))
+    stock.eval(), mine.eval()
+    x = torch.randn((N, L, E), generator=gen, dtype=dtype)
+    padding = torch.zeros((N, L), dtype=torch.bool)
+    padding[1, -2:] = True
+    attn = mine.layers[0].self_attn if nested else mine.self_attn
+    attn.fault_hook = seen = Recorder()
+    with torch.no_grad():
+        y = mine(x, src_key_padding_mask=padding)
+        want = stock(x, src_key_padding_mask=padding)
+    assert {c.site for c in seen.calls} >= {"q_proj", "out_proj"}
+    valid = ~padding  # the fused path zeroes padded positions' outputs; compare the others
+    assert_close(y[valid], want[valid], dtype, terms=32, what="y")
+
+
+# ------------------------------------------------------------------------ faults
+
+
+FAULT_SITES = ALL_SITES + tuple(INVARIANT_SITES)
+
+
+@pytest.mark.parametrize("site", FAULT_SITES)
+@pytest.mark.parametrize("kind", ["nan", "near-inf"])
+def test_fault_at_every_site_is_repaired_and_corrupts_without_protection(site, kind):
+    dtype, gen = torch.float64, torch.Generator().manual_seed(8)
+    cross = site in CROSS_SITES
+    stock, mine = pair(dtype, batch_first=False)
+    q, k, v = inputs(dtype, False, cross, gen)
+    padding = masks("bool-padding", L, S if cross else L, dtype, gen)[1]  # key 0 never hidden
+    fault_free = fwd_bwd(mine, q, k, v, key_padding_mask=padding)
+    terms = max(E, S, N * L)
+    for check in ("correct", "off"):
+        mine.check = check
+        mine.fault_hook = fault = Fault(kind, "row", seed=9, sites=site, row=0)
+        got = fwd_bwd(mine, q, k, v, key_padding_mask=padding)
+        assert fault.injected, "the fault never fired"
+        if check == "correct":
+            assert site in mine.last_report.sites, mine.last_report.summary()
+            # A rebuilt element is a float64 checksum minus a sum of up to K other elements:
+            # rounding up to K u of K terms of the data's scale, well inside the tolerance's
+            # 2 CHAIN K u with K >= 8.
+            compare(got, fault_free, dtype, terms)
+        else:
+            assert not all(_close(got[key], fault_free[key], dtype, terms)
+                           for key in fault_free), "the unprotected fault changed nothing"
+
+
+def _close(got, want, dtype, terms):
+    if want is None:
+        return got is None
+    diff = (got.double() - want.double()).abs()
+    return bool(diff.isfinite().all()) and float(diff.max()) <= tolerance(dtype, want, terms)
+
+
+def test_hook_sees_every_site_and_report_covers_forward_and_backward():
+    gen, dtype = torch.Generator().manual_seed(10), torch.float32
+    for cross, sites in ((False, SITES), (True, ALL_SITES)):
+        _, mine = pair(dtype)
+        mine.fault_hook = seen = Recorder()
+        fwd_bwd(mine, *inputs(dtype, True, cross, gen))
+        assert {c.site for c in seen.calls} == set(sites) | set(INVARIANT_SITES)
+        assert set(mine.last_report.checked) >= set(sites)
+
+
+# ------------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dropout": 0.1}, "dropout=0.1"),
+    ({"add_bias_kv": True}, "add_bias_kv"),
+    ({"add_zero_attn": True}, "add_zero_attn"),
+    ({"kdim": 8}, "kdim=8"),
+    ({"vdim": 8}, "vdim=8"),
+    ({"check": "sometimes"}, "check must be one of"),
+])
+def test_unsupported_arguments_raise_naming_them(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MultiheadAttention(E, HEADS, **kwargs)
+    if "check" not in kwargs:
+        with pytest.raises(ValueError, match=match.split("=")[0]):
+            MultiheadAttention.from_torch(nn.MultiheadAttention(E, HEADS, **kwargs))
+
+
+def test_bad_inputs_raise_clearly():
+    _, mine = pair(torch.float32)
+    x = torch.randn(N, L, E)
+    with pytest.raises(ValueError, match="key_padding_mask must have shape"):
+        mine(x, x, x, key_padding_mask=torch.zeros(N, L + 1, dtype=torch.bool))
+    with pytest.raises(TypeError, match="key_padding_mask must be bool or float"):
+        mine(x, x, x, key_padding_mask=torch.zeros(N, L, dtype=torch.int64))
+    with pytest.raises(TypeError, match="attn_mask must be bool"):
+        mine(x, x, x, attn_mask=torch.zeros(L, L, dtype=torch.int64))
+    with pytest.raises(ValueError, match="attn_mask must have shape"):
+        mine(x, x, x, attn_mask=torch.zeros(L, L + 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="query must be 2-D"):
+        mine(x[0, 0], x[0, 0], x[0, 0])
+    with pytest.raises(ValueError, match="key must be 3-D"):
+        mine(x, x[0], x[0])
+    nested = torch.nested.nested_tensor([torch.randn(L, E), torch.randn(L - 1, E)])
+    with pytest.raises(ValueError, match="nested tensor.*use_nested_tensor"):
+        mine(nested, nested, nested)
