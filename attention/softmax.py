@@ -178,7 +178,8 @@ class ForwardStep:
             scores, self.probs, scale=1 / math.sqrt(inp.head_dim), heads=inp.n_heads,
             key_visible=None if keys is None else _xp(keys).ascontiguousarray(keys),
             attn_add=inp.attn_add, causal=inp.causal, compute=compute, check=check,
-            floor=LOG_CHECK_FLOOR, tolerances=forward_tolerances(self.probs.dtype, scores.shape[-1]),
+            floor=LOG_CHECK_FLOOR,
+            tolerances=forward_tolerances(self.probs.dtype, scores.shape[-1]),
             stats=self.plan.observed if compute and self.plan is not None else None,
             verdict=self._device)
 

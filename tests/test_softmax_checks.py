@@ -1,83 +1,147 @@
-"""The CPU (numba) softmax invariant checks agree with the array-module versions the GPU runs.
-
-Both are run here on NumPy arrays: the numba kernels through ``check_forward``/``check_backward``,
-the array versions directly (``_forward_errors``/``_backward_ratio``). They sum in different
-precisions (float64 vs the accumulation dtype), so errors agree up to the tolerance's scale and
-the verdicts agree whenever the error is clearly on one side of the tolerance.
-"""
+"""The layer's softmax steps (one fused kernel per backend) against float64 math written here, and
+their invariant checks against corrupted outputs. The same bodies run on NumPy (numba kernels) and
+CuPy (CUDA kernels), the latter only where a GPU is present."""
 from __future__ import annotations
+
+import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attention import softmax as sm
+from abftgemm.backend import to_host
+from abftgemm.checksums import unit_roundoff
+from attention.softmax import BackwardStep, ForwardStep
+from attention.workspace import Workspace
+from conftest import BACKENDS
+
+HEADS, HEAD_DIM = 2, 4  # scale 1/sqrt(4) = 0.5: scaling the scores is exact in every dtype
 
 
 @st.composite
-def probabilities(draw):
-    """``(p, z, visible)``: a softmax of random scores, float32 or float64, masked or not."""
-    dtype = draw(st.sampled_from([np.float32, np.float64]))
-    rows, length = draw(st.integers(1, 6)), draw(st.integers(1, 40))
+def cases(draw):
+    """Raw scores (batch*heads, seq_q, seq_k) float32/float64, dP, masks and causality."""
+    dtype = np.dtype(draw(st.sampled_from(["float32", "float64"])))
+    batch, seq_q, seq_k = draw(st.integers(1, 2)), draw(st.integers(1, 6)), draw(st.integers(1, 40))
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
-    z = (rng.standard_normal((2, rows, length)) * draw(st.sampled_from([0.1, 3.0, 30.0])))
-    z = z.astype(dtype)
-    visible = None
+    spread = draw(st.sampled_from([0.1, 3.0, 30.0]))
+    scores = (rng.standard_normal((batch * HEADS, seq_q, seq_k)) * spread).astype(dtype)
+    keys = rng.random((batch, seq_k)) < 0.7 if draw(st.booleans()) else None
+    if keys is not None and draw(st.booleans()):
+        keys[0] = False  # a batch element whose rows see no key: P = 0 there
+    add = None
     if draw(st.booleans()):
-        visible = rng.random((2, rows, length)) < 0.7
-        visible[0, 0] = False  # a fully hidden row
-    return sm.softmax_forward(z, visible, dtype), z, visible
+        add = rng.standard_normal((1, seq_q, seq_k))
+        add[0, :, -1] = -np.inf  # hides the last key
+    dp = rng.standard_normal(scores.shape).astype(dtype)
+    return scores, dp, keys, add, draw(st.booleans())
 
 
-def corrupt(x: np.ndarray, how: str) -> np.ndarray:
-    x = x.copy()
-    flat = x.reshape(-1)
-    k = int(np.argmax(np.abs(flat)))
-    flat[k] = {"nan": np.nan, "inf": np.inf, "scale": flat[k] * 1.5 + 0.25}[how]
-    return x
+def _visible(keys, add, causal, shape):
+    bh, sq, sk = shape
+    vis = np.ones(shape, bool)
+    if keys is not None:
+        vis &= np.repeat(keys, HEADS, axis=0)[:, None, :]
+    if causal:
+        vis &= np.tril(np.ones((sq, sk), bool))
+    if add is not None:
+        vis &= np.isfinite(add)
+    return vis
 
 
-def _forward_ok_array(p, z, visible):
-    """The array version's verdict (the one the GPU runs), on NumPy arrays."""
-    errors = sm._forward_errors(p.astype(z.dtype), z, visible)
-    return sm._forward_verdict(errors, p.dtype, z.dtype, z.shape[-1])[0]
+def _forward(xp, case, hook=None):
+    scores, _, keys, add, causal = case
+    inp = SimpleNamespace(head_dim=HEAD_DIM, n_heads=HEADS, causal=causal,
+                          key_visible=None if keys is None else xp.asarray(keys),
+                          attn_add=None if add is None else xp.asarray(add))
+    ctx = SimpleNamespace(check="correct", fault_hook=hook)
+    plan = SimpleNamespace(observed=xp.zeros(scores.shape[:2] + (5,)))
+    s = xp.asarray(scores)
+    step = ForwardStep(inp, s, xp.empty_like(s), ctx, Workspace(), plan)
+    return step, plan
 
 
-@given(case=probabilities())
-def test_forward_check_passes_clean_softmax_like_the_array_version(case):
-    p, z, visible = case
-    assert sm.check_forward(p, z, visible)[0]
-    assert _forward_ok_array(p, z, visible)
+@pytest.mark.parametrize("xp", BACKENDS)
+@given(case=cases())
+def test_forward_step_matches_float64_and_passes_its_check(xp, case):
+    scores, _, keys, add, causal = case
+    step, plan = _forward(xp, case)
+    assert step.verdict()[0]
+    vis = _visible(keys, add, causal, scores.shape)
+    z = scores.astype(np.float64) * 0.5 + (0 if add is None else add)
+    zv = np.where(vis, z, -np.inf)
+    top = zv.max(-1, keepdims=True)
+    e = np.where(vis, np.exp(zv - np.where(np.isfinite(top), top, 0)), 0.0)
+    total = e.sum(-1, keepdims=True)
+    want = e / np.where(total == 0, 1, total)
+    # Relative error of a probability: the subtraction z - max and the exponential (~|z| u + 2u
+    # each side), the row sum (L u) and the division and store (2u); 2 max|z| + L + 8 units.
+    u = unit_roundoff(scores.dtype)
+    rel = (2 * np.abs(np.where(vis, z, 0)).max(initial=0) + scores.shape[-1] + 8) * u
+    got = to_host(step.probs)
+    assert np.all(np.abs(got - want) <= rel * want + np.finfo(scores.dtype).tiny)
+    # Row checksums of the raw scores: float64 sums of L terms in another order, L u_64 relative.
+    s64 = scores.astype(np.float64)
+    stats = to_host(plan.observed)
+    bound = scores.shape[-1] * 2.0**-52 * np.abs(s64).sum(-1)
+    assert np.all(np.abs(stats[..., 0] - s64.sum(-1)) <= bound)
+    weights = np.arange(1, s64.shape[-1] + 1) / s64.shape[-1]
+    assert np.all(np.abs(stats[..., 1] - (s64 * weights).sum(-1)) <= bound)
 
 
+def _corrupt(how):
+    def hook(site, c):
+        flat = c.reshape(-1)
+        k = int(np.argmax(np.abs(to_host(flat))))  # the row's top probability / largest dS
+        value = float(flat[k])
+        flat[k] = {"nan": np.nan, "inf": np.inf, "scale": value * 1.5 + 0.25}[how]
+    return hook
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
 @pytest.mark.parametrize("how", ["nan", "inf", "scale"])
-@given(case=probabilities())
-def test_forward_check_flags_a_corrupted_entry_like_the_array_version(case, how):
-    p, z, visible = case
-    if visible is not None:  # corrupt a visible entry: hidden ones are not checked
-        visible[...] = True
-        p = sm.softmax_forward(z, visible, p.dtype)
-    bad = corrupt(p, how)
-    assert not sm.check_forward(bad, z, visible)[0]
-    assert not _forward_ok_array(bad, z, visible)
+@given(case=cases())
+def test_forward_check_flags_a_corrupted_probability(xp, how, case):
+    scores, dp, keys, add, causal = case
+    case = scores, dp, None, None, causal  # every row sees a key: a corrupted entry is visible
+    step, _ = _forward(xp, case, _corrupt(how))
+    assert not step.verdict()[0]
 
 
-@st.composite
-def backward_cases(draw):
-    p, z, _ = draw(probabilities())
-    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
-    dp = rng.standard_normal(p.shape).astype(p.dtype)
-    return sm.softmax_backward(dp, p, p.dtype), dp, p
+def _backward(xp, case, hook=None):
+    scores, dp, keys, add, causal = case
+    fwd, _ = _forward(xp, case)
+    plan = SimpleNamespace(observed=xp.zeros(dp.shape[:2] + (5,)))
+    d = xp.asarray(dp)
+    ctx = SimpleNamespace(check="correct", fault_hook=hook)
+    step = BackwardStep(d, fwd.probs, xp.empty_like(d), 0.5, ctx, Workspace(), plan)
+    return step, plan
 
 
-@given(case=backward_cases())
-def test_backward_check_agrees_with_the_array_version(case):
-    ds, dp, p = case
-    u, tiny = sm._backward_tolerance(ds)
-    ok, _, _ = sm.check_backward(ds, dp, p)
-    assert ok and sm._backward_ratio(ds, dp, p, u, tiny)[0] <= 1
-    for how in ("nan", "inf", "scale"):
-        bad = corrupt(ds, how)
-        assert not sm.check_backward(bad, dp, p)[0]
-        assert sm._backward_ratio(bad, dp, p, u, tiny)[0] > 1
+@pytest.mark.parametrize("xp", BACKENDS)
+@given(case=cases())
+def test_backward_step_matches_float64_and_passes_its_check(xp, case):
+    step, plan = _backward(xp, case)
+    assert step.verdict()[0]
+    p, dp = to_host(step.p).astype(np.float64), case[1].astype(np.float64)
+    terms = np.abs(p * dp).sum(-1, keepdims=True)
+    want = 0.5 * p * (dp - (p * dp).sum(-1, keepdims=True))
+    # r sums L terms (L u of sum |P dP|), dP - r, the products, the scale and the store (4u):
+    # |error| <= (L + 4) u * 0.5 * P (|dP| + sum |P dP|).
+    dtype = case[1].dtype
+    bound = (dp.shape[-1] + 4) * unit_roundoff(dtype) * 0.5 * p * (np.abs(dp) + terms)
+    assert np.all(np.abs(to_host(step.ds) - want) <= bound + np.finfo(dtype).tiny)
+    assert np.all(np.abs(to_host(plan.observed)[..., 0] - dp.sum(-1)) <=
+                  dp.shape[-1] * 2.0**-52 * np.abs(dp).sum(-1))
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("how", ["nan", "inf", "scale"])
+@given(case=cases())
+def test_backward_check_flags_a_corrupted_gradient(xp, how, case):
+    scores, dp, keys, add, causal = case
+    case = scores, dp, None, None, False  # every entry visible: dS has a nonzero entry
+    step, _ = _backward(xp, case, _corrupt(how))
+    assert not step.verdict()[0]

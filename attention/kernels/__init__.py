@@ -32,4 +32,5 @@ MODULES: dict[str, tuple[str, ...]] = {
 def source(filename: str) -> str:
     """The text NVRTC compiles for ``filename`` (a key of :data:`MODULES`): abftgemm's checksum
     prelude (the row checksums' accumulator) + the file."""
-    return (_abft.KERNEL_DIR / _abft.PRELUDE).read_text() + "\n" + (KERNEL_DIR / filename).read_text()
+    prelude = (_abft.KERNEL_DIR / _abft.PRELUDE).read_text()
+    return prelude + "\n" + (KERNEL_DIR / filename).read_text()

@@ -33,8 +33,10 @@
 // failing rows write, so the clean path costs no atomics, and the host reads the verdict when it
 // settles the pass.
 //
-// Rows up to CACHE 16-byte vectors per lane stay in registers between passes; longer rows are
-// re-read (L1/L2). No host headers under NVRTC (no INFINITY): infinities are bit patterns.
+// Rows up to CACHE 16-byte vectors per lane (512 fp16/bf16 elements, 256 fp32, 128 fp64, plus the
+// unaligned head and tail) stay in registers between passes; longer rows, and the forward check's
+// log pass, re-read them (L1/L2). No host headers under NVRTC (no INFINITY): infinities are bit
+// patterns.
 namespace {
 
 template <typename T> struct Arith {
@@ -114,7 +116,8 @@ template <typename T> struct Split {
     static constexpr int V = 16 / static_cast<int>(sizeof(T));
     int len, head, chunks, tail_start, lane;
 
-    __device__ __forceinline__ Split(const T* row, int length, int lane_) : len(length), lane(lane_) {
+    __device__ __forceinline__ Split(const T* row, int length, int lane_)
+        : len(length), lane(lane_) {
         head = min(len, static_cast<int>(
             ((16 - (reinterpret_cast<unsigned long long>(row) & 15)) & 15) / sizeof(T)));
         chunks = (len - head) / V;
@@ -186,7 +189,7 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
                                      double* __restrict__ details) {
     typedef typename Arith<T>::type C;
     constexpr int V = Split<T>::V;
-    constexpr int CACHE = 8;  // vectors per lane kept in registers
+    constexpr int CACHE = 4;  // vectors per lane in registers; NVRTC time grows with 4 * V copies
 
     const int lane = threadIdx.x & 31;
     const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x >> 5);
@@ -196,8 +199,9 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
          r < rows; r += warps) {
         const long long t = r / seq_q;
         const int i = static_cast<int>(r - t * seq_q);
-        const bool* kv = key_visible == nullptr ? nullptr
-                                                : key_visible + (t / heads) * static_cast<long long>(len);
+        const bool* kv = key_visible == nullptr
+                             ? nullptr
+                             : key_visible + (t / heads) * static_cast<long long>(len);
         const double* add = attn_add == nullptr
                                 ? nullptr
                                 : attn_add + t * attn_stride + static_cast<long long>(i) * len;
@@ -246,7 +250,8 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
                     if (v < s.chunks) vec(buf[k], s.first(v));
                 }
             } else {
-                for (int v = lane; v < s.chunks; v += 32) vec(load_vec(row, s.first(v), true), s.first(v));
+                for (int v = lane; v < s.chunks; v += 32)
+                    vec(load_vec(row, s.first(v), true), s.first(v));
             }
             if (s.has_tail()) f(s.tail_l(), tx);
         };
@@ -266,7 +271,8 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
                     if (v < s.chunks) vec(buf[k], s.first(v));
                 }
             } else {
-                for (int v = lane; v < s.chunks; v += 32) vec(load_vec(row, s.first(v), true), s.first(v));
+                for (int v = lane; v < s.chunks; v += 32)
+                    vec(load_vec(row, s.first(v), true), s.first(v));
             }
             if (s.has_tail()) {
                 const uint4 o = g(s.tail_l(), 1, &tx);
@@ -382,15 +388,9 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
                 #pragma unroll
                 for (int j = 0; j < V; ++j) identity(s.first(v) + j, x[j], to_double(widen(p[j])));
             };
-            if (cached) {
-                #pragma unroll
-                for (int k = 0; k < CACHE; ++k) {
-                    const int v = lane + 32 * k;
-                    if (v < s.chunks) vec(buf[k], v);
-                }
-            } else {
-                for (int v = lane; v < s.chunks; v += 32) vec(load_vec(row, s.first(v), true), v);
-            }
+            // Not unrolled over the register cache (the double log would be inlined 64 times):
+            // the raw row is re-read, from L1/L2 where this warp just read it.
+            for (int v = lane; v < s.chunks; v += 32) vec(load_vec(row, s.first(v), true), v);
             if (s.has_tail()) identity(s.tail_l(), tx, to_double(widen(out[s.tail_l()])));
             log_err = warp_worse(log_err);
             z_max = warp_worse(z_max);
@@ -458,7 +458,8 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
         auto each = [&](auto f) {
             if (s.has_head()) f(s.head_l(), 1, &hd, &hp, -1);
             auto vec = [&](const uint4& d, const uint4& q, int v) {
-                f(s.first(v), V, reinterpret_cast<const T*>(&d), reinterpret_cast<const T*>(&q), v);
+                f(s.first(v), V, reinterpret_cast<const T*>(&d), reinterpret_cast<const T*>(&q),
+                  v);
             };
             if (cached) {
                 #pragma unroll
