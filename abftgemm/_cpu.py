@@ -320,15 +320,16 @@ def _as_float32(x: np.ndarray) -> np.ndarray:
     if x.dtype != np.float16:
         return x.astype(np.float32)
     out = np.empty(x.shape, dtype=np.float32)
-    _lookup(np.ascontiguousarray(x).view(np.uint16).reshape(-1), _float16_table(),
+    _lookup(np.ascontiguousarray(x).view(np.uint16).reshape(-1), bits_table(x.dtype),
             out.reshape(-1))
     return out
 
 
-@lru_cache(maxsize=1)
-def _float16_table() -> np.ndarray:
-    """The float32 value of every float16 bit pattern (NumPy's conversion, tabulated once)."""
-    table = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+@lru_cache(maxsize=2)
+def bits_table(dtype: np.dtype) -> np.ndarray:
+    """The float32 value of every bit pattern of the 16-bit ``dtype`` (NumPy's or ml_dtypes'
+    conversion, tabulated once; read-only)."""
+    table = np.arange(1 << 16, dtype=np.uint16).view(dtype).astype(np.float32)
     table.setflags(write=False)
     return table
 

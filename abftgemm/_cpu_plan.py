@@ -16,13 +16,13 @@ same as the ``flag`` primitive's (:func:`abftgemm._cpu.judge`).
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 import numba
 import numpy as np
 
-from abftgemm._cpu import _COL_STEP, _FAST, _lookup, _store_columns, _sum_columns, judge
+from abftgemm._cpu import (_COL_STEP, _FAST, _lookup, _store_columns, _sum_columns, bits_table,
+                           judge)
 
 #: Rows of a 16-bit product converted to float32 at a time (a multiple of the column step; the
 #: block of 64 rows of 4096 float32 values is 1 MiB, cache resident).
@@ -143,14 +143,6 @@ def add_bias(c: Any, bias: Any) -> None:
             row = c[t, i]
             for j in range(row.shape[0]):
                 row[j] += bias[j]
-
-
-@lru_cache(maxsize=2)
-def bits_table(dtype: np.dtype) -> np.ndarray:
-    """The float32 value of every bit pattern of the 16-bit ``dtype`` (read-only, tabulated once)."""
-    table = np.arange(1 << 16, dtype=np.uint16).view(dtype).astype(np.float32)
-    table.setflags(write=False)
-    return table
 
 
 class CpuWorkspace:

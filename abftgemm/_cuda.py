@@ -330,7 +330,7 @@ class CupyBackend:
         """Kernel ``name`` of reduce.cu on this device (compiled on first use, then cached)."""
         kernel = self._kernels.get(name)
         if kernel is None:
-            kernel = self._kernels[name] = _reduce_module().get_function(name)
+            kernel = self._kernels[name] = raw_module(kernels.REDUCE_FILE).get_function(name)
         return kernel
 
 
@@ -384,12 +384,13 @@ def _plain_math(handle: int):
 
 
 @functools.cache
-def _reduce_module() -> cupy.RawModule:
-    """The RawModule of reduce.cu; CuPy compiles it lazily and caches it per device."""
+def raw_module(filename: str) -> cupy.RawModule:
+    """The RawModule of ``filename`` (a key of :data:`abftgemm.kernels.MODULES`); CuPy compiles
+    it lazily and caches it per device."""
     return cupy.RawModule(
-        code=kernels.source(kernels.REDUCE_FILE),
+        code=kernels.source(filename),
         options=kernels.NVRTC_OPTIONS,
-        name_expressions=kernels.MODULES[kernels.REDUCE_FILE],
+        name_expressions=kernels.MODULES[filename],
     )
 
 

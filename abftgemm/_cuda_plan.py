@@ -14,7 +14,6 @@ product).
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import cupy
@@ -23,7 +22,7 @@ import numpy
 from cupy_backends.cuda.libs import cublas
 
 from abftgemm import kernels
-from abftgemm._cuda import _bits, _cdiv, _matrices, strided_batched
+from abftgemm._cuda import _bits, _cdiv, _matrices, raw_module, strided_batched
 
 _THREADS = 256  # PLAN_THREADS in plan.cu
 _SLAB = 32  # SLAB in plan.cu
@@ -176,14 +175,4 @@ def _chunks(blocks: int, rows: int, sms: int) -> tuple[int, int]:
 
 
 def _kernel(name: str) -> cupy.RawKernel:
-    return _plan_module().get_function(name)
-
-
-@functools.cache
-def _plan_module() -> cupy.RawModule:
-    """The RawModule of plan.cu; CuPy compiles it lazily and caches it per device."""
-    return cupy.RawModule(
-        code=kernels.source(kernels.PLAN_FILE),
-        options=kernels.NVRTC_OPTIONS,
-        name_expressions=kernels.MODULES[kernels.PLAN_FILE],
-    )
+    return raw_module(kernels.PLAN_FILE).get_function(name)

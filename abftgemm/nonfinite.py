@@ -43,7 +43,7 @@ import numpy as np
 from abftgemm.backend import Backend, to_host
 from abftgemm.locate import Verdict, cell_pattern
 from abftgemm.operands import Operands, item
-from abftgemm.repair import product_cols, product_rows
+from abftgemm.repair import product_cells
 from abftgemm.report import Event, Report, UncorrectableError
 from abftgemm.thresholds import element_tolerance, growth_margin, overflow_limits
 
@@ -196,15 +196,7 @@ def _recompute_cells(be: Backend, one: Operands, c: Any, rows: np.ndarray, cols:
     xp = one.xp
     fi, fj = faulty.nonzero()
     cell_rows, cell_cols = rows[fi], cols[fj]
-    unique_rows, row_of = np.unique(cell_rows, return_inverse=True)
-    unique_cols, col_of = np.unique(cell_cols, return_inverse=True)
-    if len(unique_rows) * one.n <= one.m * len(unique_cols):
-        part = product_rows(be, one, xp.asarray(unique_rows))
-        values = part[xp.asarray(row_of), xp.asarray(cell_cols)]
-    else:
-        part = product_cols(be, one, xp.asarray(unique_cols))
-        values = part[xp.asarray(cell_rows), xp.asarray(col_of)]
-    c[xp.asarray(cell_rows), xp.asarray(cell_cols)] = values
+    c[xp.asarray(cell_rows), xp.asarray(cell_cols)] = product_cells(be, one, cell_rows, cell_cols)
 
 
 def _cells(rows: np.ndarray, cols: np.ndarray, mask: np.ndarray) -> list[tuple[int, int]]:

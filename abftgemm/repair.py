@@ -106,14 +106,7 @@ def _rebuilt_as_recomputed(be: Backend, one: Operands, c: Any, diagnosis: Diagno
     xp = one.xp
     rows = np.array([i for i, _ in diagnosis.cells])
     cols = np.array([j for _, j in diagnosis.cells])
-    unique_rows, row_of = np.unique(rows, return_inverse=True)
-    unique_cols, col_of = np.unique(cols, return_inverse=True)
-    if len(unique_rows) * one.n <= one.m * len(unique_cols):
-        part = product_rows(be, one, xp.asarray(unique_rows))
-        recomputed = part[xp.asarray(row_of), xp.asarray(cols)]
-    else:
-        part = product_cols(be, one, xp.asarray(unique_cols))
-        recomputed = part[xp.asarray(rows), xp.asarray(col_of)]
+    recomputed = product_cells(be, one, rows, cols)
     rebuilt = c[xp.asarray(rows), xp.asarray(cols)]
     side, vectors = (fresh.cols, cols) if diagnosis.direction == "cols" else (fresh.rows, rows)
     size = to_host(side.pred[0, :, 2])[vectors]  # predicted sum |A||B| of each cell's vector
@@ -124,6 +117,19 @@ def _rebuilt_as_recomputed(be: Backend, one: Operands, c: Any, diagnosis: Diagno
     with np.errstate(invalid="ignore"):  # INF - INF: not confirmed
         gap = np.abs(to_host(rebuilt).astype(np.float64) - to_host(recomputed).astype(np.float64))
     return bool((gap <= tolerance).all())
+
+
+def product_cells(be: Backend, one: Operands, rows: np.ndarray, cols: np.ndarray) -> Any:
+    """Elements ``(rows[t], cols[t])`` of the product, recomputed with the backend's GEMM on the
+    cheaper of their rows or their columns; a 1-D array in ``one``'s array module."""
+    xp = one.xp
+    unique_rows, row_of = np.unique(rows, return_inverse=True)
+    unique_cols, col_of = np.unique(cols, return_inverse=True)
+    if len(unique_rows) * one.n <= one.m * len(unique_cols):
+        part = product_rows(be, one, xp.asarray(unique_rows))
+        return part[xp.asarray(row_of), xp.asarray(cols)]
+    part = product_cols(be, one, xp.asarray(unique_cols))
+    return part[xp.asarray(rows), xp.asarray(col_of)]
 
 
 def product_rows(be: Backend, one: Operands, rows: Any) -> Any:

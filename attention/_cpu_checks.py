@@ -1,10 +1,10 @@
-"""CPU (numba) implementations of the softmax invariant checks of :mod:`attention.softmax`.
+"""CPU (numba) softmax-backward invariant check of :mod:`attention.softmax`, row by row.
 
-The same invariants, tolerances and NaN behaviour as the array-module versions there (which the
-GPU runs), computed row by row in one pass and in float64: with NumPy the checks were ~20 array
-operations over ``(batch*heads, seq, seq)``, each a full pass with a temporary (16 ms against
-2 ms for the softmax itself at 16x256x256 float32). Summing in float64 only makes the computed
-side more exact; the tolerances, set for the layer's accumulation dtype, are unchanged.
+The same invariants, tolerances and NaN behaviour as the GPU kernel (attention/kernels/softmax.cu),
+computed in one pass per row and in float64 (summing in float64 only makes the computed side
+more exact; the tolerances, set for the layer's accumulation dtype, are unchanged).
+:func:`backward_row` is also what the fused backward kernel of :mod:`attention._cpu_softmax`
+runs on each row it produces.
 """
 from __future__ import annotations
 
@@ -24,49 +24,6 @@ def _worse(worst: float, value: float) -> float:
 
 
 @numba.njit(cache=True)
-def forward_errors(p: Any, z: Any, visible: Any, floor: float) -> tuple[float, float, float]:
-    """``(worst row-sum error, worst log-identity error, largest |z| the identity used)``.
-
-    ``p``, ``z``: ``(rows, L)`` float arrays; ``visible``: ``(rows, L)`` bool, or None for all
-    visible. See :func:`attention.softmax.check_forward` for the invariants.
-    """
-    worst_row = 0.0
-    worst_log = 0.0
-    z_max = 0.0
-    for i in range(p.shape[0]):
-        pi, zi = p[i], z[i]
-        finite = True
-        any_visible = visible is None
-        top = -math.inf
-        arg = 0
-        total = 0.0
-        for j in range(pi.shape[0]):
-            shown = visible is None or visible[i, j]
-            if shown:
-                any_visible = True
-                if not math.isfinite(zi[j]):
-                    finite = False
-            v = np.float64(pi[j])
-            total += v
-            if v > top or (v != v and top == top):  # first maximum; a NaN is the maximum
-                top, arg = v, j
-        if not finite:
-            continue
-        worst_row = _worse(worst_row, abs(total - (1.0 if any_visible else 0.0)))
-        if top != top:
-            continue  # a NaN in P: the row-sum error is NaN already
-        log_top = math.log(top) if top > 0 else 0.0
-        z_top = np.float64(zi[arg])
-        for j in range(pi.shape[0]):
-            v = np.float64(pi[j])
-            if v > floor * top and (visible is None or visible[i, j]):
-                zj = np.float64(zi[j])
-                worst_log = _worse(worst_log, abs(math.log(v) - log_top - (zj - z_top)))
-                z_max = _worse(z_max, abs(zj))
-    return worst_row, worst_log, z_max
-
-
-@numba.njit(cache=True)
 def backward_ratio(ds: Any, dp: Any, p: Any, u: float, tiny: float) -> tuple[float, float, float]:
     """``(worst error/tolerance ratio, that row's plain error, its plain tolerance)``.
 
@@ -76,32 +33,39 @@ def backward_ratio(ds: Any, dp: Any, p: Any, u: float, tiny: float) -> tuple[flo
     holds INF/NaN, or overflows the check's own arithmetic, and plain math's dS passes through
     (a worst ratio of -1: no row was judged).
     """
-    worst, worst_err, worst_tol = -1.0, 0.0, 0.0
+    result = np.array([-1.0, 0.0, 0.0])
     for i in range(ds.shape[0]):
-        r = sum_p = sum_ds = abs_terms = abs_ds = second = ds_dp = abs_ds_dp = 0.0
-        for j in range(ds.shape[1]):
-            pj, dpj, dsj = np.float64(p[i, j]), np.float64(dp[i, j]), np.float64(ds[i, j])
-            term = pj * dpj
-            r += term
-            sum_p += pj
-            sum_ds += dsj
-            abs_terms += abs(term)
-            abs_ds += abs(dsj)
-            second += term * dpj
-            ds_dp += dsj * dpj
-            abs_ds_dp += abs(dsj * dpj)
-        if not (math.isfinite(sum_p) and math.isfinite(abs_terms) and math.isfinite(second)):
-            continue
-        plain_err = abs(sum_ds - r * (1 - sum_p))
-        plain_tol = u * (abs_terms + abs_ds + abs(r)) + tiny
-        weighted_err = abs(ds_dp - (second - r * r))
-        weighted_tol = u * (abs(second) + r * r + abs_ds_dp) + tiny
-        ratio = _worse(plain_err / plain_tol, weighted_err / weighted_tol)
-        if not math.isfinite(ratio):
-            ratio = math.inf
-        if ratio > worst:
-            worst, worst_err, worst_tol = ratio, plain_err, plain_tol
-    return worst, worst_err, worst_tol
+        backward_row(ds[i], dp[i], p[i], u, tiny, result)
+    return result[0], result[1], result[2]
+
+
+@numba.njit(cache=True, inline="always")
+def backward_row(ds: Any, dp: Any, p: Any, u: float, tiny: float, result: Any) -> None:
+    """One row of :func:`backward_ratio`, folded into ``result`` ``[worst ratio, its plain
+    error, its plain tolerance]``; ``r = sum P dP`` recomputed here in float64."""
+    r = sum_p = sum_ds = abs_terms = abs_ds = second = ds_dp = abs_ds_dp = 0.0
+    for j in range(ds.shape[0]):
+        pj, dpj, dsj = np.float64(p[j]), np.float64(dp[j]), np.float64(ds[j])
+        term = pj * dpj
+        r += term
+        sum_p += pj
+        sum_ds += dsj
+        abs_terms += abs(term)
+        abs_ds += abs(dsj)
+        second += term * dpj
+        ds_dp += dsj * dpj
+        abs_ds_dp += abs(dsj * dpj)
+    if not (math.isfinite(sum_p) and math.isfinite(abs_terms) and math.isfinite(second)):
+        return
+    plain_err = abs(sum_ds - r * (1 - sum_p))
+    plain_tol = u * (abs_terms + abs_ds + abs(r)) + tiny
+    weighted_err = abs(ds_dp - (second - r * r))
+    weighted_tol = u * (abs(second) + r * r + abs_ds_dp) + tiny
+    ratio = _worse(plain_err / plain_tol, weighted_err / weighted_tol)
+    if not math.isfinite(ratio):
+        ratio = math.inf
+    if ratio > result[0]:
+        result[0], result[1], result[2] = ratio, plain_err, plain_tol
 
 
 def rows(x: Any, dtype: np.dtype | None = None) -> np.ndarray:

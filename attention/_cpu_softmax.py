@@ -21,7 +21,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from attention._cpu_checks import _worse
+from attention._cpu_checks import _worse, backward_row
 
 
 @numba.njit(cache=True, inline="always")
@@ -114,9 +114,9 @@ def check_forward(probs: Any, scores: Any, scale: Any, key_visible: Any, has_key
 def _check_row(p: Any, s: Any, sc: Any, am: Any, has_attn: bool, key_visible: Any,
                has_keys: bool, batch: int, causal: bool, i: int, floor: float,
                errors: Any) -> None:
-    """Fold one row's invariant errors into ``errors`` (see
-    :func:`attention._cpu_checks.forward_errors`): z is recomputed from the raw scores, not
-    taken from the softmax's own arithmetic."""
+    """Fold one row's invariant errors into ``errors`` (the forward check of
+    :func:`check_forward`): z is recomputed from the raw scores, not taken from
+    the softmax's own arithmetic."""
     finite = True
     any_visible = False
     top = -math.inf
@@ -186,35 +186,8 @@ def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds
             for j in range(sk):
                 out[j] = pr[j] * (dpr[j] - r)
             if check:
-                _check_backward_row(out, dpr, pr, u, tiny, result)
+                backward_row(out, dpr, pr, u, tiny, result)
                 for j in range(sk):
                     out[j] = out[j] * sc
 
 
-@numba.njit(cache=True, inline="always")
-def _check_backward_row(ds: Any, dp: Any, p: Any, u: float, tiny: float, result: Any) -> None:
-    """One row of :func:`attention._cpu_checks.backward_ratio`, folded into ``result``; ``r``
-    recomputed here in float64."""
-    r = sum_p = sum_ds = abs_terms = abs_ds = second = ds_dp = abs_ds_dp = 0.0
-    for j in range(ds.shape[0]):
-        pj, dpj, dsj = np.float64(p[j]), np.float64(dp[j]), np.float64(ds[j])
-        term = pj * dpj
-        r += term
-        sum_p += pj
-        sum_ds += dsj
-        abs_terms += abs(term)
-        abs_ds += abs(dsj)
-        second += term * dpj
-        ds_dp += dsj * dpj
-        abs_ds_dp += abs(dsj * dpj)
-    if not (math.isfinite(sum_p) and math.isfinite(abs_terms) and math.isfinite(second)):
-        return
-    plain_err = abs(sum_ds - r * (1 - sum_p))
-    plain_tol = u * (abs_terms + abs_ds + abs(r)) + tiny
-    weighted_err = abs(ds_dp - (second - r * r))
-    weighted_tol = u * (abs(second) + r * r + abs_ds_dp) + tiny
-    ratio = _worse(plain_err / plain_tol, weighted_err / weighted_tol)
-    if not math.isfinite(ratio):
-        ratio = math.inf
-    if ratio > result[0]:
-        result[0], result[1], result[2] = ratio, plain_err, plain_tol
