@@ -68,6 +68,7 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
     """
     bh, sq, sk = scores.shape
     sc = scale[0]
+    inv_sk = 1.0 / sk  # location weights (j+1)/sk within 2 ulp: divisions were the loop's cost
     for t in range(bh):
         batch = t // heads
         am = attn_add[min(t, attn_add.shape[0] - 1)]
@@ -79,7 +80,7 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
             for j in range(sk):
                 v = np.float64(row[j])
                 s0 += v
-                s1 += (j + 1) / sk * v
+                s1 += (j + 1) * inv_sk * v
                 s2 += abs(v)
                 if not math.isfinite(v):
                     count += 1
@@ -103,8 +104,9 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
                 total += out[j]
             if total == 0:
                 total = 1.0
+            inv_total = 1.0 / total
             for j in range(sk):
-                out[j] = out[j] / total
+                out[j] = out[j] * inv_total
             if check:
                 _check_row(out, row, sc, am, has_attn, key_visible, has_keys, batch, causal, i,
                            floor, errors)
@@ -180,6 +182,7 @@ def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds
     """
     sc = scale[0]
     rows, sq, sk = dp.shape
+    inv_sk = 1.0 / sk
     for t in range(rows):
         for i in range(sq):
             dpr, pr, out = dp[t, i], p[t, i], ds[t, i]
@@ -189,7 +192,7 @@ def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds
             for j in range(sk):
                 v = np.float64(dpr[j])
                 s0 += v
-                s1 += (j + 1) / sk * v
+                s1 += (j + 1) * inv_sk * v
                 s2 += abs(v)
                 if not math.isfinite(v):
                     count += 1
