@@ -43,7 +43,9 @@ class Counters:
     Attributes
     ----------
     launches : int
-        Kernel launches (the GEMM counts as one; on the CPU each compiled kernel call counts).
+        Kernel launches: the GEMM counts as one (on the CPU including the float32 copies a 16-bit
+        product needs, as the unprotected product makes them too), adding a bias as one more,
+        and each verification kernel as one.
     allocations : int
         Arrays allocated by the plan (workspaces at planning; an output when ``out`` is not given).
     syncs : int
@@ -81,9 +83,9 @@ class ProtectedMatmul:
 
     Examples
     --------
-    >>> with ProtectedMatmul(x, w, constant_a=False) as plan:      # doctest: +SKIP
-    ...     for batch in batches:
-    ...         y = plan.execute(batch, w)
+    >>> with ProtectedMatmul(w, x, constant_a=True) as plan:       # doctest: +SKIP
+    ...     for x in batches:                    # w @ x for many x: w's encoding made once
+    ...         y = plan.execute(w, x)
     ...         report = plan.settle()
     """
 

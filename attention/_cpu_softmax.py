@@ -68,7 +68,7 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
     """
     bh, sq, sk = scores.shape
     sc = scale[0]
-    inv_sk = 1.0 / sk  # location weights (j+1)/sk within 2 ulp: divisions were the loop's cost
+    inv_sk = 1.0 / max(sk, 1)  # location weights (j+1)/sk within 2 ulp: divisions cost most
     for t in range(bh):
         batch = t // heads
         am = attn_add[min(t, attn_add.shape[0] - 1)]
@@ -182,7 +182,7 @@ def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds
     """
     sc = scale[0]
     rows, sq, sk = dp.shape
-    inv_sk = 1.0 / sk
+    inv_sk = 1.0 / max(sk, 1)
     for t in range(rows):
         for i in range(sq):
             dpr, pr, out = dp[t, i], p[t, i], ds[t, i]
