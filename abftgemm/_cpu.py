@@ -310,18 +310,22 @@ def _kernel_view(x: np.ndarray) -> np.ndarray:
     return x if x.dtype in (np.float32, np.float64) else _as_float32(x)
 
 
-def _as_float32(x: np.ndarray) -> np.ndarray:
-    """16-bit data as a new float32 array, exactly as ``x.astype(np.float32)``.
+def _as_float32(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """16-bit data as float32, exactly as ``x.astype(np.float32)``, in ``out`` (a new array when
+    None) and returned.
 
-    float16 goes through a table of all 65536 bit patterns: NumPy's own float16 conversion runs
-    a scalar loop (380 us for 512x512 here, against 58 us for the lookup). bfloat16 (ml_dtypes)
-    converts fast already.
+    The conversion goes through a table of all 65536 bit patterns: NumPy's own float16
+    conversion runs a scalar loop (380 us for 512x512 here, against 58 us for the lookup).
+    Without ``out`` a non-contiguous ``x`` is copied first; with it (a plan's workspace, which
+    must not allocate) it is converted in place by NumPy.
     """
-    if x.dtype != np.float16:
-        return x.astype(np.float32)
-    out = np.empty(x.shape, dtype=np.float32)
-    _lookup(np.ascontiguousarray(x).view(np.uint16).reshape(-1), bits_table(x.dtype),
-            out.reshape(-1))
+    if out is None:
+        out = np.empty(x.shape, dtype=np.float32)
+        x = np.ascontiguousarray(x)
+    if x.flags.c_contiguous:
+        _lookup(x.reshape(-1).view(np.uint16), bits_table(x.dtype), out.reshape(-1))
+    else:
+        np.copyto(out, x, casting="unsafe")
     return out
 
 
@@ -340,6 +344,16 @@ def _lookup(bits: Any, table: Any, out: Any) -> None:
         out[i] = table[bits[i]]
 
 
+@numba.njit(cache=True)
+def add_bias(c: Any, bias: Any) -> None:
+    """``c[t, i, :] += bias`` for every row (NumPy's broadcasting ``+=`` allocates a buffer)."""
+    for t in range(c.shape[0]):
+        for i in range(c.shape[1]):
+            row = c[t, i]
+            for j in range(row.shape[0]):
+                row[j] += bias[j]
+
+
 class CpuBackend:
     """NumPy + numba implementation of :class:`abftgemm.backend.Backend`."""
 
@@ -347,23 +361,30 @@ class CpuBackend:
     xp = np
 
     def flag(self, pred: np.ndarray, obs: np.ndarray,
-             coefficients: tuple[float, float, float, float], safe: float, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+             coefficients: tuple[float, float, float, float], safe: float, counts: np.ndarray,
+             out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         shape = pred.shape[:-1]
-        tau, bad, verifiable = np.empty(shape), np.empty(shape, bool), np.empty(shape, bool)
+        tau, bad, verifiable = out if out is not None else (
+            np.empty(shape), np.empty(shape, bool), np.empty(shape, bool))
         _flag(pred.reshape(-1, 5), obs.reshape(-1, 5), *coefficients, safe, tau.reshape(-1),
               bad.reshape(-1), verifiable.reshape(-1), counts)
         return tau, bad, verifiable
 
-    def gemm(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, bias: np.ndarray | None) -> None:
+    def gemm(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, bias: np.ndarray | None,
+             buffers: tuple[np.ndarray, ...] | None = None) -> None:
+        """``out = a @ b (+ bias)`` (see backend.py). 16-bit products accumulate in float32 (as
+        cuBLAS does with compute type 32F) and round once; ``buffers`` ``(a32, b32, c32,
+        bias32)`` are float32 workspaces for that (a plan's; new arrays when None)."""
         if a.dtype in (np.float32, np.float64):
             np.matmul(a, b, out=out)
             if bias is not None:
-                out += bias
+                add_bias(out, bias)
             return
-        # 16-bit: accumulate in float32 (as cuBLAS does with compute type 32F), round once.
-        acc = np.matmul(_as_float32(a), _as_float32(b))
+        a32, b32, c32, bias32 = buffers if buffers is not None else (None,) * 4
+        acc = np.matmul(_as_float32(a, a32), _as_float32(b, b32), out=c32)
         if bias is not None:
-            acc += _as_float32(bias)
+            add_bias(acc, _as_float32(bias, bias32))
         out[...] = acc
 
     def synchronize(self) -> None:

@@ -21,8 +21,8 @@ from typing import Any
 import numba
 import numpy as np
 
-from abftgemm._cpu import (_COL_STEP, _FAST, _lookup, _store_columns, _sum_columns, bits_table,
-                           judge)
+from abftgemm._cpu import (_COL_STEP, _FAST, _as_float32, _store_columns, _sum_columns, backend,
+                           bits_table, judge)
 
 #: Rows of a 16-bit product converted to float32 at a time (a multiple of the column step; the
 #: block of 64 rows of 4096 float32 values is 1 MiB, cache resident).
@@ -135,16 +135,6 @@ def _judge_columns(pred: Any, obs: Any, c_obs: float, c_pred: float, floor: floa
     verdict[1] += n_unverifiable
 
 
-@numba.njit(cache=True)
-def add_bias(c: Any, bias: Any) -> None:
-    """``c[t, i, :] += bias`` for every row (NumPy's broadcasting ``+=`` allocates a buffer)."""
-    for t in range(c.shape[0]):
-        for i in range(c.shape[1]):
-            row = c[t, i]
-            for j in range(row.shape[0]):
-                row[j] += bias[j]
-
-
 class CpuWorkspace:
     """Every array a planned product needs on the CPU, allocated once, and the launches that
     use them. ``counters`` (a :class:`abftgemm.plan.Counters`) counts both."""
@@ -159,9 +149,10 @@ class CpuWorkspace:
             self._table = bits_table(op.dtype)
             self._a32 = self._alloc(op.a.shape, np.float32)
             self._b32 = self._alloc(op.b.shape, np.float32)
-            self._c32 = self._alloc((batch, m, n), np.float32)
-            self._bias32 = self._alloc((n,), np.float32)
-        self._verify = verify_columns
+            self._buffers = (self._a32, self._b32, self._alloc((batch, m, n), np.float32),
+                             self._alloc((n,), np.float32))
+        else:
+            self._buffers = None
         if not verify_columns:
             return
         self._weights = self._alloc((m,), np.float64)
@@ -184,32 +175,14 @@ class CpuWorkspace:
     def gemm(self, op: Any, c: np.ndarray) -> None:
         """``c = op.a @ op.b (+ op.bias)`` without allocating."""
         self._counters.launches += 1 + (op.bias is not None)
-        if not self._wide:
-            np.matmul(op.a, op.b, out=c)
-            if op.bias is not None:
-                add_bias(c, op.bias)
-            return
-        self._upcast(op.a, self._a32)
-        self._upcast(op.b, self._b32)
-        np.matmul(self._a32, self._b32, out=self._c32)
-        if op.bias is not None:
-            self._upcast(op.bias, self._bias32)
-            add_bias(self._c32, self._bias32)
-        c[...] = self._c32
-
-    def _upcast(self, x: np.ndarray, out: np.ndarray) -> None:
-        if x.flags.c_contiguous:
-            _lookup(x.reshape(-1).view(np.uint16), self._table, out.reshape(-1))
-        else:
-            np.copyto(out, x, casting="unsafe")
+        backend().gemm(op.a, op.b, c, op.bias, self._buffers)
 
     # The two verification launches.
     def encode(self, a: np.ndarray) -> None:
         """Column encoding of ``a`` into the workspace now (a constant operand)."""
         self._counters.launches += 1
         if self._wide:
-            self._upcast(a, self._a32)
-            a = self._a32
+            a = _as_float32(a, self._a32)
         self._enc_rows = a.shape[0]
         encode_cols(a, self._weights, self._enc[:self._enc_rows])
 

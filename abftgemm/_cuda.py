@@ -252,19 +252,22 @@ class CupyBackend:
 
     def flag(self, pred: cupy.ndarray, obs: cupy.ndarray,
              coefficients: tuple[float, float, float, float], safe: float,
-             counts: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
+             counts: cupy.ndarray,
+             out: tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray] | None = None,
+             ) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
         """Threshold, flags and counts of every vector in one launch (see reduce.cu abft_flag).
 
         ``safe`` bounds the predicted ``sum |A||B|`` of vectors that cannot overflow; ``counts``
-        is a 2-element int64 array (bad, unverifiable) the kernel adds to.
+        is a 2-element int64 array (bad, unverifiable) the kernel adds to; ``out``: contiguous
+        ``(tau, bad, verifiable)`` arrays to write (new ones otherwise).
         """
         if pred.shape != obs.shape or pred.shape[-1] != 5:
             raise ValueError(f"pred {pred.shape} and obs {obs.shape} must match, (..., 5)")
         pred, obs = cupy.ascontiguousarray(pred), cupy.ascontiguousarray(obs)
         shape = pred.shape[:-1]
-        tau = cupy.empty(shape, dtype=numpy.float64)
-        bad = cupy.empty(shape, dtype=bool)
-        verifiable = cupy.empty(shape, dtype=bool)
+        tau, bad, verifiable = out if out is not None else (
+            cupy.empty(shape, dtype=numpy.float64), cupy.empty(shape, dtype=bool),
+            cupy.empty(shape, dtype=bool))
         n = tau.size
         if n:
             c_obs, c_pred, floor, c_mag = (numpy.float64(c) for c in coefficients)

@@ -41,7 +41,6 @@ class CudaWorkspace:
         cublas.setMathMode(self._handle, cublas.CUBLAS_DEFAULT_MATH)
         self.coefficients = (0.0, 0.0, 0.0, 0.0)
         self.safe = numpy.inf
-        self._verify = verify_columns
         if not verify_columns:
             return
         batch, m, k, n = op.batch, op.m, op.k, op.n

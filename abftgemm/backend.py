@@ -23,7 +23,8 @@ batch dimension is either the full batch or 1 (broadcast):
     otherwise it may have overflowed and is settled element by element), and whether a
     verifiable vector disagrees (either checksum difference above the threshold, non-finite
     observed elements, or an observed ``sum |C|`` above ``c_mag * pred[2] + floor``); adds the
-    numbers of bad and unverifiable vectors to ``counts``.
+    numbers of bad and unverifiable vectors to ``counts``. ``out`` (optional): the three
+    ``(batch, vectors)`` arrays to write, for callers that must not allocate.
 
 Everything else (thresholds, classification, correction) is written once, on top of these, with
 array-module-generic code in :mod:`abftgemm.gemm`.
@@ -51,7 +52,8 @@ class Backend(Protocol):
                     out_row: Any) -> None: ...
 
     def flag(self, pred: Any, obs: Any, coefficients: tuple[float, float, float, float],
-             safe: float, counts: Any) -> tuple[Any, Any, Any]: ...
+             safe: float, counts: Any,
+             out: tuple[Any, Any, Any] | None = None) -> tuple[Any, Any, Any]: ...
 
 
 def is_cupy_array(x: object) -> bool:

@@ -64,11 +64,10 @@ class DeferredRows:
         #: The consumer writes the observed row checksums of the product here, ``(batch, m, 5)``.
         self.observed = self._zeros(xp, (op.batch, op.m, 5))
         self._verdict = self._zeros(xp, (2,), np.int64)
-        # The CPU judge writes its per-row results into workspaces (the backend's ``flag``
-        # allocates them per call).
-        rows = op.batch * op.m
-        self._judged = (self._zeros(xp, (rows,)), self._zeros(xp, (rows,), bool),
-                        self._zeros(xp, (rows,), bool)) if xp is np else None
+        # The judge's per-row threshold, flag and verifiability (written, never read here).
+        rows = (op.batch, op.m)
+        self._judged = (self._zeros(xp, rows), self._zeros(xp, rows, bool),
+                        self._zeros(xp, rows, bool))
         self._pending: tuple[Operands, Any] | None = None
 
     def _zeros(self, xp: Any, shape: tuple[int, ...], dtype: Any = np.float64) -> Any:
@@ -123,13 +122,8 @@ class DeferredRows:
         device)."""
         self.counters.launches += 1
         self._verdict[...] = 0
-        if self._judged is None:
-            self._be.flag(self._pred, self.observed, self._coefficients, self._safe, self._verdict)
-            return
-        from abftgemm._cpu import _flag
-
-        _flag(self._pred.reshape(-1, 5), self.observed.reshape(-1, 5), *self._coefficients,
-              self._safe, *self._judged, self._verdict)
+        self._be.flag(self._pred, self.observed, self._coefficients, self._safe, self._verdict,
+                      out=self._judged)
 
     def flagged(self) -> bool:
         """Whether the judged rows flagged; read it after the caller's synchronization (on the

@@ -40,6 +40,18 @@ def _like_impl(x, v):  # noqa: ANN001 (numba compares signatures)
 
 
 @numba.njit(cache=True, inline="always")
+def _observe(s0: float, s1: float, s2: float, count: int, last: int, x: Any, j: int,
+             inv_sk: float) -> tuple[float, float, float, int, int]:
+    """Element ``j`` of a row folded into its row checksum fields (plain, location-weighted,
+    absolute sums, non-finite count, last non-finite index), in float64."""
+    v = np.float64(x)
+    if not math.isfinite(v):
+        count += 1
+        last = j
+    return s0 + v, s1 + (j + 1) * inv_sk * v, s2 + abs(v), count, last
+
+
+@numba.njit(cache=True, inline="always")
 def _visible(key_visible: Any, has_keys: bool, batch: int, causal: bool, i: int, j: int) -> bool:
     return (not has_keys or key_visible[batch, j]) and (not causal or j <= i)
 
@@ -78,13 +90,7 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
             count, last = 0, -1
             top = -math.inf
             for j in range(sk):
-                v = np.float64(row[j])
-                s0 += v
-                s1 += (j + 1) * inv_sk * v
-                s2 += abs(v)
-                if not math.isfinite(v):
-                    count += 1
-                    last = j
+                s0, s1, s2, count, last = _observe(s0, s1, s2, count, last, row[j], j, inv_sk)
                 z = row[j] * sc
                 if has_attn:
                     z = z + am[i, j]
@@ -190,13 +196,7 @@ def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds
             count, last = 0, -1
             r = 0.0
             for j in range(sk):
-                v = np.float64(dpr[j])
-                s0 += v
-                s1 += (j + 1) * inv_sk * v
-                s2 += abs(v)
-                if not math.isfinite(v):
-                    count += 1
-                    last = j
+                s0, s1, s2, count, last = _observe(s0, s1, s2, count, last, dpr[j], j, inv_sk)
                 r += dpr[j] * pr[j]
             st = stats[t, i]
             st[0], st[1], st[2], st[3], st[4] = s0, s1, s2, count, last

@@ -209,12 +209,11 @@ class _Pass:
         if ok:
             return
         if self.ctx.check == "detect":
-            self.report.events.append(Event(site, 0, "2D", (), (), worst, tol, "reported"))
-            announce(self.report.events[-1])
+            _invariant_finding(self.report, site, worst, tol, "reported", left_in_place=True)
             return
         again = recheck()()
-        self.report.events.append(Event(site, 0, "2D", (), (), worst, tol,
-                                        "recomputed" if again[0] else "reported"))
+        _invariant_finding(self.report, site, worst, tol,
+                           "recomputed" if again[0] else "reported")
         if not again[0]:
             raise UncorrectableError(f"{site}: invariant still violated after recomputation "
                                      f"({again[1]:.3g} > {again[2]:.3g})", self.report)
@@ -234,17 +233,23 @@ class _Pass:
                 item.settle(found)
             else:
                 ok, worst, tol = item()
-                if not ok:
+                if not ok:  # outside detect mode the replay recomputes it
                     detect = self.ctx.check == "detect"
-                    found.events.append(Event(site, 0, "2D", (), (), worst, tol,
-                                              "reported" if detect else "recomputed"))
-                    if detect:
-                        announce(found.events[-1])
+                    _invariant_finding(found, site, worst, tol,
+                                       "reported" if detect else "recomputed", detect)
             self.report.extend(found)
             if origin is None and any(e.action in _REPAIRS for e in found.events):
                 origin = found
         self._pending = []
         return origin
+
+
+def _invariant_finding(report: Report, site: str, worst: float, tol: float, action: str,
+                       left_in_place: bool = False) -> None:
+    """Record a violated softmax invariant; announce it when detect mode leaves it in place."""
+    report.events.append(Event(site, 0, "2D", (), (), worst, tol, action))
+    if left_in_place:
+        announce(report.events[-1])
 
 
 def _plain(xp: Any, a: Any, b: Any, bias: Any | None, out: Any, site: str, hook: Any) -> None:

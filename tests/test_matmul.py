@@ -236,13 +236,13 @@ def test_uncorrectable_raises_with_report(xp):
     def break_(out):  # two errors per vector: checksums cannot rebuild them
         out[..., :2, :2] += 1000
 
-    def broken_gemm(x, y, out, bias):  # a permanently faulty unit: every recomputation is wrong
-        real_gemm(x, y, out, bias)
+    def broken_gemm(x, y, out, bias, *buffers):  # a permanently faulty unit: every
+        real_gemm(x, y, out, bias, *buffers)       # recomputation is wrong
         break_(out)
     be.gemm = broken_gemm
-    try:
+    try:  # and the product itself (the GPU plan calls cuBLAS on its own handle)
         with pytest.raises(abftgemm.UncorrectableError) as info:
-            abftgemm.matmul(a, b, fault_hook=lambda site, c: break_(c))  # and the product itself
+            abftgemm.matmul(a, b, fault_hook=lambda site, c: break_(c))
     finally:
         del be.gemm
     assert info.value.report.detected

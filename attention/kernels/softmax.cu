@@ -235,14 +235,9 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
                 if (v < s.chunks) buf[k] = load_vec(row, s.first(v), true);
             }
         }
-        // Calls f(l, x) for every element of this lane's share of the raw row.
-        auto each = [&](auto f) {
-            if (s.has_head()) f(s.head_l(), hx);
-            auto vec = [&](const uint4& bits, int l0) {
-                const T* x = reinterpret_cast<const T*>(&bits);
-                #pragma unroll
-                for (int j = 0; j < V; ++j) f(l0 + j, x[j]);
-            };
+        // Calls vec(bits, l0) for every 16-byte vector of this lane's share of the raw row,
+        // from the registers when the row is cached there, else from memory.
+        auto each_vec = [&](auto vec) {
             if (cached) {
                 #pragma unroll
                 for (int k = 0; k < CACHE; ++k) {
@@ -253,6 +248,16 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
                 for (int v = lane; v < s.chunks; v += 32)
                     vec(load_vec(row, s.first(v), true), s.first(v));
             }
+        };
+        // Calls f(l, x) for every element of this lane's share of the raw row.
+        auto each = [&](auto f) {
+            if (s.has_head()) f(s.head_l(), hx);
+            auto vec = [&](const uint4& bits, int l0) {
+                const T* x = reinterpret_cast<const T*>(&bits);
+                #pragma unroll
+                for (int j = 0; j < V; ++j) f(l0 + j, x[j]);
+            };
+            each_vec(vec);
             if (s.has_tail()) f(s.tail_l(), tx);
         };
         // Calls g(l0, n, x) per piece (n = 1 or V elements x) and stores what it returns into P.
@@ -264,16 +269,7 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
             auto vec = [&](const uint4& bits, int l0) {
                 store_vec(out, l0, wide, g(l0, V, reinterpret_cast<const T*>(&bits)));
             };
-            if (cached) {
-                #pragma unroll
-                for (int k = 0; k < CACHE; ++k) {
-                    const int v = lane + 32 * k;
-                    if (v < s.chunks) vec(buf[k], s.first(v));
-                }
-            } else {
-                for (int v = lane; v < s.chunks; v += 32)
-                    vec(load_vec(row, s.first(v), true), s.first(v));
-            }
+            each_vec(vec);
             if (s.has_tail()) {
                 const uint4 o = g(s.tail_l(), 1, &tx);
                 out[s.tail_l()] = reinterpret_cast<const T*>(&o)[0];
