@@ -21,8 +21,8 @@ from typing import Any
 import numba
 import numpy as np
 
-from abftgemm._cpu import (_COL_STEP, _FAST, _as_float32, _store_columns, _sum_columns, backend,
-                           bits_table, judge)
+from abftgemm._cpu import (_COL_STEP, _FAST, _as_float32, _store_columns, _sum_columns, _sum_rows,
+                           backend, bits_table, judge)
 
 #: Rows of a 16-bit product converted to float32 at a time (a multiple of the column step; the
 #: block of 64 rows of 4096 float32 values is 1 MiB, cache resident).
@@ -30,20 +30,23 @@ _BITS_BLOCK = 8 * _COL_STEP
 
 
 @numba.njit(cache=True, fastmath=_FAST)
-def predict_cols(a: Any, b: Any, bias: Any, encode_a: bool, weights_m: Any, enc: Any, p: Any,
-                 pred: Any) -> None:
+def predict_cols(a: Any, b: Any, b_transposed: bool, bias: Any, encode_a: bool, weights_m: Any,
+                 enc: Any, p: Any, b_rows: Any, pred: Any) -> None:
     """Predicted column checksums of every batch item of ``a @ b (+ bias)``.
 
     Parameters
     ----------
     a : (batch or 1, m, k) float32/float64
-    b : (batch or 1, k, n) float32/float64
+    b : (batch or 1, k, n) float32/float64, or with ``b_transposed`` its transpose
+        (batch or 1, n, k), read along its rows (a column-major ``B``, such as PyTorch's
+        ``x @ W.T``, read down its columns at memory speed instead of across them)
     bias : (n,) float64, or (0,) for none
     encode_a : bool
         Compute ``enc`` from ``a`` (False: ``enc`` holds an encoding handed in or kept constant).
     weights_m : (m,) float64 location weights
     enc : (batch or 1, 3, k) float64 workspace: the column encoding of ``a``
     p : (3, n) float64 workspace
+    b_rows : (n, 5) float64 workspace (used with ``b_transposed``)
     pred : (batch, 3, n) float64 output: ``[plain, weighted, sum |A||B|]`` per column
     """
     m = a.shape[1]
@@ -52,8 +55,13 @@ def predict_cols(a: Any, b: Any, bias: Any, encode_a: bool, weights_m: Any, enc:
     mean_weight = (m + 1) / 2 / max(m, 1)
     for t in range(pred.shape[0]):
         p[:] = 0.0
-        bt = b[min(t, b.shape[0] - 1)]
-        _sum_columns(bt, enc[min(t, enc.shape[0] - 1)], 0, bt.shape[0], p)
+        bt, et = b[min(t, b.shape[0] - 1)], enc[min(t, enc.shape[0] - 1)]
+        if b_transposed:
+            _sum_rows(bt, et, 0, bt.shape[0], b_rows)
+            for j in range(bt.shape[0]):
+                p[0, j], p[1, j], p[2, j] = b_rows[j, 0], b_rows[j, 1], b_rows[j, 2]
+        else:
+            _sum_columns(bt, et, 0, bt.shape[0], p)
         for j in range(bias.shape[0]):
             pred_bias = bias[j] * m
             p[0, j] += pred_bias
@@ -161,6 +169,7 @@ class CpuWorkspace:
         self._enc = self._alloc((max(op.a.shape[0], 1), 3, k), np.float64)
         self._enc_rows = op.a.shape[0]
         self._p = self._alloc((3, n), np.float64)
+        self._b_rows = self._alloc((n, 5), np.float64)
         self._pred = self._alloc((batch, 3, n), np.float64)
         self._obs = self._alloc((batch, n, 5), np.float64)
         self._verdict = self._alloc((batch, 2), np.int64)
@@ -200,8 +209,10 @@ class CpuWorkspace:
             self._enc_rows = op.a.shape[0]
         a = self._a32 if self._wide else op.a
         b = self._b32 if self._wide else op.b
-        predict_cols(a, b, self._bias64, encode_a, self._weights, self._enc[:self._enc_rows],
-                     self._p, self._pred)
+        bt = b.transpose(0, 2, 1)
+        transposed = not b.flags.c_contiguous and bt.flags.c_contiguous
+        predict_cols(a, bt if transposed else b, transposed, self._bias64, encode_a,
+                     self._weights, self._enc[:self._enc_rows], self._p, self._b_rows, self._pred)
 
     def observe_flag(self, c: np.ndarray) -> None:
         """Observe and judge the product's columns (launch 2)."""

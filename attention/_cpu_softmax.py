@@ -23,6 +23,9 @@ from numba.extending import overload
 import numpy as np
 
 from attention._cpu_checks import _worse, backward_row
+from attention._cpu_vmath import exp_like, log_f64, max_nonnegative
+
+_FAST = {"reassoc", "contract"}  # reordered sums; no assumption about NaN or infinity
 
 
 def _like(x: Any, v: float) -> Any:
@@ -51,12 +54,7 @@ def _observe(s0: float, s1: float, s2: float, count: int, last: int, x: Any, j: 
     return s0 + v, s1 + (j + 1) * inv_sk * v, s2 + abs(v), count, last
 
 
-@numba.njit(cache=True, inline="always")
-def _visible(key_visible: Any, has_keys: bool, batch: int, causal: bool, i: int, j: int) -> bool:
-    return (not has_keys or key_visible[batch, j]) and (not causal or j <= i)
-
-
-@numba.njit(cache=True)
+@numba.njit(cache=True, fastmath=_FAST)
 def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add: Any,
             has_attn: bool, causal: bool, heads: int, check: bool, floor: float, probs: Any,
             stats: Any, errors: Any) -> None:
@@ -68,8 +66,8 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
     scores : (batch*heads, seq_q, seq_k) float32/float64, raw ``Q_h K_h^T``
     scale : (1,) array of the scores' dtype (``1/sqrt(head_dim)``)
     key_visible : (batch, seq_k) bool, True = the key may be attended (ignored unless has_keys)
-    attn_add : (1 or batch*heads, seq_q, seq_k) float64 added to the scaled scores (-inf: not
-        allowed; ignored unless has_attn)
+    attn_add : (1 or batch*heads, 1 or seq_q, seq_k) float64 added to the scaled scores (-inf:
+        not allowed; ignored unless has_attn)
     causal : bool
         Key ``j`` is hidden from query ``i`` when ``j > i``.
     probs : (batch*heads, seq_q, seq_k), dtype of ``scores``: output
@@ -79,43 +77,27 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
         are folded into it (start from zeros)
     """
     bh, sq, sk = scores.shape
-    sc = scale[0]
-    inv_sk = 1.0 / max(sk, 1)  # location weights (j+1)/sk within 2 ulp: divisions cost most
+    weights, scratch = _row_workspace(sk)
     for t in range(bh):
-        batch = t // heads
         am = attn_add[min(t, attn_add.shape[0] - 1)]
+        keys = key_visible[min(t // heads, key_visible.shape[0] - 1)]
         for i in range(sq):
-            row, out = scores[t, i], probs[t, i]
-            s0 = s1 = s2 = 0.0
-            count, last = 0, -1
-            top = -math.inf
-            for j in range(sk):
-                s0, s1, s2, count, last = _observe(s0, s1, s2, count, last, row[j], j, inv_sk)
-                z = row[j] * sc
-                if has_attn:
-                    z = z + am[i, j]
-                if _visible(key_visible, has_keys, batch, causal, i, j) and z != -math.inf:
-                    out[j] = z
-                    if z > top:
-                        top = z
-                else:
-                    out[j] = -math.inf
-            st = stats[t, i]
-            st[0], st[1], st[2], st[3], st[4] = s0, s1, s2, count, last
-            if top == -math.inf:
-                top = 0.0  # no visible key: exp(-inf) = 0 everywhere
-            total = 0.0
-            for j in range(sk):
-                out[j] = math.exp(_like(sc, out[j] - top))  # expf for 16/32-bit layers
-                total += out[j]
-            if total == 0:
-                total = 1.0
-            inv_total = 1.0 / total
-            for j in range(sk):
-                out[j] = out[j] * inv_total
+            row, out, st = scores[t, i], probs[t, i], stats[t, i]
+            _observe_row(row, weights, st)
+            visible = min(i + 1, sk) if causal else sk
+            add = am[min(i, am.shape[0] - 1)]
+            # one compiled row per mask combination: the loops test no flag per element
+            if has_attn and has_keys:
+                _softmax_row(row, scale[0], add, True, keys, True, visible, out)
+            elif has_attn:
+                _softmax_row(row, scale[0], add, True, keys, False, visible, out)
+            elif has_keys:
+                _softmax_row(row, scale[0], add, False, keys, True, visible, out)
+            else:
+                _softmax_row(row, scale[0], add, False, keys, False, visible, out)
             if check:
-                _check_row(out, row, sc, am, has_attn, key_visible, has_keys, batch, causal, i,
-                           floor, errors)
+                _check_row(out, row, scale[0], add, has_attn, keys, has_keys, visible, floor,
+                           scratch, errors)
 
 
 @numba.njit(cache=True)
@@ -124,51 +106,130 @@ def check_forward(probs: Any, scores: Any, scale: Any, key_visible: Any, has_key
                   errors: Any) -> None:
     """The invariant check of :func:`forward` alone (``probs`` as delivered, any float dtype
     numba reads: float32/float64)."""
-    bh, sq, _ = scores.shape
+    bh, sq, sk = scores.shape
+    _, scratch = _row_workspace(sk)
     for t in range(bh):
         am = attn_add[min(t, attn_add.shape[0] - 1)]
+        keys = key_visible[min(t // heads, key_visible.shape[0] - 1)]
         for i in range(sq):
-            _check_row(probs[t, i], scores[t, i], scale[0], am, has_attn, key_visible, has_keys,
-                       t // heads, causal, i, floor, errors)
+            _check_row(probs[t, i], scores[t, i], scale[0], am[min(i, am.shape[0] - 1)],
+                       has_attn, keys, has_keys, min(i + 1, sk) if causal else sk, floor,
+                       scratch, errors)
 
 
-@numba.njit(cache=True, inline="always")
-def _check_row(p: Any, s: Any, sc: Any, am: Any, has_attn: bool, key_visible: Any,
-               has_keys: bool, batch: int, causal: bool, i: int, floor: float,
-               errors: Any) -> None:
-    """Fold one row's invariant errors into ``errors`` (the forward check of
-    :func:`check_forward`): z is recomputed from the raw scores, not taken from
-    the softmax's own arithmetic."""
-    finite = True
-    any_visible = False
-    top = -math.inf
-    arg = 0
+@numba.njit(cache=True)
+def _row_workspace(sk: int) -> tuple[Any, Any]:
+    """Location weights ``(j+1)/seq_k`` and a (2, seq_k) float64 scratch for the check."""
+    weights = (np.arange(sk) + 1.0) * (1.0 / max(sk, 1))  # within 2 ulp of (j+1)/sk
+    return weights, np.empty((2, sk))
+
+
+@numba.njit(cache=True, fastmath=_FAST, inline="always")
+def _observe_row(row: Any, weights: Any, st: Any) -> None:
+    """A raw row's checksum fields into ``st`` (see :func:`forward`); the non-finite elements
+    are counted only when a sum is not finite."""
+    s0 = s1 = s2 = 0.0
+    for j in range(row.shape[0]):
+        v = np.float64(row[j])
+        s0 += v
+        s1 += weights[j] * v
+        s2 += abs(v)
+    st[0], st[1], st[2], st[3], st[4] = s0, s1, s2, 0.0, -1.0
+    if not (math.isfinite(s0) and math.isfinite(s1) and math.isfinite(s2)):
+        count, last = 0, -1
+        for j in range(row.shape[0]):
+            if not math.isfinite(row[j]):
+                count += 1
+                last = j
+        st[3], st[4] = count, last
+
+
+@numba.njit(cache=True, fastmath=_FAST, inline="always")
+def _softmax_row(row: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has_keys: bool,
+                 visible: int, out: Any) -> None:
+    """One masked softmax row into ``out``: keys ``j < visible`` (and ``keys[j]``) are seen."""
+    ninf = _like(sc, -math.inf)
+    top = ninf
+    nan = False
+    for j in range(row.shape[0]):
+        z = row[j] * sc
+        if has_attn:
+            z = z + add[j]
+        seen = (j < visible) & (z != ninf)
+        if has_keys:
+            seen = seen & keys[j]
+        z = z if seen else ninf
+        out[j] = z
+        top = z if z > top else top
+        nan |= z != z
+    if top == ninf:
+        top = _like(sc, 0.0)  # no visible key: exp(-inf) = 0 everywhere
     total = 0.0
+    if nan or not math.isfinite(top):  # NaN or +inf: the exact scalar path propagates them
+        for j in range(row.shape[0]):
+            out[j] = math.exp(_like(sc, out[j] - top))
+            total += out[j]
+    else:
+        for j in range(row.shape[0]):
+            e = exp_like(out[j] - top)
+            out[j] = e
+            total += e
+    if total == 0:
+        total = 1.0
+    inv_total = 1.0 / total
+    for j in range(row.shape[0]):
+        out[j] = out[j] * inv_total
+
+
+@numba.njit(cache=True, fastmath=_FAST, inline="always")
+def _z(s: Any, j: int, sc: Any, add: Any, has_attn: bool) -> float:
+    z = np.float64(s[j] * sc)
+    return z + add[j] if has_attn else z
+
+
+@numba.njit(cache=True, fastmath=_FAST, inline="always")
+def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has_keys: bool,
+               visible: int, floor: float, scratch: Any, errors: Any) -> None:
+    """Fold one row's invariant errors into ``errors`` (the forward check of
+    :func:`check_forward`): z is recomputed from the raw scores, not taken from the softmax's
+    own arithmetic. The largest probability is the identity's reference entry."""
+    bad = False
+    n_seen = 0
+    total = 0.0
+    positive = scratch[0]
     for j in range(p.shape[0]):
-        z = np.float64(s[j] * sc) + (am[i, j] if has_attn else 0.0)
-        if _visible(key_visible, has_keys, batch, causal, i, j) and z != -math.inf:
-            any_visible = True
-            if not math.isfinite(z):
-                finite = False
+        z = _z(s, j, sc, add, has_attn)
+        seen = (j < visible) & (z != -math.inf)
+        if has_keys:
+            seen = seen & keys[j]
+        n_seen += seen
+        bad |= seen & (not math.isfinite(z))
         v = np.float64(p[j])
         total += v
-        if v > top or (v != v and top == top):
-            top, arg = v, j
-    if not finite:
+        positive[j] = v if v > 0 else 0.0
+    if bad:
         return
-    errors[0] = _worse(errors[0], abs(total - (1.0 if any_visible else 0.0)))
-    if top != top:
+    errors[0] = _worse(errors[0], abs(total - (1.0 if n_seen else 0.0)))
+    top = max_nonnegative(positive)
+    if not math.isfinite(total) or top == 0:
         return
-    log_top = math.log(top) if top > 0 else 0.0
-    z_top = np.float64(s[arg] * sc) + (am[i, arg] if has_attn else 0.0)
+    arg = 0
+    while positive[arg] != top:
+        arg += 1
+    log_top = math.log(top)
+    z_top = _z(s, arg, sc, add, has_attn)
+    threshold = floor * top
+    errs, used_z = scratch[0], scratch[1]
     for j in range(p.shape[0]):
-        v = np.float64(p[j])
-        if v > floor * top and _visible(key_visible, has_keys, batch, causal, i, j):
-            zj = np.float64(s[j] * sc) + (am[i, j] if has_attn else 0.0)
-            if zj == -math.inf:
-                continue
-            errors[1] = _worse(errors[1], abs(math.log(v) - log_top - (zj - z_top)))
-            errors[2] = _worse(errors[2], abs(zj))
+        z = _z(s, j, sc, add, has_attn)
+        use = (np.float64(p[j]) > threshold) & (j < visible) & (z != -math.inf)
+        if has_keys:
+            use = use & keys[j]
+        err = abs(log_f64(p[j]) - log_top - (z - z_top))
+        errs[j] = err if use else 0.0
+        used_z[j] = abs(z) if use else 0.0
+    errors[1] = _worse(errors[1], max_nonnegative(errs))
+    errors[2] = _worse(errors[2], max_nonnegative(used_z))
 
 
 @numba.njit(cache=True)

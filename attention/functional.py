@@ -39,7 +39,10 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
     ----------
     params : dict
         ``"wq","wk","wv","wo"`` ``(d_model, d_model)`` applied as ``x @ w``;
-        ``"bq","bk","bv","bo"`` ``(d_model,)``; one dtype and array module.
+        ``"bq","bk","bv","bo"`` ``(d_model,)``; one dtype and array module. Optionally
+        ``"w_qkv"`` ``(d_model, 3 * d_model)``, the memory of wq, wk and wv side by side (such as
+        PyTorch's ``in_proj_weight.T``, of which they are views): the self-attention backward
+        reads it instead of assembling that matrix.
     x : array (batch, seq_q, d_model)
         Query input (and key and value input in self-attention).
     ctx : Context
@@ -73,7 +76,8 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
 
 
 def attention_backward(saved: dict[str, Any], dy: Any, ctx: Context, *,
-                       workspace: Workspace | None = None) -> tuple[Any, dict[str, Any]]:
+                       workspace: Workspace | None = None,
+                       grads_out: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
     """Gradients w.r.t. the inputs and every parameter, every GEMM protected.
 
     Parameters
@@ -84,20 +88,25 @@ def attention_backward(saved: dict[str, Any], dy: Any, ctx: Context, *,
         Gradient of the loss w.r.t. ``y``, dtype of the layer.
     ctx : Context
     workspace : Workspace, optional
+    grads_out : dict, optional
+        Arrays (any strides; keys of ``params``, all or some) to write those gradients into, for
+        example transposed views of a PyTorch module's gradient buffers: a weight gradient
+        given as the transpose of a C-contiguous array is computed in that layout, with no copy.
 
     Returns
     -------
     dx : array (batch, seq_q, d_model), or a tuple ``(d_query, d_key, d_value)`` in
         cross-attention
     grads : dict
-        Same keys and shapes as ``params``.
+        Same keys and shapes as ``params`` (the arrays of ``grads_out`` where given).
     """
     inputs: _Inputs = saved["inputs"]
     if dy.shape != inputs.x.shape or dy.dtype != inputs.dtype:
         raise ValueError(f"dy must have shape {inputs.x.shape} and dtype {inputs.dtype}, "
                          f"got {dy.shape} {dy.dtype}")
     ws = workspace or Workspace()
-    return _run(lambda p: _backward(p, saved, dy), ctx, ws, inputs.xp)
+    out = _gradient_buffers(grads_out or {}, inputs)
+    return _run(lambda p: _backward(p, saved, dy, out), ctx, ws, inputs.xp)
 
 
 # ---------------------------------------------------------------------------------- passes
@@ -146,27 +155,35 @@ class _Pass:
         return self.env[name]
 
     def gemm(self, site: str, out: Any) -> Any:
-        """Run ``site`` as its route says into ``out``; the product is also ``env[route.out]``."""
+        """Run ``site`` as its route says into ``out``; the product is also ``env[route.out]``.
+
+        A 2-D ``out`` that is the transpose of a C-contiguous array (a caller's gradient buffer
+        in PyTorch's ``W`` layout) gets the transposed product ``b^T a^T`` written into that
+        memory, with no copy, for sites whose checksums nothing downstream takes."""
         route = ROUTES[site]
         a, b, bias = self.tensor(route.a), self.tensor(route.b), self.tensor(route.bias)
         mode = self.ctx.mode(site)
         self.env[route.out] = out
+        target = out
+        if _transposed_2d(out) and bias is None and route.a_sums is None:
+            a, b, target = b.T, a.T, out.T
         if mode == "off":
-            _plain(self.xp, a, b, bias, out, site, self.ctx.fault_hook)
+            _plain(self.xp, a, b, bias, target, site, self.ctx.fault_hook)
             return out
         plan = self.ws.product(site, a, b, bias, mode)
         a_sums = self.sums.get(route.a_sums)
         if a_sums is not None:
             a_sums = Checksums(cols=a_sums.reshape(-1, a.shape[-1], 3))
-        plan.execute(a, b, bias=bias, out=out, fault_hook=self.ctx.fault_hook,
+        plan.execute(a, b, bias=bias, out=target, fault_hook=self.ctx.fault_hook,
                      a_checksums=a_sums)
         if self.per_site:
             report, sums = plan.settle(checksums=True)
             self.report.extend(report)
-            self.sums[route.out] = sums.cols
         else:
-            self.sums[route.out] = plan.observed_checksums().cols
+            sums = plan.observed_checksums()
             self._pending.append(("plan", site, plan))
+        if target is out:
+            self.sums[route.out] = sums.cols
         return out
 
     def gemm_deferred(self, site: str, out: Any) -> Any | None:
@@ -259,6 +276,11 @@ def _plain(xp: Any, a: Any, b: Any, bias: Any | None, out: Any, site: str, hook:
         hook(site, out)
 
 
+def _transposed_2d(x: Any) -> bool:
+    """True for a 2-D array that is not C-contiguous but whose transpose is."""
+    return x.ndim == 2 and not x.flags.c_contiguous and x.T.flags.c_contiguous
+
+
 def _as_3d(a: Any, b: Any) -> tuple[Any, Any]:
     return (a if a.ndim == 3 else a[None]), (b if b.ndim == 3 else b[None])
 
@@ -285,6 +307,11 @@ class _Inputs:
         for k in PARAM_KEYS:
             if array_module(params[k]) is not xp:
                 raise TypeError(f"x is a {xp.__name__} array; parameter {k} is not")
+        w_qkv = params.get("w_qkv")
+        if w_qkv is not None and (array_module(w_qkv) is not xp
+                                  or w_qkv.shape != (d_model, 3 * d_model)):
+            raise ValueError(f"params['w_qkv'] must be a {xp.__name__} array of shape "
+                             f"{(d_model, 3 * d_model)}")
         if x.ndim != 3 or x.shape[-1] != d_model:
             raise ValueError(f"x must have shape (batch, seq, {d_model}), got {x.shape}")
         if x.dtype != wq.dtype:
@@ -391,7 +418,26 @@ def _merge(xp: Any, t: Any, heads: int, out: Any | None = None) -> Any:
 # ---------------------------------------------------------------------------------- backward
 
 
-def _backward(p: _Pass, saved: dict[str, Any], dy: Any) -> tuple[Any, dict[str, Any]]:
+def _gradient_buffers(given: dict[str, Any], inp: "_Inputs") -> dict[str, Any]:
+    """Validated ``grads_out``, completed with new arrays for the gradients not given."""
+    xp, par = inp.xp, inp.params
+    out = {}
+    for k in PARAM_KEYS:
+        g = given.get(k)
+        if g is None:
+            g = xp.empty(par[k].shape, inp.dtype)
+        elif array_module(g) is not xp or g.shape != par[k].shape or g.dtype != inp.dtype:
+            raise ValueError(f"grads_out[{k!r}] must be a {xp.__name__} {inp.dtype} array of "
+                             f"shape {par[k].shape}")
+        out[k] = g
+    unknown = set(given) - set(PARAM_KEYS)
+    if unknown:
+        raise ValueError(f"grads_out has unknown keys {sorted(unknown)}; expected {PARAM_KEYS}")
+    return out
+
+
+def _backward(p: _Pass, saved: dict[str, Any], dy: Any,
+              grads: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     inp: _Inputs = saved["inputs"]
     xp, ws, dt = p.xp, p.ws, inp.dtype
     batch, seq_q, d = inp.x.shape
@@ -404,7 +450,7 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any) -> tuple[Any, dict[str, 
                  qh=saved["qh"], kh=saved["kh"], vh=saved["vh"], probs=saved["probs"])
     if saved["v_sums"] is not None:
         p.sums["vh"] = saved["v_sums"]
-    d_wo = p.gemm("d_wo", xp.empty((d, d), dt))
+    p.gemm("d_wo", grads["wo"])
     p.env["dy"] = dy
     d_ctx = p.gemm("d_context", ws.buffer("d_context", xp, (batch, seq_q, d), dt))
     p.env["d_context_h"] = _split(xp, d_ctx, h)
@@ -423,10 +469,10 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any) -> tuple[Any, dict[str, 
     dk = _merge(xp, p.env["d_kh"], h, ws.buffer("dk", xp, (batch, seq_k, d), dt)).reshape(flat)
     dv = _merge(xp, p.env["d_vh"], h, ws.buffer("dv", xp, (batch, seq_k, d), dt)).reshape(flat)
     p.env.update(dq=dq, dk=dk, dv=dv)
-    grads = {"wo": d_wo, "bo": _column_sum(dy.reshape(flat))}
+    _column_sum(dy.reshape(flat), grads["bo"])
     for name in "qkv":
-        grads["w" + name] = p.gemm(f"d_w{name}", xp.empty((d, d), dt))
-        grads["b" + name] = _column_sum(p.env["d" + name])
+        p.gemm(f"d_w{name}", grads["w" + name])
+        _column_sum(p.env["d" + name], grads["b" + name])
     if inp.cross:
         p.env.update(d_qkv=dq, w_qkv=par["wq"])
         d_query = p.gemm("d_x", xp.empty((batch * seq_q, d), dt)).reshape(inp.x.shape)
@@ -435,15 +481,22 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any) -> tuple[Any, dict[str, 
         dx: Any = (d_query, d_key, d_value)
     else:
         d_qkv = ws.buffer("d_qkv", xp, (batch * seq_q, 3 * d), dt)
-        w_qkv = ws.buffer("w_qkv", xp, (d, 3 * d), dt)
-        for i, (g, w) in enumerate(((dq, "wq"), (dk, "wk"), (dv, "wv"))):
+        w_qkv = par.get("w_qkv")
+        if w_qkv is None:
+            w_qkv = ws.buffer("w_qkv", xp, (d, 3 * d), dt)
+            for i, w in enumerate(("wq", "wk", "wv")):
+                w_qkv[:, i * d:(i + 1) * d] = par[w]
+        for i, g in enumerate((dq, dk, dv)):
             d_qkv[:, i * d:(i + 1) * d] = g
-            w_qkv[:, i * d:(i + 1) * d] = par[w]
         p.env.update(d_qkv=d_qkv, w_qkv=w_qkv)
         dx = p.gemm("d_x", xp.empty((batch * seq_q, d), dt)).reshape(inp.x.shape)
     return dx, {k: grads[k] for k in PARAM_KEYS}
 
 
-def _column_sum(t: Any) -> Any:
-    """Bias gradient: column sums accumulated in float32/float64, returned in t's dtype."""
-    return t.astype(accumulation_dtype(t.dtype)).sum(axis=0).astype(t.dtype)
+def _column_sum(t: Any, out: Any) -> None:
+    """Bias gradient into ``out``: column sums of ``t`` accumulated in float32/float64."""
+    acc = accumulation_dtype(t.dtype)
+    if acc == t.dtype:
+        t.sum(axis=0, out=out)
+    else:
+        out[...] = t.sum(axis=0, dtype=acc)

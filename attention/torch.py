@@ -185,6 +185,7 @@ class _ProtectedAttention(torch.autograd.Function):
         call.probs = saved["probs"]
         ctx.call, ctx.saved, ctx.report = call, saved, context.report
         ctx.bias = in_b is not None, out_b is not None
+        ctx.weights = in_w, out_w
         return to_tensor(y)
 
     @staticmethod
@@ -192,18 +193,23 @@ class _ProtectedAttention(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         module = ctx.call.module
         context = Context(module.check, module.plan, module.fault_hook, ctx.report)
-        dx, grads = attention_backward(ctx.saved, _array(dy.contiguous()), context,
-                                       workspace=module._workspace)
+        # The core writes the parameter gradients straight into torch's layout (transposed
+        # views of these buffers: no copies, no concatenation).
+        in_w, out_w = ctx.weights
+        d_in_w, d_out_w = torch.empty_like(in_w), torch.empty_like(out_w)
+        d_in_b = torch.empty(in_w.shape[0], dtype=in_w.dtype, device=in_w.device)
+        d_out_b = torch.empty(out_w.shape[0], dtype=in_w.dtype, device=in_w.device)
+        grads_out = _params(d_in_w, d_in_b, d_out_w, d_out_b)
+        del grads_out["w_qkv"]
+        dx, _ = attention_backward(ctx.saved, _array(dy.contiguous()), context,
+                                   workspace=module._workspace, grads_out=grads_out)
         module.last_report = ctx.report
         if ctx.call.self_attention:
             d_inputs = (to_tensor(dx), None, None)
         else:
             d_inputs = tuple(to_tensor(d) for d in dx)
-        g = {k: to_tensor(v) for k, v in grads.items()}
-        d_in_w = torch.cat([g["wq"].T, g["wk"].T, g["wv"].T])
-        d_in_b = torch.cat([g["bq"], g["bk"], g["bv"]]) if ctx.bias[0] else None
-        d_out_b = g["bo"] if ctx.bias[1] else None
-        return (None, *d_inputs, d_in_w, d_in_b, g["wo"].T, d_out_b)
+        return (None, *d_inputs, d_in_w, d_in_b if ctx.bias[0] else None, d_out_w,
+                d_out_b if ctx.bias[1] else None)
 
 
 def _array(t: torch.Tensor) -> Any:
@@ -218,7 +224,8 @@ def _params(in_w: torch.Tensor, in_b: torch.Tensor | None, out_w: torch.Tensor,
     if in_b is None or out_b is None:
         zeros = _array(torch.zeros(e, dtype=in_w.dtype, device=in_w.device))
     b = _array(in_b) if in_b is not None else None
-    params = {"wo": _array(out_w).T, "bo": _array(out_b) if out_b is not None else zeros}
+    params = {"wo": _array(out_w).T, "bo": _array(out_b) if out_b is not None else zeros,
+              "w_qkv": w.T}
     for i, name in enumerate("qkv"):
         params["w" + name] = w[i * e:(i + 1) * e].T
         params["b" + name] = b[i * e:(i + 1) * e] if b is not None else zeros
