@@ -42,18 +42,6 @@ def _like_impl(x, v):  # noqa: ANN001 (numba compares signatures)
     return lambda x, v: np.float64(v)
 
 
-@numba.njit(cache=True, inline="always")
-def _observe(s0: float, s1: float, s2: float, count: int, last: int, x: Any, j: int,
-             inv_sk: float) -> tuple[float, float, float, int, int]:
-    """Element ``j`` of a row folded into its row checksum fields (plain, location-weighted,
-    absolute sums, non-finite count, last non-finite index), in float64."""
-    v = np.float64(x)
-    if not math.isfinite(v):
-        count += 1
-        last = j
-    return s0 + v, s1 + (j + 1) * inv_sk * v, s2 + abs(v), count, last
-
-
 @numba.njit(cache=True, fastmath=_FAST)
 def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add: Any,
             has_attn: bool, causal: bool, heads: int, check: bool, floor: float, probs: Any,
@@ -96,8 +84,8 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
             else:
                 _softmax_row(row, scale[0], add, False, keys, False, visible, out)
             if check:
-                _check_row(out, row, scale[0], add, has_attn, keys, has_keys, visible, floor,
-                           scratch, errors)
+                _check_row_masked(out, row, scale[0], add, has_attn, keys, has_keys, visible,
+                                  floor, scratch, errors)
 
 
 @numba.njit(cache=True)
@@ -112,9 +100,9 @@ def check_forward(probs: Any, scores: Any, scale: Any, key_visible: Any, has_key
         am = attn_add[min(t, attn_add.shape[0] - 1)]
         keys = key_visible[min(t // heads, key_visible.shape[0] - 1)]
         for i in range(sq):
-            _check_row(probs[t, i], scores[t, i], scale[0], am[min(i, am.shape[0] - 1)],
-                       has_attn, keys, has_keys, min(i + 1, sk) if causal else sk, floor,
-                       scratch, errors)
+            _check_row_masked(probs[t, i], scores[t, i], scale[0], am[min(i, am.shape[0] - 1)],
+                              has_attn, keys, has_keys, min(i + 1, sk) if causal else sk, floor,
+                              scratch, errors)
 
 
 @numba.njit(cache=True)
@@ -188,6 +176,21 @@ def _z(s: Any, j: int, sc: Any, add: Any, has_attn: bool) -> float:
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
+def _check_row_masked(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any,
+                      has_keys: bool, visible: int, floor: float, scratch: Any,
+                      errors: Any) -> None:
+    """:func:`_check_row` compiled once per mask combination (no flag tested per element)."""
+    if has_attn and has_keys:
+        _check_row(p, s, sc, add, True, keys, True, visible, floor, scratch, errors)
+    elif has_attn:
+        _check_row(p, s, sc, add, True, keys, False, visible, floor, scratch, errors)
+    elif has_keys:
+        _check_row(p, s, sc, add, False, keys, True, visible, floor, scratch, errors)
+    else:
+        _check_row(p, s, sc, add, False, keys, False, visible, floor, scratch, errors)
+
+
+@numba.njit(cache=True, fastmath=_FAST, inline="always")
 def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has_keys: bool,
                visible: int, floor: float, scratch: Any, errors: Any) -> None:
     """Fold one row's invariant errors into ``errors`` (the forward check of
@@ -232,7 +235,7 @@ def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has
     errors[2] = _worse(errors[2], max_nonnegative(used_z))
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, fastmath=_FAST)
 def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds: Any,
              stats: Any, result: Any) -> None:
     """``dS = scale * P (dP - rowsum(P dP))``, dP's row checksums and (with ``check``) the
@@ -249,23 +252,17 @@ def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds
     """
     sc = scale[0]
     rows, sq, sk = dp.shape
-    inv_sk = 1.0 / max(sk, 1)
+    weights, _ = _row_workspace(sk)
     for t in range(rows):
         for i in range(sq):
             dpr, pr, out = dp[t, i], p[t, i], ds[t, i]
-            s0 = s1 = s2 = 0.0
-            count, last = 0, -1
+            _observe_row(dpr, weights, stats[t, i])
             r = 0.0
             for j in range(sk):
-                s0, s1, s2, count, last = _observe(s0, s1, s2, count, last, dpr[j], j, inv_sk)
                 r += dpr[j] * pr[j]
-            st = stats[t, i]
-            st[0], st[1], st[2], st[3], st[4] = s0, s1, s2, count, last
             for j in range(sk):
                 out[j] = pr[j] * (dpr[j] - r)
             if check:
                 backward_row(out, dpr, pr, u, tiny, result)
                 for j in range(sk):
                     out[j] = out[j] * sc
-
-
