@@ -30,13 +30,13 @@ _BITS_BLOCK = 8 * _COL_STEP
 
 
 @numba.njit(cache=True, fastmath=_FAST)
-def predict_cols(a: Any, b: Any, b_transposed: bool, bias: Any, encode_a: bool, weights_m: Any,
-                 enc: Any, p: Any, b_rows: Any, pred: Any) -> None:
+def predict_cols(a: Any, a_transposed: bool, b: Any, b_transposed: bool, bias: Any,
+                 encode_a: bool, weights_m: Any, enc: Any, p: Any, rows: Any, pred: Any) -> None:
     """Predicted column checksums of every batch item of ``a @ b (+ bias)``.
 
     Parameters
     ----------
-    a : (batch or 1, m, k) float32/float64
+    a : (batch or 1, m, k) float32/float64, or with ``a_transposed`` its transpose (see b)
     b : (batch or 1, k, n) float32/float64, or with ``b_transposed`` its transpose
         (batch or 1, n, k), read along its rows (a column-major ``B``, such as PyTorch's
         ``x @ W.T``, read down its columns at memory speed instead of across them)
@@ -46,20 +46,20 @@ def predict_cols(a: Any, b: Any, b_transposed: bool, bias: Any, encode_a: bool, 
     weights_m : (m,) float64 location weights
     enc : (batch or 1, 3, k) float64 workspace: the column encoding of ``a``
     p : (3, n) float64 workspace
-    b_rows : (n, 5) float64 workspace (used with ``b_transposed``)
+    rows : (max(n, k), 5) float64 workspace (used with ``a_transposed``, ``b_transposed``)
     pred : (batch, 3, n) float64 output: ``[plain, weighted, sum |A||B|]`` per column
     """
-    m = a.shape[1]
+    m = a.shape[2] if a_transposed else a.shape[1]
     if encode_a:
-        encode_cols(a, weights_m, enc)
+        encode_cols(a, a_transposed, weights_m, rows, enc)
     mean_weight = (m + 1) / 2 / max(m, 1)
     for t in range(pred.shape[0]):
         p[:] = 0.0
         bt, et = b[min(t, b.shape[0] - 1)], enc[min(t, enc.shape[0] - 1)]
         if b_transposed:
-            _sum_rows(bt, et, 0, bt.shape[0], b_rows)
+            _sum_rows(bt, et, 0, bt.shape[0], rows)
             for j in range(bt.shape[0]):
-                p[0, j], p[1, j], p[2, j] = b_rows[j, 0], b_rows[j, 1], b_rows[j, 2]
+                p[0, j], p[1, j], p[2, j] = rows[j, 0], rows[j, 1], rows[j, 2]
         else:
             _sum_columns(bt, et, 0, bt.shape[0], p)
         for j in range(bias.shape[0]):
@@ -71,12 +71,19 @@ def predict_cols(a: Any, b: Any, b_transposed: bool, bias: Any, encode_a: bool, 
 
 
 @numba.njit(cache=True, fastmath=_FAST)
-def encode_cols(a: Any, weights_m: Any, enc: Any) -> None:
+def encode_cols(a: Any, a_transposed: bool, weights_m: Any, rows: Any, enc: Any) -> None:
     """Column encoding ``enc`` (batch, 3, k) of ``a`` (batch, m, k): plain, location-weighted
-    and absolute column sums."""
+    and absolute column sums (with ``a_transposed``, ``a`` is given as its transpose
+    (batch, k, m), and each column is a row dot product; ``rows`` is a (k, 5) workspace)."""
     for i in range(enc.shape[0]):
-        enc[i] = 0.0
-        _sum_columns(a[i], weights_m, 0, a.shape[1], enc[i])
+        if a_transposed:
+            at = a[i]
+            _sum_rows(at, weights_m, 0, at.shape[0], rows)
+            for kk in range(at.shape[0]):
+                enc[i, 0, kk], enc[i, 1, kk], enc[i, 2, kk] = rows[kk, 0], rows[kk, 1], rows[kk, 2]
+        else:
+            enc[i] = 0.0
+            _sum_columns(a[i], weights_m, 0, a.shape[1], enc[i])
 
 
 @numba.njit(cache=True, fastmath=_FAST)
@@ -143,6 +150,15 @@ def _judge_columns(pred: Any, obs: Any, c_obs: float, c_pred: float, floor: floa
     verdict[1] += n_unverifiable
 
 
+def _rows_first(x: np.ndarray) -> tuple[np.ndarray, bool]:
+    """``(x, False)``, or ``(x^T, True)`` when only the transpose of the (batch, rows, cols)
+    array ``x`` is C-contiguous: the kernels read it along its memory rows either way."""
+    xt = x.transpose(0, 2, 1)
+    if not x.flags.c_contiguous and xt.flags.c_contiguous:
+        return xt, True
+    return x, False
+
+
 class CpuWorkspace:
     """Every array a planned product needs on the CPU, allocated once, and the launches that
     use them. ``counters`` (a :class:`abftgemm.plan.Counters`) counts both."""
@@ -169,7 +185,7 @@ class CpuWorkspace:
         self._enc = self._alloc((max(op.a.shape[0], 1), 3, k), np.float64)
         self._enc_rows = op.a.shape[0]
         self._p = self._alloc((3, n), np.float64)
-        self._b_rows = self._alloc((n, 5), np.float64)
+        self._rows = self._alloc((max(n, k), 5), np.float64)
         self._pred = self._alloc((batch, 3, n), np.float64)
         self._obs = self._alloc((batch, n, 5), np.float64)
         self._verdict = self._alloc((batch, 2), np.int64)
@@ -193,7 +209,8 @@ class CpuWorkspace:
         if self._wide:
             a = _as_float32(a, self._a32)
         self._enc_rows = a.shape[0]
-        encode_cols(a, self._weights, self._enc[:self._enc_rows])
+        a, a_transposed = _rows_first(a)
+        encode_cols(a, a_transposed, self._weights, self._rows, self._enc[:self._enc_rows])
 
     def set_encoding(self, cols: np.ndarray) -> None:
         """Use the column encoding ``cols`` ``(batch or 1, k, 3)`` handed on from elsewhere."""
@@ -207,12 +224,10 @@ class CpuWorkspace:
             np.copyto(self._bias64, op.bias, casting="unsafe")
         if encode_a:
             self._enc_rows = op.a.shape[0]
-        a = self._a32 if self._wide else op.a
-        b = self._b32 if self._wide else op.b
-        bt = b.transpose(0, 2, 1)
-        transposed = not b.flags.c_contiguous and bt.flags.c_contiguous
-        predict_cols(a, bt if transposed else b, transposed, self._bias64, encode_a,
-                     self._weights, self._enc[:self._enc_rows], self._p, self._b_rows, self._pred)
+        a, a_transposed = _rows_first(self._a32 if self._wide else op.a)
+        b, b_transposed = _rows_first(self._b32 if self._wide else op.b)
+        predict_cols(a, a_transposed, b, b_transposed, self._bias64, encode_a, self._weights,
+                     self._enc[:self._enc_rows], self._p, self._rows, self._pred)
 
     def observe_flag(self, c: np.ndarray) -> None:
         """Observe and judge the product's columns (launch 2)."""

@@ -50,11 +50,16 @@ class Counters:
         Arrays allocated by the plan (workspaces at planning; an output when ``out`` is not given).
     syncs : int
         Host synchronizations (reads of device results by the host; one per clean settle).
+    rare_paths : int
+        Settles that ran the full two-direction path (verify, locate, repair, recompute; its
+        launches are not in ``launches``): every settle of a ``directions="both"`` plan, and of
+        a column plan only when its fast path flagged something (never for a clean product).
     """
 
     launches: int = 0
     allocations: int = 0
     syncs: int = 0
+    rare_paths: int = 0
 
 
 class ProtectedMatmul:
@@ -232,6 +237,7 @@ class ProtectedMatmul:
         if self._verify_columns and not self._work.verdict_flagged():
             sums = Checksums(cols=self._work.observed_cols())
         else:
+            self.counters.rare_paths += 1
             sums = protect(self._be, op, c, self.check, self.name, report, pending.a_checksums,
                            None)
             if self._verify_columns:  # the fast path hands on column encodings only

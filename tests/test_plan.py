@@ -67,6 +67,7 @@ def test_counts_per_clean_execute(xp, dtype, bias):
         plan.settle()
         assert plan.counters.syncs == i
         assert plan.counters.allocations == planned
+        assert plan.counters.rare_paths == 0
     plan.execute(a, b, bias=c)  # without out=, the result is the one allocation
     plan.settle()
     assert plan.counters.allocations == planned + 1
@@ -107,6 +108,29 @@ def test_faults_are_repaired_on_the_planned_path(xp, ab, kind, pattern, seed, di
     got = plan.execute(a, b, fault_hook=Fault(kind, pattern, seed=seed, **extra))
     report = plan.settle()
     assert_protected(got, a, b, report, c_clean=clean, directions=directions)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("layout", ["a^T", "b^T", "both^T"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_column_major_operands_are_predicted_and_repaired(xp, layout, bias):
+    """Operands that are transposes of C-contiguous arrays (PyTorch's ``x @ W.T``, attention's
+    ``P^T``) take the kernels' row-wise reading: the same products, the same repairs."""
+    a, b, c = _operands(xp, np.float32, bias=bias)
+    if layout != "b^T":
+        a = xp.ascontiguousarray(a.transpose(0, 2, 1)).transpose(0, 2, 1)
+    if layout != "a^T":
+        b = xp.ascontiguousarray(b.T).T
+    clean = abftgemm.matmul(a, b, bias=c, check="off")
+    plan = ProtectedMatmul(a, b, bias=c)
+    assert (_host(plan.execute(a, b, bias=c)) == _host(clean)).all()
+    assert not plan.settle().detected
+    assert plan.counters.rare_paths == 0  # the prediction agreed: nothing flagged
+    got = plan.execute(a, b, bias=c, fault_hook=Fault("additive", "element", seed=3,
+                                                       magnitude=1e3))
+    report = plan.settle()
+    assert report.detected and (_host(got) == _host(clean)).all()
+    assert plan.counters.rare_paths == 1
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
