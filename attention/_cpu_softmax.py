@@ -196,21 +196,25 @@ def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has
     """Fold one row's invariant errors into ``errors`` (the forward check of
     :func:`check_forward`): z is recomputed from the raw scores, not taken from the softmax's
     own arithmetic. The largest probability is the identity's reference entry."""
-    bad = False
+    n_bad = 0
     n_seen = 0
     total = 0.0
     positive = scratch[0]
-    for j in range(p.shape[0]):
+    for j in range(visible):  # keys j >= visible are hidden (causality)
         z = _z(s, j, sc, add, has_attn)
-        seen = (j < visible) & (z != -math.inf)
+        seen = z != -math.inf
         if has_keys:
             seen = seen & keys[j]
-        n_seen += seen
-        bad |= seen & (not math.isfinite(z))
+        n_seen += np.int64(seen)
+        n_bad += np.int64(seen & (not abs(z) < math.inf))  # INF or NaN; counts vectorize
         v = np.float64(p[j])
         total += v
         positive[j] = v if v > 0 else 0.0
-    if bad:
+    for j in range(visible, p.shape[0]):
+        v = np.float64(p[j])
+        total += v
+        positive[j] = v if v > 0 else 0.0
+    if n_bad:
         return
     errors[0] = _worse(errors[0], abs(total - (1.0 if n_seen else 0.0)))
     top = max_nonnegative(positive)
@@ -222,10 +226,10 @@ def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has
     log_top = math.log(top)
     z_top = _z(s, arg, sc, add, has_attn)
     threshold = floor * top
-    errs, used_z = scratch[0], scratch[1]
-    for j in range(p.shape[0]):
+    errs, used_z = scratch[0, :visible], scratch[1, :visible]
+    for j in range(visible):
         z = _z(s, j, sc, add, has_attn)
-        use = (np.float64(p[j]) > threshold) & (j < visible) & (z != -math.inf)
+        use = (np.float64(p[j]) > threshold) & (z != -math.inf)
         if has_keys:
             use = use & keys[j]
         err = abs(log_f64(p[j]) - log_top - (z - z_top))
