@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from abftgemm.deferred import DeferredRows
 from abftgemm.plan import Counters, ProtectedMatmul
 
@@ -42,7 +44,7 @@ class Workspace:
 
     def buffer(self, name: str, xp: Any, shape: tuple[int, ...], dtype: Any) -> Any:
         """A C-contiguous array reused by every call with this name, shape and dtype."""
-        key = (name, xp.__name__, tuple(shape), str(dtype))
+        key = (name, xp.__name__, tuple(shape), np.dtype(dtype))
         buf = self._buffers.get(key)
         if buf is None:
             self.counters.allocations += 1
@@ -62,4 +64,4 @@ class Workspace:
 
 
 def _layout(x: Any) -> tuple:
-    return (type(x).__module__, str(x.dtype), x.shape, x.strides)
+    return (type(x), x.dtype, x.shape, x.strides)
