@@ -1,12 +1,16 @@
 """CPU (numba) softmax kernels of the attention core, with the GPU kernels' boundaries.
 
-Forward (:func:`forward`): one pass per row reads the raw scores once, observes their row
-checksums (for the deferred check of the scores product), computes the masked softmax and, while
-the row is in cache, checks the softmax invariants on what it stored. Backward (:func:`backward`):
-one pass per row observes dP's row checksums (the deferred check of ``d_probs``), computes
+Forward (:func:`forward`): row by row, it reads the raw scores, observes their row checksums
+(for the deferred check of the scores product), computes the masked softmax and, while the row is
+in cache, checks the softmax invariants on what it stored. Backward (:func:`backward`): row by
+row, it observes dP's row checksums (the deferred check of ``d_probs``), computes
 ``dS = P (dP - r)``, checks dS's two row checksums against closed forms recomputed from P and dP,
 and scales dS. The visibility of a key is recomputed from the key-padding mask, causality and the
 additive attention mask: no ``(batch*heads, seq_q, seq_k)`` mask is materialized.
+
+The loops are written for LLVM's vectorizer: one compiled row per mask combination (no flag
+tested per element), float32 ``exp``/``log`` inlined from :mod:`attention._cpu_vmath`, counts
+instead of boolean flags, and maxima of the check taken as integer maxima of bit patterns.
 
 When a fault hook must see the output between computing and checking (fault injection), the
 same kernels run with ``check=False`` and the invariants are checked by
