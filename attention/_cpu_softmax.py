@@ -27,7 +27,7 @@ from numba.extending import overload
 import numpy as np
 
 from attention._cpu_checks import _worse, backward_row
-from attention._cpu_vmath import exp_like, log_f64, max_nonnegative
+from attention._cpu_vmath import exp_like, from_nonnegative_key, log_f64, nonnegative_key
 
 _FAST = {"reassoc", "contract"}  # reordered sums; no assumption about NaN or infinity
 
@@ -69,7 +69,7 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
         are folded into it (start from zeros)
     """
     bh, sq, sk = scores.shape
-    weights, scratch = _row_workspace(sk)
+    weights = _location_weights(sk)
     for t in range(bh):
         am = attn_add[min(t, attn_add.shape[0] - 1)]
         keys = key_visible[min(t // heads, key_visible.shape[0] - 1)]
@@ -89,31 +89,29 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
                 _softmax_row(row, scale[0], add, False, keys, False, visible, out)
             if check:
                 _check_row_masked(out, row, scale[0], add, has_attn, keys, has_keys, visible,
-                                  floor, scratch, errors)
+                                  floor, errors)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, fastmath=_FAST)
 def check_forward(probs: Any, scores: Any, scale: Any, key_visible: Any, has_keys: bool,
                   attn_add: Any, has_attn: bool, causal: bool, heads: int, floor: float,
                   errors: Any) -> None:
     """The invariant check of :func:`forward` alone (``probs`` as delivered, any float dtype
     numba reads: float32/float64)."""
     bh, sq, sk = scores.shape
-    _, scratch = _row_workspace(sk)
     for t in range(bh):
         am = attn_add[min(t, attn_add.shape[0] - 1)]
         keys = key_visible[min(t // heads, key_visible.shape[0] - 1)]
         for i in range(sq):
             _check_row_masked(probs[t, i], scores[t, i], scale[0], am[min(i, am.shape[0] - 1)],
                               has_attn, keys, has_keys, min(i + 1, sk) if causal else sk, floor,
-                              scratch, errors)
+                              errors)
 
 
 @numba.njit(cache=True)
-def _row_workspace(sk: int) -> tuple[Any, Any]:
-    """Location weights ``(j+1)/seq_k`` and a (2, seq_k) float64 scratch for the check."""
-    weights = (np.arange(sk) + 1.0) * (1.0 / max(sk, 1))  # within 2 ulp of (j+1)/sk
-    return weights, np.empty((2, sk))
+def _location_weights(sk: int) -> Any:
+    """The location weights ``(j+1)/seq_k`` of a row (within 2 ulp: a reciprocal multiplies)."""
+    return (np.arange(sk) + 1.0) * (1.0 / max(sk, 1))
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
@@ -181,29 +179,29 @@ def _z(s: Any, j: int, sc: Any, add: Any, has_attn: bool) -> float:
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
 def _check_row_masked(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any,
-                      has_keys: bool, visible: int, floor: float, scratch: Any,
+                      has_keys: bool, visible: int, floor: float,
                       errors: Any) -> None:
     """:func:`_check_row` compiled once per mask combination (no flag tested per element)."""
     if has_attn and has_keys:
-        _check_row(p, s, sc, add, True, keys, True, visible, floor, scratch, errors)
+        _check_row(p, s, sc, add, True, keys, True, visible, floor, errors)
     elif has_attn:
-        _check_row(p, s, sc, add, True, keys, False, visible, floor, scratch, errors)
+        _check_row(p, s, sc, add, True, keys, False, visible, floor, errors)
     elif has_keys:
-        _check_row(p, s, sc, add, False, keys, True, visible, floor, scratch, errors)
+        _check_row(p, s, sc, add, False, keys, True, visible, floor, errors)
     else:
-        _check_row(p, s, sc, add, False, keys, False, visible, floor, scratch, errors)
+        _check_row(p, s, sc, add, False, keys, False, visible, floor, errors)
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
 def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has_keys: bool,
-               visible: int, floor: float, scratch: Any, errors: Any) -> None:
+               visible: int, floor: float, errors: Any) -> None:
     """Fold one row's invariant errors into ``errors`` (the forward check of
     :func:`check_forward`): z is recomputed from the raw scores, not taken from the softmax's
     own arithmetic. The largest probability is the identity's reference entry."""
     n_bad = 0
     n_seen = 0
     total = 0.0
-    positive = scratch[0]
+    top_key = nonnegative_key(0.0)
     for j in range(visible):  # keys j >= visible are hidden (causality)
         z = _z(s, j, sc, add, has_attn)
         seen = z != -math.inf
@@ -213,34 +211,34 @@ def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has
         n_bad += np.int64(seen & (not abs(z) < math.inf))  # INF or NaN; counts vectorize
         v = np.float64(p[j])
         total += v
-        positive[j] = v if v > 0 else 0.0
+        top_key = max(top_key, nonnegative_key(v))
     for j in range(visible, p.shape[0]):
         v = np.float64(p[j])
         total += v
-        positive[j] = v if v > 0 else 0.0
+        top_key = max(top_key, nonnegative_key(v))
     if n_bad:
         return
     errors[0] = _worse(errors[0], abs(total - (1.0 if n_seen else 0.0)))
-    top = max_nonnegative(positive)
+    top = from_nonnegative_key(top_key)
     if not math.isfinite(total) or top == 0:
         return
     arg = 0
-    while positive[arg] != top:
+    while np.float64(p[arg]) != top:
         arg += 1
     log_top = math.log(top)
     z_top = _z(s, arg, sc, add, has_attn)
     threshold = floor * top
-    errs, used_z = scratch[0, :visible], scratch[1, :visible]
-    for j in range(visible):
+    worst_key = z_max_key = nonnegative_key(0.0)
+    for j in range(visible):  # finite z and p here: the maxima need no NaN rule
         z = _z(s, j, sc, add, has_attn)
         use = (np.float64(p[j]) > threshold) & (z != -math.inf)
         if has_keys:
             use = use & keys[j]
         err = abs(log_f64(p[j]) - log_top - (z - z_top))
-        errs[j] = err if use else 0.0
-        used_z[j] = abs(z) if use else 0.0
-    errors[1] = _worse(errors[1], max_nonnegative(errs))
-    errors[2] = _worse(errors[2], max_nonnegative(used_z))
+        worst_key = max(worst_key, nonnegative_key(err if use else 0.0))
+        z_max_key = max(z_max_key, nonnegative_key(abs(z) if use else 0.0))
+    errors[1] = _worse(errors[1], from_nonnegative_key(worst_key))
+    errors[2] = _worse(errors[2], from_nonnegative_key(z_max_key))
 
 
 @numba.njit(cache=True, fastmath=_FAST)
@@ -260,7 +258,7 @@ def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds
     """
     sc = scale[0]
     rows, sq, sk = dp.shape
-    weights, _ = _row_workspace(sk)
+    weights = _location_weights(sk)
     for t in range(rows):
         for i in range(sq):
             dpr, pr, out = dp[t, i], p[t, i], ds[t, i]

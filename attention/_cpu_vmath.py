@@ -8,8 +8,9 @@ and ``math.log`` are scalar library calls (``expf`` cost most of a softmax row),
 - :func:`exp_like` and :func:`log_f64` are inline polynomial versions for float32 (Cephes'
   ``expf``/``logf`` coefficients; 1 and 2 ulp from float64 references over the ranges used),
   and ``math.exp``/``math.log`` for float64 layers;
-- :func:`max_nonnegative` takes the max of non-negative floats as an integer max of their bit
-  patterns (the same order), a reduction LLVM vectorizes.
+- :func:`nonnegative_key` maps a non-negative float to its bit pattern, an integer of the same
+  order, so that a max over such floats runs as an integer max reduction, which LLVM vectorizes
+  (:func:`from_nonnegative_key` maps the largest back).
 
 All are compiled into their callers (``inline="always"`` overloads of branch-free code; the
 bit casts are LLVM ``bitcast`` intrinsics).
@@ -40,6 +41,7 @@ def _bitcast(name: str, to: Any, frm: Any, llvm_to: Any) -> Any:
 _f32_from_bits = _bitcast("_f32_from_bits", types.float32, types.int32, ir.FloatType())
 _f32_bits = _bitcast("_f32_bits", types.int32, types.float32, ir.IntType(32))
 _f64_from_bits = _bitcast("_f64_from_bits", types.float64, types.int64, ir.DoubleType())
+_f64_bits = _bitcast("_f64_bits", types.int64, types.float64, ir.IntType(64))
 
 #: Below this, ``exp`` would be subnormal (arithmetic on subnormals costs ~100x): flushed to 0.
 EXP_FLUSH = -87.3
@@ -111,12 +113,14 @@ def _log_f64_impl(x):  # noqa: ANN001, ANN202
 
 
 @numba.njit(cache=True, inline="always")
-def max_nonnegative(x: Any) -> float:
-    """Largest element of a float64 array of values >= 0 or NaN (a NaN with a clear sign bit
-    wins), as an integer max of the bit patterns: a vectorized reduction (a float max with
-    NaN semantics is not). 0 for an empty array."""
-    bits = x.view(np.int64)
-    top = np.int64(0)
-    for j in range(bits.shape[0]):
-        top = max(top, bits[j])
-    return _f64_from_bits(top)
+def nonnegative_key(v: float) -> int:
+    """An int64 with the order of ``max(v, 0)`` among non-negative floats (NaN: 0), for a max
+    reduction kept in registers (LLVM vectorizes an integer max, not a float max that must keep NaNs); :func:`from_nonnegative_key`
+    turns the largest back into the float."""
+    return _f64_bits(v if v > 0 else 0.0)
+
+
+@numba.njit(cache=True, inline="always")
+def from_nonnegative_key(k: int) -> float:
+    """The float of a :func:`nonnegative_key`."""
+    return _f64_from_bits(k)
