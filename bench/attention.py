@@ -6,11 +6,13 @@ Usage::
 
 Cases (``(batch, heads, seq, head_dim)``): on the CPU small shapes in float32; on the GPU
 BERT-base (8, 12, 512, 64), BERT-large (8, 16, 512, 64), GPT-2 (8, 12, 1024, 64) and Llama-7B-like
-(4, 32, 2048, 128) in float16 and bfloat16. Peers where PyTorch imports: ``nn.MultiheadAttention``
-(projections + attention, forward + backward) and scaled_dot_product_attention with the flash and
-math backends (the attention core, forward + backward). ``--sites`` also measures the cost of
-checking each site alone (the layer with only that site checked minus the layer with no GEMM site
-checked) and of the softmax invariants.
+(4, 32, 2048, 128) in float16 and bfloat16. Peers where PyTorch imports, on the same device:
+``nn.MultiheadAttention`` (projections + attention, causal, forward + backward; PyTorch's default
+threads on the CPU) and scaled_dot_product_attention with the flash and math backends (the
+attention core, forward + backward), timed after the layer, not interleaved with it (PyTorch's
+and NumPy's thread pools slow each other down when their calls alternate). ``--sites`` also
+measures the cost of checking each site alone (the layer with only that site checked minus the
+layer with no GEMM site checked) and of the softmax invariants.
 ``floor_ms`` is one read of the scores (batch*heads*seq*seq elements) at the measured copy
 bandwidth.
 """
@@ -113,12 +115,11 @@ def torch_peers(shape: tuple[int, int, int, int], dtype: str, repeats: int,
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
         return {}
-    if not torch.cuda.is_available():
-        return {}
+    gpu = torch.cuda.is_available()
     b, h, s, hd = shape
     d = h * hd
     tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-    dev = "cuda"
+    dev = "cuda" if gpu else "cpu"
     mha = torch.nn.MultiheadAttention(d, h, batch_first=True, device=dev, dtype=tdtype)
     x = torch.randn(b, s, d, device=dev, dtype=tdtype, requires_grad=True)
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=dev), 1)
@@ -142,8 +143,8 @@ def torch_peers(shape: tuple[int, int, int, int], dtype: str, repeats: int,
     out = {}
     for name, fn in fns.items():
         try:
-            out[name] = timing.time_many({name: fn}, repeats, warmup, gpu=True,
-                                         events=timing.torch_events)[name]
+            out[name] = timing.time_many({name: fn}, repeats, warmup, gpu=gpu,
+                                         events=timing.torch_events if gpu else None)[name]
         except RuntimeError as exc:  # e.g. flash not available for this dtype/shape
             out[name] = f"unavailable: {str(exc).splitlines()[0][:80]}"
     return out
@@ -181,7 +182,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             itemsize = np.dtype(case.layer.dtype).itemsize
             floor = timing.floor_ms(b * h * s * s * itemsize, bandwidth)
             times = time_case(case, repeats, warmup, gpu)
-            peers = torch_peers(shape, dtype, repeats, warmup) if gpu else {}
+            peers = torch_peers(shape, dtype, repeats, warmup)
             memory = peak_memory(case)
             for step, t in times.items():
                 records.append(timing.make_record(
