@@ -50,7 +50,7 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
         NumPy or CuPy array of float16, bfloat16 (ml_dtypes), float32 or float64, any byte order;
         NumPy array-likes (lists, objects with ``__array__``) are converted; CuPy operands need
         CuPy arrays throughout, as ``cupy.matmul`` does. PyTorch tensors (CPU or CUDA, not
-        recording gradients) are used in place through DLPack and the result is a tensor; the
+        recording gradients) are used in place (no copies) and the result is a tensor; the
         ``fault_hook`` and the checksums still see NumPy/CuPy arrays sharing their memory.
     b : array or array-like (..., k, n) or (k,)
         Same array module as ``a``; batch dimensions broadcast as in ``matmul``. Mixed float

@@ -5,7 +5,7 @@
 forward signature and return values, so it loads the same weights and swaps into an existing
 model (``nn.TransformerEncoderLayer(...).self_attn``). Its forward and backward run the functional
 core (:func:`attention.attention_forward`, :func:`attention.attention_backward`) on the memory of
-the tensors (DLPack, no copies: CPU tensors as NumPy arrays, CUDA tensors as CuPy arrays) inside
+the tensors (no copies: CPU tensors as NumPy arrays, CUDA tensors as CuPy arrays) inside
 one ``torch.autograd.Function``. :func:`protect` swaps every ``nn.MultiheadAttention`` of a model
 in place, keeping its Parameter objects (an optimizer built before still holds them).
 
