@@ -49,7 +49,7 @@ def _like_impl(x, v):  # noqa: ANN001 (numba compares signatures)
 @numba.njit(cache=True, fastmath=_FAST)
 def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add: Any,
             has_attn: bool, causal: bool, heads: int, check: bool, floor: float, probs: Any,
-            stats: Any, errors: Any) -> None:
+            stats: Any, errors: Any, cols: Any, rows: Any) -> None:
     """Masked softmax of ``scale * scores (+ attn_add)``, the scores' row checksums, and (with
     ``check``) the invariant errors.
 
@@ -67,9 +67,13 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
         non-finite count, last non-finite index or -1]`` of every raw score row
     errors : (3,) float64: ``[worst row-sum error, worst log-identity error, largest |z| used]``
         are folded into it (start from zeros)
+    cols, rows : (batch*heads, 3, seq_k) and (batch*heads, seq_q, 3) float64, or empty arrays
+        (first dimension 0) for none: the column encodings of ``probs`` and of its transpose, as
+        a planned product of either would compute them (see :func:`_encode_row`)
     """
     bh, sq, sk = scores.shape
     weights = _location_weights(sk)
+    encode = cols.shape[0] == bh
     for t in range(bh):
         am = attn_add[min(t, attn_add.shape[0] - 1)]
         keys = key_visible[min(t // heads, key_visible.shape[0] - 1)]
@@ -90,6 +94,8 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
             if check:
                 _check_row_masked(out, row, scale[0], add, has_attn, keys, has_keys, visible,
                                   floor, errors)
+            if encode:
+                _encode_row(out, weights, i, sq, cols[t], rows[t, i])
 
 
 @numba.njit(cache=True, fastmath=_FAST)
@@ -110,8 +116,31 @@ def check_forward(probs: Any, scores: Any, scale: Any, key_visible: Any, has_key
 
 @numba.njit(cache=True)
 def _location_weights(sk: int) -> Any:
-    """The location weights ``(j+1)/seq_k`` of a row (within 2 ulp: a reciprocal multiplies)."""
-    return (np.arange(sk) + 1.0) * (1.0 / max(sk, 1))
+    """The location weights ``(j+1)/seq_k`` of a row, as the planned products compute them."""
+    return (np.arange(sk) + 1.0) / max(sk, 1)
+
+
+@numba.njit(cache=True, fastmath=_FAST, inline="always")
+def _encode_row(x: Any, weights: Any, i: int, n_rows: int, col: Any, row_out: Any) -> None:
+    """Fold row ``i`` of an ``(n_rows, L)`` matrix, as stored, into its column encoding ``col``
+    ``(3, L)`` (plain, weighted by ``(i+1)/n_rows``, absolute; zeroed at row 0) and write its
+    row's ``row_out`` ``(3,)`` (plain, weighted by ``weights``, absolute): the encodings a planned
+    product reading the matrix, or its transpose, would make from it (``abftgemm._cpu_plan``)."""
+    if i == 0:
+        col[...] = 0.0
+    w = (i + 1) / n_rows
+    c0, c1, c2 = col[0], col[1], col[2]
+    s0 = s1 = s2 = 0.0
+    for j in range(x.shape[0]):
+        v = np.float64(x[j])
+        a = abs(v)
+        s0 += v
+        s1 += weights[j] * v
+        s2 += a
+        c0[j] += v
+        c1[j] += w * v
+        c2[j] += a
+    row_out[0], row_out[1], row_out[2] = s0, s1, s2
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
@@ -243,23 +272,26 @@ def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has
 
 @numba.njit(cache=True, fastmath=_FAST)
 def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds: Any,
-             stats: Any, result: Any) -> None:
+             stats: Any, result: Any, cols: Any, rows: Any) -> None:
     """``dS = scale * P (dP - rowsum(P dP))``, dP's row checksums and (with ``check``) the
     worst invariant ratio.
 
     Parameters
     ----------
-    dp, p : (rows, seq_q, seq_k) float32/float64 (the accumulation dtype)
+    dp, p : (n, seq_q, seq_k) float32/float64 (the accumulation dtype)
     scale : (1,) array of dp's dtype; with ``check=False`` pass 1 to get the unscaled dS
     ds : like dp: output
-    stats : (rows, seq_q, 5) float64: dP's row checksums, as :func:`forward` gives the scores'
+    stats : (n, seq_q, 5) float64: dP's row checksums, as :func:`forward` gives the scores'
     result : (3,) float64: ``[worst ratio, its plain error, its plain tolerance]``, folded into
         (start from ``[-1, 0, 0]``; see :func:`attention._cpu_checks.backward_ratio`)
+    cols, rows : the column encodings of the (scaled) ``ds`` and of its transpose, as
+        :func:`forward` gives those of ``probs`` (with ``check`` only; empty arrays for none)
     """
     sc = scale[0]
-    rows, sq, sk = dp.shape
+    n, sq, sk = dp.shape
     weights = _location_weights(sk)
-    for t in range(rows):
+    encode = check and cols.shape[0] == n
+    for t in range(n):
         for i in range(sq):
             dpr, pr, out = dp[t, i], p[t, i], ds[t, i]
             _observe_row(dpr, weights, stats[t, i])
@@ -272,3 +304,5 @@ def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds
                 backward_row(out, dpr, pr, u, tiny, result)
                 for j in range(sk):
                     out[j] = out[j] * sc
+                if encode:
+                    _encode_row(out, weights, i, sq, cols[t], rows[t, i])

@@ -388,13 +388,16 @@ def _forward(p: _Pass, inp: _Inputs) -> tuple[Any, dict[str, Any]]:
     step = softmax.ForwardStep(inp, scores, probs, p.ctx, ws, plan)
     p.consumed("scores", plan, step.run)
     p.invariant("softmax", step.verdict, step.recompute)
+    if step.encodings is not None:  # made by the softmax kernel on its write of P
+        p.sums["probs"], p.sums["probs^T"] = step.encodings
     p.gemm("context", ws.buffer("context_h", xp, (batch * h, seq_q, hd), dt))
     p.env["context"] = _merge(xp, p.env["context_h"], h)
     y = p.gemm("out_proj", xp.empty((batch, seq_q, d), dt))
-    v_sums = p.sums.get("vh")
+    v_sums, p_sums = p.sums.get("vh"), p.sums.get("probs^T")
     saved = {"inputs": inp, "qh": p.env["qh"], "kh": p.env["kh"], "vh": p.env["vh"],
              "probs": probs, "context": p.env["context"],
-             "v_sums": None if v_sums is None else v_sums.copy()}
+             "v_sums": None if v_sums is None else v_sums.copy(),
+             "probs_t_sums": None if p_sums is None else p_sums.copy()}
     return y, saved
 
 
@@ -448,8 +451,9 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any,
     p.env.update(par, x=inp.x.reshape(flat), key=inp.key.reshape(flat),
                  value=inp.value.reshape(flat), dy=dy.reshape(flat), context=saved["context"].reshape(flat),
                  qh=saved["qh"], kh=saved["kh"], vh=saved["vh"], probs=saved["probs"])
-    if saved["v_sums"] is not None:
-        p.sums["vh"] = saved["v_sums"]
+    for name, key in (("vh", "v_sums"), ("probs^T", "probs_t_sums")):
+        if saved[key] is not None:
+            p.sums[name] = saved[key]
     p.gemm("d_wo", grads["wo"])
     p.env["dy"] = dy
     d_ctx = p.gemm("d_context", ws.buffer("d_context", xp, (batch, seq_q, d), dt))
@@ -463,6 +467,8 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any,
     p.consumed("d_probs", plan, step.run)
     p.invariant("softmax_backward", step.verdict, step.recompute)
     p.env["d_scores"] = d_scores
+    if step.encodings is not None:  # made by the softmax kernel on its write of dS
+        p.sums["d_scores"], p.sums["d_scores^T"] = step.encodings
     p.gemm("d_q", ws.buffer("d_qh", xp, (batch * h, seq_q, hd), dt))
     p.gemm("d_k", ws.buffer("d_kh", xp, (batch * h, seq_k, hd), dt))
     dq = _merge(xp, p.env["d_qh"], h, ws.buffer("dq", xp, (batch, seq_q, d), dt)).reshape(flat)

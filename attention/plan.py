@@ -7,7 +7,9 @@ direction is computed on the rare path, when a column flags. The scores and ``dP
 exception: reading them only to verify them costs over 30% of their GEMM on a GPU, so the softmax
 kernels (forward and backward) observe their row checksums on the read they make anyway
 (:class:`abftgemm.deferred.DeferredRows`). Checksums "passed" cost no encoding pass: they are the
-column encodings an earlier product's verification observed.
+column encodings an earlier product's verification observed, or, for ``P``, ``dS`` and their
+transposes, the encodings the CPU softmax kernels make as they write them (the GPU kernels do not
+yet: there those products read their operand).
 
 How often is a trade-off: :func:`adaptive_frequencies` picks, from a fault rate and per-site cost
 and vulnerability, the cheapest per-site checking probabilities that keep the expected number of
@@ -61,8 +63,10 @@ class Route:
     bias : str or None
         Name of the bias added inside the protection.
     a_sums : str or None
-        "Passed": the tensor whose column encoding (observed by the site that produced it) is
-        the column encoding of ``a``, so ``a`` is not read for it. None: encoded from ``a``.
+        "Passed": the tensor whose column encoding is the column encoding of ``a``, known
+        without reading ``a``: observed by the product that made it, or made by the softmax
+        kernel that wrote it (``probs``, ``d_scores`` and their transposes, on the CPU). None, or
+        when the pass has no such encoding: encoded from ``a``.
     verify : {"columns", "rows by consumer"}
         ``"columns"``: a planned product verified by its own two launches. ``"rows by consumer"``:
         the next kernel that reads the product observes its row checksums on that read.
@@ -94,14 +98,14 @@ ROUTES: dict[str, Route] = {
     "k_proj": Route("k", "key", "wk", "bk"),
     "v_proj": Route("v", "value", "wv", "bv"),
     "scores": Route("scores", "qh", "kh^T", verify="rows by consumer", b_rows="kh"),
-    "context": Route("context_h", "probs", "vh"),
+    "context": Route("context_h", "probs", "vh", a_sums="probs"),
     "out_proj": Route("y", "context", "wo", "bo", a_sums="context_h"),
     "d_wo": Route("d_wo", "context^T", "dy"),
     "d_context": Route("d_context", "dy", "wo^T"),
     "d_probs": Route("d_probs", "d_context_h", "vh^T", verify="rows by consumer", b_rows="vh"),
-    "d_v": Route("d_vh", "probs^T", "d_context_h"),
-    "d_q": Route("d_qh", "d_scores", "kh"),
-    "d_k": Route("d_kh", "d_scores^T", "qh"),
+    "d_v": Route("d_vh", "probs^T", "d_context_h", a_sums="probs^T"),
+    "d_q": Route("d_qh", "d_scores", "kh", a_sums="d_scores"),
+    "d_k": Route("d_kh", "d_scores^T", "qh", a_sums="d_scores^T"),
     "d_wq": Route("d_wq", "x^T", "dq"),
     "d_wk": Route("d_wk", "key^T", "dk"),
     "d_wv": Route("d_wv", "value^T", "dv"),

@@ -129,13 +129,16 @@ class ForwardStep:
     Without a fault hook one fused kernel does everything (:func:`attention._cpu_softmax.forward`
     for float32/float64 on the CPU, :func:`attention._cuda_softmax.forward` on the GPU); with one,
     the hook sees ``P`` between computing and checking. ``verdict`` is a :data:`Verdict`, or None
-    with ``check="off"``.
+    with ``check="off"``. ``encodings`` is ``(column encoding of P, of P^T)``, each
+    ``(batch*heads, L, 3)``, when the CPU's fused kernel made them on its write of ``P`` (so the
+    products that read ``P`` need not), else None.
     """
 
     def __init__(self, inp: Any, scores: Any, probs: Any, ctx: Any, ws: Any, plan: Any | None):
         self.inp, self.scores, self.probs, self.ctx, self.ws, self.plan = \
             inp, scores, probs, ctx, ws, plan
         self.verdict: Verdict | None = None
+        self.encodings: tuple[Any, Any] | None = None
         self.run()
 
     def run(self) -> None:
@@ -200,12 +203,15 @@ class ForwardStep:
         s = scores.astype(np.float32) if wide else scores
         out = self.ws.buffer("probs32", np, scores.shape, np.float32) if wide else self.probs
         errors = np.zeros(3)
+        fused = fused and not wide
+        cols, rows = _encoding_buffers(self.ws, "probs", scores.shape) if fused else _NONE
         _cpu_softmax.forward(s, np.array([scale], s.dtype), *self._masks(), inp.causal,
-                             inp.n_heads, fused and not wide, LOG_CHECK_FLOOR, out,
-                             self._stats(), errors)
+                             inp.n_heads, fused, LOG_CHECK_FLOOR, out, self._stats(), errors,
+                             cols, rows)
         if wide:
             self.probs[...] = out
-        return errors if fused and not wide else None
+        self.encodings = (cols.transpose(0, 2, 1), rows) if fused else None
+        return errors if fused else None
 
     def _masks(self) -> tuple[Any, bool, Any, bool]:
         inp = self.inp
@@ -229,7 +235,8 @@ class ForwardStep:
 
 class BackwardStep:
     """The backward softmax of one pass: ``dS`` (scaled, into ``d_scores``), dP's observed row
-    checksums (into ``plan.observed``) and the invariant verdict; see :class:`ForwardStep`.
+    checksums (into ``plan.observed``), the invariant verdict and (fused on the CPU) the
+    ``encodings`` of ``dS`` and ``dS^T``; see :class:`ForwardStep`.
 
     With a fault hook, the hook sees the unscaled ``dS`` in the accumulation dtype."""
 
@@ -238,6 +245,7 @@ class BackwardStep:
         self.dp, self.p, self.ds, self.scale = d_probs, probs, d_scores, scale
         self.ctx, self.ws, self.plan = ctx, ws, plan
         self.verdict: Verdict | None = None
+        self.encodings: tuple[Any, Any] | None = None
         self.run()
 
     def run(self) -> None:
@@ -257,11 +265,14 @@ class BackwardStep:
 
         u, tiny = backward_tolerance(self.ds.dtype, self.ds.shape[-1])
         result = np.array([-1.0, 0.0, 0.0])
+        cols, rows = _encoding_buffers(self.ws, "d_scores", self.ds.shape)
         _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype), True, u,
-                              tiny, self.ds, self._stats(), result)
+                              tiny, self.ds, self._stats(), result, cols, rows)
+        self.encodings = cols.transpose(0, 2, 1), rows
         self.verdict = _known((result[0] <= 1, float(result[1]), float(result[2]) or tiny))
 
     def recompute(self) -> Verdict:
+        self.encodings = None  # they described the dS being replaced
         if _xp(self.dp) is not np:
             self._gpu(compute=True, check=True, ds=self.ds, ds_acc=None)
             self.verdict = self._device.read
@@ -316,5 +327,17 @@ class BackwardStep:
         dp, p = self._acc(self.dp), self._acc(self.p)
         ds = self.ws.buffer("ds_unscaled", np, dp.shape, dp.dtype)
         _cpu_softmax.backward(dp, p, np.ones(1, dp.dtype), False, 0.0, 0.0, ds, self._stats(),
-                              np.zeros(3))
+                              np.zeros(3), *_NONE)
         return ds
+
+
+#: Empty encoding buffers: the CPU kernels then make no encodings.
+_NONE = (np.zeros((0, 3, 0)), np.zeros((0, 0, 3)))
+
+
+def _encoding_buffers(ws: Any, name: str, shape: tuple[int, int, int]) -> tuple[Any, Any]:
+    """Workspace buffers for the column encodings of a ``(n, rows, cols)`` matrix, ``(n, 3,
+    cols)``, and of its transpose, ``(n, rows, 3)``."""
+    n, rows, cols = shape
+    return (ws.buffer(name + "_cols", np, (n, 3, cols), np.float64),
+            ws.buffer(name + "_rows", np, (n, rows, 3), np.float64))

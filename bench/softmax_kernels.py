@@ -8,8 +8,10 @@ For the scores of the attention benchmark's CPU shapes (``(batch*heads, seq, seq
 causal): the forward kernel (``attention._cpu_softmax.forward``: row checksums of the scores,
 masked softmax, with and without its invariant check) against a NumPy softmax (max, ``exp``,
 sum, divide; no mask, no checksums), and the backward kernel (``dS = P (dP - r)``, dP's row
-checksums, with and without its check) against NumPy's ``P * (dP - sum(P dP))``. Best of
-``repeats`` (ms): the kernels' own cost, without the GEMMs around them. Results: bench/NOTES.md.
+checksums, with and without its check) against NumPy's ``P * (dP - sum(P dP))``; with the check
+each kernel also makes the column encodings of its output and of its transpose, as the layer
+asks. Best of ``repeats`` (ms): the kernels' own cost, without the GEMMs around them. Results:
+bench/NOTES.md.
 """
 from __future__ import annotations
 
@@ -25,6 +27,13 @@ import numpy as np
 
 from attention import _cpu_softmax
 from attention.softmax import LOG_CHECK_FLOOR, backward_tolerance
+
+NO_ENCODINGS = (np.zeros((0, 3, 0)), np.zeros((0, 0, 3)))
+
+
+def encodings(rows: int, seq: int) -> tuple[np.ndarray, np.ndarray]:
+    """Buffers for the encodings the checked kernels make on their write (as the layer uses)."""
+    return np.zeros((rows, 3, seq)), np.zeros((rows, seq, 3))
 
 #: (batch*heads, seq) of bench/attention.py's CPU cases
 SHAPES = {"small": (16, 128), "medium": (16, 256)}
@@ -43,8 +52,9 @@ def forward_times(rows: int, seq: int, repeats: int) -> dict[str, float]:
     keys, add = np.ones((1, 1), bool), np.zeros((1, 1, 1))
 
     def kernel(check: bool) -> object:
+        enc = encodings(rows, seq) if check else NO_ENCODINGS
         return lambda: _cpu_softmax.forward(scores, scale, keys, False, add, False, True, 1,
-                                            check, LOG_CHECK_FLOOR, probs, stats, errors)
+                                            check, LOG_CHECK_FLOOR, probs, stats, errors, *enc)
 
     def plain() -> None:
         z = scores * scale[0]
@@ -66,7 +76,9 @@ def backward_times(rows: int, seq: int, repeats: int) -> dict[str, float]:
 
     def kernel(check: bool) -> object:
         scale = np.array([0.125 if check else 1.0], np.float32)
-        return lambda: _cpu_softmax.backward(dp, p, scale, check, u, tiny, ds, stats, result)
+        enc = encodings(rows, seq) if check else NO_ENCODINGS
+        return lambda: _cpu_softmax.backward(dp, p, scale, check, u, tiny, ds, stats, result,
+                                             *enc)
 
     def plain() -> None:
         np.multiply(p, dp - (p * dp).sum(axis=-1, keepdims=True), out=ds)

@@ -158,3 +158,44 @@ def test_replay_repairs_at_the_source(xp, site):
         # float64 replay of the same products: the only difference is the checksum repair of one
         # element, rounded like its neighbours (2^-50 relative of O(1) values).
         np.testing.assert_allclose(to_host(cache[name]), to_host(clean[name]), atol=1e-12)
+
+
+@pytest.mark.parametrize("site", ["context", "d_v", "d_q", "d_k"])
+def test_a_fault_behind_softmax_made_encodings_is_repaired(monkeypatch, site):
+    """Without a fault hook the CPU softmax kernels hand the column encodings of P, P^T, dS and
+    dS^T (made on their write) to the products that read them. A fault injected into one of those
+    products behind the hook's back (in its GEMM) is still found and repaired."""
+    from abftgemm.plan import ProtectedMatmul
+
+    layer = MultiHeadAttention(16, 4, causal=True, dtype="float32")
+    rng = np.random.default_rng(3)
+    x, dy = (rng.standard_normal((2, 8, 16)).astype(np.float32) for _ in range(2))
+    y0, cache = layer.forward(x)
+    dx0, g0 = layer.backward(dy, cache)
+    handed, run = [], ProtectedMatmul.run
+
+    def faulty_run(plan, op, c, fault_hook=None, a_checksums=None):
+        if plan.name != site or handed:
+            return run(plan, op, c, fault_hook, a_checksums)
+        handed.append(a_checksums is not None)
+        gemm = plan._work.gemm
+
+        def corrupted(op, c):
+            gemm(op, c)
+            c[1, 2, 3] += 100.0
+
+        monkeypatch.setattr(plan._work, "gemm", corrupted)
+        try:
+            return run(plan, op, c, fault_hook, a_checksums)
+        finally:
+            monkeypatch.setattr(plan._work, "gemm", gemm)
+
+    monkeypatch.setattr(ProtectedMatmul, "run", faulty_run)
+    y, cache = layer.forward(x)
+    events = list(layer.last_report.events)
+    dx, g = layer.backward(dy, cache)
+    events += layer.last_report.events
+    assert handed == [True]  # the product took the softmax kernel's encoding
+    assert any(e.site == site and e.action == "corrected" for e in events), events
+    assert (y == y0).all() and (dx == dx0).all()
+    assert all((g[k] == g0[k]).all() for k in g0)
