@@ -289,14 +289,19 @@ class _Layout:
     """The planned operands' array type, dtype and shapes, to accept an execute's operands
     without re-validating them when they match exactly (arrays of the planned type, dtype and
     shapes, bias C-contiguous, a writable out of the product's shape): the common case, at a
-    few microseconds instead of the tens that :meth:`Operands.prepare` takes."""
+    few microseconds instead of the tens that :meth:`Operands.prepare` takes. It keeps shapes,
+    not the planning arrays."""
 
     kind: type
     dtype: np.dtype
     a_shape: tuple[int, ...]
     b_shape: tuple[int, ...]
     bias_shape: tuple[int, ...] | None
-    planned: Operands
+    xp: Any
+    a3_shape: tuple[int, ...]
+    b3_shape: tuple[int, ...]
+    batch_shape: tuple[int, ...]
+    shape: tuple[int, ...]
 
     @classmethod
     def of(cls, a: Any, b: Any, bias: Any | None, op: Operands) -> "_Layout | None":
@@ -310,11 +315,12 @@ class _Layout:
             return None
         if a.ndim < 2 or b.ndim < 2 or a.size != op.a.size or b.size != op.b.size:
             return None
-        return cls(kind, op.dtype, a.shape, b.shape, None if bias is None else bias.shape, op)
+        return cls(kind, op.dtype, a.shape, b.shape, None if bias is None else bias.shape, op.xp,
+                   op.a.shape, op.b.shape, op.batch_shape, op.shape)
 
     def operands(self, a: Any, b: Any, bias: Any | None, out: Any | None) -> Operands | None:
         """``Operands`` of arrays of exactly this layout, else None (validate them fully)."""
-        kind, dtype, op = self.kind, self.dtype, self.planned
+        kind, dtype = self.kind, self.dtype
         if not (type(a) is kind and type(b) is kind and a.dtype == dtype and b.dtype == dtype
                 and a.shape == self.a_shape and b.shape == self.b_shape):
             return None
@@ -323,11 +329,11 @@ class _Layout:
                 and bias.flags.c_contiguous):
             return None
         if out is not None and not (type(out) is kind and out.dtype == dtype
-                                    and out.shape == op.shape
+                                    and out.shape == self.shape
                                     and (kind is not np.ndarray or out.flags.writeable)):
             return None
-        return Operands(op.xp, a.reshape(op.a.shape), b.reshape(op.b.shape), bias,
-                        op.batch_shape, op.shape, out)
+        return Operands(self.xp, a.reshape(self.a3_shape), b.reshape(self.b3_shape), bias,
+                        self.batch_shape, self.shape, out)
 
 
 def settle_all(plans: list[ProtectedMatmul]) -> list[Report]:

@@ -48,8 +48,9 @@ EXP_FLUSH = -87.3
 
 
 def exp_like(x: Any) -> Any:
-    """``exp(x)`` in the precision of ``x`` (numba only). For float32, ``x`` must be finite or
-    ``-inf`` (not NaN); results below ``exp(-87.3)`` (about 1.2e-38) are 0."""
+    """``exp(x)`` in the precision of ``x`` (numba only). For float32, ``x`` must be at most
+    88.7 or ``-inf`` (not NaN: the softmax's ``z - max z``); results below ``exp(-87.3)`` (about
+    1.2e-38) are 0."""
     raise NotImplementedError("only callable from numba-compiled code")
 
 
@@ -115,8 +116,8 @@ def _log_f64_impl(x):  # noqa: ANN001, ANN202
 @numba.njit(cache=True, inline="always")
 def nonnegative_key(v: float) -> int:
     """An int64 with the order of ``max(v, 0)`` among non-negative floats (NaN: 0), for a max
-    reduction kept in registers (LLVM vectorizes an integer max, not a float max that must keep NaNs); :func:`from_nonnegative_key`
-    turns the largest back into the float."""
+    reduction kept in registers: LLVM vectorizes an integer max, not a float max that must keep
+    NaNs. :func:`from_nonnegative_key` turns the largest back into the float."""
     return _f64_bits(v if v > 0 else 0.0)
 
 
