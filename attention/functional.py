@@ -172,8 +172,8 @@ class _Pass:
             return out
         plan = self.ws.product(site, a, b, bias, mode)
         a_sums = self.sums.get(route.a_sums)
-        if a_sums is not None:
-            a_sums = Checksums(cols=a_sums.reshape(-1, a.shape[-1], 3))
+        if a_sums is not None:  # (batch or 1, k, 3); an empty operand needs none
+            a_sums = Checksums(cols=a_sums.reshape(-1, a.shape[-1], 3)) if a.size else None
         plan.execute(a, b, bias=bias, out=target, fault_hook=self.ctx.fault_hook,
                      a_checksums=a_sums)
         if self.per_site:
