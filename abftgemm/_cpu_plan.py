@@ -57,9 +57,7 @@ def predict_cols(a: Any, a_transposed: bool, b: Any, b_transposed: bool, bias: A
         p[:] = 0.0
         bt, et = b[min(t, b.shape[0] - 1)], enc[min(t, enc.shape[0] - 1)]
         if b_transposed:
-            _sum_rows(bt, et, 0, bt.shape[0], rows)
-            for j in range(bt.shape[0]):
-                p[0, j], p[1, j], p[2, j] = rows[j, 0], rows[j, 1], rows[j, 2]
+            _row_sums_as_columns(bt, et, rows, p)
         else:
             _sum_columns(bt, et, 0, bt.shape[0], p)
         for j in range(bias.shape[0]):
@@ -77,10 +75,7 @@ def encode_cols(a: Any, a_transposed: bool, weights_m: Any, rows: Any, enc: Any)
     (batch, k, m), and each column is a row dot product; ``rows`` is a (k, 5) workspace)."""
     for i in range(enc.shape[0]):
         if a_transposed:
-            at = a[i]
-            _sum_rows(at, weights_m, 0, at.shape[0], rows)
-            for kk in range(at.shape[0]):
-                enc[i, 0, kk], enc[i, 1, kk], enc[i, 2, kk] = rows[kk, 0], rows[kk, 1], rows[kk, 2]
+            _row_sums_as_columns(a[i], weights_m, rows, enc[i])
         else:
             enc[i] = 0.0
             _sum_columns(a[i], weights_m, 0, a.shape[1], enc[i])
@@ -133,6 +128,16 @@ def observe_flag_cols_bits(bits: Any, table: Any, weights_m: Any, pred: Any, c_o
                         last = i
                 o[3], o[4] = count, last
         _judge_columns(pred[t], obs[t], c_obs, c_pred, floor, c_mag, safe, verdict[t])
+
+
+@numba.njit(cache=True, fastmath=_FAST, inline="always")
+def _row_sums_as_columns(xt: Any, c: Any, rows: Any, fields: Any) -> None:
+    """The column sums of the matrix whose transpose is ``xt`` (``(L, r)``, C-contiguous), read
+    along ``xt``'s rows: ``fields[f, j]`` (``(3, L)``) gets row ``j``'s sum with coefficients
+    ``c`` (see ``_sum_rows``); ``rows`` is an ``(>= L, 5)`` workspace."""
+    _sum_rows(xt, c, 0, xt.shape[0], rows)
+    for j in range(xt.shape[0]):
+        fields[0, j], fields[1, j], fields[2, j] = rows[j, 0], rows[j, 1], rows[j, 2]
 
 
 @numba.njit(cache=True, inline="always")

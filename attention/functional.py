@@ -423,6 +423,9 @@ def _merge(xp: Any, t: Any, heads: int, out: Any | None = None) -> Any:
 
 def _gradient_buffers(given: dict[str, Any], inp: "_Inputs") -> dict[str, Any]:
     """Validated ``grads_out``, completed with new arrays for the gradients not given."""
+    unknown = set(given) - set(PARAM_KEYS)
+    if unknown:
+        raise ValueError(f"grads_out has unknown keys {sorted(unknown)}; expected {PARAM_KEYS}")
     xp, par = inp.xp, inp.params
     out = {}
     for k in PARAM_KEYS:
@@ -433,9 +436,6 @@ def _gradient_buffers(given: dict[str, Any], inp: "_Inputs") -> dict[str, Any]:
             raise ValueError(f"grads_out[{k!r}] must be a {xp.__name__} {inp.dtype} array of "
                              f"shape {par[k].shape}")
         out[k] = g
-    unknown = set(given) - set(PARAM_KEYS)
-    if unknown:
-        raise ValueError(f"grads_out has unknown keys {sorted(unknown)}; expected {PARAM_KEYS}")
     return out
 
 

@@ -199,8 +199,8 @@ class _ProtectedAttention(torch.autograd.Function):
         d_in_w, d_out_w = torch.empty_like(in_w), torch.empty_like(out_w)
         d_in_b = torch.empty(in_w.shape[0], dtype=in_w.dtype, device=in_w.device)
         d_out_b = torch.empty(out_w.shape[0], dtype=in_w.dtype, device=in_w.device)
-        grads_out = _params(d_in_w, d_in_b, d_out_w, d_out_b)
-        del grads_out["w_qkv"]
+        grads_out = {k: v for k, v in _params(d_in_w, d_in_b, d_out_w, d_out_b).items()
+                     if k != "w_qkv"}
         dx, _ = attention_backward(ctx.saved, _array(dy.contiguous()), context,
                                    workspace=module._workspace, grads_out=grads_out)
         module.last_report = ctx.report
