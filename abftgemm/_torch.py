@@ -20,6 +20,12 @@ def is_tensor(x: object) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def any_tensor(*xs: object) -> bool:
+    """True when any of ``xs`` is a torch tensor (without importing torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and any(isinstance(x, torch.Tensor) for x in xs)
+
+
 def to_array(t: Any, label: str) -> Any:
     """The NumPy (CPU) or CuPy (CUDA) array sharing ``t``'s memory.
 

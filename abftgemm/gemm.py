@@ -12,14 +12,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from abftgemm._torch import is_tensor, tensor_matmul
+from abftgemm._torch import any_tensor, tensor_matmul
 from abftgemm.backend import Backend, array_module, get_backend
 from abftgemm.checksums import Checksums
 from abftgemm.encode import observe, predict, predict_rows
 from abftgemm.locate import Verdict, diagnose, verify, verify_rows
 from abftgemm.operands import Operands
 from abftgemm.plan import DIRECTIONS
-from abftgemm.plan_cache import cached_plan
+from abftgemm.plan_cache import cached_plan, planned_operands
 from abftgemm.nonfinite import settle_unverifiable
 from abftgemm.repair import repair_batch
 from abftgemm.report import Report, announce
@@ -107,7 +107,7 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
     UncorrectableError
         When checksums and recomputation could not produce a verified result.
     """
-    if any(is_tensor(x) for x in (a, b, out, bias)):
+    if any_tensor(a, b, out, bias):
         return tensor_matmul(matmul, a, b, out, bias, check=check, directions=directions,
                              fault_hook=fault_hook, name=name, return_report=return_report,
                              a_checksums=a_checksums, b_checksums=b_checksums,
@@ -116,13 +116,19 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
         raise ValueError(f"check must be one of {CHECK_MODES}, got {check!r}")
     if directions not in DIRECTIONS:
         raise ValueError(f"directions must be one of {DIRECTIONS}, got {directions!r}")
-    op = Operands.prepare(a, b, bias, out)
     report, checksums = Report(), None
-    if check == "off" or op.batch * op.m * op.n == 0:
+    found = None if check == "off" else planned_operands(a, b, bias, out, check, directions,
+                                                         name)
+    if found is not None:
+        plan, op = found
+    else:
+        op = Operands.prepare(a, b, bias, out)
+    if found is None and (check == "off" or op.batch * op.m * op.n == 0):
         _, _, buf = _product(op, fault_hook, name)
     else:
         buf = op.buffer()
-        plan = cached_plan(op, check, directions, name)
+        if found is None:
+            plan = cached_plan(op, check, directions, name, (a, b, bias))
         try:
             plan.run(op, buf, fault_hook, a_checksums)
             report, sums = plan.settle(checksums=True)

@@ -15,19 +15,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_counts_by_hand() -> None:
-    # batch 1, 1 head, seq 2, head_dim 2: every product is 2x2 @ 2x2, float32 (4 bytes).
+    # batch 1, 1 head, seq 2, head_dim 2: every product is 2x2 @ 2x2, float32 (4 bytes). Every
+    # element a pass reads (or sums) costs 3 multiply-adds = 6 FLOPs; every checked vector
+    # (column, or row for the consumer-verified sites) 48 bytes of checksums (3 x 2 x float64).
     costs = check_costs(1, 1, 2, 2)
-    # scores: row checksums only, operands' encodings passed, observed by the softmax:
-    # predict A (B E) reads A (4 elements, 4*2*2 = 16 FLOPs), observe 4*2*2 = 16 FLOPs,
-    # 2 checksum entries of 32 bytes.
-    assert costs["scores"] == CheckCost(bytes=4 * 4 + 2 * 32, flops=16 + 16)
-    # q_proj: both directions, both operands encoded (X's shared encoding is charged here):
-    # reads: encode A 4 + encode B 4 + predict columns (reads B) 4 + predict rows (reads A) 4
-    # + C once 4 = 20 elements; FLOPs 4 * 4 each for the two encodings, the two predictions and
-    # the two observations = 96; 4 checksum entries.
-    assert costs["q_proj"] == CheckCost(bytes=20 * 4 + 4 * 32, flops=96)
-    # k_proj gets X's encoding passed: 4 elements and 16 FLOPs fewer
-    assert costs["k_proj"] == CheckCost(bytes=16 * 4 + 4 * 32, flops=80)
+    # q_proj: columns, X encoded (ROUTES passes nothing): encode A 4 + predict (reads B) 4
+    # + observe C 4 = 12 elements read, 12 * 6 = 72 FLOPs; 2 columns checked.
+    assert costs["q_proj"] == CheckCost(bytes=12 * 4 + 2 * 48, flops=72)
+    # k_proj encodes X again (no shared encoding in ROUTES): the same as q_proj
+    assert costs["k_proj"] == costs["q_proj"]
+    # context gets P's column encoding passed (a_sums): reads B 4 + C 4 = 8, 48 FLOPs
+    assert costs["context"] == CheckCost(bytes=8 * 4 + 2 * 48, flops=48)
+    # out_proj gets the context's observed encoding: the same
+    assert costs["out_proj"] == costs["context"]
+    # scores: row checksums A (B E) only, B E passed: reads A 4; the softmax sums C's 4
+    # elements on its own read (FLOPs, no bytes): (4 + 4) * 6 = 48 FLOPs; 2 rows checked.
+    assert costs["scores"] == CheckCost(bytes=4 * 4 + 2 * 48, flops=48)
+    assert costs["d_probs"] == costs["scores"]
     assert set(costs) == set(SITES)
 
 

@@ -2,34 +2,50 @@
 
 The inputs of :func:`attention.plan.adaptive_frequencies` must be reproducible, and timings of
 one site's checks on a CPU are not (they sit inside the noise of a whole layer step).  So the cost
-of a site is counted from the shape, following the checking plan (:mod:`attention.plan`): for
-``C = A B`` (``m x k`` by ``k x n``, ``count`` such products per layer call)
+of a site is counted from the shape, following the checking plan (:mod:`attention.plan`) on its
+clean path.  For ``C = A B`` (``m x k`` by ``k x n``, ``count`` such products per layer call) a
+site verified by its column checksums (``verify == "columns"`` in :data:`attention.plan.ROUTES`)
 
-- encoding an operand that is not passed in (``E^T A``: 2 weighted sums per column of ``A``;
-  ``B E``: 2 per row of ``B``) reads it once: ``m k`` (``k n``) elements, ``4 m k`` (``4 k n``)
-  FLOPs;
-- predicting the column checksums ``(E^T A) B`` reads ``B`` once, ``4 k n`` FLOPs; the row
-  checksums ``A (B E)`` read ``A`` once, ``4 m k`` FLOPs;
-- observing ``C`` reads it once (except for the scores, whose row checksums the softmax observes
-  on the read it makes anyway), 4 FLOPs per element and direction;
-- the predicted and observed checksums (2 vectors per direction, float64) are written and read
-  back once: ``32`` bytes per checksum entry.
+1. encodes ``A`` (``E^T A``: plain, location-weighted and absolute column sums), reading it once
+   (``m k`` elements), unless its route passes that encoding in (``Route.a_sums``: observed by an
+   earlier product, or made by the softmax kernel that wrote ``A``);
+2. predicts the column checksums ``(E^T A) B``, reading ``B`` once (``k n`` elements);
+3. observes ``C``'s column checksums and judges every column, reading ``C`` once (``m n``).
 
-Weights (``W``, ``count == 1``) are read once per call like any operand.  The layer input ``X``
-is encoded once for the three projections; that pass is charged to ``q_proj``.  Each pass is
-counted once, as a CPU or GPU kernel that streams the operand makes it; comparing the checksums
-(``O(m + n)``) is left out.  :func:`model_ms` turns the counts into milliseconds with a nominal
+A site whose rows are verified by their consumer (``verify == "rows by consumer"``: the scores
+and ``dP``) predicts its row checksums ``A (B E)`` only, with ``B E`` passed in (``Route.b_rows``),
+reading ``A`` once (``m k``); the softmax kernel observes them on the read of ``C`` it makes
+anyway, so no read of ``C`` is charged, only its sums.  The row direction of the other sites is
+computed on the rare path, after a column flags, and is not charged.
+
+The counting rule, the same for every pass:
+
+- bytes: the elements a pass reads times ``itemsize``, plus :data:`CHECKSUM_ENTRY_BYTES` per
+  vector checked (each column of ``C``; each row for a site verified by its consumer);
+- FLOPs: each element a pass reads (or, for a consumer-verified ``C``, sums) enters 3 sums, each
+  a multiply-add by a coefficient (a weight of the encoding, or an entry of an encoding the pass
+  carries through, as the kernels compute them): :data:`FLOPS_PER_ELEMENT` = 3 x 2 FLOPs.
+
+Weights (``W``, ``count == 1``) are read once per call like any operand.  Whether ``A`` is
+encoded is read from ``ROUTES``, which counts the encodings of ``P``, ``dS`` and their transposes
+as passed (the CPU softmax kernels make them; on the GPU those four products read their
+operand).  Comparing the checksums (``O(m + n)``) and adding a bias's share to the prediction
+(``O(n)``) are left out.  :func:`model_ms` turns the counts into milliseconds with a nominal
 bandwidth and FLOP rate: the same shape always gives the same costs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attention.plan import SITES
+from attention.plan import ROUTES, SITES
 
-#: Bytes of one predicted-and-observed checksum entry: 2 vectors (plain, weighted) x 2 (predicted,
-#: observed) x 8 (float64).
-CHECKSUM_ENTRY_BYTES = 32
+#: Bytes of one checked vector's checksum entry: its 3 checksums (plain, weighted, absolute),
+#: predicted and observed, in float64: 3 x 2 x 8.  Each is written by the pass that makes it and
+#: read back once by the judgement; the round trip is charged once.
+CHECKSUM_ENTRY_BYTES = 48
+
+#: FLOPs per element entering a pass: 3 sums, each a multiply-add (2 FLOPs).
+FLOPS_PER_ELEMENT = 6
 
 
 @dataclass(frozen=True)
@@ -40,10 +56,12 @@ class SiteGemm:
     ----------
     count, m, k, n : int
         ``count`` products ``(m x k) @ (k x n)`` per layer call.
-    encode_a, encode_b : bool
-        Whether the checks encode ``A`` (``E^T A``) or ``B`` (``B E``) themselves (False: passed).
-    rows_only : bool
-        Only the row checksums are verified, observed by the consumer's own read of ``C``.
+    encode_a : bool
+        The column checks encode ``A`` themselves (False: its encoding is passed in, or the site
+        is verified by its consumer).
+    rows_by_consumer : bool
+        Only the row checksums are predicted (reading ``A``); the consumer observes them on its
+        own read of ``C``.
     """
 
     count: int
@@ -51,8 +69,7 @@ class SiteGemm:
     k: int
     n: int
     encode_a: bool = True
-    encode_b: bool = True
-    rows_only: bool = False
+    rows_by_consumer: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,42 +81,36 @@ class CheckCost:
 
 
 def site_gemms(batch: int, heads: int, seq: int, head_dim: int) -> dict[str, SiteGemm]:
-    """The product of every site of :data:`attention.SITES` for one forward+backward."""
+    """The product of every site of :data:`attention.SITES` for one forward+backward
+    (self-attention), with what its checks do as :data:`attention.plan.ROUTES` routes it."""
     t, d, bh = batch * seq, heads * head_dim, batch * heads
-    s, hd = seq, head_dim
-    proj = SiteGemm(1, t, d, d)
-    return {
-        "q_proj": proj,                                  # X's encoding, shared, charged here
-        "k_proj": SiteGemm(1, t, d, d, encode_a=False),
-        "v_proj": SiteGemm(1, t, d, d, encode_a=False),
-        "scores": SiteGemm(bh, s, hd, s, encode_a=False, encode_b=False, rows_only=True),
-        "context": SiteGemm(bh, s, s, hd),
-        "out_proj": SiteGemm(1, t, d, d, encode_a=False),
-        "d_wo": SiteGemm(1, d, t, d),
-        "d_context": proj,
-        "d_probs": SiteGemm(bh, s, hd, s, encode_a=False, encode_b=False),
-        "d_v": SiteGemm(bh, s, s, hd),
-        "d_q": SiteGemm(bh, s, s, hd),
-        "d_k": SiteGemm(bh, s, s, hd),
-        "d_wq": SiteGemm(1, d, t, d),
-        "d_wk": SiteGemm(1, d, t, d),
-        "d_wv": SiteGemm(1, d, t, d),
-        "d_x": SiteGemm(1, t, 3 * d, d),
+    proj, weight_grad = (1, t, d, d), (1, d, t, d)
+    qk, pv = (bh, seq, head_dim, seq), (bh, seq, seq, head_dim)  # like Q K^T, like P V
+    shapes = {
+        "q_proj": proj, "k_proj": proj, "v_proj": proj, "scores": qk, "context": pv,
+        "out_proj": proj, "d_wo": weight_grad, "d_context": proj, "d_probs": qk, "d_v": pv,
+        "d_q": pv, "d_k": pv, "d_wq": weight_grad, "d_wk": weight_grad, "d_wv": weight_grad,
+        "d_x": (1, t, 3 * d, d),
     }
+    gemms: dict[str, SiteGemm] = {}
+    for site in SITES:
+        route = ROUTES[site]
+        by_consumer = route.verify == "rows by consumer"
+        gemms[site] = SiteGemm(*shapes[site], encode_a=not by_consumer and route.a_sums is None,
+                               rows_by_consumer=by_consumer)
+    return gemms
 
 
 def check_cost(g: SiteGemm, itemsize: int) -> CheckCost:
     """Bytes and FLOPs of the checks of ``g`` (module docstring), elements of ``itemsize``."""
     m, k, n = g.m, g.k, g.n
-    elements = flops = 0
-    if not g.rows_only:  # column checksums (E^T A) B, and the one read of C both directions use
-        elements += k * n + (m * k if g.encode_a else 0) + m * n
-        flops += 4 * k * n + (4 * m * k if g.encode_a else 0) + 4 * m * n
-    elements += m * k + (k * n if g.encode_b else 0)   # row checksums A (B E)
-    flops += 4 * m * k + (4 * k * n if g.encode_b else 0) + 4 * m * n
-    entries = m if g.rows_only else m + n
-    return CheckCost(bytes=g.count * (elements * itemsize + entries * CHECKSUM_ENTRY_BYTES),
-                     flops=g.count * flops)
+    if g.rows_by_consumer:  # predict A (B E); the consumer sums C on its own read
+        read, summed, vectors = m * k, m * k + m * n, m
+    else:  # encode A (unless passed), predict (E^T A) B, observe C
+        read = (m * k if g.encode_a else 0) + k * n + m * n
+        summed, vectors = read, n
+    return CheckCost(bytes=g.count * (read * itemsize + vectors * CHECKSUM_ENTRY_BYTES),
+                     flops=g.count * FLOPS_PER_ELEMENT * summed)
 
 
 def check_costs(batch: int, heads: int, seq: int, head_dim: int,
