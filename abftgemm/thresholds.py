@@ -19,12 +19,13 @@ fault the two differ only by rounding:
 - partial sums in the data's precision: a kernel may sum up to :data:`CHECKSUM_BLOCK` elements
   (times coefficients rounded to that precision) in ``u_acc`` before adding them to a float64
   checksum (the CPU kernels of a plan's fast path do, so that float32 data is summed eight lanes
-  wide; the rare path's reductions sum in float64). Each such sum
-  is off by at most ``(CHECKSUM_BLOCK + 1) * u_acc`` of the sum of its terms' magnitudes
+  wide; the rare path's reductions sum in float64). Each such sum is off by at most
+  ``(CHECKSUM_BLOCK + 1) * u_acc`` of the sum of its terms' magnitudes
   (Higham, Lemma 3.4, with the rounding of the coefficient). The observed checksum of ``C`` is
   one such sum (relative to ``sum |C|``); the prediction is two, ``1^T A`` and then its product
   with ``B`` (relative to ``S``). :data:`PARTIAL_SUMS` rounds the factor up to
-  ``CHECKSUM_BLOCK + 2``.
+  ``CHECKSUM_BLOCK + 2``. Float64 data is summed in float64 throughout, which the checksum term
+  above already bounds in any order, so this term applies to 16- and 32-bit data only.
 
 ``KAPPA`` was calibrated on adversarial clean data (all-positive, identical rows, badly scaled rows
 and columns, k up to 8192) on both backends; see docs/thresholds.md for the measurement. The same
@@ -67,7 +68,7 @@ def threshold_coefficients(k: int, length: int, dtype: np.dtype,
     u_out = unit_roundoff(dtype)
     u_acc = unit_roundoff(accumulation_dtype(dtype))
     checksum = _U64 * (length + k)
-    partial = _MARGIN * PARTIAL_SUMS * u_acc
+    partial = _MARGIN * PARTIAL_SUMS * u_acc if u_acc > _U64 else 0.0  # float64: in `checksum`
     c_pred = KAPPA * u_acc * math.sqrt(max(k, 1)) + checksum + 2 * partial
     if bias:
         c_pred += u_out
@@ -92,7 +93,7 @@ def magnitude_coefficient(k: int, length: int, dtype: np.dtype) -> float:
     u_out = unit_roundoff(dtype)
     u_acc = unit_roundoff(accumulation_dtype(dtype))
     growth = math.exp((k + 1) * math.log1p(u_acc)) * (1 + u_out) ** 2
-    partial = (1 + PARTIAL_SUMS * u_acc) ** 3
+    partial = (1 + PARTIAL_SUMS * u_acc) ** 3 if u_acc > _U64 else 1.0
     return growth * partial * math.exp(2 * (length + k) * math.log1p(_U64)) * _MARGIN
 
 

@@ -70,10 +70,11 @@ def worst_case_bound(a64: np.ndarray, b64: np.ndarray, c64: np.ndarray, name: st
     float64 checksum sums of a vector of ``L`` elements add ``(L + k) u_64`` relative to both sums;
     the checksum kernels' partial sums of up to ``CHECKSUM_BLOCK`` terms in ``u_acc`` add
     ``(CHECKSUM_BLOCK + 1) u_acc`` relative to ``sum |c|`` (the observation, one such sum) and
-    twice that relative to ``S`` (the prediction: ``1^T A``, then its product with ``B``).
+    twice that relative to ``S`` (the prediction: ``1^T A``, then its product with ``B``); float64
+    data is summed in float64 throughout (covered by the ``(L + k) u_64`` term).
     """
     u_out, u_acc, u64 = U[name], _u_acc(name), U["float64"]
-    partial = (CHECKSUM_BLOCK + 1) * u_acc
+    partial = 0.0 if name == "float64" else (CHECKSUM_BLOCK + 1) * u_acc
     k = a64.shape[-1]
     p = np.abs(a64) @ np.abs(b64)          # P_ij = sum_c |a_ic b_cj|
     abs_c = np.abs(c64)
