@@ -201,6 +201,35 @@ def test_misuse_raises_clearly(xp):
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
+def test_matmul_reuses_a_plan_without_revalidating_known_layouts(xp, monkeypatch):
+    """Repeated calls with arrays of a layout seen before skip ``Operands.prepare``; anything
+    else (another dtype, a bad ``out``, a broadcast) is validated as on the first call."""
+    from abftgemm.operands import Operands
+
+    abftgemm.clear_plan_cache()
+    a, b, bias = _operands(xp, np.float32, bias=True)
+    first = abftgemm.matmul(a, b, bias=bias)
+    prepared = []
+    real = Operands.prepare.__func__
+    monkeypatch.setattr(Operands, "prepare",
+                        classmethod(lambda cls, *args: prepared.append(1) or real(cls, *args)))
+    out = xp.empty_like(first)
+    again = abftgemm.matmul(a, b, bias=bias, out=out)
+    assert again is out and prepared == []
+    assert (_host(again) == _host(first)).all()
+    with pytest.raises(ValueError, match="shape"):
+        abftgemm.matmul(a, b, bias=bias, out=xp.empty((3, 32, 21), dtype=np.float32))
+    assert prepared == [1]
+    wider = abftgemm.matmul(a.astype(np.float64), b.astype(np.float64), bias=bias)
+    assert wider.dtype == np.float64 and len(prepared) > 1  # validated (and planned: again)
+    assert (_host(wider) == _host(first)).all()
+    seen = len(prepared)
+    abftgemm.clear_plan_cache()
+    abftgemm.matmul(a, b, bias=bias)  # the layouts went with the plans
+    assert len(prepared) > seen
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
 def test_the_column_fast_paths_trade_is_what_the_docs_say(xp):
     """docs/detection.md: errors +e, -2e, +e in consecutive rows of one column leave both the
     plain and the (linearly) weighted column sums unchanged, so ``directions="columns"`` cannot
