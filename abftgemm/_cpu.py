@@ -89,33 +89,89 @@ def _col_reduce(x: Any, coef: Any, out: Any) -> None:
         _store_columns(xb, p, out[b])
 
 
-@numba.njit(cache=True, fastmath=_FAST, inline="always")
 def _sum_columns(x: Any, c: Any, i0: int, i1: int, p: Any, s: Any) -> None:
-    """``p[f, j] += sum over rows i0..i1 of c[f, i] * x[i, j]`` (``|x|`` for f = 2).
+    """``p[f, j] += sum over rows i0..i1 of c[f, i] * x[i, j]`` (``|x|`` for f = 2), with ``s``
+    a ``(3, ncols)`` workspace whose dtype picks the arithmetic (numba only).
 
-    Rows go in blocks of :data:`CHECKSUM_BLOCK` summed in ``s``'s precision into ``s``
-    (``(3, ncols)``), each block then added to the float64 ``p``. With a float32 ``s`` (the
-    planned fast path, for float32 and 16-bit data) the sums run eight SIMD lanes wide, twice the
-    float64 width (2048x256: 0.137 -> 0.072 ms), and their rounding is in the thresholds
-    (``abftgemm.thresholds``); with a float64 ``s`` (the rare path's reductions, float64 data)
-    every product and sum is float64, so the checksums that locate and rebuild elements are as
-    exact as the data allows. Leftover rows are added one at a time in float64.
+    With a float32 ``s`` (the planned fast path, for float32 and 16-bit data), rows go in blocks
+    of :data:`CHECKSUM_BLOCK` summed in float32 into ``s``, eight SIMD lanes wide, twice the
+    float64 width (2048x256: 0.137 -> 0.072 ms); each block is then added to the float64 ``p``,
+    and the thresholds allow for the rounding (``abftgemm.thresholds``). With a float64 ``s``
+    (the rare path's reductions, float64 data) every product and sum is float64, eight rows per
+    update of ``p``, so the checksums that locate and rebuild elements are as exact as the data
+    allows.
     """
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+@overload(_sum_columns, inline="always")
+def _sum_columns_impl(x, c, i0, i1, p, s):  # noqa: ANN001 (numba compares signatures)
+    if s.dtype == numba.types.float32:
+        def blocked(x, c, i0, i1, p, s):  # noqa: ANN001, ANN202
+            _sum_columns_blocked(x, c, i0, i1, p, s)
+        return blocked
+
+    def float64(x, c, i0, i1, p, s):  # noqa: ANN001, ANN202
+        _sum_columns_float64(x, c, i0, i1, p, s)
+    return float64
+
+
+@numba.njit(cache=True, fastmath=_FAST, inline="always")
+def _sum_columns_blocked(x: Any, c: Any, i0: int, i1: int, p: Any, s: Any) -> None:
+    """:func:`_sum_columns` in float32 blocks (``s`` float32)."""
     p0, p1, p2 = p[0], p[1], p[2]
+    s0, s1, s2 = s[0], s[1], s[2]
     i = i0
     while i + _HALF_BLOCK <= i1:
-        _sum_eight_rows(x, c, i, s, True)
-        if i + CHECKSUM_BLOCK <= i1:
-            _sum_eight_rows(x, c, i + _HALF_BLOCK, s, False)
-            i += CHECKSUM_BLOCK
-        else:
-            i += _HALF_BLOCK
-        s0, s1, s2 = s[0], s[1], s[2]
+        rows = CHECKSUM_BLOCK if i + CHECKSUM_BLOCK <= i1 else _HALF_BLOCK
+        for j in range(p0.shape[0]):
+            s0[j] = s1[j] = s2[j] = 0
+        for h in range(0, rows, _HALF_BLOCK):
+            _sum_eight_rows(x, c, i + h, s)
         for j in range(p0.shape[0]):
             p0[j] += s0[j]
             p1[j] += s1[j]
             p2[j] += s2[j]
-    while i < i1:
+        i += rows
+    _sum_rows_one_by_one(x, c, i, i1, p)
+
+
+@numba.njit(cache=True, fastmath=_FAST, inline="always")
+def _sum_columns_float64(x: Any, c: Any, i0: int, i1: int, p: Any, s: Any) -> None:
+    """:func:`_sum_columns` in float64 throughout (``s`` unused)."""
+    p0, p1, p2 = p[0], p[1], p[2]
+    i = i0
+    while i + _HALF_BLOCK <= i1:
+        r0, r1, r2, r3 = x[i], x[i + 1], x[i + 2], x[i + 3]
+        r4, r5, r6, r7 = x[i + 4], x[i + 5], x[i + 6], x[i + 7]
+        a0, w0, g0 = _vector_coefficients(c, i)
+        a1, w1, g1 = _vector_coefficients(c, i + 1)
+        a2, w2, g2 = _vector_coefficients(c, i + 2)
+        a3, w3, g3 = _vector_coefficients(c, i + 3)
+        a4, w4, g4 = _vector_coefficients(c, i + 4)
+        a5, w5, g5 = _vector_coefficients(c, i + 5)
+        a6, w6, g6 = _vector_coefficients(c, i + 6)
+        a7, w7, g7 = _vector_coefficients(c, i + 7)
+        for j in range(p0.shape[0]):
+            v0, v1 = np.float64(r0[j]), np.float64(r1[j])
+            v2, v3 = np.float64(r2[j]), np.float64(r3[j])
+            v4, v5 = np.float64(r4[j]), np.float64(r5[j])
+            v6, v7 = np.float64(r6[j]), np.float64(r7[j])
+            p0[j] += (a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
+                      + a4 * v4 + a5 * v5 + a6 * v6 + a7 * v7)
+            p1[j] += (w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3
+                      + w4 * v4 + w5 * v5 + w6 * v6 + w7 * v7)
+            p2[j] += (g0 * abs(v0) + g1 * abs(v1) + g2 * abs(v2) + g3 * abs(v3)
+                      + g4 * abs(v4) + g5 * abs(v5) + g6 * abs(v6) + g7 * abs(v7))
+        i += _HALF_BLOCK
+    _sum_rows_one_by_one(x, c, i, i1, p)
+
+
+@numba.njit(cache=True, fastmath=_FAST, inline="always")
+def _sum_rows_one_by_one(x: Any, c: Any, i0: int, i1: int, p: Any) -> None:
+    """The leftover rows of :func:`_sum_columns`, one at a time in float64."""
+    p0, p1, p2 = p[0], p[1], p[2]
+    for i in range(i0, i1):
         r0 = x[i]
         a0, w0, g0 = _vector_coefficients(c, i)
         for j in range(p0.shape[0]):
@@ -123,58 +179,39 @@ def _sum_columns(x: Any, c: Any, i0: int, i1: int, p: Any, s: Any) -> None:
             p0[j] += a0 * v0
             p1[j] += w0 * v0
             p2[j] += g0 * abs(v0)
-        i += 1
 
 
-@numba.njit(cache=True, fastmath=_FAST, inline="always")
-def _sum_eight_rows(x: Any, c: Any, i: int, s: Any, start: bool) -> None:
-    """``s[f, j] (=|+=) sum over rows i..i+8 of c[f, r] * x[r, j]`` in ``s``'s precision."""
+@numba.njit(cache=True, fastmath=_FAST)
+def _sum_eight_rows(x: Any, c: Any, i: int, s: Any) -> None:
+    """``s[f, j] += sum over rows i..i+8 of c[f, r] * x[r, j]`` in float32 (``s`` float32; compiled
+    once per signature, not inlined into every caller: that doubled the cold compile time)."""
     s0, s1, s2 = s[0], s[1], s[2]
     r0, r1, r2, r3 = x[i], x[i + 1], x[i + 2], x[i + 3]
     r4, r5, r6, r7 = x[i + 4], x[i + 5], x[i + 6], x[i + 7]
-    a0, w0, g0 = _coefficients_like(s, c, i)
-    a1, w1, g1 = _coefficients_like(s, c, i + 1)
-    a2, w2, g2 = _coefficients_like(s, c, i + 2)
-    a3, w3, g3 = _coefficients_like(s, c, i + 3)
-    a4, w4, g4 = _coefficients_like(s, c, i + 4)
-    a5, w5, g5 = _coefficients_like(s, c, i + 5)
-    a6, w6, g6 = _coefficients_like(s, c, i + 6)
-    a7, w7, g7 = _coefficients_like(s, c, i + 7)
-    if start:
-        for j in range(s0.shape[0]):
-            v0, v1, v2, v3 = r0[j], r1[j], r2[j], r3[j]
-            v4, v5, v6, v7 = r4[j], r5[j], r6[j], r7[j]
-            s0[j] = (a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
-                     + a4 * v4 + a5 * v5 + a6 * v6 + a7 * v7)
-            s1[j] = (w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3
-                     + w4 * v4 + w5 * v5 + w6 * v6 + w7 * v7)
-            s2[j] = (g0 * abs(v0) + g1 * abs(v1) + g2 * abs(v2) + g3 * abs(v3)
-                     + g4 * abs(v4) + g5 * abs(v5) + g6 * abs(v6) + g7 * abs(v7))
-    else:
-        for j in range(s0.shape[0]):
-            v0, v1, v2, v3 = r0[j], r1[j], r2[j], r3[j]
-            v4, v5, v6, v7 = r4[j], r5[j], r6[j], r7[j]
-            s0[j] += (a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
-                      + a4 * v4 + a5 * v5 + a6 * v6 + a7 * v7)
-            s1[j] += (w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3
-                      + w4 * v4 + w5 * v5 + w6 * v6 + w7 * v7)
-            s2[j] += (g0 * abs(v0) + g1 * abs(v1) + g2 * abs(v2) + g3 * abs(v3)
-                      + g4 * abs(v4) + g5 * abs(v5) + g6 * abs(v6) + g7 * abs(v7))
+    a0, w0, g0 = _float32_coefficients(c, i)
+    a1, w1, g1 = _float32_coefficients(c, i + 1)
+    a2, w2, g2 = _float32_coefficients(c, i + 2)
+    a3, w3, g3 = _float32_coefficients(c, i + 3)
+    a4, w4, g4 = _float32_coefficients(c, i + 4)
+    a5, w5, g5 = _float32_coefficients(c, i + 5)
+    a6, w6, g6 = _float32_coefficients(c, i + 6)
+    a7, w7, g7 = _float32_coefficients(c, i + 7)
+    for j in range(s0.shape[0]):
+        v0, v1, v2, v3 = r0[j], r1[j], r2[j], r3[j]
+        v4, v5, v6, v7 = r4[j], r5[j], r6[j], r7[j]
+        s0[j] += (a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
+                  + a4 * v4 + a5 * v5 + a6 * v6 + a7 * v7)
+        s1[j] += (w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3
+                  + w4 * v4 + w5 * v5 + w6 * v6 + w7 * v7)
+        s2[j] += (g0 * abs(v0) + g1 * abs(v1) + g2 * abs(v2) + g3 * abs(v3)
+                  + g4 * abs(v4) + g5 * abs(v5) + g6 * abs(v6) + g7 * abs(v7))
 
 
-def _coefficients_like(s: Any, c: Any, l: int) -> tuple[Any, Any, Any]:
-    """:func:`_vector_coefficients` ``(c, l)`` rounded to ``s``'s dtype (float32 or float64)."""
-    raise NotImplementedError("only callable from numba-compiled code")
-
-
-@overload(_coefficients_like, inline="always")
-def _coefficients_like_impl(s, c, l):  # noqa: ANN001 (numba compares signatures)
-    if s.dtype == numba.types.float32:
-        def as_float32(s, c, l):
-            a, w, g = _vector_coefficients(c, l)
-            return np.float32(a), np.float32(w), np.float32(g)
-        return as_float32
-    return lambda s, c, l: _vector_coefficients(c, l)
+@numba.njit(cache=True, inline="always")
+def _float32_coefficients(c: Any, l: int) -> tuple[Any, Any, Any]:
+    """:func:`_vector_coefficients` ``(c, l)`` rounded to float32."""
+    a, w, g = _vector_coefficients(c, l)
+    return np.float32(a), np.float32(w), np.float32(g)
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
