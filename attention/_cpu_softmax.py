@@ -73,6 +73,7 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
     """
     bh, sq, sk = scores.shape
     weights = _location_weights(sk)
+    logs = np.empty(sk, probs.dtype)
     encode = cols.shape[0] == bh
     for t in range(bh):
         am = attn_add[min(t, attn_add.shape[0] - 1)]
@@ -93,7 +94,7 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
                 _softmax_row(row, scale[0], add, False, keys, False, visible, out)
             if check:
                 _check_row_masked(out, row, scale[0], add, has_attn, keys, has_keys, visible,
-                                  floor, errors)
+                                  floor, logs, errors)
             if encode:
                 _encode_row(out, weights, i, sq, cols[t], rows[t, i])
 
@@ -105,13 +106,14 @@ def check_forward(probs: Any, scores: Any, scale: Any, key_visible: Any, has_key
     """The invariant check of :func:`forward` alone (``probs`` as delivered, any float dtype
     numba reads: float32/float64)."""
     bh, sq, sk = scores.shape
+    logs = np.empty(sk, probs.dtype)
     for t in range(bh):
         am = attn_add[min(t, attn_add.shape[0] - 1)]
         keys = key_visible[min(t // heads, key_visible.shape[0] - 1)]
         for i in range(sq):
             _check_row_masked(probs[t, i], scores[t, i], scale[0], am[min(i, am.shape[0] - 1)],
                               has_attn, keys, has_keys, min(i + 1, sk) if causal else sk, floor,
-                              errors)
+                              logs, errors)
 
 
 @numba.njit(cache=True)
@@ -208,25 +210,29 @@ def _z(s: Any, j: int, sc: Any, add: Any, has_attn: bool) -> float:
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
 def _check_row_masked(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any,
-                      has_keys: bool, visible: int, floor: float,
+                      has_keys: bool, visible: int, floor: float, logs: Any,
                       errors: Any) -> None:
     """:func:`_check_row` compiled once per mask combination (no flag tested per element)."""
     if has_attn and has_keys:
-        _check_row(p, s, sc, add, True, keys, True, visible, floor, errors)
+        _check_row(p, s, sc, add, True, keys, True, visible, floor, logs, errors)
     elif has_attn:
-        _check_row(p, s, sc, add, True, keys, False, visible, floor, errors)
+        _check_row(p, s, sc, add, True, keys, False, visible, floor, logs, errors)
     elif has_keys:
-        _check_row(p, s, sc, add, False, keys, True, visible, floor, errors)
+        _check_row(p, s, sc, add, False, keys, True, visible, floor, logs, errors)
     else:
-        _check_row(p, s, sc, add, False, keys, False, visible, floor, errors)
+        _check_row(p, s, sc, add, False, keys, False, visible, floor, logs, errors)
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
 def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has_keys: bool,
-               visible: int, floor: float, errors: Any) -> None:
+               visible: int, floor: float, logs: Any, errors: Any) -> None:
     """Fold one row's invariant errors into ``errors`` (the forward check of
     :func:`check_forward`): z is recomputed from the raw scores, not taken from the softmax's
-    own arithmetic. The largest probability is the identity's reference entry."""
+    own arithmetic. The largest probability is the identity's reference entry. ``logs``: a
+    workspace of the row's length and ``p``'s dtype for the logarithms, taken in a loop of their
+    own: in ``p``'s precision that loop vectorizes at its full width (eight lanes for float32),
+    which the float64 loop around it would halve (2.3 -> 1.6 ms for the identity at 16 x 256 x
+    256, causal)."""
     n_bad = 0
     n_seen = 0
     total = 0.0
@@ -257,13 +263,15 @@ def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has
     log_top = math.log(top)
     z_top = _z(s, arg, sc, add, has_attn)
     threshold = floor * top
+    for j in range(visible):
+        logs[j] = log_f64(p[j])  # exact in p's dtype: the float32 log is computed in float32
     worst_key = z_max_key = nonnegative_key(0.0)
     for j in range(visible):  # finite z and p here: the maxima need no NaN rule
         z = _z(s, j, sc, add, has_attn)
         use = (np.float64(p[j]) > threshold) & (z != -math.inf)
         if has_keys:
             use = use & keys[j]
-        err = abs(log_f64(p[j]) - log_top - (z - z_top))
+        err = abs(np.float64(logs[j]) - log_top - (z - z_top))
         worst_key = max(worst_key, nonnegative_key(err if use else 0.0))
         z_max_key = max(z_max_key, nonnegative_key(abs(z) if use else 0.0))
     errors[1] = _worse(errors[1], from_nonnegative_key(worst_key))
