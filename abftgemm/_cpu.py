@@ -47,7 +47,7 @@ def _scan(v: Any, out: Any) -> None:
 # location weights) load only the weight vector: loading three coefficient vectors per element had
 # made the row pass 0.88 ms, against 0.53 ms.
 
-_HALF_BLOCK = 8  # rows per step of a block (the loop body of _sum_eight_rows is written out for 8)
+_HALF_BLOCK = 8  # rows per step (the loop body of _add_eight_rows is written out for 8)
 _ROW_STEP = 4  # rows per row-sum step, each coefficient loaded once per step (written out for 4)
 
 
@@ -112,7 +112,11 @@ def _sum_columns_impl(x, c, i0, i1, p, s):  # noqa: ANN001 (numba compares signa
         return blocked
 
     def float64(x, c, i0, i1, p, s):  # noqa: ANN001, ANN202
-        _sum_columns_float64(x, c, i0, i1, p, s)
+        i = i0
+        while i + _HALF_BLOCK <= i1:
+            _add_eight_rows(x, c, i, p)
+            i += _HALF_BLOCK
+        _sum_rows_one_by_one(x, c, i, i1, p)
     return float64
 
 
@@ -127,43 +131,12 @@ def _sum_columns_blocked(x: Any, c: Any, i0: int, i1: int, p: Any, s: Any) -> No
         for j in range(p0.shape[0]):
             s0[j] = s1[j] = s2[j] = 0
         for h in range(0, rows, _HALF_BLOCK):
-            _sum_eight_rows(x, c, i + h, s)
+            _add_eight_rows(x, c, i + h, s)
         for j in range(p0.shape[0]):
             p0[j] += s0[j]
             p1[j] += s1[j]
             p2[j] += s2[j]
         i += rows
-    _sum_rows_one_by_one(x, c, i, i1, p)
-
-
-@numba.njit(cache=True, fastmath=_FAST, inline="always")
-def _sum_columns_float64(x: Any, c: Any, i0: int, i1: int, p: Any, s: Any) -> None:
-    """:func:`_sum_columns` in float64 throughout (``s`` unused)."""
-    p0, p1, p2 = p[0], p[1], p[2]
-    i = i0
-    while i + _HALF_BLOCK <= i1:
-        r0, r1, r2, r3 = x[i], x[i + 1], x[i + 2], x[i + 3]
-        r4, r5, r6, r7 = x[i + 4], x[i + 5], x[i + 6], x[i + 7]
-        a0, w0, g0 = _vector_coefficients(c, i)
-        a1, w1, g1 = _vector_coefficients(c, i + 1)
-        a2, w2, g2 = _vector_coefficients(c, i + 2)
-        a3, w3, g3 = _vector_coefficients(c, i + 3)
-        a4, w4, g4 = _vector_coefficients(c, i + 4)
-        a5, w5, g5 = _vector_coefficients(c, i + 5)
-        a6, w6, g6 = _vector_coefficients(c, i + 6)
-        a7, w7, g7 = _vector_coefficients(c, i + 7)
-        for j in range(p0.shape[0]):
-            v0, v1 = np.float64(r0[j]), np.float64(r1[j])
-            v2, v3 = np.float64(r2[j]), np.float64(r3[j])
-            v4, v5 = np.float64(r4[j]), np.float64(r5[j])
-            v6, v7 = np.float64(r6[j]), np.float64(r7[j])
-            p0[j] += (a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
-                      + a4 * v4 + a5 * v5 + a6 * v6 + a7 * v7)
-            p1[j] += (w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3
-                      + w4 * v4 + w5 * v5 + w6 * v6 + w7 * v7)
-            p2[j] += (g0 * abs(v0) + g1 * abs(v1) + g2 * abs(v2) + g3 * abs(v3)
-                      + g4 * abs(v4) + g5 * abs(v5) + g6 * abs(v6) + g7 * abs(v7))
-        i += _HALF_BLOCK
     _sum_rows_one_by_one(x, c, i, i1, p)
 
 
@@ -182,36 +155,60 @@ def _sum_rows_one_by_one(x: Any, c: Any, i0: int, i1: int, p: Any) -> None:
 
 
 @numba.njit(cache=True, fastmath=_FAST)
-def _sum_eight_rows(x: Any, c: Any, i: int, s: Any) -> None:
-    """``s[f, j] += sum over rows i..i+8 of c[f, r] * x[r, j]`` in float32 (``s`` float32; compiled
-    once per signature, not inlined into every caller: that doubled the cold compile time)."""
-    s0, s1, s2 = s[0], s[1], s[2]
+def _add_eight_rows(x: Any, c: Any, i: int, acc: Any) -> None:
+    """``acc[f, j] += sum over rows i..i+8 of c[f, r] * x[r, j]`` (``|x|`` for f = 2) in the
+    precision of ``acc`` (``(3, ncols)``, float32 or float64): coefficients and elements are
+    rounded to it, so float64 sums of float32 data are exact products. Compiled once per
+    signature, not inlined into every caller (that doubled the cold compile time)."""
+    acc0, acc1, acc2 = acc[0], acc[1], acc[2]
     r0, r1, r2, r3 = x[i], x[i + 1], x[i + 2], x[i + 3]
     r4, r5, r6, r7 = x[i + 4], x[i + 5], x[i + 6], x[i + 7]
-    a0, w0, g0 = _float32_coefficients(c, i)
-    a1, w1, g1 = _float32_coefficients(c, i + 1)
-    a2, w2, g2 = _float32_coefficients(c, i + 2)
-    a3, w3, g3 = _float32_coefficients(c, i + 3)
-    a4, w4, g4 = _float32_coefficients(c, i + 4)
-    a5, w5, g5 = _float32_coefficients(c, i + 5)
-    a6, w6, g6 = _float32_coefficients(c, i + 6)
-    a7, w7, g7 = _float32_coefficients(c, i + 7)
-    for j in range(s0.shape[0]):
-        v0, v1, v2, v3 = r0[j], r1[j], r2[j], r3[j]
-        v4, v5, v6, v7 = r4[j], r5[j], r6[j], r7[j]
-        s0[j] += (a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
-                  + a4 * v4 + a5 * v5 + a6 * v6 + a7 * v7)
-        s1[j] += (w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3
-                  + w4 * v4 + w5 * v5 + w6 * v6 + w7 * v7)
-        s2[j] += (g0 * abs(v0) + g1 * abs(v1) + g2 * abs(v2) + g3 * abs(v3)
-                  + g4 * abs(v4) + g5 * abs(v5) + g6 * abs(v6) + g7 * abs(v7))
+    a0, w0, g0 = _coefficients_like(acc, c, i)
+    a1, w1, g1 = _coefficients_like(acc, c, i + 1)
+    a2, w2, g2 = _coefficients_like(acc, c, i + 2)
+    a3, w3, g3 = _coefficients_like(acc, c, i + 3)
+    a4, w4, g4 = _coefficients_like(acc, c, i + 4)
+    a5, w5, g5 = _coefficients_like(acc, c, i + 5)
+    a6, w6, g6 = _coefficients_like(acc, c, i + 6)
+    a7, w7, g7 = _coefficients_like(acc, c, i + 7)
+    for j in range(acc0.shape[0]):
+        v0, v1 = _value_like(acc, r0[j]), _value_like(acc, r1[j])
+        v2, v3 = _value_like(acc, r2[j]), _value_like(acc, r3[j])
+        v4, v5 = _value_like(acc, r4[j]), _value_like(acc, r5[j])
+        v6, v7 = _value_like(acc, r6[j]), _value_like(acc, r7[j])
+        acc0[j] += (a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
+                    + a4 * v4 + a5 * v5 + a6 * v6 + a7 * v7)
+        acc1[j] += (w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3
+                    + w4 * v4 + w5 * v5 + w6 * v6 + w7 * v7)
+        acc2[j] += (g0 * abs(v0) + g1 * abs(v1) + g2 * abs(v2) + g3 * abs(v3)
+                    + g4 * abs(v4) + g5 * abs(v5) + g6 * abs(v6) + g7 * abs(v7))
 
 
-@numba.njit(cache=True, inline="always")
-def _float32_coefficients(c: Any, l: int) -> tuple[Any, Any, Any]:
-    """:func:`_vector_coefficients` ``(c, l)`` rounded to float32."""
-    a, w, g = _vector_coefficients(c, l)
-    return np.float32(a), np.float32(w), np.float32(g)
+def _value_like(acc: Any, v: Any) -> Any:
+    """``v`` in ``acc``'s precision (numba only)."""
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+@overload(_value_like, inline="always")
+def _value_like_impl(acc, v):  # noqa: ANN001 (numba compares signatures)
+    if acc.dtype == numba.types.float32:
+        return lambda acc, v: np.float32(v)
+    return lambda acc, v: np.float64(v)
+
+
+def _coefficients_like(acc: Any, c: Any, l: int) -> tuple[Any, Any, Any]:
+    """:func:`_vector_coefficients` ``(c, l)`` in ``acc``'s precision (numba only)."""
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+@overload(_coefficients_like, inline="always")
+def _coefficients_like_impl(acc, c, l):  # noqa: ANN001 (numba compares signatures)
+    if acc.dtype == numba.types.float32:
+        def as_float32(acc, c, l):  # noqa: ANN001, ANN202
+            a, w, g = _vector_coefficients(c, l)
+            return np.float32(a), np.float32(w), np.float32(g)
+        return as_float32
+    return lambda acc, c, l: _vector_coefficients(c, l)
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")

@@ -6,8 +6,8 @@ A planned product (:class:`abftgemm.plan.ProtectedMatmul`) verifies its columns 
    weighted by the location weights ``(i+1)/m``, sums of ``|.|``) and ``b`` once to carry it
    through: ``pred = (E^T A) B`` and ``S = (1^T |A|) |B|`` per column of the product;
 2. :func:`observe_flag_cols` reads the product once for its column checksums and judges every
-   column on the same pass, adding the numbers of flagged and unverifiable columns per batch item
-   to a small verdict array.
+   column on the same pass, returning the number of flagged or unverifiable columns (the
+   verdict).
 
 Both write only into workspaces the plan allocated, so an execute allocates nothing. 16-bit
 products are observed through a 65536-entry float32 table of their bit patterns, a few rows at a
@@ -87,29 +87,28 @@ def encode_cols(a: Any, a_transposed: bool, weights_m: Any, rows: Any, s_k: Any,
 
 @numba.njit(cache=True, fastmath=_FAST)
 def observe_flag_cols(c: Any, weights_m: Any, pred: Any, c_obs: float, c_pred: float,
-                      floor: float, c_mag: float, safe: float, p: Any, s_n: Any, obs: Any,
-                      verdict: Any) -> int:
+                      floor: float, c_mag: float, safe: float, p: Any, s_n: Any,
+                      obs: Any) -> int:
     """Observe the column checksums of a float32/float64 product and judge every column.
 
     ``c`` (batch, m, n); ``pred`` (batch, 3, n) from :func:`predict_cols`; ``p`` (3, n) and
     ``s_n`` (3, n, ``c``'s dtype) workspaces; ``obs`` (batch, n, 5) output (the observed column
-    checksums, as the backends' ``col_reduce`` gives them); ``verdict`` (batch, 2) int64: the
-    numbers of flagged and unverifiable columns of each batch item are added to it. Returns
-    their total.
+    checksums, as the backends' ``col_reduce`` gives them). Returns the number of flagged or
+    unverifiable columns (the verdict; host memory, so no array holds it).
     """
     total = 0
     for t in range(c.shape[0]):
         p[:] = 0.0
         _sum_columns(c[t], weights_m, 0, c.shape[1], p, s_n)
         _store_columns(c[t], p, obs[t])
-        total += _judge_columns(pred[t], obs[t], c_obs, c_pred, floor, c_mag, safe, verdict[t])
+        total += _judge_columns(pred[t], obs[t], c_obs, c_pred, floor, c_mag, safe)
     return total
 
 
 @numba.njit(cache=True, fastmath=_FAST)
 def observe_flag_cols_bits(bits: Any, table: Any, weights_m: Any, pred: Any, c_obs: float,
                            c_pred: float, floor: float, c_mag: float, safe: float, p: Any,
-                           s_n: Any, scratch: Any, obs: Any, verdict: Any) -> int:
+                           s_n: Any, scratch: Any, obs: Any) -> int:
     """:func:`observe_flag_cols` for a 16-bit product given as its bit patterns ``bits``
     (uint16) and ``table`` (the float32 value of each pattern); ``scratch`` is a float32
     ``(rows, n)`` workspace that holds a block of converted rows, ``s_n`` a float32 ``(3, n)``
@@ -136,7 +135,7 @@ def observe_flag_cols_bits(bits: Any, table: Any, weights_m: Any, pred: Any, c_o
                         count += 1
                         last = i
                 o[3], o[4] = count, last
-        total += _judge_columns(pred[t], obs[t], c_obs, c_pred, floor, c_mag, safe, verdict[t])
+        total += _judge_columns(pred[t], obs[t], c_obs, c_pred, floor, c_mag, safe)
     return total
 
 
@@ -152,19 +151,14 @@ def _row_sums_as_columns(xt: Any, c: Any, rows: Any, fields: Any) -> None:
 
 @numba.njit(cache=True, inline="always")
 def _judge_columns(pred: Any, obs: Any, c_obs: float, c_pred: float, floor: float,
-                   c_mag: float, safe: float, verdict: Any) -> int:
-    """Add the flagged and unverifiable columns of one batch item to ``verdict`` (2,); return
-    their sum."""
-    n_bad = 0
-    n_unverifiable = 0
+                   c_mag: float, safe: float) -> int:
+    """The number of flagged or unverifiable columns of one batch item."""
+    n = 0
     for j in range(obs.shape[0]):
         _, flagged, ok = judge(pred[0, j], pred[1, j], pred[2, j], obs[j, 0], obs[j, 1],
                                obs[j, 2], obs[j, 3], c_obs, c_pred, floor, c_mag, safe)
-        n_bad += flagged
-        n_unverifiable += not ok
-    verdict[0] += n_bad
-    verdict[1] += n_unverifiable
-    return n_bad + n_unverifiable
+        n += flagged or not ok
+    return n
 
 
 def _rows_first(x: np.ndarray) -> tuple[np.ndarray, bool]:
@@ -208,8 +202,7 @@ class CpuWorkspace:
         self._s_n = self._alloc((3, n), partial)
         self._pred = self._alloc((batch, 3, n), np.float64)
         self._obs = self._alloc((batch, n, 5), np.float64)
-        self._verdict = self._alloc((batch, 2), np.int64)
-        self._flagged = 0  # the total of the last verdict, as the kernel returned it
+        self._flagged = 0  # the verdict of the last observation, as its kernel returned it
         if self._wide:
             self._scratch = self._alloc((min(_BITS_BLOCK, max(m, 1)), n), np.float32)
 
@@ -255,15 +248,13 @@ class CpuWorkspace:
     def observe_flag(self, c: np.ndarray) -> None:
         """Observe and judge the product's columns (launch 2)."""
         self._counters.launches += 1
-        self._verdict[:] = 0
         if self._wide:
             self._flagged = observe_flag_cols_bits(
                 c.view(np.uint16), self._table, self._weights, self._pred, *self.coefficients,
-                self.safe, self._p, self._s_n, self._scratch, self._obs, self._verdict)
+                self.safe, self._p, self._s_n, self._scratch, self._obs)
         else:
             self._flagged = observe_flag_cols(c, self._weights, self._pred, *self.coefficients,
-                                              self.safe, self._p, self._s_n, self._obs,
-                                              self._verdict)
+                                              self.safe, self._p, self._s_n, self._obs)
 
     def release(self) -> None:
         """Nothing to free beyond the arrays, which go with the workspace object."""

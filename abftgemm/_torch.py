@@ -16,8 +16,7 @@ _BF16_BITS = "int16"  # bfloat16 crosses DLPack as its bit patterns
 
 def is_tensor(x: object) -> bool:
     """True when ``x`` is a torch tensor (without importing torch)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
+    return any_tensor(x)
 
 
 def any_tensor(*xs: object) -> bool:

@@ -117,18 +117,15 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
     if directions not in DIRECTIONS:
         raise ValueError(f"directions must be one of {DIRECTIONS}, got {directions!r}")
     report, checksums = Report(), None
+    # a layout seen before takes its cached plan without validation (plan_cache.py)
     found = None if check == "off" else planned_operands(a, b, bias, out, check, directions,
                                                          name)
-    if found is not None:
-        plan, op = found
-    else:
-        op = Operands.prepare(a, b, bias, out)
-    if found is None and (check == "off" or op.batch * op.m * op.n == 0):
+    plan, op = found if found else (None, Operands.prepare(a, b, bias, out))
+    if plan is None and (check == "off" or op.batch * op.m * op.n == 0):
         _, _, buf = _product(op, fault_hook, name)
     else:
         buf = op.buffer()
-        if found is None:
-            plan = cached_plan(op, check, directions, name, (a, b, bias))
+        plan = plan or cached_plan(op, check, directions, name, (a, b, bias))
         try:
             plan.run(op, buf, fault_hook, a_checksums)
             report, sums = plan.settle(checksums=True)

@@ -92,11 +92,10 @@ def _layout_key(a: Any, b: Any, bias: Any | None, check: str, directions: str,
         device = a.device.id
     else:
         return None
-    if type(b) is not kind:
+    if type(b) is not kind or (bias is not None and type(bias) is not kind):
         return None
-    bias_shape = None if bias is None else getattr(bias, "shape", False)
-    return (kind, a.dtype, b.dtype, a.shape, b.shape, bias_shape, device, check, directions,
-            name)
+    return (kind, a.dtype, b.dtype, a.shape, b.shape, None if bias is None else bias.shape,
+            device, check, directions, name)
 
 
 def _plans() -> OrderedDict:

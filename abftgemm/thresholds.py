@@ -20,8 +20,8 @@ fault the two differ only by rounding:
   (times coefficients rounded to that precision) in ``u_acc`` before adding them to a float64
   checksum (the CPU kernels of a plan's fast path do, so that float32 data is summed eight lanes
   wide; the rare path's reductions sum in float64). Each such sum is off by at most
-  ``(CHECKSUM_BLOCK + 1) * u_acc`` of the sum of its terms' magnitudes
-  (Higham, Lemma 3.4, with the rounding of the coefficient). The observed checksum of ``C`` is
+  ``(CHECKSUM_BLOCK + 1) * u_acc`` of the sum of its terms' magnitudes (Higham, Lemma 3.4, with
+  the rounding of the coefficient). The observed checksum of ``C`` is
   one such sum (relative to ``sum |C|``); the prediction is two, ``1^T A`` and then its product
   with ``B`` (relative to ``S``). :data:`PARTIAL_SUMS` rounds the factor up to
   ``CHECKSUM_BLOCK + 2``. Float64 data is summed in float64 throughout, which the checksum term
@@ -86,9 +86,9 @@ def magnitude_coefficient(k: int, length: int, dtype: np.dtype) -> float:
     rounded, adds ``(1 + u_out)**2``; the float64 sums of ``|C|`` and of ``S`` add at most
     ``(1 + u64)**(length + k)`` each, and their partial sums in ``u_acc`` (one for ``sum |C|``,
     two for ``S``) ``(1 + PARTIAL_SUMS * u_acc)`` each. A rigorous bound, so it never flags clean
-    data; it catches
-    what the checksum differences can miss: large errors whose signs cancel in both the plain and
-    the weighted sum of a vector (a +-near-INF pattern symmetric about the vector's middle).
+    data; it catches what the checksum differences can miss: large errors whose signs cancel in
+    both the plain and the weighted sum of a vector (a +-near-INF pattern symmetric about the
+    vector's middle).
     """
     u_out = unit_roundoff(dtype)
     u_acc = unit_roundoff(accumulation_dtype(dtype))
