@@ -95,7 +95,8 @@ def _sum_columns(x: Any, c: Any, i0: int, i1: int, p: Any, s: Any) -> None:
 
     With a float32 ``s`` (the planned fast path, for float32 and 16-bit data), rows go in blocks
     of :data:`CHECKSUM_BLOCK` summed in float32 into ``s``, eight SIMD lanes wide, twice the
-    float64 width (2048x256: 0.137 -> 0.072 ms); each block is then added to the float64 ``p``,
+    float64 width (bench/NOTES.md, session 5, says what that gives next to a GEMM: little);
+    each block is then added to the float64 ``p``,
     and the thresholds allow for the rounding (``abftgemm.thresholds``). With a float64 ``s``
     (the rare path's reductions, float64 data) every product and sum is float64, eight rows per
     update of ``p``, so the checksums that locate and rebuild elements are as exact as the data
