@@ -14,7 +14,6 @@ import numpy as np
 from numba.extending import overload
 
 from abftgemm.checksums import location_weights
-from abftgemm.thresholds import CHECKSUM_BLOCK
 
 
 #: Let LLVM reorder and fuse the float64 sums so they vectorize. Not ``fastmath=True``: that also
@@ -47,7 +46,7 @@ def _scan(v: Any, out: Any) -> None:
 # location weights) load only the weight vector: loading three coefficient vectors per element had
 # made the row pass 0.88 ms, against 0.53 ms.
 
-_HALF_BLOCK = 8  # rows per step (the loop body of _add_eight_rows is written out for 8)
+_ROWS_PER_UPDATE = 8  # rows per column-sum step (the body of _add_eight_rows is written for 8)
 _ROW_STEP = 4  # rows per row-sum step, each coefficient loaded once per step (written out for 4)
 
 
@@ -81,63 +80,21 @@ def _batch_item_impl(coef, b):  # noqa: ANN001 (numba compares signatures)
 def _col_reduce(x: Any, coef: Any, out: Any) -> None:
     """Column reduction of every batch item (see backend.py ``col_reduce``)."""
     p = np.empty((3, x.shape[2]))
-    s = np.empty((3, x.shape[2]))  # float64 partial sums: exact checksums for the rare path
     for b in range(out.shape[0]):
         xb = x[min(b, x.shape[0] - 1)]
         p[:] = 0.0
-        _sum_columns(xb, _batch_item(coef, b), 0, xb.shape[0], p, s)
+        _sum_columns(xb, _batch_item(coef, b), 0, xb.shape[0], p)
         _store_columns(xb, p, out[b])
 
 
-def _sum_columns(x: Any, c: Any, i0: int, i1: int, p: Any, s: Any) -> None:
-    """``p[f, j] += sum over rows i0..i1 of c[f, i] * x[i, j]`` (``|x|`` for f = 2), with ``s``
-    a ``(3, ncols)`` workspace whose dtype picks the arithmetic (numba only).
-
-    With a float32 ``s`` (the planned fast path, for float32 and 16-bit data), rows go in blocks
-    of :data:`CHECKSUM_BLOCK` summed in float32 into ``s``, eight SIMD lanes wide, twice the
-    float64 width (bench/NOTES.md, session 5, says what that gives next to a GEMM: little);
-    each block is then added to the float64 ``p``,
-    and the thresholds allow for the rounding (``abftgemm.thresholds``). With a float64 ``s``
-    (the rare path's reductions, float64 data) every product and sum is float64, eight rows per
-    update of ``p``, so the checksums that locate and rebuild elements are as exact as the data
-    allows.
-    """
-    raise NotImplementedError("only callable from numba-compiled code")
-
-
-@overload(_sum_columns, inline="always")
-def _sum_columns_impl(x, c, i0, i1, p, s):  # noqa: ANN001 (numba compares signatures)
-    if s.dtype == numba.types.float32:
-        def blocked(x, c, i0, i1, p, s):  # noqa: ANN001, ANN202
-            _sum_columns_blocked(x, c, i0, i1, p, s)
-        return blocked
-
-    def float64(x, c, i0, i1, p, s):  # noqa: ANN001, ANN202
-        i = i0
-        while i + _HALF_BLOCK <= i1:
-            _add_eight_rows(x, c, i, p)
-            i += _HALF_BLOCK
-        _sum_rows_one_by_one(x, c, i, i1, p)
-    return float64
-
-
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
-def _sum_columns_blocked(x: Any, c: Any, i0: int, i1: int, p: Any, s: Any) -> None:
-    """:func:`_sum_columns` in float32 blocks (``s`` float32)."""
-    p0, p1, p2 = p[0], p[1], p[2]
-    s0, s1, s2 = s[0], s[1], s[2]
+def _sum_columns(x: Any, c: Any, i0: int, i1: int, p: Any) -> None:
+    """``p[f, j] += sum over rows i0..i1 of c[f, i] * x[i, j]`` (``|x|`` for f = 2), every
+    product and sum in float64, ``p`` ``(3, ncols)`` updated once per eight rows."""
     i = i0
-    while i + _HALF_BLOCK <= i1:
-        rows = CHECKSUM_BLOCK if i + CHECKSUM_BLOCK <= i1 else _HALF_BLOCK
-        for j in range(p0.shape[0]):
-            s0[j] = s1[j] = s2[j] = 0
-        for h in range(0, rows, _HALF_BLOCK):
-            _add_eight_rows(x, c, i + h, s)
-        for j in range(p0.shape[0]):
-            p0[j] += s0[j]
-            p1[j] += s1[j]
-            p2[j] += s2[j]
-        i += rows
+    while i + _ROWS_PER_UPDATE <= i1:
+        _add_eight_rows(x, c, i, p)
+        i += _ROWS_PER_UPDATE
     _sum_rows_one_by_one(x, c, i, i1, p)
 
 
@@ -156,60 +113,32 @@ def _sum_rows_one_by_one(x: Any, c: Any, i0: int, i1: int, p: Any) -> None:
 
 
 @numba.njit(cache=True, fastmath=_FAST)
-def _add_eight_rows(x: Any, c: Any, i: int, acc: Any) -> None:
-    """``acc[f, j] += sum over rows i..i+8 of c[f, r] * x[r, j]`` (``|x|`` for f = 2) in the
-    precision of ``acc`` (``(3, ncols)``, float32 or float64): coefficients and elements are
-    rounded to it, so float64 sums of float32 data are exact products. Compiled once per
-    signature, not inlined into every caller (that doubled the cold compile time)."""
-    acc0, acc1, acc2 = acc[0], acc[1], acc[2]
+def _add_eight_rows(x: Any, c: Any, i: int, p: Any) -> None:
+    """``p[f, j] += sum over rows i..i+8 of c[f, r] * x[r, j]`` (``|x|`` for f = 2) in float64
+    (products of float32 data and float64 coefficients are exact). Compiled once per signature,
+    not inlined into every caller (inlining doubled the cold compile time)."""
+    p0, p1, p2 = p[0], p[1], p[2]
     r0, r1, r2, r3 = x[i], x[i + 1], x[i + 2], x[i + 3]
     r4, r5, r6, r7 = x[i + 4], x[i + 5], x[i + 6], x[i + 7]
-    a0, w0, g0 = _coefficients_like(acc, c, i)
-    a1, w1, g1 = _coefficients_like(acc, c, i + 1)
-    a2, w2, g2 = _coefficients_like(acc, c, i + 2)
-    a3, w3, g3 = _coefficients_like(acc, c, i + 3)
-    a4, w4, g4 = _coefficients_like(acc, c, i + 4)
-    a5, w5, g5 = _coefficients_like(acc, c, i + 5)
-    a6, w6, g6 = _coefficients_like(acc, c, i + 6)
-    a7, w7, g7 = _coefficients_like(acc, c, i + 7)
-    for j in range(acc0.shape[0]):
-        v0, v1 = _value_like(acc, r0[j]), _value_like(acc, r1[j])
-        v2, v3 = _value_like(acc, r2[j]), _value_like(acc, r3[j])
-        v4, v5 = _value_like(acc, r4[j]), _value_like(acc, r5[j])
-        v6, v7 = _value_like(acc, r6[j]), _value_like(acc, r7[j])
-        acc0[j] += (a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
-                    + a4 * v4 + a5 * v5 + a6 * v6 + a7 * v7)
-        acc1[j] += (w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3
-                    + w4 * v4 + w5 * v5 + w6 * v6 + w7 * v7)
-        acc2[j] += (g0 * abs(v0) + g1 * abs(v1) + g2 * abs(v2) + g3 * abs(v3)
-                    + g4 * abs(v4) + g5 * abs(v5) + g6 * abs(v6) + g7 * abs(v7))
-
-
-def _value_like(acc: Any, v: Any) -> Any:
-    """``v`` in ``acc``'s precision (numba only)."""
-    raise NotImplementedError("only callable from numba-compiled code")
-
-
-@overload(_value_like, inline="always")
-def _value_like_impl(acc, v):  # noqa: ANN001 (numba compares signatures)
-    if acc.dtype == numba.types.float32:
-        return lambda acc, v: np.float32(v)
-    return lambda acc, v: np.float64(v)
-
-
-def _coefficients_like(acc: Any, c: Any, l: int) -> tuple[Any, Any, Any]:
-    """:func:`_vector_coefficients` ``(c, l)`` in ``acc``'s precision (numba only)."""
-    raise NotImplementedError("only callable from numba-compiled code")
-
-
-@overload(_coefficients_like, inline="always")
-def _coefficients_like_impl(acc, c, l):  # noqa: ANN001 (numba compares signatures)
-    if acc.dtype == numba.types.float32:
-        def as_float32(acc, c, l):  # noqa: ANN001, ANN202
-            a, w, g = _vector_coefficients(c, l)
-            return np.float32(a), np.float32(w), np.float32(g)
-        return as_float32
-    return lambda acc, c, l: _vector_coefficients(c, l)
+    a0, w0, g0 = _vector_coefficients(c, i)
+    a1, w1, g1 = _vector_coefficients(c, i + 1)
+    a2, w2, g2 = _vector_coefficients(c, i + 2)
+    a3, w3, g3 = _vector_coefficients(c, i + 3)
+    a4, w4, g4 = _vector_coefficients(c, i + 4)
+    a5, w5, g5 = _vector_coefficients(c, i + 5)
+    a6, w6, g6 = _vector_coefficients(c, i + 6)
+    a7, w7, g7 = _vector_coefficients(c, i + 7)
+    for j in range(p0.shape[0]):
+        v0, v1 = np.float64(r0[j]), np.float64(r1[j])
+        v2, v3 = np.float64(r2[j]), np.float64(r3[j])
+        v4, v5 = np.float64(r4[j]), np.float64(r5[j])
+        v6, v7 = np.float64(r6[j]), np.float64(r7[j])
+        p0[j] += (a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
+                  + a4 * v4 + a5 * v5 + a6 * v6 + a7 * v7)
+        p1[j] += (w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3
+                  + w4 * v4 + w5 * v5 + w6 * v6 + w7 * v7)
+        p2[j] += (g0 * abs(v0) + g1 * abs(v1) + g2 * abs(v2) + g3 * abs(v3)
+                  + g4 * abs(v4) + g5 * abs(v5) + g6 * abs(v6) + g7 * abs(v7))
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
@@ -299,7 +228,6 @@ def _both_reduce(x: Any, ccoef: Any, rcoef: Any, out_col: Any, out_row: Any) -> 
     """
     nrows = x.shape[1]
     p = np.empty((3, x.shape[2]))
-    s = np.empty((3, x.shape[2]))  # float64 partial sums, as in _col_reduce
     for b in range(out_col.shape[0]):
         xb = x[min(b, x.shape[0] - 1)]
         cc, rc = _batch_item(ccoef, b), _batch_item(rcoef, b)
@@ -309,9 +237,9 @@ def _both_reduce(x: Any, ccoef: Any, rcoef: Any, out_col: Any, out_row: Any) -> 
             if rcoef.ndim == 1:
                 for r in range(i, e):
                     _sum_row(xb[r], rc, out_row[b, r])
-                _sum_columns(xb, cc, i, e, p, s)
+                _sum_columns(xb, cc, i, e, p)
             else:
-                _sum_columns(xb, cc, i, e, p, s)
+                _sum_columns(xb, cc, i, e, p)
                 _sum_rows(xb, rc, i, e, out_row[b])
         _store_columns(xb, p, out_col[b])
 

@@ -21,18 +21,17 @@ from typing import Any
 import numba
 import numpy as np
 
-from abftgemm._cpu import (CHECKSUM_BLOCK, _FAST, _as_float32, _store_columns, _sum_columns,
-                           _sum_rows, backend, bits_table, judge)
+from abftgemm._cpu import (_FAST, _as_float32, _store_columns, _sum_columns, _sum_rows, backend,
+                           bits_table, judge)
 
-#: Rows of a 16-bit product converted to float32 at a time (a multiple of the checksum block; the
-#: block of 64 rows of 4096 float32 values is 1 MiB, cache resident).
-_BITS_BLOCK = 4 * CHECKSUM_BLOCK
+#: Rows of a 16-bit product converted to float32 at a time (64 rows of 4096 float32 values are
+#: 1 MiB, cache resident).
+_BITS_BLOCK = 64
 
 
 @numba.njit(cache=True, fastmath=_FAST)
 def predict_cols(a: Any, a_transposed: bool, b: Any, b_transposed: bool, bias: Any,
-                 encode_a: bool, weights_m: Any, enc: Any, p: Any, rows: Any, s_k: Any, s_n: Any,
-                 pred: Any) -> None:
+                 encode_a: bool, weights_m: Any, enc: Any, p: Any, rows: Any, pred: Any) -> None:
     """Predicted column checksums of every batch item of ``a @ b (+ bias)``.
 
     Parameters
@@ -48,12 +47,11 @@ def predict_cols(a: Any, a_transposed: bool, b: Any, b_transposed: bool, bias: A
     enc : (batch or 1, 3, k) float64 workspace: the column encoding of ``a``
     p : (3, n) float64 workspace
     rows : (max(n, k), 5) float64 workspace (used with ``a_transposed``, ``b_transposed``)
-    s_k, s_n : (3, k) and (3, n) workspaces of the operands' dtype (partial column sums)
     pred : (batch, 3, n) float64 output: ``[plain, weighted, sum |A||B|]`` per column
     """
     m = a.shape[2] if a_transposed else a.shape[1]
     if encode_a:
-        encode_cols(a, a_transposed, weights_m, rows, s_k, enc)
+        encode_cols(a, a_transposed, weights_m, rows, enc)
     mean_weight = (m + 1) / 2 / max(m, 1)
     for t in range(pred.shape[0]):
         p[:] = 0.0
@@ -61,7 +59,7 @@ def predict_cols(a: Any, a_transposed: bool, b: Any, b_transposed: bool, bias: A
         if b_transposed:
             _row_sums_as_columns(bt, et, rows, p)
         else:
-            _sum_columns(bt, et, 0, bt.shape[0], p, s_n)
+            _sum_columns(bt, et, 0, bt.shape[0], p)
         for j in range(bias.shape[0]):
             pred_bias = bias[j] * m
             p[0, j] += pred_bias
@@ -71,35 +69,32 @@ def predict_cols(a: Any, a_transposed: bool, b: Any, b_transposed: bool, bias: A
 
 
 @numba.njit(cache=True, fastmath=_FAST)
-def encode_cols(a: Any, a_transposed: bool, weights_m: Any, rows: Any, s_k: Any,
-                enc: Any) -> None:
+def encode_cols(a: Any, a_transposed: bool, weights_m: Any, rows: Any, enc: Any) -> None:
     """Column encoding ``enc`` (batch, 3, k) of ``a`` (batch, m, k): plain, location-weighted
     and absolute column sums (with ``a_transposed``, ``a`` is given as its transpose
-    (batch, k, m), and each column is a row dot product; ``rows`` is a (k, 5) workspace; ``s_k``
-    a (3, k) workspace of ``a``'s dtype)."""
+    (batch, k, m), and each column is a row dot product; ``rows`` is a (k, 5) workspace)."""
     for i in range(enc.shape[0]):
         if a_transposed:
             _row_sums_as_columns(a[i], weights_m, rows, enc[i])
         else:
             enc[i] = 0.0
-            _sum_columns(a[i], weights_m, 0, a.shape[1], enc[i], s_k)
+            _sum_columns(a[i], weights_m, 0, a.shape[1], enc[i])
 
 
 @numba.njit(cache=True, fastmath=_FAST)
 def observe_flag_cols(c: Any, weights_m: Any, pred: Any, c_obs: float, c_pred: float,
-                      floor: float, c_mag: float, safe: float, p: Any, s_n: Any,
-                      obs: Any) -> int:
+                      floor: float, c_mag: float, safe: float, p: Any, obs: Any) -> int:
     """Observe the column checksums of a float32/float64 product and judge every column.
 
-    ``c`` (batch, m, n); ``pred`` (batch, 3, n) from :func:`predict_cols`; ``p`` (3, n) and
-    ``s_n`` (3, n, ``c``'s dtype) workspaces; ``obs`` (batch, n, 5) output (the observed column
+    ``c`` (batch, m, n); ``pred`` (batch, 3, n) from :func:`predict_cols`; ``p`` (3, n)
+    workspace; ``obs`` (batch, n, 5) output (the observed column
     checksums, as the backends' ``col_reduce`` gives them). Returns the number of flagged or
     unverifiable columns (the verdict; host memory, so no array holds it).
     """
     total = 0
     for t in range(c.shape[0]):
         p[:] = 0.0
-        _sum_columns(c[t], weights_m, 0, c.shape[1], p, s_n)
+        _sum_columns(c[t], weights_m, 0, c.shape[1], p)
         _store_columns(c[t], p, obs[t])
         total += _judge_columns(pred[t], obs[t], c_obs, c_pred, floor, c_mag, safe)
     return total
@@ -108,11 +103,10 @@ def observe_flag_cols(c: Any, weights_m: Any, pred: Any, c_obs: float, c_pred: f
 @numba.njit(cache=True, fastmath=_FAST)
 def observe_flag_cols_bits(bits: Any, table: Any, weights_m: Any, pred: Any, c_obs: float,
                            c_pred: float, floor: float, c_mag: float, safe: float, p: Any,
-                           s_n: Any, scratch: Any, obs: Any) -> int:
+                           scratch: Any, obs: Any) -> int:
     """:func:`observe_flag_cols` for a 16-bit product given as its bit patterns ``bits``
     (uint16) and ``table`` (the float32 value of each pattern); ``scratch`` is a float32
-    ``(rows, n)`` workspace that holds a block of converted rows, ``s_n`` a float32 ``(3, n)``
-    one."""
+    ``(rows, n)`` workspace that holds a block of converted rows."""
     m = bits.shape[1]
     block = scratch.shape[0]
     total = 0
@@ -124,7 +118,7 @@ def observe_flag_cols_bits(bits: Any, table: Any, weights_m: Any, pred: Any, c_o
                 src, dst = bits[t, i0 + i], scratch[i]
                 for j in range(src.shape[0]):
                     dst[j] = table[src[j]]
-            _sum_columns(scratch, weights_m[i0:i0 + rows], 0, rows, p, s_n)
+            _sum_columns(scratch, weights_m[i0:i0 + rows], 0, rows, p)
         for j in range(p.shape[1]):
             o = obs[t, j]
             o[0], o[1], o[2], o[3], o[4] = p[0, j], p[1, j], p[2, j], 0.0, -1.0
@@ -197,9 +191,6 @@ class CpuWorkspace:
         self._enc_rows = op.a.shape[0]
         self._p = self._alloc((3, n), np.float64)
         self._rows = self._alloc((max(n, k), 5), np.float64)
-        partial = np.float32 if self._wide else op.dtype  # the kernels' data: 16-bit as float32
-        self._s_k = self._alloc((3, k), partial)
-        self._s_n = self._alloc((3, n), partial)
         self._pred = self._alloc((batch, 3, n), np.float64)
         self._obs = self._alloc((batch, n, 5), np.float64)
         self._flagged = 0  # the verdict of the last observation, as its kernel returned it
@@ -224,8 +215,7 @@ class CpuWorkspace:
             a = _as_float32(a, self._a32)
         self._enc_rows = a.shape[0]
         a, a_transposed = _rows_first(a)
-        encode_cols(a, a_transposed, self._weights, self._rows, self._s_k,
-                    self._enc[:self._enc_rows])
+        encode_cols(a, a_transposed, self._weights, self._rows, self._enc[:self._enc_rows])
 
     def set_encoding(self, cols: np.ndarray) -> None:
         """Use the column encoding ``cols`` ``(batch or 1, k, 3)`` handed on from elsewhere."""
@@ -242,8 +232,7 @@ class CpuWorkspace:
         a, a_transposed = _rows_first(self._a32 if self._wide else op.a)
         b, b_transposed = _rows_first(self._b32 if self._wide else op.b)
         predict_cols(a, a_transposed, b, b_transposed, self._bias64, encode_a, self._weights,
-                     self._enc[:self._enc_rows], self._p, self._rows, self._s_k, self._s_n,
-                     self._pred)
+                     self._enc[:self._enc_rows], self._p, self._rows, self._pred)
 
     def observe_flag(self, c: np.ndarray) -> None:
         """Observe and judge the product's columns (launch 2)."""
@@ -251,10 +240,10 @@ class CpuWorkspace:
         if self._wide:
             self._flagged = observe_flag_cols_bits(
                 c.view(np.uint16), self._table, self._weights, self._pred, *self.coefficients,
-                self.safe, self._p, self._s_n, self._scratch, self._obs)
+                self.safe, self._p, self._scratch, self._obs)
         else:
             self._flagged = observe_flag_cols(c, self._weights, self._pred, *self.coefficients,
-                                              self.safe, self._p, self._s_n, self._obs)
+                                              self.safe, self._p, self._obs)
 
     def release(self) -> None:
         """Nothing to free beyond the arrays, which go with the workspace object."""

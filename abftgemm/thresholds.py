@@ -15,17 +15,7 @@ fault the two differ only by rounding:
   ``delta`` raises it by only ``u_out * delta``; a non-finite fault is flagged separately);
 - float64 checksum arithmetic: the deterministic bound ``u64 * (len + k)`` relative to the same
   sums (summing identical values, e.g. identical rows, makes these rounding errors systematic, so
-  no square-root law applies; the term matters only for float64 data);
-- partial sums in the data's precision: a kernel may sum up to :data:`CHECKSUM_BLOCK` elements
-  (times coefficients rounded to that precision) in ``u_acc`` before adding them to a float64
-  checksum (the CPU kernels of a plan's fast path do, so that float32 data is summed eight lanes
-  wide; the rare path's reductions sum in float64). Each such sum is off by at most
-  ``(CHECKSUM_BLOCK + 1) * u_acc`` of the sum of its terms' magnitudes (Higham, Lemma 3.4, with
-  the rounding of the coefficient). The observed checksum of ``C`` is
-  one such sum (relative to ``sum |C|``); the prediction is two, ``1^T A`` and then its product
-  with ``B`` (relative to ``S``). :data:`PARTIAL_SUMS` rounds the factor up to
-  ``CHECKSUM_BLOCK + 2``. Float64 data is summed in float64 throughout, which the checksum term
-  above already bounds in any order, so this term applies to 16- and 32-bit data only.
+  no square-root law applies; the term matters only for float64 data).
 
 ``KAPPA`` was calibrated on adversarial clean data (all-positive, identical rows, badly scaled rows
 and columns, k up to 8192) on both backends; see docs/thresholds.md for the measurement. The same
@@ -48,10 +38,6 @@ from abftgemm.checksums import accumulation_dtype, smallest_normal, unit_roundof
 KAPPA = 8.0
 
 _U64 = 2.0 ** -53
-#: Terms a checksum kernel may sum in the data's precision before a float64 update.
-CHECKSUM_BLOCK = 16
-#: Relative error of one such partial sum, in units of ``u_acc`` (see the module docstring).
-PARTIAL_SUMS = CHECKSUM_BLOCK + 2
 #: The output-rounding term is a rigorous bound that identical rows nearly attain (measured ratio
 #: 0.94 in float16); a 1% margin keeps float64 checksum noise from tipping it over.
 _MARGIN = 1.01
@@ -68,12 +54,11 @@ def threshold_coefficients(k: int, length: int, dtype: np.dtype,
     u_out = unit_roundoff(dtype)
     u_acc = unit_roundoff(accumulation_dtype(dtype))
     checksum = _U64 * (length + k)
-    partial = _MARGIN * PARTIAL_SUMS * u_acc if u_acc > _U64 else 0.0  # float64: in `checksum`
-    c_pred = KAPPA * u_acc * math.sqrt(max(k, 1)) + checksum + 2 * partial
+    c_pred = KAPPA * u_acc * math.sqrt(max(k, 1)) + checksum
     if bias:
         c_pred += u_out
     floor = smallest_normal(dtype) * (length + k)
-    return (_MARGIN * u_out + checksum + partial, c_pred, floor,
+    return (_MARGIN * u_out + checksum, c_pred, floor,
             magnitude_coefficient(k, length, dtype))
 
 
@@ -84,17 +69,14 @@ def magnitude_coefficient(k: int, length: int, dtype: np.dtype) -> float:
     summation order, grows it by at most ``(1 + u_acc)``: ``|C_ij| <= (1 + u_acc)**(k + 1) P_ij``;
     rounding to the output dtype, and once more where a bias is added after the product was
     rounded, adds ``(1 + u_out)**2``; the float64 sums of ``|C|`` and of ``S`` add at most
-    ``(1 + u64)**(length + k)`` each, and their partial sums in ``u_acc`` (one for ``sum |C|``,
-    two for ``S``) ``(1 + PARTIAL_SUMS * u_acc)`` each. A rigorous bound, so it never flags clean
-    data; it catches what the checksum differences can miss: large errors whose signs cancel in
-    both the plain and the weighted sum of a vector (a +-near-INF pattern symmetric about the
-    vector's middle).
+    ``(1 + u64)**(length + k)`` each. A rigorous bound, so it never flags clean data; it catches
+    what the checksum differences can miss: large errors whose signs cancel in both the plain and
+    the weighted sum of a vector (a +-near-INF pattern symmetric about the vector's middle).
     """
     u_out = unit_roundoff(dtype)
     u_acc = unit_roundoff(accumulation_dtype(dtype))
     growth = math.exp((k + 1) * math.log1p(u_acc)) * (1 + u_out) ** 2
-    partial = (1 + PARTIAL_SUMS * u_acc) ** 3 if u_acc > _U64 else 1.0
-    return growth * partial * math.exp(2 * (length + k) * math.log1p(_U64)) * _MARGIN
+    return growth * math.exp(2 * (length + k) * math.log1p(_U64)) * _MARGIN
 
 
 def threshold(pred_abs: Any, obs_abs: Any, k: int, length: int, dtype: np.dtype,

@@ -16,7 +16,6 @@ import pytest
 import abftgemm
 from abftgemm.backend import to_host
 from abftgemm.faults import Fault, bit_layout
-from abftgemm.thresholds import CHECKSUM_BLOCK
 from attention import MultiHeadAttention
 from conftest import BACKENDS
 
@@ -67,14 +66,9 @@ def worst_case_bound(a64: np.ndarray, b64: np.ndarray, c64: np.ndarray, name: st
     Textbook deterministic bounds (Higham, Accuracy and Stability, section 3.1), all with
     constant 1: a length-``k`` dot product accumulated in ``u_acc`` is off by at most
     ``k u_acc sum_c |a_ic b_cj|``; rounding it to the output dtype adds ``u_out |c_ij|``; the two
-    float64 checksum sums of a vector of ``L`` elements add ``(L + k) u_64`` relative to both sums;
-    the checksum kernels' partial sums of up to ``CHECKSUM_BLOCK`` terms in ``u_acc`` add
-    ``(CHECKSUM_BLOCK + 1) u_acc`` relative to ``sum |c|`` (the observation, one such sum) and
-    twice that relative to ``S`` (the prediction: ``1^T A``, then its product with ``B``); float64
-    data is summed in float64 throughout (covered by the ``(L + k) u_64`` term).
+    float64 checksum sums of a vector of ``L`` elements add ``(L + k) u_64`` relative to both sums.
     """
     u_out, u_acc, u64 = U[name], _u_acc(name), U["float64"]
-    partial = 0.0 if name == "float64" else (CHECKSUM_BLOCK + 1) * u_acc
     k = a64.shape[-1]
     p = np.abs(a64) @ np.abs(b64)          # P_ij = sum_c |a_ic b_cj|
     abs_c = np.abs(c64)
@@ -82,8 +76,7 @@ def worst_case_bound(a64: np.ndarray, b64: np.ndarray, c64: np.ndarray, name: st
     def per_vector(axis: int) -> np.ndarray:
         length = c64.shape[axis]
         s, c = p.sum(axis), abs_c.sum(axis)
-        return (k * u_acc * s + u_out * c + (length + k) * u64 * (s + c)
-                + partial * (2 * s + c))
+        return k * u_acc * s + u_out * c + (length + k) * u64 * (s + c)
 
     return per_vector(0), per_vector(1)
 
