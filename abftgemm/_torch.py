@@ -39,16 +39,18 @@ def to_array(t: Any, label: str) -> Any:
         raise TypeError(f"matmul: {label} requires grad, and abftgemm.matmul records no autograd "
                         "graph; call it under torch.no_grad() (or use attention.torch for a "
                         "differentiable protected layer)")
+    bf16 = t.dtype == torch.bfloat16
+    if t.is_cpu and not bf16:
+        return t.detach().numpy()  # NumPy's own view of the CPU memory: as DLPack, at a tenth the cost
     if t.device.type not in ("cpu", "cuda"):
         raise TypeError(f"matmul: {label} is on {t.device}; abftgemm takes CPU and CUDA tensors")
-    bf16 = t.dtype == torch.bfloat16
     source = t.detach().view(torch.int16) if bf16 else t.detach()
     if t.device.type == "cuda":
         import cupy
 
         x = cupy.from_dlpack(source)
     else:
-        x = source.numpy()  # NumPy's own view of the CPU memory: as DLPack, at a tenth the cost
+        x = source.numpy()
     if bf16:
         import ml_dtypes
 
@@ -61,12 +63,15 @@ def to_tensor(x: Any) -> Any:
     import numpy
 
     torch = sys.modules["torch"]
+    # NumPy's own dtypes first ("V": not bfloat16, whose name costs a Python call to read)
+    if type(x) is numpy.ndarray and x.dtype.kind != "V" and min(x.strides, default=0) >= 0:
+        return torch.from_numpy(x)  # shares the memory, as DLPack, at a tenth the cost
     if isinstance(x, numpy.generic):  # vector @ vector: a NumPy scalar, as a 0-d tensor
         x = numpy.asarray(x)
     if x.dtype.name == "bfloat16":
         return to_tensor(x.view(_BF16_BITS)).view(torch.bfloat16)
     if type(x) is numpy.ndarray and min(x.strides, default=0) >= 0:
-        return torch.from_numpy(x)  # shares the memory, as DLPack, at a tenth the cost
+        return torch.from_numpy(x)
     return torch.from_dlpack(x)
 
 

@@ -85,6 +85,7 @@ device, dtype
         self.fault_hook: FaultHook | None = None
         self.last_report = Report()
         self._workspace = Workspace()
+        self._views: tuple[tuple, dict[str, Any]] = ((), {})
         # nn.TransformerEncoderLayer's inference fast path reads self_attn's weights and never
         # calls its forward (it would run unprotected); it is skipped for any module with hooks.
         self.register_forward_pre_hook(_keep_off_fused_paths)
@@ -145,6 +146,17 @@ device, dtype
         return y, (call.weights(average_attn_weights) if need_weights else None)
 
 
+    def _param_views(self, in_w: torch.Tensor, in_b: torch.Tensor | None, out_w: torch.Tensor,
+                     out_b: torch.Tensor | None) -> dict[str, Any]:
+        """:func:`_params` of these tensors, kept while none of them moved to other memory or
+        changed layout (optimizer steps update them in place, which the views see)."""
+        key = tuple(None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
+                    for t in (in_w, in_b, out_w, out_b))
+        if self._views[0] != key:
+            self._views = key, _params(in_w, in_b, out_w, out_b)
+        return self._views[1]
+
+
 def protect(model: nn.Module, *, check: str = "correct") -> nn.Module:
     """Swap every ``nn.MultiheadAttention`` inside ``model`` for a :class:`MultiheadAttention`
     holding the same Parameters, in place; returns ``model``.
@@ -173,7 +185,7 @@ class _ProtectedAttention(torch.autograd.Function):
                 value: torch.Tensor, in_w: torch.Tensor, in_b: torch.Tensor | None,
                 out_w: torch.Tensor, out_b: torch.Tensor | None) -> torch.Tensor:
         module = call.module
-        params = _params(in_w, in_b, out_w, out_b)
+        params = module._param_views(in_w, in_b, out_w, out_b)
         x = _array(query)
         cross = {} if call.self_attention else {"key": _array(key), "value": _array(value)}
         context = Context(module.check, module.plan, module.fault_hook)

@@ -185,6 +185,25 @@ def test_same_parameters_and_state_dict_as_torch():
     assert all(a is b for a, b in zip(model.parameters(), before))
 
 
+def test_follows_parameters_updated_in_place_or_replaced():
+    """The module keeps its views of the parameters between calls: an in-place update (an
+    optimizer step, load_state_dict) and a new tensor assigned to ``.data`` must both be seen."""
+    gen, dtype = torch.Generator().manual_seed(12), torch.float64
+    stock, mine = pair(dtype)
+    q, k, v = inputs(dtype, True, False, gen)
+    compare(fwd_bwd(mine, q, k, v), fwd_bwd(stock, q, k, v), dtype, terms=N * L)
+    with torch.no_grad():
+        for p in stock.parameters():
+            p.mul_(-1.5)
+    mine.load_state_dict(stock.state_dict())  # copies into the same memory
+    compare(fwd_bwd(mine, q, k, v), fwd_bwd(stock, q, k, v), dtype, terms=N * L)
+    for name in ("in_proj_weight", "in_proj_bias"):
+        new = torch.randn(getattr(stock, name).shape, generator=gen, dtype=dtype)
+        getattr(stock, name).data = new
+        getattr(mine, name).data = new.clone()  # other memory
+    compare(fwd_bwd(mine, q, k, v), fwd_bwd(stock, q, k, v), dtype, terms=N * L)
+
+
 # ------------------------------------------------------------------------ stock transformer
 
 
