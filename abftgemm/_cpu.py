@@ -95,16 +95,10 @@ def _sum_columns(x: Any, c: Any, i0: int, i1: int, p: Any) -> None:
     while i + _ROWS_PER_UPDATE <= i1:
         _add_eight_rows(x, c, i, p)
         i += _ROWS_PER_UPDATE
-    _sum_rows_one_by_one(x, c, i, i1, p)
-
-
-@numba.njit(cache=True, fastmath=_FAST, inline="always")
-def _sum_rows_one_by_one(x: Any, c: Any, i0: int, i1: int, p: Any) -> None:
-    """The leftover rows of :func:`_sum_columns`, one at a time in float64."""
     p0, p1, p2 = p[0], p[1], p[2]
-    for i in range(i0, i1):
-        r0 = x[i]
-        a0, w0, g0 = _vector_coefficients(c, i)
+    for r in range(i, i1):  # the leftover rows, one at a time
+        r0 = x[r]
+        a0, w0, g0 = _vector_coefficients(c, r)
         for j in range(p0.shape[0]):
             v0 = np.float64(r0[j])
             p0[j] += a0 * v0

@@ -63,15 +63,13 @@ def to_tensor(x: Any) -> Any:
     import numpy
 
     torch = sys.modules["torch"]
-    # NumPy's own dtypes first ("V": not bfloat16, whose name costs a Python call to read)
-    if type(x) is numpy.ndarray and x.dtype.kind != "V" and min(x.strides, default=0) >= 0:
-        return torch.from_numpy(x)  # shares the memory, as DLPack, at a tenth the cost
     if isinstance(x, numpy.generic):  # vector @ vector: a NumPy scalar, as a 0-d tensor
         x = numpy.asarray(x)
-    if x.dtype.name == "bfloat16":
+    # bfloat16 is a "V" (void) dtype; reading a dtype's name is a Python call, so only for those
+    if x.dtype.kind == "V" and x.dtype.name == "bfloat16":
         return to_tensor(x.view(_BF16_BITS)).view(torch.bfloat16)
     if type(x) is numpy.ndarray and min(x.strides, default=0) >= 0:
-        return torch.from_numpy(x)
+        return torch.from_numpy(x)  # shares the memory, as DLPack, at a tenth the cost
     return torch.from_dlpack(x)
 
 

@@ -145,7 +145,6 @@ device, dtype
             y = y.transpose(0, 1)
         return y, (call.weights(average_attn_weights) if need_weights else None)
 
-
     def _param_views(self, in_w: torch.Tensor, in_b: torch.Tensor | None, out_w: torch.Tensor,
                      out_b: torch.Tensor | None) -> dict[str, Any]:
         """:func:`_params` of these tensors, kept while none of them moved to other memory or
