@@ -29,7 +29,9 @@ GPU (``--backend cupy``), dtypes float16, bfloat16 (``ml_dtypes.bfloat16`` CuPy 
 
 Shapes are ``(batch, m, k, n)``: ``C(batch, m, n) = A(batch, m, k) @ B(batch, k, n)``. Inputs are
 standard normal scaled by ``1/sqrt(k)`` (never zeros). ``floor_ms`` is one read of C at the copy
-bandwidth measured in the same run. Peers: ``numpy.matmul`` on the CPU; ``backend.gemm`` (our
+bandwidth measured in the same run. Peers: ``numpy.matmul`` on the CPU (the CPU targets are
+``abftgemm.matmul / numpy.matmul``) and, for float32/float64, ``numpy.matmul+thin``, the
+machine's floor for a one-direction check (:func:`thin_gemm_floor`); ``backend.gemm`` (our
 cuBLAS call with a preallocated output, no Python wrapper), ``cupy.matmul`` and ``torch.matmul``
 (when importable) on the GPU. ``--groups`` selects groups by name (any group runs on either
 backend; the GPU groups on NumPy are a dry run of the code path).
@@ -60,6 +62,7 @@ Shape = tuple[int, int, int, int]  # (batch, m, k, n)
 CPU_GROUPS = ("cpu-square", "cpu-batched", "cpu-dtype", "cpu-cold")
 GPU_GROUPS = ("gemm-projection", "gemm-batched", "gemm-chained")
 GPU_DTYPES = ("float16", "bfloat16", "float32")
+THIN_FLOOR = "numpy.matmul+thin"  # the peer of thin_gemm_floor
 
 #: CPU targets: protected/unprotected ratio at (shape, dtype) (default options: the column
 #: fast path of a cached plan).
@@ -86,6 +89,29 @@ def cases(group: str, quick: bool) -> list[tuple[Shape, str]]:
     else:
         raise ValueError(f"unknown group {group!r}")
     return [(s, d) for s in shapes for d in GPU_DTYPES]
+
+
+def thin_gemm_floor(a: np.ndarray, b: np.ndarray) -> Callable[[], np.ndarray]:
+    """``numpy.matmul`` followed by the three thin GEMMs that verify one direction at BLAS speed.
+
+    With ``E`` the two weight rows ``(1, ..., 1)`` and ``(1, 2, ..., m) / m``, the column check
+    needs ``E^T A``, ``(E^T A) B`` and ``E^T C``: one read each of A, B and C. Done by the BLAS
+    (float accumulation, no magnitude sums), that is the least a one-direction check can cost
+    on a machine, so ``floor_ratio_vs_numpy`` is what the CPU targets are measured against.
+    """
+    lead, (m, k), n = a.shape[:-2], a.shape[-2:], b.shape[-1]
+    e = np.stack([np.ones(m), np.arange(1, m + 1) / m]).astype(a.dtype)
+    enc = np.empty(lead + (2, k), a.dtype)
+    pred, obs = np.empty(lead + (2, n), a.dtype), np.empty(lead + (2, n), a.dtype)
+
+    def run() -> np.ndarray:
+        c = np.matmul(a, b)
+        np.matmul(e, a, out=enc)
+        np.matmul(enc, b, out=pred)
+        np.matmul(e, c, out=obs)
+        return c
+
+    return run
 
 
 def case_name(shape: Shape) -> str:
@@ -208,6 +234,8 @@ class Runner:
             fns.update(self._gpu_peers(a, b, shape, dtype))
         else:
             fns["numpy.matmul"] = lambda: np.matmul(a, b)
+            if dtype in ("float32", "float64"):
+                fns[THIN_FLOOR] = thin_gemm_floor(a, b)
         times = self.time(fns)
         peers.update({k: v for k, v in times.items() if k not in ("protected", "unprotected")})
         if self.gpu:
@@ -218,6 +246,10 @@ class Runner:
         target = CPU_TARGETS.get((shape, dtype)) if not self.gpu else None
         if target is not None:
             extra["target_ratio"] = target
+        if not self.gpu:  # the targets compare with numpy.matmul, as does the floor
+            extra["ratio_vs_numpy"] = times["protected"] / times["numpy.matmul"]
+            if THIN_FLOOR in times:
+                extra["floor_ratio_vs_numpy"] = times[THIN_FLOOR] / times["numpy.matmul"]
         self._record(group, shape, dtype, times["protected"], times["unprotected"], peers, extra)
 
     def chained_case(self, shape: Shape, dtype: str) -> None:
@@ -441,6 +473,12 @@ def main(argv: list[str] | None = None) -> int:
             runner.free()  # the case's operands went with its frame
     print()
     print(timing.format_table(runner.records))
+    for r in runner.records:
+        if "ratio_vs_numpy" in r:
+            floor = r.get("floor_ratio_vs_numpy")
+            print(f"{r['case']} {r['dtype']}: protected / numpy.matmul {r['ratio_vs_numpy']:.3f}"
+                  + (f", thin-GEMM floor / numpy.matmul {floor:.3f}" if floor else "")
+                  + (f" (target {r['target_ratio']})" if "target_ratio" in r else ""))
     for text in runner.notes:
         print(f"note: {text}")
     runner.save()

@@ -52,6 +52,28 @@ def test_bench_gemm_cpu_quick(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     _check_doc(doc, {"cpu-square", "cpu-batched", "cpu-dtype", "cpu-cold"})
     assert "ratio" in proc.stdout and "cpu-square" in proc.stdout
+    for r in doc["records"]:  # the targets' ratio and the machine's floor, side by side
+        if r["group"] != "cpu-cold":
+            assert _positive(r["ratio_vs_numpy"]), r
+            assert r["ratio_vs_numpy"] == pytest.approx(
+                r["protected_ms"] / r["peers"]["numpy.matmul"])
+        if r["group"] != "cpu-cold" and r["dtype"] in ("float32", "float64"):
+            assert r["floor_ratio_vs_numpy"] == pytest.approx(
+                r["peers"]["numpy.matmul+thin"] / r["peers"]["numpy.matmul"])
+    assert "thin-GEMM floor / numpy.matmul" in proc.stdout
+
+
+@pytest.mark.parametrize("lead", [(), (3,)])
+def test_thin_gemm_floor_computes_the_product(lead: tuple[int, ...]) -> None:
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.gemm import thin_gemm_floor
+    finally:
+        sys.path.remove(str(ROOT))
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(lead + (5, 4)).astype(np.float32)
+    b = rng.standard_normal(lead + (4, 3)).astype(np.float32)
+    np.testing.assert_allclose(thin_gemm_floor(a, b)(), a @ b, rtol=1e-6)
 
 
 def test_bench_gemm_gpu_groups_dry_run_on_numpy(tmp_path: Path, monkeypatch) -> None:
