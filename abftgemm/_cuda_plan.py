@@ -14,6 +14,7 @@ product).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import cupy
@@ -37,8 +38,11 @@ class CudaWorkspace:
         self._counters = counters
         self._dtype = op.dtype.name
         self._handle = cublas.create()
+        # destroyed by release(), or when the workspace is collected without one
+        self._destroy_handle = weakref.finalize(self, cublas.destroy, self._handle)
         cublas.setPointerMode(self._handle, cublas.CUBLAS_POINTER_MODE_HOST)
         cublas.setMathMode(self._handle, cublas.CUBLAS_DEFAULT_MATH)
+        self._stream = cupy.cuda.get_current_stream()  # where the last execute ran
         self.coefficients = (0.0, 0.0, 0.0, 0.0)
         self.safe = numpy.inf
         if not verify_columns:
@@ -74,14 +78,14 @@ class CudaWorkspace:
 
     def release(self) -> None:
         """Destroy the plan's cuBLAS handle (the arrays go with the workspace object)."""
-        if self._handle is not None:
-            cublas.destroy(self._handle)
-            self._handle = None
+        self._destroy_handle()  # once; later calls do nothing
+        self._handle = None
 
     def gemm(self, op: Any, c: cupy.ndarray) -> None:
         """``c = op.a @ op.b (+ op.bias)`` on the plan's handle and the current stream."""
         batch, m, n = c.shape
         k = op.a.shape[2]
+        self._stream = cupy.cuda.get_current_stream()
         if op.bias is not None:
             self._counters.launches += 1
             _bits(c)[...] = _bits(op.bias)
@@ -110,7 +114,12 @@ class CudaWorkspace:
         self._enc_given = cols
 
     def predict(self, op: Any, encode_a: bool) -> None:
-        """Launch 1: predicted column checksums of the product of ``op`` into ``pred``."""
+        """Launch 1: predicted column checksums of the product of ``op`` into ``pred`` (none
+        for an empty product or inner dimension: ``pred`` stays zero, the bias terms are added
+        by the observation)."""
+        self._bias = op.bias
+        if self._slabs == 0 or self._pred.size == 0:
+            return
         self._counters.launches += 1
         a, b = _matrices(op.a), _matrices(op.b)
         enc = None if encode_a else self._enc_given
@@ -132,12 +141,14 @@ class CudaWorkspace:
              numpy.int32(op.b.shape[0]), *enc_args, self._enc_acc, self._slab_count, self._pred,
              numpy.int32(op.m), numpy.int32(op.k), numpy.int32(op.n), numpy.int32(self._slabs),
              numpy.int32(chunks), numpy.int32(chunk_rows)))
-        self._bias = op.bias
 
     def observe_flag(self, c: cupy.ndarray) -> None:
-        """Launch 2: observe and judge the product's columns; adds to the verdict."""
-        self._counters.launches += 1
+        """Launch 2: observe and judge the product's columns; adds to the verdict (none for a
+        product without columns)."""
         batch, m, n = c.shape
+        if batch == 0 or n == 0:
+            return
+        self._counters.launches += 1
         c_obs, c_pred, floor, c_mag = (numpy.float64(x) for x in self.coefficients)
         vector = n % (16 // c.itemsize) == 0 and c.data.ptr % 16 == 0
         self._observe_flag(
@@ -148,9 +159,12 @@ class CudaWorkspace:
              numpy.int32(self._c_chunks), numpy.int32(self._c_chunk_rows), numpy.int32(vector)))
 
     def fetch_verdict(self) -> None:
-        """Queue the copy of the cumulative verdict into pinned host memory (no wait)."""
-        self._verdict.get(stream=cupy.cuda.get_current_stream(), out=self._verdict_host,
-                          blocking=False)
+        """Queue the copy of the cumulative verdict into pinned host memory on the current
+        stream (no wait); when the execute ran on another stream, the copy waits for it."""
+        current = cupy.cuda.get_current_stream()
+        if current.ptr != self._stream.ptr:
+            current.wait_event(self._stream.record())
+        self._verdict.get(stream=current, out=self._verdict_host, blocking=False)
 
     def verdict_flagged(self) -> bool:
         """After :meth:`fetch_verdict` and a synchronization: True when a column was flagged or
@@ -167,7 +181,7 @@ class CudaWorkspace:
 def _chunks(blocks: int, rows: int, sms: int) -> tuple[int, int]:
     """``(chunks, rows per chunk)`` splitting ``rows`` until ``blocks * chunks`` fills the GPU."""
     target = _BLOCKS_PER_SM * sms
-    if blocks >= target or rows < 2 * _MIN_CHUNK_ROWS:
+    if blocks == 0 or blocks >= target or rows < 2 * _MIN_CHUNK_ROWS:
         return 1, max(rows, 1)
     chunk_rows = _cdiv(rows, min(_cdiv(target, blocks), rows // _MIN_CHUNK_ROWS))
     return _cdiv(rows, chunk_rows), chunk_rows

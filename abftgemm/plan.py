@@ -165,6 +165,8 @@ class ProtectedMatmul:
             raise RuntimeError(f"{self.name}: settle() the previous execute first")
         if a_checksums is not None and self._constant_a:
             raise ValueError(f"{self.name}: a_checksums given to a plan with a constant a")
+        if a_checksums is not None and a_checksums.cols is not None:
+            _check_column_encoding(op, a_checksums.cols, self.name)
         self._work.gemm(op, c)
         if fault_hook is not None:
             fault_hook(self.name, c.reshape(op.batch_shape + (op.m, op.n)))
@@ -362,6 +364,19 @@ class _Pending:
     op: Operands
     c: Any
     a_checksums: Checksums | None
+
+
+def _check_column_encoding(op: Operands, cols: Any, name: str) -> None:
+    """A handed-on column encoding of ``a`` must be float64 ``(1 or a's batch, k, 3)`` on the
+    operands' array module (the GPU kernel reads it by those strides, unchecked)."""
+    rows = op.a.shape[0]
+    shape = getattr(cols, "shape", None)
+    if (type(cols) is not type(op.a) or cols.dtype != np.float64 or len(shape) != 3
+            or shape[1:] != (op.k, 3) or shape[0] not in (1, rows)):
+        got = (f"{type(cols).__name__} {getattr(cols, 'dtype', '')} of shape {shape}"
+               if shape is not None else type(cols).__name__)
+        raise ValueError(f"{name}: a_checksums.cols must be a float64 {op.xp.__name__} array of "
+                         f"shape (1 or {rows}, {op.k}, 3), the column encoding of a; got {got}")
 
 
 def signature_of(op: Operands) -> tuple:

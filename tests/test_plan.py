@@ -178,6 +178,46 @@ def test_checksums_hand_on_to_the_next_product(xp):
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("a_shape,b_shape", [((0, 3, 4), (4, 5)), ((3, 4), (4, 0)),
+                                             ((3, 0), (0, 5)), ((2, 3, 0), (0, 5)),
+                                             ((0, 4), (4, 5))])
+def test_empty_dimensions_execute_and_settle(xp, a_shape, b_shape):
+    a, b = xp.ones(a_shape, dtype=np.float32), xp.ones(b_shape, dtype=np.float32)
+    bias = xp.full(b_shape[-1], 2.0, dtype=np.float32)
+    for with_bias in (None, bias):
+        plan = ProtectedMatmul(a, b, bias=with_bias)
+        c = plan.execute(a, b, bias=with_bias)
+        assert not plan.settle().events
+        want = _host(a) @ _host(b) + (0 if with_bias is None else 2)
+        assert c.shape == want.shape
+        np.testing.assert_array_equal(_host(c), want)
+    if 0 not in c.shape:  # an empty inner dimension: the product is the bias, still verified
+        plan.execute(a, b, bias=bias, fault_hook=Fault("nan", "element", seed=0))
+        assert plan.settle().corrected == 1
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_a_handed_on_encoding_of_the_wrong_shape_or_dtype_is_refused(xp):
+    a, b, _ = _operands(xp, np.float32)
+    plan = ProtectedMatmul(a, b)
+    good = abftgemm.checksums_of(a, rows=False).cols  # (3, 24, 3) float64
+    out = xp.full((3, 32, 20), 7.0, dtype=np.float32)
+    for bad in (good[:, :5], good[:2], good[..., :2], good.astype(np.float32), _host(good)
+                if xp is not np else [[0.0]]):
+        with pytest.raises(ValueError, match=r"a_checksums.cols must be a float64"):
+            plan.execute(a, b, out=out, a_checksums=abftgemm.Checksums(cols=bad))
+        assert (_host(out) == 7).all()  # nothing written
+    plan.execute(a, b, out=out, a_checksums=abftgemm.Checksums(cols=good))
+    assert not plan.settle().events
+    np.testing.assert_array_equal(_host(out), _host(a) @ _host(b))
+    # One encoding for every batch item is a valid shape (a broadcast a); here it describes
+    # item 0 only, so the other items are flagged and recomputed, never accepted wrong.
+    plan.execute(a, b, out=out, a_checksums=abftgemm.Checksums(cols=good[:1]))
+    assert plan.settle().events
+    np.testing.assert_array_equal(_host(out), _host(a) @ _host(b))
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
 def test_misuse_raises_clearly(xp):
     a, b, _ = _operands(xp, np.float32)
     plan = ProtectedMatmul(a, b)
