@@ -5,11 +5,16 @@ arrays (DLPack) that share their memory; the result
 comes back as a tensor on the same device sharing the result array's memory. bfloat16, which
 NumPy's DLPack import does not know, travels as its 16-bit patterns. torch is imported only when
 a tensor is passed (``sys.modules``), so the package works without it.
+
+Work on CUDA tensors runs inside :func:`device_scope`: on the tensors' device, with CuPy
+launching on PyTorch's current stream there, so that it is ordered with PyTorch's own work on
+those tensors before and after (tensors written in place, gradients handed to autograd).
 """
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager, Iterator
 
 _BF16_BITS = "int16"  # bfloat16 crosses DLPack as its bit patterns
 
@@ -58,6 +63,38 @@ def to_array(t: Any, label: str) -> Any:
     return x
 
 
+_NO_SCOPE = contextlib.nullcontext()
+
+
+def device_scope(t: Any) -> ContextManager[None]:
+    """For a CUDA tensor ``t``: a context in which ``t``'s device is current (for PyTorch and
+    CuPy) and CuPy launches on PyTorch's current stream of that device. Nothing for CPU tensors.
+    """
+    return _NO_SCOPE if t.is_cpu else _cuda_scope(t.device)
+
+
+class _StreamHandle:
+    """A raw ``cudaStream_t`` behind the CUDA stream protocol (which older PyTorch streams lack)."""
+
+    def __init__(self, ptr: int):
+        self._ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self._ptr
+
+
+@contextlib.contextmanager
+def _cuda_scope(device: Any) -> Iterator[None]:
+    import cupy
+
+    torch = sys.modules["torch"]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index), cupy.cuda.Device(index):
+        stream = torch.cuda.current_stream(index)
+        with cupy.cuda.Stream.from_external(_StreamHandle(stream.cuda_stream)):
+            yield
+
+
 def to_tensor(x: Any) -> Any:
     """The torch tensor sharing the memory of NumPy or CuPy array (or NumPy scalar) ``x``."""
     import numpy
@@ -77,10 +114,11 @@ def tensor_matmul(matmul: Callable[..., Any], a: Any, b: Any, out: Any | None,
                   bias: Any | None, **options: Any) -> Any:
     """``matmul`` on the arrays behind tensors ``a``, ``b`` (and ``out``, ``bias``); the result
     as a tensor (``out`` itself when given), followed by the report and checksums as arrays."""
-    arrays = {label: None if x is None else to_array(x, label) if is_tensor(x) else x
-              for label, x in (("a", a), ("b", b), ("out", out), ("bias", bias))}
-    result = matmul(arrays["a"], arrays["b"], arrays["out"], bias=arrays["bias"], **options)
-    extras = result[1:] if isinstance(result, tuple) else ()
-    c = result[0] if isinstance(result, tuple) else result
-    c = out if out is not None else to_tensor(c)
+    with device_scope(next(x for x in (a, b, out, bias) if is_tensor(x))):
+        arrays = {label: None if x is None else to_array(x, label) if is_tensor(x) else x
+                  for label, x in (("a", a), ("b", b), ("out", out), ("bias", bias))}
+        result = matmul(arrays["a"], arrays["b"], arrays["out"], bias=arrays["bias"], **options)
+        extras = result[1:] if isinstance(result, tuple) else ()
+        c = result[0] if isinstance(result, tuple) else result
+        c = out if out is not None else to_tensor(c)
     return (c, *extras) if extras else c

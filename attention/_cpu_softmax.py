@@ -48,8 +48,8 @@ def _like_impl(x, v):  # noqa: ANN001 (numba compares signatures)
 
 @numba.njit(cache=True, fastmath=_FAST)
 def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add: Any,
-            has_attn: bool, causal: bool, heads: int, check: bool, floor: float, probs: Any,
-            stats: Any, errors: Any, cols: Any, rows: Any) -> None:
+            has_attn: bool, causal: bool, heads: int, check: bool, floor: float, p_min: float,
+            probs: Any, stats: Any, errors: Any, cols: Any, rows: Any) -> None:
     """Masked softmax of ``scale * scores (+ attn_add)``, the scores' row checksums, and (with
     ``check``) the invariant errors.
 
@@ -62,6 +62,10 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
         not allowed; ignored unless has_attn)
     causal : bool
         Key ``j`` is hidden from query ``i`` when ``j > i``.
+    floor, p_min : float
+        The log identity skips entries at or below ``max(floor * top, p_min)``, ``top`` the
+        row's largest probability and ``p_min`` the smallest normal number of the dtype the
+        probabilities are delivered in (below it they lose relative precision).
     probs : (batch*heads, seq_q, seq_k), dtype of ``scores``: output
     stats : (batch*heads, seq_q, 5) float64: ``[sum, sum (j+1)/seq_k weighted, sum |.|,
         non-finite count, last non-finite index or -1]`` of every raw score row
@@ -94,7 +98,7 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
                 _softmax_row(row, scale[0], add, False, keys, False, visible, out)
             if check:
                 _check_row_masked(out, row, scale[0], add, has_attn, keys, has_keys, visible,
-                                  floor, logs, errors)
+                                  floor, p_min, logs, errors)
             if encode:
                 _encode_row(out, weights, i, sq, cols[t], rows[t, i])
 
@@ -102,7 +106,7 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
 @numba.njit(cache=True, fastmath=_FAST)
 def check_forward(probs: Any, scores: Any, scale: Any, key_visible: Any, has_keys: bool,
                   attn_add: Any, has_attn: bool, causal: bool, heads: int, floor: float,
-                  errors: Any) -> None:
+                  p_min: float, errors: Any) -> None:
     """The invariant check of :func:`forward` alone (``probs`` as delivered, any float dtype
     numba reads: float32/float64)."""
     bh, sq, sk = scores.shape
@@ -113,7 +117,7 @@ def check_forward(probs: Any, scores: Any, scale: Any, key_visible: Any, has_key
         for i in range(sq):
             _check_row_masked(probs[t, i], scores[t, i], scale[0], am[min(i, am.shape[0] - 1)],
                               has_attn, keys, has_keys, min(i + 1, sk) if causal else sk, floor,
-                              logs, errors)
+                              p_min, logs, errors)
 
 
 @numba.njit(cache=True)
@@ -210,22 +214,22 @@ def _z(s: Any, j: int, sc: Any, add: Any, has_attn: bool) -> float:
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
 def _check_row_masked(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any,
-                      has_keys: bool, visible: int, floor: float, logs: Any,
+                      has_keys: bool, visible: int, floor: float, p_min: float, logs: Any,
                       errors: Any) -> None:
     """:func:`_check_row` compiled once per mask combination (no flag tested per element)."""
     if has_attn and has_keys:
-        _check_row(p, s, sc, add, True, keys, True, visible, floor, logs, errors)
+        _check_row(p, s, sc, add, True, keys, True, visible, floor, p_min, logs, errors)
     elif has_attn:
-        _check_row(p, s, sc, add, True, keys, False, visible, floor, logs, errors)
+        _check_row(p, s, sc, add, True, keys, False, visible, floor, p_min, logs, errors)
     elif has_keys:
-        _check_row(p, s, sc, add, False, keys, True, visible, floor, logs, errors)
+        _check_row(p, s, sc, add, False, keys, True, visible, floor, p_min, logs, errors)
     else:
-        _check_row(p, s, sc, add, False, keys, False, visible, floor, logs, errors)
+        _check_row(p, s, sc, add, False, keys, False, visible, floor, p_min, logs, errors)
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
 def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has_keys: bool,
-               visible: int, floor: float, logs: Any, errors: Any) -> None:
+               visible: int, floor: float, p_min: float, logs: Any, errors: Any) -> None:
     """Fold one row's invariant errors into ``errors`` (the forward check of
     :func:`check_forward`): z is recomputed from the raw scores, not taken from the softmax's
     own arithmetic. The largest probability is the identity's reference entry. ``logs``: a
@@ -262,7 +266,7 @@ def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has
         arg += 1
     log_top = math.log(top)
     z_top = _z(s, arg, sc, add, has_attn)
-    threshold = floor * top
+    threshold = max(floor * top, p_min)
     for j in range(visible):
         logs[j] = log_f64(p[j])  # exact in p's dtype: the float32 log is computed in float32
     worst_key = z_max_key = nonnegative_key(0.0)

@@ -52,7 +52,8 @@ class DeviceVerdict:
 
 def forward(scores: cupy.ndarray, probs: cupy.ndarray, *, scale: float, heads: int,
             key_visible: cupy.ndarray | None, attn_add: cupy.ndarray | None, causal: bool,
-            compute: bool, check: bool, floor: float, tolerances: tuple[float, float, float],
+            compute: bool, check: bool, floor: float, p_min: float,
+            tolerances: tuple[float, float, float],
             stats: cupy.ndarray | None, verdict: DeviceVerdict) -> None:
     """Masked softmax of ``scale * scores (+ attn_add)`` into ``probs`` and/or its check.
 
@@ -73,8 +74,9 @@ def forward(scores: cupy.ndarray, probs: cupy.ndarray, *, scale: float, heads: i
         Key ``j`` is hidden from query ``i`` when ``j > i``.
     compute, check : bool
         Compute ``probs``; judge the invariants on what ``probs`` holds (at least one).
-    floor : float
-        Entries below ``floor`` times their row's largest probability skip the log identity.
+    floor, p_min : float
+        Entries at or below ``max(floor * top, p_min)`` skip the log identity (``top`` the row's
+        largest probability, ``p_min`` the smallest normal number of the probabilities' dtype).
     tolerances : (row_tol, log_base, log_slope)
         See :func:`attention.softmax.forward_tolerances`.
     stats : (batch*heads, seq_q, 5) float64, optional
@@ -102,7 +104,7 @@ def forward(scores: cupy.ndarray, probs: cupy.ndarray, *, scale: float, heads: i
             (scores, probs, numpy.int64(rows), numpy.int32(seq_q), numpy.int32(seq_k),
              numpy.int32(heads), numpy.float64(scale), key_visible, attn_add, numpy.int64(stride),
              numpy.int32(causal), numpy.int32(compute), numpy.int32(check), numpy.float64(floor),
-             row_tol, log_base, log_slope, stats, verdict.worst, verdict.details))
+             numpy.float64(p_min), row_tol, log_base, log_slope, stats, verdict.worst, verdict.details))
 
 
 def backward(dp: cupy.ndarray, p: cupy.ndarray, *, scale: float, compute: bool, check: bool,

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from abftgemm.backend import array_module, get_backend
-from abftgemm.checksums import Checksums, accumulation_dtype
+from abftgemm.backend import array_module, astype, get_backend
+from abftgemm.checksums import SUPPORTED_DTYPES, Checksums, accumulation_dtype
 from abftgemm.plan import settle_all
 from abftgemm.report import Event, Report, UncorrectableError, announce
 from attention import softmax
@@ -357,8 +357,8 @@ def _additive(xp: Any, mask: Any | None, rows: int, seq_q: int, seq_k: int) -> A
                          f" got {mask.shape}")
     if mask.dtype == bool:
         add = xp.where(mask, -np.inf, 0.0)
-    elif mask.dtype.kind == "f":
-        add = mask.astype(np.float64)
+    elif mask.dtype in SUPPORTED_DTYPES:  # float16, bfloat16, float32, float64
+        add = astype(mask, np.float64)
     else:
         raise TypeError(f"attn_mask must be boolean (True = not allowed) or float, got "
                         f"{mask.dtype}")

@@ -32,12 +32,23 @@ from abftgemm.checksums import accumulation_dtype, unit_roundoff
 
 #: P entries below this fraction of their row's maximum are skipped by the log identity: their
 #: logarithms are dominated by the rounding of tiny numbers, and they carry almost no weight.
+#: So are subnormal entries (:func:`smallest_normal`), whose relative rounding error is larger.
 LOG_CHECK_FLOOR = 1e-3
 
 
 Verdict = Callable[[], tuple[bool, float, float]]
 """An invariant check's outcome, read when called: ``(ok, worst error, its tolerance)``. On the GPU
 it stays on the device until the pass settles (:class:`attention._cuda_softmax.DeviceVerdict`)."""
+
+
+def smallest_normal(p_dtype: np.dtype) -> float:
+    """The smallest normal number of ``p_dtype``: below it (float16's subnormals from 6.1e-5
+    down) a stored probability keeps only an absolute precision, and the log identity, whose
+    tolerance assumes a relative one, skips it."""
+    p_dtype = np.dtype(p_dtype)
+    if p_dtype.kind != "f":  # bfloat16 (ml_dtypes): float32's exponent range
+        p_dtype = np.dtype(np.float32)
+    return float(np.finfo(p_dtype).smallest_normal)
 
 
 def forward_tolerances(p_dtype: np.dtype, length: int) -> tuple[float, float, float]:
@@ -181,7 +192,7 @@ class ForwardStep:
             scores, self.probs, scale=1 / math.sqrt(inp.head_dim), heads=inp.n_heads,
             key_visible=None if keys is None else _xp(keys).ascontiguousarray(keys),
             attn_add=inp.attn_add, causal=inp.causal, compute=compute, check=check,
-            floor=LOG_CHECK_FLOOR,
+            floor=LOG_CHECK_FLOOR, p_min=smallest_normal(self.probs.dtype),
             tolerances=forward_tolerances(self.probs.dtype, scores.shape[-1]),
             stats=self.plan.observed if compute and self.plan is not None else None,
             verdict=self._device)
@@ -206,8 +217,9 @@ class ForwardStep:
         fused = fused and not wide
         cols, rows = _encoding_buffers(self.ws, "probs", scores.shape) if fused else _NONE
         _cpu_softmax.forward(s, np.array([scale], s.dtype), *self._masks(), inp.causal,
-                             inp.n_heads, fused, LOG_CHECK_FLOOR, out, self._stats(), errors,
-                             cols, rows)
+                             inp.n_heads, fused, LOG_CHECK_FLOOR,
+                             smallest_normal(self.probs.dtype), out, self._stats(), errors, cols,
+                             rows)
         if wide:
             self.probs[...] = out
         self.encodings = (cols.transpose(0, 2, 1), rows) if fused else None
@@ -229,7 +241,7 @@ class ForwardStep:
             _cpu_softmax.check_forward(probs.astype(acc), scores.astype(acc),
                                        np.array([1 / math.sqrt(self.inp.head_dim)], acc),
                                        *self._masks(), self.inp.causal, self.inp.n_heads,
-                                       LOG_CHECK_FLOOR, errors)
+                                       LOG_CHECK_FLOOR, smallest_normal(probs.dtype), errors)
         return _forward_verdict(tuple(float(e) for e in errors), probs.dtype, scores.shape[-1])
 
 

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 import abftgemm
-from abftgemm._torch import to_array, to_tensor
+from abftgemm._torch import device_scope, to_array, to_tensor
 from abftgemm.report import Report, register_library_package
 from attention.context import Context
 from attention.functional import attention_backward, attention_forward
@@ -84,7 +84,7 @@ device, dtype
         self.plan = plan or CheckingPlan()
         self.fault_hook: FaultHook | None = None
         self.last_report = Report()
-        self._workspace = Workspace()
+        self._workspaces: dict[torch.device, Workspace] = {}  # plans and buffers, per device
         self._views: tuple[tuple, dict[str, Any]] = ((), {})
         # nn.TransformerEncoderLayer's inference fast path reads self_attn's weights and never
         # calls its forward (it would run unprotected); it is skipped for any module with hooks.
@@ -145,6 +145,14 @@ device, dtype
             y = y.transpose(0, 1)
         return y, (call.weights(average_attn_weights) if need_weights else None)
 
+    def _workspace_for(self, device: torch.device) -> Workspace:
+        """The plans and buffers of the calls on ``device`` (a module moved to another device,
+        or replicated over several, keeps one workspace per device)."""
+        ws = self._workspaces.get(device)
+        if ws is None:
+            ws = self._workspaces[device] = Workspace()
+        return ws
+
     def _param_views(self, in_w: torch.Tensor, in_b: torch.Tensor | None, out_w: torch.Tensor,
                      out_b: torch.Tensor | None) -> dict[str, Any]:
         """:func:`_params` of these tensors, kept while none of them moved to other memory or
@@ -184,20 +192,22 @@ class _ProtectedAttention(torch.autograd.Function):
                 value: torch.Tensor, in_w: torch.Tensor, in_b: torch.Tensor | None,
                 out_w: torch.Tensor, out_b: torch.Tensor | None) -> torch.Tensor:
         module = call.module
-        params = module._param_views(in_w, in_b, out_w, out_b)
-        x = _array(query)
-        cross = {} if call.self_attention else {"key": _array(key), "value": _array(value)}
-        context = Context(module.check, module.plan, module.fault_hook)
-        y, saved = attention_forward(params, x, context, n_heads=module.num_heads,
-                                     causal=call.causal, key_visible=call.key_visible,
-                                     attn_mask=call.attn_mask, workspace=module._workspace,
-                                     **cross)
+        workspace = module._workspace_for(query.device)
+        with device_scope(query):
+            params = module._param_views(in_w, in_b, out_w, out_b)
+            x = _array(query)
+            cross = {} if call.self_attention else {"key": _array(key), "value": _array(value)}
+            context = Context(module.check, module.plan, module.fault_hook)
+            y, saved = attention_forward(params, x, context, n_heads=module.num_heads,
+                                         causal=call.causal, key_visible=call.key_visible,
+                                         attn_mask=call.attn_mask, workspace=workspace, **cross)
+            y = to_tensor(y)
         module.last_report = context.report
         call.probs = saved["probs"]
         ctx.call, ctx.saved, ctx.report = call, saved, context.report
         ctx.bias = in_b is not None, out_b is not None
-        ctx.weights = in_w, out_w
-        return to_tensor(y)
+        ctx.weights, ctx.workspace = (in_w, out_w), workspace
+        return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -210,15 +220,16 @@ class _ProtectedAttention(torch.autograd.Function):
         d_in_w, d_out_w = torch.empty_like(in_w), torch.empty_like(out_w)
         d_in_b = torch.empty(in_w.shape[0], dtype=in_w.dtype, device=in_w.device)
         d_out_b = torch.empty(out_w.shape[0], dtype=in_w.dtype, device=in_w.device)
-        grads_out = {k: v for k, v in _params(d_in_w, d_in_b, d_out_w, d_out_b).items()
-                     if k != "w_qkv"}
-        dx, _ = attention_backward(ctx.saved, _array(dy.contiguous()), context,
-                                   workspace=module._workspace, grads_out=grads_out)
+        with device_scope(dy):
+            grads_out = {k: v for k, v in _params(d_in_w, d_in_b, d_out_w, d_out_b).items()
+                         if k != "w_qkv"}
+            dx, _ = attention_backward(ctx.saved, _array(dy.contiguous()), context,
+                                       workspace=ctx.workspace, grads_out=grads_out)
+            if ctx.call.self_attention:
+                d_inputs = (to_tensor(dx), None, None)
+            else:
+                d_inputs = tuple(to_tensor(d) for d in dx)
         module.last_report = ctx.report
-        if ctx.call.self_attention:
-            d_inputs = (to_tensor(dx), None, None)
-        else:
-            d_inputs = tuple(to_tensor(d) for d in dx)
         return (None, *d_inputs, d_in_w, d_in_b if ctx.bias[0] else None, d_out_w,
                 d_out_b if ctx.bias[1] else None)
 

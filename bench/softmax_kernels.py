@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a script: make ``attention`` importable
 import numpy as np
 
 from attention import _cpu_softmax
-from attention.softmax import LOG_CHECK_FLOOR, backward_tolerance
+from attention.softmax import LOG_CHECK_FLOOR, backward_tolerance, smallest_normal
 
 NO_ENCODINGS = (np.zeros((0, 3, 0)), np.zeros((0, 0, 3)))
 
@@ -54,7 +54,9 @@ def forward_times(rows: int, seq: int, repeats: int) -> dict[str, float]:
     def kernel(check: bool) -> object:
         enc = encodings(rows, seq) if check else NO_ENCODINGS
         return lambda: _cpu_softmax.forward(scores, scale, keys, False, add, False, True, 1,
-                                            check, LOG_CHECK_FLOOR, probs, stats, errors, *enc)
+                                            check, LOG_CHECK_FLOOR,
+                                            smallest_normal(probs.dtype), probs, stats, errors,
+                                            *enc)
 
     def plain() -> None:
         z = scores * scale[0]

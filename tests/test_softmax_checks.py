@@ -145,3 +145,18 @@ def test_backward_check_flags_a_corrupted_gradient(xp, how, case):
     case = scores, dp, None, None, False  # every entry visible: dS has a nonzero entry
     step, _ = _backward(xp, case, _corrupt(how))
     assert not step.verdict()[0]
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_float16_subnormal_probabilities_skip_the_log_identity(xp):
+    """Flat float16 rows of 2048 keys hold entries below float16's smallest normal (6.1e-5) but
+    above 1e-3 of their row's largest: stored with an absolute precision only, the log identity
+    must skip them (each such row failed its clean check when it did not); a fault still fails."""
+    scores = np.random.default_rng(0).uniform(0, 13.8, (HEADS, 4, 2048)).astype(np.float16)
+    case = scores, None, None, None, False  # z = scores / 2 in [0, 6.9]
+    step, _ = _forward(xp, case)
+    p = to_host(step.probs).astype(np.float64)
+    assert ((p < 2.0**-14) & (p > 1e-3 * p.max(-1, keepdims=True))).any()
+    assert step.verdict()[0]
+    faulty, _ = _forward(xp, case, _corrupt("scale"))
+    assert not faulty.verdict()[0]

@@ -345,3 +345,55 @@ def test_bad_inputs_raise_clearly():
     nested = torch.nested.nested_tensor([torch.randn(L, E), torch.randn(L - 1, E)])
     with pytest.raises(ValueError, match="nested tensor.*use_nested_tensor"):
         mine(nested, nested, nested)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("mask", ["float-2d", "float-padding+float-2d", "bool-padding"])
+def test_16_bit_modules_take_masks_of_their_dtype(dtype, mask):
+    """PyTorch wants float masks in the query's dtype; in 16 bits they must be taken (they were
+    refused for bfloat16 once), and the outputs and gradients agree with float64 math on the
+    same (rounded) weights, inputs and masks within the 16-bit rounding of a few steps."""
+    gen = torch.Generator().manual_seed(5)
+    _, mine = pair(dtype)
+    reference = copy.deepcopy(mine).double()
+    q, k, v = inputs(dtype, True, True, gen)
+    attn_mask, padding, _ = masks(mask, L, S, dtype, gen)
+    g = torch.randn((N, L, E), generator=gen, dtype=torch.float64)
+
+    def run(module, q, k, v, attn_mask):
+        y, _ = module(q, k, v, attn_mask=attn_mask, key_padding_mask=padding)
+        (y * g.to(y.dtype)).sum().backward()
+        return [y.detach(), q.grad, k.grad, v.grad, *(p.grad for p in module.parameters())]
+
+    got = run(mine, q, k, v, attn_mask)
+    assert not mine.last_report.detected, mine.last_report.summary()
+    want = run(reference, *(t.detach().double().requires_grad_() for t in (q, k, v)),
+               None if attn_mask is None else attn_mask.double())
+    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    for i, (a, w) in enumerate(zip(got, want)):
+        scale = max(float(w.abs().max()), 1.0)
+        err = float((a.double() - w).abs().max())
+        assert err <= 4 * CHAIN * u * scale, (i, err, scale)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_cuda_module_on_a_side_stream_matches_the_cpu():
+    """Forward and backward on a non-default stream: the core runs on PyTorch's current stream,
+    so the gradients autograd receives are complete (equal to the CPU module's)."""
+    gen = torch.Generator().manual_seed(6)
+    _, cpu = pair(torch.float64)
+    gpu = copy.deepcopy(cpu).cuda()
+    q, k, v = inputs(torch.float64, True, True, gen)
+    want = fwd_bwd(cpu, q, k, v)
+    qc, kc, vc = (t.detach().cuda().requires_grad_() for t in (q, k, v))
+    g = torch.randn(want["y"].shape, generator=torch.Generator().manual_seed(1),
+                    dtype=torch.float64)  # fwd_bwd's
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        y, w = gpu(qc, kc, vc)
+        (y * g.cuda()).sum().backward()
+        got = {"y": y.detach(), "weights": w,
+               **{name: p.grad for name, p in gpu.named_parameters()},
+               **{f"d_input{i}": t.grad for i, t in enumerate((qc, kc, vc))}}
+        got = {key: None if t is None else t.cpu() for key, t in got.items()}
+    compare(got, want, torch.float64, terms=N * S)

@@ -63,3 +63,21 @@ def test_tensors_that_record_gradients_are_refused_clearly():
 def test_vector_dot_vector_is_a_0d_tensor():
     got = abftgemm.matmul(torch.arange(4.0), torch.arange(4.0))
     assert isinstance(got, torch.Tensor) and got.shape == () and float(got) == 14.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_work_is_ordered_with_torchs_current_stream(device):
+    """On a side stream, ``out`` is written on that stream: PyTorch reads it on the same stream
+    with no synchronization of its own (on the CPU the scope does nothing)."""
+    a, b = _ints((64, 32), torch.float32, device, 7), _ints((32, 48), torch.float32, device, 8)
+    out = torch.empty((64, 48), device=device)
+    if device == "cuda":
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            a2 = a * 2  # queued on the side stream, read by the product
+            abftgemm.matmul(a2, b, out)
+            got = out.clone()
+        torch.cuda.synchronize()
+    else:
+        got = abftgemm.matmul(a * 2, b, out).clone()
+    torch.testing.assert_close(got, (a * 2) @ b, rtol=0, atol=0)

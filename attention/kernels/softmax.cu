@@ -17,8 +17,9 @@
 //     +INF makes the whole row NaN, as plain arithmetic (and the CPU kernel) does;
 //   - check, on the stored P (rounded to T) and z recomputed in double from the raw scores: rows
 //     whose visible z are all finite must sum to 1 (0 without a visible key) within row_tol, and
-//     every visible entry above floor * max P must satisfy log P_l - log P_top = z_l - z_top
-//     within log_base + log_slope * (largest such |z_l| of the row).
+//     every visible entry above max(floor * max P, p_min) (p_min: the smallest normal T) must
+//     satisfy log P_l - log P_top = z_l - z_top within log_base + log_slope * (largest such
+//     |z_l| of the row).
 // Backward, row r of dP and P (length len):
 //   - stats (optional): dP's row checksums, as above;
 //   - dS_l = P_l (dP_l - r), r = sum P dP, in float (double for double); stored unscaled into
@@ -183,7 +184,7 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
                                      const bool* __restrict__ key_visible,
                                      const double* __restrict__ attn_add, long long attn_stride,
                                      int causal, int compute, int check, double floor,
-                                     double row_tol, double log_base, double log_slope,
+                                     double p_min, double row_tol, double log_base, double log_slope,
                                      double* __restrict__ stats,
                                      unsigned long long* __restrict__ worst,
                                      double* __restrict__ details) {
@@ -369,8 +370,9 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
         if (top == top) {
             const double log_top = top > 0.0 ? log(top) : 0.0;
             const double z_top = z_check(row[arg], arg);
+            const double threshold = fmax(floor * top, p_min);
             auto identity = [&](int l, T x, double v) {
-                if (!(v > floor * top) || !shown(l)) return;
+                if (!(v > threshold) || !shown(l)) return;
                 const double z = z_check(x, l);
                 if (z == neg_inf(0.0)) return;
                 log_err = worse(log_err, fabs(log(v) - log_top - (z - z_top)));
