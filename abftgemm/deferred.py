@@ -60,6 +60,8 @@ class DeferredRows:
         self._coefficients = threshold_coefficients(op.k, op.n, op.dtype, False)
         self._safe = safe_magnitude(op.k, op.dtype)
         self._b_rows = self._zeros(xp, (op.b.shape[0], op.k, 5))
+        # its first three fields, contiguous, as the reduction kernels take coefficients
+        self._b_coef = self._zeros(xp, (op.b.shape[0], op.k, 3))
         self._pred = self._zeros(xp, (op.batch, op.m, 5))
         #: The consumer writes the observed row checksums of the product here, ``(batch, m, 5)``.
         self.observed = self._zeros(xp, (op.batch, op.m, 5))
@@ -108,10 +110,15 @@ class DeferredRows:
             fault_hook(self.name, c)
         if b_rows is not None and b_rows.rows is not None:
             coef = b_rows.rows
+            if coef.shape == self._b_coef.shape:  # often a view of wider fields
+                self.counters.launches += 1
+                self._b_coef[...] = coef
+                coef = self._b_coef
         else:
-            self.counters.launches += 1
+            self.counters.launches += 2
             self._be.row_reduce(op.b, None, self._b_rows)
-            coef = self._b_rows[..., :3]
+            self._b_coef[...] = self._b_rows[..., :3]
+            coef = self._b_coef
         self.counters.launches += 1
         self._be.row_reduce(op.a, coef, self._pred)
         self._pending = (op, c)

@@ -115,9 +115,10 @@ def main(argv: list[str] | None = None) -> int:
                             "torch_mha_ms": ms["torch"], "date": timing.now()})
             print(f"{name:8s} {str(dtype)[6:]:8s} {ms['adapter']:9.3f} {ms['bare']:9.3f} "
                   f"{ratio:6.3f} {ms['torch']:10.3f}", flush=True)
-    if args.json:
-        doc = {"device": timing.device_name(xp), "group": "torch-adapter", "records": records}
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+            if args.json:  # after every case, so that a run cut short keeps what it measured
+                doc = {"device": timing.device_name(xp), "group": "torch-adapter",
+                       "records": records}
+                Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     return 0
 
 

@@ -20,14 +20,16 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 
 def _gpu_module():
     """CuPy when it imports and sees a GPU, else None (ABFT_REQUIRE_GPU=1 makes absence fatal)."""
+    why = "no device"
     try:
         import cupy
 
         if cupy.cuda.runtime.getDeviceCount() > 0:
             return cupy
-    except Exception as exc:  # no CuPy, no driver, no device
-        if os.environ.get("ABFT_REQUIRE_GPU") == "1":
-            raise RuntimeError(f"ABFT_REQUIRE_GPU=1 but CuPy/GPU unusable: {exc}") from exc
+    except Exception as exc:  # no CuPy, no driver
+        why = f"{type(exc).__name__}: {exc}"
+    if os.environ.get("ABFT_REQUIRE_GPU") == "1":
+        raise RuntimeError(f"ABFT_REQUIRE_GPU=1 but CuPy/GPU unusable: {why}")
     return None
 
 
