@@ -49,7 +49,10 @@ def to_array(t: Any, label: str) -> Any:
         return t.detach().numpy()  # NumPy's own view of the CPU memory: as DLPack, at a tenth the cost
     if t.device.type not in ("cpu", "cuda"):
         raise TypeError(f"matmul: {label} is on {t.device}; abftgemm takes CPU and CUDA tensors")
-    source = t.detach().view(torch.int16) if bf16 else t.detach()
+    boolean = t.dtype == torch.bool  # some PyTorch versions export no bool through DLPack
+    source = t.detach()
+    if bf16 or boolean:
+        source = source.view(torch.int16 if bf16 else torch.uint8)
     if t.device.type == "cuda":
         import cupy
 
@@ -60,7 +63,7 @@ def to_array(t: Any, label: str) -> Any:
         import ml_dtypes
 
         x = x.view(ml_dtypes.bfloat16)
-    return x
+    return x.view(bool) if boolean else x
 
 
 _NO_SCOPE = contextlib.nullcontext()
