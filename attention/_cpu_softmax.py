@@ -27,7 +27,8 @@ from numba.extending import overload
 import numpy as np
 
 from attention._cpu_checks import _worse, backward_row
-from attention._cpu_vmath import exp_like, from_nonnegative_key, log_f64, nonnegative_key
+from attention._cpu_vmath import (exp_like, from_nonnegative_key, from_ordered_key, log_f64,
+                                  nonnegative_key, ordered_key)
 
 _FAST = {"reassoc", "contract"}  # reordered sums; no assumption about NaN or infinity
 
@@ -68,7 +69,8 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
         probabilities are delivered in (below it they lose relative precision).
     probs : (batch*heads, seq_q, seq_k), dtype of ``scores``: output
     stats : (batch*heads, seq_q, 5) float64: ``[sum, sum (j+1)/seq_k weighted, sum |.|,
-        non-finite count, last non-finite index or -1]`` of every raw score row
+        non-finite count, last non-finite index or -1]`` of every raw score row; an empty array
+        (first dimension 0) when nothing reads them
     errors : (3,) float64: ``[worst row-sum error, worst log-identity error, largest |z| used]``
         are folded into it (start from zeros)
     cols, rows : (batch*heads, 3, seq_k) and (batch*heads, seq_q, 3) float64, or empty arrays
@@ -79,12 +81,14 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
     weights = _location_weights(sk)
     logs = np.empty(sk, probs.dtype)
     encode = cols.shape[0] == bh
+    observe = stats.shape[0] == bh
     for t in range(bh):
         am = attn_add[min(t, attn_add.shape[0] - 1)]
         keys = key_visible[min(t // heads, key_visible.shape[0] - 1)]
         for i in range(sq):
-            row, out, st = scores[t, i], probs[t, i], stats[t, i]
-            _observe_row(row, weights, st)
+            row, out = scores[t, i], probs[t, i]
+            if observe:
+                _observe_row(row, weights, stats[t, i])
             visible = min(i + 1, sk) if causal else sk
             add = am[min(i, am.shape[0] - 1)]
             # one compiled row per mask combination: the loops test no flag per element
@@ -172,9 +176,11 @@ def _observe_row(row: Any, weights: Any, st: Any) -> None:
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
 def _softmax_row(row: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has_keys: bool,
                  visible: int, out: Any) -> None:
-    """One masked softmax row into ``out``: keys ``j < visible`` (and ``keys[j]``) are seen."""
+    """One masked softmax row into ``out``: keys ``j < visible`` (and ``keys[j]``) are seen. The
+    row's maximum is that of the stored ``z`` (the precision of ``sc``), taken as an integer
+    max (:func:`ordered_key`): NaN rows take the scalar path whatever it is."""
     ninf = _like(sc, -math.inf)
-    top = ninf
+    top_key = ordered_key(ninf)
     nan = False
     for j in range(row.shape[0]):
         z = row[j] * sc
@@ -183,10 +189,11 @@ def _softmax_row(row: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has_key
         seen = (j < visible) & (z != ninf)
         if has_keys:
             seen = seen & keys[j]
-        z = z if seen else ninf
+        z = _like(sc, z if seen else ninf)
         out[j] = z
-        top = z if z > top else top
+        top_key = max(top_key, ordered_key(z))
         nan |= z != z
+    top = from_ordered_key(top_key)
     if top == ninf:
         top = _like(sc, 0.0)  # no visible key: exp(-inf) = 0 everywhere
     total = 0.0
@@ -291,9 +298,10 @@ def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds
     Parameters
     ----------
     dp, p : (n, seq_q, seq_k) float32/float64 (the accumulation dtype)
-    scale : (1,) array of dp's dtype; with ``check=False`` pass 1 to get the unscaled dS
+    scale : (1,) array of dp's dtype; pass 1 to get the unscaled dS
     ds : like dp: output
     stats : (n, seq_q, 5) float64: dP's row checksums, as :func:`forward` gives the scores'
+        (an empty array for none)
     result : (3,) float64: ``[worst ratio, its plain error, its plain tolerance]``, folded into
         (start from ``[-1, 0, 0]``; see :func:`attention._cpu_checks.backward_ratio`)
     cols, rows : the column encodings of the (scaled) ``ds`` and of its transpose, as
@@ -303,18 +311,23 @@ def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds
     n, sq, sk = dp.shape
     weights = _location_weights(sk)
     encode = check and cols.shape[0] == n
+    observe = stats.shape[0] == n
     for t in range(n):
         for i in range(sq):
             dpr, pr, out = dp[t, i], p[t, i], ds[t, i]
-            _observe_row(dpr, weights, stats[t, i])
+            if observe:
+                _observe_row(dpr, weights, stats[t, i])
             r = 0.0
             for j in range(sk):
                 r += dpr[j] * pr[j]
-            for j in range(sk):
-                out[j] = pr[j] * (dpr[j] - r)
-            if check:
-                backward_row(out, dpr, pr, u, tiny, result)
+            if not check:  # scaled before it is stored: one rounding
                 for j in range(sk):
-                    out[j] = out[j] * sc
-                if encode:
-                    _encode_row(out, weights, i, sq, cols[t], rows[t, i])
+                    out[j] = pr[j] * (dpr[j] - r) * sc
+                continue
+            for j in range(sk):  # the check reads the unscaled dS as stored
+                out[j] = pr[j] * (dpr[j] - r)
+            backward_row(out, dpr, pr, u, tiny, result)
+            for j in range(sk):
+                out[j] = out[j] * sc
+            if encode:
+                _encode_row(out, weights, i, sq, cols[t], rows[t, i])

@@ -10,7 +10,9 @@ and ``math.log`` are scalar library calls (``expf`` cost most of a softmax row),
   and ``math.exp``/``math.log`` for float64 layers;
 - :func:`nonnegative_key` maps a non-negative float to its bit pattern, an integer of the same
   order, so that a max over such floats runs as an integer max reduction, which LLVM vectorizes
-  (:func:`from_nonnegative_key` maps the largest back).
+  (:func:`from_nonnegative_key` maps the largest back); :func:`ordered_key` and
+  :func:`from_ordered_key` do the same for floats of either sign, in their own width (a float32
+  row's max then runs eight lanes wide: the softmax row took 4.1 -> 2.9 ms at 16 x 256 x 256).
 
 All are compiled into their callers (``inline="always"`` overloads of branch-free code; the
 bit casts are LLVM ``bitcast`` intrinsics).
@@ -51,6 +53,18 @@ def exp_like(x: Any) -> Any:
     """``exp(x)`` in the precision of ``x`` (numba only). For float32, ``x`` must be at most
     88.7 or ``-inf`` (not NaN: the softmax's ``z - max z``); results below ``exp(-87.3)`` (about
     1.2e-38) are 0."""
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+def ordered_key(v: Any) -> Any:
+    """An integer of ``v``'s width (int32 for float32, int64 for float64) in the order of ``v``
+    among floats that are not NaN (-inf lowest; a positive NaN lands above +inf, a negative one
+    below -inf), for a max reduction LLVM vectorizes (numba only)."""
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+def from_ordered_key(k: Any) -> Any:
+    """The float of an :func:`ordered_key` (its inverse; numba only)."""
     raise NotImplementedError("only callable from numba-compiled code")
 
 
@@ -111,6 +125,36 @@ def _log_f64_impl(x):  # noqa: ANN001, ANN202
     if x == types.float32:
         return _logf
     return lambda x: math.log(x)
+
+
+def _key32(v):  # noqa: ANN001, ANN202 (numba compares signatures)
+    b = _f32_bits(v)  # negative patterns reversed: the integer order is the float order
+    # numba widens int32 arithmetic to int64: the key is cast back to its width, or a float32
+    # row would take 64-bit keys and decode them as float64 garbage
+    return np.int32(b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF)))
+
+
+def _key64(v):  # noqa: ANN001, ANN202
+    b = _f64_bits(v)
+    return b ^ ((b >> np.int64(63)) & np.int64(0x7FFFFFFFFFFFFFFF))
+
+
+def _unkey32(k):  # noqa: ANN001, ANN202
+    return _f32_from_bits(np.int32(k ^ ((k >> np.int32(31)) & np.int32(0x7FFFFFFF))))
+
+
+def _unkey64(k):  # noqa: ANN001, ANN202
+    return _f64_from_bits(k ^ ((k >> np.int64(63)) & np.int64(0x7FFFFFFFFFFFFFFF)))
+
+
+@overload(ordered_key, inline="always")
+def _ordered_key_impl(v):  # noqa: ANN001, ANN202
+    return _key32 if v == types.float32 else _key64
+
+
+@overload(from_ordered_key, inline="always")
+def _from_ordered_key_impl(k):  # noqa: ANN001, ANN202
+    return _unkey32 if k == types.int32 else _unkey64
 
 
 @numba.njit(cache=True, inline="always")

@@ -200,9 +200,7 @@ class ForwardStep:
     # ---------------------------------------------------------------- CPU
 
     def _stats(self) -> Any:
-        if self.plan is not None:
-            return self.plan.observed
-        return self.ws.buffer("softmax_stats", np, self.scores.shape[:2] + (5,), np.float64)
+        return _NO_STATS if self.plan is None else self.plan.observed
 
     def _compute(self, fused: bool) -> Any | None:
         """Fill ``probs`` and the stats; the invariant errors when ``fused`` (float32/float64)."""
@@ -265,7 +263,14 @@ class BackwardStep:
         if _xp(self.dp) is not np:
             self._run_gpu(check, hook)
             return
-        if self.dp.dtype.itemsize == 2 or hook is not None or not check:
+        from attention import _cpu_softmax
+
+        wide = self.dp.dtype.itemsize == 2
+        if not (check or wide or hook is not None):  # straight into d_scores, scaled
+            _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype), False,
+                                  0.0, 0.0, self.ds, self._stats(), np.zeros(3), *_NONE)
+            return
+        if wide or hook is not None:
             ds = self._unscaled()
             if hook is not None:
                 hook("softmax_backward", ds)
@@ -273,8 +278,6 @@ class BackwardStep:
                 self.verdict = _known(check_backward(ds, self._acc(self.dp), self._acc(self.p)))
             self.ds[...] = ds * ds.dtype.type(self.scale)
             return
-        from attention import _cpu_softmax
-
         u, tiny = backward_tolerance(self.ds.dtype, self.ds.shape[-1])
         result = np.array([-1.0, 0.0, 0.0])
         cols, rows = _encoding_buffers(self.ws, "d_scores", self.ds.shape)
@@ -328,9 +331,7 @@ class BackwardStep:
         return x if x.dtype == acc else x.astype(acc)
 
     def _stats(self) -> Any:
-        if self.plan is not None:
-            return self.plan.observed
-        return self.ws.buffer("softmax_backward_stats", np, self.dp.shape[:2] + (5,), np.float64)
+        return _NO_STATS if self.plan is None else self.plan.observed
 
     def _unscaled(self) -> Any:
         """Unscaled ``dS`` in the accumulation dtype, and dP's row checksums."""
@@ -345,6 +346,8 @@ class BackwardStep:
 
 #: Empty encoding buffers: the CPU kernels then make no encodings.
 _NONE = (np.zeros((0, 3, 0)), np.zeros((0, 0, 3)))
+#: Empty row-checksum buffer: the CPU kernels then observe nothing (no plan reads the rows).
+_NO_STATS = np.zeros((0, 0, 5))
 
 
 def _encoding_buffers(ws: Any, name: str, shape: tuple[int, int, int]) -> tuple[Any, Any]:
