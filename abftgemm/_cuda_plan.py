@@ -38,8 +38,10 @@ class CudaWorkspace:
         self._counters = counters
         self._dtype = op.dtype.name
         self._handle = cublas.create()
-        # destroyed by release(), or when the workspace is collected without one
+        # destroyed by release(), or when the workspace is collected without one (not at
+        # interpreter exit, where the CUDA context may be gone first and takes it along)
         self._destroy_handle = weakref.finalize(self, cublas.destroy, self._handle)
+        self._destroy_handle.atexit = False
         cublas.setPointerMode(self._handle, cublas.CUBLAS_POINTER_MODE_HOST)
         cublas.setMathMode(self._handle, cublas.CUBLAS_DEFAULT_MATH)
         self._stream = cupy.cuda.get_current_stream()  # where the last execute ran
