@@ -60,7 +60,7 @@ class DeferredRows:
         self._coefficients = threshold_coefficients(op.k, op.n, op.dtype, False)
         self._safe = safe_magnitude(op.k, op.dtype)
         self._b_rows = self._zeros(xp, (op.b.shape[0], op.k, 5))
-        # its first three fields, contiguous, as the reduction kernels take coefficients
+        # the row encoding of b, contiguous, as the reduction kernels take coefficients
         self._b_coef = self._zeros(xp, (op.b.shape[0], op.k, 3))
         self._pred = self._zeros(xp, (op.batch, op.m, 5))
         #: The consumer writes the observed row checksums of the product here, ``(batch, m, 5)``.
@@ -88,7 +88,7 @@ class DeferredRows:
             C-contiguous, of the planned dtype; receives the (unverified) product.
         fault_hook : callable ``(site, c)``, optional
         b_rows : Checksums, optional
-            ``b_rows.rows``: row encoding of ``b``, ``(batch or 1, k, 3)`` (plain, location-
+            ``b_rows.rows``: row encoding of ``b``, ``(1 or b's batch, k, 3)`` (plain, location-
             weighted and absolute row sums), handed on from an earlier product; without it ``b``
             is read once more.
 
@@ -103,24 +103,21 @@ class DeferredRows:
         if (op.xp.__name__, op.dtype, op.a.shape, op.b.shape) != self._signature or not op.direct:
             raise ValueError(f"{self.name}: operands {op.a.shape} @ {op.b.shape} {op.dtype} into "
                              f"out do not match the plan {self._signature}")
+        if b_rows is not None and b_rows.rows is not None:
+            rows = b_rows.rows  # often a view of wider fields
+        else:
+            self.counters.launches += 1
+            self._be.row_reduce(op.b, None, self._b_rows)
+            rows = self._b_rows[..., :3]
+        self.counters.launches += 1
+        self._b_coef[...] = rows  # the reduction kernels read contiguous coefficients
         c = op.buffer()
         self.counters.launches += 1
         self._be.gemm(op.a, op.b, c, None)
         if fault_hook is not None:
             fault_hook(self.name, c)
-        if b_rows is not None and b_rows.rows is not None:
-            coef = b_rows.rows
-            if coef.shape == self._b_coef.shape:  # often a view of wider fields
-                self.counters.launches += 1
-                self._b_coef[...] = coef
-                coef = self._b_coef
-        else:
-            self.counters.launches += 2
-            self._be.row_reduce(op.b, None, self._b_rows)
-            self._b_coef[...] = self._b_rows[..., :3]
-            coef = self._b_coef
         self.counters.launches += 1
-        self._be.row_reduce(op.a, coef, self._pred)
+        self._be.row_reduce(op.a, self._b_coef, self._pred)
         self._pending = (op, c)
         return out
 

@@ -127,34 +127,32 @@ def _log_f64_impl(x):  # noqa: ANN001, ANN202
     return lambda x: math.log(x)
 
 
-def _key32(v):  # noqa: ANN001, ANN202 (numba compares signatures)
-    b = _f32_bits(v)  # negative patterns reversed: the integer order is the float order
-    # numba widens int32 arithmetic to int64: the key is cast back to its width, or a float32
-    # row would take 64-bit keys and decode them as float64 garbage
+@numba.njit(cache=True, inline="always")
+def _flip32(b: Any) -> Any:
+    """Reverse the patterns of negative floats (an involution): the integer order is then the
+    float order. numba widens int32 arithmetic to int64, so the result is cast back, or a float32
+    row would take 64-bit keys and decode them as float64 garbage."""
     return np.int32(b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF)))
 
 
-def _key64(v):  # noqa: ANN001, ANN202
-    b = _f64_bits(v)
+@numba.njit(cache=True, inline="always")
+def _flip64(b: Any) -> Any:
+    """:func:`_flip32` for 64-bit patterns."""
     return b ^ ((b >> np.int64(63)) & np.int64(0x7FFFFFFFFFFFFFFF))
-
-
-def _unkey32(k):  # noqa: ANN001, ANN202
-    return _f32_from_bits(np.int32(k ^ ((k >> np.int32(31)) & np.int32(0x7FFFFFFF))))
-
-
-def _unkey64(k):  # noqa: ANN001, ANN202
-    return _f64_from_bits(k ^ ((k >> np.int64(63)) & np.int64(0x7FFFFFFFFFFFFFFF)))
 
 
 @overload(ordered_key, inline="always")
 def _ordered_key_impl(v):  # noqa: ANN001, ANN202
-    return _key32 if v == types.float32 else _key64
+    if v == types.float32:
+        return lambda v: _flip32(_f32_bits(v))
+    return lambda v: _flip64(_f64_bits(v))
 
 
 @overload(from_ordered_key, inline="always")
 def _from_ordered_key_impl(k):  # noqa: ANN001, ANN202
-    return _unkey32 if k == types.int32 else _unkey64
+    if k == types.int32:
+        return lambda k: _f32_from_bits(_flip32(k))
+    return lambda k: _f64_from_bits(_flip64(k))
 
 
 @numba.njit(cache=True, inline="always")

@@ -28,27 +28,19 @@ from typing import Any, Callable
 
 import numpy as np
 
-from abftgemm.checksums import accumulation_dtype, unit_roundoff
+from abftgemm.checksums import accumulation_dtype, smallest_normal, unit_roundoff
 
 #: P entries below this fraction of their row's maximum are skipped by the log identity: their
 #: logarithms are dominated by the rounding of tiny numbers, and they carry almost no weight.
-#: So are subnormal entries (:func:`smallest_normal`), whose relative rounding error is larger.
+#: So are subnormal entries (below :func:`abftgemm.checksums.smallest_normal` of P's dtype, such
+#: as float16's from 6.1e-5 down): they keep only an absolute precision, and the identity's
+#: tolerance assumes a relative one.
 LOG_CHECK_FLOOR = 1e-3
 
 
 Verdict = Callable[[], tuple[bool, float, float]]
 """An invariant check's outcome, read when called: ``(ok, worst error, its tolerance)``. On the GPU
 it stays on the device until the pass settles (:class:`attention._cuda_softmax.DeviceVerdict`)."""
-
-
-def smallest_normal(p_dtype: np.dtype) -> float:
-    """The smallest normal number of ``p_dtype``: below it (float16's subnormals from 6.1e-5
-    down) a stored probability keeps only an absolute precision, and the log identity, whose
-    tolerance assumes a relative one, skips it."""
-    p_dtype = np.dtype(p_dtype)
-    if p_dtype.kind != "f":  # bfloat16 (ml_dtypes): float32's exponent range
-        p_dtype = np.dtype(np.float32)
-    return float(np.finfo(p_dtype).smallest_normal)
 
 
 def forward_tolerances(p_dtype: np.dtype, length: int) -> tuple[float, float, float]:
@@ -199,9 +191,6 @@ class ForwardStep:
 
     # ---------------------------------------------------------------- CPU
 
-    def _stats(self) -> Any:
-        return _NO_STATS if self.plan is None else self.plan.observed
-
     def _compute(self, fused: bool) -> Any | None:
         """Fill ``probs`` and the stats; the invariant errors when ``fused`` (float32/float64)."""
         from attention import _cpu_softmax
@@ -216,8 +205,8 @@ class ForwardStep:
         cols, rows = _encoding_buffers(self.ws, "probs", scores.shape) if fused else _NONE
         _cpu_softmax.forward(s, np.array([scale], s.dtype), *self._masks(), inp.causal,
                              inp.n_heads, fused, LOG_CHECK_FLOOR,
-                             smallest_normal(self.probs.dtype), out, self._stats(), errors, cols,
-                             rows)
+                             smallest_normal(self.probs.dtype), out, _observed_rows(self.plan),
+                             errors, cols, rows)
         if wide:
             self.probs[...] = out
         self.encodings = (cols.transpose(0, 2, 1), rows) if fused else None
@@ -268,7 +257,8 @@ class BackwardStep:
         wide = self.dp.dtype.itemsize == 2
         if not (check or wide or hook is not None):  # straight into d_scores, scaled
             _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype), False,
-                                  0.0, 0.0, self.ds, self._stats(), np.zeros(3), *_NONE)
+                                  0.0, 0.0, self.ds, _observed_rows(self.plan), np.zeros(3),
+                                  *_NONE)
             return
         if wide or hook is not None:
             ds = self._unscaled()
@@ -282,7 +272,7 @@ class BackwardStep:
         result = np.array([-1.0, 0.0, 0.0])
         cols, rows = _encoding_buffers(self.ws, "d_scores", self.ds.shape)
         _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype), True, u,
-                              tiny, self.ds, self._stats(), result, cols, rows)
+                              tiny, self.ds, _observed_rows(self.plan), result, cols, rows)
         self.encodings = cols.transpose(0, 2, 1), rows
         self.verdict = _known((result[0] <= 1, float(result[1]), float(result[2]) or tiny))
 
@@ -330,24 +320,27 @@ class BackwardStep:
         acc = accumulation_dtype(x.dtype)
         return x if x.dtype == acc else x.astype(acc)
 
-    def _stats(self) -> Any:
-        return _NO_STATS if self.plan is None else self.plan.observed
-
     def _unscaled(self) -> Any:
         """Unscaled ``dS`` in the accumulation dtype, and dP's row checksums."""
         from attention import _cpu_softmax
 
         dp, p = self._acc(self.dp), self._acc(self.p)
         ds = self.ws.buffer("ds_unscaled", np, dp.shape, dp.dtype)
-        _cpu_softmax.backward(dp, p, np.ones(1, dp.dtype), False, 0.0, 0.0, ds, self._stats(),
-                              np.zeros(3), *_NONE)
+        _cpu_softmax.backward(dp, p, np.ones(1, dp.dtype), False, 0.0, 0.0, ds,
+                              _observed_rows(self.plan), np.zeros(3), *_NONE)
         return ds
 
 
 #: Empty encoding buffers: the CPU kernels then make no encodings.
 _NONE = (np.zeros((0, 3, 0)), np.zeros((0, 0, 3)))
-#: Empty row-checksum buffer: the CPU kernels then observe nothing (no plan reads the rows).
+#: Empty row-checksum buffer: the CPU kernels then observe nothing.
 _NO_STATS = np.zeros((0, 0, 5))
+
+
+def _observed_rows(plan: Any | None) -> Any:
+    """Where a CPU softmax kernel puts the row checksums it observes: the buffer of the deferred
+    plan that reads them, or none."""
+    return _NO_STATS if plan is None else plan.observed
 
 
 def _encoding_buffers(ws: Any, name: str, shape: tuple[int, int, int]) -> tuple[Any, Any]:

@@ -25,8 +25,9 @@ if __package__ in (None, ""):  # run as a script: make ``attention`` importable
 
 import numpy as np
 
+from abftgemm.checksums import smallest_normal
 from attention import _cpu_softmax
-from attention.softmax import LOG_CHECK_FLOOR, backward_tolerance, smallest_normal
+from attention.softmax import LOG_CHECK_FLOOR, backward_tolerance
 
 NO_ENCODINGS = (np.zeros((0, 3, 0)), np.zeros((0, 0, 3)))
 
