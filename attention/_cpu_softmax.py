@@ -27,8 +27,7 @@ from numba.extending import overload
 import numpy as np
 
 from attention._cpu_checks import _worse, backward_row
-from attention._cpu_vmath import (exp_like, from_nonnegative_key, from_ordered_key, log_f64,
-                                  nonnegative_key, ordered_key)
+from attention._cpu_vmath import exp_like, from_ordered_key, log_like, ordered_key
 
 _FAST = {"reassoc", "contract"}  # reordered sums; no assumption about NaN or infinity
 
@@ -71,15 +70,14 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
     stats : (batch*heads, seq_q, 5) float64: ``[sum, sum (j+1)/seq_k weighted, sum |.|,
         non-finite count, last non-finite index or -1]`` of every raw score row; an empty array
         (first dimension 0) when nothing reads them
-    errors : (3,) float64: ``[worst row-sum error, worst log-identity error, largest |z| used]``
-        are folded into it (start from zeros)
+    errors : (3,) float64: ``[worst row-sum error, worst log-identity spread, largest
+        |z| + |log P| used]`` are folded into it (start from zeros)
     cols, rows : (batch*heads, 3, seq_k) and (batch*heads, seq_q, 3) float64, or empty arrays
         (first dimension 0) for none: the column encodings of ``probs`` and of its transpose, as
         a planned product of either would compute them (see :func:`_encode_row`)
     """
     bh, sq, sk = scores.shape
     weights = _location_weights(sk)
-    logs = np.empty(sk, probs.dtype)
     encode = cols.shape[0] == bh
     observe = stats.shape[0] == bh
     for t in range(bh):
@@ -102,9 +100,10 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
                 _softmax_row(row, scale[0], add, False, keys, False, visible, out)
             if check:
                 _check_row_masked(out, row, scale[0], add, has_attn, keys, has_keys, visible,
-                                  floor, p_min, logs, errors)
+                                  floor, p_min, errors)
             if encode:
-                _encode_row(out, weights, i, sq, cols[t], rows[t, i])
+                # entries past `visible` are exact zeros (hidden by causality): nothing to add
+                _encode_row(out, weights, i, sq, cols[t], rows[t, i], visible)
 
 
 @numba.njit(cache=True, fastmath=_FAST)
@@ -114,14 +113,13 @@ def check_forward(probs: Any, scores: Any, scale: Any, key_visible: Any, has_key
     """The invariant check of :func:`forward` alone (``probs`` as delivered, any float dtype
     numba reads: float32/float64)."""
     bh, sq, sk = scores.shape
-    logs = np.empty(sk, probs.dtype)
     for t in range(bh):
         am = attn_add[min(t, attn_add.shape[0] - 1)]
         keys = key_visible[min(t // heads, key_visible.shape[0] - 1)]
         for i in range(sq):
             _check_row_masked(probs[t, i], scores[t, i], scale[0], am[min(i, am.shape[0] - 1)],
                               has_attn, keys, has_keys, min(i + 1, sk) if causal else sk, floor,
-                              p_min, logs, errors)
+                              p_min, errors)
 
 
 @numba.njit(cache=True)
@@ -131,17 +129,19 @@ def _location_weights(sk: int) -> Any:
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
-def _encode_row(x: Any, weights: Any, i: int, n_rows: int, col: Any, row_out: Any) -> None:
+def _encode_row(x: Any, weights: Any, i: int, n_rows: int, col: Any, row_out: Any,
+                length: int) -> None:
     """Fold row ``i`` of an ``(n_rows, L)`` matrix, as stored, into its column encoding ``col``
     ``(3, L)`` (plain, weighted by ``(i+1)/n_rows``, absolute; zeroed at row 0) and write its
     row's ``row_out`` ``(3,)`` (plain, weighted by ``weights``, absolute): the encodings a planned
-    product reading the matrix, or its transpose, would make from it (``abftgemm._cpu_plan``)."""
+    product reading the matrix, or its transpose, would make from it (``abftgemm._cpu_plan``).
+    Entries from ``length`` on are zeros the caller wrote (they add nothing)."""
     if i == 0:
         col[...] = 0.0
     w = (i + 1) / n_rows
     c0, c1, c2 = col[0], col[1], col[2]
     s0 = s1 = s2 = 0.0
-    for j in range(x.shape[0]):
+    for j in range(length):
         v = np.float64(x[j])
         a = abs(v)
         s0 += v
@@ -214,79 +214,75 @@ def _softmax_row(row: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has_key
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
-def _z(s: Any, j: int, sc: Any, add: Any, has_attn: bool) -> float:
-    z = np.float64(s[j] * sc)
-    return z + add[j] if has_attn else z
+def _z(s: Any, j: int, sc: Any, add: Any, has_attn: bool) -> Any:
+    """Entry ``j``'s ``z``, rounded as :func:`_softmax_row` rounds it (the precision of ``sc``)."""
+    z = s[j] * sc
+    return _like(sc, z + add[j]) if has_attn else z
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
 def _check_row_masked(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any,
-                      has_keys: bool, visible: int, floor: float, p_min: float, logs: Any,
+                      has_keys: bool, visible: int, floor: float, p_min: float,
                       errors: Any) -> None:
     """:func:`_check_row` compiled once per mask combination (no flag tested per element)."""
     if has_attn and has_keys:
-        _check_row(p, s, sc, add, True, keys, True, visible, floor, p_min, logs, errors)
+        _check_row(p, s, sc, add, True, keys, True, visible, floor, p_min, errors)
     elif has_attn:
-        _check_row(p, s, sc, add, True, keys, False, visible, floor, p_min, logs, errors)
+        _check_row(p, s, sc, add, True, keys, False, visible, floor, p_min, errors)
     elif has_keys:
-        _check_row(p, s, sc, add, False, keys, True, visible, floor, p_min, logs, errors)
+        _check_row(p, s, sc, add, False, keys, True, visible, floor, p_min, errors)
     else:
-        _check_row(p, s, sc, add, False, keys, False, visible, floor, p_min, logs, errors)
+        _check_row(p, s, sc, add, False, keys, False, visible, floor, p_min, errors)
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
 def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has_keys: bool,
-               visible: int, floor: float, p_min: float, logs: Any, errors: Any) -> None:
+               visible: int, floor: float, p_min: float, errors: Any) -> None:
     """Fold one row's invariant errors into ``errors`` (the forward check of
     :func:`check_forward`): z is recomputed from the raw scores, not taken from the softmax's
-    own arithmetic. The largest probability is the identity's reference entry. ``logs``: a
-    workspace of the row's length and ``p``'s dtype for the logarithms, taken in a loop of their
-    own: in ``p``'s precision that loop vectorizes at its full width (eight lanes for float32),
-    which the float64 loop around it would halve (2.3 -> 1.6 ms for the identity at 16 x 256 x
-    256, causal)."""
+    own arithmetic. Two passes: the row sum and largest probability, then the log identity as
+    the spread ``max D - min D`` of ``D_j = log P_j - z_j`` over the entries it uses, with
+    ``max(|z_j| + |log P_j|)`` (what the arithmetic's rounding scales with), in ``p``'s
+    precision (eight float32 lanes), maxima as integer maxima of order-preserving keys."""
     n_bad = 0
     n_seen = 0
     total = 0.0
-    top_key = nonnegative_key(0.0)
-    for j in range(visible):  # keys j >= visible are hidden (causality)
+    top_key = ordered_key(_like(sc, 0.0))
+    for j in range(p.shape[0]):  # one loop over the row: keys j >= visible are hidden
         z = _z(s, j, sc, add, has_attn)
-        seen = z != -math.inf
+        seen = (j < visible) & (z != -math.inf)
         if has_keys:
             seen = seen & keys[j]
         n_seen += np.int64(seen)
         n_bad += np.int64(seen & (not abs(z) < math.inf))  # INF or NaN; counts vectorize
-        v = np.float64(p[j])
-        total += v
-        top_key = max(top_key, nonnegative_key(v))
-    for j in range(visible, p.shape[0]):
-        v = np.float64(p[j])
-        total += v
-        top_key = max(top_key, nonnegative_key(v))
+        total += np.float64(p[j])
+        top_key = max(top_key, ordered_key(p[j]))
     if n_bad:
         return
     errors[0] = _worse(errors[0], abs(total - (1.0 if n_seen else 0.0)))
-    top = from_nonnegative_key(top_key)
-    if not math.isfinite(total) or top == 0:
+    top = np.float64(from_ordered_key(top_key))
+    if not math.isfinite(total) or top <= 0:
         return
-    arg = 0
-    while np.float64(p[arg]) != top:
-        arg += 1
-    log_top = math.log(top)
-    z_top = _z(s, arg, sc, add, has_attn)
-    threshold = max(floor * top, p_min)
-    for j in range(visible):
-        logs[j] = log_f64(p[j])  # exact in p's dtype: the float32 log is computed in float32
-    worst_key = z_max_key = nonnegative_key(0.0)
-    for j in range(visible):  # finite z and p here: the maxima need no NaN rule
+    ninf, zero = _like(sc, -math.inf), _like(sc, 0.0)
+    threshold = _like(sc, max(floor * top, p_min))
+    none = ordered_key(ninf)
+    hi = lo = none
+    size = ordered_key(zero)
+    for j in range(visible):  # finite z here; p above the threshold is a positive normal
         z = _z(s, j, sc, add, has_attn)
-        use = (np.float64(p[j]) > threshold) & (z != -math.inf)
+        pj = p[j]
+        use = (pj > threshold) & (z != ninf)
         if has_keys:
             use = use & keys[j]
-        err = abs(np.float64(logs[j]) - log_top - (z - z_top))
-        worst_key = max(worst_key, nonnegative_key(err if use else 0.0))
-        z_max_key = max(z_max_key, nonnegative_key(abs(z) if use else 0.0))
-    errors[1] = _worse(errors[1], from_nonnegative_key(worst_key))
-    errors[2] = _worse(errors[2], from_nonnegative_key(z_max_key))
+        lp = log_like(pj)
+        d = lp - z
+        hi = max(hi, ordered_key(d if use else ninf))
+        lo = max(lo, ordered_key(-d if use else ninf))
+        size = max(size, ordered_key(abs(z) + abs(lp) if use else zero))
+    if hi == none:
+        return
+    errors[1] = _worse(errors[1], np.float64(from_ordered_key(hi)) + from_ordered_key(lo))
+    errors[2] = _worse(errors[2], np.float64(from_ordered_key(size)))
 
 
 @numba.njit(cache=True, fastmath=_FAST)
@@ -330,4 +326,4 @@ def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds
             for j in range(sk):
                 out[j] = out[j] * sc
             if encode:
-                _encode_row(out, weights, i, sq, cols[t], rows[t, i])
+                _encode_row(out, weights, i, sq, cols[t], rows[t, i], sk)

@@ -129,7 +129,7 @@ _SITES: dict[str, SitePlan] = {s: SitePlan(_PRODUCTS[s], r.describe()) for s, r 
 
 #: Non-GEMM steps checked by invariants (they receive ``fault_hook`` calls too).
 INVARIANT_SITES = {
-    "softmax": "rows of P sum to 1; log P_ij - log P_i,max = z_ij - z_i,max",
+    "softmax": "rows of P sum to 1; log P_ij - z_ij is the same for every visible j",
     "softmax_backward": "rows of dS sum to 0; their dP-weighted sums equal sum P dP^2 - r^2",
 }
 

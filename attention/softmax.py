@@ -3,7 +3,9 @@
 Softmax is not linear, so GEMM checksums cannot pass through it. Instead:
 
 - forward: every row with a visible key sums to 1 (hidden rows to 0), and the log-domain identity
-  ``log P_ij - log P_i,max = z_ij - z_i,max`` holds for every visible entry that is not negligible.
+  ``log P_ij - z_ij = -(max_j z_ij) - log(sum_j exp(z_ij - max_j z_ij))``, the same for every
+  visible entry of row ``i`` that is not negligible, holds: the check measures its spread,
+  ``max_j - min_j`` of ``log P_ij - z_ij``.
   The forward pass computes ``exp(z - max) / sum``; the check takes logarithms of what was
   delivered, so a fault in the exponential, the sum or the division cannot cancel out;
 - backward: ``dS = P * (dP - r)``, ``r = rowsum(dP * P)``, has rows summing to 0 (exactly
@@ -18,8 +20,8 @@ Each step is one kernel per backend with the same boundaries: numba on the CPU
 (:mod:`attention._cpu_softmax`), a CUDA RawKernel on the GPU (:mod:`attention._cuda_softmax`),
 each reading its rows once, observing the row checksums the deferred check of the product before
 it needs, and judging its invariants on what it stored. Both use the tolerances defined here; the
-GPU kernel judges each row with that row's own largest ``|z|`` (the CPU's verdict uses the
-largest of the pass), and keeps its verdict on the device until the pass settles.
+GPU kernel judges each row with that row's own largest ``|z| + |log P|`` (the CPU's verdict
+uses the largest of the pass), and keeps its verdict on the device until the pass settles.
 """
 from __future__ import annotations
 
@@ -45,21 +47,25 @@ it stays on the device until the pass settles (:class:`attention._cuda_softmax.D
 
 def forward_tolerances(p_dtype: np.dtype, length: int) -> tuple[float, float, float]:
     """``(row_tol, log_base, log_slope)`` for probabilities stored in ``p_dtype``, rows of
-    ``length``: a row sum may miss its target by ``row_tol``, the log identity by
-    ``log_base + log_slope * max |z|`` (over the entries it used)."""
+    ``length``: a row sum may miss its target by ``row_tol``; the log identity's spread (the
+    largest minus the smallest ``log P_ij - z_ij`` of a row, over the entries it uses) may reach
+    ``log_base + log_slope * size``, ``size`` the largest ``|z_ij| + |log P_ij|`` it used."""
     acc = accumulation_dtype(p_dtype)
     u = unit_roundoff(p_dtype) + length * unit_roundoff(acc)
-    # relative error of P entries >= floor*top is ~u each; logs turn that into absolute ~2u
-    return 4 * u, 8 * u, 4 * unit_roundoff(acc)
+    # relative error of P entries >= floor*top is ~u each; logs turn that into absolute ~2u.
+    # The check's own arithmetic in the accumulation dtype (a 2-ulp log, one subtraction) errs by
+    # at most ~5 units of roundoff of size per entry, twice in a spread.
+    return 4 * u, 8 * u, 12 * unit_roundoff(acc)
 
 
 def _forward_verdict(errors: tuple[float, float, float], p_dtype: np.dtype,
                      length: int) -> tuple[bool, float, float]:
-    """(ok, worst error, its tolerance) from ``(worst row-sum error, worst log-identity error,
-    largest |z| the identity used)`` of probabilities stored in ``p_dtype``, rows of ``length``."""
-    worst_row, worst_log, z_max = errors
+    """(ok, worst error, its tolerance) from ``(worst row-sum error, worst log-identity spread,
+    largest size the identity used)`` of probabilities stored in ``p_dtype``, rows of
+    ``length`` (see :func:`forward_tolerances`)."""
+    worst_row, worst_log, size = errors
     row_tol, log_base, log_slope = forward_tolerances(p_dtype, length)
-    log_tol = log_base + log_slope * z_max
+    log_tol = log_base + log_slope * size
     ok = math.isfinite(worst_row) and math.isfinite(worst_log) and worst_row <= row_tol \
         and worst_log <= log_tol
     worst, tol = (worst_row, row_tol) if worst_row / row_tol >= worst_log / log_tol else \

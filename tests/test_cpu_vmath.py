@@ -1,5 +1,5 @@
-"""The integer keys the CPU softmax kernels take row maxima with (attention/_cpu_vmath.py): same
-order as the floats, exact round trip, in float32 and float64."""
+"""The vectorizable helpers of the CPU softmax kernels (attention/_cpu_vmath.py): integer keys
+with the order of the floats (exact round trip, float32 and float64), and float32 exp and log."""
 from __future__ import annotations
 
 import numba
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attention._cpu_vmath import from_ordered_key, ordered_key
+from attention._cpu_vmath import EXP_FLUSH, exp_like, from_ordered_key, log_like, ordered_key
 
 
 @numba.njit(cache=True)
@@ -30,3 +30,34 @@ def test_ordered_keys_sort_like_the_floats_and_invert_exactly(dtype, key, data):
     order = np.argsort(keys, kind="stable")
     assert (x[order][:-1] <= x[order][1:]).all()
     assert x[np.argmax(keys)] == x.max() and x[np.argmin(keys)] == x.min()
+
+
+@numba.njit(cache=True)
+def _exp_log(x, e, lg):  # noqa: ANN001, ANN202
+    for i in range(x.shape[0]):  # vectorized loops, as in the kernels
+        e[i] = exp_like(x[i])
+    for i in range(x.shape[0]):
+        lg[i] = log_like(abs(x[i]))
+
+
+def _ulps(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    return np.abs(got.astype(np.float64) - ref) / np.spacing(np.abs(ref).astype(np.float32))
+
+
+@given(st.lists(st.floats(-87.0, 88.0, width=32), min_size=1, max_size=300))
+def test_float32_exp_and_log_are_within_two_ulps_of_float64(values):
+    x = np.array(values + [0.0, -87.0, 88.0, 1e-30, -1e-30], np.float32)
+    e, lg = np.empty_like(x), np.empty_like(x)
+    _exp_log(x, e, lg)
+    assert _ulps(e, np.exp(x.astype(np.float64))).max() <= 2
+    pos = np.abs(x) >= np.finfo(np.float32).tiny  # log_like takes positive normal numbers
+    ref = np.log(np.abs(x[pos]).astype(np.float64))
+    assert np.all((_ulps(lg[pos], ref) <= 2) | (np.abs(lg[pos] - ref) <= 1e-7))
+
+
+def test_float32_exp_flushes_below_its_floor_and_takes_minus_infinity():
+    x = np.array([-np.inf, EXP_FLUSH - 1, -1000.0, EXP_FLUSH + 0.5], np.float32)
+    e, lg = np.empty_like(x), np.empty_like(x)
+    _exp_log(x, e, lg)
+    assert e[:3].tolist() == [0.0, 0.0, 0.0]
+    assert e[3] == pytest.approx(np.exp(np.float64(x[3])), rel=3e-7)

@@ -17,9 +17,9 @@
 //     +INF makes the whole row NaN, as plain arithmetic (and the CPU kernel) does;
 //   - check, on the stored P (rounded to T) and z recomputed in double from the raw scores: rows
 //     whose visible z are all finite must sum to 1 (0 without a visible key) within row_tol, and
-//     every visible entry above max(floor * max P, p_min) (p_min: the smallest normal T) must
-//     satisfy log P_l - log P_top = z_l - z_top within log_base + log_slope * (largest such
-//     |z_l| of the row).
+//     the visible entries above max(floor * max P, p_min) (p_min: the smallest normal T) must
+//     share one value of log P_l - z_l: its spread (largest minus smallest) within log_base +
+//     log_slope * (the largest |z_l| + |log P_l| of those entries).
 // Backward, row r of dP and P (length len):
 //   - stats (optional): dP's row checksums, as above;
 //   - dS_l = P_l (dP_l - r), r = sum P dP, in float (double for double); stored unscaled into
@@ -169,13 +169,6 @@ __device__ __forceinline__ void record(unsigned long long* worst, double* detail
                          static_cast<unsigned int>(r));
 }
 
-// (v, l) comes before (top, arg) in the CPU's scan for the first maximum, a NaN being the maximum.
-__device__ __forceinline__ bool before(double v, int l, double top, int arg) {
-    const bool v_nan = v != v, top_nan = top != top;
-    if (v_nan || top_nan) return v_nan && (!top_nan || l < arg);
-    return v > top || (v == top && l < arg);
-}
-
 }  // namespace
 
 template <typename T>
@@ -301,16 +294,12 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
             if (lane == 0) a.store(stats + 5 * r);
         }
 
-        // ---- pass 2: sum of exponentials; pass 3: P, and the sum and first maximum of what is
-        // stored
+        // ---- pass 2: sum of exponentials; pass 3: P, and the sum and maximum (NaN wins) of
+        // what is stored
         double p_sum = 0.0, top = neg_inf(0.0);
-        int arg = 0;
-        auto fold = [&](double v, int l) {
+        auto fold = [&](double v) {
             p_sum += v;
-            if (before(v, l, top, arg)) {
-                top = v;
-                arg = l;
-            }
+            top = worse(top, v);
         };
         if (compute) {
             m = warp_max(m);
@@ -333,19 +322,19 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
                         const C z = z_of(x[j], l);
                         const C e = shown(l) && z != neg_inf(C(0)) ? exp_of(z - m) : C(0);
                         p[j] = narrow<T>(e * inv);
-                        if (check) fold(to_double(widen(p[j])), l);
+                        if (check) fold(to_double(widen(p[j])));
                     }
                 }
                 return o;
             });
         } else if (check) {
-            auto read = [&](int l) { fold(to_double(widen(out[l])), l); };
+            auto read = [&](int l) { fold(to_double(widen(out[l]))); };
             if (s.has_head()) read(s.head_l());
             for (int v = lane; v < s.chunks; v += 32) {
                 const uint4 bits = load_vec(static_cast<const T*>(out), s.first(v), wide);
                 const T* p = reinterpret_cast<const T*>(&bits);
                 #pragma unroll
-                for (int j = 0; j < V; ++j) fold(to_double(widen(p[j])), s.first(v) + j);
+                for (int j = 0; j < V; ++j) fold(to_double(widen(p[j])));
             }
             if (s.has_tail()) read(s.tail_l());
         }
@@ -353,30 +342,23 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
 
         // ---- pass 4: the invariants, on the stored P
         p_sum = warp_sum(p_sum);
-        #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            const double t_top = __shfl_xor_sync(0xffffffffu, top, off);
-            const int t_arg = __shfl_xor_sync(0xffffffffu, arg, off);
-            if (before(t_top, t_arg, top, arg)) {
-                top = t_top;
-                arg = t_arg;
-            }
-        }
+        top = warp_worse(top);
         any_visible = __any_sync(0xffffffffu, any_visible);
         finite = __all_sync(0xffffffffu, finite);
         if (!finite) continue;  // non-finite input: plain math passes through, unjudged
         const double row_err = fabs(p_sum - (any_visible ? 1.0 : 0.0));
-        double log_err = 0.0, z_max = 0.0;
+        double log_err = 0.0, size = 0.0;
         if (top == top) {
-            const double log_top = top > 0.0 ? log(top) : 0.0;
-            const double z_top = z_check(row[arg], arg);
             const double threshold = fmax(floor * top, p_min);
+            double d_hi = neg_inf(0.0), d_lo = neg_inf(0.0);  // the largest d and -d
             auto identity = [&](int l, T x, double v) {
                 if (!(v > threshold) || !shown(l)) return;
                 const double z = z_check(x, l);
                 if (z == neg_inf(0.0)) return;
-                log_err = worse(log_err, fabs(log(v) - log_top - (z - z_top)));
-                z_max = worse(z_max, fabs(z));
+                const double lp = log(v), d = lp - z;
+                d_hi = worse(d_hi, d);
+                d_lo = worse(d_lo, -d);
+                size = worse(size, fabs(z) + fabs(lp));
             };
             if (s.has_head()) identity(s.head_l(), hx, to_double(widen(out[s.head_l()])));
             auto vec = [&](const uint4& bits, int v) {
@@ -390,11 +372,13 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
             // the raw row is re-read, from L1/L2 where this warp just read it.
             for (int v = lane; v < s.chunks; v += 32) vec(load_vec(row, s.first(v), true), v);
             if (s.has_tail()) identity(s.tail_l(), tx, to_double(widen(out[s.tail_l()])));
-            log_err = warp_worse(log_err);
-            z_max = warp_worse(z_max);
+            d_hi = warp_worse(d_hi);
+            d_lo = warp_worse(d_lo);
+            size = warp_worse(size);
+            if (d_hi != neg_inf(0.0)) log_err = d_hi + d_lo;  // max d - min d
         }
         if (lane == 0) {
-            const double log_tol = log_base + log_slope * z_max;
+            const double log_tol = log_base + log_slope * size;
             const double row_ratio = row_err / row_tol, log_ratio = log_err / log_tol;
             if (row_ratio >= log_ratio || row_ratio != row_ratio)
                 record(worst, details, r, row_ratio, row_err, row_tol);
