@@ -26,6 +26,7 @@ import numba
 from numba.extending import overload
 import numpy as np
 
+from abftgemm._cpu import _ROWS_PER_UPDATE, _sum_columns
 from attention._cpu_checks import _worse, backward_row
 from attention._cpu_vmath import exp_like, from_ordered_key, log_like, ordered_key
 
@@ -74,10 +75,10 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
         |z| + |log P| used]`` are folded into it (start from zeros)
     cols, rows : (batch*heads, 3, seq_k) and (batch*heads, seq_q, 3) float64, or empty arrays
         (first dimension 0) for none: the column encodings of ``probs`` and of its transpose, as
-        a planned product of either would compute them (see :func:`_encode_row`)
+        a planned product of either would compute them (see :func:`_row_encoding` and :func:`_fold_columns`)
     """
     bh, sq, sk = scores.shape
-    weights = _location_weights(sk)
+    weights, row_weights = _location_weights(sk), _location_weights(sq)
     encode = cols.shape[0] == bh
     observe = stats.shape[0] == bh
     for t in range(bh):
@@ -103,7 +104,8 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
                                   floor, p_min, errors)
             if encode:
                 # entries past `visible` are exact zeros (hidden by causality): nothing to add
-                _encode_row(out, weights, i, sq, cols[t], rows[t, i], visible)
+                _row_encoding(out, weights, visible, rows[t, i])
+                _fold_columns(probs[t], row_weights, i, cols[t])
 
 
 @numba.njit(cache=True, fastmath=_FAST)
@@ -129,28 +131,32 @@ def _location_weights(sk: int) -> Any:
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
-def _encode_row(x: Any, weights: Any, i: int, n_rows: int, col: Any, row_out: Any,
-                length: int) -> None:
-    """Fold row ``i`` of an ``(n_rows, L)`` matrix, as stored, into its column encoding ``col``
-    ``(3, L)`` (plain, weighted by ``(i+1)/n_rows``, absolute; zeroed at row 0) and write its
-    row's ``row_out`` ``(3,)`` (plain, weighted by ``weights``, absolute): the encodings a planned
-    product reading the matrix, or its transpose, would make from it (``abftgemm._cpu_plan``).
-    Entries from ``length`` on are zeros the caller wrote (they add nothing)."""
-    if i == 0:
-        col[...] = 0.0
-    w = (i + 1) / n_rows
-    c0, c1, c2 = col[0], col[1], col[2]
+def _row_encoding(x: Any, weights: Any, length: int, out: Any) -> None:
+    """``out`` ``(3,)``: a row's sums as stored (plain, weighted by ``weights``, absolute), the
+    column encoding of the matrix's transpose that a planned product reading it would make
+    (``abftgemm._cpu_plan``). Entries from ``length`` on are zeros the caller wrote."""
     s0 = s1 = s2 = 0.0
     for j in range(length):
         v = np.float64(x[j])
-        a = abs(v)
         s0 += v
         s1 += weights[j] * v
-        s2 += a
-        c0[j] += v
-        c1[j] += w * v
-        c2[j] += a
-    row_out[0], row_out[1], row_out[2] = s0, s1, s2
+        s2 += abs(v)
+    out[0], out[1], out[2] = s0, s1, s2
+
+
+@numba.njit(cache=True, inline="always")
+def _fold_columns(x: Any, row_weights: Any, i: int, col: Any) -> None:
+    """Row ``i`` of ``x`` ``(n_rows, L)`` is final: fold each completed block of eight rows (and
+    the last rows) into its column encoding ``col`` ``(3, L)`` (plain, weighted by
+    ``row_weights``, absolute; zeroed first), as a planned product reading ``x`` would make it
+    (``abftgemm._cpu._sum_columns``, which updates ``col`` once per eight rows, while they are
+    still in cache)."""
+    if (i + 1) % _ROWS_PER_UPDATE and i + 1 < x.shape[0]:
+        return
+    start = i - i % _ROWS_PER_UPDATE
+    if start == 0:
+        col[...] = 0.0
+    _sum_columns(x, row_weights, start, i + 1, col)
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
@@ -305,7 +311,7 @@ def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds
     """
     sc = scale[0]
     n, sq, sk = dp.shape
-    weights = _location_weights(sk)
+    weights, row_weights = _location_weights(sk), _location_weights(sq)
     encode = check and cols.shape[0] == n
     observe = stats.shape[0] == n
     for t in range(n):
@@ -326,4 +332,5 @@ def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds
             for j in range(sk):
                 out[j] = out[j] * sc
             if encode:
-                _encode_row(out, weights, i, sq, cols[t], rows[t, i], sk)
+                _row_encoding(out, weights, sk, rows[t, i])
+                _fold_columns(ds[t], row_weights, i, cols[t])
