@@ -23,28 +23,13 @@ import math
 from typing import Any
 
 import numba
-from numba.extending import overload
 import numpy as np
 
 from abftgemm._cpu import _ROWS_PER_UPDATE, _sum_columns
 from attention._cpu_checks import _worse, backward_row
-from attention._cpu_vmath import exp_like, from_ordered_key, log_like, ordered_key
+from attention._cpu_vmath import exp_like, from_ordered_key, like, log_like, ordered_key
 
 _FAST = {"reassoc", "contract"}  # reordered sums; no assumption about NaN or infinity
-
-
-def _like(x: Any, v: float) -> Any:
-    """``v`` in the precision of ``x`` (float32 or float64), so that ``math.exp`` of it runs in
-    that precision: the scalar float64 ``exp`` was most of the forward kernel's time (5.4 of
-    9 ms of a (4, 4, 128, 32) float32 forward), where NumPy's float32 ``exp`` had been."""
-    raise NotImplementedError("only callable from numba-compiled code")
-
-
-@overload(_like, inline="always")
-def _like_impl(x, v):  # noqa: ANN001 (numba compares signatures)
-    if x == numba.types.float32:
-        return lambda x, v: np.float32(v)
-    return lambda x, v: np.float64(v)
 
 
 @numba.njit(cache=True, fastmath=_FAST)
@@ -185,7 +170,7 @@ def _softmax_row(row: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has_key
     """One masked softmax row into ``out``: keys ``j < visible`` (and ``keys[j]``) are seen. The
     row's maximum is that of the stored ``z`` (the precision of ``sc``), taken as an integer
     max (:func:`ordered_key`): NaN rows take the scalar path whatever it is."""
-    ninf = _like(sc, -math.inf)
+    ninf = like(sc, -math.inf)
     top_key = ordered_key(ninf)
     nan = False
     for j in range(row.shape[0]):
@@ -195,17 +180,17 @@ def _softmax_row(row: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has_key
         seen = (j < visible) & (z != ninf)
         if has_keys:
             seen = seen & keys[j]
-        z = _like(sc, z if seen else ninf)
+        z = like(sc, z if seen else ninf)
         out[j] = z
         top_key = max(top_key, ordered_key(z))
         nan |= z != z
     top = from_ordered_key(top_key)
     if top == ninf:
-        top = _like(sc, 0.0)  # no visible key: exp(-inf) = 0 everywhere
+        top = like(sc, 0.0)  # no visible key: exp(-inf) = 0 everywhere
     total = 0.0
     if nan or not math.isfinite(top):  # NaN or +inf: the exact scalar path propagates them
         for j in range(row.shape[0]):
-            out[j] = math.exp(_like(sc, out[j] - top))
+            out[j] = math.exp(like(sc, out[j] - top))
             total += out[j]
     else:
         for j in range(row.shape[0]):
@@ -223,7 +208,7 @@ def _softmax_row(row: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has_key
 def _z(s: Any, j: int, sc: Any, add: Any, has_attn: bool) -> Any:
     """Entry ``j``'s ``z``, rounded as :func:`_softmax_row` rounds it (the precision of ``sc``)."""
     z = s[j] * sc
-    return _like(sc, z + add[j]) if has_attn else z
+    return like(sc, z + add[j]) if has_attn else z
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
@@ -253,7 +238,7 @@ def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has
     n_bad = 0
     n_seen = 0
     total = 0.0
-    top_key = ordered_key(_like(sc, 0.0))
+    top_key = ordered_key(like(sc, 0.0))
     for j in range(p.shape[0]):  # one loop over the row: keys j >= visible are hidden
         z = _z(s, j, sc, add, has_attn)
         seen = (j < visible) & (z != -math.inf)
@@ -269,8 +254,8 @@ def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has
     top = np.float64(from_ordered_key(top_key))
     if not math.isfinite(total) or top <= 0:
         return
-    ninf, zero = _like(sc, -math.inf), _like(sc, 0.0)
-    threshold = _like(sc, max(floor * top, p_min))
+    ninf, zero = like(sc, -math.inf), like(sc, 0.0)
+    threshold = like(sc, max(floor * top, p_min))
     none = ordered_key(ninf)
     hi = lo = none
     size = ordered_key(zero)
