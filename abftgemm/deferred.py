@@ -22,7 +22,7 @@ import numpy as np
 from abftgemm.backend import get_backend, to_host
 from abftgemm.checksums import Checksums
 from abftgemm.operands import Operands
-from abftgemm.plan import Counters
+from abftgemm.plan import Counters, _Layout
 from abftgemm.report import Report
 from abftgemm.thresholds import safe_magnitude, threshold_coefficients
 
@@ -56,6 +56,7 @@ class DeferredRows:
         self.counters = Counters() if counters is None else counters
         self._be = get_backend(op.xp)
         self._signature = (op.xp.__name__, op.dtype, op.a.shape, op.b.shape)
+        self._layout = _Layout.of(a, b, None, op)
         xp = op.xp
         self._coefficients = threshold_coefficients(op.k, op.n, op.dtype, False)
         self._safe = safe_magnitude(op.k, op.dtype)
@@ -99,7 +100,9 @@ class DeferredRows:
         """
         if self._pending is not None:
             raise RuntimeError(f"{self.name}: settle() the previous execute first")
-        op = Operands.prepare(a, b, None, out)
+        op = self._layout.operands(a, b, None, out) if self._layout is not None else None
+        if op is None:
+            op = Operands.prepare(a, b, None, out)
         if (op.xp.__name__, op.dtype, op.a.shape, op.b.shape) != self._signature or not op.direct:
             raise ValueError(f"{self.name}: operands {op.a.shape} @ {op.b.shape} {op.dtype} into "
                              f"out do not match the plan {self._signature}")
