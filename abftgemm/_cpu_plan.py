@@ -255,6 +255,10 @@ class CpuWorkspace:
         """True when the last observation flagged a column or found one unverifiable."""
         return self._flagged > 0
 
+    def a_encoding(self) -> np.ndarray:
+        """Column encoding of ``a`` the last prediction used, ``(batch or 1, k, 3)`` (a view)."""
+        return self._enc[:self._enc_rows].transpose(0, 2, 1)
+
     def observed_cols(self) -> np.ndarray:
         """Observed column encoding of the last product, ``(batch, n, 3)`` (a workspace view)."""
         return self._obs[..., :3]

@@ -70,6 +70,7 @@ class CudaWorkspace:
         self._verdict_seen = numpy.zeros((batch, 2), numpy.uint64)
         self._counters.allocations += 1
         self._enc_given: cupy.ndarray | None = None
+        self._enc_used: cupy.ndarray | None = None  # the whole encoding the last predict read
         self._bias: cupy.ndarray | None = None
         self._predict = _kernel(kernels.instance(kernels.PLAN_PREDICT, self._dtype))
         self._observe_flag = _kernel(kernels.instance(kernels.PLAN_OBSERVE_FLAG, self._dtype))
@@ -120,6 +121,7 @@ class CudaWorkspace:
         for an empty product or inner dimension: ``pred`` stays zero, the bias terms are added
         by the observation)."""
         self._bias = op.bias
+        self._enc_used = None if encode_a else self._enc_given
         if self._slabs == 0 or self._pred.size == 0:
             return
         self._counters.launches += 1
@@ -174,6 +176,11 @@ class CudaWorkspace:
         changed = bool((self._verdict_host != self._verdict_seen).any())
         self._verdict_seen[...] = self._verdict_host
         return changed
+
+    def a_encoding(self) -> cupy.ndarray | None:
+        """The column encoding of ``a`` the last prediction read, ``(batch or 1, k, 3)``; None
+        when the predict kernel encoded ``a`` itself (it keeps only partial sums)."""
+        return self._enc_used
 
     def observed_cols(self) -> cupy.ndarray:
         """Observed column encoding of the last product, ``(batch, n, 3)`` (a workspace view)."""

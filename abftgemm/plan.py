@@ -193,6 +193,17 @@ class ProtectedMatmul:
             raise RuntimeError(f"{self.name}: no executed column-verified product to read")
         return Checksums(cols=self._work.observed_cols())
 
+    def a_encoding(self) -> Checksums | None:
+        """Column encoding ``(batch or 1, k, 3)`` of ``a`` as the last execute's prediction used
+        it (made from ``a``, handed on, or constant), to hand on to another product of the same
+        ``a`` as its ``a_checksums``: a workspace view, valid until the next execute. None where
+        the backend keeps no whole encoding (the GPU, of an ``a`` its kernel encoded: it keeps
+        partial sums only). ``directions="columns"`` plans only."""
+        if self._pending is None or not self._verify_columns:
+            raise RuntimeError(f"{self.name}: no executed column-verified product to read")
+        cols = self._work.a_encoding()
+        return None if cols is None else Checksums(cols=cols)
+
     def abandon(self) -> None:
         """Forget an execute that will not be settled (its caller failed in between)."""
         self._pending = None

@@ -143,6 +143,8 @@ class _Pass:
         self.ctx, self.ws, self.xp, self.per_site = ctx, ws, xp, per_site
         self.env: dict[str, Any] = {}
         self.sums: dict[str, Any] = {}
+        #: Other names of one tensor (in self-attention ``key`` and ``value`` are ``x``).
+        self.aliases: dict[str, str] = {}
         self.report = Report()
         self._pending: list[tuple[str, str, Any]] = []
 
@@ -159,23 +161,28 @@ class _Pass:
 
         A 2-D ``out`` that is the transpose of a C-contiguous array (a caller's gradient buffer
         in PyTorch's ``W`` layout) gets the transposed product ``b^T a^T`` written into that
-        memory, with no copy, for sites whose checksums nothing downstream takes."""
+        memory, with no copy (the sites that get one, weight gradients, hand on no checksums;
+        the swapped product encodes its own ``a``)."""
         route = ROUTES[site]
         a, b, bias = self.tensor(route.a), self.tensor(route.b), self.tensor(route.bias)
         mode = self.ctx.mode(site)
         self.env[route.out] = out
         target = out
-        if _transposed_2d(out) and bias is None and route.a_sums is None:
-            a, b, target = b.T, a.T, out.T
+        a_sums = None if route.a_sums is None else self.sums.get(self._named(route.a_sums))
+        if _transposed_2d(out) and bias is None:
+            a, b, target, a_sums = b.T, a.T, out.T, None
         if mode == "off":
             _plain(self.xp, a, b, bias, target, site, self.ctx.fault_hook)
             return out
         plan = self.ws.product(site, a, b, bias, mode)
-        a_sums = self.sums.get(route.a_sums)
         if a_sums is not None:  # (batch or 1, k, 3); an empty operand needs none
             a_sums = Checksums(cols=a_sums.reshape(-1, a.shape[-1], 3)) if a.size else None
         plan.execute(a, b, bias=bias, out=target, fault_hook=self.ctx.fault_hook,
                      a_checksums=a_sums)
+        if a_sums is None and target is out:  # encoded a: later sites of the same a take it
+            made = plan.a_encoding()
+            if made is not None:
+                self.sums.setdefault(self._named(route.a), made.cols)
         if self.per_site:
             report, sums = plan.settle(checksums=True)
             self.report.extend(report)
@@ -185,6 +192,11 @@ class _Pass:
         if target is out:
             self.sums[route.out] = sums.cols
         return out
+
+    def _named(self, name: str) -> str:
+        """``name`` (with any ``^T``) under the name its tensor's checksums are kept by."""
+        base = name.removesuffix("^T")
+        return self.aliases.get(base, base) + name[len(base):]
 
     def gemm_deferred(self, site: str, out: Any) -> Any | None:
         """Run a "rows by consumer" site; returns its plan (None when unchecked) for the
@@ -374,6 +386,8 @@ def _forward(p: _Pass, inp: _Inputs) -> tuple[Any, dict[str, Any]]:
     seq_k = inp.key.shape[1]
     h, hd = inp.n_heads, inp.head_dim
     p.env.update(inp.params, x=inp.x, key=inp.key, value=inp.value)
+    if not inp.cross:
+        p.aliases.update(key="x", value="x")
     p.gemm("q_proj", ws.buffer("q", xp, (batch, seq_q, d), dt))
     p.gemm("k_proj", ws.buffer("k", xp, (batch, seq_k, d), dt))
     p.gemm("v_proj", ws.buffer("v", xp, (batch, seq_k, d), dt))
@@ -451,6 +465,8 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any,
     p.env.update(par, x=inp.x.reshape(flat), key=inp.key.reshape(flat),
                  value=inp.value.reshape(flat), dy=dy.reshape(flat), context=saved["context"].reshape(flat),
                  qh=saved["qh"], kh=saved["kh"], vh=saved["vh"], probs=saved["probs"])
+    if not inp.cross:
+        p.aliases.update(key="x", value="x")
     for name, key in (("vh", "v_sums"), ("probs^T", "probs_t_sums")):
         if saved[key] is not None:
             p.sums[name] = saved[key]
@@ -475,6 +491,11 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any,
     dk = _merge(xp, p.env["d_kh"], h, ws.buffer("dk", xp, (batch, seq_k, d), dt)).reshape(flat)
     dv = _merge(xp, p.env["d_vh"], h, ws.buffer("dv", xp, (batch, seq_k, d), dt)).reshape(flat)
     p.env.update(dq=dq, dk=dk, dv=dv)
+    parts = [p.sums.get(n) for n in (("d_qh",) if inp.cross else ("d_qh", "d_kh", "d_vh"))]
+    if all(e is not None for e in parts):  # d_x's a, [dQ dK dV] (dQ alone in cross-attention)
+        p.sums["d_qkv"] = _stacked_encoding(xp, parts, batch,
+                                            ws.buffer("d_qkv_sums", xp, (1, len(parts) * d, 3),
+                                                      np.float64))
     _column_sum(dy.reshape(flat), grads["bo"])
     for name in "qkv":
         p.gemm(f"d_w{name}", grads["w" + name])
@@ -497,6 +518,21 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any,
         p.env.update(d_qkv=d_qkv, w_qkv=w_qkv)
         dx = p.gemm("d_x", xp.empty((batch * seq_q, d), dt)).reshape(inp.x.shape)
     return dx, {k: grads[k] for k in PARAM_KEYS}
+
+
+def _stacked_encoding(xp: Any, parts: list[Any], batch: int, out: Any) -> Any:
+    """Column encoding ``out`` ``(1, width, 3)`` of a ``(batch * seq, width)`` matrix from the
+    column encodings of its head blocks over each batch item's ``seq`` rows (``parts``, side by
+    side, each ``(batch * heads, head_dim, 3)``, as the per-head products observe them). Plain
+    and absolute sums add up over the items; the location weight of row ``s`` of item ``b``,
+    ``(b * seq + s + 1) / (batch * seq)``, is ``b / batch`` plus the item's own ``(s + 1) /
+    seq`` over ``batch``."""
+    e = xp.concatenate([x.reshape(batch, -1, 3) for x in parts], axis=1)  # (batch, width, 3)
+    item = (xp.arange(batch, dtype=np.float64) / batch)[:, None]
+    e[..., 0].sum(axis=0, out=out[0, :, 0])
+    (item * e[..., 0] + e[..., 1] / batch).sum(axis=0, out=out[0, :, 1])
+    e[..., 2].sum(axis=0, out=out[0, :, 2])
+    return out
 
 
 def _column_sum(t: Any, out: Any) -> None:

@@ -7,9 +7,12 @@ direction is computed on the rare path, when a column flags. The scores and ``dP
 exception: reading them only to verify them costs over 30% of their GEMM on a GPU, so the softmax
 kernels (forward and backward) observe their row checksums on the read they make anyway
 (:class:`abftgemm.deferred.DeferredRows`). Checksums "passed" cost no encoding pass: they are the
-column encodings an earlier product's verification observed, or, for ``P``, ``dS`` and their
-transposes, the encodings the CPU softmax kernels make as they write them (the GPU kernels do not
-yet: there those products read their operand).
+column encodings an earlier product's verification observed (or composed from such encodings of
+its parts), the encoding an earlier site made of the same operand (``X`` is encoded once per pass
+for ``Q``, ``K`` and ``V``, and ``X^T`` once for their weight gradients), or, for ``P``, ``dS``
+and their transposes, the encodings the CPU softmax kernels make as they write them (the GPU
+kernels do not yet: there those products read their operand; nor does a GPU plan keep a whole
+encoding it made itself, so there ``K`` and ``V`` read ``X`` again).
 
 How often is a trade-off: :func:`adaptive_frequencies` picks, from a fault rate and per-site cost
 and vulnerability, the cheapest per-site checking probabilities that keep the expected number of
@@ -64,9 +67,13 @@ class Route:
         Name of the bias added inside the protection.
     a_sums : str or None
         "Passed": the tensor whose column encoding is the column encoding of ``a``, known
-        without reading ``a``: observed by the product that made it, or made by the softmax
-        kernel that wrote it (``probs``, ``d_scores`` and their transposes, on the CPU). None, or
-        when the pass has no such encoding: encoded from ``a``.
+        without reading ``a``: observed by the product that made it, made by the softmax kernel
+        that wrote it (``probs``, ``d_scores`` and their transposes, on the CPU), made by an
+        earlier site of the pass that encoded the same tensor (every site that encodes its
+        ``a`` hands the encoding on under ``a``'s name; in self-attention ``key`` and ``value``
+        are ``x``), or composed from the observed encodings of its parts (``d_qkv`` from the
+        head products ``d_qh``, ``d_kh``, ``d_vh``). None, or when the pass has no such
+        encoding: encoded from ``a``.
     verify : {"columns", "rows by consumer"}
         ``"columns"``: a planned product verified by its own two launches. ``"rows by consumer"``:
         the next kernel that reads the product observes its row checksums on that read.
@@ -88,6 +95,9 @@ class Route:
         if self.verify == "rows by consumer":
             return (f"passed: column encoding of {self.b_rows} as the row encoding of {self.b}; "
                     "row checksums only, observed by the softmax kernel on its one read")
+        if self.a_sums == self.a:
+            return (f"passed: column encoding of {self.a} made earlier in the pass (by the first "
+                    "site that encodes it, or composed from its parts), else encoded")
         return f"passed: column encoding of {self.a_sums}" if self.a_sums else "encoded"
 
 
@@ -95,8 +105,8 @@ class Route:
 #: table says so and adds the sites of :data:`CROSS_SITES`).
 ROUTES: dict[str, Route] = {
     "q_proj": Route("q", "x", "wq", "bq"),
-    "k_proj": Route("k", "key", "wk", "bk"),
-    "v_proj": Route("v", "value", "wv", "bv"),
+    "k_proj": Route("k", "key", "wk", "bk", a_sums="key"),
+    "v_proj": Route("v", "value", "wv", "bv", a_sums="value"),
     "scores": Route("scores", "qh", "kh^T", verify="rows by consumer", b_rows="kh"),
     "context": Route("context_h", "probs", "vh", a_sums="probs"),
     "out_proj": Route("y", "context", "wo", "bo", a_sums="context_h"),
@@ -107,9 +117,9 @@ ROUTES: dict[str, Route] = {
     "d_q": Route("d_qh", "d_scores", "kh", a_sums="d_scores"),
     "d_k": Route("d_kh", "d_scores^T", "qh", a_sums="d_scores^T"),
     "d_wq": Route("d_wq", "x^T", "dq"),
-    "d_wk": Route("d_wk", "key^T", "dk"),
-    "d_wv": Route("d_wv", "value^T", "dv"),
-    "d_x": Route("dx", "d_qkv", "w_qkv^T"),
+    "d_wk": Route("d_wk", "key^T", "dk", a_sums="key^T"),
+    "d_wv": Route("d_wv", "value^T", "dv", a_sums="value^T"),
+    "d_x": Route("dx", "d_qkv", "w_qkv^T", a_sums="d_qkv"),
     "d_key": Route("d_key", "dk", "wk^T"),
     "d_value": Route("d_value", "dv", "wv^T"),
 }

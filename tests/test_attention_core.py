@@ -108,6 +108,42 @@ def test_every_route_is_used_and_every_use_is_in_the_table(xp):
             assert name is None or name.removesuffix("^T") in _TENSORS, name
 
 
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_an_encoding_is_made_once_per_pass_and_handed_on(xp, monkeypatch):
+    """In self-attention q_proj's encoding of X serves k_proj and v_proj, d_wq's of X^T serves
+    d_wk and d_wv, and d_x's is composed from d_q, d_k and d_v's (on the GPU, whose plans keep
+    no whole encoding they made, only the composed one); cross-attention's key and value are
+    other tensors, encoded by their own sites. Every case matches the unprotected layer."""
+    from abftgemm.plan import ProtectedMatmul
+
+    handed: dict[str, bool] = {}
+    execute = ProtectedMatmul.execute
+
+    def spy(self, a, b, **kw):
+        handed[self.name] = kw.get("a_checksums") is not None
+        return execute(self, a, b, **kw)
+
+    monkeypatch.setattr(ProtectedMatmul, "execute", spy)
+    layer, x, key, value, dy, _, _ = _data(xp)
+    shared = {"k_proj", "v_proj", "d_wk", "d_wv"} if xp is np else set()
+    for kv, expect in (({}, shared | {"d_x"}), ({"key": key, "value": value}, {"d_x"})):
+        kv = {k: xp.asarray(t) for k, t in kv.items()}
+        handed.clear()
+        outs = {}
+        for check in ("correct", "off"):
+            layer.check = check
+            y, cache = layer.forward(xp.asarray(x), **kv)
+            outs[check] = (y, *layer.backward(xp.asarray(dy), cache))
+        assert {s for s in ("k_proj", "v_proj", "d_wk", "d_wv", "d_x") if handed[s]} == expect
+        assert not handed["q_proj"] and not handed["d_wq"]
+        assert not layer.last_report.detected, layer.last_report.summary()
+        assert np.array_equal(to_host(outs["correct"][0]), to_host(outs["off"][0]))
+        as_tuple = (lambda d: d if isinstance(d, tuple) else (d,))
+        for got, want in zip(as_tuple(outs["correct"][1]), as_tuple(outs["off"][1])):
+            # dS rounds once more when checked: equal up to float64 rounding
+            assert np.allclose(to_host(got), to_host(want), rtol=1e-12, atol=1e-12)
+
+
 #: The tensor names of attention.functional's passes (written out here, not read from it).
 _TENSORS = {"x", "key", "value", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q", "k", "v",
             "qh", "kh", "vh", "scores", "probs", "context_h", "context", "dy", "d_context",

@@ -22,8 +22,11 @@ def test_counts_by_hand() -> None:
     # q_proj: columns, X encoded (ROUTES passes nothing): encode A 4 + predict (reads B) 4
     # + observe C 4 = 12 elements read, 12 * 6 = 72 FLOPs; 2 columns checked.
     assert costs["q_proj"] == CheckCost(bytes=12 * 4 + 2 * 48, flops=72)
-    # k_proj encodes X again (no shared encoding in ROUTES): the same as q_proj
-    assert costs["k_proj"] == costs["q_proj"]
+    # k_proj and v_proj take q_proj's encoding of X (ROUTES passes it): reads B 4 + C 4 = 8
+    assert costs["k_proj"] == costs["v_proj"] == CheckCost(bytes=8 * 4 + 2 * 48, flops=48)
+    # d_wq encodes X^T, which d_wk and d_wv then take; d_x takes [dQ dK dV]'s, composed
+    assert costs["d_wq"] == costs["q_proj"]
+    assert costs["d_wk"] == costs["d_wv"] == costs["k_proj"]
     # context gets P's column encoding passed (a_sums): reads B 4 + C 4 = 8, 48 FLOPs
     assert costs["context"] == CheckCost(bytes=8 * 4 + 2 * 48, flops=48)
     # out_proj gets the context's observed encoding: the same

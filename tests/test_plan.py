@@ -292,3 +292,33 @@ def test_the_column_fast_paths_trade_is_what_the_docs_say(xp):
                                   directions="both")
     assert report.detected
     np.testing.assert_array_equal(_host(got), clean)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_a_encoding_is_the_column_encoding_the_prediction_used(xp):
+    """What a plan hands on of its ``a``: plain, location-weighted ((i+1)/m) and absolute column
+    sums, as it made them (the CPU; a GPU plan keeps only partial sums of its own: None) or as
+    they were handed to it; a plan given them predicts the same clean verdict."""
+    from abftgemm.backend import to_host
+    from abftgemm.checksums import Checksums
+
+    rng = np.random.default_rng(0)
+    a = xp.asarray(rng.standard_normal((3, 6, 5)))
+    b = xp.asarray(rng.standard_normal((3, 5, 4)))
+    a_host = to_host(a)
+    weights = ((np.arange(6) + 1) / 6)[None, :, None]
+    expected = np.stack([a_host.sum(1), (weights * a_host).sum(1), np.abs(a_host).sum(1)], -1)
+    plan = ProtectedMatmul(a, b)
+    plan.execute(a, b)
+    made = plan.a_encoding()
+    if xp is np:
+        np.testing.assert_allclose(made.cols, expected, rtol=1e-13)
+    else:
+        assert made is None
+    assert not plan.settle().events
+    given = ProtectedMatmul(a, b)
+    given.execute(a, b, a_checksums=Checksums(cols=xp.asarray(expected)))
+    np.testing.assert_allclose(to_host(given.a_encoding().cols), expected, rtol=1e-13)
+    assert not given.settle().events
+    with pytest.raises(RuntimeError, match="no executed"):
+        given.a_encoding()
