@@ -492,7 +492,7 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any,
     dv = _merge(xp, p.env["d_vh"], h, ws.buffer("dv", xp, (batch, seq_k, d), dt)).reshape(flat)
     p.env.update(dq=dq, dk=dk, dv=dv)
     parts = [p.sums.get(n) for n in (("d_qh",) if inp.cross else ("d_qh", "d_kh", "d_vh"))]
-    if all(e is not None for e in parts):  # d_x's a, [dQ dK dV] (dQ alone in cross-attention)
+    if batch and all(e is not None for e in parts):  # d_x's a, [dQ dK dV] (dQ in cross-attn.)
         p.sums["d_qkv"] = _stacked_encoding(xp, parts, batch,
                                             ws.buffer("d_qkv_sums", xp, (1, len(parts) * d, 3),
                                                       np.float64))
@@ -529,8 +529,10 @@ def _stacked_encoding(xp: Any, parts: list[Any], batch: int, out: Any) -> Any:
     seq`` over ``batch``."""
     e = xp.concatenate([x.reshape(batch, -1, 3) for x in parts], axis=1)  # (batch, width, 3)
     item = (xp.arange(batch, dtype=np.float64) / batch)[:, None]
+    weighted = e[..., 1] / batch
+    weighted[1:] += item[1:] * e[1:, :, 0]  # item 0's weight is 0: no 0 * inf = NaN
     e[..., 0].sum(axis=0, out=out[0, :, 0])
-    (item * e[..., 0] + e[..., 1] / batch).sum(axis=0, out=out[0, :, 1])
+    weighted.sum(axis=0, out=out[0, :, 1])
     e[..., 2].sum(axis=0, out=out[0, :, 2])
     return out
 

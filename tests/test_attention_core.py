@@ -144,6 +144,20 @@ def test_an_encoding_is_made_once_per_pass_and_handed_on(xp, monkeypatch):
             assert np.allclose(to_host(got), to_host(want), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("shape", [(0, 4), (2, 0)], ids=["no batch", "no tokens"])
+def test_empty_batches_and_sequences_run_both_passes(xp, shape):
+    """An empty batch or sequence gives empty outputs and zero gradients, as plain math does."""
+    layer = MultiHeadAttention(8, 2, causal=True, dtype="float32", xp=xp)
+    x = xp.zeros(shape + (8,), np.float32)
+    y, cache = layer.forward(x)
+    dx, grads = layer.backward(xp.zeros_like(x), cache)
+    assert y.shape == dx.shape == x.shape
+    for k, g in grads.items():
+        assert not to_host(g).any(), k
+    assert not layer.last_report.detected, layer.last_report.summary()
+
+
 #: The tensor names of attention.functional's passes (written out here, not read from it).
 _TENSORS = {"x", "key", "value", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q", "k", "v",
             "qh", "kh", "vh", "scores", "probs", "context_h", "context", "dy", "d_context",
