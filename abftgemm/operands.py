@@ -202,7 +202,10 @@ def _writable_in_place(xp: Any, out: Any, op: Operands) -> bool:
     """Whether the GEMM may write straight into ``out`` (see :meth:`Operands.buffer`)."""
     if out.shape != op.shape or out.dtype != op.dtype or not out.flags.c_contiguous:
         return False
-    return not any(xp.may_share_memory(out, x) for x in (op.a, op.b, op.bias) if x is not None)
+    for x in (op.a, op.b, op.bias):  # a loop, not any(generator): this runs on every execute
+        if x is not None and xp.may_share_memory(out, x):
+            return False
+    return True
 
 
 def _broadcast(s: tuple[int, ...], t: tuple[int, ...]) -> tuple[int, ...]:

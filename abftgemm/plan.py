@@ -243,14 +243,14 @@ class ProtectedMatmul:
 
     def _finish_settle(self, checksums: bool) -> Report | tuple[Report, Checksums]:
         """With the verdict on the host: report, and run the rare path if it flagged anything."""
-        from abftgemm.gemm import protect  # the rare path; gemm imports this module
-
         pending, self._pending = self._pending, None
         op, c = pending.op, pending.c
         report = Report()
         if self._verify_columns and not self._work.verdict_flagged():
-            sums = Checksums(cols=self._work.observed_cols())
+            sums = Checksums(cols=self._work.observed_cols()) if checksums else None
         else:
+            from abftgemm.gemm import protect  # the rare path; gemm imports this module
+
             self.counters.rare_paths += 1
             sums = protect(self._be, op, c, self.check, self.name, report, pending.a_checksums,
                            None)

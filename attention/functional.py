@@ -526,7 +526,12 @@ def _stacked_encoding(xp: Any, parts: list[Any], batch: int, out: Any) -> Any:
     side, each ``(batch * heads, head_dim, 3)``, as the per-head products observe them). Plain
     and absolute sums add up over the items; the location weight of row ``s`` of item ``b``,
     ``(b * seq + s + 1) / (batch * seq)``, is ``b / batch`` plus the item's own ``(s + 1) /
-    seq`` over ``batch``."""
+    seq`` over ``batch`` (numba on the CPU: :func:`attention._cpu_encodings.stack`)."""
+    if xp is np:
+        from attention import _cpu_encodings  # numba: loaded with the CPU path only
+
+        _cpu_encodings.stack(tuple(parts), batch, out)
+        return out
     e = xp.concatenate([x.reshape(batch, -1, 3) for x in parts], axis=1)  # (batch, width, 3)
     item = (xp.arange(batch, dtype=np.float64) / batch)[:, None]
     weighted = e[..., 1] / batch

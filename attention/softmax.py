@@ -220,8 +220,8 @@ class ForwardStep:
 
     def _masks(self) -> tuple[Any, bool, Any, bool]:
         inp = self.inp
-        keys = inp.key_visible if inp.key_visible is not None else np.ones((1, 1), bool)
-        add = inp.attn_add if inp.attn_add is not None else np.zeros((1, 1, 1))
+        keys = inp.key_visible if inp.key_visible is not None else _NO_KEYS
+        add = inp.attn_add if inp.attn_add is not None else _NO_ADD
         return keys, inp.key_visible is not None, add, inp.attn_add is not None
 
     def _verdict(self, errors: Any | None) -> tuple[bool, float, float]:
@@ -341,6 +341,9 @@ class BackwardStep:
 _NONE = (np.zeros((0, 3, 0)), np.zeros((0, 0, 3)))
 #: Empty row-checksum buffer: the CPU kernels then observe nothing.
 _NO_STATS = np.zeros((0, 0, 5))
+#: Placeholder masks for the CPU forward kernel's "no key-padding mask" / "no additive mask"
+#: (flagged off by its arguments, never read).
+_NO_KEYS, _NO_ADD = np.ones((1, 1), bool), np.zeros((1, 1, 1))
 
 
 def _observed_rows(plan: Any | None) -> Any:

@@ -249,3 +249,32 @@ def test_a_fault_behind_softmax_made_encodings_is_repaired(monkeypatch, site):
     assert any(e.site == site and e.action == "corrected" for e in events), events
     assert (y == y0).all() and (dx == dx0).all()
     assert all((g[k] == g0[k]).all() for k in g0)
+
+
+def test_composed_encoding_is_the_stacked_matrix_encoding_on_both_code_paths():
+    """d_x's handed-on encoding: composed from per-(batch item, head) column encodings, it equals
+    the column encoding of the stacked (batch * seq, width) matrix computed from its definition
+    (plain, (i+1)/m location-weighted, absolute), by the CPU's numba kernel and by the
+    array-module code the GPU runs (here on NumPy through a stand-in module)."""
+    from attention.functional import _stacked_encoding
+
+    rng = np.random.default_rng(3)
+    batch, heads, seq, hd = 3, 2, 5, 4
+    blocks = [rng.standard_normal((batch * heads, seq, hd)) for _ in range(3)]
+
+    def encoding(m):  # columns of an (rows, cols) matrix
+        w = ((np.arange(m.shape[0]) + 1) / m.shape[0])[:, None]
+        return np.stack([m.sum(0), (w * m).sum(0), np.abs(m).sum(0)], -1)
+
+    stacked = np.concatenate([ref.merge_heads(b.reshape(batch, heads, seq, hd))
+                              .reshape(batch * seq, heads * hd) for b in blocks], axis=1)
+    parts = [np.stack([encoding(item) for item in b]) for b in blocks]
+    want = encoding(stacked)
+
+    class ArrayModule:  # the array-module branch, run on NumPy
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+    for xp in (np, ArrayModule()):
+        got = _stacked_encoding(xp, parts, batch, np.empty((1, stacked.shape[1], 3)))
+        np.testing.assert_allclose(got[0], want, rtol=1e-13, atol=1e-13)
