@@ -60,7 +60,8 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
         |z| + |log P| used]`` are folded into it (start from zeros)
     cols, rows : (batch*heads, 3, seq_k) and (batch*heads, seq_q, 3) float64, or empty arrays
         (first dimension 0) for none: the column encodings of ``probs`` and of its transpose, as
-        a planned product of either would compute them (see :func:`_row_encoding` and :func:`_fold_columns`)
+        a planned product of either would compute them (:func:`_row_encoding`,
+        :func:`_fold_columns`)
     """
     bh, sq, sk = scores.shape
     weights, row_weights = _location_weights(sk), _location_weights(sq)

@@ -95,9 +95,6 @@ class Route:
         if self.verify == "rows by consumer":
             return (f"passed: column encoding of {self.b_rows} as the row encoding of {self.b}; "
                     "row checksums only, observed by the softmax kernel on its one read")
-        if self.a_sums == self.a:
-            return (f"passed: column encoding of {self.a} made earlier in the pass (by the first "
-                    "site that encodes it, or composed from its parts), else encoded")
         return f"passed: column encoding of {self.a_sums}" if self.a_sums else "encoded"
 
 

@@ -31,7 +31,8 @@ encoded is read from ``ROUTES``, which counts the encodings of ``P``, ``dS`` and
 as passed (the CPU softmax kernels make them; on the GPU those four products read their
 operand), and so is an encoding an earlier site of the pass made of the same operand (``X`` for
 ``K`` and ``V``, ``X^T`` for their weight gradients: charged to ``q_proj`` and ``d_wq``, which
-make it when they are checked; on the GPU ``K`` and ``V`` read ``X`` again).  Comparing the checksums (``O(m + n)``) and adding a bias's share to the prediction
+make it when they are checked; on the GPU ``K`` and ``V`` read ``X`` again).  Comparing the
+checksums (``O(m + n)``) and adding a bias's share to the prediction
 (``O(n)``) are left out.  :func:`model_ms` turns the counts into milliseconds with a nominal
 bandwidth and FLOP rate: the same shape always gives the same costs.
 """
