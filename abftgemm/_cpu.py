@@ -173,6 +173,13 @@ def _sum_rows(x: Any, c: Any, i0: int, i1: int, out: Any) -> None:
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
 def _sum_row(row: Any, c: Any, o: Any) -> None:
     """One row of :func:`_sum_rows`."""
+    s0, s1, s2 = _row_sums(row, c)
+    _store(row, s0, s1, s2, o)
+
+
+@numba.njit(cache=True, fastmath=_FAST, inline="always")
+def _row_sums(row: Any, c: Any) -> tuple[float, float, float]:
+    """``(sum c0*row, sum c1*row, sum c2*|row|)`` of one row, in float64."""
     s0 = s1 = s2 = 0.0
     for j in range(row.shape[0]):
         a, w, g = _vector_coefficients(c, j)
@@ -180,7 +187,7 @@ def _sum_row(row: Any, c: Any, o: Any) -> None:
         s0 += a * v
         s1 += w * v
         s2 += g * abs(v)
-    _store(row, s0, s1, s2, o)
+    return s0, s1, s2
 
 
 @numba.njit(cache=True, inline="always")

@@ -126,7 +126,7 @@ class CudaWorkspace:
             return
         self._counters.launches += 1
         a, b = _matrices(op.a), _matrices(op.b)
-        enc = None if encode_a else self._enc_given
+        enc = self._enc_used
         if enc is not None:
             if enc.strides[2] != 8:
                 enc = cupy.ascontiguousarray(enc)

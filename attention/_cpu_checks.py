@@ -19,7 +19,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from attention._cpu_vmath import zero_of
+from attention._cpu_vmath import like
 
 
 @numba.njit(cache=True, inline="always")
@@ -51,7 +51,7 @@ def backward_row(ds: Any, dp: Any, p: Any, u: float, tiny: float, result: Any) -
     """One row of :func:`backward_ratio`, folded into ``result`` ``[worst ratio, its plain
     error, its plain tolerance]``; ``r = sum P dP`` recomputed here. The sums run in the rows'
     dtype (eight float32 lanes; see the module docstring), their combination in float64."""
-    zero = zero_of(ds)
+    zero = like(ds, 0.0)
     r = sum_p = sum_ds = abs_terms = abs_ds = second = ds_dp = abs_ds_dp = zero
     for j in range(ds.shape[0]):
         pj, dpj, dsj = p[j], dp[j], ds[j]

@@ -25,12 +25,9 @@ from typing import Any
 import numba
 import numpy as np
 
-from abftgemm._cpu import _ROWS_PER_UPDATE, _sum_columns
+from abftgemm._cpu import _FAST, _ROWS_PER_UPDATE, _row_sums, _sum_columns, _sum_row
 from attention._cpu_checks import _worse, backward_row
 from attention._cpu_vmath import exp_like, from_ordered_key, like, log_like, ordered_key
-
-_FAST = {"reassoc", "contract"}  # reordered sums; no assumption about NaN or infinity
-
 
 @numba.njit(cache=True, fastmath=_FAST)
 def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add: Any,
@@ -60,7 +57,7 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
         |z| + |log P| used]`` are folded into it (start from zeros)
     cols, rows : (batch*heads, 3, seq_k) and (batch*heads, seq_q, 3) float64, or empty arrays
         (first dimension 0) for none: the column encodings of ``probs`` and of its transpose, as
-        a planned product of either would compute them (:func:`_row_encoding`,
+        a planned product of either would compute them (``abftgemm._cpu._row_sums``,
         :func:`_fold_columns`)
     """
     bh, sq, sk = scores.shape
@@ -72,8 +69,8 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
         keys = key_visible[min(t // heads, key_visible.shape[0] - 1)]
         for i in range(sq):
             row, out = scores[t, i], probs[t, i]
-            if observe:
-                _observe_row(row, weights, stats[t, i])
+            if observe:  # the raw row's checksums, as abftgemm's row reduction takes them
+                _sum_row(row, weights, stats[t, i])
             visible = min(i + 1, sk) if causal else sk
             add = am[min(i, am.shape[0] - 1)]
             # one compiled row per mask combination: the loops test no flag per element
@@ -89,8 +86,9 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
                 _check_row_masked(out, row, scale[0], add, has_attn, keys, has_keys, visible,
                                   floor, p_min, errors)
             if encode:
-                # entries past `visible` are exact zeros (hidden by causality): nothing to add
-                _row_encoding(out, weights, visible, rows[t, i])
+                # the row's sums as stored: the column encoding of P^T (entries past `visible`
+                # are exact zeros, hidden by causality: nothing to add)
+                rows[t, i, 0], rows[t, i, 1], rows[t, i, 2] = _row_sums(out[:visible], weights)
                 _fold_columns(probs[t], row_weights, i, cols[t])
 
 
@@ -116,20 +114,6 @@ def _location_weights(sk: int) -> Any:
     return (np.arange(sk) + 1.0) / max(sk, 1)
 
 
-@numba.njit(cache=True, fastmath=_FAST, inline="always")
-def _row_encoding(x: Any, weights: Any, length: int, out: Any) -> None:
-    """``out`` ``(3,)``: a row's sums as stored (plain, weighted by ``weights``, absolute), the
-    column encoding of the matrix's transpose that a planned product reading it would make
-    (``abftgemm._cpu_plan``). Entries from ``length`` on are zeros the caller wrote."""
-    s0 = s1 = s2 = 0.0
-    for j in range(length):
-        v = np.float64(x[j])
-        s0 += v
-        s1 += weights[j] * v
-        s2 += abs(v)
-    out[0], out[1], out[2] = s0, s1, s2
-
-
 @numba.njit(cache=True, inline="always")
 def _fold_columns(x: Any, row_weights: Any, i: int, col: Any) -> None:
     """Row ``i`` of ``x`` ``(n_rows, L)`` is final: fold each completed block of eight rows (and
@@ -143,26 +127,6 @@ def _fold_columns(x: Any, row_weights: Any, i: int, col: Any) -> None:
     if start == 0:
         col[...] = 0.0
     _sum_columns(x, row_weights, start, i + 1, col)
-
-
-@numba.njit(cache=True, fastmath=_FAST, inline="always")
-def _observe_row(row: Any, weights: Any, st: Any) -> None:
-    """A raw row's checksum fields into ``st`` (see :func:`forward`); the non-finite elements
-    are counted only when a sum is not finite."""
-    s0 = s1 = s2 = 0.0
-    for j in range(row.shape[0]):
-        v = np.float64(row[j])
-        s0 += v
-        s1 += weights[j] * v
-        s2 += abs(v)
-    st[0], st[1], st[2], st[3], st[4] = s0, s1, s2, 0.0, -1.0
-    if not (math.isfinite(s0) and math.isfinite(s1) and math.isfinite(s2)):
-        count, last = 0, -1
-        for j in range(row.shape[0]):
-            if not math.isfinite(row[j]):
-                count += 1
-                last = j
-        st[3], st[4] = count, last
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
@@ -304,7 +268,7 @@ def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds
         for i in range(sq):
             dpr, pr, out = dp[t, i], p[t, i], ds[t, i]
             if observe:
-                _observe_row(dpr, weights, stats[t, i])
+                _sum_row(dpr, weights, stats[t, i])
             r = 0.0
             for j in range(sk):
                 r += dpr[j] * pr[j]
@@ -318,5 +282,5 @@ def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds
             for j in range(sk):
                 out[j] = out[j] * sc
             if encode:
-                _row_encoding(out, weights, sk, rows[t, i])
+                rows[t, i, 0], rows[t, i, 1], rows[t, i, 2] = _row_sums(out, weights)
                 _fold_columns(ds[t], row_weights, i, cols[t])

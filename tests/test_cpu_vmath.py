@@ -46,6 +46,8 @@ def _ulps(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
 
 @given(st.lists(st.floats(-87.0, 88.0, width=32), min_size=1, max_size=300))
 def test_float32_exp_and_log_are_within_two_ulps_of_float64(values):
+    """exp within 2 ulps; log within 2 ulps, or 1e-7 absolute where log is near 0 and its ulp
+    vanishes (the log identity's tolerance is absolute, at least 8 float32 roundoffs, 4.8e-7)."""
     x = np.array(values + [0.0, -87.0, 88.0, 1e-30, -1e-30], np.float32)
     e, lg = np.empty_like(x), np.empty_like(x)
     _exp_log(x, e, lg)
