@@ -203,10 +203,11 @@ class CpuWorkspace:
         return np.zeros(shape, dtype=dtype)
 
     # The GEMM: one launch, and one more to add a bias (as on the GPU).
-    def gemm(self, op: Any, c: np.ndarray) -> None:
-        """``c = op.a @ op.b (+ op.bias)`` without allocating."""
+    def gemm(self, op: Any, c: np.ndarray, triangle: str | None = None) -> None:
+        """``c = op.a @ op.b (+ op.bias)`` without allocating (``triangle``: ``a`` is zero
+        outside it, see :func:`abftgemm._cpu.triangular_matmul`)."""
         self._counters.launches += 1 + (op.bias is not None)
-        backend().gemm(op.a, op.b, c, op.bias, self._buffers)
+        backend().gemm(op.a, op.b, c, op.bias, self._buffers, triangle)
 
     # The two verification launches.
     def encode(self, a: np.ndarray) -> None:

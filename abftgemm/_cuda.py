@@ -177,7 +177,8 @@ class CupyBackend:
     # ---------------------------------------------------------------- GEMM
 
     def gemm(
-        self, a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray, bias: cupy.ndarray | None
+        self, a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray, bias: cupy.ndarray | None,
+        triangle: str | None = None,
     ) -> None:
         """``out[i] = a[i or 0] @ b[i or 0] (+ bias)`` through ``cublasGemmStridedBatchedEx``.
 
@@ -189,6 +190,9 @@ class CupyBackend:
             C-contiguous ``(batch, m, n)``, same dtype as ``a`` and ``b``; overwritten.
         bias
             None or ``(n,)``, added to every row.
+        triangle
+            ``a`` is zero outside this triangle (see backend.py). Not used yet: the whole
+            product runs (block-skipping launches are for when they can be measured on a GPU).
         """
         dtype = _check_gemm(a, b, out, bias)
         batch, m, n = out.shape

@@ -84,8 +84,9 @@ class CudaWorkspace:
         self._destroy_handle()  # once; later calls do nothing
         self._handle = None
 
-    def gemm(self, op: Any, c: cupy.ndarray) -> None:
-        """``c = op.a @ op.b (+ op.bias)`` on the plan's handle and the current stream."""
+    def gemm(self, op: Any, c: cupy.ndarray, triangle: str | None = None) -> None:
+        """``c = op.a @ op.b (+ op.bias)`` on the plan's handle and the current stream (the whole
+        product, whatever ``triangle`` promises; see the backend's ``gemm``)."""
         batch, m, n = c.shape
         k = op.a.shape[2]
         self._stream = cupy.cuda.get_current_stream()

@@ -6,8 +6,12 @@ machine without CUDA.
 Both backends implement the same primitives over 3-D operands ``(batch, rows, cols)`` whose
 batch dimension is either the full batch or 1 (broadcast):
 
-``gemm(a, b, out, bias)``
+``gemm(a, b, out, bias, triangle=None)``
     ``out[i] = a[i or 0] @ b[i or 0] (+ bias)``; ``out`` is C-contiguous ``(batch, m, n)``.
+    ``triangle`` (``"lower"`` or ``"upper"``) promises that ``a`` is zero outside that triangle
+    of its last two axes (``"lower"``: ``a[..., i, j] == 0`` for ``j > i``); the CPU backend
+    then multiplies only the blocks the triangle can hold (the GPU backend, not yet: it runs
+    the whole product, which the promise makes equal).
 ``col_reduce(x, coef, out)`` / ``row_reduce(x, coef, out)``
     One pass over ``x`` producing, per column (resp. row) vector ``v`` of length ``L``, five float64
     numbers ``[sum(c0*v), sum(c1*v), sum(c2*|v|), count(!isfinite(v)), last non-finite index or -1]``.
@@ -42,7 +46,8 @@ class Backend(Protocol):
     name: str
     xp: ModuleType
 
-    def gemm(self, a: Any, b: Any, out: Any, bias: Any | None) -> None: ...
+    def gemm(self, a: Any, b: Any, out: Any, bias: Any | None,
+             triangle: str | None = None) -> None: ...
 
     def col_reduce(self, x: Any, coef: Any | None, out: Any) -> None: ...
 

@@ -34,6 +34,8 @@ from abftgemm.thresholds import safe_magnitude, threshold_coefficients
 
 FaultHook = Callable[[str, Any], None]
 DIRECTIONS = ("columns", "both")
+#: What ``a_triangle`` may promise.
+TRIANGLES = (None, "lower", "upper")
 
 
 @dataclass
@@ -82,6 +84,12 @@ class ProtectedMatmul:
     constant_a : bool
         ``a`` does not change between executes (a weight): its column encoding is computed once
         here, and again only after :meth:`reset_constant`.
+    a_triangle : {None, "lower", "upper"}
+        A promise that every ``a`` is zero outside this triangle of its last two axes
+        (``"lower"``: ``a[..., i, j] == 0`` for ``j > i``, such as causal attention
+        probabilities; ``"upper"``: for ``j < i``, their transpose). The GEMM then multiplies
+        only the blocks the triangle can hold (on the CPU; the GPU runs the whole product). The
+        verification reads ``a`` whole, so it still sees what the promise says is zero.
     counters : Counters, optional
         Counters to add to (several plans may share one, e.g. the sites of a layer); default a
         new one, :attr:`counters`.
@@ -96,12 +104,14 @@ class ProtectedMatmul:
 
     def __init__(self, a: Any, b: Any, *, bias: Any | None = None, check: str = "correct",
                  directions: str = "columns", name: str = "matmul", constant_a: bool = False,
-                 counters: Counters | None = None):
+                 a_triangle: str | None = None, counters: Counters | None = None):
         if check not in ("correct", "detect"):
             raise ValueError(f"check must be 'correct' or 'detect' for a plan, got {check!r} "
                              "(check='off' needs no plan: use abftgemm.matmul)")
         if directions not in DIRECTIONS:
             raise ValueError(f"directions must be one of {DIRECTIONS}, got {directions!r}")
+        if a_triangle not in TRIANGLES:
+            raise ValueError(f"a_triangle must be one of {TRIANGLES}, got {a_triangle!r}")
         op = Operands.prepare(a, b, bias)
         self.check, self.directions, self.name = check, directions, name
         self.counters = Counters() if counters is None else counters
@@ -109,6 +119,7 @@ class ProtectedMatmul:
         self._layout = _Layout.of(a, b, bias, op)
         self._be: Backend = get_backend(op.xp)
         self._constant_a = constant_a
+        self._a_triangle = a_triangle
         self._verify_columns = directions == "columns"
         self._work = self._be.plan_workspace(op, self.counters, self._verify_columns)
         if self._verify_columns:
@@ -167,7 +178,7 @@ class ProtectedMatmul:
             raise ValueError(f"{self.name}: a_checksums given to a plan with a constant a")
         if a_checksums is not None and a_checksums.cols is not None:
             _check_column_encoding(op, a_checksums.cols, self.name)
-        self._work.gemm(op, c)
+        self._work.gemm(op, c, self._a_triangle)
         if fault_hook is not None:
             fault_hook(self.name, c.reshape(op.batch_shape + (op.m, op.n)))
         if self._verify_columns:

@@ -141,6 +141,8 @@ class _Pass:
 
     def __init__(self, ctx: Context, ws: Workspace, xp: Any, per_site: bool):
         self.ctx, self.ws, self.xp, self.per_site = ctx, ws, xp, per_site
+        #: Causal layer: the routes' ``a_triangle`` promises hold.
+        self.causal = False
         self.env: dict[str, Any] = {}
         self.sums: dict[str, Any] = {}
         #: Other names of one tensor (in self-attention ``key`` and ``value`` are ``x``).
@@ -169,12 +171,13 @@ class _Pass:
         self.env[route.out] = out
         target = out
         a_sums = None if route.a_sums is None else self.sums.get(self._named(route.a_sums))
+        triangle = route.a_triangle if self.causal else None
         if _transposed_2d(out) and bias is None:
-            a, b, target, a_sums = b.T, a.T, out.T, None
+            a, b, target, a_sums, triangle = b.T, a.T, out.T, None, None
         if mode == "off":
-            _plain(self.xp, a, b, bias, target, site, self.ctx.fault_hook)
+            _plain(self.xp, a, b, bias, target, site, self.ctx.fault_hook, triangle)
             return out
-        plan = self.ws.product(site, a, b, bias, mode)
+        plan = self.ws.product(site, a, b, bias, mode, triangle)
         if a_sums is not None:  # (batch or 1, k, 3); an empty operand needs none
             a_sums = Checksums(cols=a_sums.reshape(-1, a.shape[-1], 3)) if a.size else None
         plan.execute(a, b, bias=bias, out=target, fault_hook=self.ctx.fault_hook,
@@ -281,9 +284,11 @@ def _invariant_finding(report: Report, site: str, worst: float, tol: float, acti
         announce(report.events[-1])
 
 
-def _plain(xp: Any, a: Any, b: Any, bias: Any | None, out: Any, site: str, hook: Any) -> None:
+def _plain(xp: Any, a: Any, b: Any, bias: Any | None, out: Any, site: str, hook: Any,
+           triangle: str | None = None) -> None:
     """The unprotected product of a site that is not checked on this call."""
-    get_backend(xp).gemm(*_as_3d(a, b), out.reshape((-1,) + out.shape[-2:]), bias)
+    get_backend(xp).gemm(*_as_3d(a, b), out.reshape((-1,) + out.shape[-2:]), bias,
+                         triangle=triangle)
     if hook is not None:
         hook(site, out)
 
@@ -386,6 +391,7 @@ def _forward(p: _Pass, inp: _Inputs) -> tuple[Any, dict[str, Any]]:
     seq_k = inp.key.shape[1]
     h, hd = inp.n_heads, inp.head_dim
     p.env.update(inp.params, x=inp.x, key=inp.key, value=inp.value)
+    p.causal = inp.causal
     if not inp.cross:
         p.aliases.update(key="x", value="x")
     p.gemm("q_proj", ws.buffer("q", xp, (batch, seq_q, d), dt))
@@ -465,6 +471,7 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any,
     p.env.update(par, x=inp.x.reshape(flat), key=inp.key.reshape(flat),
                  value=inp.value.reshape(flat), dy=dy.reshape(flat), context=saved["context"].reshape(flat),
                  qh=saved["qh"], kh=saved["kh"], vh=saved["vh"], probs=saved["probs"])
+    p.causal = inp.causal
     if not inp.cross:
         p.aliases.update(key="x", value="x")
     for name, key in (("vh", "v_sums"), ("probs^T", "probs_t_sums")):

@@ -80,6 +80,10 @@ class Route:
     b_rows : str or None
         For ``"rows by consumer"``: the tensor whose column encoding is the row encoding of ``b``
         (``b`` is that tensor transposed).
+    a_triangle : {None, "lower", "upper"}
+        In a causal layer, ``a`` is zero outside this triangle (``P`` and ``dS`` are lower
+        triangular, their transposes upper): the product multiplies only the blocks it can
+        hold (:class:`abftgemm.ProtectedMatmul`'s ``a_triangle``).
     """
 
     out: str
@@ -89,6 +93,7 @@ class Route:
     a_sums: str | None = None
     verify: str = "columns"
     b_rows: str | None = None
+    a_triangle: str | None = None
 
     def describe(self) -> str:
         """The checksum route in words (the ``checksums`` column of the plan's table)."""
@@ -105,14 +110,14 @@ ROUTES: dict[str, Route] = {
     "k_proj": Route("k", "key", "wk", "bk", a_sums="key"),
     "v_proj": Route("v", "value", "wv", "bv", a_sums="value"),
     "scores": Route("scores", "qh", "kh^T", verify="rows by consumer", b_rows="kh"),
-    "context": Route("context_h", "probs", "vh", a_sums="probs"),
+    "context": Route("context_h", "probs", "vh", a_sums="probs", a_triangle="lower"),
     "out_proj": Route("y", "context", "wo", "bo", a_sums="context_h"),
     "d_wo": Route("d_wo", "context^T", "dy"),
     "d_context": Route("d_context", "dy", "wo^T"),
     "d_probs": Route("d_probs", "d_context_h", "vh^T", verify="rows by consumer", b_rows="vh"),
-    "d_v": Route("d_vh", "probs^T", "d_context_h", a_sums="probs^T"),
-    "d_q": Route("d_qh", "d_scores", "kh", a_sums="d_scores"),
-    "d_k": Route("d_kh", "d_scores^T", "qh", a_sums="d_scores^T"),
+    "d_v": Route("d_vh", "probs^T", "d_context_h", a_sums="probs^T", a_triangle="upper"),
+    "d_q": Route("d_qh", "d_scores", "kh", a_sums="d_scores", a_triangle="lower"),
+    "d_k": Route("d_kh", "d_scores^T", "qh", a_sums="d_scores^T", a_triangle="upper"),
     "d_wq": Route("d_wq", "x^T", "dq"),
     "d_wk": Route("d_wk", "key^T", "dk", a_sums="key^T"),
     "d_wv": Route("d_wv", "value^T", "dv", a_sums="value^T"),

@@ -24,12 +24,15 @@ class Workspace:
         self._plans: dict[tuple, Any] = {}
         self._buffers: dict[tuple, Any] = {}
 
-    def product(self, site: str, a: Any, b: Any, bias: Any | None, check: str) -> ProtectedMatmul:
-        """The planned product of ``site`` for these operands' layout."""
-        key = (site, check, _layout(a), _layout(b), None if bias is None else bias.shape)
+    def product(self, site: str, a: Any, b: Any, bias: Any | None, check: str,
+                a_triangle: str | None = None) -> ProtectedMatmul:
+        """The planned product of ``site`` for these operands' layout (and ``a``'s triangle)."""
+        key = (site, check, _layout(a), _layout(b), None if bias is None else bias.shape,
+               a_triangle)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = ProtectedMatmul(a, b, bias=bias, check=check, name=site,
+                                                      a_triangle=a_triangle,
                                                       counters=self.counters)
         return plan
 

@@ -230,8 +230,8 @@ def test_a_fault_behind_softmax_made_encodings_is_repaired(monkeypatch, site):
         handed.append(a_checksums is not None)
         gemm = plan._work.gemm
 
-        def corrupted(op, c):
-            gemm(op, c)
+        def corrupted(op, c, triangle=None):
+            gemm(op, c, triangle)
             c[1, 2, 3] += 100.0
 
         monkeypatch.setattr(plan._work, "gemm", corrupted)
@@ -278,3 +278,31 @@ def test_composed_encoding_is_the_stacked_matrix_encoding_on_both_code_paths():
     for xp in (np, ArrayModule()):
         got = _stacked_encoding(xp, parts, batch, np.empty((1, stacked.shape[1], 3)))
         np.testing.assert_allclose(got[0], want, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("check", ["off", "correct"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_causal_products_multiply_only_the_triangle_of_p_and_ds(monkeypatch, check, causal):
+    """In a causal layer P and dS are lower triangular (their transposes upper): the products
+    that read them as ``a`` are told so (and skip the zero blocks, tests/test_plan.py); every
+    other product, and every product of a non-causal layer, runs whole."""
+    from abftgemm._cpu import CpuBackend
+
+    seen: dict[int, str | None] = {}
+    gemm = CpuBackend.gemm
+
+    def recording(self, a, b, out, bias, buffers=None, triangle=None):
+        seen[out.ctypes.data] = triangle
+        return gemm(self, a, b, out, bias, buffers, triangle)
+
+    monkeypatch.setattr(CpuBackend, "gemm", recording)
+    outputs = {}
+    hook = lambda site, c: outputs.setdefault(site, c.ctypes.data)  # noqa: E731
+    layer = MultiHeadAttention(16, 4, causal=causal, dtype="float32", check=check)
+    x = np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32)
+    _, cache = layer.forward(x, fault_hook=hook)
+    layer.backward(x, cache, fault_hook=hook)
+    want = {"context": "lower", "d_q": "lower", "d_v": "upper", "d_k": "upper"}
+    got = {site: seen.get(key) for site, key in outputs.items() if site in ROUTES}
+    assert set(got) == set(SITES)
+    assert got == {s: want.get(s) if causal else None for s in SITES}

@@ -238,6 +238,8 @@ def test_misuse_raises_clearly(xp):
         ProtectedMatmul(a, b, check="off")
     with pytest.raises(ValueError, match="directions"):
         ProtectedMatmul(a, b, directions="rows")
+    with pytest.raises(ValueError, match="a_triangle"):
+        ProtectedMatmul(a, b, a_triangle="diagonal")
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
@@ -322,3 +324,55 @@ def test_a_encoding_is_the_column_encoding_the_prediction_used(xp):
     assert not given.settle().events
     with pytest.raises(RuntimeError, match="no executed"):
         given.a_encoding()
+
+
+def _triangular(xp, triangle, shape, seed=0):
+    """Small-integer operands (exact products) with ``a`` zero outside ``triangle``."""
+    batch, m, k, n = shape
+    rng = np.random.default_rng(seed)
+    a = rng.integers(-2, 3, (batch, m, k)).astype(np.float32)
+    a = np.tril(a) if triangle == "lower" else np.triu(a)
+    b = rng.integers(-2, 3, (batch, k, n)).astype(np.float32)
+    return xp.asarray(a), xp.asarray(b)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("triangle", ["lower", "upper"])
+@pytest.mark.parametrize("shape", [(3, 300, 300, 16), (2, 9, 5, 4), (2, 5, 9, 4), (1, 1, 3, 2)],
+                         ids=["square", "tall", "wide", "one-row"])
+def test_a_triangular_product_equals_the_full_one_and_is_repaired(xp, triangle, shape):
+    """A plan told that ``a`` is zero outside a triangle (causal attention's P, dS and their
+    transposes) gives the full product, checked and repaired as one."""
+    a, b = _triangular(xp, triangle, shape)
+    bias = xp.asarray(np.arange(shape[3], dtype=np.float32))
+    want = _host(abftgemm.matmul(a, b, bias=bias, check="off"))
+    plan = ProtectedMatmul(a, b, bias=bias, a_triangle=triangle)
+    np.testing.assert_array_equal(_host(plan.execute(a, b, bias=bias)), want)
+    assert not plan.settle().events
+    got = plan.execute(a, b, bias=bias, fault_hook=Fault("additive", "element", seed=1,
+                                                         magnitude=1e3))
+    report = plan.settle()
+    assert [e.action for e in report.events] == ["corrected"]
+    np.testing.assert_array_equal(_host(got), want)
+
+
+@pytest.mark.parametrize("triangle", ["lower", "upper"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+def test_the_cpu_gemm_never_reads_outside_the_promised_triangle(triangle, dtype):
+    """The CPU backend multiplies only the row blocks a triangle can hold: NaN written where
+    the promise says zero, a block or more away from the diagonal, never reaches the product
+    (the blocks it skips are the saving)."""
+    from abftgemm._cpu import _TRIANGLE_ROWS, backend
+
+    m, k = 300, 260
+    a, b = _triangular(np, triangle, (2, m, k, 8))
+    size = -(-m // max(2, round(m / _TRIANGLE_ROWS)))  # the backend's rows per block
+    i, j = np.indices((m, k))
+    skipped = (j - i >= size) if triangle == "lower" else (i - j >= size)
+    assert skipped.sum() > 1000
+    poisoned = np.where(skipped, np.float32(np.nan), a)
+    got = np.empty((2, m, 8), dtype)
+    backend().gemm(poisoned.astype(dtype), b.astype(dtype), got, None, triangle=triangle)
+    np.testing.assert_array_equal(got.astype(np.float64), (a @ b).astype(np.float64))
+    backend().gemm(poisoned.astype(dtype), b.astype(dtype), got, None)
+    assert np.isnan(got).any()  # the full product reads them
