@@ -118,3 +118,13 @@ def test_cpu_passes_script_times_every_pass() -> None:
     for line in rows:
         hot, memory = (float(v) for v in line.split()[-2:])
         assert hot > 0 and memory > 0, line
+
+
+def test_causal_triangles_script_times_both_ways() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "causal_triangles.py"), "--cases", "small",
+         "--repeats", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = proc.stdout.splitlines()[-1]
+    times = [float(w) for w in line.replace("|", " ").split() if w.replace(".", "").isdigit()]
+    assert line.startswith("small") and len(times) == 6 and min(times) > 0, proc.stdout
