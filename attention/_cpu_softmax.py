@@ -83,8 +83,9 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
             else:
                 _softmax_row(row, scale[0], add, False, keys, False, visible, out)
             if check:
-                _check_row_masked(out, row, scale[0], add, has_attn, keys, has_keys, visible,
-                                  floor, p_min, errors)
+                # what it stored past `visible` is the zeros it wrote: only the rest is checked
+                _check_row_masked(out[:visible], row[:visible], scale[0], add, has_attn, keys,
+                                  has_keys, visible, floor, p_min, errors)
             if encode:
                 # the row's sums as stored: the column encoding of P^T (entries past `visible`
                 # are exact zeros, hidden by causality: nothing to add)
@@ -132,17 +133,17 @@ def _fold_columns(x: Any, row_weights: Any, i: int, col: Any) -> None:
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
 def _softmax_row(row: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has_keys: bool,
                  visible: int, out: Any) -> None:
-    """One masked softmax row into ``out``: keys ``j < visible`` (and ``keys[j]``) are seen. The
-    row's maximum is that of the stored ``z`` (the precision of ``sc``), taken as an integer
+    """One masked softmax row into ``out``: keys ``j < visible`` (and ``keys[j]``) are seen; from
+    ``visible`` on (hidden by causality) 0 is stored without reading the row. The row's maximum is that of the stored ``z`` (the precision of ``sc``), taken as an integer
     max (:func:`ordered_key`): NaN rows take the scalar path whatever it is."""
     ninf = like(sc, -math.inf)
     top_key = ordered_key(ninf)
     nan = False
-    for j in range(row.shape[0]):
+    for j in range(visible):
         z = row[j] * sc
         if has_attn:
             z = z + add[j]
-        seen = (j < visible) & (z != ninf)
+        seen = z != ninf
         if has_keys:
             seen = seen & keys[j]
         z = like(sc, z if seen else ninf)
@@ -154,19 +155,20 @@ def _softmax_row(row: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has_key
         top = like(sc, 0.0)  # no visible key: exp(-inf) = 0 everywhere
     total = 0.0
     if nan or not math.isfinite(top):  # NaN or +inf: the exact scalar path propagates them
-        for j in range(row.shape[0]):
+        for j in range(visible):
             out[j] = math.exp(like(sc, out[j] - top))
             total += out[j]
     else:
-        for j in range(row.shape[0]):
+        for j in range(visible):
             e = exp_like(out[j] - top)
             out[j] = e
             total += e
     if total == 0:
         total = 1.0
     inv_total = 1.0 / total
-    for j in range(row.shape[0]):
+    for j in range(visible):
         out[j] = out[j] * inv_total
+    out[visible:] = 0  # hidden by causality: exp(-inf) = 0, unread
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
@@ -242,8 +244,8 @@ def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has
 
 
 @numba.njit(cache=True, fastmath=_FAST)
-def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds: Any,
-             stats: Any, result: Any, cols: Any, rows: Any) -> None:
+def backward(dp: Any, p: Any, scale: Any, causal: bool, check: bool, u: float, tiny: float,
+             ds: Any, stats: Any, result: Any, cols: Any, rows: Any) -> None:
     """``dS = scale * P (dP - rowsum(P dP))``, dP's row checksums and (with ``check``) the
     worst invariant ratio.
 
@@ -251,6 +253,9 @@ def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds
     ----------
     dp, p : (n, seq_q, seq_k) float32/float64 (the accumulation dtype)
     scale : (1,) array of dp's dtype; pass 1 to get the unscaled dS
+    causal : bool
+        Row ``i`` of ``P`` is zero from key ``i + 1`` on: those entries of ``dS`` are stored as 0
+        without reading ``dP`` (whatever it holds there) or ``P``
     ds : like dp: output
     stats : (n, seq_q, 5) float64: dP's row checksums, as :func:`forward` gives the scores'
         (an empty array for none)
@@ -269,18 +274,21 @@ def backward(dp: Any, p: Any, scale: Any, check: bool, u: float, tiny: float, ds
             dpr, pr, out = dp[t, i], p[t, i], ds[t, i]
             if observe:
                 _sum_row(dpr, weights, stats[t, i])
+            v = min(i + 1, sk) if causal else sk
             r = 0.0
-            for j in range(sk):
+            for j in range(v):
                 r += dpr[j] * pr[j]
             if not check:  # scaled before it is stored: one rounding
-                for j in range(sk):
+                for j in range(v):
                     out[j] = pr[j] * (dpr[j] - r) * sc
+                out[v:] = 0
                 continue
-            for j in range(sk):  # the check reads the unscaled dS as stored
+            for j in range(v):  # the check reads the unscaled dS as stored
                 out[j] = pr[j] * (dpr[j] - r)
-            backward_row(out, dpr, pr, u, tiny, result)
-            for j in range(sk):
+            backward_row(out[:v], dpr[:v], pr[:v], u, tiny, result)
+            for j in range(v):
                 out[j] = out[j] * sc
+            out[v:] = 0
             if encode:
-                rows[t, i, 0], rows[t, i, 1], rows[t, i, 2] = _row_sums(out, weights)
+                rows[t, i, 0], rows[t, i, 1], rows[t, i, 2] = _row_sums(out[:v], weights)
                 _fold_columns(ds[t], row_weights, i, cols[t])

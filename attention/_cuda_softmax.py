@@ -109,7 +109,7 @@ def forward(scores: cupy.ndarray, probs: cupy.ndarray, *, scale: float, heads: i
 
 def backward(dp: cupy.ndarray, p: cupy.ndarray, *, scale: float, compute: bool, check: bool,
              u: float, tiny: float, ds: cupy.ndarray | None, ds_acc: cupy.ndarray | None,
-             stats: cupy.ndarray | None, verdict: DeviceVerdict) -> None:
+             stats: cupy.ndarray | None, verdict: DeviceVerdict, causal: bool = False) -> None:
     """``dS = P (dP - rowsum(P dP))``, dP's row checksums, the invariants, the scaling.
 
     Parameters
@@ -133,6 +133,9 @@ def backward(dp: cupy.ndarray, p: cupy.ndarray, *, scale: float, compute: bool, 
         Receives dP's row checksums.
     verdict : DeviceVerdict
         Reset and filled when ``check``.
+    causal : bool
+        Row ``i`` of ``P`` is zero from key ``i + 1`` on: computed ``dS`` is 0 there, whatever
+        ``dP`` holds, and those entries stay out of ``r`` and of the check.
     """
     rows, seq_q, seq_k = dp.shape
     _check_rows(dp, p, rows * seq_q, seq_k, stats)
@@ -151,9 +154,9 @@ def backward(dp: cupy.ndarray, p: cupy.ndarray, *, scale: float, compute: bool, 
     with dp.device:
         _kernel(dp.device.id, kernels.SOFTMAX_BACKWARD, dp.dtype.name)(
             (_blocks(n),), (_BLOCK,),
-            (dp, p, numpy.int64(n), numpy.int32(seq_k), numpy.float64(scale),
-             numpy.int32(compute), numpy.int32(check), numpy.float64(u), numpy.float64(tiny),
-             ds_acc, ds, stats, verdict.worst, verdict.details))
+            (dp, p, numpy.int64(n), numpy.int32(seq_k), numpy.int32(seq_q), numpy.int32(causal),
+             numpy.float64(scale), numpy.int32(compute), numpy.int32(check), numpy.float64(u),
+             numpy.float64(tiny), ds_acc, ds, stats, verdict.worst, verdict.details))
 
 
 def _check_rows(x: cupy.ndarray, y: cupy.ndarray, rows: int, length: int,

@@ -486,7 +486,7 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any,
     p.gemm("d_v", ws.buffer("d_vh", xp, (batch * h, seq_k, hd), dt))
     d_scores = ws.buffer("d_scores", xp, (batch * h, seq_q, seq_k), dt)
     step = softmax.BackwardStep(d_probs, saved["probs"], d_scores, 1 / math.sqrt(hd), p.ctx, ws,
-                                plan)
+                                plan, causal=inp.causal)
     p.consumed("d_probs", plan, step.run)
     p.invariant("softmax_backward", step.verdict, step.recompute)
     p.env["d_scores"] = d_scores

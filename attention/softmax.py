@@ -246,8 +246,9 @@ class BackwardStep:
     With a fault hook, the hook sees the unscaled ``dS`` in the accumulation dtype."""
 
     def __init__(self, d_probs: Any, probs: Any, d_scores: Any, scale: float, ctx: Any, ws: Any,
-                 plan: Any | None):
+                 plan: Any | None, causal: bool = False):
         self.dp, self.p, self.ds, self.scale = d_probs, probs, d_scores, scale
+        self.causal = causal  # P's rows are zero past the diagonal: so are dS's
         self.ctx, self.ws, self.plan = ctx, ws, plan
         self.verdict: Verdict | None = None
         self.encodings: tuple[Any, Any] | None = None
@@ -262,9 +263,9 @@ class BackwardStep:
 
         wide = self.dp.dtype.itemsize == 2
         if not (check or wide or hook is not None):  # straight into d_scores, scaled
-            _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype), False,
-                                  0.0, 0.0, self.ds, _observed_rows(self.plan), np.zeros(3),
-                                  *_NONE)
+            _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype),
+                                  self.causal, False, 0.0, 0.0, self.ds,
+                                  _observed_rows(self.plan), np.zeros(3), *_NONE)
             return
         if wide or hook is not None:
             ds = self._unscaled()
@@ -277,8 +278,9 @@ class BackwardStep:
         u, tiny = backward_tolerance(self.ds.dtype, self.ds.shape[-1])
         result = np.array([-1.0, 0.0, 0.0])
         cols, rows = _encoding_buffers(self.ws, "d_scores", self.ds.shape)
-        _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype), True, u,
-                              tiny, self.ds, _observed_rows(self.plan), result, cols, rows)
+        _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype),
+                              self.causal, True, u, tiny, self.ds, _observed_rows(self.plan),
+                              result, cols, rows)
         self.encodings = cols.transpose(0, 2, 1), rows
         self.verdict = _known((result[0] <= 1, float(result[1]), float(result[2]) or tiny))
 
@@ -318,7 +320,7 @@ class BackwardStep:
         _cuda_softmax.backward(
             dp, self.p, scale=self.scale, compute=compute, check=check, u=u, tiny=tiny, ds=ds,
             ds_acc=ds_acc, stats=self.plan.observed if compute and self.plan is not None else None,
-            verdict=self._device)
+            verdict=self._device, causal=self.causal)
 
     # ---------------------------------------------------------------- CPU
 
@@ -332,7 +334,7 @@ class BackwardStep:
 
         dp, p = self._acc(self.dp), self._acc(self.p)
         ds = self.ws.buffer("ds_unscaled", np, dp.shape, dp.dtype)
-        _cpu_softmax.backward(dp, p, np.ones(1, dp.dtype), False, 0.0, 0.0, ds,
+        _cpu_softmax.backward(dp, p, np.ones(1, dp.dtype), self.causal, False, 0.0, 0.0, ds,
                               _observed_rows(self.plan), np.zeros(3), *_NONE)
         return ds
 

@@ -116,7 +116,8 @@ def _backward(xp, case, hook=None):
     plan = SimpleNamespace(observed=xp.zeros(dp.shape[:2] + (5,)))
     d = xp.asarray(dp)
     ctx = SimpleNamespace(check="correct", fault_hook=hook)
-    step = BackwardStep(d, fwd.probs, xp.empty_like(d), 0.5, ctx, Workspace(), plan)
+    step = BackwardStep(d, fwd.probs, xp.empty_like(d), 0.5, ctx, Workspace(), plan,
+                        causal=causal)
     return step, plan
 
 
@@ -160,3 +161,30 @@ def test_float16_subnormal_probabilities_skip_the_log_identity(xp):
     assert step.verdict()[0]
     faulty, _ = _forward(xp, case, _corrupt("scale"))
     assert not faulty.verdict()[0]
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_causal_rows_are_zero_past_the_diagonal_whatever_they_hold(xp, dtype):
+    """Past the diagonal of a causal row, P and dS are 0: in a row made NaN by a visible NaN
+    score, and where dP holds NaN or INF (those entries stay out of r and of the check)."""
+    rng = np.random.default_rng(5)
+    scores = rng.standard_normal((HEADS, 6, 6)).astype(dtype)
+    scores[1, 3, 2] = np.nan
+    above = np.triu(np.ones((6, 6), bool), 1)
+    fwd, _ = _forward(xp, (scores, None, None, None, True))
+    p = to_host(fwd.probs)
+    assert np.isnan(p[1, 3, :4]).all() and (p[1, 3, 4:] == 0).all()
+    assert (p[:, above] == 0).all() and np.isfinite(np.delete(p[1], 3, axis=0)).all()
+
+    clean = scores.copy()
+    clean[1, 3, 2] = 0.0
+    dp = rng.standard_normal(scores.shape).astype(dtype)
+    poisoned = np.where(above, np.where(rng.random(dp.shape) < 0.5, np.nan, np.inf), dp)
+    step, _ = _backward(xp, (clean, poisoned.astype(dtype), None, None, True))
+    assert step.verdict()[0]
+    p, dp = to_host(step.p).astype(np.float64), dp.astype(np.float64)
+    want = 0.5 * p * (dp - (p * dp).sum(-1, keepdims=True))  # P is 0 above the diagonal
+    ds = to_host(step.ds)
+    assert (ds[:, above] == 0).all()
+    np.testing.assert_allclose(ds, want, rtol=0, atol=64 * unit_roundoff(np.dtype(dtype)))

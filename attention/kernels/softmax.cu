@@ -14,15 +14,17 @@
 //     visible iff key_visible[batch, l] (when given), l <= i (when causal) and z_l != -INF;
 //     m = max of the visible z (NaN ignored; 0 when nothing is visible); e_l = exp(z_l - m) on
 //     visible keys, 0 elsewhere; P_l = e_l / total (total = sum e, 1 when 0). A visible NaN or
-//     +INF makes the whole row NaN, as plain arithmetic (and the CPU kernel) does;
+//     +INF makes the row NaN, as plain arithmetic (and the CPU kernel) does, except past the
+//     diagonal of a causal row (l > i), which holds 0 in every row;
 //   - check, on the stored P (rounded to T) and z recomputed in double from the raw scores: rows
 //     whose visible z are all finite must sum to 1 (0 without a visible key) within row_tol, and
 //     the visible entries above max(floor * max P, p_min) (p_min: the smallest normal T) must
 //     share one value of log P_l - z_l: its spread (largest minus smallest) within log_base +
 //     log_slope * (the largest |z_l| + |log P_l| of those entries).
-// Backward, row r of dP and P (length len):
+// Backward, row r of dP and P (length len; query i = r mod seq_q):
 //   - stats (optional): dP's row checksums, as above;
-//   - dS_l = P_l (dP_l - r), r = sum P dP, in float (double for double); stored unscaled into
+//   - dS_l = P_l (dP_l - r), r = sum P dP, in float (double for double); with `causal`, entries
+//     l > i are 0 and stay out of r and of the check, whatever dP holds there; stored unscaled into
 //     ds_acc (the arithmetic type) and/or as T after multiplying by scale into ds, whichever is
 //     given. Without `compute` the unscaled dS is read from ds_acc instead;
 //   - check, on the unscaled dS: sum dS = r (1 - sum P) and sum dS dP = sum P dP^2 - r^2, each
@@ -321,7 +323,8 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
                         const int l = l0 + j;
                         const C z = z_of(x[j], l);
                         const C e = shown(l) && z != neg_inf(C(0)) ? exp_of(z - m) : C(0);
-                        p[j] = narrow<T>(e * inv);
+                        // past the diagonal of a causal row: 0 even in a NaN row (as on the CPU)
+                        p[j] = causal && l > i ? T(0) : narrow<T>(e * inv);
                         if (check) fold(to_double(widen(p[j])));
                     }
                 }
@@ -390,8 +393,8 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
 
 template <typename T>
 __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restrict__ p,
-                                      long long rows, int len, double scale, int compute,
-                                      int check, double u, double tiny,
+                                      long long rows, int len, int seq_q, int causal,
+                                      double scale, int compute, int check, double u, double tiny,
                                       typename Arith<T>::type* __restrict__ ds_acc,
                                       T* __restrict__ ds, double* __restrict__ stats,
                                       unsigned long long* __restrict__ worst,
@@ -409,6 +412,10 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
         const long long base = r * static_cast<long long>(len);
         const T* dpr = dp + base;
         const T* pr = p + base;
+        // Computed in a causal row, dS is 0 past the diagonal (P is), whatever dP holds there;
+        // those entries stay out of r and of the check, as on the CPU.
+        const int i = static_cast<int>(r % seq_q);
+        auto hidden = [&](int l) { return compute && causal && l > i; };
         T* out = ds == nullptr ? nullptr : ds + base;
         C* acc_out = ds_acc == nullptr ? nullptr : ds_acc + base;
         const Split<T> s(dpr, len, lane);
@@ -465,7 +472,7 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
             for (int j = 0; j < V; ++j) {
                 if (j < n) {
                     if (stats != nullptr) a.add(to_double(widen(d[j])), l0 + j);
-                    if (compute) r_sum += widen(q[j]) * widen(d[j]);
+                    if (compute && !hidden(l0 + j)) r_sum += widen(q[j]) * widen(d[j]);
                 }
             }
         });
@@ -485,10 +492,11 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
             for (int j = 0; j < V; ++j) {
                 if (j < n) {
                     const int l = l0 + j;
-                    const C dsj = compute ? widen(q[j]) * (widen(d[j]) - r_sum) : acc_out[l];
+                    const C dsj = hidden(l) ? C(0)
+                                  : compute ? widen(q[j]) * (widen(d[j]) - r_sum) : acc_out[l];
                     if (compute && acc_out != nullptr) acc_out[l] = dsj;
                     so[j] = narrow<T>(dsj * sc);
-                    if (!check) continue;
+                    if (!check || hidden(l)) continue;
                     const double pj = to_double(widen(q[j])), dpj = to_double(widen(d[j]));
                     const double dsd = static_cast<double>(dsj), term = pj * dpj;
                     rc += term;
