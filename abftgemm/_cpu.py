@@ -91,15 +91,22 @@ def _col_reduce(x: Any, coef: Any, out: Any) -> None:
 def _sum_columns(x: Any, c: Any, i0: int, i1: int, p: Any) -> None:
     """``p[f, j] += sum over rows i0..i1 of c[f, i] * x[i, j]`` (``|x|`` for f = 2), every
     product and sum in float64, ``p`` ``(3, ncols)`` updated once per eight rows."""
+    _sum_column_prefix(x, c, i0, i1, p, p.shape[1])
+
+
+@numba.njit(cache=True, fastmath=_FAST, inline="always")
+def _sum_column_prefix(x: Any, c: Any, i0: int, i1: int, p: Any, n: int) -> None:
+    """:func:`_sum_columns` of the first ``n`` columns only (the others of these rows are
+    zero, such as past the diagonal of a causal block)."""
     i = i0
     while i + _ROWS_PER_UPDATE <= i1:
-        _add_eight_rows(x, c, i, p)
+        _add_eight_rows(x, c, i, p, n)
         i += _ROWS_PER_UPDATE
     p0, p1, p2 = p[0], p[1], p[2]
     for r in range(i, i1):  # the leftover rows, one at a time
         r0 = x[r]
         a0, w0, g0 = _vector_coefficients(c, r)
-        for j in range(p0.shape[0]):
+        for j in range(n):
             v0 = np.float64(r0[j])
             p0[j] += a0 * v0
             p1[j] += w0 * v0
@@ -107,8 +114,9 @@ def _sum_columns(x: Any, c: Any, i0: int, i1: int, p: Any) -> None:
 
 
 @numba.njit(cache=True, fastmath=_FAST)
-def _add_eight_rows(x: Any, c: Any, i: int, p: Any) -> None:
-    """``p[f, j] += sum over rows i..i+8 of c[f, r] * x[r, j]`` (``|x|`` for f = 2) in float64
+def _add_eight_rows(x: Any, c: Any, i: int, p: Any, n: int) -> None:
+    """``p[f, j] += sum over rows i..i+8 of c[f, r] * x[r, j]`` (``|x|`` for f = 2, ``j < n``) in
+    float64
     (products of float32 data and float64 coefficients are exact). Compiled once per signature,
     not inlined into every caller (inlining doubled the cold compile time)."""
     p0, p1, p2 = p[0], p[1], p[2]
@@ -122,7 +130,7 @@ def _add_eight_rows(x: Any, c: Any, i: int, p: Any) -> None:
     a5, w5, g5 = _vector_coefficients(c, i + 5)
     a6, w6, g6 = _vector_coefficients(c, i + 6)
     a7, w7, g7 = _vector_coefficients(c, i + 7)
-    for j in range(p0.shape[0]):
+    for j in range(n):
         v0, v1 = np.float64(r0[j]), np.float64(r1[j])
         v2, v3 = np.float64(r2[j]), np.float64(r3[j])
         v4, v5 = np.float64(r4[j]), np.float64(r5[j])

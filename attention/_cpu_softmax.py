@@ -25,7 +25,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from abftgemm._cpu import _FAST, _ROWS_PER_UPDATE, _row_sums, _sum_columns, _sum_row
+from abftgemm._cpu import _FAST, _ROWS_PER_UPDATE, _row_sums, _sum_column_prefix, _sum_row
 from attention._cpu_checks import _worse, backward_row
 from attention._cpu_vmath import exp_like, from_ordered_key, like, log_like, ordered_key
 
@@ -90,7 +90,7 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
                 # the row's sums as stored: the column encoding of P^T (entries past `visible`
                 # are exact zeros, hidden by causality: nothing to add)
                 rows[t, i, 0], rows[t, i, 1], rows[t, i, 2] = _row_sums(out[:visible], weights)
-                _fold_columns(probs[t], row_weights, i, cols[t])
+                _fold_columns(probs[t], row_weights, i, cols[t], causal)
 
 
 @numba.njit(cache=True, fastmath=_FAST)
@@ -116,26 +116,28 @@ def _location_weights(sk: int) -> Any:
 
 
 @numba.njit(cache=True, inline="always")
-def _fold_columns(x: Any, row_weights: Any, i: int, col: Any) -> None:
+def _fold_columns(x: Any, row_weights: Any, i: int, col: Any, causal: bool) -> None:
     """Row ``i`` of ``x`` ``(n_rows, L)`` is final: fold each completed block of eight rows (and
     the last rows) into its column encoding ``col`` ``(3, L)`` (plain, weighted by
     ``row_weights``, absolute; zeroed first), as a planned product reading ``x`` would make it
     (``abftgemm._cpu._sum_columns``, which updates ``col`` once per eight rows, while they are
-    still in cache)."""
+    still in cache). ``causal``: rows up to ``i`` are zero past column ``i``, which is skipped."""
     if (i + 1) % _ROWS_PER_UPDATE and i + 1 < x.shape[0]:
         return
     start = i - i % _ROWS_PER_UPDATE
     if start == 0:
         col[...] = 0.0
-    _sum_columns(x, row_weights, start, i + 1, col)
+    n = min(i + 1, x.shape[1]) if causal else x.shape[1]
+    _sum_column_prefix(x, row_weights, start, i + 1, col, n)
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
 def _softmax_row(row: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has_keys: bool,
                  visible: int, out: Any) -> None:
     """One masked softmax row into ``out``: keys ``j < visible`` (and ``keys[j]``) are seen; from
-    ``visible`` on (hidden by causality) 0 is stored without reading the row. The row's maximum is that of the stored ``z`` (the precision of ``sc``), taken as an integer
-    max (:func:`ordered_key`): NaN rows take the scalar path whatever it is."""
+    ``visible`` on (hidden by causality) 0 is stored without reading the row. The row's maximum
+    is that of the stored ``z`` (the precision of ``sc``), taken as an integer max
+    (:func:`ordered_key`): NaN rows take the scalar path whatever it is."""
     ninf = like(sc, -math.inf)
     top_key = ordered_key(ninf)
     nan = False
@@ -291,4 +293,4 @@ def backward(dp: Any, p: Any, scale: Any, causal: bool, check: bool, u: float, t
             out[v:] = 0
             if encode:
                 rows[t, i, 0], rows[t, i, 1], rows[t, i, 2] = _row_sums(out[:v], weights)
-                _fold_columns(ds[t], row_weights, i, cols[t])
+                _fold_columns(ds[t], row_weights, i, cols[t], causal)
