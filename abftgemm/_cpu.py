@@ -13,6 +13,7 @@ import numba
 import numpy as np
 from numba.extending import overload
 
+from abftgemm._cpu_triangles import complete_lower, lower_product, row_limits, triangular_matmul
 from abftgemm.checksums import location_weights
 
 
@@ -378,32 +379,6 @@ def add_bias(c: Any, bias: Any) -> None:
                 row[j] += bias[j]
 
 
-#: Rows per block of a triangular product (about the best measured from 128 to 1024 rows).
-_TRIANGLE_ROWS = 128
-
-
-def triangular_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray,
-                      triangle: str | None) -> np.ndarray:
-    """``out = a @ b`` for ``a`` (batch or 1, m, k) that is zero outside ``triangle``.
-
-    ``"lower"``: ``a[..., i, j] == 0`` for ``j > i``; ``"upper"``: for ``j < i``; None: a full
-    product. The rows are cut into blocks of about ``_TRIANGLE_ROWS`` (at least two), and each
-    block multiplies only the columns of ``a`` its triangle can hold, so the zeros, and whatever
-    memory holds them, are never read (bench/NOTES.md has the measured gains). The sums run
-    in another order than one full product's, within the same rounding bound. Returns ``out``.
-    """
-    m, k = a.shape[-2], a.shape[-1]
-    if triangle is None or m < 2:
-        return np.matmul(a, b, out=out)
-    blocks = max(2, round(m / _TRIANGLE_ROWS))
-    size = -(-m // blocks)
-    for lo in range(0, m, size):
-        hi = min(m, lo + size)
-        cols = slice(0, min(hi, k)) if triangle == "lower" else slice(min(lo, k), k)
-        np.matmul(a[..., lo:hi, cols], b[..., cols, :], out=out[..., lo:hi, :])
-    return out
-
-
 class CpuBackend:
     """NumPy + numba implementation of :class:`abftgemm.backend.Backend`."""
 
@@ -422,13 +397,18 @@ class CpuBackend:
         return tau, bad, verifiable
 
     def gemm(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, bias: np.ndarray | None,
-             buffers: tuple[np.ndarray, ...] | None = None, triangle: str | None = None) -> None:
+             buffers: tuple[np.ndarray, ...] | None = None, triangle: str | None = None,
+             out_triangle: str | None = None) -> None:
         """``out = a @ b (+ bias)`` (see backend.py). 16-bit products accumulate in float32 (as
         cuBLAS does with compute type 32F) and round once; ``buffers`` ``(a32, b32, c32,
         bias32)`` are float32 workspaces for that (a plan's; new arrays when None). With
-        ``triangle``, ``a`` is zero outside it and only its triangle's blocks are multiplied
-        (:func:`triangular_matmul`)."""
+        ``triangle``, ``a`` is zero outside it and only its triangle's blocks are multiplied;
+        with ``out_triangle="lower"`` (no bias) row ``i`` is computed up to
+        ``row_limits(m, n)[i]`` only, in float32/float64 (:mod:`abftgemm._cpu_triangles`)."""
         if a.dtype in (np.float32, np.float64):
+            if out_triangle is not None and bias is None:
+                lower_product(a, b, out)
+                return
             triangular_matmul(a, b, out, triangle)
             if bias is not None:
                 add_bias(out, bias)
@@ -440,6 +420,20 @@ class CpuBackend:
         if bias is not None:
             add_bias(acc, _as_float32(bias, bias32))
         out[...] = acc
+
+    def row_limits(self, m: int, n: int, dtype: Any) -> np.ndarray | None:
+        """How far each row of an ``out_triangle="lower"`` product is computed (see
+        :func:`abftgemm._cpu_triangles.row_limits`); None when every row is whole (always for
+        16-bit products)."""
+        if np.dtype(dtype) not in (np.float32, np.float64):
+            return None
+        limits = row_limits(m, n)
+        return None if (limits == n).all() else limits
+
+    def complete_lower(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        """Compute the part of ``out = a @ b`` an ``out_triangle`` product left out."""
+        if a.dtype in (np.float32, np.float64):  # 16-bit products are computed whole
+            complete_lower(a, b, out)
 
     def synchronize(self) -> None:
         """Nothing runs asynchronously on the CPU."""

@@ -69,6 +69,55 @@ def predict_cols(a: Any, a_transposed: bool, b: Any, b_transposed: bool, bias: A
 
 
 @numba.njit(cache=True, fastmath=_FAST)
+def predict_lower_rows(a: Any, b: Any, b_transposed: bool, weights_n: Any, limits: Any,
+                       enc: Any, pred: Any) -> None:
+    """Predicted row checksums of every batch item of ``a @ b`` where row ``i`` covers columns
+    ``j < limits[i]`` only (an ``out_triangle`` product, :mod:`abftgemm._cpu_triangles`).
+
+    ``a`` (batch or 1, m, k), any strides; ``b`` (batch or 1, k, n), or with ``b_transposed``
+    its C-contiguous transpose (batch or 1, n, k) (the keys of attention scores), read along
+    its rows; ``weights_n`` (n,) the location weights ``(j+1)/n``; ``limits`` (m,)
+    non-decreasing; ``enc`` (3, k) float64 workspace; ``pred`` (batch, m, 5) output, the fields
+    of ``row_reduce(a, coef)`` with ``coef`` the row encoding of ``b``'s first ``limits[i]``
+    columns: that encoding grows block by block as ``b`` is read once.
+    """
+    m = pred.shape[1]
+    for t in range(pred.shape[0]):
+        at, bt = a[min(t, a.shape[0] - 1)], b[min(t, b.shape[0] - 1)]
+        enc[:] = 0.0
+        done = 0
+        i = 0
+        while i < m:
+            hi = limits[i]
+            if b_transposed:  # column j of b is row j of bt
+                for j in range(done, hi):
+                    row, w = bt[j], weights_n[j]
+                    for c in range(row.shape[0]):
+                        v = np.float64(row[c])
+                        enc[0, c] += v
+                        enc[1, c] += w * v
+                        enc[2, c] += abs(v)
+            else:
+                for c in range(bt.shape[0]):
+                    row = bt[c]
+                    s0 = s1 = s2 = 0.0
+                    for j in range(done, hi):
+                        v = np.float64(row[j])
+                        s0 += v
+                        s1 += weights_n[j] * v
+                        s2 += abs(v)
+                    enc[0, c] += s0
+                    enc[1, c] += s1
+                    enc[2, c] += s2
+            done = hi
+            end = i
+            while end < m and limits[end] == hi:
+                end += 1
+            _sum_rows(at, enc, i, end, pred[t])
+            i = end
+
+
+@numba.njit(cache=True, fastmath=_FAST)
 def encode_cols(a: Any, a_transposed: bool, weights_m: Any, rows: Any, enc: Any) -> None:
     """Column encoding ``enc`` (batch, 3, k) of ``a`` (batch, m, k): plain, location-weighted
     and absolute column sums (with ``a_transposed``, ``a`` is given as its transpose
@@ -205,7 +254,7 @@ class CpuWorkspace:
     # The GEMM: one launch, and one more to add a bias (as on the GPU).
     def gemm(self, op: Any, c: np.ndarray, triangle: str | None = None) -> None:
         """``c = op.a @ op.b (+ op.bias)`` without allocating (``triangle``: ``a`` is zero
-        outside it, see :func:`abftgemm._cpu.triangular_matmul`)."""
+        outside it, see :func:`abftgemm._cpu_triangles.triangular_matmul`)."""
         self._counters.launches += 1 + (op.bias is not None)
         backend().gemm(op.a, op.b, c, op.bias, self._buffers, triangle)
 

@@ -178,7 +178,7 @@ class CupyBackend:
 
     def gemm(
         self, a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray, bias: cupy.ndarray | None,
-        triangle: str | None = None,
+        triangle: str | None = None, out_triangle: str | None = None,
     ) -> None:
         """``out[i] = a[i or 0] @ b[i or 0] (+ bias)`` through ``cublasGemmStridedBatchedEx``.
 
@@ -190,9 +190,11 @@ class CupyBackend:
             C-contiguous ``(batch, m, n)``, same dtype as ``a`` and ``b``; overwritten.
         bias
             None or ``(n,)``, added to every row.
-        triangle
-            ``a`` is zero outside this triangle (see backend.py). Not used yet: the whole
-            product runs (block-skipping launches are for when they can be measured on a GPU).
+        triangle, out_triangle
+            ``a`` is zero outside this triangle, or only this triangle of the product is
+            wanted (see backend.py). Not used yet: the whole product runs (block-skipping
+            launches are for when they can be measured on a GPU), and :meth:`row_limits` says
+            so.
         """
         dtype = _check_gemm(a, b, out, bias)
         batch, m, n = out.shape
@@ -222,6 +224,13 @@ class CupyBackend:
             restore()
 
     # ---------------------------------------------------------- reductions
+
+    def row_limits(self, m: int, n: int, dtype: Any) -> None:
+        """None: an ``out_triangle`` product is computed whole here (see :meth:`gemm`)."""
+        return None
+
+    def complete_lower(self, a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray) -> None:
+        """Nothing to complete: ``out_triangle`` products are computed whole here."""
 
     def synchronize(self) -> None:
         """Wait for the current stream (where every launch of this backend goes)."""

@@ -6,12 +6,17 @@ machine without CUDA.
 Both backends implement the same primitives over 3-D operands ``(batch, rows, cols)`` whose
 batch dimension is either the full batch or 1 (broadcast):
 
-``gemm(a, b, out, bias, triangle=None)``
+``gemm(a, b, out, bias, triangle=None, out_triangle=None)``
     ``out[i] = a[i or 0] @ b[i or 0] (+ bias)``; ``out`` is C-contiguous ``(batch, m, n)``.
     ``triangle`` (``"lower"`` or ``"upper"``) promises that ``a`` is zero outside that triangle
     of its last two axes (``"lower"``: ``a[..., i, j] == 0`` for ``j > i``); the CPU backend
     then multiplies only the blocks the triangle can hold (the GPU backend, not yet: it runs
-    the whole product, which the promise makes equal).
+    the whole product, which the promise makes equal). ``out_triangle="lower"`` (no bias): only
+    entries ``j <= i`` of the product are wanted; row ``i`` is computed at least up to
+    ``row_limits(m, n, dtype)[i]`` (the rest of the row is left as it was).
+``row_limits(m, n, dtype)`` / ``complete_lower(a, b, out)``
+    Those limits, ``(m,)`` int64, or None when every row is computed whole (always, on the
+    GPU); and the rest of such a product, computed after all (the rare path).
 ``col_reduce(x, coef, out)`` / ``row_reduce(x, coef, out)``
     One pass over ``x`` producing, per column (resp. row) vector ``v`` of length ``L``, five float64
     numbers ``[sum(c0*v), sum(c1*v), sum(c2*|v|), count(!isfinite(v)), last non-finite index or -1]``.
@@ -46,8 +51,12 @@ class Backend(Protocol):
     name: str
     xp: ModuleType
 
-    def gemm(self, a: Any, b: Any, out: Any, bias: Any | None,
-             triangle: str | None = None) -> None: ...
+    def gemm(self, a: Any, b: Any, out: Any, bias: Any | None, triangle: str | None = None,
+             out_triangle: str | None = None) -> None: ...
+
+    def row_limits(self, m: int, n: int, dtype: Any) -> Any | None: ...
+
+    def complete_lower(self, a: Any, b: Any, out: Any) -> None: ...
 
     def col_reduce(self, x: Any, coef: Any | None, out: Any) -> None: ...
 

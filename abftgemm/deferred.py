@@ -41,14 +41,22 @@ class DeferredRows:
         What :meth:`settle` does with a finding.
     name : str
         Site name in reports and for ``fault_hook``.
+    out_triangle : {None, "lower"}
+        Only entries ``j <= i`` of the product are wanted (causal attention's scores and
+        ``dP``). Where the backend skips the rest (the CPU, float32/float64), row ``i`` is
+        computed and verified up to :attr:`row_limits` ``[i]`` only, and the consumer observes
+        each row up to there; what lies beyond is never written nor read (a fault there changes
+        nothing). On the rare path the product is completed first.
     counters : Counters, optional
         Launches, allocations and host syncs are added to it (shared with other plans).
     """
 
     def __init__(self, a: Any, b: Any, *, check: str = "correct", name: str = "matmul",
-                 counters: Counters | None = None):
+                 out_triangle: str | None = None, counters: Counters | None = None):
         if check not in ("correct", "detect"):
             raise ValueError(f"check must be 'correct' or 'detect' for a plan, got {check!r}")
+        if out_triangle not in (None, "lower"):
+            raise ValueError(f"out_triangle must be None or 'lower', got {out_triangle!r}")
         op = Operands.prepare(a, b)
         if a.ndim != 3 or b.ndim != 3:
             raise ValueError(f"{name}: DeferredRows plans 3-D operands, got {a.shape} @ {b.shape}")
@@ -63,8 +71,17 @@ class DeferredRows:
         self._b_rows = self._zeros(xp, (op.b.shape[0], op.k, 5))
         # the row encoding of b, contiguous, as the reduction kernels take coefficients
         self._b_coef = self._zeros(xp, (op.b.shape[0], op.k, 3))
+        #: How many leading columns of each row are computed, observed and verified, ``(m,)``;
+        #: None: every row whole.
+        self.row_limits = None if out_triangle is None else \
+            self._be.row_limits(op.m, op.n, op.dtype)
+        if self.row_limits is not None:
+            self.counters.allocations += 2
+            self._weights_n = np.arange(1, op.n + 1) / op.n
+            self._enc = np.zeros((3, op.k))
         self._pred = self._zeros(xp, (op.batch, op.m, 5))
-        #: The consumer writes the observed row checksums of the product here, ``(batch, m, 5)``.
+        #: The consumer writes the observed row checksums of the product here, ``(batch, m, 5)``
+        #: (of each row's first ``row_limits[i]`` entries when :attr:`row_limits` is set).
         self.observed = self._zeros(xp, (op.batch, op.m, 5))
         self._verdict = self._zeros(xp, (2,), np.int64)
         # The judge's per-row threshold, flag and verifiability (written, never read here).
@@ -91,7 +108,8 @@ class DeferredRows:
         b_rows : Checksums, optional
             ``b_rows.rows``: row encoding of ``b``, ``(1 or b's batch, k, 3)`` (plain, location-
             weighted and absolute row sums), handed on from an earlier product; without it ``b``
-            is read once more.
+            is read once more. Not used with :attr:`row_limits`, where the prediction reads
+            ``b`` for the encodings of its leading columns.
 
         Returns
         -------
@@ -106,6 +124,19 @@ class DeferredRows:
         if (op.xp.__name__, op.dtype, op.a.shape, op.b.shape) != self._signature or not op.direct:
             raise ValueError(f"{self.name}: operands {op.a.shape} @ {op.b.shape} {op.dtype} into "
                              f"out do not match the plan {self._signature}")
+        c = op.buffer()
+        if self.row_limits is not None:  # the CPU, computing row prefixes
+            from abftgemm._cpu_plan import _rows_first, predict_lower_rows
+
+            self.counters.launches += 1
+            self._be.gemm(op.a, op.b, c, None, out_triangle="lower")
+            if fault_hook is not None:
+                fault_hook(self.name, c)
+            self.counters.launches += 1
+            predict_lower_rows(op.a, *_rows_first(op.b), self._weights_n, self.row_limits,
+                               self._enc, self._pred)
+            self._pending = (op, c)
+            return out
         if b_rows is not None and b_rows.rows is not None:
             rows = b_rows.rows  # often a view of wider fields
         else:
@@ -114,7 +145,6 @@ class DeferredRows:
             rows = self._b_rows[..., :3]
         self.counters.launches += 1
         self._b_coef[...] = rows  # the reduction kernels read contiguous coefficients
-        c = op.buffer()
         self.counters.launches += 1
         self._be.gemm(op.a, op.b, c, None)
         if fault_hook is not None:
@@ -155,6 +185,9 @@ class DeferredRows:
         if not self.flagged():
             report.checked[self.name] = report.checked.get(self.name, 0) + op.batch
             return []
+        if self.row_limits is not None:  # verify whole rows: complete and observe them
+            self._be.complete_lower(op.a, op.b, c)
+            self._be.row_reduce(c, None, self.observed)
         pending = DeferredCheck(self._be, op, c, predict_rows(self._be, op, None), self.check,
                                 self.name)
         return pending.verify_rows(self.observed, report)

@@ -32,7 +32,7 @@ from attention._cpu_vmath import exp_like, from_ordered_key, like, log_like, ord
 @numba.njit(cache=True, fastmath=_FAST)
 def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add: Any,
             has_attn: bool, causal: bool, heads: int, check: bool, floor: float, p_min: float,
-            probs: Any, stats: Any, errors: Any, cols: Any, rows: Any) -> None:
+            probs: Any, stats: Any, limits: Any, errors: Any, cols: Any, rows: Any) -> None:
     """Masked softmax of ``scale * scores (+ attn_add)``, the scores' row checksums, and (with
     ``check``) the invariant errors.
 
@@ -53,6 +53,9 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
     stats : (batch*heads, seq_q, 5) float64: ``[sum, sum (j+1)/seq_k weighted, sum |.|,
         non-finite count, last non-finite index or -1]`` of every raw score row; an empty array
         (first dimension 0) when nothing reads them
+    limits : (seq_q,) int64: observe row ``i``'s first ``limits[i]`` scores only (all that the
+        scores product computed, :attr:`abftgemm.deferred.DeferredRows.row_limits`); an empty
+        array for whole rows
     errors : (3,) float64: ``[worst row-sum error, worst log-identity spread, largest
         |z| + |log P| used]`` are folded into it (start from zeros)
     cols, rows : (batch*heads, 3, seq_k) and (batch*heads, seq_q, 3) float64, or empty arrays
@@ -70,7 +73,7 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
         for i in range(sq):
             row, out = scores[t, i], probs[t, i]
             if observe:  # the raw row's checksums, as abftgemm's row reduction takes them
-                _sum_row(row, weights, stats[t, i])
+                _sum_row(row[:limits[i]] if limits.shape[0] else row, weights, stats[t, i])
             visible = min(i + 1, sk) if causal else sk
             add = am[min(i, am.shape[0] - 1)]
             # one compiled row per mask combination: the loops test no flag per element
@@ -247,7 +250,7 @@ def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has
 
 @numba.njit(cache=True, fastmath=_FAST)
 def backward(dp: Any, p: Any, scale: Any, causal: bool, check: bool, u: float, tiny: float,
-             ds: Any, stats: Any, result: Any, cols: Any, rows: Any) -> None:
+             ds: Any, stats: Any, limits: Any, result: Any, cols: Any, rows: Any) -> None:
     """``dS = scale * P (dP - rowsum(P dP))``, dP's row checksums and (with ``check``) the
     worst invariant ratio.
 
@@ -261,6 +264,7 @@ def backward(dp: Any, p: Any, scale: Any, causal: bool, check: bool, u: float, t
     ds : like dp: output
     stats : (n, seq_q, 5) float64: dP's row checksums, as :func:`forward` gives the scores'
         (an empty array for none)
+    limits : as :func:`forward`'s, for dP
     result : (3,) float64: ``[worst ratio, its plain error, its plain tolerance]``, folded into
         (start from ``[-1, 0, 0]``; see :func:`attention._cpu_checks.backward_ratio`)
     cols, rows : the column encodings of the (scaled) ``ds`` and of its transpose, as
@@ -275,7 +279,7 @@ def backward(dp: Any, p: Any, scale: Any, causal: bool, check: bool, u: float, t
         for i in range(sq):
             dpr, pr, out = dp[t, i], p[t, i], ds[t, i]
             if observe:
-                _sum_row(dpr, weights, stats[t, i])
+                _sum_row(dpr[:limits[i]] if limits.shape[0] else dpr, weights, stats[t, i])
             v = min(i + 1, sk) if causal else sk
             r = 0.0
             for j in range(v):

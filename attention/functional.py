@@ -208,10 +208,11 @@ class _Pass:
         a, b = self.tensor(route.a), self.tensor(route.b)
         mode = self.ctx.mode(site)
         self.env[route.out] = out
+        triangle = route.out_triangle if self.causal else None
         if mode == "off":
-            _plain(self.xp, a, b, None, out, site, self.ctx.fault_hook)
+            _plain(self.xp, a, b, None, out, site, self.ctx.fault_hook, out_triangle=triangle)
             return None
-        plan = self.ws.deferred(site, a, b, mode)
+        plan = self.ws.deferred(site, a, b, mode, triangle)
         rows = self.sums.get(route.b_rows)
         rows = None if rows is None else Checksums(rows=rows.reshape(-1, b.shape[-2], 3))
         plan.execute(a, b, out, fault_hook=self.ctx.fault_hook, b_rows=rows)
@@ -285,10 +286,10 @@ def _invariant_finding(report: Report, site: str, worst: float, tol: float, acti
 
 
 def _plain(xp: Any, a: Any, b: Any, bias: Any | None, out: Any, site: str, hook: Any,
-           triangle: str | None = None) -> None:
+           triangle: str | None = None, out_triangle: str | None = None) -> None:
     """The unprotected product of a site that is not checked on this call."""
     get_backend(xp).gemm(*_as_3d(a, b), out.reshape((-1,) + out.shape[-2:]), bias,
-                         triangle=triangle)
+                         triangle=triangle, out_triangle=out_triangle)
     if hook is not None:
         hook(site, out)
 

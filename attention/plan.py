@@ -84,6 +84,10 @@ class Route:
         In a causal layer, ``a`` is zero outside this triangle (``P`` and ``dS`` are lower
         triangular, their transposes upper): the product multiplies only the blocks it can
         hold (:class:`abftgemm.ProtectedMatmul`'s ``a_triangle``).
+    out_triangle : {None, "lower"}
+        In a causal layer, only this triangle of the product is read (the scores and ``dP``:
+        the softmax sees keys ``j <= i``): row blocks are computed and verified up to their
+        last column (:class:`abftgemm.deferred.DeferredRows`' ``out_triangle``).
     """
 
     out: str
@@ -94,6 +98,7 @@ class Route:
     verify: str = "columns"
     b_rows: str | None = None
     a_triangle: str | None = None
+    out_triangle: str | None = None
 
     def describe(self) -> str:
         """The checksum route in words (the ``checksums`` column of the plan's table)."""
@@ -109,12 +114,14 @@ ROUTES: dict[str, Route] = {
     "q_proj": Route("q", "x", "wq", "bq"),
     "k_proj": Route("k", "key", "wk", "bk", a_sums="key"),
     "v_proj": Route("v", "value", "wv", "bv", a_sums="value"),
-    "scores": Route("scores", "qh", "kh^T", verify="rows by consumer", b_rows="kh"),
+    "scores": Route("scores", "qh", "kh^T", verify="rows by consumer", b_rows="kh",
+                    out_triangle="lower"),
     "context": Route("context_h", "probs", "vh", a_sums="probs", a_triangle="lower"),
     "out_proj": Route("y", "context", "wo", "bo", a_sums="context_h"),
     "d_wo": Route("d_wo", "context^T", "dy"),
     "d_context": Route("d_context", "dy", "wo^T"),
-    "d_probs": Route("d_probs", "d_context_h", "vh^T", verify="rows by consumer", b_rows="vh"),
+    "d_probs": Route("d_probs", "d_context_h", "vh^T", verify="rows by consumer", b_rows="vh",
+                     out_triangle="lower"),
     "d_v": Route("d_vh", "probs^T", "d_context_h", a_sums="probs^T", a_triangle="upper"),
     "d_q": Route("d_qh", "d_scores", "kh", a_sums="d_scores", a_triangle="lower"),
     "d_k": Route("d_kh", "d_scores^T", "qh", a_sums="d_scores^T", a_triangle="upper"),

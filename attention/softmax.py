@@ -212,7 +212,7 @@ class ForwardStep:
         _cpu_softmax.forward(s, np.array([scale], s.dtype), *self._masks(), inp.causal,
                              inp.n_heads, fused, LOG_CHECK_FLOOR,
                              smallest_normal(self.probs.dtype), out, _observed_rows(self.plan),
-                             errors, cols, rows)
+                             _row_limits(self.plan), errors, cols, rows)
         if wide:
             self.probs[...] = out
         self.encodings = (cols.transpose(0, 2, 1), rows) if fused else None
@@ -265,7 +265,8 @@ class BackwardStep:
         if not (check or wide or hook is not None):  # straight into d_scores, scaled
             _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype),
                                   self.causal, False, 0.0, 0.0, self.ds,
-                                  _observed_rows(self.plan), np.zeros(3), *_NONE)
+                                  _observed_rows(self.plan), _row_limits(self.plan),
+                                  np.zeros(3), *_NONE)
             return
         if wide or hook is not None:
             ds = self._unscaled()
@@ -280,7 +281,7 @@ class BackwardStep:
         cols, rows = _encoding_buffers(self.ws, "d_scores", self.ds.shape)
         _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype),
                               self.causal, True, u, tiny, self.ds, _observed_rows(self.plan),
-                              result, cols, rows)
+                              _row_limits(self.plan), result, cols, rows)
         self.encodings = cols.transpose(0, 2, 1), rows
         self.verdict = _known((result[0] <= 1, float(result[1]), float(result[2]) or tiny))
 
@@ -335,7 +336,8 @@ class BackwardStep:
         dp, p = self._acc(self.dp), self._acc(self.p)
         ds = self.ws.buffer("ds_unscaled", np, dp.shape, dp.dtype)
         _cpu_softmax.backward(dp, p, np.ones(1, dp.dtype), self.causal, False, 0.0, 0.0, ds,
-                              _observed_rows(self.plan), np.zeros(3), *_NONE)
+                              _observed_rows(self.plan), _row_limits(self.plan), np.zeros(3),
+                              *_NONE)
         return ds
 
 
@@ -343,6 +345,8 @@ class BackwardStep:
 _NONE = (np.zeros((0, 3, 0)), np.zeros((0, 0, 3)))
 #: Empty row-checksum buffer: the CPU kernels then observe nothing.
 _NO_STATS = np.zeros((0, 0, 5))
+#: Empty row limits: the CPU kernels then observe whole rows.
+_WHOLE_ROWS = np.zeros(0, np.int64)
 #: Placeholder masks for the CPU forward kernel's "no key-padding mask" / "no additive mask"
 #: (flagged off by its arguments, never read).
 _NO_KEYS, _NO_ADD = np.ones((1, 1), bool), np.zeros((1, 1, 1))
@@ -352,6 +356,13 @@ def _observed_rows(plan: Any | None) -> Any:
     """Where a CPU softmax kernel puts the row checksums it observes: the buffer of the deferred
     plan that reads them, or none."""
     return _NO_STATS if plan is None else plan.observed
+
+
+def _row_limits(plan: Any | None) -> Any:
+    """How far a CPU softmax kernel observes each row: the deferred plan's limits, or whole
+    rows (an empty array)."""
+    limits = None if plan is None else getattr(plan, "row_limits", None)
+    return _WHOLE_ROWS if limits is None else limits
 
 
 def _encoding_buffers(ws: Any, name: str, shape: tuple[int, int, int]) -> tuple[Any, Any]:

@@ -36,12 +36,15 @@ class Workspace:
                                                       counters=self.counters)
         return plan
 
-    def deferred(self, site: str, a: Any, b: Any, check: str) -> DeferredRows:
-        """The planned, consumer-verified product of ``site`` for these operands' layout."""
-        key = (site, check, "rows", _layout(a), _layout(b))
+    def deferred(self, site: str, a: Any, b: Any, check: str,
+                 out_triangle: str | None = None) -> DeferredRows:
+        """The planned, consumer-verified product of ``site`` for these operands' layout (and
+        the triangle of it that is read)."""
+        key = (site, check, "rows", _layout(a), _layout(b), out_triangle)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = DeferredRows(a, b, check=check, name=site,
+                                                   out_triangle=out_triangle,
                                                    counters=self.counters)
         return plan
 

@@ -7,12 +7,16 @@ Usage::
 A causal layer's ``P`` and ``dS`` are lower triangular (their transposes upper), and the route
 table marks the four products that read them as ``a`` (``Route.a_triangle``): ``P V``, ``dS K``,
 ``P^T dC`` and ``dS^T Q`` multiply only the row blocks' columns their triangle can hold
-(:func:`abftgemm._cpu.triangular_matmul`). This script times, interleaved in one process:
+(:func:`abftgemm._cpu_triangles.triangular_matmul`). Only the lower triangle of the scores and of
+``dP`` is read (``Route.out_triangle``): their row blocks are computed up to their last column
+(:func:`abftgemm._cpu_triangles.lower_product`). This script times, interleaved in one process:
 
 - ``pair``: one lower and one upper product of the case's ``(batch*heads, seq, seq) x (..., seq,
   head_dim)`` shape, whole and triangular;
+- ``scores``: the ``(batch*heads, seq, head_dim) x (..., head_dim, seq)`` product, whole and
+  lower;
 - ``layer``: the causal layer's forward + backward, protected and ``check="off"``, with the
-  table as it is and with the four promises removed (every product whole).
+  table as it is and with the six promises removed (every product whole).
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from abftgemm._cpu import triangular_matmul  # noqa: E402
+from abftgemm._cpu_triangles import lower_product, triangular_matmul  # noqa: E402
 from attention import MultiHeadAttention  # noqa: E402
 from attention import functional  # noqa: E402
 from bench import timing  # noqa: E402
@@ -44,7 +48,12 @@ def pair_times(shape: tuple[int, int, int, int], repeats: int) -> dict[str, floa
         triangular_matmul(p, v, out, "lower" if triangles else None)
         triangular_matmul(p.transpose(0, 2, 1), v, out, "upper" if triangles else None)
 
-    return timing.time_many({"whole": lambda: pair(False), "triangular": lambda: pair(True)},
+    q = rng.random((b * h, s, hd), dtype=np.float32)
+    k_t = rng.random((b * h, s, hd), dtype=np.float32).transpose(0, 2, 1)
+    scores = np.empty_like(p)
+    return timing.time_many({"whole": lambda: pair(False), "triangular": lambda: pair(True),
+                             "scores whole": lambda: np.matmul(q, k_t, out=scores),
+                             "scores lower": lambda: lower_product(q, k_t, scores)},
                             repeats, 2, gpu=False)
 
 
@@ -54,7 +63,8 @@ def layer_times(shape: tuple[int, int, int, int], repeats: int) -> dict[str, flo
     rng = np.random.default_rng(0)
     x, dy = (rng.standard_normal((b, s, h * hd)).astype(np.float32) for _ in range(2))
     table = dict(functional.ROUTES)
-    whole = {k: dataclasses.replace(r, a_triangle=None) for k, r in table.items()}
+    whole = {k: dataclasses.replace(r, a_triangle=None, out_triangle=None)
+             for k, r in table.items()}
 
     def step(check: str, routes: dict) -> None:
         functional.ROUTES.clear()
@@ -85,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         pair = pair_times(shape, args.repeats)
         layer = layer_times(shape, max(3, args.repeats // (4 if name == "long" else 1)))
         print(f"{name:7s} {str(shape):17s} pair: whole {pair['whole']:.3f} triangular "
-              f"{pair['triangular']:.3f} | layer protected: whole {layer['correct whole']:.2f} "
+              f"{pair['triangular']:.3f} | scores: whole {pair['scores whole']:.3f} lower "
+              f"{pair['scores lower']:.3f} | layer protected: whole {layer['correct whole']:.2f} "
               f"triangular {layer['correct triangular']:.2f} | off: whole {layer['off whole']:.2f}"
               f" triangular {layer['off triangular']:.2f}", flush=True)
     return 0

@@ -30,6 +30,8 @@ from attention import _cpu_softmax
 from attention.softmax import LOG_CHECK_FLOOR, backward_tolerance
 
 NO_ENCODINGS = (np.zeros((0, 3, 0)), np.zeros((0, 0, 3)))
+#: Observe whole rows (no row limits).
+WHOLE = np.zeros(0, np.int64)
 
 
 def encodings(rows: int, seq: int) -> tuple[np.ndarray, np.ndarray]:
@@ -56,8 +58,8 @@ def forward_times(rows: int, seq: int, repeats: int) -> dict[str, float]:
         enc = encodings(rows, seq) if check else NO_ENCODINGS
         return lambda: _cpu_softmax.forward(scores, scale, keys, False, add, False, True, 1,
                                             check, LOG_CHECK_FLOOR,
-                                            smallest_normal(probs.dtype), probs, stats, errors,
-                                            *enc)
+                                            smallest_normal(probs.dtype), probs, stats,
+                                            WHOLE, errors, *enc)
 
     def plain() -> None:
         z = scores * scale[0]
@@ -81,7 +83,7 @@ def backward_times(rows: int, seq: int, repeats: int) -> dict[str, float]:
         scale = np.array([0.125 if check else 1.0], np.float32)
         enc = encodings(rows, seq) if check else NO_ENCODINGS
         return lambda: _cpu_softmax.backward(dp, p, scale, True, check, u, tiny, ds, stats,
-                                             result, *enc)
+                                             WHOLE, result, *enc)
 
     def plain() -> None:
         np.multiply(p, dp - (p * dp).sum(axis=-1, keepdims=True), out=ds)

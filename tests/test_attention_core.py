@@ -282,27 +282,52 @@ def test_composed_encoding_is_the_stacked_matrix_encoding_on_both_code_paths():
 
 @pytest.mark.parametrize("check", ["off", "correct"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_causal_products_multiply_only_the_triangle_of_p_and_ds(monkeypatch, check, causal):
-    """In a causal layer P and dS are lower triangular (their transposes upper): the products
-    that read them as ``a`` are told so (and skip the zero blocks, tests/test_plan.py); every
-    other product, and every product of a non-causal layer, runs whole."""
+def test_causal_products_multiply_only_their_triangles(monkeypatch, check, causal):
+    """In a causal layer P and dS are lower triangular (their transposes upper), and only the
+    lower triangle of the scores and of dP is read: the products are told so (and skip the
+    blocks that cannot matter, tests/test_plan.py); in a non-causal layer every product runs
+    whole. 130 keys: more than one row block, so the CPU skips in both modes."""
     from abftgemm._cpu import CpuBackend
 
-    seen: dict[int, str | None] = {}
+    seen: dict[int, tuple] = {}
     gemm = CpuBackend.gemm
 
-    def recording(self, a, b, out, bias, buffers=None, triangle=None):
-        seen[out.ctypes.data] = triangle
-        return gemm(self, a, b, out, bias, buffers, triangle)
+    def recording(self, a, b, out, bias, buffers=None, triangle=None, out_triangle=None):
+        seen[out.ctypes.data] = (triangle, out_triangle)
+        return gemm(self, a, b, out, bias, buffers, triangle, out_triangle)
 
     monkeypatch.setattr(CpuBackend, "gemm", recording)
     outputs = {}
     hook = lambda site, c: outputs.setdefault(site, c.ctypes.data)  # noqa: E731
     layer = MultiHeadAttention(16, 4, causal=causal, dtype="float32", check=check)
-    x = np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32)
+    x = np.random.default_rng(0).standard_normal((1, 130, 16)).astype(np.float32)
     _, cache = layer.forward(x, fault_hook=hook)
     layer.backward(x, cache, fault_hook=hook)
-    want = {"context": "lower", "d_q": "lower", "d_v": "upper", "d_k": "upper"}
+    want = {"context": ("lower", None), "d_q": ("lower", None), "d_v": ("upper", None),
+            "d_k": ("upper", None), "scores": (None, "lower"), "d_probs": (None, "lower")}
     got = {site: seen.get(key) for site, key in outputs.items() if site in ROUTES}
     assert set(got) == set(SITES)
-    assert got == {s: want.get(s) if causal else None for s in SITES}
+    assert got == {s: want.get(s, (None, None)) if causal else (None, None) for s in SITES}
+
+
+@pytest.mark.parametrize("site", ["scores", "d_probs"])
+def test_a_fault_where_a_causal_layer_reads_nothing_changes_nothing(site):
+    """130 keys: the CPU computes the scores and dP only up to each row block's last column
+    (blocks of 44 rows here). A fault beyond, in memory the product never writes and the
+    softmax never reads, changes nothing and is not reported; one at a visible entry is
+    repaired."""
+    layer = MultiHeadAttention(16, 4, causal=True, dtype="float64")
+    rng = np.random.default_rng(8)
+    x, dy = (rng.standard_normal((1, 130, 16)) for _ in range(2))
+    y0, cache = layer.forward(x)
+    dx0, g0 = layer.backward(dy, cache)
+    for row, col, read in ((3, 120, False), (100, 50, True)):
+        fault = Fault("additive", "element", sites=site, batch=0, row=row, col=col,
+                      magnitude=1e3)
+        y, cache = layer.forward(x, fault_hook=fault)
+        events = list(layer.last_report.events)
+        dx, g = layer.backward(dy, cache, fault_hook=fault)
+        events += layer.last_report.events
+        assert fault.injected and any(e.site == site for e in events) == read, events
+        for got, want in [(y, y0), (dx, dx0)] + [(g[k], g0[k]) for k in g0]:
+            np.testing.assert_allclose(got, want, rtol=0, atol=TOL64 * np.abs(want).max())

@@ -127,4 +127,4 @@ def test_causal_triangles_script_times_both_ways() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = proc.stdout.splitlines()[-1]
     times = [float(w) for w in line.replace("|", " ").split() if w.replace(".", "").isdigit()]
-    assert line.startswith("small") and len(times) == 6 and min(times) > 0, proc.stdout
+    assert line.startswith("small") and len(times) == 8 and min(times) > 0, proc.stdout

@@ -362,11 +362,12 @@ def test_the_cpu_gemm_never_reads_outside_the_promised_triangle(triangle, dtype)
     """The CPU backend multiplies only the row blocks a triangle can hold: NaN written where
     the promise says zero, a block or more away from the diagonal, never reaches the product
     (the blocks it skips are the saving)."""
-    from abftgemm._cpu import _TRIANGLE_ROWS, backend
+    from abftgemm._cpu import backend
+    from abftgemm._cpu_triangles import triangle_blocks
 
     m, k = 300, 260
     a, b = _triangular(np, triangle, (2, m, k, 8))
-    size = -(-m // max(2, round(m / _TRIANGLE_ROWS)))  # the backend's rows per block
+    size = max(hi - lo for lo, hi in triangle_blocks(m))  # the backend's rows per block
     i, j = np.indices((m, k))
     skipped = (j - i >= size) if triangle == "lower" else (i - j >= size)
     assert skipped.sum() > 1000
@@ -376,3 +377,61 @@ def test_the_cpu_gemm_never_reads_outside_the_promised_triangle(triangle, dtype)
     np.testing.assert_array_equal(got.astype(np.float64), (a @ b).astype(np.float64))
     backend().gemm(poisoned.astype(dtype), b.astype(dtype), got, None)
     assert np.isnan(got).any()  # the full product reads them
+
+
+def _observe_rows(xp, plan, c):
+    """What a consumer of a deferred product does: the row checksums of each row up to its
+    limit (whole rows without limits), as ``row_reduce`` with default weights gives them."""
+    c = _host(c)
+    n = c.shape[-1]
+    limits = plan.row_limits if plan.row_limits is not None else np.full(c.shape[1], n)
+    weights = np.arange(1, n + 1) / n
+    obs = np.zeros(c.shape[:2] + (5,))
+    obs[..., 4] = -1.0
+    for i, limit in enumerate(limits):
+        row = c[:, i, :limit]
+        obs[:, i, 0], obs[:, i, 1] = row.sum(-1), (row * weights[:limit]).sum(-1)
+        obs[:, i, 2] = np.abs(row).sum(-1)
+    plan.observed[...] = xp.asarray(obs)
+    plan.judge()
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("b_layout", ["C", "transposed"])
+def test_a_lower_triangle_product_is_computed_and_verified_up_to_its_row_limits(xp, b_layout):
+    """Only entries j <= i of a causal product are read: on the CPU its row blocks are computed
+    and verified up to their last column (row_limits), on the GPU whole. The lower triangle is
+    exact, a fault inside the rows' limits is repaired, one beyond them changes nothing read."""
+    from abftgemm.deferred import DeferredRows
+
+    rng = np.random.default_rng(21)
+    a = rng.integers(-3, 4, (2, 200, 16)).astype(np.float32)
+    b = rng.integers(-3, 4, (2, 16, 200)).astype(np.float32)
+    want = np.tril(a @ b)
+    lower = np.tril(np.ones((200, 200), bool))
+    a = xp.asarray(a)
+    # "transposed": b is the transpose of a C-contiguous array, as the scores' K^T is
+    b = xp.asarray(b) if b_layout == "C" else xp.asarray(b.transpose(0, 2, 1).copy()).transpose(
+        0, 2, 1)
+    out = xp.zeros((2, 200, 200), np.float32)
+    plan = DeferredRows(a, b, out_triangle="lower")
+    limits = plan.row_limits
+    if xp is np:  # the CPU skips blocks: at least j <= i, not every row whole
+        assert (limits > np.arange(200)).all() and (limits < 200).any()
+    else:
+        assert limits is None
+    faults = [(None, True), (Fault("additive", "element", seed=1, row=100, col=50,
+                                   magnitude=1e3), True)]
+    if limits is not None:  # memory the product never writes and no one reads
+        faults.append((Fault("additive", "element", seed=1, row=3, col=150, magnitude=1e3),
+                       False))
+    for fault, read in faults:
+        plan.execute(a, b, out, fault_hook=fault)
+        _observe_rows(xp, plan, out)
+        report = abftgemm.Report()
+        plan.settle(report)
+        found = [(e.pattern, e.rows, e.cols) for e in report.events]
+        assert found == ([("0D", (100,), (50,))] if fault is not None and read else []), found
+        np.testing.assert_array_equal(np.where(lower, _host(out), 0), want)
+    with pytest.raises(ValueError, match="out_triangle"):
+        DeferredRows(a, b, out_triangle="upper")

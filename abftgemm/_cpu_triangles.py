@@ -1,0 +1,79 @@
+"""Triangular products on the CPU: skip the row blocks' columns that a triangle makes zero.
+
+Two promises, both made by causal attention:
+
+- ``a`` is zero outside a triangle of its last two axes (``P`` and ``dS`` are lower triangular,
+  their transposes upper): :func:`triangular_matmul` multiplies each row block only by the
+  columns of ``a`` its triangle can hold; the product is the whole one.
+- only the lower triangle of the *product* is wanted (the scores and ``dP``, read by a softmax
+  that sees keys ``j <= i`` only): :func:`lower_product` computes each row block up to its own
+  last column, :func:`row_limits` says how far each row was computed, and
+  :func:`complete_lower` computes the rest when the whole product is needed after all (the rare
+  path of a flagged product).
+
+Rows are cut by :func:`triangle_blocks`. The sums run in another order than one whole product's,
+within the same rounding bound. bench/NOTES.md has the measured gains.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+#: Rows per block: the fastest measured from 256 to 1024 rows (two blocks of 64 at 128 rows).
+_BLOCK_ROWS = 128
+#: Rows per block below 256 rows; a product of at most this many rows stays whole.
+_SMALL_BLOCK_ROWS = 64
+
+
+def triangle_blocks(m: int) -> list[tuple[int, int]]:
+    """Row blocks ``[lo, hi)`` of an ``m``-row triangular product: one block up to 64 rows,
+    blocks of at most 64 rows below 256, of about 128 from 256 on."""
+    size = _SMALL_BLOCK_ROWS if m < 2 * _BLOCK_ROWS else _BLOCK_ROWS
+    blocks = max(1, -(-m // size))
+    step = max(1, -(-m // blocks))
+    return [(lo, min(m, lo + step)) for lo in range(0, m, step)]
+
+
+def triangular_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray,
+                      triangle: str | None) -> np.ndarray:
+    """``out = a @ b`` for ``a`` (batch or 1, m, k) that is zero outside ``triangle``.
+
+    ``"lower"``: ``a[..., i, j] == 0`` for ``j > i``; ``"upper"``: for ``j < i``; None: a whole
+    product. Each row block multiplies only the columns of ``a`` its triangle can hold, so the
+    zeros, and whatever memory holds them, are never read. Returns ``out``.
+    """
+    m, k = a.shape[-2], a.shape[-1]
+    blocks = triangle_blocks(m) if triangle is not None else [(0, m)]
+    if len(blocks) == 1:
+        return np.matmul(a, b, out=out)
+    for lo, hi in blocks:
+        cols = slice(0, min(hi, k)) if triangle == "lower" else slice(min(lo, k), k)
+        np.matmul(a[..., lo:hi, cols], b[..., cols, :], out=out[..., lo:hi, :])
+    return out
+
+
+def row_limits(m: int, n: int) -> np.ndarray:
+    """How many leading columns of each of the ``m`` rows :func:`lower_product` computes, (m,)
+    int64: every column of the row's block and the blocks before it, at least ``j <= i``."""
+    limits = np.empty(m, np.int64)
+    for lo, hi in triangle_blocks(m):
+        limits[lo:hi] = min(hi, n)
+    return limits
+
+
+def lower_product(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out = a @ b`` where row ``i`` needs columns ``j < row_limits(m, n)[i]`` only: the rest
+    of each row is left as it was (unread memory). Returns ``out``."""
+    m, n = out.shape[-2], out.shape[-1]
+    for lo, hi in triangle_blocks(m):
+        cols = min(hi, n)
+        np.matmul(a[..., lo:hi, :], b[..., :, :cols], out=out[..., lo:hi, :cols])
+    return out
+
+
+def complete_lower(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Compute what :func:`lower_product` left out, so that ``out`` is the whole ``a @ b``."""
+    m, n = out.shape[-2], out.shape[-1]
+    for lo, hi in triangle_blocks(m):
+        if hi < n:
+            np.matmul(a[..., lo:hi, :], b[..., :, hi:], out=out[..., lo:hi, hi:])
+    return out
