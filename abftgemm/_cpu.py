@@ -379,6 +379,44 @@ def add_bias(c: Any, bias: Any) -> None:
                 row[j] += bias[j]
 
 
+@numba.njit(cache=True, fastmath=_FAST)
+def _predict_lower_rows(a: Any, b: Any, b_transposed: bool, weights_n: Any, limits: Any,
+                        enc: Any, pred: Any) -> None:
+    """Row checksums of every batch item of ``a @ b`` where row ``i`` covers columns
+    ``j < limits[i]`` only (see :meth:`CpuBackend.predict_lower_rows`): the row encoding of
+    ``b``'s leading columns grows block by block (one read of ``b``, by rows of ``b`` or, with
+    ``b_transposed``, of its C-contiguous transpose), and each block's rows take it so far."""
+    m = pred.shape[1]
+    for t in range(pred.shape[0]):
+        at, bt = a[min(t, a.shape[0] - 1)], b[min(t, b.shape[0] - 1)]
+        enc[:] = 0.0
+        done = i = 0
+        while i < m:
+            hi = limits[i]
+            if b_transposed:  # column j of b is row j of bt
+                _sum_columns(bt, weights_n, done, hi, enc)
+            else:
+                for c in range(bt.shape[0]):
+                    s0, s1, s2 = _row_sums(bt[c, done:hi], weights_n[done:hi])
+                    enc[0, c] += s0
+                    enc[1, c] += s1
+                    enc[2, c] += s2
+            done, end = hi, i
+            while end < m and limits[end] == hi:
+                end += 1
+            _sum_rows(at, enc, i, end, pred[t])
+            i = end
+
+
+def _rows_first(x: np.ndarray) -> tuple[np.ndarray, bool]:
+    """``(x, False)``, or ``(x^T, True)`` when only the transpose of the (batch, rows, cols)
+    array ``x`` is C-contiguous: the kernels read it along its memory rows either way."""
+    xt = x.transpose(0, 2, 1)
+    if not x.flags.c_contiguous and xt.flags.c_contiguous:
+        return xt, True
+    return x, False
+
+
 class CpuBackend:
     """NumPy + numba implementation of :class:`abftgemm.backend.Backend`."""
 
@@ -431,9 +469,18 @@ class CpuBackend:
         return None if (limits == n).all() else limits
 
     def complete_lower(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-        """Compute the part of ``out = a @ b`` an ``out_triangle`` product left out."""
-        if a.dtype in (np.float32, np.float64):  # 16-bit products are computed whole
-            complete_lower(a, b, out)
+        """Compute the part of ``out = a @ b`` an ``out_triangle`` product left out (there are
+        :meth:`row_limits`, so float32/float64)."""
+        complete_lower(a, b, out)
+
+    def predict_lower_rows(self, a: np.ndarray, b: np.ndarray, limits: np.ndarray,
+                           enc: np.ndarray, pred: np.ndarray) -> None:
+        """The predicted row checksums ``pred`` ``(batch, m, 5)`` (the fields of ``row_reduce(a,
+        coef)``) of an ``out_triangle`` product, row ``i`` over its first ``limits[i]`` columns,
+        with the default location weights of the whole row; ``enc`` is a ``(3, k)`` float64
+        workspace."""
+        _predict_lower_rows(a, *_rows_first(b), _default_weights(b.shape[-1]), limits, enc,
+                            pred)
 
     def synchronize(self) -> None:
         """Nothing runs asynchronously on the CPU."""

@@ -21,8 +21,8 @@ from typing import Any
 import numba
 import numpy as np
 
-from abftgemm._cpu import (_FAST, _as_float32, _store_columns, _sum_columns, _sum_rows, backend,
-                           bits_table, judge)
+from abftgemm._cpu import (_FAST, _as_float32, _rows_first, _store_columns, _sum_columns,
+                           _sum_rows, backend, bits_table, judge)
 
 #: Rows of a 16-bit product converted to float32 at a time (64 rows of 4096 float32 values are
 #: 1 MiB, cache resident).
@@ -66,55 +66,6 @@ def predict_cols(a: Any, a_transposed: bool, b: Any, b_transposed: bool, bias: A
             p[1, j] += pred_bias * mean_weight
             p[2, j] += abs(pred_bias)
         pred[t] = p
-
-
-@numba.njit(cache=True, fastmath=_FAST)
-def predict_lower_rows(a: Any, b: Any, b_transposed: bool, weights_n: Any, limits: Any,
-                       enc: Any, pred: Any) -> None:
-    """Predicted row checksums of every batch item of ``a @ b`` where row ``i`` covers columns
-    ``j < limits[i]`` only (an ``out_triangle`` product, :mod:`abftgemm._cpu_triangles`).
-
-    ``a`` (batch or 1, m, k), any strides; ``b`` (batch or 1, k, n), or with ``b_transposed``
-    its C-contiguous transpose (batch or 1, n, k) (the keys of attention scores), read along
-    its rows; ``weights_n`` (n,) the location weights ``(j+1)/n``; ``limits`` (m,)
-    non-decreasing; ``enc`` (3, k) float64 workspace; ``pred`` (batch, m, 5) output, the fields
-    of ``row_reduce(a, coef)`` with ``coef`` the row encoding of ``b``'s first ``limits[i]``
-    columns: that encoding grows block by block as ``b`` is read once.
-    """
-    m = pred.shape[1]
-    for t in range(pred.shape[0]):
-        at, bt = a[min(t, a.shape[0] - 1)], b[min(t, b.shape[0] - 1)]
-        enc[:] = 0.0
-        done = 0
-        i = 0
-        while i < m:
-            hi = limits[i]
-            if b_transposed:  # column j of b is row j of bt
-                for j in range(done, hi):
-                    row, w = bt[j], weights_n[j]
-                    for c in range(row.shape[0]):
-                        v = np.float64(row[c])
-                        enc[0, c] += v
-                        enc[1, c] += w * v
-                        enc[2, c] += abs(v)
-            else:
-                for c in range(bt.shape[0]):
-                    row = bt[c]
-                    s0 = s1 = s2 = 0.0
-                    for j in range(done, hi):
-                        v = np.float64(row[j])
-                        s0 += v
-                        s1 += weights_n[j] * v
-                        s2 += abs(v)
-                    enc[0, c] += s0
-                    enc[1, c] += s1
-                    enc[2, c] += s2
-            done = hi
-            end = i
-            while end < m and limits[end] == hi:
-                end += 1
-            _sum_rows(at, enc, i, end, pred[t])
-            i = end
 
 
 @numba.njit(cache=True, fastmath=_FAST)
@@ -202,15 +153,6 @@ def _judge_columns(pred: Any, obs: Any, c_obs: float, c_pred: float, floor: floa
                                obs[j, 2], obs[j, 3], c_obs, c_pred, floor, c_mag, safe)
         n += flagged or not ok
     return n
-
-
-def _rows_first(x: np.ndarray) -> tuple[np.ndarray, bool]:
-    """``(x, False)``, or ``(x^T, True)`` when only the transpose of the (batch, rows, cols)
-    array ``x`` is C-contiguous: the kernels read it along its memory rows either way."""
-    xt = x.transpose(0, 2, 1)
-    if not x.flags.c_contiguous and xt.flags.c_contiguous:
-        return xt, True
-    return x, False
 
 
 class CpuWorkspace:

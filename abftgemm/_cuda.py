@@ -226,11 +226,9 @@ class CupyBackend:
     # ---------------------------------------------------------- reductions
 
     def row_limits(self, m: int, n: int, dtype: Any) -> None:
-        """None: an ``out_triangle`` product is computed whole here (see :meth:`gemm`)."""
+        """None: an ``out_triangle`` product is computed whole here (see :meth:`gemm`), so
+        nothing calls the CPU's ``predict_lower_rows`` or ``complete_lower`` here."""
         return None
-
-    def complete_lower(self, a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray) -> None:
-        """Nothing to complete: ``out_triangle`` products are computed whole here."""
 
     def synchronize(self) -> None:
         """Wait for the current stream (where every launch of this backend goes)."""

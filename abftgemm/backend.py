@@ -14,9 +14,12 @@ batch dimension is either the full batch or 1 (broadcast):
     the whole product, which the promise makes equal). ``out_triangle="lower"`` (no bias): only
     entries ``j <= i`` of the product are wanted; row ``i`` is computed at least up to
     ``row_limits(m, n, dtype)[i]`` (the rest of the row is left as it was).
-``row_limits(m, n, dtype)`` / ``complete_lower(a, b, out)``
+``row_limits(m, n, dtype)`` / ``predict_lower_rows(a, b, limits, enc, pred)`` /
+``complete_lower(a, b, out)``
     Those limits, ``(m,)`` int64, or None when every row is computed whole (always, on the
-    GPU); and the rest of such a product, computed after all (the rare path).
+    GPU); then, only where there are limits (so only the CPU backend has them): the predicted
+    row checksums of such a product, each row over its limit, and the rest of it, computed
+    after all (the rare path).
 ``col_reduce(x, coef, out)`` / ``row_reduce(x, coef, out)``
     One pass over ``x`` producing, per column (resp. row) vector ``v`` of length ``L``, five float64
     numbers ``[sum(c0*v), sum(c1*v), sum(c2*|v|), count(!isfinite(v)), last non-finite index or -1]``.
@@ -56,7 +59,6 @@ class Backend(Protocol):
 
     def row_limits(self, m: int, n: int, dtype: Any) -> Any | None: ...
 
-    def complete_lower(self, a: Any, b: Any, out: Any) -> None: ...
 
     def col_reduce(self, x: Any, coef: Any | None, out: Any) -> None: ...
 

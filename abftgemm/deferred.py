@@ -68,17 +68,16 @@ class DeferredRows:
         xp = op.xp
         self._coefficients = threshold_coefficients(op.k, op.n, op.dtype, False)
         self._safe = safe_magnitude(op.k, op.dtype)
-        self._b_rows = self._zeros(xp, (op.b.shape[0], op.k, 5))
-        # the row encoding of b, contiguous, as the reduction kernels take coefficients
-        self._b_coef = self._zeros(xp, (op.b.shape[0], op.k, 3))
         #: How many leading columns of each row are computed, observed and verified, ``(m,)``;
         #: None: every row whole.
         self.row_limits = None if out_triangle is None else \
             self._be.row_limits(op.m, op.n, op.dtype)
-        if self.row_limits is not None:
-            self.counters.allocations += 2
-            self._weights_n = np.arange(1, op.n + 1) / op.n
-            self._enc = np.zeros((3, op.k))
+        if self.row_limits is None:
+            self._b_rows = self._zeros(xp, (op.b.shape[0], op.k, 5))
+            # the row encoding of b, contiguous, as the reduction kernels take coefficients
+            self._b_coef = self._zeros(xp, (op.b.shape[0], op.k, 3))
+        else:  # the encoding of b's leading columns, grown by the prediction
+            self._enc = self._zeros(xp, (3, op.k))
         self._pred = self._zeros(xp, (op.batch, op.m, 5))
         #: The consumer writes the observed row checksums of the product here, ``(batch, m, 5)``
         #: (of each row's first ``row_limits[i]`` entries when :attr:`row_limits` is set).
@@ -125,16 +124,13 @@ class DeferredRows:
             raise ValueError(f"{self.name}: operands {op.a.shape} @ {op.b.shape} {op.dtype} into "
                              f"out do not match the plan {self._signature}")
         c = op.buffer()
-        if self.row_limits is not None:  # the CPU, computing row prefixes
-            from abftgemm._cpu_plan import _rows_first, predict_lower_rows
-
+        if self.row_limits is not None:  # computing row prefixes (the CPU)
             self.counters.launches += 1
             self._be.gemm(op.a, op.b, c, None, out_triangle="lower")
             if fault_hook is not None:
                 fault_hook(self.name, c)
             self.counters.launches += 1
-            predict_lower_rows(op.a, *_rows_first(op.b), self._weights_n, self.row_limits,
-                               self._enc, self._pred)
+            self._be.predict_lower_rows(op.a, op.b, self.row_limits, self._enc, self._pred)
             self._pending = (op, c)
             return out
         if b_rows is not None and b_rows.rows is not None:

@@ -141,7 +141,7 @@ class _Pass:
 
     def __init__(self, ctx: Context, ws: Workspace, xp: Any, per_site: bool):
         self.ctx, self.ws, self.xp, self.per_site = ctx, ws, xp, per_site
-        #: Causal layer: the routes' ``a_triangle`` promises hold.
+        #: Causal layer: the routes' ``a_triangle`` and ``out_triangle`` promises hold.
         self.causal = False
         self.env: dict[str, Any] = {}
         self.sums: dict[str, Any] = {}

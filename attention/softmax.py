@@ -361,8 +361,7 @@ def _observed_rows(plan: Any | None) -> Any:
 def _row_limits(plan: Any | None) -> Any:
     """How far a CPU softmax kernel observes each row: the deferred plan's limits, or whole
     rows (an empty array)."""
-    limits = None if plan is None else getattr(plan, "row_limits", None)
-    return _WHOLE_ROWS if limits is None else limits
+    return _WHOLE_ROWS if plan is None or plan.row_limits is None else plan.row_limits
 
 
 def _encoding_buffers(ws: Any, name: str, shape: tuple[int, int, int]) -> tuple[Any, Any]:

@@ -61,8 +61,8 @@ def _steps(xp, data: dict, hook: Callable | None = None) -> tuple:
                           key_visible=data["keys"], attn_add=data["add"])
     ctx = SimpleNamespace(check="correct", fault_hook=hook)
     s, dp = data["scores"], data["dp"]
-    f_plan = SimpleNamespace(observed=xp.zeros(s.shape[:2] + (5,)))
-    b_plan = SimpleNamespace(observed=xp.zeros(s.shape[:2] + (5,)))
+    f_plan = SimpleNamespace(row_limits=None, observed=xp.zeros(s.shape[:2] + (5,)))
+    b_plan = SimpleNamespace(row_limits=None, observed=xp.zeros(s.shape[:2] + (5,)))
     ws = Workspace()
     fwd = ForwardStep(inp, s, xp.empty_like(s), ctx, ws, f_plan)
     bwd = BackwardStep(dp, fwd.probs, xp.empty_like(dp), 1 / math.sqrt(HEAD_DIM), ctx, ws, b_plan)

@@ -311,11 +311,20 @@ def test_causal_products_multiply_only_their_triangles(monkeypatch, check, causa
 
 
 @pytest.mark.parametrize("site", ["scores", "d_probs"])
-def test_a_fault_where_a_causal_layer_reads_nothing_changes_nothing(site):
+def test_a_fault_where_a_causal_layer_reads_nothing_changes_nothing(site, monkeypatch):
     """130 keys: the CPU computes the scores and dP only up to each row block's last column
-    (blocks of 44 rows here). A fault beyond, in memory the product never writes and the
-    softmax never reads, changes nothing and is not reported; one at a visible entry is
-    repaired."""
+    (blocks of 44 rows here), and the softmax kernels observe each row that far: a clean step
+    flags nothing. A fault beyond, in memory the product never writes and the softmax never
+    reads, changes nothing and is not reported; one at a visible entry is repaired."""
+    from abftgemm.deferred import DeferredRows
+
+    settled, settle = [], DeferredRows.settle
+
+    def recording(plan, report):
+        settled.append((plan.name, plan.row_limits is not None, plan.flagged()))
+        return settle(plan, report)
+
+    monkeypatch.setattr(DeferredRows, "settle", recording)
     layer = MultiHeadAttention(16, 4, causal=True, dtype="float64")
     rng = np.random.default_rng(8)
     x, dy = (rng.standard_normal((1, 130, 16)) for _ in range(2))
@@ -331,3 +340,6 @@ def test_a_fault_where_a_causal_layer_reads_nothing_changes_nothing(site):
         assert fault.injected and any(e.site == site for e in events) == read, events
         for got, want in [(y, y0), (dx, dx0)] + [(g[k], g0[k]) for k in g0]:
             np.testing.assert_allclose(got, want, rtol=0, atol=TOL64 * np.abs(want).max())
+    settled.clear()  # after a repair completed a product, beyond the limits too
+    layer.backward(dy, layer.forward(x)[1])
+    assert settled == [("scores", True, False), ("d_probs", True, False)]

@@ -338,8 +338,8 @@ def _triangular(xp, triangle, shape, seed=0):
 
 @pytest.mark.parametrize("xp", BACKENDS)
 @pytest.mark.parametrize("triangle", ["lower", "upper"])
-@pytest.mark.parametrize("shape", [(3, 300, 300, 16), (2, 9, 5, 4), (2, 5, 9, 4), (1, 1, 3, 2)],
-                         ids=["square", "tall", "wide", "one-row"])
+@pytest.mark.parametrize("shape", [(3, 300, 300, 16), (2, 150, 90, 4), (2, 90, 150, 4),
+                                   (1, 1, 3, 2)], ids=["square", "tall", "wide", "one-row"])
 def test_a_triangular_product_equals_the_full_one_and_is_repaired(xp, triangle, shape):
     """A plan told that ``a`` is zero outside a triangle (causal attention's P, dS and their
     transposes) gives the full product, checked and repaired as one."""
@@ -428,6 +428,8 @@ def test_a_lower_triangle_product_is_computed_and_verified_up_to_its_row_limits(
     for fault, read in faults:
         plan.execute(a, b, out, fault_hook=fault)
         _observe_rows(xp, plan, out)
+        # the prediction matches the prefixes: only a read fault reaches the rare path
+        assert plan.flagged() == (fault is not None and read)
         report = abftgemm.Report()
         plan.settle(report)
         found = [(e.pattern, e.rows, e.cols) for e in report.events]

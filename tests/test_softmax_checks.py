@@ -57,7 +57,7 @@ def _forward(xp, case, hook=None):
                           key_visible=None if keys is None else xp.asarray(keys),
                           attn_add=None if add is None else xp.asarray(add))
     ctx = SimpleNamespace(check="correct", fault_hook=hook)
-    plan = SimpleNamespace(observed=xp.zeros(scores.shape[:2] + (5,)))
+    plan = SimpleNamespace(row_limits=None, observed=xp.zeros(scores.shape[:2] + (5,)))
     s = xp.asarray(scores)
     step = ForwardStep(inp, s, xp.empty_like(s), ctx, Workspace(), plan)
     return step, plan
@@ -113,7 +113,7 @@ def test_forward_check_flags_a_corrupted_probability(xp, how, case):
 def _backward(xp, case, hook=None):
     scores, dp, keys, add, causal = case
     fwd, _ = _forward(xp, case)
-    plan = SimpleNamespace(observed=xp.zeros(dp.shape[:2] + (5,)))
+    plan = SimpleNamespace(row_limits=None, observed=xp.zeros(dp.shape[:2] + (5,)))
     d = xp.asarray(dp)
     ctx = SimpleNamespace(check="correct", fault_hook=hook)
     step = BackwardStep(d, fwd.probs, xp.empty_like(d), 0.5, ctx, Workspace(), plan,
