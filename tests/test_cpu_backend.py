@@ -14,3 +14,24 @@ def test_float16_upcast_is_bit_exact_for_every_pattern_and_layout():
         got = _cpu._as_float32(x)
         assert got.dtype == np.float32 and got.shape == x.shape
         np.testing.assert_array_equal(got.view(np.uint32), x.astype(np.float32).view(np.uint32))
+
+
+def test_a_product_sharing_one_b_is_exact_in_every_layout():
+    """``gemm`` runs a batch of ``a`` that shares one ``b`` (a projection's weight) as one 2-D
+    product when ``a`` and ``out`` are stacks of rows; in every other layout as NumPy's batched
+    product. Both give the exact product (small integers), and nothing outside ``out`` is
+    written."""
+    rng = np.random.default_rng(3)
+    a = rng.integers(-3, 4, (4, 24, 16)).astype(np.float32)
+    b = rng.integers(-3, 4, (1, 16, 8)).astype(np.float32)
+    want = a @ b
+    a_views = {"stacked": a, "transposed": a.transpose(0, 2, 1).copy().transpose(0, 2, 1),
+               "strided rows": np.repeat(a, 2, axis=1)[:, ::2]}
+    for name, a_view in a_views.items():
+        for b_view in (b, b[0]):
+            stacked = np.full((4, 24, 8), np.nan, np.float32)
+            padded = np.full((4, 30, 8), np.nan, np.float32)  # batch stride of 30 rows
+            for out in (stacked, padded[:, :24]):
+                _cpu.backend().gemm(a_view, b_view, out, None)
+                np.testing.assert_array_equal(out, want, err_msg=name)
+            assert np.isnan(padded[:, 24:]).all()
