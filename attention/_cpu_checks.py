@@ -31,29 +31,40 @@ def _worse(worst: float, value: float) -> float:
 
 
 @numba.njit(cache=True)
-def backward_ratio(ds: Any, dp: Any, p: Any, u: float, tiny: float) -> tuple[float, float, float]:
+def backward_ratio(ds: Any, dp: Any, p: Any, u: float, tiny: float, seq_q: int,
+                   causal: bool) -> tuple[float, float, float]:
     """``(worst error/tolerance ratio, that row's plain error, its plain tolerance)``.
 
-    ``(rows, L)`` float arrays; see :func:`attention.softmax.check_backward` for the two row
-    checksums and their tolerances. A non-finite ratio counts as infinite. Rows whose
-    input-only sums (of P, ``|P dP|``, ``P dP**2``) are not finite are skipped: their P or dP
-    holds INF/NaN, or overflows the check's own arithmetic, and plain math's dS passes through
-    (a worst ratio of -1: no row was judged).
+    ``(rows, L)`` float arrays, row ``r`` the query ``r % seq_q``; see
+    :func:`attention.softmax.check_backward` for the two row checksums and their tolerances. A
+    non-finite ratio counts as infinite. Rows whose input-only sums (of P, ``|P dP|``,
+    ``P dP**2``) are not finite are skipped: their P or dP holds INF/NaN, or overflows the
+    check's own arithmetic, and plain math's dS passes through (a worst ratio of -1: no row was
+    judged). ``causal``: past the diagonal P is 0 and dP is not read (see :func:`backward_row`).
     """
     result = np.array([-1.0, 0.0, 0.0])
-    for i in range(ds.shape[0]):
-        backward_row(ds[i], dp[i], p[i], u, tiny, result)
+    length = ds.shape[1]
+    for r in range(ds.shape[0]):
+        visible = min(r % seq_q + 1, length) if causal else length
+        backward_row(ds[r], dp[r], p[r], visible, u, tiny, result)
     return result[0], result[1], result[2]
 
 
 @numba.njit(cache=True, fastmath={"reassoc", "contract"}, inline="always")
-def backward_row(ds: Any, dp: Any, p: Any, u: float, tiny: float, result: Any) -> None:
+def backward_row(ds: Any, dp: Any, p: Any, visible: int, u: float, tiny: float,
+                 result: Any) -> None:
     """One row of :func:`backward_ratio`, folded into ``result`` ``[worst ratio, its plain
-    error, its plain tolerance]``; ``r = sum P dP`` recomputed here. The sums run in the rows'
-    dtype (eight float32 lanes; see the module docstring), their combination in float64."""
+    error, its plain tolerance]``; ``r = sum P dP`` recomputed here. Entries from ``visible`` on
+    (past the diagonal of a causal row) take P and dP as 0, without reading them: there dS must
+    be 0, and only its plain sums see it (a fault stored there fails the plain checksum). The
+    sums run in the rows' dtype (eight float32 lanes; see the module docstring), their
+    combination in float64."""
     zero = like(ds, 0.0)
     r = sum_p = sum_ds = abs_terms = abs_ds = second = ds_dp = abs_ds_dp = zero
-    for j in range(ds.shape[0]):
+    for j in range(visible, ds.shape[0]):
+        sum_ds += ds[j]
+        abs_ds += abs(ds[j])
+    for j in range(visible):
         pj, dpj, dsj = p[j], dp[j], ds[j]
         term = pj * dpj
         r += term

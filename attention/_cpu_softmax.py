@@ -291,7 +291,7 @@ def backward(dp: Any, p: Any, scale: Any, causal: bool, check: bool, u: float, t
                 continue
             for j in range(v):  # the check reads the unscaled dS as stored
                 out[j] = pr[j] * (dpr[j] - r)
-            backward_row(out[:v], dpr[:v], pr[:v], u, tiny, result)
+            backward_row(out[:v], dpr, pr, v, u, tiny, result)
             for j in range(v):
                 out[j] = out[j] * sc
             out[v:] = 0

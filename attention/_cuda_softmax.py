@@ -135,7 +135,8 @@ def backward(dp: cupy.ndarray, p: cupy.ndarray, *, scale: float, compute: bool, 
         Reset and filled when ``check``.
     causal : bool
         Row ``i`` of ``P`` is zero from key ``i + 1`` on: computed ``dS`` is 0 there, whatever
-        ``dP`` holds, and those entries stay out of ``r`` and of the check.
+        ``dP`` holds, and those entries stay out of ``r``; the check takes ``P`` and ``dP`` there
+        as 0 (unread) and ``dS`` in its plain sums only.
     """
     rows, seq_q, seq_k = dp.shape
     _check_rows(dp, p, rows * seq_q, seq_k, stats)

@@ -79,8 +79,10 @@ def backward_tolerance(dtype: np.dtype, length: int) -> tuple[float, float]:
     return 8 * length * unit_roundoff(dtype), float(np.finfo(dtype).tiny)
 
 
-def check_backward(ds: np.ndarray, dp: np.ndarray, p: np.ndarray) -> tuple[bool, float, float]:
-    """Two checksums of each row of ``dS`` (NumPy), against closed forms computed from P and dP.
+def check_backward(ds: np.ndarray, dp: np.ndarray, p: np.ndarray,
+                   causal: bool = False) -> tuple[bool, float, float]:
+    """Two checksums of each row of ``dS`` (NumPy, ``(..., seq_q, seq_k)``), against closed forms
+    computed from P and dP.
 
     With ``r = rowsum(dP * P)`` (recomputed here, not taken from the backward pass):
 
@@ -92,9 +94,12 @@ def check_backward(ds: np.ndarray, dp: np.ndarray, p: np.ndarray) -> tuple[bool,
     Rows whose P or dP hold INF/NaN (the user's non-finite data, or an overflow upstream; a
     fault there was caught by the check of the product or softmax that made them) are not
     judged: their dS passes through as plain math computes it. A fault in dS itself leaves
-    P and dP finite and is judged. Returns (ok, plain error, plain tolerance) of the row that is
-    worst by either checksum, from the numba kernel of :mod:`attention._cpu_checks` (the GPU
-    judges inside its backward kernel, :mod:`attention._cuda_softmax`).
+    P and dP finite and is judged. ``causal``: past the diagonal P is 0 by definition, so dS
+    must be 0 there; those entries of dP are not read (on the CPU a causal ``dP`` is computed
+    only up to each row block's last column, the rest of its memory is never written) and those
+    of dS count in the plain checksum only. Returns (ok, plain error, plain tolerance) of the row
+    that is worst by either checksum, from the numba kernel of :mod:`attention._cpu_checks` (the
+    GPU judges inside its backward kernel, :mod:`attention._cuda_softmax`).
     """
     from attention import _cpu_checks  # numba: loaded with the CPU path only
 
@@ -103,7 +108,8 @@ def check_backward(ds: np.ndarray, dp: np.ndarray, p: np.ndarray) -> tuple[bool,
     if not ds.size:
         return True, 0.0, tiny
     rows = _cpu_checks.rows
-    worst, err, tol = _cpu_checks.backward_ratio(rows(ds), rows(dp, acc), rows(p, acc), u, tiny)
+    worst, err, tol = _cpu_checks.backward_ratio(rows(ds), rows(dp, acc), rows(p, acc), u, tiny,
+                                                 ds.shape[-2] if ds.ndim > 1 else 1, causal)
     return worst <= 1, err, tol
 
 
@@ -273,7 +279,8 @@ class BackwardStep:
             if hook is not None:
                 hook("softmax_backward", ds)
             if check:
-                self.verdict = _known(check_backward(ds, self._acc(self.dp), self._acc(self.p)))
+                self.verdict = _known(check_backward(ds, self._acc(self.dp), self._acc(self.p),
+                                                    self.causal))
             self.ds[...] = ds * ds.dtype.type(self.scale)
             return
         u, tiny = backward_tolerance(self.ds.dtype, self.ds.shape[-1])
@@ -292,7 +299,7 @@ class BackwardStep:
             self.verdict = self._device.read
             return self.verdict
         ds = self._unscaled()
-        self.verdict = _known(check_backward(ds, self._acc(self.dp), self._acc(self.p)))
+        self.verdict = _known(check_backward(ds, self._acc(self.dp), self._acc(self.p), self.causal))
         self.ds[...] = ds * ds.dtype.type(self.scale)
         return self.verdict
 

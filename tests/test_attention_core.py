@@ -343,3 +343,38 @@ def test_a_fault_where_a_causal_layer_reads_nothing_changes_nothing(site, monkey
     settled.clear()  # after a repair completed a product, beyond the limits too
     layer.backward(dy, layer.forward(x)[1])
     assert settled == [("scores", True, False), ("d_probs", True, False)]
+
+
+@pytest.mark.parametrize("col", [2, 20, 100],
+                         ids=["visible", "past the diagonal", "past the row limit"])
+def test_a_softmax_backward_fault_is_caught_whatever_dp_holds_where_it_is_never_written(col):
+    """Under a fault hook the backward softmax checks dS after the hook has seen it. In a causal
+    layer on the CPU, dP past each row's limit is memory the product never writes (NaN here, as
+    a reused buffer may hold): the check does not read it, so a fault in dS, before the
+    diagonal or past it (where dS must be 0), is judged and repaired. (Reading dP there once
+    made 0 * NaN poison the row, which then went unjudged.)"""
+    from abftgemm._cpu_triangles import row_limits
+
+    limits = row_limits(130, 130)
+    assert limits[3] < 130
+    fault = Fault("additive", "element", sites="softmax_backward", batch=0, row=3, col=col,
+                  magnitude=1e3)
+
+    def hook(site, c):
+        if site == "d_probs":
+            for i, limit in enumerate(limits):
+                c[:, i, limit:] = np.nan
+        fault(site, c)
+
+    layer = MultiHeadAttention(16, 4, causal=True, dtype="float64")
+    rng = np.random.default_rng(8)
+    x, dy = (rng.standard_normal((1, 130, 16)) for _ in range(2))
+    y0, cache = layer.forward(x)
+    dx0, g0 = layer.backward(dy, cache)
+    y, cache = layer.forward(x, fault_hook=hook)
+    dx, g = layer.backward(dy, cache, fault_hook=hook)
+    assert fault.injected
+    assert [(e.site, e.action) for e in layer.last_report.events] == [
+        ("softmax_backward", "recomputed")]
+    for got, want in [(y, y0), (dx, dx0)] + [(g[k], g0[k]) for k in g0]:
+        np.testing.assert_allclose(got, want, rtol=0, atol=TOL64 * np.abs(want).max())

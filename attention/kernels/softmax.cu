@@ -24,7 +24,8 @@
 // Backward, row r of dP and P (length len; query i = r mod seq_q):
 //   - stats (optional): dP's row checksums, as above;
 //   - dS_l = P_l (dP_l - r), r = sum P dP, in float (double for double); with `causal`, entries
-//     l > i are 0 and stay out of r and of the check, whatever dP holds there; stored unscaled into
+//     l > i are 0 and stay out of r, whatever dP holds there (the check takes P and dP there as
+//     0, unread, and dS in its plain sums only); stored unscaled into
 //     ds_acc (the arithmetic type) and/or as T after multiplying by scale into ds, whichever is
 //     given. Without `compute` the unscaled dS is read from ds_acc instead;
 //   - check, on the unscaled dS: sum dS = r (1 - sum P) and sum dS dP = sum P dP^2 - r^2, each
@@ -412,10 +413,12 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
         const long long base = r * static_cast<long long>(len);
         const T* dpr = dp + base;
         const T* pr = p + base;
-        // Computed in a causal row, dS is 0 past the diagonal (P is), whatever dP holds there;
-        // those entries stay out of r and of the check, as on the CPU.
+        // Past the diagonal of a causal row P is 0, and so is dS: computed there as 0 whatever
+        // dP holds, and those entries stay out of r. The check takes P and dP there as 0 without
+        // reading them, and dS (read back from ds_acc without `compute`) in its plain sums only,
+        // so that a fault stored there fails them, as on the CPU.
         const int i = static_cast<int>(r % seq_q);
-        auto hidden = [&](int l) { return compute && causal && l > i; };
+        auto past = [&](int l) { return causal && l > i; };
         T* out = ds == nullptr ? nullptr : ds + base;
         C* acc_out = ds_acc == nullptr ? nullptr : ds_acc + base;
         const Split<T> s(dpr, len, lane);
@@ -472,7 +475,7 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
             for (int j = 0; j < V; ++j) {
                 if (j < n) {
                     if (stats != nullptr) a.add(to_double(widen(d[j])), l0 + j);
-                    if (compute && !hidden(l0 + j)) r_sum += widen(q[j]) * widen(d[j]);
+                    if (compute && !past(l0 + j)) r_sum += widen(q[j]) * widen(d[j]);
                 }
             }
         });
@@ -492,18 +495,20 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
             for (int j = 0; j < V; ++j) {
                 if (j < n) {
                     const int l = l0 + j;
-                    const C dsj = hidden(l) ? C(0)
-                                  : compute ? widen(q[j]) * (widen(d[j]) - r_sum) : acc_out[l];
+                    const C dsj = !compute ? acc_out[l]
+                                  : past(l) ? C(0) : widen(q[j]) * (widen(d[j]) - r_sum);
                     if (compute && acc_out != nullptr) acc_out[l] = dsj;
                     so[j] = narrow<T>(dsj * sc);
-                    if (!check || hidden(l)) continue;
+                    if (!check) continue;
+                    const double dsd = static_cast<double>(dsj);
+                    sum_ds += dsd;
+                    abs_ds += fabs(dsd);
+                    if (past(l)) continue;
                     const double pj = to_double(widen(q[j])), dpj = to_double(widen(d[j]));
-                    const double dsd = static_cast<double>(dsj), term = pj * dpj;
+                    const double term = pj * dpj;
                     rc += term;
                     sum_p += pj;
-                    sum_ds += dsd;
                     abs_terms += fabs(term);
-                    abs_ds += fabs(dsd);
                     second += term * dpj;
                     ds_dp += dsd * dpj;
                     abs_ds_dp += fabs(dsd * dpj);
