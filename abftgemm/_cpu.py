@@ -117,9 +117,8 @@ def _sum_column_prefix(x: Any, c: Any, i0: int, i1: int, p: Any, n: int) -> None
 @numba.njit(cache=True, fastmath=_FAST)
 def _add_eight_rows(x: Any, c: Any, i: int, p: Any, n: int) -> None:
     """``p[f, j] += sum over rows i..i+8 of c[f, r] * x[r, j]`` (``|x|`` for f = 2, ``j < n``) in
-    float64
-    (products of float32 data and float64 coefficients are exact). Compiled once per signature,
-    not inlined into every caller (inlining doubled the cold compile time)."""
+    float64 (products of float32 data and float64 coefficients are exact). Compiled once per
+    signature, not inlined into every caller (inlining doubled the cold compile time)."""
     p0, p1, p2 = p[0], p[1], p[2]
     r0, r1, r2, r3 = x[i], x[i + 1], x[i + 2], x[i + 3]
     r4, r5, r6, r7 = x[i + 4], x[i + 5], x[i + 6], x[i + 7]

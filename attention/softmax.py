@@ -279,8 +279,7 @@ class BackwardStep:
             if hook is not None:
                 hook("softmax_backward", ds)
             if check:
-                self.verdict = _known(check_backward(ds, self._acc(self.dp), self._acc(self.p),
-                                                    self.causal))
+                self.verdict = self._checked(ds)
             self.ds[...] = ds * ds.dtype.type(self.scale)
             return
         u, tiny = backward_tolerance(self.ds.dtype, self.ds.shape[-1])
@@ -299,7 +298,7 @@ class BackwardStep:
             self.verdict = self._device.read
             return self.verdict
         ds = self._unscaled()
-        self.verdict = _known(check_backward(ds, self._acc(self.dp), self._acc(self.p), self.causal))
+        self.verdict = self._checked(ds)
         self.ds[...] = ds * ds.dtype.type(self.scale)
         return self.verdict
 
@@ -335,6 +334,10 @@ class BackwardStep:
     def _acc(self, x: Any) -> Any:
         acc = accumulation_dtype(x.dtype)
         return x if x.dtype == acc else x.astype(acc)
+
+    def _checked(self, ds: Any) -> Verdict:
+        """The invariant verdict of the unscaled ``ds`` (a hook may have changed it)."""
+        return _known(check_backward(ds, self._acc(self.dp), self._acc(self.p), self.causal))
 
     def _unscaled(self) -> Any:
         """Unscaled ``dS`` in the accumulation dtype, and dP's row checksums."""

@@ -325,21 +325,12 @@ def test_a_fault_where_a_causal_layer_reads_nothing_changes_nothing(site, monkey
         return settle(plan, report)
 
     monkeypatch.setattr(DeferredRows, "settle", recording)
-    layer = MultiHeadAttention(16, 4, causal=True, dtype="float64")
-    rng = np.random.default_rng(8)
-    x, dy = (rng.standard_normal((1, 130, 16)) for _ in range(2))
-    y0, cache = layer.forward(x)
-    dx0, g0 = layer.backward(dy, cache)
+    layer, x, dy, clean = _causal_130_keys()
     for row, col, read in ((3, 120, False), (100, 50, True)):
         fault = Fault("additive", "element", sites=site, batch=0, row=row, col=col,
                       magnitude=1e3)
-        y, cache = layer.forward(x, fault_hook=fault)
-        events = list(layer.last_report.events)
-        dx, g = layer.backward(dy, cache, fault_hook=fault)
-        events += layer.last_report.events
+        events = _step_matches(layer, x, dy, clean, fault)
         assert fault.injected and any(e.site == site for e in events) == read, events
-        for got, want in [(y, y0), (dx, dx0)] + [(g[k], g0[k]) for k in g0]:
-            np.testing.assert_allclose(got, want, rtol=0, atol=TOL64 * np.abs(want).max())
     settled.clear()  # after a repair completed a product, beyond the limits too
     layer.backward(dy, layer.forward(x)[1])
     assert settled == [("scores", True, False), ("d_probs", True, False)]
@@ -366,15 +357,30 @@ def test_a_softmax_backward_fault_is_caught_whatever_dp_holds_where_it_is_never_
                 c[:, i, limit:] = np.nan
         fault(site, c)
 
+    layer, x, dy, clean = _causal_130_keys()
+    events = _step_matches(layer, x, dy, clean, hook)
+    assert fault.injected
+    assert [(e.site, e.action) for e in events] == [("softmax_backward", "recomputed")]
+
+
+def _causal_130_keys():
+    """A float64 causal layer over 130 keys (more than one row block on the CPU), its inputs and
+    its fault-free results ``(y, dx, grads)``."""
     layer = MultiHeadAttention(16, 4, causal=True, dtype="float64")
     rng = np.random.default_rng(8)
     x, dy = (rng.standard_normal((1, 130, 16)) for _ in range(2))
-    y0, cache = layer.forward(x)
-    dx0, g0 = layer.backward(dy, cache)
+    y, cache = layer.forward(x)
+    return layer, x, dy, (y, *layer.backward(dy, cache))
+
+
+def _step_matches(layer, x, dy, clean, hook):
+    """One forward and backward step under ``hook``: assert it delivers the fault-free results
+    (to float64 rounding) and return the events of both passes."""
     y, cache = layer.forward(x, fault_hook=hook)
+    events = list(layer.last_report.events)
     dx, g = layer.backward(dy, cache, fault_hook=hook)
-    assert fault.injected
-    assert [(e.site, e.action) for e in layer.last_report.events] == [
-        ("softmax_backward", "recomputed")]
+    events += layer.last_report.events
+    y0, dx0, g0 = clean
     for got, want in [(y, y0), (dx, dx0)] + [(g[k], g0[k]) for k in g0]:
         np.testing.assert_allclose(got, want, rtol=0, atol=TOL64 * np.abs(want).max())
+    return events
