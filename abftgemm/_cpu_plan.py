@@ -180,7 +180,6 @@ class CpuWorkspace:
         self._bias64 = self._alloc((n if op.bias is not None else 0,), np.float64)
         self._enc = self._alloc((max(op.a.shape[0], 1), 3, k), np.float64)
         self._enc_rows = op.a.shape[0]
-        self._given: np.ndarray | None = None  # a handed-on encoding, (rows, 3, k), read in place
         self._p = self._alloc((3, n), np.float64)
         self._rows = self._alloc((max(n, k), 5), np.float64)
         self._pred = self._alloc((batch, 3, n), np.float64)
@@ -211,9 +210,12 @@ class CpuWorkspace:
         encode_cols(a, a_transposed, self._weights, self._rows, self._enc[:self._enc_rows])
 
     def set_encoding(self, cols: np.ndarray) -> None:
-        """Use the column encoding ``cols`` ``(batch or 1, k, 3)`` handed on from elsewhere: read
-        where it is by the next prediction (no copy)."""
-        self._given = cols.transpose(0, 2, 1)
+        """Use the column encoding ``cols`` ``(batch or 1, k, 3)`` handed on from elsewhere in the
+        next prediction, copied into the workspace as three rows of ``k``: handed-on encodings
+        interleave their fields (a view of observed checksums), and a prediction that reads
+        ``b`` transposed walks the encoding along ``k``; read in place, 3.7x slower."""
+        self._enc_rows = cols.shape[0]
+        np.copyto(self._enc[:self._enc_rows], cols.transpose(0, 2, 1))
 
     def predict(self, op: Any, encode_a: bool) -> None:
         """Predicted column checksums of the product of ``op`` (launch 1)."""
@@ -222,7 +224,6 @@ class CpuWorkspace:
             np.copyto(self._bias64, op.bias, casting="unsafe")
         if encode_a:
             self._enc_rows = op.a.shape[0]
-            self._given = None
         a, a_transposed = _rows_first(self._a32 if self._wide else op.a)
         b, b_transposed = _rows_first(self._b32 if self._wide else op.b)
         predict_cols(a, a_transposed, b, b_transposed, self._bias64, encode_a, self._weights,
@@ -255,7 +256,7 @@ class CpuWorkspace:
 
     def _encoding(self) -> np.ndarray:
         """The column encoding of ``a`` that predictions read, ``(batch or 1, 3, k)``."""
-        return self._enc[:self._enc_rows] if self._given is None else self._given
+        return self._enc[:self._enc_rows]
 
     def observed_cols(self) -> np.ndarray:
         """Observed column encoding of the last product, ``(batch, n, 3)`` (a workspace view)."""
