@@ -128,3 +128,14 @@ def test_causal_triangles_script_times_both_ways() -> None:
     line = proc.stdout.splitlines()[-1]
     times = [float(w) for w in line.replace("|", " ").split() if w.replace(".", "").isdigit()]
     assert line.startswith("small") and len(times) == 8 and min(times) > 0, proc.stdout
+
+
+def test_handed_on_script_times_both_encodings() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "handed_on.py"), "--repeats", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = proc.stdout.splitlines()[1:]
+    assert [r.split()[0] for r in rows] == ["proj", "proj-bT", "d_x-bT"], proc.stdout
+    for line in rows:
+        assert all(float(v) > 0 for v in line.split()[-3:]), line
