@@ -326,6 +326,32 @@ def test_a_encoding_is_the_column_encoding_the_prediction_used(xp):
         given.a_encoding()
 
 
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("b_layout", ["rows", "transposed"])
+def test_a_handed_on_encoding_is_used_whatever_its_memory_layout(xp, b_layout):
+    """An encoding handed on as a view with interleaved fields (as observed checksums hold
+    them), or as a view of the plan's own workspace, predicts a clean verdict; the same view
+    with one field changed is flagged (so it is what the prediction reads), for ``b`` read as
+    given or as the transpose of a C-contiguous array."""
+    a, b, _ = _operands(xp, np.float32)
+    if b_layout == "transposed":
+        b = xp.ascontiguousarray(b.T).T
+    observed = xp.zeros((3, 24, 5))
+    observed[..., :3] = abftgemm.checksums_of(a, rows=False).cols
+    plan = ProtectedMatmul(a, b)
+    out = xp.empty((3, 32, 20), dtype=np.float32)
+    plan.execute(a, b, out=out, a_checksums=abftgemm.Checksums(cols=observed[..., :3]))
+    own = plan.a_encoding()  # a view of the workspace (None on the GPU)
+    assert not plan.settle().events
+    if own is not None:
+        plan.execute(a, b, out=out, a_checksums=own)
+        assert not plan.settle().events
+    observed[1, 7, 0] += 8.0
+    plan.execute(a, b, out=out, a_checksums=abftgemm.Checksums(cols=observed[..., :3]))
+    assert plan.settle().events
+    np.testing.assert_array_equal(_host(out), _host(a) @ _host(b))
+
+
 def _triangular(xp, triangle, shape, seed=0):
     """Small-integer operands (exact products) with ``a`` zero outside ``triangle``."""
     batch, m, k, n = shape
