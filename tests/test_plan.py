@@ -330,9 +330,10 @@ def test_a_encoding_is_the_column_encoding_the_prediction_used(xp):
 @pytest.mark.parametrize("b_layout", ["rows", "transposed"])
 def test_a_handed_on_encoding_is_used_whatever_its_memory_layout(xp, b_layout):
     """An encoding handed on as a view with interleaved fields (as observed checksums hold
-    them), or as a view of the plan's own workspace, predicts a clean verdict; the same view
-    with one field changed is flagged (so it is what the prediction reads), for ``b`` read as
-    given or as the transpose of a C-contiguous array."""
+    them), or as what the plan says it read (``a_encoding``: on the CPU a view of its own
+    workspace), predicts a clean verdict; the same view with one field changed is flagged (so it
+    is what the prediction reads), for ``b`` read as given or as the transpose of a C-contiguous
+    array."""
     a, b, _ = _operands(xp, np.float32)
     if b_layout == "transposed":
         b = xp.ascontiguousarray(b.T).T
@@ -341,11 +342,10 @@ def test_a_handed_on_encoding_is_used_whatever_its_memory_layout(xp, b_layout):
     plan = ProtectedMatmul(a, b)
     out = xp.empty((3, 32, 20), dtype=np.float32)
     plan.execute(a, b, out=out, a_checksums=abftgemm.Checksums(cols=observed[..., :3]))
-    own = plan.a_encoding()  # a view of the workspace (None on the GPU)
+    read = plan.a_encoding()
     assert not plan.settle().events
-    if own is not None:
-        plan.execute(a, b, out=out, a_checksums=own)
-        assert not plan.settle().events
+    plan.execute(a, b, out=out, a_checksums=read)
+    assert not plan.settle().events
     observed[1, 7, 0] += 8.0
     plan.execute(a, b, out=out, a_checksums=abftgemm.Checksums(cols=observed[..., :3]))
     assert plan.settle().events
