@@ -41,17 +41,22 @@ def _check_doc(doc: dict, groups: set[str]) -> None:
         assert r.get("flags", 0) == 0, f"false flags on clean data: {r}"
 
 
+def _run_bench(script: str, *args: str, timeout: int, env: dict | None = None) -> str:
+    """Run ``bench/<script>`` with ``args`` from the repository root; its stdout (it must exit 0)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
 def test_bench_gemm_cpu_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gemm.py"), "--quick", "--backend", "numpy",
-         "--json", str(out), "--repeats", "2"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stdout = _run_bench("gemm.py", "--quick", "--backend", "numpy", "--json", str(out),
+                        "--repeats", "2", timeout=120, env=env)
     doc = json.loads(out.read_text())
     _check_doc(doc, {"cpu-square", "cpu-batched", "cpu-dtype", "cpu-cold"})
-    assert "ratio" in proc.stdout and "cpu-square" in proc.stdout
+    assert "ratio" in stdout and "cpu-square" in stdout
     for r in doc["records"]:  # the targets' ratio and the machine's floor, side by side
         if r["group"] != "cpu-cold":
             assert _positive(r["ratio_vs_numpy"]), r
@@ -60,7 +65,7 @@ def test_bench_gemm_cpu_quick(tmp_path: Path) -> None:
         if r["group"] != "cpu-cold" and r["dtype"] in ("float32", "float64"):
             assert r["floor_ratio_vs_numpy"] == pytest.approx(
                 r["peers"]["numpy.matmul+thin"] / r["peers"]["numpy.matmul"])
-    assert "thin-GEMM floor / numpy.matmul" in proc.stdout
+    assert "thin-GEMM floor / numpy.matmul" in stdout
 
 
 @pytest.mark.parametrize("lead", [(), (3,)])
@@ -109,33 +114,25 @@ def test_random_bfloat16_matches_ml_dtypes_rounding() -> None:
 
 
 def test_cpu_passes_script_times_every_pass() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "cpu_passes.py"), "--size", "64", "--repeats", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [line for line in proc.stdout.splitlines()[2:] if line.strip()]
-    assert len(rows) == 6, proc.stdout
+    stdout = _run_bench("cpu_passes.py", "--size", "64", "--repeats", "2", timeout=120)
+    rows = [line for line in stdout.splitlines()[2:] if line.strip()]
+    assert len(rows) == 6, stdout
     for line in rows:
         hot, memory = (float(v) for v in line.split()[-2:])
         assert hot > 0 and memory > 0, line
 
 
 def test_causal_triangles_script_times_both_ways() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "causal_triangles.py"), "--cases", "small",
-         "--repeats", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    line = proc.stdout.splitlines()[-1]
+    stdout = _run_bench("causal_triangles.py", "--cases", "small", "--repeats", "2",
+                        timeout=300)
+    line = stdout.splitlines()[-1]
     times = [float(w) for w in line.replace("|", " ").split() if w.replace(".", "").isdigit()]
-    assert line.startswith("small") and len(times) == 8 and min(times) > 0, proc.stdout
+    assert line.startswith("small") and len(times) == 8 and min(times) > 0, stdout
 
 
 def test_handed_on_script_times_both_encodings() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "handed_on.py"), "--repeats", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = proc.stdout.splitlines()[1:]
-    assert [r.split()[0] for r in rows] == ["proj", "proj-bT", "d_x-bT"], proc.stdout
+    stdout = _run_bench("handed_on.py", "--repeats", "2", timeout=300)
+    rows = stdout.splitlines()[1:]
+    assert [r.split()[0] for r in rows] == ["proj", "proj-bT", "d_x-bT"], stdout
     for line in rows:
         assert all(float(v) > 0 for v in line.split()[-3:]), line
