@@ -33,9 +33,14 @@ _BITS = {2: numpy.uint16, 4: numpy.uint32, 8: numpy.uint64}
 # cuBLAS reads alpha/beta through host pointers; module-level arrays outlive every call.
 _ONE32, _ZERO32 = numpy.ones((), numpy.float32), numpy.zeros((), numpy.float32)
 _ONE64, _ZERO64 = numpy.ones((), numpy.float64), numpy.zeros((), numpy.float64)
-# cublasMath_t values cupy_backends does not export.
+# cublasMath_t values, spelled out (not every cupy_backends release exports them).
 _TF32_TENSOR_OP_MATH = 3
 _MATH_MODE_MASK = 0xF  # low bits: the mode; higher bits are flags
+# Reductions (split-K included) accumulate in the compute type, never in a float16/bfloat16 output
+# type: the thresholds assume one rounding of each product to the output type.
+DISALLOW_REDUCED_PRECISION_REDUCTION = 16
+#: The math mode every product of this backend runs under.
+PLAIN_MATH = DISALLOW_REDUCED_PRECISION_REDUCTION  # CUBLAS_DEFAULT_MATH | the flag
 
 _ROW_BLOCK = 256  # abft_row_reduce: 8 warps per block, one warp per vector
 _COL_BLOCK = (32, 8)  # abft_col_reduce: must match ROWS in reduce.cu
@@ -351,7 +356,8 @@ class CupyBackend:
 def strided_batched(handle: int, a: _Matrices, b: _Matrices, out: cupy.ndarray, m: int, n: int,
                     k: int, dtype: str, accumulate: bool) -> None:
     """Row-major ``out = a @ b (+ out)`` as column-major ``out^T = b^T a^T`` on ``handle``, which
-    must be in host pointer mode without TF32 math."""
+    must be in host pointer mode under :data:`PLAIN_MATH` (no TF32, no reduced-precision
+    reductions)."""
     if dtype == "float64":
         compute, one, zero = cublas.CUBLAS_COMPUTE_64F, _ONE64, _ZERO64
     else:
@@ -375,23 +381,27 @@ def strided_batched(handle: int, a: _Matrices, b: _Matrices, out: cupy.ndarray, 
 
 
 def _plain_math(handle: int):
-    """Put ``handle`` in host pointer mode without TF32; return a function that undoes it.
+    """Put ``handle`` in host pointer mode, without TF32 and with reduced-precision reductions
+    disallowed; return a function that undoes it.
 
     CuPy's per-device handle is shared with other code, which may have left it in device pointer
-    mode (our alpha/beta are host pointers) or TF32 math (which would round fp32 inputs).
+    mode (our alpha/beta are host pointers), in TF32 math (which would round fp32 inputs) or
+    allowing float16/bfloat16 split-K reductions in the output type (which would round partial
+    sums).
     """
     pointer = cublas.getPointerMode(handle)
     math = cublas.getMathMode(handle)
-    tf32 = (math & _MATH_MODE_MASK) == _TF32_TENSOR_OP_MATH
+    plain = (math & ~_MATH_MODE_MASK if (math & _MATH_MODE_MASK) == _TF32_TENSOR_OP_MATH
+             else math) | DISALLOW_REDUCED_PRECISION_REDUCTION
     if pointer != cublas.CUBLAS_POINTER_MODE_HOST:
         cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
-    if tf32:
-        cublas.setMathMode(handle, math & ~_MATH_MODE_MASK)
+    if plain != math:
+        cublas.setMathMode(handle, plain)
 
     def restore() -> None:
         if pointer != cublas.CUBLAS_POINTER_MODE_HOST:
             cublas.setPointerMode(handle, pointer)
-        if tf32:
+        if plain != math:
             cublas.setMathMode(handle, math)
 
     return restore

@@ -3,7 +3,7 @@
 Everything is allocated when the plan is made: the accumulators and counters of the two
 verification kernels (which leave them zeroed for the next execute), the observed checksums, the
 cumulative verdict on the device and a pinned host copy of it, and a cuBLAS handle of the plan's
-own in host pointer mode without TF32, so that no shared handle state is read or changed per call.
+own in host pointer mode without TF32 and without reduced-precision reductions, so that no shared handle state is read or changed per call.
 An execute is the GEMM (one cuBLAS call; a bias adds one broadcast copy before it) and two kernel
 launches, with no allocation and no synchronization; settle copies the verdict into pinned memory
 asynchronously and waits for that copy only.
@@ -23,7 +23,7 @@ import numpy
 from cupy_backends.cuda.libs import cublas
 
 from abftgemm import kernels
-from abftgemm._cuda import _bits, _cdiv, _matrices, raw_module, strided_batched
+from abftgemm._cuda import PLAIN_MATH, _bits, _cdiv, _matrices, raw_module, strided_batched
 
 _THREADS = 256  # PLAN_THREADS in plan.cu
 _SLAB = 32  # SLAB in plan.cu
@@ -43,7 +43,7 @@ class CudaWorkspace:
         self._destroy_handle = weakref.finalize(self, cublas.destroy, self._handle)
         self._destroy_handle.atexit = False
         cublas.setPointerMode(self._handle, cublas.CUBLAS_POINTER_MODE_HOST)
-        cublas.setMathMode(self._handle, cublas.CUBLAS_DEFAULT_MATH)
+        cublas.setMathMode(self._handle, PLAIN_MATH)
         self._stream = cupy.cuda.get_current_stream()  # where the last execute ran
         self.coefficients = (0.0, 0.0, 0.0, 0.0)
         self.safe = numpy.inf

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -33,7 +34,37 @@ def _gpu_module():
     return None
 
 
+def _cuda_on_cpu_module():
+    """The CuPy stand-in of tests/cuda_on_cpu when there is no usable GPU (it runs the same CUDA
+    kernels and launch code on the CPU), else None; a skip reason when no C++ compiler exists."""
+    if GPU is not None:
+        return None, "a GPU is usable: the real CUDA backend runs instead"
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        return None, "no host C++ compiler (g++) to build the kernels for the CPU"
+    from cuda_on_cpu import standin
+
+    return standin.cupy, ""
+
+
 GPU = _gpu_module()
+CUDA_ON_CPU, _CUDA_ON_CPU_SKIP = _cuda_on_cpu_module()
 BACKENDS = [pytest.param(np, id="numpy"),
             pytest.param(GPU, id="cupy", marks=pytest.mark.skipif(GPU is None, reason="no GPU"))]
+if GPU is None:
+    BACKENDS.append(pytest.param(CUDA_ON_CPU, id="cupy-on-cpu", marks=[
+        pytest.mark.cuda_on_cpu,
+        pytest.mark.skipif(CUDA_ON_CPU is None, reason=_CUDA_ON_CPU_SKIP or "unavailable")]))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Tests marked cuda_on_cpu see the CuPy stand-in as ``cupy`` (in ``sys.modules``) from their
+    setup to their teardown; every other test sees the real CuPy, or none."""
+    if CUDA_ON_CPU is None or item.get_closest_marker("cuda_on_cpu") is None:
+        yield
+        return
+    from cuda_on_cpu import standin
+
+    with standin.installed():
+        yield
 

@@ -1,0 +1,97 @@
+"""Emulated device memory: every allocation sits between guard zones and is registered with the
+SIMT runtime, which checks each kernel access against it (bounds, and for ``empty`` allocations,
+bytes read before anything wrote them)."""
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import numpy as np
+
+from cuda_on_cpu import build
+
+ALIGNMENT = 256  # cudaMalloc's guarantee
+GUARD = 4096  # bytes of guard zone on each side: an index off by a row lands in it
+GUARD_BYTE = 0xCD
+UNSET_BYTE = 0xFF  # fresh memory reads as NaN (and -1), so a missed check still shows in values
+
+
+class _Runtime:
+    """The loaded SIMT runtime library (RTLD_GLOBAL: kernel modules resolve their hooks to it)."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL(str(build.runtime_library()), mode=ctypes.RTLD_GLOBAL)
+        lib.simt_register.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_size_t,
+                                      ctypes.c_int]
+        lib.simt_unregister.argtypes = [ctypes.c_uint64]
+        lib.simt_mark_written.argtypes = [ctypes.c_uint64]
+        lib.simt_is_fresh.argtypes = [ctypes.c_uint64]
+        self.lib = lib
+
+
+_RUNTIME: _Runtime | None = None
+
+
+def runtime() -> ctypes.CDLL:
+    global _RUNTIME
+    if _RUNTIME is None:
+        _RUNTIME = _Runtime()
+    return _RUNTIME.lib
+
+
+class Allocation:
+    """``nbytes`` of device memory at ``ptr`` (256-byte aligned), guarded on both sides.
+
+    ``fresh`` (as from ``cupy.empty``): its bytes count as unwritten until a kernel writes them
+    or the host writes into the allocation (:meth:`mark_written`).
+    """
+
+    def __init__(self, nbytes: int, fresh: bool):
+        self.nbytes = int(nbytes)
+        self._buffer = np.empty(self.nbytes + 2 * GUARD + ALIGNMENT, np.uint8)
+        base = self._buffer.ctypes.data
+        self.ptr = (base + GUARD + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+        start = self.ptr - base
+        self._buffer[:start] = GUARD_BYTE
+        self._buffer[start + self.nbytes:] = GUARD_BYTE
+        self.bytes = self._buffer[start:start + self.nbytes]
+        if fresh:
+            self.bytes.fill(UNSET_BYTE)
+        lib = runtime()
+        lib.simt_register(self.ptr, self.nbytes, GUARD, int(fresh))
+        weakref.finalize(self, lib.simt_unregister, self.ptr)
+
+    def mark_written(self) -> None:
+        runtime().simt_mark_written(self.ptr)
+
+    def is_fresh(self) -> bool:
+        return bool(runtime().simt_is_fresh(self.ptr))
+
+    def guards_intact(self) -> bool:
+        start = self.ptr - self._buffer.ctypes.data
+        return bool((self._buffer[:start] == GUARD_BYTE).all()
+                    and (self._buffer[start + self.nbytes:] == GUARD_BYTE).all())
+
+    def owns(self, array: np.ndarray) -> bool:
+        """True when ``array`` is a view of this allocation's memory."""
+        return array.base is self._buffer or array.base is self.bytes.base
+
+    def contains(self, ptr: int, nbytes: int) -> bool:
+        return self.ptr <= ptr and ptr + nbytes <= self.ptr + self.nbytes
+
+
+_LIVE: "weakref.WeakValueDictionary[int, Allocation]" = weakref.WeakValueDictionary()
+
+
+def allocate(nbytes: int, fresh: bool) -> Allocation:
+    alloc = Allocation(nbytes, fresh)
+    _LIVE[alloc.ptr] = alloc
+    return alloc
+
+
+def find(ptr: int) -> Allocation | None:
+    """The live allocation whose data holds address ``ptr`` (None: not device memory)."""
+    for alloc in list(_LIVE.values()):
+        if alloc.ptr <= ptr < alloc.ptr + max(alloc.nbytes, 1):
+            return alloc
+    return None

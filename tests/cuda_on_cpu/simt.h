@@ -1,0 +1,261 @@
+// CUDA C++ on the host compiler, for tests: the built-ins the abftgemm kernels use, defined over
+// the SIMT runtime of simt_runtime.cpp (blocks one after another, each CUDA thread a fiber, warp
+// intrinsics and __syncthreads as scheduling points).
+//
+// The kernel translation unit is compiled with -fsanitize=thread but linked without libtsan: every
+// load and store of kernel code calls the runtime's __tsan_* hooks, which check it (bounds of
+// device allocations, uninitialized reads, shared-memory races). Functions here that only move
+// kernel arguments or talk to the runtime are SIMT_UNCHECKED; those that access memory on the
+// kernel's behalf (atomics, __ldcg) either stay instrumented or tell the runtime themselves.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#define SIMT_UNCHECKED __attribute__((no_sanitize_thread))
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
+#define __constant__ static const
+// Shared memory: a function-local static in the module's .bss (valid while one block runs at a
+// time); the runtime knows the module's .bss range and checks every access to it for races.
+#define __shared__ static
+
+struct uint3 { unsigned int x, y, z; };
+struct dim3 { unsigned int x, y, z; };
+struct alignas(16) uint4 { unsigned int x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(16) double2 { double x, y; };
+struct alignas(8) uint2 { unsigned int x, y; };
+
+extern "C" {
+// simt_runtime.cpp
+uint3 simt_thread_idx();
+uint3 simt_block_idx();
+dim3 simt_block_dim();
+dim3 simt_grid_dim();
+void simt_syncthreads();
+void simt_syncwarp(unsigned mask);
+// kind: 0 idx, 1 xor, 2 down, 3 up, 4 any, 5 all, 6 ballot; value in/out (8 bytes)
+void simt_warp_op(int kind, unsigned mask, void* value, int size, int arg, int width,
+                  const char* name);
+void simt_atomic_access(const void* p, int size, const char* name);
+void simt_fail(const char* message);
+struct SimtLaunch;
+int simt_run(const SimtLaunch* launch, void (*entry)(void*), void* ctx, const void* anchor);
+}
+
+#define threadIdx (simt_thread_idx())
+#define blockIdx (simt_block_idx())
+#define blockDim (simt_block_dim())
+#define gridDim (simt_grid_dim())
+#define warpSize 32
+
+inline void __syncthreads() { simt_syncthreads(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { simt_syncwarp(mask); }
+inline void __threadfence() {}
+inline void __threadfence_block() {}
+
+// ---- warp intrinsics: every lane of the mask must reach the same one
+template <typename T> SIMT_UNCHECKED inline T simt_shfl(int kind, unsigned mask, T v, int arg, int width,
+                                                      const char* name) {
+    static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>);
+    unsigned char buf[8] = {};
+    std::memcpy(buf, &v, sizeof(T));
+    simt_warp_op(kind, mask, buf, sizeof(T), arg, width, name);
+    std::memcpy(&v, buf, sizeof(T));
+    return v;
+}
+template <typename T> inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+    return simt_shfl(0, mask, v, src, width, "__shfl_sync");
+}
+template <typename T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+    return simt_shfl(1, mask, v, lane_mask, width, "__shfl_xor_sync");
+}
+template <typename T> inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+    return simt_shfl(2, mask, v, static_cast<int>(delta), width, "__shfl_down_sync");
+}
+template <typename T> inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+    return simt_shfl(3, mask, v, static_cast<int>(delta), width, "__shfl_up_sync");
+}
+inline int __any_sync(unsigned mask, int p) { return simt_shfl(4, mask, p ? 1 : 0, 0, 32, "__any_sync"); }
+inline int __all_sync(unsigned mask, int p) { return simt_shfl(5, mask, p ? 1 : 0, 0, 32, "__all_sync"); }
+inline unsigned __ballot_sync(unsigned mask, int p) {
+    return static_cast<unsigned>(simt_shfl(6, mask, p ? 1 : 0, 0, 32, "__ballot_sync"));
+}
+
+// ---- atomics: the runtime checks the access (bounds, initialized), then a plain read-modify-write,
+// atomic because fibers are never preempted
+#define SIMT_ATOMIC(NAME, T, EXPR)                                   \
+    SIMT_UNCHECKED inline T NAME(T* p, T v) {                        \
+        simt_atomic_access(p, sizeof(T), #NAME);                     \
+        const T old = *p;                                            \
+        *p = (EXPR);                                                 \
+        return old;                                                  \
+    }
+SIMT_ATOMIC(atomicAdd, int, old + v)
+SIMT_ATOMIC(atomicAdd, unsigned int, old + v)
+SIMT_ATOMIC(atomicAdd, unsigned long long, old + v)
+SIMT_ATOMIC(atomicAdd, float, old + v)
+SIMT_ATOMIC(atomicAdd, double, old + v)
+SIMT_ATOMIC(atomicMax, int, old > v ? old : v)
+SIMT_ATOMIC(atomicMax, unsigned int, old > v ? old : v)
+SIMT_ATOMIC(atomicMax, unsigned long long, old > v ? old : v)
+SIMT_ATOMIC(atomicMin, int, old < v ? old : v)
+SIMT_ATOMIC(atomicMin, unsigned int, old < v ? old : v)
+SIMT_ATOMIC(atomicExch, unsigned int, v)
+SIMT_ATOMIC(atomicExch, unsigned long long, v)
+#undef SIMT_ATOMIC
+SIMT_UNCHECKED inline unsigned long long atomicCAS(unsigned long long* p, unsigned long long cmp,
+                                                   unsigned long long v) {
+    simt_atomic_access(p, sizeof(*p), "atomicCAS");
+    const unsigned long long old = *p;
+    if (old == cmp) *p = v;
+    return old;
+}
+SIMT_UNCHECKED inline unsigned int atomicCAS(unsigned int* p, unsigned int cmp, unsigned int v) {
+    simt_atomic_access(p, sizeof(*p), "atomicCAS");
+    const unsigned int old = *p;
+    if (old == cmp) *p = v;
+    return old;
+}
+
+// ---- cache-hint loads: plain (checked) loads here
+template <typename T> inline T __ldcg(const T* p) { return *p; }
+template <typename T> inline T __ldg(const T* p) { return *p; }
+template <typename T> inline T __ldca(const T* p) { return *p; }
+
+// ---- bit casts and correctly rounded arithmetic (SSE is IEEE; the build disables contraction)
+template <typename To, typename From> inline To simt_bits(From v) {
+    static_assert(sizeof(To) == sizeof(From));
+    To t;
+    std::memcpy(&t, &v, sizeof(To));
+    return t;
+}
+inline long long __double_as_longlong(double v) { return simt_bits<long long>(v); }
+inline double __longlong_as_double(long long v) { return simt_bits<double>(v); }
+inline float __int_as_float(int v) { return simt_bits<float>(v); }
+inline float __int_as_float(unsigned v) { return simt_bits<float>(v); }
+inline float __uint_as_float(unsigned v) { return simt_bits<float>(v); }
+inline int __float_as_int(float v) { return simt_bits<int>(v); }
+inline unsigned __float_as_uint(float v) { return simt_bits<unsigned>(v); }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline float __double2float_rn(double v) { return static_cast<float>(v); }
+// Round up: the nearest float, moved one step toward +inf when it fell below v.
+inline float __double2float_ru(double v) {
+    float f = static_cast<float>(v);
+    if (static_cast<double>(f) < v) f = std::nextafter(f, INFINITY);
+    return f;
+}
+
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+inline float min(float a, float b) { return std::fmin(a, b); }
+inline float max(float a, float b) { return std::fmax(a, b); }
+inline double min(double a, double b) { return std::fmin(a, b); }
+inline double max(double a, double b) { return std::fmax(a, b); }
+using std::exp;
+using std::fabs;
+using std::fmax;
+using std::log;
+
+// ---- half precision: _Float16 (software conversions, round to nearest even, subnormals kept)
+typedef _Float16 __half;
+inline float __half2float(__half v) { return static_cast<float>(v); }
+inline __half __float2half_rn(float v) { return static_cast<__half>(v); }
+inline __half __float2half(float v) { return static_cast<__half>(v); }
+
+// ---- bfloat16: the top half of a float32, rounded to nearest even; NaN stays NaN
+struct __nv_bfloat16 {
+    unsigned short x;
+    __nv_bfloat16() = default;
+    __nv_bfloat16(int v) : x(from_float(static_cast<float>(v))) {}
+    __nv_bfloat16(float v) : x(from_float(v)) {}
+    __nv_bfloat16(double v) : x(from_float(static_cast<float>(v))) {}
+    static unsigned short from_float(float f) {
+        const unsigned u = simt_bits<unsigned>(f);
+        if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<unsigned short>((u >> 16) | 0x40u);
+        return static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+};
+inline float __bfloat162float(__nv_bfloat16 v) {
+    return simt_bits<float>(static_cast<unsigned>(v.x) << 16);
+}
+inline __nv_bfloat16 __float2bfloat16_rn(float v) { return __nv_bfloat16(v); }
+inline __nv_bfloat16 __float2bfloat16(float v) { return __nv_bfloat16(v); }
+
+// ---- launches: argument checks against the kernel's parameter types, then the grid
+struct SimtLaunch {
+    const char* name;
+    unsigned grid[3];
+    unsigned block[3];
+    int ftz;
+    int nargs;
+    void* const* values;    // pointers to each argument's bytes
+    const int* sizes;       // bytes of each argument as passed
+    const int* pointers;    // 1 where a device pointer (or None) was passed
+    char* error;            // message on failure
+    int error_size;
+};
+
+namespace simt {
+
+template <typename P> SIMT_UNCHECKED inline P load_arg(void* const* values, size_t i) {
+    P v;
+    std::memcpy(&v, values[i], sizeof(P));
+    return v;
+}
+
+template <typename... P> struct Kernel {
+    void (*fn)(P...);
+    void* const* values;
+
+    template <size_t... I>
+    SIMT_UNCHECKED static void call(void (*fn)(P...), void* const* values, std::index_sequence<I...>) {
+        fn(load_arg<P>(values, I)...);
+    }
+    SIMT_UNCHECKED static void entry(void* self) {
+        const Kernel* k = static_cast<const Kernel*>(self);
+        call(k->fn, k->values, std::index_sequence_for<P...>{});
+    }
+};
+
+int fail(const SimtLaunch* launch, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+
+template <typename... P>
+SIMT_UNCHECKED int launch(void (*fn)(P...), const SimtLaunch* launch, const void* anchor) {
+    constexpr int n = sizeof...(P);
+    constexpr int sizes[] = {static_cast<int>(sizeof(P))..., 0};
+    constexpr bool pointers[] = {std::is_pointer_v<P>..., false};
+    if (launch->nargs != n)
+        return fail(launch, "%s takes %d arguments, the launch passed %d", launch->name, n,
+                    launch->nargs);
+    for (int i = 0; i < n; ++i) {
+        if (pointers[i] != (launch->pointers[i] != 0))
+            return fail(launch, "argument %d of %s: the kernel takes a %s, the launch passed a %s",
+                        i, launch->name, pointers[i] ? "pointer" : "scalar",
+                        launch->pointers[i] ? "device array or None" : "scalar");
+        if (sizes[i] != launch->sizes[i])
+            return fail(launch, "argument %d of %s: the kernel takes %d bytes, the launch passed %d",
+                        i, launch->name, sizes[i], launch->sizes[i]);
+    }
+    Kernel<P...> k{fn, launch->values};
+    return simt_run(launch, &Kernel<P...>::entry, &k, anchor);
+}
+
+}  // namespace simt
