@@ -243,6 +243,9 @@ class CpuWorkspace:
     def release(self) -> None:
         """Nothing to free beyond the arrays, which go with the workspace object."""
 
+    def abandon(self) -> None:
+        """Nothing to forget: each observation overwrites the verdict."""
+
     def fetch_verdict(self) -> None:
         """The verdict is already in host memory."""
 

@@ -163,6 +163,13 @@ class CudaWorkspace:
              self._verdict, numpy.int32(m), numpy.int32(n), numpy.int32(self._tiles),
              numpy.int32(self._c_chunks), numpy.int32(self._c_chunk_rows), numpy.int32(vector)))
 
+    def abandon(self) -> None:
+        """Forget the last execute's verdict: the cumulative counts restart from zero (an
+        asynchronous memset on the current stream, after the abandoned execute's kernels), so a
+        flag raised by an execute that is never settled does not flag the next settle."""
+        self._verdict.data.memset_async(0, self._verdict.nbytes)
+        self._verdict_seen[...] = 0
+
     def fetch_verdict(self) -> None:
         """Queue the copy of the cumulative verdict into pinned host memory on the current
         stream (no wait); when the execute ran on another stream, the copy waits for it."""

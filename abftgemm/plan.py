@@ -217,6 +217,8 @@ class ProtectedMatmul:
 
     def abandon(self) -> None:
         """Forget an execute that will not be settled (its caller failed in between)."""
+        if self._pending is not None and self._verify_columns:
+            self._work.abandon()
         self._pending = None
 
     def settle(self, *, checksums: bool = False) -> Report | tuple[Report, Checksums]:

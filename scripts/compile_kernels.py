@@ -75,6 +75,21 @@ def compile_source(
     return mapping or {}
 
 
+def ptx(source: str, name_expressions: Iterable[str], arch: str = "compute_90",
+        filename: str = "kernel.cu", options: Sequence[str] = kernels.NVRTC_OPTIONS) -> str:
+    """The PTX NVRTC makes of ``source`` for virtual ``arch``, with the runtime's options (as
+    :func:`compile_source`, which builds a cubin instead)."""
+    from cupy.cuda import compiler
+
+    program = compiler._NVRTCProgram(source, filename, name_expressions=tuple(name_expressions)
+                                     or None, method="ptx")
+    try:
+        text, _ = program.compile(nvrtc_options(arch, options))
+    except compiler.CompileException as e:
+        raise RuntimeError(f"NVRTC failed to compile {filename} to PTX for {arch}\n{e}") from e
+    return text.decode() if isinstance(text, bytes) else text
+
+
 def compile_all(archs: Sequence[str] = ("sm_80", "sm_90")) -> list[str]:
     """Compile every file of every registry in :data:`REGISTRIES` for each arch in ``archs``.
 

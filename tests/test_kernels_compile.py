@@ -59,6 +59,23 @@ def test_every_kernel_compiles_for_sm80_and_sm90(compile_kernels):
     assert any(line.startswith("attention/softmax.cu") for line in built)
 
 
+def test_no_widening_to_double_flushes_subnormals(compile_kernels):
+    """CuPy compiles with -ftz=true, under which a plain float -> double conversion becomes
+    cvt.ftz.f64.f32: subnormal float32 and bfloat16 elements would count as 0 in the float64
+    checksums while the products keep them (a false flag repair cannot clear). The kernels widen
+    through the float's bits instead; the PTX proves it for every kernel and dtype."""
+    for package, registry in compile_kernels.REGISTRIES.items():
+        for filename, names in registry.MODULES.items():
+            text = compile_kernels.ptx(registry.source(filename), names, "compute_90",
+                                       f"{package}/{filename}", registry.NVRTC_OPTIONS)
+            assert ".entry" in text
+            assert "cvt.ftz.f64" not in text, f"{package}/{filename} flushes when it widens"
+    # the check itself sees a flushing conversion
+    plain = compile_kernels.ptx(
+        "__global__ void k(const float* x, double* y) { y[0] = x[0]; }", ["k"], "compute_90")
+    assert "cvt.ftz.f64.f32" in plain
+
+
 def test_every_dtype_has_both_reductions():
     names = kernels.MODULES[kernels.REDUCE_FILE]
     for dtype in ("float16", "bfloat16", "float32", "float64"):

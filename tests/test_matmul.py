@@ -36,6 +36,27 @@ def test_clean_products_match_reference_and_are_never_flagged(xp, dtype, data):
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_subnormal_operands_count_in_the_checksums(xp, dtype):
+    """A mostly subnormal a (underflowed gradients) times a b of magnitude >= 1 gives a normal
+    product, which the checksums must predict with a's subnormals: on the GPU, -ftz=true had made
+    every float -> double widening flush them to 0, a false flag that repair could not clear (a
+    spurious UncorrectableError)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(1)
+    tiny = float(np.finfo(np.float32).smallest_subnormal)
+    a = rng.integers(-2**20, 2**20, (2, 48, 40)) * tiny  # subnormal in float32 and bfloat16
+    b = rng.uniform(1e20, 1e21, (40, 24))  # the product is of order 1e-18: normal
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    a, b = a.astype(dt), b.astype(dt)
+    assert (np.abs(a.astype(np.float64)) < np.finfo(np.float32).tiny).all()
+    c, report = abftgemm.matmul(*to(xp, a, b), return_report=True)
+    assert not report.detected, report.summary()
+    at.assert_matches_reference(c, *to(xp, a, b))
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
 @pytest.mark.parametrize("shapes", [((1, 1), (1, 1)), ((3, 1), (1, 4)), ((1, 5), (5, 1)),
                                     ((5,), (5,)), ((5,), (5, 3)), ((2, 5), (5,)),
                                     ((0, 4), (4, 3)), ((2, 0), (0, 3)), ((2, 4), (4, 0)),

@@ -134,6 +134,23 @@ def test_column_major_operands_are_predicted_and_repaired(xp, layout, bias):
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
+def test_an_abandoned_flagged_execute_leaves_no_verdict_behind(xp):
+    """A flagged execute that is abandoned (its caller failed before the settle) must not make
+    the next, clean settle flag: the CPU overwrites its verdict per execute, the GPU kept a
+    cumulative count that the abandoned execute had raised (and ran the rare path for nothing)."""
+    a, b, _ = _operands(xp, np.float32)
+    plan = ProtectedMatmul(a, b)
+    plan.execute(a, b, fault_hook=Fault("additive", "element", seed=3, magnitude=1e3))
+    plan.abandon()
+    clean = plan.execute(a, b)
+    report = plan.settle()
+    assert not report.detected and plan.counters.rare_paths == 0
+    assert (_host(clean) == _host(abftgemm.matmul(a, b, check="off"))).all()
+    plan.execute(a, b, fault_hook=Fault("additive", "element", seed=4, magnitude=1e3))
+    assert plan.settle().detected and plan.counters.rare_paths == 1  # and flags still count
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
 def test_detect_mode_reports_and_leaves_the_product(xp):
     a, b, _ = _operands(xp, np.float32)
     plan = ProtectedMatmul(a, b, check="detect")

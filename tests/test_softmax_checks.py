@@ -164,6 +164,22 @@ def test_float16_subnormal_probabilities_skip_the_log_identity(xp):
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
+def test_a_mask_value_below_the_float32_range_hides_its_key_in_the_check_too(xp):
+    """A float64 additive mask of -1e300 is -inf once rounded to float32, the arithmetic type:
+    the softmax hides the key, and the check must too (on the GPU it once judged visibility on
+    the unrounded double, so a fully masked row had to sum to 1 and failed)."""
+    scores = np.random.default_rng(2).standard_normal((HEADS, 3, 5)).astype(np.float32)
+    add = np.zeros((1, 3, 5))
+    add[0, 1, :] = -1e300  # every key of query 1
+    add[0, 2, 0] = -1e300  # one key of query 2
+    step, _ = _forward(xp, (scores, None, None, add, False))
+    p = to_host(step.probs)
+    assert (p[:, 1] == 0).all() and (p[:, 2, 0] == 0).all()
+    np.testing.assert_allclose(p[:, [0, 2]].sum(-1), 1.0, rtol=1e-6)
+    assert step.verdict()[0]
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_causal_rows_are_zero_past_the_diagonal_whatever_they_hold(xp, dtype):
     """Past the diagonal of a causal row, P and dS are 0: in a row made NaN by a visible NaN

@@ -12,13 +12,28 @@
 
 namespace {
 
-__device__ __forceinline__ double to_double(float v) { return static_cast<double>(v); }
-__device__ __forceinline__ double to_double(double v) { return v; }
-__device__ __forceinline__ double to_double(__half v) {
-    return static_cast<double>(__half2float(v));
+// float -> double, exactly, subnormals included. CuPy compiles with -ftz=true, under which NVRTC
+// turns a plain conversion into cvt.ftz.f64.f32: every subnormal float (and bfloat16) would count as
+// 0 in the float64 checksums while the products keep it. So the double is assembled from the float's
+// bits (integer operations and float64 arithmetic, which -ftz does not touch).
+__device__ __forceinline__ double to_double(float v) {
+    const unsigned bits = __float_as_uint(v);
+    const unsigned exponent = (bits >> 23) & 0xffu, mantissa = bits & 0x7fffffu;
+    const unsigned long long sign = static_cast<unsigned long long>(bits >> 31) << 63;
+    if (exponent == 0) {  // zero or subnormal: mantissa * 2^-149, exact in double
+        const double magnitude = static_cast<double>(mantissa) * 0x1p-149;
+        return __longlong_as_double(static_cast<long long>(
+            sign | static_cast<unsigned long long>(__double_as_longlong(magnitude))));
+    }
+    const unsigned long long e = exponent == 0xffu ? 0x7ffULL : exponent + (1023ULL - 127ULL);
+    return __longlong_as_double(static_cast<long long>(
+        sign | e << 52 | static_cast<unsigned long long>(mantissa) << 29));
 }
+__device__ __forceinline__ double to_double(double v) { return v; }
+// Subnormal halves are normal floats, so the conversion to float loses nothing.
+__device__ __forceinline__ double to_double(__half v) { return to_double(__half2float(v)); }
 __device__ __forceinline__ double to_double(__nv_bfloat16 v) {
-    return static_cast<double>(__bfloat162float(v));
+    return to_double(__bfloat162float(v));
 }
 
 // All exponent bits set <=> INF or NaN. Conversions to double keep INF/NaN, so one test serves

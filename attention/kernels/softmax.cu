@@ -16,7 +16,8 @@
 //     visible keys, 0 elsewhere; P_l = e_l / total (total = sum e, 1 when 0). A visible NaN or
 //     +INF makes the row NaN, as plain arithmetic (and the CPU kernel) does, except past the
 //     diagonal of a causal row (l > i), which holds 0 in every row;
-//   - check, on the stored P (rounded to T) and z recomputed in double from the raw scores: rows
+//   - check, on the stored P (rounded to T) and z recomputed from the raw scores (rounded to the
+//     arithmetic type as the CPU's check rounds it, then widened exactly to double): rows
 //     whose visible z are all finite must sum to 1 (0 without a visible key) within row_tol, and
 //     the visible entries above max(floor * max P, p_min) (p_min: the smallest normal T) must
 //     share one value of log P_l - z_l: its spread (largest minus smallest) within log_base +
@@ -216,9 +217,11 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
             const C z = mul_rn(widen(x), sc);
             return add == nullptr ? z : add_rn(z, static_cast<C>(add[l]));
         };
+        // Rounded to the arithmetic type like the CPU's check (attention._cpu_softmax._z): a
+        // float64 mask value below the float32 range hides its key here as in the softmax.
         auto z_check = [&](T x, int l) -> double {
-            const double z = static_cast<double>(mul_rn(widen(x), sc));
-            return add == nullptr ? z : z + add[l];
+            const C z = mul_rn(widen(x), sc);
+            return add == nullptr ? to_double(z) : to_double(static_cast<C>(to_double(z) + add[l]));
         };
 
         T hx = T(), tx = T();
@@ -500,7 +503,7 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
                     if (compute && acc_out != nullptr) acc_out[l] = dsj;
                     so[j] = narrow<T>(dsj * sc);
                     if (!check) continue;
-                    const double dsd = static_cast<double>(dsj);
+                    const double dsd = to_double(dsj);
                     sum_ds += dsd;
                     abs_ds += fabs(dsd);
                     if (past(l)) continue;

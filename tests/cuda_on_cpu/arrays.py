@@ -56,10 +56,10 @@ DEVICE = _Device()
 class ndarray(NDArrayOperatorsMixin):  # noqa: N801 (CuPy's name)
     """A device array: ``_view`` is the NumPy view of ``_alloc``'s memory it stands for."""
 
-    __slots__ = ("_view", "_alloc", "__weakref__")
+    __slots__ = ("_view", "_alloc", "_base", "__weakref__")
 
-    def __init__(self, view: np.ndarray, alloc: memory.Allocation):
-        self._view, self._alloc = view, alloc
+    def __init__(self, view: np.ndarray, alloc: memory.Allocation, base: "ndarray | None" = None):
+        self._view, self._alloc, self._base = view, alloc, base
 
     # ---- attributes
     shape = property(lambda self: self._view.shape)
@@ -75,7 +75,7 @@ class ndarray(NDArrayOperatorsMixin):  # noqa: N801 (CuPy's name)
     T = property(lambda self: wrap(self._view.T, self))
     mT = property(lambda self: wrap(np.swapaxes(self._view, -1, -2), self))
     real = property(lambda self: wrap(self._view.real, self))
-    base = property(lambda self: None)
+    base = property(lambda self: self._base)  # the array this one is a view of, as CuPy's
 
     # ---- host transfers
     def get(self, stream: Any = None, order: str = "C", out: np.ndarray | None = None,
@@ -242,7 +242,7 @@ def wrap(result: Any, *sources: ndarray) -> Any:
         return result
     for src in sources:
         if src._alloc.owns(result):
-            return ndarray(result, src._alloc)
+            return ndarray(result, src._alloc, src._base if src._base is not None else src)
     return from_host(result)
 
 

@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 CXX = os.environ.get("CXX", "g++")
 # -ffp-contract=off: no fused multiply-adds the source did not ask for; -fno-strict-aliasing: the
 # kernels reinterpret 16-byte vectors as element arrays, as CUDA allows.
-COMMON_FLAGS = ("-std=c++20", "-O1", "-fPIC", "-ffp-contract=off", "-fno-strict-aliasing",
+COMMON_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-ffp-contract=off", "-fno-strict-aliasing",
                 "-fno-threadsafe-statics", "-Wno-unknown-pragmas")
 KERNEL_FLAGS = ("-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0")
 
@@ -67,7 +67,7 @@ def runtime_library() -> Path:
         return target
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "lib.so"
-        _run([CXX, *COMMON_FLAGS, "-O2", "-shared", str(HERE / "simt_runtime.cpp"), "-o", str(out),
+        _run([CXX, *COMMON_FLAGS, "-shared", str(HERE / "simt_runtime.cpp"), "-o", str(out),
               "-ldl"], "building the SIMT runtime")
         return _publish(out, target)
 

@@ -61,14 +61,8 @@ simt_switch:
     pushq %r13
     pushq %r14
     pushq %r15
-    subq $8, %rsp
-    stmxcsr (%rsp)
-    fnstcw 4(%rsp)
     movq %rsp, (%rdi)
     movq %rsi, %rsp
-    ldmxcsr (%rsp)
-    fldcw 4(%rsp)
-    addq $8, %rsp
     popq %r15
     popq %r14
     popq %r13
@@ -137,7 +131,6 @@ unsigned g_block_seq = 0;
 unsigned g_epoch = 0;               // barrier intervals of the running block
 std::vector<unsigned> g_warp_epoch;  // __syncwarp intervals per warp
 Module* g_module = nullptr;
-const Alloc* g_last = nullptr;
 
 std::string where() {
     char buf[160];
@@ -161,27 +154,46 @@ std::string thread_name(int linear) {
         g_abort = true;
         g_error = std::string(g_launch ? g_launch->name : "?") + ": " + message;
     }
-    g_in_kernel = false;
     Fiber* f = g_current;
     f->state = DONE;
     simt_switch(&f->sp, g_sched_sp);
     __builtin_unreachable();
 }
 
-void yield(State s) {
+int g_n = 0;                        // threads of the block
+int g_done = 0, g_at_barrier = 0;
+std::vector<int> g_warp_waiting;    // lanes of each warp at a warp intrinsic
+
+// Leave the current fiber (its state already says why) for the next ready one, or the scheduler
+// when none is ready; returns when something switches back to it.
+void run_next() {
     Fiber* f = g_current;
-    f->state = s;
-    g_in_kernel = false;
+    for (int k = 1; k < g_n; ++k) {
+        int j = f->linear + k;
+        if (j >= g_n) j -= g_n;
+        Fiber& g = g_fibers[j];
+        if (g.state == READY) {
+            g_current = &g;
+            simt_switch(&f->sp, g.sp);
+            return;
+        }
+    }
     simt_switch(&f->sp, g_sched_sp);
-    g_in_kernel = true;
+}
+
+void release_barrier() {
+    ++g_epoch;  // every live thread is at __syncthreads: a new interval
+    g_at_barrier = 0;
+    for (int i = 0; i < g_n; ++i)
+        if (g_fibers[i].state == AT_BARRIER) g_fibers[i].state = READY;
 }
 
 void fiber_main() {
-    g_in_kernel = true;
     g_entry(g_ctx);
-    g_in_kernel = false;
     g_current->state = DONE;
-    simt_switch(&g_current->sp, g_sched_sp);
+    ++g_done;
+    if (g_at_barrier && g_at_barrier + g_done == g_n) release_barrier();  // exited threads drop out
+    run_next();
     __builtin_unreachable();
 }
 
@@ -195,101 +207,122 @@ char* new_stack() {
 }
 
 void start_fiber(Fiber& f) {
-    uintptr_t top = reinterpret_cast<uintptr_t>(f.stack + kStack) & ~uintptr_t(15);
+    // Stack tops staggered by thread: tops 256 KiB apart would share cache sets and evict each
+    // other at every switch.
+    const uintptr_t stagger = (static_cast<uintptr_t>(f.linear) * 1088u) % 32768u;
+    uintptr_t top = (reinterpret_cast<uintptr_t>(f.stack + kStack) - stagger) & ~uintptr_t(15);
     uint64_t* sp = reinterpret_cast<uint64_t*>(top);
     *--sp = 0;                                            // fiber_main's return address (never used)
     *--sp = reinterpret_cast<uint64_t>(&fiber_main);      // simt_switch returns here
     for (int i = 0; i < 6; ++i) *--sp = 0;                // rbp rbx r12 r13 r14 r15
-    --sp;
-    uint32_t csr = _mm_getcsr();
-    uint16_t cw;
-    asm volatile("fnstcw %0" : "=m"(cw));
-    std::memcpy(sp, &csr, 4);
-    std::memcpy(reinterpret_cast<char*>(sp) + 4, &cw, 2);
     f.sp = sp;
     f.state = READY;
 }
 
 // ------------------------------------------------------------------ warp intrinsics
-bool complete_warp(int w, int n_threads) {
-    // Lanes of warp w waiting at an intrinsic whose mask is complete: compute and release them.
+int popcount(unsigned m) {
+    m = m - ((m >> 1) & 0x55555555u);
+    m = (m & 0x33333333u) + ((m >> 2) & 0x33333333u);
+    return static_cast<int>((((m + (m >> 4)) & 0x0f0f0f0fu) * 0x01010101u) >> 24);
+}
+
+void finish_group(int w, Fiber* fs, unsigned mask);
+
+// Complete the intrinsic f waits at if every lane of its mask waits at the same one.
+bool try_complete(int w, const Fiber& f) {
     const int base = w * 32;
-    const int lanes = std::min(32, n_threads - base);
+    const int lanes = std::min(32, g_n - base);
     Fiber* fs = &g_fibers[base];
-    bool progress = false;
+    for (int o = 0; o < 32; ++o) {
+        if (!(f.mask >> o & 1u)) continue;
+        if (o >= lanes || fs[o].state != AT_WARP || fs[o].op != f.op || fs[o].mask != f.mask)
+            return false;
+    }
+    finish_group(w, fs, f.mask);
+    return !g_abort;
+}
+
+void fail_block(const char* message) {
+    if (!g_abort) {
+        g_abort = true;
+        g_error = std::string(g_launch->name) + ": " + message;
+    }
+}
+
+// The results of a complete intrinsic, from the values as the lanes brought them; the lanes go on.
+void finish_group(int w, Fiber* fs, unsigned mask) {
+    unsigned char in[32][8];
+    unsigned ballot = 0;
+    for (int o = 0; o < 32; ++o) {
+        if (!(mask >> o & 1u)) continue;
+        std::memcpy(in[o], fs[o].value, 8);
+        if (in[o][0]) ballot |= 1u << o;
+    }
+    const int op = fs[__builtin_ctz(mask)].op;
+    for (int o = 0; o < 32; ++o) {
+        if (!(mask >> o & 1u)) continue;
+        Fiber& g = fs[o];
+        const int width = g.width, seg = o & ~(width - 1);
+        int src = o;
+        switch (op) {
+            case 0: src = seg + (g.arg & (width - 1)); break;
+            case 1: src = o ^ g.arg; if (src >= seg + width) src = o; break;
+            case 2: src = (o - seg) + g.arg < width ? o + g.arg : o; break;
+            case 3: src = (o - seg) - g.arg >= 0 ? o - g.arg : o; break;
+            default: break;
+        }
+        if (op <= 3) {
+            if (src < 0 || src > 31 || !(mask >> src & 1u)) {
+                char buf[300];
+                std::snprintf(buf, sizeof buf, "%s (mask 0x%08x) in block (%u,%u,%u) warp %d: lane "
+                              "%d reads lane %d, which is not in the mask", g.op_name, mask,
+                              g_block.x, g_block.y, g_block.z, w, o, src);
+                fail_block(buf);
+                return;
+            }
+            std::memcpy(g.value, in[src], 8);
+        } else {
+            const unsigned r = op == 4 ? ballot != 0 : op == 5 ? ballot == mask
+                               : op == 6 ? ballot : 0;
+            std::memset(g.value, 0, 8);
+            std::memcpy(g.value, &r, 4);
+        }
+        g.state = READY;
+    }
+    if (op == 7) ++g_warp_epoch[w];  // __syncwarp: a new interval for the warp
+}
+
+// Nothing is ready: say why the lanes of warp w that wait at an intrinsic cannot go on (a lane
+// of the mask exited, waits at __syncthreads or at another intrinsic).
+void diagnose_warp(int w) {
+    const int base = w * 32;
+    const int lanes = std::min(32, g_n - base);
+    Fiber* fs = &g_fibers[base];
     for (int l = 0; l < lanes; ++l) {
-        Fiber& f = fs[l];
+        const Fiber& f = fs[l];
         if (f.state != AT_WARP) continue;
-        const unsigned mask = f.mask;
         for (int o = 0; o < 32; ++o) {
-            if (!(mask >> o & 1u)) continue;
+            if (!(f.mask >> o & 1u)) continue;
             char buf[400];
             if (o >= lanes || fs[o].state == DONE) {
-                std::snprintf(buf, sizeof buf,
-                              "%s (mask 0x%08x) in block (%u,%u,%u) warp %d: lane %d waits for lane "
-                              "%d, which %s",
-                              f.op_name, mask, g_block.x, g_block.y, g_block.z, w, l, o,
+                std::snprintf(buf, sizeof buf, "%s (mask 0x%08x) in block (%u,%u,%u) warp %d: lane "
+                              "%d waits for lane %d, which %s", f.op_name, f.mask, g_block.x,
+                              g_block.y, g_block.z, w, l, o,
                               o >= lanes ? "does not exist" : "has exited");
-                g_current = &f;
-                g_abort = true;
-                g_error = std::string(g_launch->name) + ": " + buf;
-                return false;
+                fail_block(buf);
+                return;
             }
             const Fiber& g = fs[o];
-            if (g.state == AT_BARRIER || g.op != f.op || g.mask != mask) {
-                std::snprintf(buf, sizeof buf,
-                              "%s (mask 0x%08x) in block (%u,%u,%u) warp %d: lane %d waits there, "
-                              "lane %d of the mask is at %s (divergent warp intrinsic)",
-                              f.op_name, mask, g_block.x, g_block.y, g_block.z, w, l, o,
-                              g.state == AT_BARRIER ? "__syncthreads" : g.op_name);
-                g_abort = true;
-                g_error = std::string(g_launch->name) + ": " + buf;
-                return false;
+            if (g.state != AT_WARP || g.op != f.op || g.mask != f.mask) {
+                std::snprintf(buf, sizeof buf, "%s (mask 0x%08x) in block (%u,%u,%u) warp %d: lane "
+                              "%d waits there, lane %d of the mask is at %s (divergent warp "
+                              "intrinsic)", f.op_name, f.mask, g_block.x, g_block.y, g_block.z, w,
+                              l, o, g.state == AT_BARRIER ? "__syncthreads" : g.op_name);
+                fail_block(buf);
+                return;
             }
         }
-        // Every lane of the mask is here: results from the values as they arrived.
-        unsigned char in[32][8];
-        for (int o = 0; o < 32; ++o)
-            if (mask >> o & 1u) std::memcpy(in[o], fs[o].value, 8);
-        unsigned ballot = 0;
-        for (int o = 0; o < 32; ++o)
-            if ((mask >> o & 1u) && in[o][0]) ballot |= 1u << o;
-        for (int o = 0; o < 32; ++o) {
-            if (!(mask >> o & 1u)) continue;
-            Fiber& g = fs[o];
-            const int width = g.width, seg = o & ~(width - 1);
-            int src = o;
-            switch (g.op) {
-                case 0: src = seg + (g.arg & (width - 1)); break;
-                case 1: src = o ^ g.arg; if (src >= seg + width) src = o; break;
-                case 2: src = (o - seg) + g.arg < width ? o + g.arg : o; break;
-                case 3: src = (o - seg) - g.arg >= 0 ? o - g.arg : o; break;
-                default: break;
-            }
-            if (g.op <= 3) {
-                if (!(mask >> src & 1u)) {
-                    char buf[300];
-                    std::snprintf(buf, sizeof buf,
-                                  "%s (mask 0x%08x) in block (%u,%u,%u) warp %d: lane %d reads lane "
-                                  "%d, which is not in the mask",
-                                  g.op_name, mask, g_block.x, g_block.y, g_block.z, w, o, src);
-                    g_abort = true;
-                    g_error = std::string(g_launch->name) + ": " + buf;
-                    return false;
-                }
-                std::memcpy(g.value, in[src], 8);
-            } else {
-                const unsigned r = g.op == 4 ? ballot != 0 : g.op == 5 ? ballot == mask
-                                   : g.op == 6 ? ballot : 0;
-                std::memset(g.value, 0, 8);
-                std::memcpy(g.value, &r, 4);
-            }
-            g.state = READY;
-        }
-        if (fs[l].op == 7) ++g_warp_epoch[w];  // __syncwarp: a new interval for the warp
-        progress = true;
     }
-    return progress;
 }
 
 // ------------------------------------------------------------------ memory checks
@@ -319,13 +352,25 @@ std::string describe_global(uintptr_t a, unsigned size) {
     return buf;
 }
 
+// A few recently hit allocations: kernels alternate between their operands.
+constexpr int kCache = 8;
+const Alloc* g_cache[kCache] = {};
+int g_cache_next = 0;
+
+void forget_allocations() {
+    for (auto& c : g_cache) c = nullptr;
+}
+
 const Alloc* find_alloc(uintptr_t a) {
-    if (g_last && a >= g_last->lo && a < g_last->hi) return g_last;
+    for (const Alloc* c : g_cache)
+        if (c && a >= c->lo && a < c->hi) return c;
     auto it = g_allocs.upper_bound(a);
     if (it == g_allocs.begin()) return nullptr;
     const Alloc& al = std::prev(it)->second;
-    if (a >= al.lo && a < al.hi) return g_last = &al;
-    return nullptr;
+    if (a < al.lo || a >= al.hi) return nullptr;
+    g_cache[g_cache_next] = &al;
+    g_cache_next = (g_cache_next + 1) % kCache;
+    return &al;
 }
 
 void global_access(uintptr_t a, unsigned size, bool write, bool atomic) {
@@ -356,7 +401,7 @@ void global_access(uintptr_t a, unsigned size, bool write, bool atomic) {
                 if (--m->unwritten == 0) {
                     m->written.clear();
                     m->written.shrink_to_fit();
-                    g_last = nullptr;
+                    forget_allocations();
                     return;
                 }
             }
@@ -474,7 +519,14 @@ uint3 simt_block_idx() { return g_block; }
 dim3 simt_block_dim() { return g_block_dim; }
 dim3 simt_grid_dim() { return g_grid_dim; }
 
-void simt_syncthreads() { yield(AT_BARRIER); }
+void simt_syncthreads() {
+    g_current->state = AT_BARRIER;
+    if (++g_at_barrier + g_done == g_n) {
+        release_barrier();  // the last thread to arrive goes on at once
+        return;
+    }
+    run_next();
+}
 
 void simt_warp_op(int kind, unsigned mask, void* value, int size, int arg, int width,
                   const char* name) {
@@ -496,7 +548,17 @@ void simt_warp_op(int kind, unsigned mask, void* value, int size, int arg, int w
     f->size = size;
     f->op_name = name;
     std::memcpy(f->value, value, 8);
-    yield(AT_WARP);
+    f->state = AT_WARP;
+    const int w = f->linear / 32;
+    const int lanes = popcount(mask);
+    if (++g_warp_waiting[w] >= lanes && try_complete(w, *f)) {
+        g_warp_waiting[w] -= lanes;  // the last lane of the mask to arrive goes on at once
+    } else if (g_abort) {
+        f->state = DONE;
+        simt_switch(&f->sp, g_sched_sp);
+    } else {
+        run_next();
+    }
     std::memcpy(value, f->value, 8);
 }
 
@@ -524,13 +586,13 @@ int simt_register(uintptr_t lo, size_t size, size_t guard, int fresh) {
         a.written.assign(size, 0);
         a.unwritten = size;
     }
-    g_last = nullptr;
+    forget_allocations();
     g_allocs[lo] = std::move(a);
     return 0;
 }
 
 void simt_unregister(uintptr_t lo) {
-    g_last = nullptr;
+    forget_allocations();
     g_allocs.erase(lo);
 }
 
@@ -538,7 +600,7 @@ void simt_unregister(uintptr_t lo) {
 void simt_mark_written(uintptr_t lo) {
     auto it = g_allocs.find(lo);
     if (it == g_allocs.end()) return;
-    g_last = nullptr;
+    forget_allocations();
     it->second.written.clear();
     it->second.written.shrink_to_fit();
     it->second.unwritten = 0;
@@ -570,6 +632,9 @@ int simt_run(const SimtLaunch* launch, void (*entry)(void*), void* ctx, const vo
     const unsigned csr = _mm_getcsr();
     if (launch->ftz) _mm_setcsr(csr | 0x8040);  // FTZ and DAZ, as -ftz=true on the GPU
     g_warp_epoch.assign((n + 31) / 32, 0);
+    g_warp_waiting.assign((n + 31) / 32, 0);
+    g_n = n;
+    g_in_kernel = true;
     for (unsigned z = 0; z < g_grid_dim.z && !g_abort; ++z)
         for (unsigned y = 0; y < g_grid_dim.y && !g_abort; ++y)
             for (unsigned x = 0; x < g_grid_dim.x && !g_abort; ++x) {
@@ -583,38 +648,30 @@ int simt_run(const SimtLaunch* launch, void (*entry)(void*), void* ctx, const vo
                     f.tid = {i % bx, (i / bx) % by, i / (bx * by)};
                     start_fiber(f);
                 }
+                g_done = 0;
+                g_at_barrier = 0;
+                std::fill(g_warp_waiting.begin(), g_warp_waiting.end(), 0);
+                int next = 0;
                 for (;;) {
-                    for (int i = 0; i < n && !g_abort; ++i) {
-                        Fiber& f = g_fibers[i];
-                        if (f.state != READY) continue;
-                        g_current = &f;
-                        simt_switch(&g_sched_sp, f.sp);
-                    }
+                    // Fibers hand over to each other; back here when none is ready.
+                    g_current = &g_fibers[next];
+                    simt_switch(&g_sched_sp, g_current->sp);
                     g_current = nullptr;
+                    if (g_abort || g_done == n) break;
+                    for (int w = 0; w * 32 < n && !g_abort; ++w) diagnose_warp(w);
                     if (g_abort) break;
-                    bool progress = false, all_done = true, any_warp = false;
-                    for (int w = 0; w * 32 < n; ++w) {
-                        progress |= complete_warp(w, n);
-                        if (g_abort) break;
-                    }
-                    if (g_abort) break;
-                    if (progress) continue;
-                    for (int i = 0; i < n; ++i) {
-                        all_done &= g_fibers[i].state == DONE;
-                        any_warp |= g_fibers[i].state == AT_WARP;
-                    }
-                    if (all_done) break;
-                    if (any_warp) {  // cannot happen: complete_warp reports every stuck lane
-                        g_abort = true;
-                        g_error = std::string(launch->name) + ": warp intrinsics deadlocked";
+                    if (g_at_barrier + g_done == n) release_barrier();
+                    next = -1;
+                    for (int i = 0; i < n && next < 0; ++i)
+                        if (g_fibers[i].state == READY) next = i;
+                    if (next < 0) {
+                        fail_block("threads of the block deadlocked");
                         break;
                     }
-                    ++g_epoch;  // every live thread is at __syncthreads: release them
-                    for (int i = 0; i < n; ++i)
-                        if (g_fibers[i].state == AT_BARRIER) g_fibers[i].state = READY;
                 }
             }
     _mm_setcsr(csr);
+    g_in_kernel = false;
     g_launch = nullptr;
     if (g_abort) {
         std::snprintf(launch->error, launch->error_size, "%s", g_error.c_str());

@@ -1,0 +1,292 @@
+"""The CPU run of the CUDA backend checks kernels as a GPU sanitizer would: each check is shown
+firing on a small deliberately wrong kernel, next to the same kernel written correctly.
+
+The kernels are compiled by the host C++ compiler through the CuPy stand-in's RawModule
+(tests/cuda_on_cpu); docs/gpu_testing.md lists what these checks can and cannot see.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from conftest import CUDA_ON_CPU
+
+pytestmark = [pytest.mark.cuda_on_cpu,
+              pytest.mark.skipif(CUDA_ON_CPU is None, reason="no CUDA-on-CPU backend here")]
+
+
+def _kernel(source: str, name: str, options: tuple[str, ...] = ()):
+    import cupy
+
+    return cupy.RawModule(code=source, options=options, name_expressions=(name,)).get_function(name)
+
+
+def _error():
+    from cuda_on_cpu.launch import SimtError
+
+    return SimtError
+
+
+COPY = """
+extern "C" __global__ void copy(const float* x, float* y, int n) {
+    const int i = threadIdx.x;
+    if (i %s n) y[i] = x[i];
+}
+"""
+
+
+def test_out_of_bounds_global_read_is_reported_with_its_distance_past_the_end():
+    import cupy
+
+    x = cupy.arange(32, dtype=np.float32)
+    y = cupy.zeros(64, dtype=np.float32)
+    _kernel(COPY % "<", "copy")((1,), (64,), (x, y, np.int32(32)))
+    np.testing.assert_array_equal(y.get()[:32], np.arange(32))
+    with pytest.raises(_error(), match=r"copy: block \(0,0,0\) thread \(32,0,0\) reads 4 bytes at "
+                                       r"0 bytes past the end of a 128-byte device allocation"):
+        _kernel(COPY % "<=", "copy")((1,), (64,), (x, y, np.int32(32)))
+
+
+def test_out_of_bounds_global_write_is_reported_before_it_happens():
+    import cupy
+
+    source = """
+    extern "C" __global__ void shift(const float* x, float* y, int n) {
+        const int i = threadIdx.x;
+        if (i < n) y[i + 1] = x[i];
+    }
+    """
+    x = cupy.arange(32, dtype=np.float32)
+    y = cupy.zeros(32, dtype=np.float32)
+    with pytest.raises(_error(), match=r"thread \(31,0,0\) writes 4 bytes at 0 bytes past the end"):
+        _kernel(source, "shift")((1,), (32,), (x, y, np.int32(32)))
+    assert y._alloc.guards_intact()
+
+
+def test_a_pointer_into_no_allocation_is_reported():
+    import cupy
+
+    source = """
+    extern "C" __global__ void far(float* y) { y[threadIdx.x * 100000] = 1.0f; }
+    """
+    y = cupy.zeros(16, dtype=np.float32)
+    with pytest.raises(_error(), match=r"thread \(1,0,0\) writes 4 bytes at (0x[0-9a-f]+, outside "
+                                       r"every device allocation|.* past the end)"):
+        _kernel(source, "far")((1,), (2,), (y,))
+
+
+def test_reading_device_memory_nothing_wrote_is_reported():
+    import cupy
+
+    source = """
+    extern "C" __global__ void partial(float* buf, float* out) {
+        const int i = threadIdx.x;
+        if (i < 16) buf[i] = 1.0f;
+        __syncthreads();
+        out[i] = buf[i];
+    }
+    """
+    buf, out = cupy.empty(32, dtype=np.float32), cupy.zeros(32, dtype=np.float32)
+    with pytest.raises(_error(), match=r"thread \((\d+),0,0\) reads 4 bytes at offset (\d+) of a "
+                                       r"128-byte device allocation that nothing has written") as e:
+        _kernel(source, "partial")((1,), (32,), (buf, out))
+    thread, offset = (int(v) for v in re.search(r"thread \((\d+),.* offset (\d+)", str(e.value)).groups())
+    assert thread >= 16 and offset == 4 * thread
+    buf = cupy.zeros(32, dtype=np.float32)  # written by the host: every byte counts
+    _kernel(source, "partial")((1,), (32,), (buf, out))
+    np.testing.assert_array_equal(out.get(), [1.0] * 16 + [0.0] * 16)
+
+
+NEIGHBOUR = """
+extern "C" __global__ void neighbour(const float* x, float* y) {
+    __shared__ float s[64];
+    const int i = threadIdx.x;
+    s[i] = x[i];
+    %s
+    y[i] = s[i > 0 ? i - 1 : 0];
+}
+"""
+
+
+def test_a_missing_barrier_is_a_shared_memory_race_named_with_its_kernel():
+    import cupy
+
+    x = cupy.arange(64, dtype=np.float32)
+    y = cupy.zeros(64, dtype=np.float32)
+    _kernel(NEIGHBOUR % "__syncthreads();", "neighbour")((2,), (64,), (x, y))
+    np.testing.assert_array_equal(y.get(), np.r_[0, np.arange(63)])
+    with pytest.raises(_error(), match=r"neighbour: block \(0,0,0\) thread \(1,0,0\) reads 4 bytes "
+                                       r"at shared offset \d+, which thread \(0,0,0\) wrote in the "
+                                       r"same barrier interval \(shared-memory race\)"):
+        _kernel(NEIGHBOUR % "", "neighbour")((2,), (64,), (x, y))
+
+
+def test_a_write_after_another_threads_read_in_one_interval_is_a_race():
+    import cupy
+
+    source = """
+    extern "C" __global__ void rotate(float* y) {
+        __shared__ float s[32];
+        const int i = threadIdx.x;
+        s[i] = static_cast<float>(i);
+        __syncthreads();
+        const float v = s[(i + 1) & 31];
+        %s
+        s[i] = v;
+        __syncthreads();
+        y[i] = s[i];
+    }
+    """
+    y = cupy.zeros(32, dtype=np.float32)
+    _kernel(source % "__syncthreads();", "rotate")((1,), (32,), (y,))
+    np.testing.assert_array_equal(y.get(), np.roll(np.arange(32), -1))
+    with pytest.raises(_error(), match=r"thread \(\d+,0,0\) writes 4 bytes at shared offset \d+, "
+                                       r"which thread \(\d+,0,0\) read in the same barrier "
+                                       r"interval \(shared-memory race\)"):
+        _kernel(source % "", "rotate")((1,), (32,), (y,))
+
+
+def test_reading_shared_memory_no_thread_wrote_is_reported():
+    import cupy
+
+    source = """
+    extern "C" __global__ void stale(float* y) {
+        __shared__ float s[32];
+        if (threadIdx.x < 16) s[threadIdx.x] = 1.0f;
+        __syncthreads();
+        y[threadIdx.x] = s[threadIdx.x];
+    }
+    """
+    y = cupy.zeros(32, dtype=np.float32)
+    with pytest.raises(_error(), match=r"thread \((1[6-9]|2\d|3[01]),0,0\) reads 4 bytes at shared "
+                                       r"offset \d+ that no thread of the block has written"):
+        _kernel(source, "stale")((1,), (32,), (y,))
+
+
+WARP_SUM = """
+extern "C" __global__ void warp_sum(const float* x, float* y) {
+    float v = x[threadIdx.x];
+    %s
+    y[threadIdx.x] = v;
+}
+"""
+FULL = "for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);"
+
+
+def test_warp_shuffles_reduce_like_a_warp():
+    import cupy
+
+    x = cupy.asarray(np.arange(64, dtype=np.float32))
+    y = cupy.zeros(64, dtype=np.float32)
+    _kernel(WARP_SUM % FULL, "warp_sum")((1,), (64,), (x, y))
+    np.testing.assert_array_equal(y.get(), [sum(range(32))] * 32 + [sum(range(32, 64))] * 32)
+
+
+def test_a_warp_intrinsic_some_lanes_of_the_mask_skip_is_an_error_not_a_hang():
+    import cupy
+
+    x = cupy.zeros(32, dtype=np.float32)
+    y = cupy.zeros(32, dtype=np.float32)
+    with pytest.raises(_error(), match=r"__shfl_xor_sync \(mask 0xffffffff\) in block \(0,0,0\) "
+                                       r"warp 0: lane 0 waits for lane 16, which has exited"):
+        _kernel(WARP_SUM % ("if (threadIdx.x < 16) " + FULL), "warp_sum")((1,), (32,), (x, y))
+    with pytest.raises(_error(), match=r"lane 0 waits there, lane 16 of the mask is at "
+                                       r"__syncthreads \(divergent warp intrinsic\)"):
+        _kernel(WARP_SUM % ("if (threadIdx.x < 16) { " + FULL + " } __syncthreads();"),
+                "warp_sum")((1,), (32,), (x, y))
+
+
+def test_a_mask_without_the_callers_lane_is_an_error():
+    import cupy
+
+    x = cupy.zeros(32, dtype=np.float32)
+    y = cupy.zeros(32, dtype=np.float32)
+    half = "v += __shfl_xor_sync(0x0000ffffu, v, 1);"
+    with pytest.raises(_error(), match=r"thread \(16,0,0\) calls __shfl_xor_sync with mask "
+                                       r"0x0000ffff, which does not hold its own lane 16"):
+        _kernel(WARP_SUM % half, "warp_sum")((1,), (32,), (x, y))
+    _kernel(WARP_SUM % ("if (threadIdx.x < 16) " + half), "warp_sum")((1,), (32,), (x, y))
+
+
+def test_atomics_from_every_block_add_up():
+    import cupy
+
+    source = """
+    extern "C" __global__ void count(unsigned long long* c, double* s) {
+        atomicAdd(c, 1ULL);
+        atomicAdd(s + (threadIdx.x & 1), 0.5);
+    }
+    """
+    c = cupy.zeros(1, dtype=np.uint64)
+    s = cupy.zeros(2, dtype=np.float64)
+    _kernel(source, "count")((7,), (96,), (c, s))
+    assert int(c.get()[0]) == 7 * 96
+    np.testing.assert_array_equal(s.get(), [7 * 48 * 0.5] * 2)
+
+
+def test_arguments_are_checked_against_the_kernels_parameter_types():
+    import cupy
+
+    x = cupy.arange(32, dtype=np.float32)
+    y = cupy.zeros(32, dtype=np.float32)
+    k = _kernel(COPY % "<", "copy")
+    with pytest.raises(_error(), match="argument 2 of copy: the kernel takes 4 bytes, the launch "
+                                       "passed 8"):
+        k((1,), (32,), (x, y, 32))  # a Python int goes as int64, like CuPy's
+    with pytest.raises(_error(), match="copy takes 3 arguments, the launch passed 2"):
+        k((1,), (32,), (x, y))
+    with pytest.raises(_error(), match="argument 1 of copy: the kernel takes a pointer"):
+        k((1,), (32,), (x, np.float32(0), np.int32(32)))
+    with pytest.raises(TypeError, match="NumPy array is host memory"):
+        k((1,), (32,), (x, np.zeros(32, np.float32), np.int32(32)))
+
+
+def test_launch_configurations_beyond_cudas_limits_are_refused():
+    import cupy
+
+    x = cupy.arange(32, dtype=np.float32)
+    k = _kernel(COPY % "<", "copy")
+    with pytest.raises(_error(), match="more than 1024 threads per block"):
+        k((1,), (64, 32), (x, x, np.int32(0)))
+    with pytest.raises(_error(), match=r"grid.x = 0"):
+        k((0,), (32,), (x, x, np.int32(0)))
+
+
+FLUSH = """
+extern "C" __global__ void widen(const float* x, double* y) { y[threadIdx.x] = x[threadIdx.x]; }
+"""
+
+
+def test_ftz_flushes_subnormal_floats_when_widened_as_cupys_nvrtc_options_do():
+    import cupy
+
+    x = cupy.asarray(np.array([1e-40, 1.5], np.float32))
+    y = cupy.zeros(2, dtype=np.float64)
+    _kernel(FLUSH, "widen")((1,), (2,), (x, y))  # CuPy compiles with -ftz=true
+    np.testing.assert_array_equal(y.get(), [0.0, 1.5])
+    _kernel(FLUSH, "widen", ("-ftz=false",))((1,), (2,), (x, y))
+    np.testing.assert_array_equal(y.get(), [np.float64(np.float32(1e-40)), 1.5])
+
+
+def test_cublas_refuses_reads_past_an_allocation():
+    from cupy_backends.cuda.libs import cublas
+
+    import cupy
+
+    a = cupy.ones((4, 4), np.float32)
+    c = cupy.zeros((2, 4, 4), np.float32)
+    one, zero = np.ones((), np.float32), np.zeros((), np.float32)
+    h = cublas.create()
+    try:
+        with pytest.raises(cublas.CUBLASError, match="A spans memory past the end"):
+            cublas.gemmStridedBatchedEx(h, 0, 0, 4, 4, 4, one.ctypes.data, a.data.ptr, 0, 4, 16,
+                                        a.data.ptr, 0, 4, 0, zero.ctypes.data, c.data.ptr, 0, 4,
+                                        16, 2, cublas.CUBLAS_COMPUTE_32F, -1)
+        with pytest.raises(cublas.CUBLASError, match="ldA = 2 < 4"):
+            cublas.gemmStridedBatchedEx(h, 0, 0, 4, 4, 4, one.ctypes.data, a.data.ptr, 0, 2, 0,
+                                        a.data.ptr, 0, 4, 0, zero.ctypes.data, c.data.ptr, 0, 4,
+                                        0, 1, cublas.CUBLAS_COMPUTE_32F, -1)
+    finally:
+        cublas.destroy(h)
