@@ -1,12 +1,13 @@
 # make demo : the main job (fault-injection campaign + training under faults; GPU when usable)
-# make test : the whole test suite
+# make test : the whole test suite (with CI's subset of the CUDA kernels run on the CPU)
+# make test-cuda-on-cpu : all of the CUDA-on-CPU tests (docs/gpu_testing.md)
 # Both create .venv and install the project into it when needed.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench clean mutations
+.PHONY: demo test test-cuda-on-cpu bench clean mutations
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,7 +25,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# weaken thresholds, location, repair and softmax checks on purpose; the tests must notice
+# every cupy-on-cpu case with the profile's hypothesis examples (CI runs a subset; docs/gpu_testing.md)
+test-cuda-on-cpu: $(STAMP)
+	ABFT_CUDA_ON_CPU=all $(BIN)/python -m pytest -q -m cuda_on_cpu
+
+# weaken thresholds, location, repair, softmax checks and the CUDA kernels on purpose; the tests
+# must notice
 # (73 s on 2 shared cores with numba's cache warm; 6.5 min the first time; scripts/mutation_check.py)
 mutations: $(STAMP)
 	$(BIN)/python scripts/mutation_check.py
@@ -37,3 +43,4 @@ bench: $(STAMP)
 clean:
 	rm -rf out .pytest_cache .hypothesis
 	find abftgemm attention tests -name '*.nbi' -delete -o -name '*.nbc' -delete
+	rm -rf $${ABFT_SIMT_CACHE:-$$HOME/.cache/abftgemm-simt}

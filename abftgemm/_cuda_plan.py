@@ -52,12 +52,14 @@ class CudaWorkspace:
         batch, m, k, n = op.batch, op.m, op.k, op.n
         sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._slabs = _cdiv(k, _SLAB)
-        self._a_chunks, self._a_chunk_rows = _chunks(batch * self._slabs, m, sms)
+        # One a for every batch item is encoded once: batch blocks fewer, so more row chunks.
+        self._a_items = 1 if op.a.shape[0] == 1 else batch
+        self._a_chunks, self._a_chunk_rows = _chunks(self._a_items * self._slabs, m, sms)
         self._tile = 32 * (16 // op.dtype.itemsize)
         self._tiles = _cdiv(n, self._tile)
         self._c_chunks, self._c_chunk_rows = _chunks(batch * self._tiles, m, sms)
-        self._enc_acc = self._zeros((batch, self._slabs, 3, _SLAB), numpy.float64)
-        self._slab_count = self._zeros((batch, self._slabs), numpy.uint32)
+        self._enc_acc = self._zeros((self._a_items, self._slabs, 3, _SLAB), numpy.float64)
+        self._slab_count = self._zeros((self._a_items, self._slabs), numpy.uint32)
         self._pred = self._zeros((batch, 3, n), numpy.float64)
         self._acc = self._zeros((batch, 3, n), numpy.float64)
         self._bad_count = self._zeros((batch, n), numpy.int32)
@@ -133,19 +135,19 @@ class CudaWorkspace:
                 enc = cupy.ascontiguousarray(enc)
             enc_args = (enc, numpy.int64(enc.strides[0] // 8), numpy.int64(enc.strides[1] // 8),
                         numpy.int32(enc.shape[0]))
-            chunks, chunk_rows = 1, op.m
+            items, chunks, chunk_rows = self._pred.shape[0], 1, op.m
         else:
             enc_args = (None, numpy.int64(0), numpy.int64(0), numpy.int32(0))
-            chunks, chunk_rows = self._a_chunks, self._a_chunk_rows
+            items, chunks, chunk_rows = self._a_items, self._a_chunks, self._a_chunk_rows
         batch = self._pred.shape[0]
         self._predict(
-            (batch * self._slabs * chunks,), (_THREADS,),
+            (items * self._slabs * chunks,), (_THREADS,),
             (a.array, numpy.int64(a.batch_stride), numpy.int64(a.ld), numpy.int32(a.transposed),
              numpy.int32(op.a.shape[0]),
              b.array, numpy.int64(b.batch_stride), numpy.int64(b.ld), numpy.int32(b.transposed),
              numpy.int32(op.b.shape[0]), *enc_args, self._enc_acc, self._slab_count, self._pred,
              numpy.int32(op.m), numpy.int32(op.k), numpy.int32(op.n), numpy.int32(self._slabs),
-             numpy.int32(chunks), numpy.int32(chunk_rows)))
+             numpy.int32(chunks), numpy.int32(chunk_rows), numpy.int32(batch)))
 
     def observe_flag(self, c: cupy.ndarray) -> None:
         """Launch 2: observe and judge the product's columns; adds to the verdict (none for a

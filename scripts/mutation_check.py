@@ -1,7 +1,8 @@
 """Mutation check: weaken the detection code on purpose and confirm the tests notice.
 
 Each mutation is a textual edit of one source file (thresholds, location weights, locate, repair,
-the softmax checks). For each, the repository's ``abftgemm/``, ``attention/``, ``tests/`` and
+the softmax checks, and the CUDA kernels: barriers, warp reductions, atomics, accumulator resets,
+bounds and the causal diagonal, which tests/cuda_on_cpu runs on the CPU). For each, the repository's ``abftgemm/``, ``attention/``, ``tests/`` and
 ``scripts/`` are copied to one fixed scratch directory (the working tree is never touched, so
 other work in it is safe), the edit is applied there, and the selected tests run with
 ``pytest -x`` against the copy. A mutation is *killed* when the tests fail. The run prints a table
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COPIED = ("abftgemm", "attention", "tests", "scripts", "pyproject.toml", "setup.py")
+COPIED = ("abftgemm", "attention", "tests", "scripts", "pyproject.toml", "setup.py", "pytest.ini")
 DEFAULT_TESTS = ("tests/test_detection_power.py",)
 
 
@@ -38,6 +39,18 @@ class Mutation:
     edits: tuple[tuple[str, str], ...]
     required: bool
     note: str = ""
+    tests: tuple[str, ...] = ()  # pytest arguments instead of --tests (the kernel mutations)
+
+
+#: The CUDA kernels run on the CPU (tests/cuda_on_cpu): the tests that exercise every kernel.
+KERNEL_TESTS = ("-m", "cuda_on_cpu", "tests/test_cuda_on_cpu_sanitizer.py",
+                "tests/test_backend_reductions.py", "tests/test_plan.py",
+                "tests/test_softmax_checks.py", "tests/test_matmul.py", "tests/test_attention.py")
+
+
+def _kernel(name: str, path: str, old: str, new: str) -> Mutation:
+    return Mutation(name, path, ((old, new),), True, "CUDA kernel, run on cupy-on-cpu",
+                    KERNEL_TESTS)
 
 
 def _scaled_threshold(factor: str) -> tuple[tuple[str, str], ...]:
@@ -84,6 +97,35 @@ MUTATIONS: tuple[Mutation, ...] = (
              (("LOCATION_SLACK = 0.25", "LOCATION_SLACK = 0.45"),), False,
              "survives: a ratio 0.45 from an integer only arises from several errors, which "
              "the confirmation rejects; accepted"),
+    _kernel("col_reduce barrier removed", "abftgemm/kernels/reduce.cu",
+            "    sh_last[ty][tx] = a.last;\n    __syncthreads();", "    sh_last[ty][tx] = a.last;"),
+    _kernel("predict barrier removed", "abftgemm/kernels/plan.cu",
+            "        sh[2][warp][lane] = s2;\n        __syncthreads();",
+            "        sh[2][warp][lane] = s2;"),
+    _kernel("observe barrier removed", "abftgemm/kernels/plan.cu",
+            "f == 1 ? s1[e] : s2[e];\n        __syncthreads();", "f == 1 ? s1[e] : s2[e];"),
+    _kernel("checksum warp reduction skips a level", "abftgemm/kernels/checksum_acc.cuh",
+            "for (int off = 16; off > 0; off >>= 1) {", "for (int off = 16; off > 1; off >>= 1) {"),
+    _kernel("softmax warp sum skips a level", "attention/kernels/softmax.cu",
+            "for (int off = 16; off > 0; off >>= 1) v += ", "for (int off = 8; off > 0; off >>= 1) v += "),
+    _kernel("softmax warp max skips a level", "attention/kernels/softmax.cu",
+            "for (int off = 16; off > 0; off >>= 1) v = max_of(",
+            "for (int off = 16; off > 1; off >>= 1) v = max_of("),
+    _kernel("predict atomic as a plain store", "abftgemm/kernels/plan.cu",
+            "        atomicAdd(p + j, p0);", "        p[j] = p0;"),
+    _kernel("col_reduce atomic as a plain store", "abftgemm/kernels/reduce.cu",
+            "    atomicAdd(o, a.s0);", "    o[0] = a.s0;"),
+    _kernel("observe accumulator reset removed", "abftgemm/kernels/plan.cu",
+            "        tile_acc[j] = 0.0; tile_acc[n + j] = 0.0; tile_acc[2LL * n + j] = 0.0;\n", ""),
+    _kernel("predict encoding reset removed", "abftgemm/kernels/plan.cu",
+            "                acc[f * SLAB + l] = 0.0;\n", ""),
+    _kernel("row_reduce tail bound off by one", "abftgemm/kernels/reduce.cu",
+            "l < len; l += 32) a.add(", "l <= len; l += 32) a.add("),
+    _kernel("softmax causal diagonal off by one", "attention/kernels/softmax.cu",
+            "(!causal || l <= i);", "(!causal || l < i);"),
+    _kernel("softmax backward causal diagonal off by one", "attention/kernels/softmax.cu",
+            "auto past = [&](int l) { return causal && l > i; };",
+            "auto past = [&](int l) { return causal && l >= i; };"),
 )
 
 
@@ -114,6 +156,7 @@ def prepare(scratch: Path, mutation: Mutation) -> Path:
 def run_tests(repo: Path, scratch: Path, tests: list[str]) -> tuple[bool, str]:
     """Run ``tests`` against the copy; returns (passed, last lines of the output)."""
     env = dict(os.environ, PYTHONPATH=str(repo), NUMBA_CACHE_DIR=str(scratch / "numba"),
+               ABFT_SIMT_CACHE=str(scratch / "simt"),
                HYPOTHESIS_PROFILE=os.environ.get("HYPOTHESIS_PROFILE", "dev"))
     probe = subprocess.run([sys.executable, "-c", "import abftgemm, attention; "
                             "print(abftgemm.__file__, attention.__file__)"],
@@ -148,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     for mutation in chosen:
         t0 = time.time()
-        passed, tail = run_tests(prepare(scratch, mutation), scratch, args.tests)
+        passed, tail = run_tests(prepare(scratch, mutation), scratch,
+                                 list(mutation.tests) or args.tests)
         verdict = "SURVIVED" if passed else "killed"
         if passed and mutation.required:
             failed_required.append(mutation.name)

@@ -290,3 +290,88 @@ def test_cublas_refuses_reads_past_an_allocation():
                                         0, 1, cublas.CUBLAS_COMPUTE_32F, -1)
     finally:
         cublas.destroy(h)
+
+
+def test_ci_subset_launches_every_kernel_of_every_dtype_on_every_launch_path():
+    """What CI's cupy-on-cpu subset is guaranteed to cover, in one test: every name expression of
+    every module (each kernel and dtype instantiation), the column reduction with one chunk and
+    with several (atomics and the init kernel), the prediction encoding a itself and taking a
+    handed-on encoding, the observation by 16-byte vectors and element by element, and the
+    softmax kernels with and without compute and check, causal or not."""
+    import cupy
+
+    import abftgemm
+    from abftgemm import ProtectedMatmul, kernels
+    from abftgemm._cuda import backend
+    from attention import kernels as attention_kernels
+    from attention.layer import MultiHeadAttention
+    from cuda_on_cpu import launch
+
+    seen: list[tuple[str, tuple]] = []
+    call = launch.RawKernel.__call__
+
+    def recording(self, grid, block, args, **kw):
+        seen.append((self.name, tuple(a for a in args if isinstance(a, (np.integer, int)))))
+        return call(self, grid, block, args, **kw)
+
+    launch.RawKernel.__call__ = recording
+    try:
+        be, rng = backend(), np.random.default_rng(0)
+        for dtype in abftgemm.SUPPORTED_DTYPES:
+            a = cupy.asarray(rng.integers(-2, 3, (2, 256, 40)).astype(dtype))  # 4 row chunks
+            b = cupy.asarray(rng.integers(-2, 3, (40, 24)).astype(dtype))
+            plan = ProtectedMatmul(a, b)
+            plan.execute(a, b)
+            plan.settle()
+            odd = cupy.asarray(rng.integers(-2, 3, (40, 23)).astype(dtype))  # n % V != 0
+            plan = ProtectedMatmul(a, odd)
+            handed = plan.execute(a, odd)
+            plan.settle()
+            cols = cupy.zeros((2, 40, 5))
+            be.col_reduce(a, None, cols)  # a's column encoding, handed on below
+            nxt = ProtectedMatmul(a, odd)
+            nxt.execute(a, odd, a_checksums=abftgemm.Checksums(cols=cols[..., :3]))
+            nxt.settle()
+            assert handed is not None
+            long = cupy.asarray(rng.standard_normal((1, 1024, 8)).astype(dtype))
+            out = cupy.zeros((1, 8, 5))
+            be.col_reduce(long, None, out)  # 1024 rows, one column block: several chunks
+            be.row_reduce(long, None, cupy.zeros((1, 1024, 5)))
+            be.flag(out, out, (1e-3, 1e-3, 0.0, 2.0), np.inf, cupy.zeros(2, np.int64))
+            for causal in (False, True):
+                layer = MultiHeadAttention(16, 2, causal=causal, dtype=dtype, xp=cupy, seed=1)
+                x = cupy.asarray(rng.standard_normal((2, 9, 16)).astype(dtype))
+                y, cache = layer.forward(x)
+                layer.backward(cupy.asarray(rng.standard_normal((2, 9, 16)).astype(dtype)), cache)
+    finally:
+        launch.RawKernel.__call__ = call
+    names = {name for name, _ in seen}
+    observe = {scalars[-1] for name, scalars in seen if name.startswith(kernels.PLAN_OBSERVE_FLAG)}
+    assert observe == {0, 1}  # by 16-byte vectors and element by element
+    assert any(name.startswith(kernels.PLAN_PREDICT) and scalars[-2] > 1 for name, scalars in seen)
+    everything = {n for registry in (kernels, attention_kernels)
+                  for names_ in registry.MODULES.values() for n in names_}
+    assert everything <= names, sorted(everything - names)
+
+
+def test_a_shared_a_is_read_once_by_the_prediction_whatever_the_batch():
+    """A product of one a with a batch of b (a_batches == 1) predicts every batch item from one
+    encoding of a: the kernels read a's bytes once (they read it once per batch item before),
+    and the predictions are those of the batch written out."""
+    import cupy
+
+    from abftgemm import ProtectedMatmul
+
+    rng = np.random.default_rng(3)
+    a_host = rng.integers(-2, 3, (1, 300, 64)).astype(np.float32)
+    b_host = rng.integers(-2, 3, (6, 64, 40)).astype(np.float32)
+    a, b = cupy.asarray(a_host), cupy.asarray(b_host)
+    plan = ProtectedMatmul(a, b)
+    before = a._alloc.read_bytes()
+    got = plan.execute(a, b)
+    assert not plan.settle().detected
+    assert a._alloc.read_bytes() - before == a_host.nbytes  # cuBLAS's own read is not counted
+    np.testing.assert_array_equal(got.get(), np.matmul(a_host, b_host))
+    faulty = plan.execute(a, b, fault_hook=lambda site, c: c.__setitem__((4, 7, 3), 1e6))
+    assert plan.settle().detected
+    np.testing.assert_array_equal(faulty.get(), np.matmul(a_host, b_host))

@@ -30,12 +30,14 @@ __device__ __forceinline__ double load(const T* __restrict__ x, long long ld, in
 
 }  // namespace
 
-// Grid: batch * slabs * chunks blocks (flat); block (t, slab, chunk) sums the SLAB columns
+// Grid: batch (or 1) * slabs * chunks blocks (flat); block (t, slab, chunk) sums the SLAB columns
 // c0 = slab*SLAB.. of A's rows [chunk*chunk_rows, ...) into enc_acc (atomics); the last chunk of
 // a slab to finish multiplies the slab's encoding with rows c0.. of B into pred (atomics), then
 // zeroes enc_acc and the slab counter. With enc_in (the column encoding handed in, element
 // (t, c, f) at enc_in[t*enc_bstride + c*enc_cstride + f], t clamped to enc_batches - 1), A is not
-// read and chunks must be 1.
+// read and chunks must be 1. A single A that every batch item shares (a_batches == 1, no enc_in)
+// is encoded once: the grid is then slabs * chunks blocks (t = 0), and each slab's B pass runs
+// for all `batch` items.
 // pred (batch, 3, n) must hold zeros (abft_plan_observe_flag leaves it so).
 template <typename T>
 __global__ void abft_plan_predict(
@@ -43,7 +45,8 @@ __global__ void abft_plan_predict(
     const T* __restrict__ b, long long b_bstride, long long ldb, int b_transposed, int b_batches,
     const double* __restrict__ enc_in, long long enc_bstride, long long enc_cstride,
     int enc_batches, double* __restrict__ enc_acc, unsigned int* __restrict__ slab_count,
-    double* __restrict__ pred, int m, int k, int n, int slabs, int chunks, int chunk_rows) {
+    double* __restrict__ pred, int m, int k, int n, int slabs, int chunks, int chunk_rows,
+    int batch) {
     __shared__ double sh[3][PLAN_WARPS][SLAB];
     __shared__ double enc[3][SLAB];
     __shared__ bool last_chunk;
@@ -103,20 +106,23 @@ __global__ void abft_plan_predict(
     }
     __syncthreads();
 
-    const T* bt = b + (b_batches == 1 ? 0 : t) * b_bstride;
     const int rows = min(SLAB, k - c0);
-    double* p = pred + t * 3LL * n;
-    for (int j = threadIdx.x; j < n; j += PLAN_THREADS) {
-        double p0 = 0.0, p1 = 0.0, p2 = 0.0;
-        for (int r = 0; r < rows; ++r) {
-            const double v = load(bt, ldb, b_transposed, c0 + r, j);
-            p0 += enc[0][r] * v;
-            p1 += enc[1][r] * v;
-            p2 += enc[2][r] * fabs(v);
+    const long long t_end = enc_in == nullptr && a_batches == 1 ? batch : t + 1;
+    for (long long u = t; u < t_end; ++u) {
+        const T* bt = b + (b_batches == 1 ? 0 : u) * b_bstride;
+        double* p = pred + u * 3LL * n;
+        for (int j = threadIdx.x; j < n; j += PLAN_THREADS) {
+            double p0 = 0.0, p1 = 0.0, p2 = 0.0;
+            for (int r = 0; r < rows; ++r) {
+                const double v = load(bt, ldb, b_transposed, c0 + r, j);
+                p0 += enc[0][r] * v;
+                p1 += enc[1][r] * v;
+                p2 += enc[2][r] * fabs(v);
+            }
+            atomicAdd(p + j, p0);
+            atomicAdd(p + n + j, p1);
+            atomicAdd(p + 2LL * n + j, p2);
         }
-        atomicAdd(p + j, p0);
-        atomicAdd(p + n + j, p1);
-        atomicAdd(p + 2LL * n + j, p2);
     }
 }
 
@@ -143,7 +149,11 @@ __global__ void abft_plan_observe_flag(
     int chunks, int chunk_rows, int vector) {
     constexpr int V = 16 / sizeof(T);
     constexpr int TILE = 32 * V;
-    __shared__ double sh[PLAN_WARPS][TILE];
+    // Column x of a warp's partial sums at x + x / V: one pad double after each lane's V, so the
+    // lanes' stores (lane * (V + 1) + e, an odd stride) and the readers' loads (consecutive x)
+    // fall in different banks; unpadded, lane * V + e had V lanes per bank.
+    constexpr int ROW = TILE + TILE / V;
+    __shared__ double sh[PLAN_WARPS][ROW];
     __shared__ bool last_chunk;
 
     const long long flat = blockIdx.x;
@@ -188,12 +198,13 @@ __global__ void abft_plan_observe_flag(
     double* tile_acc = acc + t * 3LL * n;
     for (int f = 0; f < 3; ++f) {
         #pragma unroll
-        for (int e = 0; e < V; ++e) sh[warp][lane * V + e] = f == 0 ? s0[e] : f == 1 ? s1[e] : s2[e];
+        for (int e = 0; e < V; ++e)
+            sh[warp][lane * (V + 1) + e] = f == 0 ? s0[e] : f == 1 ? s1[e] : s2[e];
         __syncthreads();
         for (int x = threadIdx.x; x < TILE; x += PLAN_THREADS) {
             const int j = tile * TILE + x;
             double s = 0.0;
-            for (int w = 0; w < PLAN_WARPS; ++w) s += sh[w][x];
+            for (int w = 0; w < PLAN_WARPS; ++w) s += sh[w][x + x / V];
             if (j < n) atomicAdd(tile_acc + f * static_cast<long long>(n) + j, s);
         }
         __syncthreads();

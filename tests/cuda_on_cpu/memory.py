@@ -26,6 +26,8 @@ class _Runtime:
         lib.simt_unregister.argtypes = [ctypes.c_uint64]
         lib.simt_mark_written.argtypes = [ctypes.c_uint64]
         lib.simt_is_fresh.argtypes = [ctypes.c_uint64]
+        lib.simt_read_bytes.argtypes = [ctypes.c_uint64]
+        lib.simt_read_bytes.restype = ctypes.c_uint64
         self.lib = lib
 
 
@@ -66,6 +68,10 @@ class Allocation:
 
     def is_fresh(self) -> bool:
         return bool(runtime().simt_is_fresh(self.ptr))
+
+    def read_bytes(self) -> int:
+        """Bytes kernels have read from this allocation so far (device memory traffic)."""
+        return int(runtime().simt_read_bytes(self.ptr))
 
     def guards_intact(self) -> bool:
         start = self.ptr - self._buffer.ctypes.data

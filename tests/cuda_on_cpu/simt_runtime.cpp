@@ -96,6 +96,7 @@ struct Fiber {
 
 struct Alloc {
     uintptr_t lo = 0, hi = 0, guard = 0;
+    mutable unsigned long long read_bytes = 0;  // by kernels, since registration
     std::vector<unsigned char> written;  // per byte, while the allocation is fresh
     size_t unwritten = 0;
 };
@@ -380,6 +381,7 @@ void global_access(uintptr_t a, unsigned size, bool write, bool atomic) {
                     describe_global(a, size) +
                     " (out-of-bounds global memory access)");
     }
+    if (!write || atomic) al->read_bytes += size;
     if (al->unwritten == 0) return;
     Alloc* m = const_cast<Alloc*>(al);
     const size_t off = a - al->lo;
@@ -604,6 +606,12 @@ void simt_mark_written(uintptr_t lo) {
     it->second.written.clear();
     it->second.written.shrink_to_fit();
     it->second.unwritten = 0;
+}
+
+// Bytes kernels have read from the allocation starting at lo (atomics included).
+unsigned long long simt_read_bytes(uintptr_t lo) {
+    auto it = g_allocs.find(lo);
+    return it == g_allocs.end() ? 0 : it->second.read_bytes;
 }
 
 // 1 when some byte of the allocation starting at lo is not written yet.
