@@ -322,22 +322,32 @@ def test_ci_subset_launches_every_kernel_of_every_dtype_on_every_launch_path():
             b = cupy.asarray(rng.integers(-2, 3, (40, 24)).astype(dtype))
             plan = ProtectedMatmul(a, b)
             plan.execute(a, b)
-            plan.settle()
+            assert not plan.settle().detected  # k = 40: two slabs add into each prediction
             odd = cupy.asarray(rng.integers(-2, 3, (40, 23)).astype(dtype))  # n % V != 0
             plan = ProtectedMatmul(a, odd)
             handed = plan.execute(a, odd)
-            plan.settle()
+            assert not plan.settle().detected
             cols = cupy.zeros((2, 40, 5))
             be.col_reduce(a, None, cols)  # a's column encoding, handed on below
             nxt = ProtectedMatmul(a, odd)
             nxt.execute(a, odd, a_checksums=abftgemm.Checksums(cols=cols[..., :3]))
-            nxt.settle()
+            assert not nxt.settle().detected
             assert handed is not None
-            long = cupy.asarray(rng.standard_normal((1, 1024, 8)).astype(dtype))
+            long_host = rng.integers(-3, 4, (1, 1024, 8)).astype(dtype)
+            long = cupy.asarray(long_host)
             out = cupy.zeros((1, 8, 5))
             be.col_reduce(long, None, out)  # 1024 rows, one column block: several chunks
+            col = long_host.astype(np.float64)[0]
+            w = (np.arange(1024) + 1) / 1024
+            want = np.stack([col.sum(0), w @ col, np.abs(col).sum(0), 0 * col[0], -1 + 0 * col[0]], -1)
+            np.testing.assert_array_equal(out.get()[0], want)  # small integers: exact sums
             be.row_reduce(long, None, cupy.zeros((1, 1024, 5)))
-            be.flag(out, out, (1e-3, 1e-3, 0.0, 2.0), np.inf, cupy.zeros(2, np.int64))
+            counts = cupy.zeros(2, np.uint64)
+            off = out.copy()
+            off[0, 1:6, 0] += 100.0  # five vectors disagree
+            tau, bad, _ = be.flag(off, out, (1e-3, 1e-3, 0.0, 2.0), np.inf, counts)
+            assert bad.get()[0].tolist() == [False] + [True] * 5 + [False] * 2
+            assert counts.get().tolist() == [5, 0]
             for causal in (False, True):
                 layer = MultiHeadAttention(16, 2, causal=causal, dtype=dtype, xp=cupy, seed=1)
                 x = cupy.asarray(rng.standard_normal((2, 9, 16)).astype(dtype))

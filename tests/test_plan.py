@@ -151,6 +151,20 @@ def test_an_abandoned_flagged_execute_leaves_no_verdict_behind(xp):
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
+def test_consecutive_flagged_executes_are_each_flagged(xp):
+    """The GPU's verdict is a cumulative count compared with its previous read: two flagged
+    executes in a row, with the same number of flagged columns, must both be flagged."""
+    a, b, _ = _operands(xp, np.float32)
+    clean = _host(abftgemm.matmul(a, b, check="off"))
+    plan = ProtectedMatmul(a, b)
+    for seed in (3, 4, 5):
+        got = plan.execute(a, b, fault_hook=Fault("additive", "element", seed=seed,
+                                                    magnitude=1e3))
+        assert plan.settle().detected and (_host(got) == clean).all()
+    assert plan.counters.rare_paths == 3
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
 def test_detect_mode_reports_and_leaves_the_product(xp):
     a, b, _ = _operands(xp, np.float32)
     plan = ProtectedMatmul(a, b, check="detect")
