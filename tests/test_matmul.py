@@ -299,12 +299,10 @@ def test_mixed_inputs_raise_clearly(xp):
         abftgemm.matmul(a, a, check="fix")
 
 
-@pytest.mark.skipif(BACKENDS[1].marks[0].args[0], reason="no GPU")
-def test_mixed_numpy_and_cupy_raise_clearly():
-    import cupy
-
+@pytest.mark.parametrize("xp", BACKENDS[1:])  # the CuPy backends
+def test_mixed_numpy_and_cupy_raise_clearly(xp):
     with pytest.raises(TypeError, match="mix NumPy and CuPy"):
-        abftgemm.matmul(np.ones((2, 2), np.float32), cupy.ones((2, 2), np.float32))
+        abftgemm.matmul(np.ones((2, 2), np.float32), xp.ones((2, 2), np.float32))
 
 
 @pytest.mark.parametrize("xp", BACKENDS)

@@ -167,10 +167,21 @@ std::vector<int> g_warp_waiting;    // lanes of each warp at a warp intrinsic
 
 // Leave the current fiber (its state already says why) for the next ready one, or the scheduler
 // when none is ready; returns when something switches back to it.
+// The current warp's lanes come first (a warp runs from intrinsic to intrinsic while it can, so
+// few stacks are in cache), then the other warps in order.
 void run_next() {
     Fiber* f = g_current;
-    for (int k = 1; k < g_n; ++k) {
-        int j = f->linear + k;
+    const int base = f->linear & ~31, lanes = std::min(32, g_n - base), lane = f->linear - base;
+    for (int k = 1; k < lanes; ++k) {
+        Fiber& g = g_fibers[base + (lane + k) % lanes];
+        if (g.state == READY) {
+            g_current = &g;
+            simt_switch(&f->sp, g.sp);
+            return;
+        }
+    }
+    for (int k = lanes; k < g_n; ++k) {
+        int j = base + k;
         if (j >= g_n) j -= g_n;
         Fiber& g = g_fibers[j];
         if (g.state == READY) {
@@ -230,7 +241,7 @@ int popcount(unsigned m) {
 void finish_group(int w, Fiber* fs, unsigned mask);
 
 // Complete the intrinsic f waits at if every lane of its mask waits at the same one.
-bool try_complete(int w, const Fiber& f) {
+__attribute__((noinline)) bool try_complete(int w, const Fiber& f) {
     const int base = w * 32;
     const int lanes = std::min(32, g_n - base);
     Fiber* fs = &g_fibers[base];
@@ -251,7 +262,7 @@ void fail_block(const char* message) {
 }
 
 // The results of a complete intrinsic, from the values as the lanes brought them; the lanes go on.
-void finish_group(int w, Fiber* fs, unsigned mask) {
+__attribute__((noinline)) void finish_group(int w, Fiber* fs, unsigned mask) {
     unsigned char in[32][8];
     unsigned ballot = 0;
     for (int o = 0; o < 32; ++o) {
