@@ -382,6 +382,8 @@ def test_a_shared_a_is_read_once_by_the_prediction_whatever_the_batch():
     assert not plan.settle().detected
     assert a._alloc.read_bytes() - before == a_host.nbytes  # cuBLAS's own read is not counted
     np.testing.assert_array_equal(got.get(), np.matmul(a_host, b_host))
+    plan.execute(a, b)  # the kernels left their accumulators and counters clean for it
+    assert not plan.settle().detected
     faulty = plan.execute(a, b, fault_hook=lambda site, c: c.__setitem__((4, 7, 3), 1e6))
     assert plan.settle().detected
     np.testing.assert_array_equal(faulty.get(), np.matmul(a_host, b_host))
