@@ -45,7 +45,7 @@ dim3 simt_grid_dim();
 void simt_syncthreads();
 void simt_syncwarp(unsigned mask);
 // kind: 0 idx, 1 xor, 2 down, 3 up, 4 any, 5 all, 6 ballot; value in/out (8 bytes)
-void simt_warp_op(int kind, unsigned mask, void* value, int size, int arg, int width,
+void simt_warp_op(int kind, unsigned mask, void* value, int arg, int width,
                   const char* name);
 void simt_atomic_access(const void* p, int size, const char* name);
 void simt_fail(const char* message);
@@ -70,7 +70,7 @@ template <typename T> SIMT_UNCHECKED inline T simt_shfl(int kind, unsigned mask,
     static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>);
     unsigned char buf[8] = {};
     std::memcpy(buf, &v, sizeof(T));
-    simt_warp_op(kind, mask, buf, sizeof(T), arg, width, name);
+    simt_warp_op(kind, mask, buf, arg, width, name);
     std::memcpy(&v, buf, sizeof(T));
     return v;
 }

@@ -89,7 +89,7 @@ struct Fiber {
     // a pending warp intrinsic
     int op = 0;
     unsigned mask = 0;
-    int arg = 0, width = 32, size = 0;
+    int arg = 0, width = 32;
     unsigned char value[8] = {};
     const char* op_name = "";
 };
@@ -541,7 +541,7 @@ void simt_syncthreads() {
     run_next();
 }
 
-void simt_warp_op(int kind, unsigned mask, void* value, int size, int arg, int width,
+void simt_warp_op(int kind, unsigned mask, void* value, int arg, int width,
                   const char* name) {
     Fiber* f = g_current;
     const int lane = f->linear % 32;
@@ -558,7 +558,6 @@ void simt_warp_op(int kind, unsigned mask, void* value, int size, int arg, int w
     f->mask = mask;
     f->arg = arg;
     f->width = width;
-    f->size = size;
     f->op_name = name;
     std::memcpy(f->value, value, 8);
     f->state = AT_WARP;
@@ -577,7 +576,7 @@ void simt_warp_op(int kind, unsigned mask, void* value, int size, int arg, int w
 
 void simt_syncwarp(unsigned mask) {
     unsigned char v[8] = {};
-    simt_warp_op(7, mask, v, 0, 0, 32, "__syncwarp");
+    simt_warp_op(7, mask, v, 0, 32, "__syncwarp");
 }
 
 void simt_atomic_access(const void* p, int size, const char* name) {
