@@ -23,6 +23,7 @@ from abftgemm.plan_cache import cached_plan, planned_operands
 from abftgemm.nonfinite import settle_unverifiable
 from abftgemm.repair import repair_batch
 from abftgemm.report import Report, announce
+from abftgemm.threads import blas_scope
 
 FaultHook = Callable[[str, Any], None]
 CHECK_MODES = ("correct", "detect", "off")
@@ -127,8 +128,9 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
         buf = op.buffer()
         plan = plan or cached_plan(op, check, directions, name, (a, b, bias))
         try:
-            plan.run(op, buf, fault_hook, a_checksums)
-            report, sums = plan.settle(checksums=True)
+            with blas_scope():  # the thread count decided once for the GEMM and the rare path
+                plan.run(op, buf, fault_hook, a_checksums)
+                report, sums = plan.settle(checksums=True)
         except BaseException:
             plan.abandon()
             raise

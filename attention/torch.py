@@ -20,13 +20,14 @@ Differences from PyTorch: the returned attention weights carry no gradient; a qu
 keys are all masked gets probabilities 0 (output ``out_proj.bias``), where PyTorch may give NaN;
 ``is_causal=True`` without ``attn_mask`` applies the causal mask (PyTorch raises).
 
-On the CPU, PyTorch's OpenMP threads and NumPy's BLAS threads both spin-wait, and when their
-calls interleave (every step of a model with this module) they fight over the cores: on 2 cores a
-loop alternating ``torch.matmul`` and ``numpy.matmul`` ran 8x slower than with
-``torch.set_num_threads(1)`` (or ``OMP_NUM_THREADS=1``), which is what to use for small models.
+On the CPU, the module's GEMMs run under the library's thread policy (:mod:`abftgemm.threads`):
+PyTorch's intra-op threads, which spin-wait on the other cores after each of PyTorch's own
+operations, and other processes' running tasks count as busy cores, so NumPy's BLAS threads do
+not fight them. PyTorch's own thread settings are left as they are.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable
 
@@ -36,6 +37,7 @@ from torch import nn
 import abftgemm
 from abftgemm._torch import device_scope, to_array, to_tensor
 from abftgemm.report import Report, register_library_package
+from abftgemm.threads import blas_scope
 from attention.context import Context
 from attention.functional import attention_backward, attention_forward
 from attention.plan import CheckingPlan
@@ -193,7 +195,7 @@ class _ProtectedAttention(torch.autograd.Function):
                 out_w: torch.Tensor, out_b: torch.Tensor | None) -> torch.Tensor:
         module = call.module
         workspace = module._workspace_for(query.device)
-        with device_scope(query):
+        with device_scope(query), _threads(query):
             params = module._param_views(in_w, in_b, out_w, out_b)
             x = _array(query)
             cross = {} if call.self_attention else {"key": _array(key), "value": _array(value)}
@@ -220,7 +222,7 @@ class _ProtectedAttention(torch.autograd.Function):
         d_in_w, d_out_w = torch.empty_like(in_w), torch.empty_like(out_w)
         d_in_b = torch.empty(in_w.shape[0], dtype=in_w.dtype, device=in_w.device)
         d_out_b = torch.empty(out_w.shape[0], dtype=in_w.dtype, device=in_w.device)
-        with device_scope(dy):
+        with device_scope(dy), _threads(dy):
             grads_out = {k: v for k, v in _params(d_in_w, d_in_b, d_out_w, d_out_b).items()
                          if k != "w_qkv"}
             dx, _ = attention_backward(ctx.saved, _array(dy.contiguous()), context,
@@ -232,6 +234,12 @@ class _ProtectedAttention(torch.autograd.Function):
         module.last_report = ctx.report
         return (None, *d_inputs, d_in_w, d_in_b if ctx.bias[0] else None, d_out_w,
                 d_out_b if ctx.bias[1] else None)
+
+
+def _threads(t: torch.Tensor) -> blas_scope | contextlib.nullcontext:
+    """The library's thread policy for a pass on ``t``'s device: on the CPU, PyTorch's intra-op
+    threads count as busy cores (:mod:`abftgemm.threads`)."""
+    return blas_scope(torch.get_num_threads()) if t.is_cpu else contextlib.nullcontext()
 
 
 def _array(t: torch.Tensor) -> Any:
