@@ -100,21 +100,26 @@ def _(op_id, query, key, value, in_w, in_b, out_w, out_b, key_padding_mask, attn
 
 
 @torch.library.custom_op("abftgemm::mha_backward", mutates_args=())
-def mha_backward(token: torch.Tensor, dy: torch.Tensor, in_w: torch.Tensor,
-                 out_w: torch.Tensor, seq_k: int, self_attention: bool
+def mha_backward(token: torch.Tensor, dy: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, in_w: torch.Tensor, in_b: Optional[torch.Tensor],
+                 out_w: torch.Tensor, out_b: Optional[torch.Tensor], self_attention: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d_query, d_key, d_value, d_in_w, d_in_b, d_out_w, d_out_b)``; ``d_key`` and
-    ``d_value`` are empty in self-attention (``d_query`` is the whole input gradient)."""
+    ``d_value`` are empty in self-attention (``d_query`` is the whole input gradient).
+
+    The backward reads the forward's inputs and parameters from these arguments, not from the
+    forward's views of them: so autograd (and a compiler, which would otherwise reuse their
+    memory once the forward is done) keeps them as they were."""
     from attention.torch import run_backward
 
-    return run_backward(_state(token), dy, in_w, out_w)
+    return run_backward(_state(token), dy, query, key, value, in_w, in_b, out_w, out_b)
 
 
 @mha_backward.register_fake
-def _(token, dy, in_w, out_w, seq_k, self_attention):
+def _(token, dy, query, key, value, in_w, in_b, out_w, out_b, self_attention):
     n, _, e = dy.shape
-    kv = (0,) if self_attention else (n, seq_k, e)
+    kv = (0,) if self_attention else tuple(key.shape)
     return (dy.new_empty(dy.shape), dy.new_empty(kv), dy.new_empty(kv), in_w.new_empty(in_w.shape),
             in_w.new_empty(in_w.shape[0]), out_w.new_empty(out_w.shape),
             out_w.new_empty(out_w.shape[0]))
@@ -124,18 +129,17 @@ def _(token, dy, in_w, out_w, seq_k, self_attention):
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    (_, _, key, _, in_w, in_b, out_w, out_b, _, _, _, self_attention, _, _, _) = inputs
+    (_, query, key, value, in_w, in_b, out_w, out_b, _, _, _, self_attention, _, _, _) = inputs
     _, weights, token = output
     ctx.mark_non_differentiable(weights, token)
-    ctx.save_for_backward(token, in_w, out_w)
-    ctx.seq_k, ctx.self_attention = key.shape[1], self_attention
+    ctx.save_for_backward(token, query, key, value, in_w, in_b, out_w, out_b)
+    ctx.self_attention = self_attention
     ctx.bias = in_b is not None, out_b is not None
 
 
 def _backward(ctx: Any, dy: torch.Tensor, d_weights: Any, d_token: Any) -> tuple:
-    token, in_w, out_w = ctx.saved_tensors
     dq, dk, dv, d_in_w, d_in_b, d_out_w, d_out_b = mha_backward(
-        token, dy.contiguous(), in_w, out_w, ctx.seq_k, ctx.self_attention)
+        ctx.saved_tensors[0], dy.contiguous(), *ctx.saved_tensors[1:], ctx.self_attention)
     if ctx.self_attention:
         dk = dv = None
     return (None, dq, dk, dv, d_in_w, d_in_b if ctx.bias[0] else None, d_out_w,

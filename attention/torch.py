@@ -244,11 +244,18 @@ def run_forward(module: MultiheadAttention, query: torch.Tensor, key: torch.Tens
     return y, weights, _Saved(call, saved, context.report, workspace)
 
 
-def run_backward(state: _Saved, dy: torch.Tensor, in_w: torch.Tensor,
-                 out_w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def run_backward(state: _Saved, dy: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, in_w: torch.Tensor, in_b: torch.Tensor | None,
+                 out_w: torch.Tensor, out_b: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """``(d_query, d_key, d_value, d_in_w, d_in_b, d_out_w, d_out_b)``; ``d_key`` and ``d_value``
-    empty in self-attention."""
+    empty in self-attention. The inputs and parameters are read from the tensors given here
+    (those of the forward, which autograd kept)."""
     module = state.call.module
+    inputs = state.saved["inputs"]
+    inputs.x = _array(query)
+    inputs.key, inputs.value = (inputs.x, inputs.x) if state.call.self_attention else \
+        (_array(key), _array(value))
+    inputs.params = _params(in_w, in_b, out_w, out_b)
     context = Context(module.check, module.plan, module.fault_hook, state.report)
     # The core writes the parameter gradients straight into torch's layout (transposed views
     # of these buffers: no copies, no concatenation).
