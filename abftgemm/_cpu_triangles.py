@@ -11,7 +11,9 @@ Two promises, both made by causal attention:
   :func:`complete_lower` computes the rest when the whole product is needed after all (the rare
   path of a flagged product).
 
-Every product runs under the library's thread policy (:class:`abftgemm.threads.blas_scope`).
+Every product runs under the library's thread policy (:class:`abftgemm.threads.blas_scope`), and
+without NumPy floating-point warnings: INF and NaN in a product are the checks' business (judged,
+repaired or reported), not a warning to the user.
 Rows are cut by :func:`triangle_blocks`. The sums run in another order than one whole product's,
 within the same rounding bound. bench/NOTES.md has the measured gains.
 """
@@ -36,6 +38,7 @@ def triangle_blocks(m: int) -> list[tuple[int, int]]:
     return [(lo, min(m, lo + step)) for lo in range(0, m, step)]
 
 
+@np.errstate(all="ignore")
 def triangular_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray,
                       triangle: str | None) -> np.ndarray:
     """``out = a @ b`` for ``a`` (batch or 1, m, k) that is zero outside ``triangle``.
@@ -87,6 +90,7 @@ def row_limits(m: int, n: int) -> np.ndarray:
     return limits
 
 
+@np.errstate(all="ignore")
 def lower_product(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``out = a @ b`` where row ``i`` needs columns ``j < row_limits(m, n)[i]`` only: the rest
     of each row is left as it was (unread memory). Returns ``out``."""
@@ -98,6 +102,7 @@ def lower_product(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
+@np.errstate(all="ignore")
 def complete_lower(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     """Compute what :func:`lower_product` left out, so that ``out`` is the whole ``a @ b``."""
     m, n = out.shape[-2], out.shape[-1]
