@@ -7,23 +7,23 @@ Usage::
 Cases ``(batch, heads, seq, head_dim)``: small (4, 4, 128, 32) and medium (2, 8, 256, 64), as in
 bench/attention.py; tiny (2, 2, 32, 16) for a smoke run.
 
-Each scenario runs in a fresh interpreter (so that environment variables such as
-``OPENBLAS_NUM_THREADS`` take effect at start-up), timing fwd+bwd of, in interleaved rounds:
+Each scenario runs in a fresh interpreter with the default environment, timing fwd+bwd of, in
+interleaved rounds (so that load that comes and goes hits every column alike):
 
 - ``numpy_protected``: :class:`attention.MultiHeadAttention` (causal, float32, ``check="correct"``),
   ``numpy_off``: the same layer with ``check="off"``;
 - ``torch_protected``: :class:`attention.torch.MultiheadAttention`, ``check="correct"``;
-- ``torch_stock``: ``torch.nn.MultiheadAttention`` with the same weights (causal mask).
+- ``torch_stock``: ``torch.nn.MultiheadAttention`` with the same weights (causal mask);
+- ``numpy_protected_blas1``, ``torch_protected_blas1``: the protected ones with NumPy's BLAS
+  forced to one thread (``threadpoolctl`` around the call, as ``OPENBLAS_NUM_THREADS=1`` would).
 
-Scenarios: ``idle``, ``idle-blas1``, ``loaded``, ``loaded-blas1``. ``loaded`` starts one
-``python -c "while True: pass"`` process before the interpreter and stops it after;
-``-blas1`` sets ``OPENBLAS_NUM_THREADS=MKL_NUM_THREADS=1`` (BLAS forced to one thread). Nothing
-else is changed: default environment otherwise. Each record names the CPU and the machine's
-load (``/proc/loadavg`` before and after: other work on the machine shows there).
+Scenarios: ``idle`` (nothing started) and ``loaded``: one ``python -c "while True: pass"``
+process started before the interpreter and stopped after. Each record names the CPU and the
+machine's load (``/proc/loadavg`` before and after: other work on the machine shows there).
 
 The issue-25 targets (benchmarks, not timed tests): in ``loaded``, ``torch_protected`` and
-``numpy_protected`` within 1.3x of the same in ``loaded-blas1`` and within 1.5x of
-``torch_stock``; in ``idle``, no slower than before the thread policy (bench/NOTES.md).
+``numpy_protected`` within 1.3x of their ``_blas1`` runs and within 1.5x of ``torch_stock``; in
+``idle``, no slower than before the thread policy (bench/NOTES.md).
 """
 from __future__ import annotations
 
@@ -41,8 +41,7 @@ sys.path.insert(0, str(ROOT))
 from bench import timing  # noqa: E402
 
 CASES = {"small": (4, 4, 128, 32), "medium": (2, 8, 256, 64), "tiny": (2, 2, 32, 16)}
-SCENARIOS = ("idle", "idle-blas1", "loaded", "loaded-blas1")
-BLAS1 = {"OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+SCENARIOS = ("idle", "loaded")
 BURNER = "while True: pass"
 
 
@@ -50,9 +49,18 @@ def measure(cases: list[str], repeats: int, warmup: int) -> list[dict[str, Any]]
     """In this interpreter: median fwd+bwd ms of the four layers at each case."""
     import numpy as np
     import torch
+    from threadpoolctl import ThreadpoolController
 
     from attention.torch import MultiheadAttention
     from bench.attention import Case
+
+    controller = ThreadpoolController()
+
+    def blas1(fn: Any) -> Any:
+        def run() -> None:
+            with controller.limit(limits=1, user_api="blas"):
+                fn()
+        return run
 
     out = []
     for name in cases:
@@ -73,6 +81,7 @@ def measure(cases: list[str], repeats: int, warmup: int) -> list[dict[str, Any]]
         fns = {"numpy_protected": lambda: case.both("correct"),
                "numpy_off": lambda: case.both("off"),
                "torch_protected": lambda: step(protected), "torch_stock": lambda: step(stock)}
+        fns.update({f"{k}_blas1": blas1(fns[k]) for k in ("numpy_protected", "torch_protected")})
         ms = timing.time_many(fns, repeats, warmup, gpu=False)
         out.append({"case": name, "shape": list(CASES[name]), "ms": ms})
     return out
@@ -87,9 +96,7 @@ def _loadavg() -> str:
 
 def run_scenario(scenario: str, cases: list[str], repeats: int) -> dict[str, Any]:
     """One scenario in a fresh interpreter (and the burner process when loaded)."""
-    env = {k: v for k, v in os.environ.items() if k not in BLAS1}
-    if scenario.endswith("-blas1"):
-        env.update(BLAS1)
+    env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     burner = subprocess.Popen([sys.executable, "-c", BURNER]) if scenario.startswith("loaded") \
         else None
@@ -108,24 +115,22 @@ def run_scenario(scenario: str, cases: list[str], repeats: int) -> dict[str, Any
     return {"scenario": scenario, "loadavg_before": before, "loadavg_after": after,
             "load": ("one 'python -c \"while True: pass\"' process" if burner is not None
                      else "none started"),
-            "env": {k: env[k] for k in BLAS1 if k in env},
             "records": json.loads(done.stdout.strip().splitlines()[-1])}
 
 
 def summary(results: list[dict[str, Any]]) -> str:
     """Text table: ms per layer and scenario, and the ratios the targets name."""
-    by = {(r["scenario"], rec["case"]): rec["ms"] for r in results for rec in r["records"]}
     lines = []
-    for (scenario, case), ms in by.items():
-        cells = "  ".join(f"{k} {v:8.2f}" for k, v in ms.items())
-        line = f"{scenario:13s} {case:7s} {cells}"
-        blas1 = by.get((scenario + "-blas1", case)) if not scenario.endswith("-blas1") else None
-        ratios = [f"torch_protected/stock {ms['torch_protected'] / ms['torch_stock']:.2f}",
-                  f"numpy_protected/stock {ms['numpy_protected'] / ms['torch_stock']:.2f}"]
-        if blas1:
-            ratios += [f"{k}/blas1 {ms[k] / blas1[k]:.2f}"
-                       for k in ("torch_protected", "numpy_protected")]
-        lines.append(line + "\n" + " " * 22 + ", ".join(ratios))
+    for r in results:
+        for rec in r["records"]:
+            ms = rec["ms"]
+            cells = "  ".join(f"{k} {v:.2f}" for k, v in ms.items())
+            ratios = ", ".join(
+                [f"{k}/stock {ms[k] / ms['torch_stock']:.2f}" for k in ("torch_protected",
+                                                                        "numpy_protected")]
+                + [f"{k}/blas1 {ms[k] / ms[k + '_blas1']:.2f}" for k in ("torch_protected",
+                                                                        "numpy_protected")])
+            lines.append(f"{r['scenario']:7s} {rec['case']:7s} {cells}\n{'':16s}{ratios}")
     return "\n".join(lines)
 
 
