@@ -58,3 +58,19 @@ def test_the_hypothesis_recipe_runs_on_a_cold_numba_cache(tmp_path: Path) -> Non
                           timeout=BLOCK_TIMEOUT, check=False)
     assert done.returncode == 0 and done.stdout.strip().endswith("ran"), done.stderr
     assert any((tmp_path / "numba-cache").rglob("*.nbi"))  # it did compile from scratch
+
+
+#: ``print(...)  # Counters(...)``: a printed value the README states in a comment.
+STATED = re.compile(r"^\s*print\(.*\)\s+#\s+(Counters\(.*\))\s*$", re.MULTILINE)
+
+
+def test_printed_values_the_readme_states_are_what_the_code_prints(tmp_path: Path) -> None:
+    # allocations=8 stood in the README while the plan allocated 7
+    stated = [(code, STATED.findall(code)) for code in BLOCKS if STATED.search(code)]
+    assert stated
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for code, values in stated:
+        done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=BLOCK_TIMEOUT, check=True)
+        for value in values:
+            assert value in done.stdout, f"README says {value}; the block printed {done.stdout}"
