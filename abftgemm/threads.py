@@ -13,19 +13,19 @@ The count, unless :func:`set_threads` fixed one (or the ``ABFT_THREADS`` environ
   own running threads, the most of the last three samples, taken at most every 0.1 s: a second
   BLAS thread under load costs far more than a lost one on an idle machine): a BLAS
   GEMM splits its work evenly over its threads, so a thread that shares a core with a busy
-  process makes the whole product wait for it (on a 2-core AMD EPYC with one CPU-bound process
-  running, the protected attention layer at (4, 4, 128, 32) took 47 ms fwd+bwd with two BLAS
-  threads against 14 ms with one; bench/loaded.py),
+  process makes the whole product wait for it,
 - minus the intra-op threads of PyTorch beyond the calling one when the call comes from
   PyTorch (``attention.torch``): they spin-wait on the other cores after each of PyTorch's own
-  operations, and BLAS threads started next to them fight them (2.2x slower at that shape on an
-  idle machine),
+  operations, and BLAS threads started next to them fight them,
 - at least 1, and never more than the caller's own BLAS setting (``OPENBLAS_NUM_THREADS=1`` or
   ``threadpoolctl.threadpool_limits`` stay in force).
 
 numba: the library's kernels are serial (no ``parallel=True``), so numba never starts its thread
 pool (tests/test_threads.py checks it). PyTorch: the library never changes PyTorch's own thread
-settings; it only counts them, as above.
+settings; it only counts them, as above. Measured (bench/loaded.py, bench/NOTES.md "issue 25"): on
+a 2-core AMD EPYC with a CPU-bound process running, the protected ``attention.torch`` layer at
+(4, 4, 128, 32) took 1796 ms fwd+bwd before the policy and 78 ms with it (BLAS forced to one
+thread: 78-84 ms).
 """
 from __future__ import annotations
 
