@@ -47,7 +47,7 @@ from attention import _torch_op
 register_library_package("attention")  # fault warnings point at the caller of the module
 
 FaultHook = Callable[[str, Any], None]
-__all__ = ["MultiheadAttention", "protect"]
+__all__ = ["MultiheadAttention", "protect", "fault_hook"]
 
 
 class MultiheadAttention(nn.MultiheadAttention):
@@ -195,7 +195,13 @@ def protect(model: nn.Module, *, check: str = "correct") -> nn.Module:
 
     ``nn.TransformerEncoder``'s nested-tensor inference path is turned off
     (``use_nested_tensor = False``): it would hand the attention packed nested tensors.
+    A Hugging Face transformers ``PreTrainedModel`` gets its attention products protected
+    instead (:func:`attention.hf_protect.protect_pretrained`).
     """
+    if _is_pretrained(model):
+        from attention.hf_protect import protect_pretrained
+
+        return protect_pretrained(model, check=check)
     for parent in model.modules():
         if isinstance(parent, nn.TransformerEncoder):
             parent.use_nested_tensor = False
@@ -204,6 +210,21 @@ def protect(model: nn.Module, *, check: str = "correct") -> nn.Module:
                                                                            MultiheadAttention):
                 setattr(parent, name, MultiheadAttention.from_torch(child, check=check))
     return model
+
+
+def fault_hook(model: nn.Module, fn: FaultHook) -> contextlib.AbstractContextManager[None]:
+    """A context manager within which ``fn(site, c)`` sees every protected attention product of
+    a protected transformers model, ``site`` as ``"<module name>:<site>"`` (for example
+    ``"transformer.h.0.attn:scores"``); see :func:`attention.hf_protect.fault_hook`."""
+    from attention.hf_protect import fault_hook as hook
+
+    return hook(model, fn)
+
+
+def _is_pretrained(model: nn.Module) -> bool:
+    """True for a transformers ``PreTrainedModel`` (without importing transformers)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+               for c in type(model).__mro__)
 
 
 # ---------------------------------------------------------------------------------- passes
