@@ -24,6 +24,8 @@ setup(
         "notebooks": ["nbformat>=5.9", "nbclient>=0.9", "ipykernel>=6.25", "matplotlib>=3.7"],
         # Tensors in abftgemm.matmul and attention.torch (the nn.MultiheadAttention drop-in).
         "torch": ["torch>=2.1"],
+        # Hugging Face models (attention.hf): AttentionInterface and AttentionMaskInterface.
+        "hf": ["torch>=2.4", "transformers>=5.17,<6"],
     },
     entry_points={"console_scripts": ["abft=attention.experiments.cli:main"]},
 )
