@@ -270,3 +270,25 @@ def test_torch_compile_equals_eager(eager_runs):
     model = protect(copy.deepcopy(eager))
     compiled = torch.compile(model, backend="aot_eager", fullgraph=False)
     assert_same_step(step(compiled, *batch()), want)
+
+
+#: bfloat16 autocast: a few units of bfloat16's roundoff (2^-8) of the largest element.
+RTOL_BF16 = 5 * 2.0 ** -8
+
+
+@pytest.mark.parametrize("family", ("bert", "gpt2"))
+def test_bfloat16_autocast_equals_eager(family):
+    """Under CPU autocast the projections hand the attention bfloat16 Q, K and V; the protected
+    product runs in bfloat16 like eager's."""
+    runs = []
+    for model in (build(family), protect(build(family))):
+        ids, mask = batch()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids, attention_mask=mask).logits
+        assert logits.dtype == torch.bfloat16
+        keep = mask.bool()
+        logits[keep].float().pow(2).mean().backward()
+        runs.append((logits[keep].float().detach(),
+                     {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert_same_step(runs[1], runs[0], rtol=RTOL_BF16)
+    assert any(c.last_report.checked for c in attention_cores(model).values())
