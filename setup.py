@@ -10,7 +10,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["abftgemm", "abftgemm.*", "attention", "attention.*"]),
     package_data={"abftgemm": ["kernels/*.cu", "kernels/*.cuh"], "attention": ["kernels/*.cu"]},
-    install_requires=["numpy>=1.24", "numba>=0.59", "ml_dtypes>=0.3", "tqdm>=4.60"],
+    install_requires=["numpy>=1.24", "numba>=0.59", "ml_dtypes>=0.3", "tqdm>=4.60",
+                      "threadpoolctl>=3.1"],
     extras_require={
         "cuda12": ["cupy-cuda12x>=14.1.1"],
         "cuda13": ["cupy-cuda13x>=14.1.1"],
@@ -23,6 +24,8 @@ setup(
         "notebooks": ["nbformat>=5.9", "nbclient>=0.9", "ipykernel>=6.25", "matplotlib>=3.7"],
         # Tensors in abftgemm.matmul and attention.torch (the nn.MultiheadAttention drop-in).
         "torch": ["torch>=2.1"],
+        # Hugging Face models (attention.hf): AttentionInterface and AttentionMaskInterface.
+        "hf": ["torch>=2.4", "transformers>=5.17,<6"],
     },
     entry_points={"console_scripts": ["abft=attention.experiments.cli:main"]},
 )

@@ -11,12 +11,17 @@ Two promises, both made by causal attention:
   :func:`complete_lower` computes the rest when the whole product is needed after all (the rare
   path of a flagged product).
 
+Every product runs under the library's thread policy (:class:`abftgemm.threads.blas_scope`), and
+without NumPy floating-point warnings: INF and NaN in a product are the checks' business (judged,
+repaired or reported), not a warning to the user.
 Rows are cut by :func:`triangle_blocks`. The sums run in another order than one whole product's,
 within the same rounding bound. bench/NOTES.md has the measured gains.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from abftgemm.threads import blas_scope
 
 #: Rows per block: the fastest measured from 256 to 1024 rows (two blocks of 64 at 128 rows).
 _BLOCK_ROWS = 128
@@ -33,6 +38,7 @@ def triangle_blocks(m: int) -> list[tuple[int, int]]:
     return [(lo, min(m, lo + step)) for lo in range(0, m, step)]
 
 
+@np.errstate(all="ignore")
 def triangular_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray,
                       triangle: str | None) -> np.ndarray:
     """``out = a @ b`` for ``a`` (batch or 1, m, k) that is zero outside ``triangle``.
@@ -43,11 +49,12 @@ def triangular_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray,
     """
     m, k = a.shape[-2], a.shape[-1]
     blocks = triangle_blocks(m) if triangle is not None else [(0, m)]
-    if len(blocks) == 1:
-        return _matmul(a, b, out)
-    for lo, hi in blocks:
-        cols = slice(0, min(hi, k)) if triangle == "lower" else slice(min(lo, k), k)
-        np.matmul(a[..., lo:hi, cols], b[..., cols, :], out=out[..., lo:hi, :])
+    with blas_scope():
+        if len(blocks) == 1:
+            return _matmul(a, b, out)
+        for lo, hi in blocks:
+            cols = slice(0, min(hi, k)) if triangle == "lower" else slice(min(lo, k), k)
+            np.matmul(a[..., lo:hi, cols], b[..., cols, :], out=out[..., lo:hi, :])
     return out
 
 
@@ -83,20 +90,24 @@ def row_limits(m: int, n: int) -> np.ndarray:
     return limits
 
 
+@np.errstate(all="ignore")
 def lower_product(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``out = a @ b`` where row ``i`` needs columns ``j < row_limits(m, n)[i]`` only: the rest
     of each row is left as it was (unread memory). Returns ``out``."""
     m, n = out.shape[-2], out.shape[-1]
-    for lo, hi in triangle_blocks(m):
-        cols = min(hi, n)
-        np.matmul(a[..., lo:hi, :], b[..., :, :cols], out=out[..., lo:hi, :cols])
+    with blas_scope():
+        for lo, hi in triangle_blocks(m):
+            cols = min(hi, n)
+            np.matmul(a[..., lo:hi, :], b[..., :, :cols], out=out[..., lo:hi, :cols])
     return out
 
 
+@np.errstate(all="ignore")
 def complete_lower(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     """Compute what :func:`lower_product` left out, so that ``out`` is the whole ``a @ b``."""
     m, n = out.shape[-2], out.shape[-1]
-    for lo, hi in triangle_blocks(m):
-        if hi < n:
-            np.matmul(a[..., lo:hi, :], b[..., :, hi:], out=out[..., lo:hi, hi:])
+    with blas_scope():
+        for lo, hi in triangle_blocks(m):
+            if hi < n:
+                np.matmul(a[..., lo:hi, :], b[..., :, hi:], out=out[..., lo:hi, hi:])
     return out

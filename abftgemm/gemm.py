@@ -23,6 +23,7 @@ from abftgemm.plan_cache import cached_plan, planned_operands
 from abftgemm.nonfinite import settle_unverifiable
 from abftgemm.repair import repair_batch
 from abftgemm.report import Report, announce
+from abftgemm.threads import blas_scope
 
 FaultHook = Callable[[str, Any], None]
 CHECK_MODES = ("correct", "detect", "off")
@@ -127,8 +128,9 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
         buf = op.buffer()
         plan = plan or cached_plan(op, check, directions, name, (a, b, bias))
         try:
-            plan.run(op, buf, fault_hook, a_checksums)
-            report, sums = plan.settle(checksums=True)
+            with blas_scope():  # the thread count decided once for the GEMM and the rare path
+                plan.run(op, buf, fault_hook, a_checksums)
+                report, sums = plan.settle(checksums=True)
         except BaseException:
             plan.abandon()
             raise
@@ -219,11 +221,12 @@ class DeferredCheck:
 def protect(be: Backend, op: Operands, out: Any, check: str, name: str, report: Report,
             a_checksums: Checksums | None, b_checksums: Checksums | None) -> Checksums:
     """Verify ``out`` (and repair it when ``check == "correct"``); return its encodings."""
-    obs_col, obs_row = observe(be, out)  # first: the product is freshest in cache
-    pred_col, pred_row = predict(be, op, a_checksums, b_checksums)
-    verdict = verify(be, op, pred_col, pred_row, obs_col, obs_row)
-    for b in settle(be, op, out, verdict, check, name, report):
-        obs_col[b], obs_row[b] = (o[0] for o in observe(be, out[b:b + 1]))
+    with np.errstate(all="ignore"):  # non-finite data is judged and reported, not warned about
+        obs_col, obs_row = observe(be, out)  # first: the product is freshest in cache
+        pred_col, pred_row = predict(be, op, a_checksums, b_checksums)
+        verdict = verify(be, op, pred_col, pred_row, obs_col, obs_row)
+        for b in settle(be, op, out, verdict, check, name, report):
+            obs_col[b], obs_row[b] = (o[0] for o in observe(be, out[b:b + 1]))
     return Checksums(cols=obs_col[..., :3], rows=obs_row[..., :3])
 
 
@@ -234,14 +237,15 @@ def settle(be: Backend, op: Operands, out: Any, verdict: Verdict, check: str, na
     :class:`~abftgemm.report.FaultDetectedWarning`. Returns the batch indices that were repaired."""
     first_new = len(report.events)
     repaired = []
-    for b in ([] if verdict.clean else verdict.flagged_batches()):
-        if check == "detect":
-            report.events.append(diagnose(verdict, b).event(name, b, "reported"))
-            continue
-        repair_batch(be, op, out, b, verdict, name, report)
-        repaired.append(b)
-    # Elements no checksum could judge (non-finite inputs, overflow): settled one by one.
-    repaired += settle_unverifiable(be, op, out, verdict, check, name, report)
+    with np.errstate(all="ignore"):  # non-finite data is judged and reported, not warned about
+        for b in ([] if verdict.clean else verdict.flagged_batches()):
+            if check == "detect":
+                report.events.append(diagnose(verdict, b).event(name, b, "reported"))
+                continue
+            repair_batch(be, op, out, b, verdict, name, report)
+            repaired.append(b)
+        # Elements no checksum could judge (non-finite inputs, overflow): settled one by one.
+        repaired += settle_unverifiable(be, op, out, verdict, check, name, report)
     for event in report.events[first_new:] if announce_findings else ():
         if event.action == "reported":  # detect mode: found and left in place
             announce(event)

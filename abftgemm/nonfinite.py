@@ -45,6 +45,7 @@ from abftgemm.locate import Verdict, cell_pattern
 from abftgemm.operands import Operands, item
 from abftgemm.repair import product_cells
 from abftgemm.report import Event, Report, UncorrectableError
+from abftgemm.threads import blas_scope
 from abftgemm.thresholds import element_tolerance, growth_margin, overflow_limits
 
 #: Scaled operands stay below 2**_SCALED_EXPONENT, so a product of two stays below 2**1000 and a
@@ -141,9 +142,11 @@ def _model(one: Operands, rows: np.ndarray, cols: np.ndarray) -> _Model:
     bias = np.ldexp(bias[None, :], -shift)
     a_pos, a_neg, b_pos, b_neg = np.maximum(a, 0), np.maximum(-a, 0), np.maximum(b, 0), \
         np.maximum(-b, 0)
-    positive = a_pos @ b_pos + a_neg @ b_neg + np.maximum(bias, 0)
-    negative = a_pos @ b_neg + a_neg @ b_pos + np.maximum(-bias, 0)
-    return _Model(a @ b + bias, positive, negative, shift, inputs_finite, one.k,
+    with blas_scope():
+        positive = a_pos @ b_pos + a_neg @ b_neg + np.maximum(bias, 0)
+        negative = a_pos @ b_neg + a_neg @ b_pos + np.maximum(-bias, 0)
+        exact = a @ b + bias
+    return _Model(exact, positive, negative, shift, inputs_finite, one.k,
                   np.dtype(one.dtype))
 
 

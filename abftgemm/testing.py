@@ -11,8 +11,14 @@ Which assertion when:
 - :func:`assert_matches_reference` for a product computed without faults: rounding only.
   Under injected faults it fails on low-mantissa bit flips that no check can see.
 
->>> from hypothesis import given
->>> @given(ab=operand_pairs(np.float32), fault=faults())
+Hypothesis's default 200 ms deadline per example does not fit the first examples of a process,
+during which numba compiles (or loads from its cache) the kernels each dtype and layout needs
+(seconds; a minute or more with a cold cache, as on a fresh CI runner): use
+``@settings(deadline=None)``, as the README's recipe does.
+
+>>> from hypothesis import given, settings
+>>> @settings(deadline=None)
+... @given(ab=operand_pairs(np.float32), fault=faults())
 ... def test_mine(ab, fault):
 ...     a, b = ab
 ...     c, report = abftgemm.matmul(a, b, fault_hook=fault, return_report=True)

@@ -20,13 +20,14 @@ Differences from PyTorch: the returned attention weights carry no gradient; a qu
 keys are all masked gets probabilities 0 (output ``out_proj.bias``), where PyTorch may give NaN;
 ``is_causal=True`` without ``attn_mask`` applies the causal mask (PyTorch raises).
 
-On the CPU, PyTorch's OpenMP threads and NumPy's BLAS threads both spin-wait, and when their
-calls interleave (every step of a model with this module) they fight over the cores: on 2 cores a
-loop alternating ``torch.matmul`` and ``numpy.matmul`` ran 8x slower than with
-``torch.set_num_threads(1)`` (or ``OMP_NUM_THREADS=1``), which is what to use for small models.
+On the CPU, the module's GEMMs run under the library's thread policy (:mod:`abftgemm.threads`):
+PyTorch's intra-op threads, which spin-wait on the other cores after each of PyTorch's own
+operations, and other processes' running tasks count as busy cores, so NumPy's BLAS threads do
+not fight them. PyTorch's own thread settings are left as they are.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable
 
@@ -36,15 +37,17 @@ from torch import nn
 import abftgemm
 from abftgemm._torch import device_scope, to_array, to_tensor
 from abftgemm.report import Report, register_library_package
+from abftgemm.threads import blas_scope
 from attention.context import Context
 from attention.functional import attention_backward, attention_forward
 from attention.plan import CheckingPlan
 from attention.workspace import Workspace
+from attention import _torch_op
 
 register_library_package("attention")  # fault warnings point at the caller of the module
 
 FaultHook = Callable[[str, Any], None]
-__all__ = ["MultiheadAttention", "protect"]
+__all__ = ["MultiheadAttention", "protect", "fault_hook"]
 
 
 class MultiheadAttention(nn.MultiheadAttention):
@@ -86,6 +89,8 @@ device, dtype
         self.last_report = Report()
         self._workspaces: dict[torch.device, Workspace] = {}  # plans and buffers, per device
         self._views: tuple[tuple, dict[str, Any]] = ((), {})
+        #: Names this module in the custom operators' calls (attention/_torch_op.py).
+        self.op_id = _torch_op.register(self)
         # nn.TransformerEncoderLayer's inference fast path reads self_attn's weights and never
         # calls its forward (it would run unprotected); it is skipped for any module with hooks.
         self.register_forward_pre_hook(_keep_off_fused_paths)
@@ -135,15 +140,35 @@ device, dtype
         attn_output_weights : tensor (N, L, S), (N, num_heads, L, S), (L, S) or
             (num_heads, L, S) unbatched, or None when ``need_weights`` is False
         """
-        call = _Call.of(self, query, key, value, key_padding_mask, attn_mask, is_causal)
-        params = (self.in_proj_weight, self.in_proj_bias, self.out_proj.weight,
-                  self.out_proj.bias)
-        y = _ProtectedAttention.apply(call, call.query, call.key, call.value, *params)
-        if not call.batched:
-            y = y.squeeze(0)
+        batched, self_attention = _check_inputs(query, key, value)
+        q, k, v = (_batch_first(t, batched, self.batch_first, name)
+                   for name, t in (("query", query), ("key", key), ("value", value)))
+        if self_attention:
+            k = v = q
+        if key_padding_mask is not None and not batched:
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+        y, weights, _ = _torch_op.mha_forward(
+            self.op_id, q, k, v, self.in_proj_weight, self.in_proj_bias, self.out_proj.weight,
+            self.out_proj.bias, key_padding_mask, attn_mask, self.num_heads, self_attention,
+            bool(is_causal), need_weights, average_attn_weights)
+        if not batched:
+            y, weights = y.squeeze(0), weights.squeeze(0) if need_weights else weights
         elif not self.batch_first:
             y = y.transpose(0, 1)
-        return y, (call.weights(average_attn_weights) if need_weights else None)
+        return y, (weights if need_weights else None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The module without its caches (plans, buffers, parameter views), which hold
+        array modules and memory no copy should share: ``copy.deepcopy``, ``torch.save`` and
+        ``pickle`` work after a forward, and a copy builds its own caches on first use."""
+        state = self.__dict__.copy()
+        state["_workspaces"], state["_views"] = {}, ((), {})
+        del state["op_id"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.op_id = _torch_op.register(self)
 
     def _workspace_for(self, device: torch.device) -> Workspace:
         """The plans and buffers of the calls on ``device`` (a module moved to another device,
@@ -170,7 +195,13 @@ def protect(model: nn.Module, *, check: str = "correct") -> nn.Module:
 
     ``nn.TransformerEncoder``'s nested-tensor inference path is turned off
     (``use_nested_tensor = False``): it would hand the attention packed nested tensors.
+    A Hugging Face transformers ``PreTrainedModel`` gets its attention products protected
+    instead (:func:`attention.hf_protect.protect_pretrained`).
     """
+    if _is_pretrained(model):
+        from attention.hf_protect import protect_pretrained
+
+        return protect_pretrained(model, check=check)
     for parent in model.modules():
         if isinstance(parent, nn.TransformerEncoder):
             parent.use_nested_tensor = False
@@ -181,57 +212,95 @@ def protect(model: nn.Module, *, check: str = "correct") -> nn.Module:
     return model
 
 
-# ---------------------------------------------------------------------------------- autograd
+def fault_hook(model: nn.Module, fn: FaultHook) -> contextlib.AbstractContextManager[None]:
+    """A context manager within which ``fn(site, c)`` sees every protected attention product of
+    a protected transformers model, ``site`` as ``"<module name>:<site>"`` (for example
+    ``"transformer.h.0.attn:scores"``); see :func:`attention.hf_protect.fault_hook`."""
+    from attention.hf_protect import fault_hook as hook
+
+    return hook(model, fn)
 
 
-class _ProtectedAttention(torch.autograd.Function):
-    """Forward and backward of the functional core on the tensors' memory (batch-first)."""
+def _is_pretrained(model: nn.Module) -> bool:
+    """True for a transformers ``PreTrainedModel`` (without importing transformers)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+               for c in type(model).__mro__)
 
-    @staticmethod
-    def forward(ctx: Any, call: "_Call", query: torch.Tensor, key: torch.Tensor,
+
+# ---------------------------------------------------------------------------------- passes
+# The bodies of the custom operators abftgemm::mha_forward and abftgemm::mha_backward
+# (attention/_torch_op.py), on batch-first tensors.
+
+
+class _Saved:
+    """What one forward leaves for its backward (carried by the operators' token)."""
+
+    def __init__(self, call: "_Call", saved: dict[str, Any], report: Report,
+                 workspace: Workspace):
+        self.call, self.saved, self.report, self.workspace = call, saved, report, workspace
+
+
+def run_forward(module: MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, in_w: torch.Tensor, in_b: torch.Tensor | None,
-                out_w: torch.Tensor, out_b: torch.Tensor | None) -> torch.Tensor:
-        module = call.module
-        workspace = module._workspace_for(query.device)
-        with device_scope(query):
-            params = module._param_views(in_w, in_b, out_w, out_b)
-            x = _array(query)
-            cross = {} if call.self_attention else {"key": _array(key), "value": _array(value)}
-            context = Context(module.check, module.plan, module.fault_hook)
-            y, saved = attention_forward(params, x, context, n_heads=module.num_heads,
-                                         causal=call.causal, key_visible=call.key_visible,
-                                         attn_mask=call.attn_mask, workspace=workspace, **cross)
-            y = to_tensor(y)
-        module.last_report = context.report
+                out_w: torch.Tensor, out_b: torch.Tensor | None,
+                key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None,
+                self_attention: bool, is_causal: bool, need_weights: bool,
+                average: bool) -> tuple[torch.Tensor, torch.Tensor, _Saved]:
+    """``(y, weights or an empty tensor, saved state)`` of one forward, batch-first."""
+    call = _Call.of(module, query, key, value, key_padding_mask, attn_mask, is_causal,
+                    self_attention)
+    workspace = module._workspace_for(query.device)
+    with device_scope(query), _threads(query):
+        params = module._param_views(in_w, in_b, out_w, out_b)
+        x = _array(query)
+        cross = {} if self_attention else {"key": _array(key), "value": _array(value)}
+        context = Context(module.check, module.plan, module.fault_hook)
+        y, saved = attention_forward(params, x, context, n_heads=module.num_heads,
+                                     causal=call.causal, key_visible=call.key_visible,
+                                     attn_mask=call.attn_mask, workspace=workspace, **cross)
+        y = to_tensor(y)
         call.probs = saved["probs"]
-        ctx.call, ctx.saved, ctx.report = call, saved, context.report
-        ctx.bias = in_b is not None, out_b is not None
-        ctx.weights, ctx.workspace = (in_w, out_w), workspace
-        return y
+        weights = call.weights(average) if need_weights else query.new_empty(0)
+    module.last_report = context.report
+    return y, weights, _Saved(call, saved, context.report, workspace)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
-        module = ctx.call.module
-        context = Context(module.check, module.plan, module.fault_hook, ctx.report)
-        # The core writes the parameter gradients straight into torch's layout (transposed
-        # views of these buffers: no copies, no concatenation).
-        in_w, out_w = ctx.weights
-        d_in_w, d_out_w = torch.empty_like(in_w), torch.empty_like(out_w)
-        d_in_b = torch.empty(in_w.shape[0], dtype=in_w.dtype, device=in_w.device)
-        d_out_b = torch.empty(out_w.shape[0], dtype=in_w.dtype, device=in_w.device)
-        with device_scope(dy):
-            grads_out = {k: v for k, v in _params(d_in_w, d_in_b, d_out_w, d_out_b).items()
-                         if k != "w_qkv"}
-            dx, _ = attention_backward(ctx.saved, _array(dy.contiguous()), context,
-                                       workspace=ctx.workspace, grads_out=grads_out)
-            if ctx.call.self_attention:
-                d_inputs = (to_tensor(dx), None, None)
-            else:
-                d_inputs = tuple(to_tensor(d) for d in dx)
-        module.last_report = ctx.report
-        return (None, *d_inputs, d_in_w, d_in_b if ctx.bias[0] else None, d_out_w,
-                d_out_b if ctx.bias[1] else None)
+
+def run_backward(state: _Saved, dy: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, in_w: torch.Tensor, in_b: torch.Tensor | None,
+                 out_w: torch.Tensor, out_b: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """``(d_query, d_key, d_value, d_in_w, d_in_b, d_out_w, d_out_b)``; ``d_key`` and ``d_value``
+    empty in self-attention. The inputs and parameters are read from the tensors given here
+    (those of the forward, which autograd kept)."""
+    module = state.call.module
+    inputs = state.saved["inputs"]
+    inputs.x = _array(query)
+    inputs.key, inputs.value = (inputs.x, inputs.x) if state.call.self_attention else \
+        (_array(key), _array(value))
+    inputs.params = _params(in_w, in_b, out_w, out_b)
+    context = Context(module.check, module.plan, module.fault_hook, state.report)
+    # The core writes the parameter gradients straight into torch's layout (transposed views
+    # of these buffers: no copies, no concatenation).
+    d_in_w, d_out_w = torch.empty_like(in_w), torch.empty_like(out_w)
+    d_in_b = torch.empty(in_w.shape[0], dtype=in_w.dtype, device=in_w.device)
+    d_out_b = torch.empty(out_w.shape[0], dtype=in_w.dtype, device=in_w.device)
+    with device_scope(dy), _threads(dy):
+        grads_out = {k: v for k, v in _params(d_in_w, d_in_b, d_out_w, d_out_b).items()
+                     if k != "w_qkv"}
+        dx, _ = attention_backward(state.saved, _array(dy), context,
+                                   workspace=state.workspace, grads_out=grads_out)
+        if state.call.self_attention:
+            empty = dy.new_empty(0)
+            d_inputs = (to_tensor(dx), empty, empty.clone())
+        else:
+            d_inputs = tuple(to_tensor(d) for d in dx)
+    module.last_report = state.report
+    return (*d_inputs, d_in_w, d_in_b, d_out_w, d_out_b)
+
+
+def _threads(t: torch.Tensor) -> blas_scope | contextlib.nullcontext:
+    """The library's thread policy for a pass on ``t``'s device: on the CPU, PyTorch's intra-op
+    threads count as busy cores (:mod:`abftgemm.threads`)."""
+    return blas_scope(torch.get_num_threads()) if t.is_cpu else contextlib.nullcontext()
 
 
 def _array(t: torch.Tensor) -> Any:
@@ -265,40 +334,39 @@ class _Call:
         self.probs: Any = None
 
     @classmethod
-    def of(cls, module: MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
-           value: torch.Tensor, key_padding_mask: torch.Tensor | None,
-           attn_mask: torch.Tensor | None, is_causal: bool) -> "_Call":
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.is_nested:
-                raise ValueError(f"{name} is a nested tensor, which is not supported; for "
-                                 "nn.TransformerEncoder set use_nested_tensor = False (protect() "
-                                 "does)")
-        if query.dim() not in (2, 3):
-            raise ValueError(f"query must be 2-D (unbatched) or 3-D, got shape "
-                             f"{tuple(query.shape)}")
-        batched = query.dim() == 3
-        self_attention = query is key and key is value
-        q, k, v = (_batch_first(t, batched, module.batch_first, name)
-                   for name, t in (("query", query), ("key", key), ("value", value)))
+    def of(cls, module: MultiheadAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None,
+           is_causal: bool, self_attention: bool) -> "_Call":
+        """Batch-first ``q``, ``k``, ``v`` (N, L|S, E) and the masks as the core takes them."""
         n, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
-        if key_padding_mask is not None and not batched:
-            key_padding_mask = key_padding_mask.unsqueeze(0)
         key_visible, float_padding = _padding(key_padding_mask, n, seq_k)
         mask = _attn_mask(attn_mask, float_padding, module.num_heads, n, seq_q, seq_k, q.dtype)
-        return cls(module=module, batched=batched, self_attention=self_attention, query=q,
-                   key=q if self_attention else k, value=q if self_attention else v,
-                   key_visible=key_visible, attn_mask=mask,
-                   causal=bool(is_causal) and attn_mask is None, shape=(n, seq_q, seq_k))
+        return cls(module=module, self_attention=self_attention, key_visible=key_visible,
+                   attn_mask=mask, causal=bool(is_causal) and attn_mask is None,
+                   shape=(n, seq_q, seq_k))
 
     def weights(self, average: bool) -> torch.Tensor:
         """The attention probabilities of this call, as torch returns them (no gradient)."""
         n, seq_q, seq_k = self.shape
         probs = to_tensor(self.probs).view(n, -1, seq_q, seq_k)
         # The probabilities are also saved for backward: hand out a new tensor, never a view.
-        w = probs.mean(dim=1) if average else probs.clone()
-        return w if self.batched else w.squeeze(0)
+        return probs.mean(dim=1) if average else probs.clone()
+
+
+def _check_inputs(query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor) -> tuple[bool, bool]:
+    """``(batched, self_attention)`` of valid forward inputs; a clear error otherwise."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested:
+            raise ValueError(f"{name} is a nested tensor, which is not supported; for "
+                             "nn.TransformerEncoder set use_nested_tensor = False (protect() "
+                             "does)")
+    if query.dim() not in (2, 3):
+        raise ValueError(f"query must be 2-D (unbatched) or 3-D, got shape "
+                         f"{tuple(query.shape)}")
+    return query.dim() == 3, query is key and key is value
 
 
 def _batch_first(t: torch.Tensor, batched: bool, batch_first: bool, name: str) -> torch.Tensor:

@@ -136,3 +136,21 @@ def test_handed_on_script_times_both_encodings() -> None:
     assert [r.split()[0] for r in rows] == ["proj", "proj-bT", "d_x-bT"], stdout
     for line in rows:
         assert all(float(v) > 0 for v in line.split()[-3:]), line
+
+
+def test_loaded_script_runs_each_scenario_in_its_own_interpreter(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    out = tmp_path / "loaded.json"
+    stdout = _run_bench("loaded.py", "--cases", "tiny", "--repeats", "1", "--json", str(out),
+                        timeout=300)
+    doc = json.loads(out.read_text())
+    assert doc["device"] and [s["scenario"] for s in doc["scenarios"]] == ["idle", "loaded"]
+    idle, loaded = doc["scenarios"]
+    assert "while True" in loaded["load"] and idle["load"] == "none started"
+    for scenario in doc["scenarios"]:
+        (record,) = scenario["records"]
+        assert record["case"] == "tiny" and all(_positive(v) for v in record["ms"].values())
+        assert set(record["ms"]) == {"numpy_protected", "numpy_off", "torch_protected",
+                                     "torch_stock", "numpy_protected_blas1",
+                                     "torch_protected_blas1"}
+    assert "torch_protected/stock" in stdout

@@ -197,3 +197,21 @@ def test_without_matplotlib_plots_are_skipped(tmp_path: Path, monkeypatch: pytes
     notes = [line for line in capsys.readouterr().out.splitlines() if "plots skipped" in line]
     assert notes == ['plots skipped: matplotlib is not installed (pip install "abftgemm[plots]")']
     assert (tmp_path / "train.json").exists() and not (tmp_path / "loss.png").exists()
+
+
+@pytest.mark.parametrize("command", ["campaign", "train", "bench", "demo"])
+@pytest.mark.parametrize("where", ["file", "below-a-file"])
+def test_out_that_cannot_be_a_folder_is_refused_before_any_work(
+        command: str, where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    blocker = tmp_path / "taken"
+    blocker.write_text("not a folder")
+    out = blocker if where == "file" else blocker / "sub"
+
+    def no_work(args):
+        raise AssertionError("the command ran")
+    monkeypatch.setattr(cli, f"_{command}", no_work)
+    assert main([command, "--out", str(out), "--backend", "numpy"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {out}: a file is in the way" in err
+    assert blocker.read_text() == "not a folder"

@@ -1,6 +1,9 @@
 """Detect-mode findings reach the user as FaultDetectedWarning; clean calls never warn."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -111,3 +114,61 @@ def test_attention_in_detect_mode_warns_at_the_users_call(xp, site):
     assert len(records) == reported >= 1
     assert all(f"{site}[" in str(r.message) for r in records)
     assert all(r.filename == __file__ for r in records)
+
+
+# ------------------------------------------------------------------ repairs raise no NumPy warnings
+
+REPAIR_SITES = ["q_proj", "k_proj", "scores", "softmax", "context", "out_proj", "d_probs", "d_x"]
+
+
+@pytest.mark.parametrize("site", REPAIR_SITES)
+@pytest.mark.parametrize("kind", ["inf", "nan", "bitflip"])
+def test_a_repaired_attention_pass_warns_nothing_even_with_warnings_as_errors(site, kind):
+    # INF/NaN from a fault ran through later products and the float64 model of the rare path,
+    # each printing a NumPy RuntimeWarning (and raising under -W error instead of repairing)
+    from attention import MultiHeadAttention
+    layer = MultiHeadAttention(32, 4, causal=True, dtype="float32", xp=np, seed=0)
+    x = np.random.default_rng(1).standard_normal((2, 8, 32)).astype(np.float32)
+    clean, cache = layer.forward(x)
+    clean_dx, _ = layer.backward(np.ones_like(clean), cache)
+    for pattern in ("element", "row", "column"):
+        fault = Fault(kind, pattern, seed=3, **({"bit": 30} if kind == "bitflip" else {}))
+        hook = lambda s, c: fault(s, c) if s == site else None  # noqa: E731
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            y, cache = layer.forward(x, fault_hook=hook)
+            dx, _ = layer.backward(np.ones_like(y), cache, fault_hook=hook)
+        assert np.isfinite(y).all() and np.isfinite(dx).all()
+        assert np.allclose(y, clean, atol=1e-4) and np.allclose(dx, clean_dx, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["inf", "nan", "bitflip"])
+def test_a_repaired_matmul_warns_nothing_with_warnings_as_errors(kind):
+    a, b = operands(np)
+    a, b = a * 1e30, b * 1e7  # near overflow: the rare path's float64 model sees huge values
+    for pattern in ("element", "row", "column", "tile"):
+        fault = Fault(kind, pattern, seed=1, **({"bit": 30} if kind == "bitflip" else {}))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            c, report = abftgemm.matmul(a, b, fault_hook=fault, return_report=True)
+        assert report.detected
+
+
+def test_the_protected_torch_forward_runs_under_dash_w_error(tmp_path):
+    pytest.importorskip("torch")
+    code = ("import torch\n"
+            "from attention.torch import MultiheadAttention\n"
+            "from abftgemm.faults import Fault\n"
+            "m = MultiheadAttention(32, 4, batch_first=True)\n"
+            "x = torch.randn(2, 8, 32, requires_grad=True)\n"
+            "for site in ('q_proj', 'context'):\n"
+            "    f = Fault('inf', 'row', seed=2)\n"
+            "    m.fault_hook = lambda s, c: f(s, c) if s == site else None\n"
+            "    y, _ = m(x, x, x)\n"
+            "    y.sum().backward()\n"
+            "    assert m.last_report.corrected and torch.isfinite(y).all(), site\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-W", "error", "-c", code], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr

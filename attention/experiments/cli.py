@@ -124,10 +124,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command = {"campaign": _campaign, "train": _train, "bench": _bench, "demo": _demo}
     try:
+        _output_folder(args.out)  # before any work: train would fail after 3 of its 4 runs
         return command[args.command](args)
     except _BadFlags as exc:
         print(f"abft {args.command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _output_folder(out: Path) -> None:
+    """Create ``--out`` (and its parents), or raise :class:`_BadFlags` saying why it cannot be."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise _BadFlags(f"--out {out}: a file is in the way; --out names a folder") from None
+    except OSError as exc:
+        raise _BadFlags(f"--out {out}: cannot create the folder ({exc.strerror})") from None
 
 
 def _config(config: type[T], args: argparse.Namespace) -> T:

@@ -1,0 +1,202 @@
+"""The library's one CPU thread policy: how many threads its BLAS calls may use.
+
+Every BLAS call the library makes on the CPU (the GEMMs of :mod:`abftgemm._cpu_triangles`, the
+float64 model of :mod:`abftgemm.nonfinite`) runs inside :func:`blas_scope`, which sets NumPy's
+BLAS (OpenBLAS, MKL, ... through threadpoolctl) to the policy's thread count and restores the
+caller's setting on the way out. The attention passes and :func:`abftgemm.matmul` open one scope
+around all their work, so the count is decided once per call.
+
+The count, unless :func:`set_threads` fixed one (or the ``ABFT_THREADS`` environment variable):
+
+- the cores this process may run on (``os.sched_getaffinity``),
+- minus the tasks of *other* processes running right now (``/proc/loadavg`` less this process's
+  own running threads, the most of the last three samples, taken at most every 0.1 s: a second
+  BLAS thread under load costs far more than a lost one on an idle machine): a BLAS
+  GEMM splits its work evenly over its threads, so a thread that shares a core with a busy
+  process makes the whole product wait for it,
+- minus the intra-op threads of PyTorch beyond the calling one when the call comes from
+  PyTorch (``attention.torch``): they spin-wait on the other cores after each of PyTorch's own
+  operations, and BLAS threads started next to them fight them,
+- at least 1, and never more than the caller's own BLAS setting (``OPENBLAS_NUM_THREADS=1`` or
+  ``threadpoolctl.threadpool_limits`` stay in force).
+
+numba: the library's kernels are serial (no ``parallel=True``), so numba never starts its thread
+pool (tests/test_threads.py checks it). PyTorch: the library never changes PyTorch's own thread
+settings; it only counts them, as above. Measured (bench/loaded.py, bench/NOTES.md, "the thread policy on a shared machine"): on
+a 2-core AMD EPYC with a CPU-bound process running, the protected ``attention.torch`` layer at
+(4, 4, 128, 32) took 1796 ms fwd+bwd before the policy and 78 ms with it (BLAS forced to one
+thread: 78-84 ms).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from typing import Any
+
+__all__ = ["set_threads", "get_threads", "current_policy", "blas_scope"]
+
+#: Seconds a load sample stays valid.
+SAMPLE_INTERVAL = 0.1
+#: Samples whose most busy tasks decide (an intermittent load counts while it comes and goes).
+SAMPLES = 3
+
+_fixed: int | None = None
+_lock = threading.Lock()
+_local = threading.local()
+_active = 0  # scopes open in any thread (the BLAS setting is process-wide)
+_restore: list[tuple[Any, int]] = []
+_controllers: list[Any] | None = None
+_samples: deque[int] = deque(maxlen=SAMPLES)
+_sampled_at = -1.0
+
+
+def set_threads(n: int | None) -> None:
+    """Fix the number of BLAS threads of the library's CPU products, or ``None`` for the
+    automatic policy (the module docstring).
+
+    Parameters
+    ----------
+    n : int >= 1 or None
+
+    Raises
+    ------
+    ValueError
+        For anything but a positive int or None.
+    """
+    global _fixed
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"threads must be a positive int or None (automatic), got {n!r}")
+    _fixed = n
+
+
+def get_threads() -> int | None:
+    """The fixed thread count of :func:`set_threads`, or None under the automatic policy."""
+    return _fixed
+
+
+def _from_environment() -> None:
+    value = os.environ.get("ABFT_THREADS", "").strip()
+    if not value or value == "auto":
+        return
+    try:
+        set_threads(int(value))
+    except ValueError:
+        raise ValueError(f"ABFT_THREADS must be a positive integer or 'auto', got {value!r}") \
+            from None
+
+
+def current_policy(torch_threads: int = 1) -> int:
+    """The BLAS thread count the policy gives a call now.
+
+    Parameters
+    ----------
+    torch_threads : int
+        PyTorch's intra-op thread count when the call comes from PyTorch, else 1.
+    """
+    if _fixed is not None:
+        return _fixed
+    cores = _cores()
+    others = _busy_others(cores)
+    return max(1, cores - others - max(0, torch_threads - 1))
+
+
+class blas_scope:
+    """``with blas_scope():`` runs its body with NumPy's BLAS at :func:`current_policy` threads
+    (or fewer, when the caller's setting is lower), restoring the caller's setting after.
+    Nested scopes, in this thread or another, keep the count of the first one open.
+
+    Parameters
+    ----------
+    torch_threads : int
+        PyTorch's intra-op thread count when the call comes from PyTorch, else 1.
+    """
+
+    __slots__ = ("torch_threads",)
+
+    def __init__(self, torch_threads: int = 1):
+        self.torch_threads = torch_threads
+
+    def __enter__(self) -> None:
+        depth = getattr(_local, "depth", 0)
+        if not depth:
+            _enter(self.torch_threads)
+        _local.depth = depth + 1
+
+    def __exit__(self, *exc: object) -> None:
+        _local.depth -= 1
+        if not _local.depth:
+            _exit()
+
+
+def _enter(torch_threads: int) -> None:
+    global _active
+    with _lock:
+        _active += 1
+        if _active > 1:
+            return
+        n = current_policy(torch_threads)
+        for lib in _blas():
+            before = lib.get_num_threads()
+            if before is not None and before > n:
+                lib.set_num_threads(n)
+                _restore.append((lib, before))
+
+
+def _exit() -> None:
+    global _active
+    with _lock:
+        _active -= 1
+        if _active:
+            return
+        while _restore:
+            lib, before = _restore.pop()
+            lib.set_num_threads(before)
+
+
+def _blas() -> list[Any]:
+    """threadpoolctl's controllers of the BLAS libraries loaded in this process (found once)."""
+    global _controllers
+    if _controllers is None:
+        import numpy  # noqa: F401  (its BLAS must be loaded to be found)
+        from threadpoolctl import ThreadpoolController
+
+        _controllers = list(ThreadpoolController().select(user_api="blas").lib_controllers)
+    return _controllers
+
+
+def _cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def _busy_others(cores: int) -> int:
+    """Tasks of other processes running now (0 where ``/proc`` is not there)."""
+    global _sampled_at
+    now = time.monotonic()
+    if now - _sampled_at >= SAMPLE_INTERVAL or not _samples:
+        _sampled_at = now
+        _samples.append(_sample())
+    return min(max(_samples), cores)
+
+
+def _sample() -> int:
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            running = int(f.read().split()[3].split(b"/")[0])
+        own = 0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:  # the thread ended
+                continue
+            own += stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] == b"R"
+    except (OSError, ValueError, IndexError):
+        return 0
+    return max(0, running - own)
+
+
+_from_environment()

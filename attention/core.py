@@ -1,0 +1,159 @@
+"""The attention product alone: ``softmax(scale Q K^T + mask) V``, forward and backward protected.
+
+Where a model computes its own projections (Hugging Face transformers models hand their attention
+function Q, K and V split into heads), only the attention product is left to protect:
+:func:`core_forward` and :func:`core_backward` run the sites ``scores``, ``softmax`` and
+``context`` forward and ``d_probs``, ``d_v``, ``softmax_backward``, ``d_q`` and ``d_k`` backward,
+with the routes, checked softmax steps, one settle per pass and replay on a repair of the whole
+layer (:mod:`attention.functional`). Heads are the leading batch axis: ``(batch * heads, seq,
+head_dim)``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from abftgemm.backend import array_module
+from abftgemm.checksums import SUPPORTED_DTYPES
+from attention import softmax
+from attention.context import Context
+from attention.functional import _additive, _Pass, _run
+from attention.workspace import Workspace
+
+#: The GEMM sites the attention product runs (forward, then backward), and its invariant sites.
+CORE_SITES = ("scores", "context", "d_probs", "d_v", "d_q", "d_k")
+CORE_INVARIANT_SITES = ("softmax", "softmax_backward")
+
+
+class _CoreInputs:
+    """Validated inputs of one attention product (kept in ``saved`` for backward); the attributes
+    the checked softmax steps read (:class:`attention.softmax.ForwardStep`)."""
+
+    def __init__(self, q: Any, k: Any, v: Any, scale: float, causal: bool, attn_add: Any | None):
+        self.xp, self.q, self.k, self.v, self.dtype = array_module(q), q, k, v, q.dtype
+        self.scale, self.causal, self.attn_add = scale, causal, attn_add
+        self.key_visible = None
+        self.n_heads = 1  # heads are already the batch axis
+        # The softmax steps scale the scores by 1 / sqrt(head_dim).
+        d = q.shape[-1]
+        self.head_dim = d if scale == 1 / math.sqrt(d) else scale ** -2
+
+
+def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = None,
+                 causal: bool = False, attn_mask: Any | None = None,
+                 workspace: Workspace | None = None) -> tuple[Any, dict[str, Any]]:
+    """``softmax(scale q k^T + mask) v`` with every product and the softmax checked.
+
+    Parameters
+    ----------
+    q : array (n, seq_q, d)
+        Queries, ``n`` = batch * heads; C-contiguous, float16, bfloat16, float32 or float64.
+    k, v : array (n, seq_k, d)
+        Keys and values, same dtype and array module as ``q``, C-contiguous.
+    ctx : Context
+        Check mode, frequencies, fault hook (sites :data:`CORE_SITES` and
+        :data:`CORE_INVARIANT_SITES`); findings go to ``ctx.report``.
+    scale : float, optional
+        Positive factor of the scores (default ``1 / sqrt(d)``).
+    causal : bool
+        Query ``i`` sees keys ``j <= i`` only (``seq_q`` must equal ``seq_k``).
+    attn_mask : array (seq_q, seq_k) or (n, seq_q, seq_k), optional
+        Boolean, True = NOT allowed, or float, added to the scaled scores.
+    workspace : Workspace, optional
+        Plans and buffers to reuse across calls.
+
+    Returns
+    -------
+    out : array (n, seq_q, d)
+        A new array.
+    saved : dict
+        What :func:`core_backward` needs; ``saved["probs"]`` holds the probabilities.
+    """
+    inp = _inputs(q, k, v, scale, causal, attn_mask)
+    ws = workspace or Workspace()
+    return _run(lambda p: _forward(p, inp), ctx, ws, inp.xp)
+
+
+def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
+                  workspace: Workspace | None = None) -> tuple[Any, Any, Any]:
+    """``(dq, dk, dv)`` (new arrays) from the gradient ``d_out`` ``(n, seq_q, d)`` of
+    :func:`core_forward`'s output, C-contiguous, of its dtype; every product checked."""
+    inp: _CoreInputs = saved["inputs"]
+    if d_out.shape != inp.q.shape or d_out.dtype != inp.dtype:
+        raise ValueError(f"d_out must have shape {inp.q.shape} and dtype {inp.dtype}, got "
+                         f"{d_out.shape} {d_out.dtype}")
+    if not d_out.flags.c_contiguous:
+        raise ValueError("d_out must be C-contiguous")
+    ws = workspace or Workspace()
+    return _run(lambda p: _backward(p, saved, d_out), ctx, ws, inp.xp)
+
+
+def _inputs(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
+            attn_mask: Any | None) -> _CoreInputs:
+    xp = array_module(q)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if array_module(t) is not xp or t.dtype != q.dtype:
+            raise TypeError(f"{name} must be a {xp.__name__} array of q's dtype {q.dtype}")
+        if t.ndim != 3:
+            raise ValueError(f"{name} must be 3-D (batch * heads, seq, head_dim), got {t.shape}")
+        if not t.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q {q.shape}, k {k.shape} and v {v.shape} must be (n, seq_q, d), "
+                         "(n, seq_k, d), (n, seq_k, d)")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal=True needs seq_q == seq_k (got {q.shape[1]} and {k.shape[1]});"
+                         " pass the mask instead")
+    scale = 1 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+    add = _additive(xp, attn_mask, q.shape[0], q.shape[1], k.shape[1])
+    return _CoreInputs(q, k, v, scale, bool(causal), add)
+
+
+def _forward(p: _Pass, inp: _CoreInputs) -> tuple[Any, dict[str, Any]]:
+    xp, ws, dt = p.xp, p.ws, inp.dtype
+    n, seq_q, d = inp.q.shape
+    seq_k = inp.k.shape[1]
+    p.env.update(qh=inp.q, kh=inp.k, vh=inp.v)
+    p.causal = inp.causal
+    scores = ws.buffer("scores", xp, (n, seq_q, seq_k), dt)
+    plan = p.gemm_deferred("scores", scores)
+    probs = xp.empty_like(scores)
+    p.env["probs"] = probs
+    step = softmax.ForwardStep(inp, scores, probs, p.ctx, ws, plan)
+    p.consumed("scores", plan, step.run)
+    p.invariant("softmax", step.verdict, step.recompute)
+    if step.encodings is not None:  # made by the softmax kernel on its write of P
+        p.sums["probs"], p.sums["probs^T"] = step.encodings
+    out = p.gemm("context", xp.empty((n, seq_q, d), dt))
+    p_sums = p.sums.get("probs^T")
+    return out, {"inputs": inp, "probs": probs,
+                 "probs_t_sums": None if p_sums is None else p_sums.copy()}
+
+
+def _backward(p: _Pass, saved: dict[str, Any], d_out: Any) -> tuple[Any, Any, Any]:
+    inp: _CoreInputs = saved["inputs"]
+    xp, ws, dt = p.xp, p.ws, inp.dtype
+    n, seq_q, d = inp.q.shape
+    seq_k = inp.k.shape[1]
+    p.env.update(qh=inp.q, kh=inp.k, vh=inp.v, probs=saved["probs"], d_context_h=d_out)
+    p.causal = inp.causal
+    if saved["probs_t_sums"] is not None:
+        p.sums["probs^T"] = saved["probs_t_sums"]
+    d_probs = ws.buffer("d_probs", xp, (n, seq_q, seq_k), dt)
+    plan = p.gemm_deferred("d_probs", d_probs)
+    dv = p.gemm("d_v", xp.empty((n, seq_k, d), dt))
+    d_scores = ws.buffer("d_scores", xp, (n, seq_q, seq_k), dt)
+    step = softmax.BackwardStep(d_probs, saved["probs"], d_scores, inp.scale, p.ctx, ws, plan,
+                                causal=inp.causal)
+    p.consumed("d_probs", plan, step.run)
+    p.invariant("softmax_backward", step.verdict, step.recompute)
+    p.env["d_scores"] = d_scores
+    if step.encodings is not None:  # made by the softmax kernel on its write of dS
+        p.sums["d_scores"], p.sums["d_scores^T"] = step.encodings
+    dq = p.gemm("d_q", xp.empty((n, seq_q, d), dt))
+    dk = p.gemm("d_k", xp.empty((n, seq_k, d), dt))
+    return dq, dk, dv

@@ -1,0 +1,119 @@
+"""The attention implementation ``"abft"`` for Hugging Face transformers models.
+
+Importing this module registers :func:`abft_attention_forward` with transformers'
+``AttentionInterface`` and sdpa's boolean mask builder with its ``AttentionMaskInterface``, both
+under the name ``"abft"``. A model built with ``attn_implementation="abft"`` (or switched with
+``model.set_attn_implementation("abft")``) then runs the attention product of every layer (the
+scores ``Q K^T``, the mask, the softmax and ``P V``, forward and backward) on checksum-protected
+GEMMs and checked softmax steps (:mod:`attention.core`). Each attention module's check mode, fault
+hook and last report live in a :class:`attention.torch_core.ProtectedCore` in its attribute
+``abft_core`` (made with ``check="correct"`` on first use; :func:`attention.torch.protect` makes
+them for a whole model).
+
+Masks: none (with the module's ``is_causal``, or the ``is_causal`` keyword), 4-D boolean
+(True = attend, as transformers' sdpa masks) or 4-D float masks added to the scores (eager's
+masks and custom ones); values at or below half the dtype's lowest finite value are taken as
+"not allowed". Grouped-query attention (fewer key/value heads) repeats the key and value heads.
+
+Differences from ``"eager"``: the returned attention weights carry no gradient; a query row whose
+keys are all masked gets probabilities 0 (eager: uniform over the masked keys). Refused with a
+clear error: attention dropout in training (``dropout > 0``), head masks, ``softcap``, sliding
+windows, attention sinks and position biases.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from attention.torch_core import ProtectedCore
+
+NAME = "abft"
+#: Keyword arguments transformers may pass that the protected product cannot honour.
+_REFUSED = ("head_mask", "softcap", "sliding_window", "s_aux", "sinks", "position_bias")
+
+__all__ = ["NAME", "abft_attention_forward", "core_of"]
+
+
+def core_of(module: torch.nn.Module) -> ProtectedCore:
+    """The :class:`ProtectedCore` of an attention module (made with the defaults if missing)."""
+    core = module.__dict__.get("abft_core")
+    if core is None:
+        core = module.abft_core = ProtectedCore()
+    return core
+
+
+def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                           value: torch.Tensor, attention_mask: torch.Tensor | None,
+                           scaling: float | None = None, dropout: float = 0.0,
+                           is_causal: bool | None = None,
+                           **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The protected attention product with transformers' attention-function signature.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The calling attention module (its ``is_causal``, ``abft_core``).
+    query : tensor (batch, heads, L, D)
+    key, value : tensor (batch, kv_heads, S, D)
+        ``heads`` a multiple of ``kv_heads``.
+    attention_mask : tensor (batch or 1, heads or 1, L, S), optional
+        Boolean (True = attend) or float (added to the scaled scores).
+    scaling : float, optional
+        Factor of the scores (default ``1 / sqrt(D)``).
+    dropout : float
+        Must be 0 (transformers passes 0 outside training).
+    is_causal : bool, optional
+        Overrides ``module.is_causal``; applies only without a mask and for ``L > 1``.
+    **kwargs
+        Others transformers passes (position ids, cache flags, ``output_attentions``) are
+        ignored; those in ``_REFUSED`` raise ``ValueError`` when set.
+
+    Returns
+    -------
+    attn_output : tensor (batch, L, heads, D)
+    attn_weights : tensor (batch, heads, L, S), without gradient
+    """
+    if dropout:
+        raise ValueError(f"the 'abft' attention does not support attention dropout in training "
+                         f"(dropout={dropout}); set the model's attention dropout probability "
+                         "to 0 (BERT/RoBERTa: attention_probs_dropout_prob, GPT-2: attn_pdrop, "
+                         "GPT-Neo: attention_dropout) or call model.eval()")
+    for name in _REFUSED:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"the 'abft' attention does not support {name!r}")
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads != kv_heads:
+        if heads % kv_heads:
+            raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key heads")
+        key, value = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
+    seq_q, seq_k = query.shape[2], key.shape[2]
+    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    causal = causal and attention_mask is None and seq_q > 1
+    mask = not_allowed(attention_mask)
+    if causal and seq_q != seq_k:  # queries are the last seq_q positions (a cache before them)
+        mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=query.device).triu(
+            seq_k - seq_q + 1)
+        causal = False
+    out, weights = core_of(module)(query, key, value, mask, scaling, causal, need_weights=True)
+    return out.transpose(1, 2), weights
+
+
+def not_allowed(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A transformers attention mask in :class:`ProtectedCore`'s convention: boolean masks
+    inverted (True = NOT allowed), float masks with their "minus infinity" (at or below half the
+    dtype's lowest value) as ``-inf``."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return mask.logical_not()
+    if not mask.is_floating_point():
+        raise TypeError(f"attention_mask must be bool or float, got {mask.dtype}")
+    return mask.masked_fill(mask <= torch.finfo(mask.dtype).min / 2, -math.inf)
+
+
+AttentionInterface.register(NAME, abft_attention_forward)
+AttentionMaskInterface.register(NAME, sdpa_mask)

@@ -1,0 +1,127 @@
+"""Protecting a Hugging Face transformers ``PreTrainedModel`` in place (:func:`protect_pretrained`).
+
+Models that call the attention function their config names (BERT, RoBERTa, GPT-2 and most
+transformers 5 models) are switched to the implementation ``"abft"`` (:mod:`attention.hf`), and
+every attention module among their submodules gets its own
+:class:`attention.torch_core.ProtectedCore` (attribute ``abft_core``). GPT-Neo picks its attention
+classes by name and never calls a registered function: there each ``GPTNeoSelfAttention`` becomes
+a :class:`ProtectedGPTNeoSelfAttention` (its class is swapped; the module, its Parameters and
+buffers stay the same objects), whose attention product runs on the protected core.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
+
+from attention.hf import NAME, core_of, not_allowed
+from attention.torch_core import ProtectedCore
+
+__all__ = ["protect_pretrained", "ProtectedGPTNeoSelfAttention", "attention_cores",
+           "fault_hook"]
+
+
+class ProtectedGPTNeoSelfAttention(GPTNeoSelfAttention):
+    """GPT-Neo's self-attention with its attention product on the protected core (unscaled
+    scores, the module's causal or local window mask, the model's additive mask)."""
+
+    def _attn(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.training and self.attn_dropout.p:
+            raise ValueError(f"the protected GPT-Neo attention does not support attention "
+                             f"dropout in training (attention_dropout={self.attn_dropout.p}); "
+                             "set config.attention_dropout = 0 or call model.eval()")
+        seq_q, seq_k = query.size(-2), key.size(-2)
+        dtype = value.dtype
+        # As GPT-Neo's eager attention: the scores in float32.
+        query, key, value = (t.to(torch.float32) for t in (query, key, value))
+        causal = self.attention_type == "global" and attention_mask is None and seq_q == seq_k
+        mask = None
+        if not causal:
+            hidden = self.bias[:, :, seq_k - seq_q:seq_k, :seq_k].logical_not()
+            mask = hidden if attention_mask is None else \
+                not_allowed(attention_mask).to(torch.float32).masked_fill(hidden, -math.inf)
+        out, weights = core_of(self)(query, key, value, mask, 1.0, causal, need_weights=True)
+        return out.to(dtype), weights.to(dtype)
+
+
+def protect_pretrained(model: nn.Module, *, check: str = "correct") -> nn.Module:
+    """Protect the attention products of a transformers ``PreTrainedModel`` in place.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+    check : {"correct", "detect", "off"}
+        The check mode of every attention module.
+
+    Returns
+    -------
+    model
+
+    Raises
+    ------
+    ValueError
+        For a model that neither calls registered attention functions nor is GPT-Neo.
+    """
+    neo = [m for m in model.modules() if isinstance(m, GPTNeoSelfAttention)]
+    for m in neo:
+        if type(m) is GPTNeoSelfAttention:
+            m.__class__ = ProtectedGPTNeoSelfAttention
+    if not neo:
+        if not model._can_set_attn_implementation():
+            raise ValueError(f"{type(model).__name__} does not call the attention function its "
+                             "config names (transformers' AttentionInterface), so protect() "
+                             "cannot protect it")
+        model.set_attn_implementation(NAME)
+    modules = list(_attention_modules(model))
+    if not modules:
+        raise ValueError(f"protect: found no attention module in {type(model).__name__}")
+    for _, m in modules:
+        m.abft_core = ProtectedCore(check)
+    return model
+
+
+def _attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(name, module)`` of the modules that compute an attention product: GPT-Neo's protected
+    self-attention, and modules with an ``is_causal`` flag defined next to transformers'
+    ``ALL_ATTENTION_FUNCTIONS`` (the modules that call it)."""
+    for name, m in model.named_modules():
+        if isinstance(m, ProtectedGPTNeoSelfAttention):
+            yield name, m
+        elif hasattr(m, "is_causal") and hasattr(m, "config") and hasattr(
+                sys.modules.get(type(m).__module__), "ALL_ATTENTION_FUNCTIONS"):
+            yield name, m
+
+
+def attention_cores(model: nn.Module) -> dict[str, ProtectedCore]:
+    """The :class:`ProtectedCore` of every protected attention module, by module name."""
+    return {name: m.abft_core for name, m in model.named_modules()
+            if isinstance(m.__dict__.get("abft_core"), ProtectedCore)}
+
+
+@contextlib.contextmanager
+def fault_hook(model: nn.Module, fn: Callable[[str, Any], None]) -> Iterator[None]:
+    """Within the block, ``fn(site, c)`` sees every protected product of ``model``'s attention
+    modules, ``site`` as ``"<module name>:<site>"`` (for example ``"transformer.h.0.attn:scores"``);
+    the previous hooks are restored after it."""
+    cores = attention_cores(model)
+    if not cores:
+        raise ValueError("fault_hook: the model has no protected attention module (call "
+                         "attention.torch.protect(model) first)")
+    before = {name: core.fault_hook for name, core in cores.items()}
+    try:
+        for name, core in cores.items():
+            core.fault_hook = _named(fn, name)
+        yield
+    finally:
+        for name, core in cores.items():
+            core.fault_hook = before[name]
+
+
+def _named(fn: Callable[[str, Any], None], prefix: str) -> Callable[[str, Any], None]:
+    return lambda site, c: fn(f"{prefix}:{site}", c)

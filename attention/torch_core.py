@@ -1,0 +1,177 @@
+"""The protected attention product on PyTorch tensors: ``softmax(scale Q K^T + mask) V``.
+
+:class:`ProtectedCore` holds what one attention module's product runs under (check mode, checking
+plan, fault hook, last report, plans and buffers per device) and computes it, forward and backward,
+through the custom operators of :mod:`attention._torch_core_op` on the tensors' memory (CPU
+tensors as NumPy arrays, CUDA tensors as CuPy arrays). It is what :mod:`attention.hf` attaches to
+the attention modules of Hugging Face transformers models, which compute their own projections.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+import abftgemm
+from abftgemm._torch import device_scope, to_tensor
+from abftgemm.report import Report
+from attention import _torch_op, _torch_core_op
+from attention.context import Context
+from attention.core import core_backward, core_forward
+from attention.plan import CheckingPlan
+from attention.torch import _array, _threads
+from attention.workspace import Workspace
+
+FaultHook = Callable[[str, Any], None]
+__all__ = ["ProtectedCore"]
+
+
+class ProtectedCore:
+    """The checked attention product of one attention module.
+
+    Parameters
+    ----------
+    check : {"correct", "detect", "off"}
+        As in :func:`abftgemm.matmul`, for every site.
+    plan : attention.CheckingPlan, optional
+        How often each site is checked (default: every call).
+
+    Attributes
+    ----------
+    fault_hook : callable ``(site, c)`` or None
+        Sees every raw product of :data:`attention.core.CORE_SITES` and the softmax steps
+        (:data:`attention.core.CORE_INVARIANT_SITES`) before verification, forward and backward.
+    last_report : abftgemm.Report
+        Findings of the last forward, extended by its backward.
+    """
+
+    def __init__(self, check: str = "correct", plan: CheckingPlan | None = None):
+        if check not in abftgemm.CHECK_MODES:
+            raise ValueError(f"check must be one of {abftgemm.CHECK_MODES}, got {check!r}")
+        self.check = check
+        self.plan = plan or CheckingPlan()
+        self.fault_hook: FaultHook | None = None
+        self.last_report = Report()
+        self._workspaces: dict[torch.device, Workspace] = {}
+        self.op_id = _torch_op.register(self)
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attn_mask: torch.Tensor | None = None, scale: float | None = None,
+                 is_causal: bool = False,
+                 need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(out, weights)`` of ``softmax(scale query key^T + attn_mask) value``, differentiable
+        in ``query``, ``key`` and ``value``.
+
+        Parameters
+        ----------
+        query : tensor (..., L, D)
+        key, value : tensor (..., S, D)
+            Same leading dimensions and dtype as ``query``.
+        attn_mask : tensor, optional
+            Broadcastable to ``(..., L, S)``: bool, True = NOT allowed, or float, added to the
+            scaled scores.
+        scale : float, optional
+            Default ``1 / sqrt(D)``.
+        is_causal : bool
+            Query ``i`` sees keys ``j <= i`` only (``L == S``).
+        need_weights : bool
+            Also return the probabilities ``(..., L, S)`` (a new tensor without gradient).
+
+        Returns
+        -------
+        out : tensor (..., L, D)
+        weights : tensor (..., L, S) or None
+        """
+        lead, (seq_q, d), seq_k = query.shape[:-2], query.shape[-2:], key.shape[-2]
+        if key.shape[:-2] != lead or value.shape != key.shape or key.shape[-1] != d:
+            raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                             f"{tuple(value.shape)} must be (..., L, D), (..., S, D), (..., S, D)")
+        if not (query.dtype == key.dtype == value.dtype):
+            raise TypeError(f"query, key and value must have one dtype, got {query.dtype}, "
+                            f"{key.dtype}, {value.dtype}")
+        n = 1
+        for size in lead:
+            n *= size
+        q, k, v = (t.reshape(n, -1, d).contiguous() for t in (query, key, value))
+        mask = _flat_mask(attn_mask, lead, n, seq_q, seq_k)
+        out, weights, _ = _torch_core_op.attention_core(
+            self.op_id, q, k, v, mask, 1 / d ** 0.5 if scale is None else float(scale),
+            bool(is_causal), need_weights)
+        out = out.view(*lead, seq_q, d)
+        return out, (weights.view(*lead, seq_q, seq_k) if need_weights else None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Without its plans and buffers (``copy.deepcopy``, ``torch.save`` and ``pickle`` work
+        after a forward; a copy builds its own on first use)."""
+        state = self.__dict__.copy()
+        state["_workspaces"] = {}
+        del state["op_id"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.op_id = _torch_op.register(self)
+
+    def _workspace_for(self, device: torch.device) -> Workspace:
+        ws = self._workspaces.get(device)
+        if ws is None:
+            ws = self._workspaces[device] = Workspace()
+        return ws
+
+
+def _flat_mask(mask: torch.Tensor | None, lead: torch.Size, n: int, seq_q: int,
+               seq_k: int) -> torch.Tensor | None:
+    """``mask`` as the core takes it: ``(L, S)`` when shared by every batch item and head, else
+    ``(n, L, S)``."""
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"attn_mask must be bool or float, got {mask.dtype}")
+    try:
+        full = mask.expand(*lead, seq_q, seq_k)
+    except RuntimeError:
+        raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to "
+                         f"{(*lead, seq_q, seq_k)}") from None
+    if all(s == 1 for s in mask.shape[:-2]) and mask.shape[-2:] == (seq_q, seq_k):
+        return mask.reshape(seq_q, seq_k).contiguous()
+    return full.reshape(n, seq_q, seq_k).contiguous()
+
+
+class _CoreSaved:
+    """What one forward leaves for its backward (carried by the operators' token)."""
+
+    def __init__(self, core: ProtectedCore, saved: dict[str, Any], report: Report,
+                 workspace: Workspace):
+        self.core, self.saved, self.report, self.workspace = core, saved, report, workspace
+
+
+def run_core_forward(core: ProtectedCore, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None, scale: float, is_causal: bool,
+                     need_weights: bool) -> tuple[torch.Tensor, torch.Tensor, _CoreSaved]:
+    """The body of ``abftgemm::attention_core``."""
+    workspace = core._workspace_for(q.device)
+    context = Context(core.check, core.plan, core.fault_hook)
+    with device_scope(q), _threads(q):
+        out, saved = core_forward(_array(q), _array(k), _array(v), context, scale=scale,
+                                  causal=is_causal,
+                                  attn_mask=None if mask is None else _array(mask),
+                                  workspace=workspace)
+        weights = to_tensor(saved["probs"]).clone() if need_weights else q.new_empty(0)
+        out = to_tensor(out)
+    core.last_report = context.report
+    return out, weights, _CoreSaved(core, saved, context.report, workspace)
+
+
+def run_core_backward(state: _CoreSaved, d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The body of ``abftgemm::attention_core_backward``: the inputs are read from the tensors
+    given here (those autograd kept)."""
+    core = state.core
+    inputs = state.saved["inputs"]
+    inputs.q, inputs.k, inputs.v = _array(q), _array(k), _array(v)
+    context = Context(core.check, core.plan, core.fault_hook, state.report)
+    with device_scope(d_out), _threads(d_out):
+        grads = core_backward(state.saved, _array(d_out), context, workspace=state.workspace)
+        result = tuple(to_tensor(g) for g in grads)
+    core.last_report = state.report
+    return result

@@ -1,0 +1,294 @@
+"""Hugging Face transformers models protected by attention.torch.protect: BERT, RoBERTa, GPT-2 and
+GPT-Neo (tiny configurations built in code, random weights and token ids; nothing downloaded)
+against the "eager" attention, under injected faults, and around saving and compiling."""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+if not hasattr(transformers, "AttentionInterface"):
+    pytest.skip(f"transformers {transformers.__version__} has no AttentionInterface "
+                "(the [hf] extra needs >= 5.17)", allow_module_level=True)
+
+from abftgemm.faults import Fault  # noqa: E402
+from attention.core import CORE_INVARIANT_SITES, CORE_SITES  # noqa: E402
+from attention.hf import abft_attention_forward  # noqa: E402
+from attention.hf_protect import ProtectedGPTNeoSelfAttention, attention_cores  # noqa: E402
+from attention.torch import fault_hook, protect  # noqa: E402
+
+FAMILIES = ("bert", "roberta", "gpt2", "gpt-neo")
+VOCAB, WIDTH, HEADS, SEQ = 100, 32, 4, 12
+#: fp32 models: worst |protected - eager| over a tensor, relative to its largest |eager| element
+#: (reassociated sums through two layers; measured up to ~1e-6).
+RTOL32 = 1e-5
+
+
+def build(family, attn_dropout=0.0):
+    """A 2-layer, width-32 model of ``family`` with random weights, eager attention, dropout 0
+    (attention dropout ``attn_dropout``)."""
+    torch.manual_seed(0)
+    t = transformers
+    common = dict(vocab_size=VOCAB)
+    if family in ("bert", "roberta"):
+        cfg_cls, model_cls = ((t.BertConfig, t.BertForMaskedLM) if family == "bert" else
+                              (t.RobertaConfig, t.RobertaForMaskedLM))
+        cfg = cfg_cls(**common, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=HEADS,
+                      intermediate_size=2 * WIDTH, max_position_embeddings=SEQ + 4,
+                      attention_probs_dropout_prob=attn_dropout, hidden_dropout_prob=0.0,
+                      pad_token_id=1, attn_implementation="eager")
+    elif family == "gpt2":
+        cfg_cls, model_cls = t.GPT2Config, t.GPT2LMHeadModel
+        cfg = cfg_cls(**common, n_embd=WIDTH, n_layer=2, n_head=HEADS, n_positions=SEQ,
+                      attn_pdrop=attn_dropout, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0,
+                      eos_token_id=0, attn_implementation="eager")
+    else:
+        cfg_cls, model_cls = t.GPTNeoConfig, t.GPTNeoForCausalLM
+        cfg = cfg_cls(**common, hidden_size=WIDTH, num_layers=2, num_heads=HEADS,
+                      attention_types=[[["global", "local"], 1]], window_size=4,
+                      max_position_embeddings=SEQ, attention_dropout=attn_dropout,
+                      resid_dropout=0.0, embed_dropout=0.0, bos_token_id=0, eos_token_id=0,
+                      attn_implementation="eager")
+    model = model_cls(cfg)
+    model.train()
+    return model
+
+
+def batch():
+    """Token ids (3, SEQ) and a padding mask: item 0 full, items 1 and 2 right-padded."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (3, SEQ), generator=g)
+    mask = torch.ones(3, SEQ, dtype=torch.long)
+    mask[1, 9:] = 0
+    mask[2, 5:] = 0
+    return ids, mask
+
+
+def step(model, ids, mask):
+    """Logits at the real tokens and every parameter's gradient of a loss over them."""
+    model.zero_grad(set_to_none=True)
+    logits = model(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    logits[keep].pow(2).mean().backward()
+    return logits[keep].detach(), {n.removeprefix("_orig_mod."): p.grad.clone()
+                                   for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_close(actual, expected, rtol=RTOL32, floor=0.0):
+    """``|actual - expected| <= rtol * (max |expected| + floor)`` element-wise at worst."""
+    assert torch.isfinite(actual).all()
+    err = (actual - expected).abs().max().item()
+    scale = expected.abs().max().item() + floor
+    assert err <= rtol * scale, f"max error {err:.3g} > {rtol:.1g} * {scale:.3g}"
+
+
+def assert_same_step(got, want, rtol=RTOL32):
+    """Logits and gradients close; a gradient that is zero in exact arithmetic (the key bias's:
+    softmax ignores a constant added to a row) is rounding noise, judged against 1e-3 of the
+    model's largest gradient."""
+    assert_close(got[0], want[0], rtol)
+    assert got[1].keys() == want[1].keys()
+    largest = max(g.abs().max().item() for g in want[1].values())
+    for name in want[1]:
+        assert_close(got[1][name], want[1][name], rtol, floor=1e-3 * largest)
+
+
+@pytest.fixture(scope="module")
+def eager_runs():
+    """Each family's eager model and its step on the padded batch."""
+    return {f: (m, step(m, *batch())) for f in FAMILIES for m in [build(f)]}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_equals_eager_with_padding_in_train_mode(family, eager_runs):
+    eager, want = eager_runs[family]
+    model = protect(copy.deepcopy(eager))
+    assert model.training
+    got = step(model, *batch())
+    assert_same_step(got, want)
+    cores = attention_cores(model)
+    assert len(cores) == 2  # one per layer
+    for core in cores.values():
+        report = core.last_report
+        assert not report.detected and report.checked  # the protected products ran, clean
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_protect_keeps_parameters(family):
+    model = build(family)
+    params = dict(model.named_parameters())
+    state = model.state_dict()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    protect(model)
+    assert dict(model.named_parameters()) == params  # the same Parameter objects
+    assert all(a is b for a, b in zip(model.parameters(), params.values()))
+    assert model.state_dict().keys() == state.keys()
+    if family == "gpt-neo":
+        assert all(isinstance(m.attn.attention, ProtectedGPTNeoSelfAttention)
+                   for m in model.transformer.h)
+    else:
+        assert model.config._attn_implementation == "abft"
+    before = {n: p.detach().clone() for n, p in params.items()}
+    step(model, *batch())
+    optimizer.step()
+    assert any(not torch.equal(before[n], p) for n, p in params.items())
+
+
+def _layer0(family):
+    return {"bert": "bert.encoder.layer.0.attention.self",
+            "roberta": "roberta.encoder.layer.0.attention.self",
+            "gpt2": "transformer.h.0.attn",
+            "gpt-neo": "transformer.h.0.attn.attention"}[family]
+
+
+class OncePerSite:
+    """Injects one ``kind`` fault into the first product of the site ``target`` names, or of
+    every site of a module for a ``target`` ending in ``":"`` (transient faults)."""
+
+    def __init__(self, target, kind="inf"):
+        self.target, self.kind, self.hit = target, kind, []
+
+    def __call__(self, site, c):
+        match = site.startswith(self.target) if self.target.endswith(":") else \
+            site == self.target
+        if match and site not in self.hit:
+            self.hit.append(site)
+            Fault(self.kind, "element", seed=len(self.hit))(site, c)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fault_at_every_site_of_a_layer_is_corrected(family, eager_runs):
+    """One INF per step, at each site of layer 0 in turn: reported repaired at that site, and
+    the logits and gradients those of the fault-free run."""
+    eager, want = eager_runs[family]
+    model = protect(copy.deepcopy(eager))
+    clean = step(model, *batch())
+    layer = _layer0(family)
+    for site in CORE_SITES + CORE_INVARIANT_SITES:
+        inject = OncePerSite(f"{layer}:{site}")
+        with fault_hook(model, inject):
+            got = step(model, *batch())
+        assert inject.hit == [f"{layer}:{site}"]
+        report = attention_cores(model)[layer].last_report
+        assert [e.site for e in report.events] == [site], report.summary()
+        assert report.events[0].action in ("corrected", "recomputed"), report.summary()
+        assert_same_step(got, clean)
+        assert_same_step(got, want)
+    for core in attention_cores(model).values():
+        assert core.fault_hook is None  # the context manager restored the hooks
+
+
+def test_unprotected_fault_damages_the_model(eager_runs):
+    eager, _ = eager_runs["gpt2"]
+    model = protect(copy.deepcopy(eager), check="off")
+    with fault_hook(model, OncePerSite(_layer0("gpt2") + ":")):
+        logits, grads = step(model, *batch())
+    assert not torch.isfinite(logits).all()
+    assert not all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_refuses_what_it_cannot_honour():
+    model = protect(build("bert", attn_dropout=0.1))
+    with pytest.raises(ValueError, match="attention dropout"):
+        model(batch()[0])
+    model.eval()  # no dropout outside training
+    model(batch()[0])
+    neo = protect(build("gpt-neo", attn_dropout=0.1))
+    with pytest.raises(ValueError, match="attention dropout"):
+        neo(batch()[0])
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="softcap"):
+        abft_attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)
+    with pytest.raises(ValueError, match="no attention module|does not call"):
+        protect(transformers.BertModel(transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=0, num_attention_heads=HEADS,
+            intermediate_size=WIDTH)))
+    with pytest.raises(ValueError, match="no protected attention module"):
+        with fault_hook(build("gpt2"), print):
+            pass
+
+
+def test_float_and_boolean_4d_masks_and_causal_offset():
+    """The mask forms transformers passes: 4-D float (eager's), 4-D boolean (sdpa's, True =
+    attend), none with a causal module, and causal queries after a cache (L < S)."""
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(2, 4, n, 8, requires_grad=True) for n in (6, 6, 6))
+    module = torch.nn.Module()
+    module.is_causal = False
+    allowed = torch.rand(2, 1, 6, 6) > 0.3
+    allowed[..., 0] = True
+    add = torch.zeros(2, 1, 6, 6).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    for mask in (allowed, add):
+        out, weights = abft_attention_forward(module, q, k, v, mask, scaling=8 ** -0.5)
+        assert_close(out.transpose(1, 2), ref.detach())
+        assert weights.shape == (2, 4, 6, 6) and not weights.requires_grad
+    module.is_causal = True
+    out, _ = abft_attention_forward(module, q, k, v, None, scaling=0.3)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+    assert_close(out.transpose(1, 2), ref.detach())
+    grads = torch.autograd.grad(out.transpose(1, 2).sum(), (q, k, v))
+    want = torch.autograd.grad(ref.sum(), (q, k, v))
+    for g, w in zip(grads, want):
+        assert_close(g, w)
+    last = q[:, :, -2:].detach()  # two new queries after a cache of four keys
+    out, _ = abft_attention_forward(module, last, k, v, None)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        last, k, v, attn_mask=torch.ones(2, 6, dtype=torch.bool).tril(4))
+    assert_close(out.transpose(1, 2), ref.detach())
+
+
+def test_generate_with_cache_equals_eager(eager_runs):
+    eager = copy.deepcopy(eager_runs["gpt2"][0]).eval()
+    model = protect(copy.deepcopy(eager))
+    ids = batch()[0][:1, :4]
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kw), eager.generate(ids, **kw))
+
+
+def test_save_pretrained_round_trip(tmp_path, eager_runs):
+    model = protect(copy.deepcopy(eager_runs["roberta"][0]))
+    want = step(model, *batch())
+    model.save_pretrained(tmp_path)
+    loaded = transformers.RobertaForMaskedLM.from_pretrained(tmp_path)
+    assert loaded.config._attn_implementation != "abft"  # the choice is not saved: protect again
+    loaded = protect(loaded).train()
+    assert_same_step(step(loaded, *batch()), want, rtol=0)
+
+
+def test_deepcopy_after_forward(eager_runs):
+    model = protect(copy.deepcopy(eager_runs["gpt2"][0]))
+    want = step(model, *batch())
+    twin = copy.deepcopy(model)
+    assert_same_step(step(twin, *batch()), want, rtol=0)
+    assert attention_cores(twin).keys() == attention_cores(model).keys()
+
+
+def test_torch_compile_equals_eager(eager_runs):
+    eager, want = eager_runs["gpt2"]
+    model = protect(copy.deepcopy(eager))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=False)
+    assert_same_step(step(compiled, *batch()), want)
+
+
+#: bfloat16 autocast: a few units of bfloat16's roundoff (2^-8) of the largest element.
+RTOL_BF16 = 5 * 2.0 ** -8
+
+
+@pytest.mark.parametrize("family", ("bert", "gpt2"))
+def test_bfloat16_autocast_equals_eager(family):
+    """Under CPU autocast the projections hand the attention bfloat16 Q, K and V; the protected
+    product runs in bfloat16 like eager's."""
+    runs = []
+    for model in (build(family), protect(build(family))):
+        ids, mask = batch()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids, attention_mask=mask).logits
+        assert logits.dtype == torch.bfloat16
+        keep = mask.bool()
+        logits[keep].float().pow(2).mean().backward()
+        runs.append((logits[keep].float().detach(),
+                     {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert_same_step(runs[1], runs[0], rtol=RTOL_BF16)
+    assert any(c.last_report.checked for c in attention_cores(model).values())

@@ -1,0 +1,122 @@
+"""The library's CPU thread policy (abftgemm.threads): BLAS threads inside its calls, the
+caller's setting restored and respected, numba's pool never started."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from threadpoolctl import ThreadpoolController, threadpool_limits
+
+import abftgemm
+from abftgemm import threads
+from attention import MultiHeadAttention
+
+CONTROLLER = ThreadpoolController()
+
+
+def blas_threads() -> int:
+    """NumPy's BLAS thread count now."""
+    return min(c.get_num_threads() for c in CONTROLLER.select(user_api="blas").lib_controllers)
+
+
+@pytest.fixture
+def fixed():
+    """Restore the automatic policy after a test that fixes a count."""
+    yield threads.set_threads
+    threads.set_threads(None)
+
+
+def seen_inside(fn) -> list[int]:
+    """The BLAS thread counts the fault hooks of ``fn(hook)`` saw (inside the library's calls)."""
+    seen: list[int] = []
+    fn(lambda site, c: seen.append(blas_threads()))
+    return seen
+
+
+def operands():
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((64, 96)).astype(np.float32),
+            rng.standard_normal((96, 80)).astype(np.float32))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])
+def test_bad_counts_are_refused(bad):
+    with pytest.raises(ValueError, match="positive int or None"):
+        abftgemm.set_threads(bad)
+
+
+def test_fixed_count_holds_inside_matmul_and_the_callers_setting_comes_back(fixed):
+    with threadpool_limits(2, user_api="blas"):
+        fixed(1)
+        a, b = operands()
+        assert seen_inside(lambda hook: abftgemm.matmul(a, b, fault_hook=hook)) == [1]
+        assert blas_threads() == 2
+    assert abftgemm.get_threads() == 1
+
+
+def test_fixed_count_holds_for_every_site_of_an_attention_pass(fixed):
+    fixed(1)
+    layer = MultiHeadAttention(32, 4, causal=True, dtype="float32", xp=np, seed=0)
+    x = np.random.default_rng(1).standard_normal((2, 8, 32)).astype(np.float32)
+
+    def both(hook):
+        y, cache = layer.forward(x, fault_hook=hook)
+        layer.backward(np.ones_like(y), cache, fault_hook=hook)
+    with threadpool_limits(2, user_api="blas"):
+        seen = seen_inside(both)
+        assert len(seen) >= 16 and set(seen) == {1}
+        assert blas_threads() == 2
+
+
+def test_the_callers_lower_setting_is_kept(fixed):
+    fixed(2)
+    a, b = operands()
+    with threadpool_limits(1, user_api="blas"):
+        assert seen_inside(lambda hook: abftgemm.matmul(a, b, fault_hook=hook)) == [1]
+
+
+def test_pytorch_threads_count_as_busy_cores():
+    cores = threads._cores()
+    assert threads.current_policy(torch_threads=cores) == 1
+    assert threads.current_policy(torch_threads=cores + 5) == 1
+
+
+def test_nested_scopes_keep_the_first_count(fixed):
+    with threadpool_limits(2, user_api="blas"):
+        fixed(1)
+        with threads.blas_scope():
+            fixed(2)
+            with threads.blas_scope():
+                assert blas_threads() == 1
+            assert blas_threads() == 1
+        assert blas_threads() == 2
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/loadavg"), reason="needs Linux /proc")
+def test_another_running_process_is_counted_and_our_own_threads_are_not():
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert max(threads._sample() for _ in range(20)) >= 1
+    finally:
+        burner.kill()
+        burner.wait()
+
+
+def test_numba_never_starts_its_thread_pool():
+    code = ("import numpy as np, numba.np.ufunc.parallel as par\n"
+            "from attention import MultiHeadAttention\n"
+            "layer = MultiHeadAttention(32, 4, causal=True, dtype='float32', xp=np, seed=0)\n"
+            "x = np.ones((2, 8, 32), np.float32)\n"
+            "y, cache = layer.forward(x)\n"
+            "layer.backward(np.ones_like(y), cache)\n"
+            "assert not par._is_initialized, 'numba started its thread pool'\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr

@@ -1,0 +1,112 @@
+"""attention.torch under torch.compile (the core as one opaque custom operator) and copied or
+saved after a forward (deepcopy, torch.save, AveragedModel)."""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from attention.torch import MultiheadAttention, protect  # noqa: E402
+
+
+def encoder(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    return protect(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+
+
+def step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Output and parameter gradients of one forward and backward."""
+    model.zero_grad(set_to_none=True)
+    y = model(x, is_causal=True, mask=nn.Transformer.generate_square_subsequent_mask(x.shape[1]))
+    (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    return y.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to float32 rounding of the compiled elementwise parts (fused by inductor)."""
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-5 * max(1.0, float(b.abs().max())))
+
+
+def test_compiled_encoder_matches_eager_outputs_and_gradients():
+    model, x = encoder(), torch.randn(3, 12, 32)
+    y, grads = step(model, x)
+    compiled = torch.compile(model, fullgraph=True)
+    for _ in range(2):  # the second call runs the cached compiled graph
+        yc, grads_c = step(compiled, x)
+        assert close(yc, y)
+        assert len(grads_c) == len(grads) and all(close(g, h) for g, h in zip(grads_c, grads))
+
+
+def test_the_protected_core_is_one_opaque_node_of_the_graph():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model, x = encoder(), torch.randn(2, 8, 32)
+    y, _ = step(model, x)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    assert torch.equal(compiled(x, is_causal=True, mask=nn.Transformer
+                                .generate_square_subsequent_mask(8)), y)
+    (graph,) = graphs
+    targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    assert sum("abftgemm.mha_forward" in t for t in targets) == 2  # one node per layer
+    assert not any("numpy" in t for t in targets)
+
+
+def test_the_compiled_module_still_corrects_a_fault():
+    model, x = encoder(), torch.randn(2, 8, 32)
+    y, grads = step(model, x)
+    attn = model.layers[0].self_attn
+    attn.fault_hook = lambda site, c: c.reshape(-1).__setitem__(5, 1e30) \
+        if site == "scores" else None
+    yc, grads_c = step(torch.compile(model, fullgraph=True), x)
+    assert attn.last_report.corrected and close(yc, y)
+    assert all(close(g, h) for g, h in zip(grads_c, grads))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_module_copied_after_a_forward_runs_and_is_independent(how):
+    model, x = encoder(), torch.randn(2, 8, 32)
+    y, grads = step(model, x)
+    if how == "deepcopy":
+        other = copy.deepcopy(model)
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        other = torch.load(buf, weights_only=False)
+    y2, grads2 = step(other, x)
+    assert torch.equal(y2, y) and all(torch.equal(g, h) for g, h in zip(grads2, grads))
+    a, b = model.layers[0].self_attn, other.layers[0].self_attn
+    assert isinstance(b, MultiheadAttention) and a.op_id != b.op_id
+    with torch.no_grad():
+        b.in_proj_weight.mul_(2)
+    assert torch.equal(step(model, x)[0], y)  # the original keeps its own weights and caches
+
+
+def test_averaged_model_of_a_trained_module():
+    model, x = encoder(), torch.randn(2, 8, 32)
+    step(model, x)
+    ema = torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    ema.update_parameters(model)
+    assert torch.equal(step(ema.module, x)[0], step(model, x)[0])
+
+
+def test_backward_reads_the_saved_inputs_so_changing_them_in_place_is_caught():
+    # the backward reads the forward's input through autograd's saved tensors (a compiled graph
+    # would otherwise reuse its memory once the forward is done, as inductor did)
+    module = MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    h = x * 1
+    y, _ = module(h, h, h, need_weights=False)
+    h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
