@@ -9,17 +9,32 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test test-cuda-on-cpu bench clean mutations
 
-$(STAMP): setup.py pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+# make demo installs the package and matplotlib, plus CuPy only where nvidia-smi lists a GPU;
+# make test installs torch, transformers and the test, kernel-compile (CuPy, NVRTC), plot and
+# notebook extras.
+DEMO_STAMP := $(VENV)/.installed-demo
+GPU_EXTRA  := $(shell nvidia-smi -L >/dev/null 2>&1 && echo ",cuda13")
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+
+$(DEMO_STAMP): setup.py pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e ".[plots$(GPU_EXTRA)]"
+	touch $@
+
+$(STAMP): setup.py pyproject.toml | $(BIN)/python
 	# torch is optional (its tests skip without it). The CPU build first: on these machines pip
 	# takes torch==2.13.0 from local disk; elsewhere "pip install torch" may fetch a CUDA build
 	# of several GB, so that is left to the user.
 	$(BIN)/python -m pip install -q "torch==2.13.0" || echo "torch not installed: its tests will skip"
 	$(BIN)/python -m pip install -q -e ".[test,kernels,plots,notebooks]"
+	# transformers for tests/test_hf.py (alone, not ".[hf]": that extra also asks for torch,
+	# which could make pip fetch a CUDA build where the local CPU one did not install)
+	$(BIN)/python -m pip install -q "transformers>=5.17,<6" || echo "transformers not installed: tests/test_hf.py will skip"
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/abft demo --out out/demo
 
 test: $(STAMP)
