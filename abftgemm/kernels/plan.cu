@@ -28,6 +28,13 @@ __device__ __forceinline__ double load(const T* __restrict__ x, long long ld, in
     return to_double(transposed ? x[j * ld + i] : x[i * ld + j]);
 }
 
+// The sum of v over the warp's 32 lanes, in every lane.
+__device__ __forceinline__ double warp_total(double v) {
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
 }  // namespace
 
 // Grid: batch (or 1) * slabs * chunks blocks (flat); block (t, slab, chunk) sums the SLAB columns
@@ -62,27 +69,56 @@ __global__ void abft_plan_predict(
 
     if (enc_in == nullptr) {
         const T* at = a + (a_batches == 1 ? 0 : t) * a_bstride;
-        const int c = c0 + lane;
         const int i1 = min(m, (chunk + 1) * chunk_rows);
         const double inv_m = 1.0 / static_cast<double>(m > 0 ? m : 1);
-        double s0 = 0.0, s1 = 0.0, s2 = 0.0;
-        if (c < k) {
-            for (int i = chunk * chunk_rows + warp; i < i1; i += PLAN_WARPS) {
-                const double v = load(at, lda, a_transposed, i, c);
-                s0 += v;
-                s1 += v * (static_cast<double>(i + 1) * inv_m);
-                s2 += fabs(v);
+        if (a_transposed) {
+            // A column of a transposed A is contiguous: the lanes read consecutive rows of it
+            // (coalesced), each warp takes whole columns and sums them over its lanes.
+            for (int l = warp; l < SLAB; l += PLAN_WARPS) {
+                double s0 = 0.0, s1 = 0.0, s2 = 0.0;
+                if (c0 + l < k) {
+                    for (int i = chunk * chunk_rows + lane; i < i1; i += 32) {
+                        const double v = load(at, lda, 1, i, c0 + l);
+                        s0 += v;
+                        s1 += v * (static_cast<double>(i + 1) * inv_m);
+                        s2 += fabs(v);
+                    }
+                }
+                s0 = warp_total(s0);
+                s1 = warp_total(s1);
+                s2 = warp_total(s2);
+                if (lane == 0 && chunks == 1) {
+                    enc[0][l] = s0;
+                    enc[1][l] = s1;
+                    enc[2][l] = s2;
+                } else if (lane == 0) {
+                    atomicAdd(acc + l, s0);
+                    atomicAdd(acc + SLAB + l, s1);
+                    atomicAdd(acc + 2 * SLAB + l, s2);
+                }
             }
-        }
-        sh[0][warp][lane] = s0;
-        sh[1][warp][lane] = s1;
-        sh[2][warp][lane] = s2;
-        __syncthreads();
-        if (warp < 3) {
-            double s = 0.0;
-            for (int w = 0; w < PLAN_WARPS; ++w) s += sh[warp][w][lane];
-            if (chunks == 1) enc[warp][lane] = s;
-            else atomicAdd(acc + warp * SLAB + lane, s);
+        } else {
+            // Row-major: lane l reads column c0 + l of the warp's rows (coalesced along a row).
+            const int c = c0 + lane;
+            double s0 = 0.0, s1 = 0.0, s2 = 0.0;
+            if (c < k) {
+                for (int i = chunk * chunk_rows + warp; i < i1; i += PLAN_WARPS) {
+                    const double v = load(at, lda, 0, i, c);
+                    s0 += v;
+                    s1 += v * (static_cast<double>(i + 1) * inv_m);
+                    s2 += fabs(v);
+                }
+            }
+            sh[0][warp][lane] = s0;
+            sh[1][warp][lane] = s1;
+            sh[2][warp][lane] = s2;
+            __syncthreads();
+            if (warp < 3) {
+                double s = 0.0;
+                for (int w = 0; w < PLAN_WARPS; ++w) s += sh[warp][w][lane];
+                if (chunks == 1) enc[warp][lane] = s;
+                else atomicAdd(acc + warp * SLAB + lane, s);
+            }
         }
         if (chunks > 1) {
             __threadfence();
@@ -111,6 +147,22 @@ __global__ void abft_plan_predict(
     for (long long u = t; u < t_end; ++u) {
         const T* bt = b + (b_batches == 1 ? 0 : u) * b_bstride;
         double* p = pred + u * 3LL * n;
+        if (b_transposed) {
+            // Column j of a transposed B is contiguous along the slab's rows: the lanes take one
+            // row each (coalesced) and the warp sums the column's three terms.
+            for (int j = warp; j < n; j += PLAN_WARPS) {
+                const double v = lane < rows ? load(bt, ldb, 1, c0 + lane, j) : 0.0;
+                const double p0 = warp_total(lane < rows ? enc[0][lane] * v : 0.0);
+                const double p1 = warp_total(lane < rows ? enc[1][lane] * v : 0.0);
+                const double p2 = warp_total(lane < rows ? enc[2][lane] * fabs(v) : 0.0);
+                if (lane == 0) {
+                    atomicAdd(p + j, p0);
+                    atomicAdd(p + n + j, p1);
+                    atomicAdd(p + 2LL * n + j, p2);
+                }
+            }
+            continue;
+        }
         for (int j = threadIdx.x; j < n; j += PLAN_THREADS) {
             double p0 = 0.0, p1 = 0.0, p2 = 0.0;
             for (int r = 0; r < rows; ++r) {
