@@ -17,7 +17,7 @@ from abftgemm.backend import array_module
 from abftgemm.checksums import SUPPORTED_DTYPES
 from attention import softmax
 from attention.context import Context
-from attention.functional import _additive, _Pass, _run
+from attention.functional import _additive, _Pass, _run, _scores_and_softmax
 from attention.workspace import Workspace
 
 #: The GEMM sites the attention product runs (forward, then backward), and its invariant sites.
@@ -114,20 +114,12 @@ def _inputs(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
 
 
 def _forward(p: _Pass, inp: _CoreInputs) -> tuple[Any, dict[str, Any]]:
-    xp, ws, dt = p.xp, p.ws, inp.dtype
+    xp, dt = p.xp, inp.dtype
     n, seq_q, d = inp.q.shape
     seq_k = inp.k.shape[1]
     p.env.update(qh=inp.q, kh=inp.k, vh=inp.v)
     p.causal = inp.causal
-    scores = ws.buffer("scores", xp, (n, seq_q, seq_k), dt)
-    plan = p.gemm_deferred("scores", scores)
-    probs = xp.empty_like(scores)
-    p.env["probs"] = probs
-    step = softmax.ForwardStep(inp, scores, probs, p.ctx, ws, plan)
-    p.consumed("scores", plan, step.run)
-    p.invariant("softmax", step.verdict, step.recompute)
-    if step.encodings is not None:  # made by the softmax kernel on its write of P
-        p.sums["probs"], p.sums["probs^T"] = step.encodings
+    probs = _scores_and_softmax(p, inp, (n, seq_q, seq_k))
     out = p.gemm("context", xp.empty((n, seq_q, d), dt))
     p_sums = p.sums.get("probs^T")
     return out, {"inputs": inp, "probs": probs,

@@ -410,15 +410,7 @@ def _forward(p: _Pass, inp: _Inputs) -> tuple[Any, dict[str, Any]]:
         p.env[name + "h"] = _split(xp, p.env[name], h)
         if name in p.sums:
             p.sums[name + "h"] = p.sums[name]
-    scores = ws.buffer("scores", xp, (batch * h, seq_q, seq_k), dt)
-    plan = p.gemm_deferred("scores", scores)
-    probs = xp.empty_like(scores)
-    p.env["probs"] = probs
-    step = softmax.ForwardStep(inp, scores, probs, p.ctx, ws, plan)
-    p.consumed("scores", plan, step.run)
-    p.invariant("softmax", step.verdict, step.recompute)
-    if step.encodings is not None:  # made by the softmax kernel on its write of P
-        p.sums["probs"], p.sums["probs^T"] = step.encodings
+    probs = _scores_and_softmax(p, inp, (batch * h, seq_q, seq_k))
     p.gemm("context", ws.buffer("context_h", xp, (batch * h, seq_q, hd), dt))
     p.env["context"] = _merge(xp, p.env["context_h"], h)
     y = p.gemm("out_proj", xp.empty((batch, seq_q, d), dt))
@@ -428,6 +420,22 @@ def _forward(p: _Pass, inp: _Inputs) -> tuple[Any, dict[str, Any]]:
              "v_sums": None if v_sums is None else v_sums.copy(),
              "probs_t_sums": None if p_sums is None else p_sums.copy()}
     return y, saved
+
+
+def _scores_and_softmax(p: _Pass, inp: Any, shape: tuple[int, int, int]) -> Any:
+    """The ``scores`` product (``qh @ kh^T``, rows checked by the softmax kernel) and the checked
+    softmax into ``p.env["probs"]``, which is returned; the encodings of P the kernel makes on its
+    write go to ``p.sums``."""
+    scores = p.ws.buffer("scores", p.xp, shape, inp.dtype)
+    plan = p.gemm_deferred("scores", scores)
+    probs = p.xp.empty_like(scores)
+    p.env["probs"] = probs
+    step = softmax.ForwardStep(inp, scores, probs, p.ctx, p.ws, plan)
+    p.consumed("scores", plan, step.run)
+    p.invariant("softmax", step.verdict, step.recompute)
+    if step.encodings is not None:  # made by the softmax kernel on its write of P
+        p.sums["probs"], p.sums["probs^T"] = step.encodings
+    return probs
 
 
 def _split(xp: Any, t: Any, heads: int) -> Any:

@@ -61,14 +61,14 @@ def _publish(tmp: Path, target: Path) -> Path:
 
 def runtime_library() -> Path:
     """Path of the built SIMT runtime."""
-    source = (HERE / "simt_runtime.cpp").read_text()
+    source = (HERE / "simt_runtime.cpp").read_text() + (HERE / "simt_abi.h").read_text()
     target = cache_dir() / f"libsimt-{_digest(source, _compiler_version(), *COMMON_FLAGS)}.so"
     if target.exists():
         return target
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "lib.so"
-        _run([CXX, *COMMON_FLAGS, "-shared", str(HERE / "simt_runtime.cpp"), "-o", str(out),
-              "-ldl"], "building the SIMT runtime")
+        _run([CXX, *COMMON_FLAGS, "-shared", "-I", str(HERE), str(HERE / "simt_runtime.cpp"),
+              "-o", str(out), "-ldl"], "building the SIMT runtime")
         return _publish(out, target)
 
 
@@ -88,7 +88,7 @@ def kernel_library(code: str, name_expressions: tuple[str, ...], filename: str =
     """Path of the built module of ``code``; entry point ``simt_launch_<i>`` launches
     ``name_expressions[i]``."""
     unit = kernel_source(code, name_expressions, filename)
-    header = (HERE / "simt.h").read_text()
+    header = (HERE / "simt.h").read_text() + (HERE / "simt_abi.h").read_text()
     flags = (*COMMON_FLAGS, *KERNEL_FLAGS, *(f"-D{d}" for d in defines))
     target = cache_dir() / f"kernels-{_digest(unit, header, _compiler_version(), *flags)}.so"
     if target.exists():

@@ -16,6 +16,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "simt_abi.h"
+
 #define SIMT_UNCHECKED __attribute__((no_sanitize_thread))
 
 #define __global__
@@ -29,8 +31,6 @@
 // time); the runtime knows the module's .bss range and checks every access to it for races.
 #define __shared__ static
 
-struct uint3 { unsigned int x, y, z; };
-struct dim3 { unsigned int x, y, z; };
 struct alignas(16) uint4 { unsigned int x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(16) double2 { double x, y; };
@@ -49,7 +49,6 @@ void simt_warp_op(int kind, unsigned mask, void* value, int arg, int width,
                   const char* name);
 void simt_atomic_access(const void* p, int size, const char* name);
 void simt_fail(const char* message);
-struct SimtLaunch;
 int simt_run(const SimtLaunch* launch, void (*entry)(void*), void* ctx, const void* anchor);
 }
 
@@ -200,19 +199,6 @@ inline __nv_bfloat16 __float2bfloat16_rn(float v) { return __nv_bfloat16(v); }
 inline __nv_bfloat16 __float2bfloat16(float v) { return __nv_bfloat16(v); }
 
 // ---- launches: argument checks against the kernel's parameter types, then the grid
-struct SimtLaunch {
-    const char* name;
-    unsigned grid[3];
-    unsigned block[3];
-    int ftz;
-    int nargs;
-    void* const* values;    // pointers to each argument's bytes
-    const int* sizes;       // bytes of each argument as passed
-    const int* pointers;    // 1 where a device pointer (or None) was passed
-    char* error;            // message on failure
-    int error_size;
-};
-
 namespace simt {
 
 template <typename P> SIMT_UNCHECKED inline P load_arg(void* const* values, size_t i) {

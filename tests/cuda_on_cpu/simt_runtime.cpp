@@ -26,20 +26,7 @@
 #include <vector>
 #include <xmmintrin.h>
 
-struct uint3 { unsigned int x, y, z; };
-struct dim3 { unsigned int x, y, z; };
-struct SimtLaunch {
-    const char* name;
-    unsigned grid[3];
-    unsigned block[3];
-    int ftz;
-    int nargs;
-    void* const* values;
-    const int* sizes;
-    const int* pointers;
-    char* error;
-    int error_size;
-};
+#include "simt_abi.h"
 
 namespace simt {
 int fail(const SimtLaunch* launch, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
