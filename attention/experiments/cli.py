@@ -132,13 +132,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _output_folder(out: Path) -> None:
-    """Create ``--out`` (and its parents), or raise :class:`_BadFlags` saying why it cannot be."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise _BadFlags(f"--out {out}: a file is in the way; --out names a folder") from None
-    except OSError as exc:
-        raise _BadFlags(f"--out {out}: cannot create the folder ({exc.strerror})") from None
+    """Raise :class:`_BadFlags` when ``--out`` cannot become a folder: a file at it or above it.
+    Nothing is created here (a bad flag leaves no folder behind); the commands create it."""
+    for part in (out, *out.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise _BadFlags(f"--out {out}: a file is in the way ({part}); --out names a "
+                                "folder")
+            return
 
 
 def _config(config: type[T], args: argparse.Namespace) -> T:
