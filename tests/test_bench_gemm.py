@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from fresh_python import ROOT, env_with_checkout
+
 RECORD_FIELDS = {"group", "case", "dtype", "shape", "protected_ms", "unprotected_ms", "ratio",
                  "floor_ms", "peers"}
 
@@ -51,9 +51,8 @@ def _run_bench(script: str, *args: str, timeout: int, env: dict | None = None) -
 
 def test_bench_gemm_cpu_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     stdout = _run_bench("gemm.py", "--quick", "--backend", "numpy", "--json", str(out),
-                        "--repeats", "2", timeout=120, env=env)
+                        "--repeats", "2", timeout=120, env=env_with_checkout())
     doc = json.loads(out.read_text())
     _check_doc(doc, {"cpu-square", "cpu-batched", "cpu-dtype", "cpu-cold"})
     assert "ratio" in stdout and "cpu-square" in stdout

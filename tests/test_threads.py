@@ -14,6 +14,7 @@ from threadpoolctl import ThreadpoolController, threadpool_limits
 import abftgemm
 from abftgemm import threads
 from attention import MultiHeadAttention
+from fresh_python import run_python
 
 CONTROLLER = ThreadpoolController()
 
@@ -115,8 +116,4 @@ def test_numba_never_starts_its_thread_pool():
             "y, cache = layer.forward(x)\n"
             "layer.backward(np.ones_like(y), cache)\n"
             "assert not par._is_initialized, 'numba started its thread pool'\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert done.returncode == 0, done.stderr
+    run_python("-c", code)

@@ -1,9 +1,6 @@
 """Detect-mode findings reach the user as FaultDetectedWarning; clean calls never warn."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import warnings
 
 import numpy as np
@@ -13,6 +10,7 @@ import abftgemm
 from abftgemm.backend import get_backend
 from abftgemm.faults import Fault
 from conftest import BACKENDS
+from fresh_python import run_python
 
 
 def operands(xp, batch=(2,)):
@@ -167,8 +165,4 @@ def test_the_protected_torch_forward_runs_under_dash_w_error(tmp_path):
             "    y, _ = m(x, x, x)\n"
             "    y.sum().backward()\n"
             "    assert m.last_report.corrected and torch.isfinite(y).all(), site\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-W", "error", "-c", code], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr
+    run_python("-W", "error", "-c", code, cwd=tmp_path)
