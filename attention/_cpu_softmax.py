@@ -250,13 +250,17 @@ def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has
 
 @numba.njit(cache=True, fastmath=_FAST)
 def backward(dp: Any, p: Any, scale: Any, causal: bool, check: bool, u: float, tiny: float,
-             ds: Any, stats: Any, limits: Any, result: Any, cols: Any, rows: Any) -> None:
+             ds: Any, stats: Any, limits: Any, result: Any, cols: Any, rows: Any, keep: Any,
+             keep_scale: float) -> None:
     """``dS = scale * P (dP - rowsum(P dP))``, dP's row checksums and (with ``check``) the
     worst invariant ratio.
 
     Parameters
     ----------
     dp, p : (n, seq_q, seq_k) float32/float64 (the accumulation dtype)
+        With attention dropout, ``dp`` is the gradient of the dropped probabilities (the product
+        ``dCL V^T``, whose row checksums are observed as read) and ``p`` the probabilities
+        before dropout.
     scale : (1,) array of dp's dtype; pass 1 to get the unscaled dS
     causal : bool
         Row ``i`` of ``P`` is zero from key ``i + 1`` on: those entries of ``dS`` are stored as 0
@@ -269,18 +273,30 @@ def backward(dp: Any, p: Any, scale: Any, causal: bool, check: bool, u: float, t
         (start from ``[-1, 0, 0]``; see :func:`attention._cpu_checks.backward_ratio`)
     cols, rows : the column encodings of the (scaled) ``ds`` and of its transpose, as
         :func:`forward` gives those of ``probs`` (with ``check`` only; empty arrays for none)
+    keep, keep_scale : (n, seq_q, seq_k) bool and float: attention dropout's mask (True = kept)
+        and ``1 / (1 - dropout)``; the gradient of the probabilities is then
+        ``dp * keep * keep_scale``, which dS and its invariants use. An empty ``keep`` (first
+        dimension 0) for none.
     """
     sc = scale[0]
     n, sq, sk = dp.shape
     weights, row_weights = _location_weights(sk), _location_weights(sq)
     encode = check and cols.shape[0] == n
     observe = stats.shape[0] == n
+    dropping = keep.shape[0] == n
+    undropped = np.empty(sk if dropping else 0, dp.dtype)
+    ks = like(scale[0], keep_scale)
     for t in range(n):
         for i in range(sq):
             dpr, pr, out = dp[t, i], p[t, i], ds[t, i]
             if observe:
                 _sum_row(dpr[:limits[i]] if limits.shape[0] else dpr, weights, stats[t, i])
             v = min(i + 1, sk) if causal else sk
+            if dropping:  # the gradient w.r.t. the probabilities before dropout
+                kr = keep[t, i]
+                for j in range(v):
+                    undropped[j] = dpr[j] * ks if kr[j] else like(ks, 0.0)
+                dpr = undropped
             r = 0.0
             for j in range(v):
                 r += dpr[j] * pr[j]

@@ -109,7 +109,8 @@ def forward(scores: cupy.ndarray, probs: cupy.ndarray, *, scale: float, heads: i
 
 def backward(dp: cupy.ndarray, p: cupy.ndarray, *, scale: float, compute: bool, check: bool,
              u: float, tiny: float, ds: cupy.ndarray | None, ds_acc: cupy.ndarray | None,
-             stats: cupy.ndarray | None, verdict: DeviceVerdict, causal: bool = False) -> None:
+             stats: cupy.ndarray | None, verdict: DeviceVerdict, causal: bool = False,
+             keep: cupy.ndarray | None = None, keep_scale: float = 1.0) -> None:
     """``dS = P (dP - rowsum(P dP))``, dP's row checksums, the invariants, the scaling.
 
     Parameters
@@ -137,9 +138,17 @@ def backward(dp: cupy.ndarray, p: cupy.ndarray, *, scale: float, compute: bool, 
         Row ``i`` of ``P`` is zero from key ``i + 1`` on: computed ``dS`` is 0 there, whatever
         ``dP`` holds, and those entries stay out of ``r``; the check takes ``P`` and ``dP`` there
         as 0 (unread) and ``dS`` in its plain sums only.
+    keep : (rows, seq_q, seq_k) bool, optional
+        Attention dropout's mask (True = kept): ``dp`` is then the gradient of the dropped
+        probabilities (its row checksums are those observed) and dS and its invariants take the
+        gradient of the probabilities before dropout, ``dp * keep * keep_scale``.
+    keep_scale : float
+        ``1 / (1 - dropout)``.
     """
     rows, seq_q, seq_k = dp.shape
     _check_rows(dp, p, rows * seq_q, seq_k, stats)
+    if keep is not None:
+        _need(keep, dp.shape, numpy.dtype(bool), "keep")
     acc = numpy.dtype(numpy.float64 if dp.dtype == numpy.float64 else numpy.float32)
     if ds is not None or not compute:
         _need(ds, dp.shape, dp.dtype, "ds")
@@ -157,7 +166,8 @@ def backward(dp: cupy.ndarray, p: cupy.ndarray, *, scale: float, compute: bool, 
             (_blocks(n),), (_BLOCK,),
             (dp, p, numpy.int64(n), numpy.int32(seq_k), numpy.int32(seq_q), numpy.int32(causal),
              numpy.float64(scale), numpy.int32(compute), numpy.int32(check), numpy.float64(u),
-             numpy.float64(tiny), ds_acc, ds, stats, verdict.worst, verdict.details))
+             numpy.float64(tiny), ds_acc, ds, stats, verdict.worst, verdict.details, keep,
+             numpy.float64(keep_scale)))
 
 
 def _check_rows(x: cupy.ndarray, y: cupy.ndarray, rows: int, length: int,

@@ -17,19 +17,22 @@ from attention._torch_op import _module, _state, _token
 @torch.library.custom_op("abftgemm::attention_core", mutates_args=())
 def attention_core(op_id: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attn_mask: Optional[torch.Tensor], scale: float, is_causal: bool,
-                   need_weights: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   need_weights: bool, dropout_keep: Optional[torch.Tensor],
+                   dropout: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, weights, token)`` of contiguous ``query`` ``(n, L, D)``, ``key`` and ``value``
     ``(n, S, D)``; ``attn_mask`` ``(L, S)`` or ``(n, L, S)``, bool (True = not allowed) or float
-    (added); ``weights`` ``(n, L, S)``, or empty unless ``need_weights``."""
+    (added); ``weights`` ``(n, L, S)``, or empty unless ``need_weights``; with ``dropout`` > 0,
+    ``dropout_keep`` ``(n, L, S)`` is its mask (True = kept)."""
     from attention.torch_core import run_core_forward
 
     out, weights, state = run_core_forward(_module(op_id), query, key, value, attn_mask, scale,
-                                           is_causal, need_weights)
+                                           is_causal, need_weights, dropout_keep, dropout)
     return out, weights, _token(state)
 
 
 @attention_core.register_fake
-def _(op_id, query, key, value, attn_mask, scale, is_causal, need_weights):
+def _(op_id, query, key, value, attn_mask, scale, is_causal, need_weights, dropout_keep,
+      dropout):
     n, seq_q, _ = query.shape
     shape = (n, seq_q, key.shape[1]) if need_weights else (0,)
     return (query.new_empty(query.shape), query.new_empty(shape),
@@ -61,7 +64,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 def _backward(ctx: Any, d_out: torch.Tensor, d_weights: Any, d_token: Any) -> tuple:
     token, query, key, value = ctx.saved_tensors
     dq, dk, dv = attention_core_backward(token, d_out.contiguous(), query, key, value)
-    return None, dq, dk, dv, None, None, None, None
+    return None, dq, dk, dv, None, None, None, None, None, None
 
 
 attention_core.register_autograd(_backward, setup_context=_setup_context)

@@ -72,22 +72,25 @@ def mha_forward(op_id: int, query: torch.Tensor, key: torch.Tensor, value: torch
                 in_w: torch.Tensor, in_b: Optional[torch.Tensor], out_w: torch.Tensor,
                 out_b: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor],
                 attn_mask: Optional[torch.Tensor], num_heads: int, self_attention: bool,
-                is_causal: bool, need_weights: bool,
-                average_attn_weights: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                is_causal: bool, need_weights: bool, average_attn_weights: bool,
+                dropout_keep: Optional[torch.Tensor],
+                dropout: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, weights, token)`` of batch-first ``query``, ``key``, ``value`` ``(N, L|S, E)``;
     ``weights`` is empty unless ``need_weights`` (then ``(N, L, S)``, or ``(N, H, L, S)``
-    without averaging)."""
+    without averaging). With ``dropout`` > 0, ``dropout_keep`` is its mask ``(N * H, L, S)``
+    (True = kept), drawn by the caller with PyTorch's generator."""
     from attention.torch import run_forward
 
     y, weights, state = run_forward(_module(op_id), query, key, value, in_w, in_b, out_w, out_b,
                                     key_padding_mask, attn_mask, self_attention, is_causal,
-                                    need_weights, average_attn_weights)
+                                    need_weights, average_attn_weights, dropout_keep, dropout)
     return y, weights, _token(state)
 
 
 @mha_forward.register_fake
 def _(op_id, query, key, value, in_w, in_b, out_w, out_b, key_padding_mask, attn_mask,
-      num_heads, self_attention, is_causal, need_weights, average_attn_weights):
+      num_heads, self_attention, is_causal, need_weights, average_attn_weights, dropout_keep,
+      dropout):
     n, seq_q, _ = query.shape
     seq_k = key.shape[1]
     shape = ((n, seq_q, seq_k) if average_attn_weights else (n, num_heads, seq_q, seq_k)) \
@@ -129,7 +132,8 @@ def _(token, dy, query, key, value, in_w, in_b, out_w, out_b, self_attention):
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    (_, query, key, value, in_w, in_b, out_w, out_b, _, _, _, self_attention, _, _, _) = inputs
+    (_, query, key, value, in_w, in_b, out_w, out_b, _, _, _, self_attention, _, _, _, _,
+     _) = inputs
     _, weights, token = output
     ctx.mark_non_differentiable(weights, token)
     ctx.save_for_backward(token, query, key, value, in_w, in_b, out_w, out_b)
@@ -143,7 +147,8 @@ def _backward(ctx: Any, dy: torch.Tensor, d_weights: Any, d_token: Any) -> tuple
     if ctx.self_attention:
         dk = dv = None
     return (None, dq, dk, dv, d_in_w, d_in_b if ctx.bias[0] else None, d_out_w,
-            d_out_b if ctx.bias[1] else None, None, None, None, None, None, None, None)
+            d_out_b if ctx.bias[1] else None, None, None, None, None, None, None, None, None,
+            None)
 
 
 mha_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -17,7 +17,9 @@ from abftgemm.backend import array_module
 from abftgemm.checksums import SUPPORTED_DTYPES
 from attention import softmax
 from attention.context import Context
-from attention.functional import _additive, _Pass, _run, _scores_and_softmax
+from attention.dropout import Dropout
+from attention.functional import _additive, _dropout, _Pass, _read_probs, _run, \
+    _scores_and_softmax
 from attention.workspace import Workspace
 
 #: The GEMM sites the attention product runs (forward, then backward), and its invariant sites.
@@ -33,6 +35,7 @@ class _CoreInputs:
         self.xp, self.q, self.k, self.v, self.dtype = array_module(q), q, k, v, q.dtype
         self.scale, self.causal, self.attn_add = scale, causal, attn_add
         self.key_visible = None
+        self.dropout: Dropout | None = None
         self.n_heads = 1  # heads are already the batch axis
         # The softmax steps scale the scores by 1 / sqrt(head_dim).
         d = q.shape[-1]
@@ -40,7 +43,8 @@ class _CoreInputs:
 
 
 def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = None,
-                 causal: bool = False, attn_mask: Any | None = None,
+                 causal: bool = False, attn_mask: Any | None = None, dropout: float = 0.0,
+                 dropout_keep: Any | None = None, rng: Any | None = None,
                  workspace: Workspace | None = None) -> tuple[Any, dict[str, Any]]:
     """``softmax(scale q k^T + mask) v`` with every product and the softmax checked.
 
@@ -59,6 +63,9 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
         Query ``i`` sees keys ``j <= i`` only (``seq_q`` must equal ``seq_k``).
     attn_mask : array (seq_q, seq_k) or (n, seq_q, seq_k), optional
         Boolean, True = NOT allowed, or float, added to the scaled scores.
+    dropout, dropout_keep, rng
+        Attention dropout, as :func:`attention.attention_forward` takes it (the mask is
+        ``(n, seq_q, seq_k)``; site ``"dropout"``).
     workspace : Workspace, optional
         Plans and buffers to reuse across calls.
 
@@ -67,9 +74,12 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
     out : array (n, seq_q, d)
         A new array.
     saved : dict
-        What :func:`core_backward` needs; ``saved["probs"]`` holds the probabilities.
+        What :func:`core_backward` needs; ``saved["probs"]`` holds the probabilities (and
+        ``saved["probs_dropped"]`` those after dropout, or None).
     """
     inp = _inputs(q, k, v, scale, causal, attn_mask)
+    inp.dropout = Dropout.of(inp.xp, dropout, dropout_keep,
+                             (q.shape[0], q.shape[1], k.shape[1]), rng)
     ws = workspace or Workspace()
     return _run(lambda p: _forward(p, inp), ctx, ws, inp.xp)
 
@@ -120,9 +130,10 @@ def _forward(p: _Pass, inp: _CoreInputs) -> tuple[Any, dict[str, Any]]:
     p.env.update(qh=inp.q, kh=inp.k, vh=inp.v)
     p.causal = inp.causal
     probs = _scores_and_softmax(p, inp, (n, seq_q, seq_k))
+    dropped = _dropout(p, inp, probs)
     out = p.gemm("context", xp.empty((n, seq_q, d), dt))
     p_sums = p.sums.get("probs^T")
-    return out, {"inputs": inp, "probs": probs,
+    return out, {"inputs": inp, "probs": probs, "probs_dropped": dropped,
                  "probs_t_sums": None if p_sums is None else p_sums.copy()}
 
 
@@ -131,7 +142,7 @@ def _backward(p: _Pass, saved: dict[str, Any], d_out: Any) -> tuple[Any, Any, An
     xp, ws, dt = p.xp, p.ws, inp.dtype
     n, seq_q, d = inp.q.shape
     seq_k = inp.k.shape[1]
-    p.env.update(qh=inp.q, kh=inp.k, vh=inp.v, probs=saved["probs"], d_context_h=d_out)
+    p.env.update(qh=inp.q, kh=inp.k, vh=inp.v, probs=_read_probs(saved), d_context_h=d_out)
     p.causal = inp.causal
     if saved["probs_t_sums"] is not None:
         p.sums["probs^T"] = saved["probs_t_sums"]
@@ -140,7 +151,7 @@ def _backward(p: _Pass, saved: dict[str, Any], d_out: Any) -> tuple[Any, Any, An
     dv = p.gemm("d_v", xp.empty((n, seq_k, d), dt))
     d_scores = ws.buffer("d_scores", xp, (n, seq_q, seq_k), dt)
     step = softmax.BackwardStep(d_probs, saved["probs"], d_scores, inp.scale, p.ctx, ws, plan,
-                                causal=inp.causal)
+                                causal=inp.causal, dropout=inp.dropout)
     p.consumed("d_probs", plan, step.run)
     p.invariant("softmax_backward", step.verdict, step.recompute)
     p.env["d_scores"] = d_scores

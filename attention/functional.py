@@ -22,6 +22,7 @@ from abftgemm.report import Event, Report, UncorrectableError, announce
 from abftgemm.threads import blas_scope
 from attention import softmax
 from attention.context import Context
+from attention.dropout import DROPOUT_SITE, Dropout, DropoutStep
 from attention.plan import ROUTES
 from attention.workspace import Workspace
 
@@ -32,7 +33,8 @@ _REPAIRS = ("corrected", "recomputed", "checksum-recomputed")
 def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: int,
                       causal: bool = False, key: Any | None = None, value: Any | None = None,
                       key_visible: Any | None = None, attn_mask: Any | None = None,
-                      need_weights: bool = False,
+                      need_weights: bool = False, dropout: float = 0.0,
+                      dropout_keep: Any | None = None, rng: Any | None = None,
                       workspace: Workspace | None = None) -> tuple[Any, dict[str, Any]]:
     """Multi-head attention output, every GEMM protected.
 
@@ -61,6 +63,14 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
     need_weights : bool
         Also keep the attention probabilities as ``saved["probs"]``, ``(batch*heads, seq_q,
         seq_k)`` (they are saved for backward in any case).
+    dropout : float
+        Attention dropout probability (0: none): the probabilities the context multiplies are
+        ``P * keep / (1 - dropout)`` (:mod:`attention.dropout`), kept as
+        ``saved["probs_dropped"]``; checked on the site ``"dropout"``.
+    dropout_keep : bool array (batch*heads, seq_q, seq_k), optional
+        The dropout mask, True = kept; drawn from ``rng`` when not given.
+    rng : numpy.random.Generator, optional
+        Draws the dropout mask (CuPy's generator for CuPy arrays; a new unseeded one if None).
     workspace : Workspace, optional
         Plans and buffers to reuse across calls (a new one otherwise).
 
@@ -72,6 +82,9 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
     """
     del need_weights  # the probabilities are saved for backward anyway
     inputs = _Inputs.of(params, x, key, value, key_visible, attn_mask, n_heads, causal)
+    batch, seq_q = x.shape[:2]
+    inputs.dropout = Dropout.of(inputs.xp, dropout, dropout_keep,
+                                (batch * n_heads, seq_q, inputs.key.shape[1]), rng)
     ws = workspace or Workspace()
     return _run(lambda p: _forward(p, inputs), ctx, ws, inputs.xp)
 
@@ -411,12 +424,13 @@ def _forward(p: _Pass, inp: _Inputs) -> tuple[Any, dict[str, Any]]:
         if name in p.sums:
             p.sums[name + "h"] = p.sums[name]
     probs = _scores_and_softmax(p, inp, (batch * h, seq_q, seq_k))
+    dropped = _dropout(p, inp, probs)
     p.gemm("context", ws.buffer("context_h", xp, (batch * h, seq_q, hd), dt))
     p.env["context"] = _merge(xp, p.env["context_h"], h)
     y = p.gemm("out_proj", xp.empty((batch, seq_q, d), dt))
     v_sums, p_sums = p.sums.get("vh"), p.sums.get("probs^T")
     saved = {"inputs": inp, "qh": p.env["qh"], "kh": p.env["kh"], "vh": p.env["vh"],
-             "probs": probs, "context": p.env["context"],
+             "probs": probs, "probs_dropped": dropped, "context": p.env["context"],
              "v_sums": None if v_sums is None else v_sums.copy(),
              "probs_t_sums": None if p_sums is None else p_sums.copy()}
     return y, saved
@@ -436,6 +450,21 @@ def _scores_and_softmax(p: _Pass, inp: Any, shape: tuple[int, int, int]) -> Any:
     if step.encodings is not None:  # made by the softmax kernel on its write of P
         p.sums["probs"], p.sums["probs^T"] = step.encodings
     return probs
+
+
+def _dropout(p: _Pass, inp: Any, probs: Any) -> Any | None:
+    """With attention dropout: the dropped probabilities (a new array), checked on the site
+    ``"dropout"``, become what the products read as ``probs``; returns them (None without
+    dropout). The encodings the softmax kernel made describe ``P``, not them: they are not
+    handed on (the products encode what they read)."""
+    if inp.dropout is None:
+        return None
+    for name in ("probs", "probs^T"):
+        p.sums.pop(name, None)
+    step = DropoutStep(probs, inp.dropout, p.xp.empty_like(probs), p.ctx)
+    p.invariant(DROPOUT_SITE, step.verdict, step.recompute)
+    p.env["probs"] = step.out
+    return step.out
 
 
 def _split(xp: Any, t: Any, heads: int) -> Any:
@@ -487,7 +516,7 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any,
     par = inp.params
     p.env.update(par, x=inp.x.reshape(flat), key=inp.key.reshape(flat),
                  value=inp.value.reshape(flat), dy=dy.reshape(flat), context=saved["context"].reshape(flat),
-                 qh=saved["qh"], kh=saved["kh"], vh=saved["vh"], probs=saved["probs"])
+                 qh=saved["qh"], kh=saved["kh"], vh=saved["vh"], probs=_read_probs(saved))
     p.causal = inp.causal
     if not inp.cross:
         p.aliases.update(key="x", value="x")
@@ -503,7 +532,7 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any,
     p.gemm("d_v", ws.buffer("d_vh", xp, (batch * h, seq_k, hd), dt))
     d_scores = ws.buffer("d_scores", xp, (batch * h, seq_q, seq_k), dt)
     step = softmax.BackwardStep(d_probs, saved["probs"], d_scores, 1 / math.sqrt(hd), p.ctx, ws,
-                                plan, causal=inp.causal)
+                                plan, causal=inp.causal, dropout=inp.dropout)
     p.consumed("d_probs", plan, step.run)
     p.invariant("softmax_backward", step.verdict, step.recompute)
     p.env["d_scores"] = d_scores
@@ -542,6 +571,12 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any,
         p.env.update(d_qkv=d_qkv, w_qkv=w_qkv)
         dx = p.gemm("d_x", xp.empty((batch * seq_q, d), dt)).reshape(inp.x.shape)
     return dx, {k: grads[k] for k in PARAM_KEYS}
+
+
+def _read_probs(saved: dict[str, Any]) -> Any:
+    """The probabilities the backward products read: after dropout when there was one."""
+    dropped = saved.get("probs_dropped")
+    return saved["probs"] if dropped is None else dropped
 
 
 def _stacked_encoding(xp: Any, parts: list[Any], batch: int, out: Any) -> Any:

@@ -16,9 +16,9 @@ masks and custom ones); values at or below half the dtype's lowest finite value 
 "not allowed". Grouped-query attention (fewer key/value heads) repeats the key and value heads.
 
 Differences from ``"eager"``: the returned attention weights carry no gradient; a query row whose
-keys are all masked gets probabilities 0 (eager: uniform over the masked keys). Refused with a
-clear error: attention dropout in training (``dropout > 0``), head masks, ``softcap``, sliding
-windows, attention sinks and position biases.
+keys are all masked gets probabilities 0 (eager: uniform over the masked keys); the dropout mask
+is drawn with PyTorch's generator but not from the same stream as eager's. Refused with a clear
+error: head masks, ``softcap``, sliding windows, attention sinks and position biases.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     scaling : float, optional
         Factor of the scores (default ``1 / sqrt(D)``).
     dropout : float
-        Must be 0 (transformers passes 0 outside training).
+        Attention dropout probability (transformers passes 0 outside training).
     is_causal : bool, optional
         Overrides ``module.is_causal``; applies only without a mask and for ``L > 1``.
     **kwargs
@@ -77,11 +77,6 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     attn_output : tensor (batch, L, heads, D)
     attn_weights : tensor (batch, heads, L, S), without gradient
     """
-    if dropout:
-        raise ValueError(f"the 'abft' attention does not support attention dropout in training "
-                         f"(dropout={dropout}); set the model's attention dropout probability "
-                         "to 0 (BERT/RoBERTa: attention_probs_dropout_prob, GPT-2: attn_pdrop, "
-                         "GPT-Neo: attention_dropout) or call model.eval()")
     for name in _REFUSED:
         if kwargs.get(name) is not None:
             raise ValueError(f"the 'abft' attention does not support {name!r}")
@@ -98,7 +93,8 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=query.device).triu(
             seq_k - seq_q + 1)
         causal = False
-    out, weights = core_of(module)(query, key, value, mask, scaling, causal, need_weights=True)
+    out, weights = core_of(module)(query, key, value, mask, scaling, causal, need_weights=True,
+                                   dropout=dropout)
     return out.transpose(1, 2), weights
 
 

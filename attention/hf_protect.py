@@ -28,14 +28,11 @@ __all__ = ["protect_pretrained", "ProtectedGPTNeoSelfAttention", "attention_core
 
 class ProtectedGPTNeoSelfAttention(GPTNeoSelfAttention):
     """GPT-Neo's self-attention with its attention product on the protected core (unscaled
-    scores, the module's causal or local window mask, the model's additive mask)."""
+    scores, the module's causal or local window mask, the model's additive mask, its attention
+    dropout in training)."""
 
     def _attn(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.training and self.attn_dropout.p:
-            raise ValueError(f"the protected GPT-Neo attention does not support attention "
-                             f"dropout in training (attention_dropout={self.attn_dropout.p}); "
-                             "set config.attention_dropout = 0 or call model.eval()")
         seq_q, seq_k = query.size(-2), key.size(-2)
         dtype = value.dtype
         # As GPT-Neo's eager attention: the scores in float32.
@@ -46,7 +43,8 @@ class ProtectedGPTNeoSelfAttention(GPTNeoSelfAttention):
             hidden = self.bias[:, :, seq_k - seq_q:seq_k, :seq_k].logical_not()
             mask = hidden if attention_mask is None else \
                 not_allowed(attention_mask).to(torch.float32).masked_fill(hidden, -math.inf)
-        out, weights = core_of(self)(query, key, value, mask, 1.0, causal, need_weights=True)
+        out, weights = core_of(self)(query, key, value, mask, 1.0, causal, need_weights=True,
+                                     dropout=self.attn_dropout.p if self.training else 0.0)
         return out.to(dtype), weights.to(dtype)
 
 

@@ -91,7 +91,8 @@ class MultiHeadAttention:
     # ------------------------------------------------------------------ forward
     def forward(self, x: Any, mask: Any | None = None, fault_hook: FaultHook | None = None, *,
                 key: Any | None = None, value: Any | None = None, attn_mask: Any | None = None,
-                check: str | None = None) -> tuple[Any, dict[str, Any]]:
+                check: str | None = None, dropout: float = 0.0, dropout_keep: Any | None = None,
+                rng: Any | None = None) -> tuple[Any, dict[str, Any]]:
         """Attention output for ``x`` (see :func:`attention.functional.attention_forward`).
 
         Parameters
@@ -108,6 +109,10 @@ class MultiHeadAttention:
             Boolean (True = not allowed) or additive float.
         check : {"correct", "detect", "off"}, optional
             This call's check mode (default: the layer's ``check``).
+        dropout, dropout_keep, rng
+            Attention dropout of this call (a training step): probability, optional mask
+            ``(batch*heads, seq, seq_k)`` (True = kept) and the generator that draws it
+            otherwise (:func:`attention.functional.attention_forward`).
 
         Returns
         -------
@@ -118,7 +123,9 @@ class MultiHeadAttention:
         ctx = self._context(fault_hook, check)
         y, saved = attention_forward(self.params, x, ctx, n_heads=self.n_heads,
                                      causal=self.causal, key=key, value=value, key_visible=mask,
-                                     attn_mask=attn_mask, workspace=self._workspace)
+                                     attn_mask=attn_mask, dropout=dropout,
+                                     dropout_keep=dropout_keep, rng=rng,
+                                     workspace=self._workspace)
         self.last_report = ctx.report
         return y, saved
 

@@ -26,6 +26,8 @@ from typing import Mapping
 
 import numpy as np
 
+from attention.dropout import DROPOUT_CHECK, DROPOUT_SITE
+
 
 @dataclass(frozen=True)
 class SitePlan:
@@ -208,6 +210,7 @@ class CheckingPlan:
             lines.append(f"| {s} | {p.product} | {p.checksums} | {how} |")
         for s, inv in INVARIANT_SITES.items():
             lines.append(f"| {s} | softmax | invariant: {inv} | every call |")
+        lines.append(f"| {DROPOUT_SITE} | {DROPOUT_CHECK} | every call with dropout |")
         return "\n".join(lines)
 
 

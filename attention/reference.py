@@ -308,6 +308,8 @@ def forward(
     n_heads: int,
     mask: np.ndarray | None = None,
     causal: bool = False,
+    dropout: float = 0.0,
+    dropout_keep: np.ndarray | None = None,
 ) -> tuple[np.ndarray, Cache]:
     """Multi-head self-attention forward pass in float64.
 
@@ -322,6 +324,11 @@ def forward(
         Key-padding mask, ``True`` = attend.
     causal : bool
         Hide keys ``j > i`` from query ``i``.
+    dropout : float
+        Attention dropout probability; with it, ``dropout_keep``.
+    dropout_keep : ndarray of bool, shape (batch, n_heads, seq, seq), or None
+        The dropout mask, ``True`` = kept: the context multiplies
+        ``P * keep / (1 - dropout)`` (0 everywhere for ``dropout == 1``).
 
     Returns
     -------
@@ -330,7 +337,8 @@ def forward(
     cache : dict
         Intermediates for :func:`backward`:
         ``x, q, k, v, context`` of shape (batch, seq, d_model),
-        ``p`` of shape (batch, n_heads, seq, seq) and
+        ``p`` and ``p_dropped`` (the probabilities after dropout) of shape
+        (batch, n_heads, seq, seq), ``keep_scaled`` (``keep / (1 - dropout)``, or 1) and
         ``visible`` (bool) of shape (batch, 1, seq, seq).
     """
     x = _f64(x)
@@ -345,9 +353,15 @@ def forward(
     v = project(x, prm["wv"], prm["bv"])
     vis = visible(mask, causal, batch, seq)
     p = masked_softmax(attention_scores(q, k, n_heads), vis)
-    context = merge_heads(p @ split_heads(v, n_heads))
+    if (dropout_keep is None) != (dropout == 0):
+        raise ValueError("give dropout_keep exactly when dropout > 0")
+    keep_scaled = 1.0 if dropout_keep is None else \
+        np.where(dropout_keep, 0.0 if dropout == 1 else 1 / (1 - dropout), 0.0)
+    p_dropped = p * keep_scaled
+    context = merge_heads(p_dropped @ split_heads(v, n_heads))
     y = project(context, prm["wo"], prm["bo"])
-    cache: Cache = {"x": x, "q": q, "k": k, "v": v, "p": p, "context": context, "visible": vis}
+    cache: Cache = {"x": x, "q": q, "k": k, "v": v, "p": p, "p_dropped": p_dropped,
+                    "keep_scaled": keep_scaled, "context": context, "visible": vis}
     return y, cache
 
 
@@ -404,10 +418,11 @@ def backward_steps(
 
     Notes
     -----
-    Steps (per head ``h``; ``/√hd`` is the score scale)::
+    Steps (per head ``h``; ``/√hd`` is the score scale; ``P_d`` the probabilities after
+    dropout, ``D = keep / (1 - dropout)``, ``P_d = P`` and ``D = 1`` without)::
 
         dWo = CLᵀ dY            dbo = Σ dY            dCL = dY Woᵀ
-        dP  = dCL_h V_hᵀ        dV_h = Pᵀ dCL_h
+        dP  = (dCL_h V_hᵀ) * D  dV_h = P_dᵀ dCL_h
         dS  = P * (dP - rowsum(dP * P))   (0 where hidden)
         dQ_h = dS K_h / √hd     dK_h = dSᵀ Q_h / √hd
         dW{q,k,v} = xᵀ d{Q,K,V} db{q,k,v} = Σ d{Q,K,V}
@@ -415,6 +430,7 @@ def backward_steps(
     """
     x, q, k, v = cache["x"], cache["q"], cache["k"], cache["v"]
     p, context, vis = cache["p"], cache["context"], cache["visible"]
+    p_dropped, keep_scaled = cache.get("p_dropped", p), cache.get("keep_scaled", 1.0)
     dy = _f64(dy)
     if dy.shape != x.shape:
         raise ValueError(f"dy has shape {dy.shape}, expected {x.shape}")
@@ -431,8 +447,8 @@ def backward_steps(
 
     # context: CL_h = P V_h
     vh = split_heads(v, n_heads)
-    d_p = d_clh @ vh.transpose(0, 1, 3, 2)  # (b, h, s, s)
-    d_vh = p.transpose(0, 1, 3, 2) @ d_clh  # (b, h, s, hd)
+    d_p = d_clh @ vh.transpose(0, 1, 3, 2) * keep_scaled  # (b, h, s, s)
+    d_vh = p_dropped.transpose(0, 1, 3, 2) @ d_clh  # (b, h, s, hd)
 
     # softmax
     d_s = softmax_backward(d_p, p, vis)

@@ -249,12 +249,19 @@ class BackwardStep:
     checksums (into ``plan.observed``), the invariant verdict and (fused on the CPU) the
     ``encodings`` of ``dS`` and ``dS^T``; see :class:`ForwardStep`.
 
-    With a fault hook, the hook sees the unscaled ``dS`` in the accumulation dtype."""
+    With a fault hook, the hook sees the unscaled ``dS`` in the accumulation dtype.
+
+    With attention dropout (``dropout``: :class:`attention.dropout.Dropout`), ``d_probs`` is the
+    gradient of the dropped probabilities, whose row checksums are observed as read, and
+    ``probs`` those before dropout; dS and its invariants take the gradient of the latter,
+    ``d_probs * keep / (1 - p)``."""
 
     def __init__(self, d_probs: Any, probs: Any, d_scores: Any, scale: float, ctx: Any, ws: Any,
-                 plan: Any | None, causal: bool = False):
+                 plan: Any | None, causal: bool = False, dropout: Any | None = None):
         self.dp, self.p, self.ds, self.scale = d_probs, probs, d_scores, scale
         self.causal = causal  # P's rows are zero past the diagonal: so are dS's
+        self.keep = None if dropout is None else dropout.keep
+        self.keep_scale = 1.0 if dropout is None else dropout.scale
         self.ctx, self.ws, self.plan = ctx, ws, plan
         self.verdict: Verdict | None = None
         self.encodings: tuple[Any, Any] | None = None
@@ -272,7 +279,7 @@ class BackwardStep:
             _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype),
                                   self.causal, False, 0.0, 0.0, self.ds,
                                   _observed_rows(self.plan), _row_limits(self.plan),
-                                  np.zeros(3), *_NONE)
+                                  np.zeros(3), *_NONE, *self._keep())
             return
         if wide or hook is not None:
             ds = self._unscaled()
@@ -287,7 +294,7 @@ class BackwardStep:
         cols, rows = _encoding_buffers(self.ws, "d_scores", self.ds.shape)
         _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype),
                               self.causal, True, u, tiny, self.ds, _observed_rows(self.plan),
-                              _row_limits(self.plan), result, cols, rows)
+                              _row_limits(self.plan), result, cols, rows, *self._keep())
         self.encodings = cols.transpose(0, 2, 1), rows
         self.verdict = _known((result[0] <= 1, float(result[1]), float(result[2]) or tiny))
 
@@ -327,7 +334,7 @@ class BackwardStep:
         _cuda_softmax.backward(
             dp, self.p, scale=self.scale, compute=compute, check=check, u=u, tiny=tiny, ds=ds,
             ds_acc=ds_acc, stats=self.plan.observed if compute and self.plan is not None else None,
-            verdict=self._device, causal=self.causal)
+            verdict=self._device, causal=self.causal, keep=self.keep, keep_scale=self.keep_scale)
 
     # ---------------------------------------------------------------- CPU
 
@@ -335,9 +342,16 @@ class BackwardStep:
         acc = accumulation_dtype(x.dtype)
         return x if x.dtype == acc else x.astype(acc)
 
+    def _keep(self) -> tuple[Any, float]:
+        """The CPU backward kernel's dropout arguments (an empty mask for none)."""
+        return (_NO_KEEP if self.keep is None else self.keep), self.keep_scale
+
     def _checked(self, ds: Any) -> Verdict:
         """The invariant verdict of the unscaled ``ds`` (a hook may have changed it)."""
-        return _known(check_backward(ds, self._acc(self.dp), self._acc(self.p), self.causal))
+        dp = self._acc(self.dp)
+        if self.keep is not None:  # the gradient of the probabilities before dropout
+            dp = np.where(self.keep, dp * dp.dtype.type(self.keep_scale), dp.dtype.type(0))
+        return _known(check_backward(ds, dp, self._acc(self.p), self.causal))
 
     def _unscaled(self) -> Any:
         """Unscaled ``dS`` in the accumulation dtype, and dP's row checksums."""
@@ -347,12 +361,14 @@ class BackwardStep:
         ds = self.ws.buffer("ds_unscaled", np, dp.shape, dp.dtype)
         _cpu_softmax.backward(dp, p, np.ones(1, dp.dtype), self.causal, False, 0.0, 0.0, ds,
                               _observed_rows(self.plan), _row_limits(self.plan), np.zeros(3),
-                              *_NONE)
+                              *_NONE, *self._keep())
         return ds
 
 
 #: Empty encoding buffers: the CPU kernels then make no encodings.
 _NONE = (np.zeros((0, 3, 0)), np.zeros((0, 0, 3)))
+#: Empty dropout mask: the CPU backward kernel then applies none.
+_NO_KEEP = np.zeros((0, 0, 0), bool)
 #: Empty row-checksum buffer: the CPU kernels then observe nothing.
 _NO_STATS = np.zeros((0, 0, 5))
 #: Empty row limits: the CPU kernels then observe whole rows.

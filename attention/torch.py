@@ -13,8 +13,10 @@ Supported: self- and cross-attention (``key is value`` or not), boolean and floa
 (``(L, S)`` or ``(N * num_heads, L, S)``, True = not allowed), boolean and float
 ``key_padding_mask`` (True = ignore), batch-first and sequence-first, unbatched inputs, ``bias``,
 ``need_weights`` with ``average_attn_weights``, ``is_causal``, dtypes float16, bfloat16, float32,
-float64, CPU and CUDA tensors. Not supported (a clear error names the argument): ``dropout > 0``,
-``add_bias_kv``, ``add_zero_attn``, ``kdim``/``vdim`` other than ``embed_dim``, nested tensors.
+float64, CPU and CUDA tensors, attention ``dropout`` in training mode (the mask drawn with PyTorch's
+generator, so ``torch.manual_seed`` reproduces a run; :mod:`attention.dropout`). Not supported (a
+clear error names the argument): ``add_bias_kv``, ``add_zero_attn``, ``kdim``/``vdim`` other than
+``embed_dim``, nested tensors.
 
 Differences from PyTorch: the returned attention weights carry no gradient; a query row whose
 keys are all masked gets probabilities 0 (output ``out_proj.bias``), where PyTorch may give NaN;
@@ -57,8 +59,9 @@ class MultiheadAttention(nn.MultiheadAttention):
     ----------
     embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first, \
 device, dtype
-        As in ``torch.nn.MultiheadAttention``; ``dropout`` must be 0, ``add_bias_kv`` and
-        ``add_zero_attn`` False, ``kdim`` and ``vdim`` None or ``embed_dim``.
+        As in ``torch.nn.MultiheadAttention`` (``dropout`` applies in training mode only);
+        ``add_bias_kv`` and ``add_zero_attn`` False, ``kdim`` and ``vdim`` None or
+        ``embed_dim``.
     check : {"correct", "detect", "off"}
         As in :func:`abftgemm.matmul`, for every site.
     plan : attention.CheckingPlan, optional
@@ -69,7 +72,8 @@ device, dtype
     fault_hook : callable ``(site, c)`` or None
         Called with every site's raw product (a NumPy or CuPy array sharing the GEMM output)
         before verification, forward and backward; the sites are ``attention.SITES`` (plus
-        ``attention.CROSS_SITES`` in cross-attention) and ``attention.INVARIANT_SITES``.
+        ``attention.CROSS_SITES`` in cross-attention), ``attention.INVARIANT_SITES`` and, with
+        dropout in training, ``"dropout"``.
     last_report : abftgemm.Report
         Findings of the last forward, extended by its backward.
     """
@@ -81,8 +85,8 @@ device, dtype
         _refuse_unsupported(embed_dim, dropout, add_bias_kv, add_zero_attn, kdim, vdim)
         if check not in abftgemm.CHECK_MODES:
             raise ValueError(f"check must be one of {abftgemm.CHECK_MODES}, got {check!r}")
-        super().__init__(embed_dim, num_heads, bias=bias, batch_first=batch_first,
-                         device=device, dtype=dtype)
+        super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias,
+                         batch_first=batch_first, device=device, dtype=dtype)
         self.check = check
         self.plan = plan or CheckingPlan()
         self.fault_hook: FaultHook | None = None
@@ -147,10 +151,14 @@ device, dtype
             k = v = q
         if key_padding_mask is not None and not batched:
             key_padding_mask = key_padding_mask.unsqueeze(0)
+        p = self.dropout if self.training else 0.0
+        keep = None if p == 0 else \
+            torch.rand((q.shape[0] * self.num_heads, q.shape[1], k.shape[1]),
+                       device=q.device) >= p
         y, weights, _ = _torch_op.mha_forward(
             self.op_id, q, k, v, self.in_proj_weight, self.in_proj_bias, self.out_proj.weight,
             self.out_proj.bias, key_padding_mask, attn_mask, self.num_heads, self_attention,
-            bool(is_causal), need_weights, average_attn_weights)
+            bool(is_causal), need_weights, average_attn_weights, keep, float(p))
         if not batched:
             y, weights = y.squeeze(0), weights.squeeze(0) if need_weights else weights
         elif not self.batch_first:
@@ -244,9 +252,11 @@ def run_forward(module: MultiheadAttention, query: torch.Tensor, key: torch.Tens
                 value: torch.Tensor, in_w: torch.Tensor, in_b: torch.Tensor | None,
                 out_w: torch.Tensor, out_b: torch.Tensor | None,
                 key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None,
-                self_attention: bool, is_causal: bool, need_weights: bool,
-                average: bool) -> tuple[torch.Tensor, torch.Tensor, _Saved]:
-    """``(y, weights or an empty tensor, saved state)`` of one forward, batch-first."""
+                self_attention: bool, is_causal: bool, need_weights: bool, average: bool,
+                dropout_keep: torch.Tensor | None = None,
+                dropout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, _Saved]:
+    """``(y, weights or an empty tensor, saved state)`` of one forward, batch-first; with
+    ``dropout``, ``dropout_keep`` is its mask ``(N * heads, L, S)``, True = kept."""
     call = _Call.of(module, query, key, value, key_padding_mask, attn_mask, is_causal,
                     self_attention)
     workspace = module._workspace_for(query.device)
@@ -257,9 +267,13 @@ def run_forward(module: MultiheadAttention, query: torch.Tensor, key: torch.Tens
         context = Context(module.check, module.plan, module.fault_hook)
         y, saved = attention_forward(params, x, context, n_heads=module.num_heads,
                                      causal=call.causal, key_visible=call.key_visible,
-                                     attn_mask=call.attn_mask, workspace=workspace, **cross)
+                                     attn_mask=call.attn_mask, dropout=dropout,
+                                     dropout_keep=None if dropout_keep is None else
+                                     _array(dropout_keep), workspace=workspace, **cross)
         y = to_tensor(y)
-        call.probs = saved["probs"]
+        # torch returns the weights after dropout
+        dropped = saved["probs_dropped"]
+        call.probs = saved["probs"] if dropped is None else dropped
         weights = call.weights(average) if need_weights else query.new_empty(0)
     module.last_report = context.report
     return y, weights, _Saved(call, saved, context.report, workspace)
@@ -414,9 +428,8 @@ def _attn_mask(mask: torch.Tensor | None, float_padding: torch.Tensor | None, he
 
 def _refuse_unsupported(embed_dim: int, dropout: float, add_bias_kv: bool, add_zero_attn: bool,
                         kdim: int | None, vdim: int | None) -> None:
-    if dropout != 0:
-        raise ValueError(f"dropout={dropout} is not supported (only dropout=0.0): attention "
-                         "dropout would change the probabilities between the checked products")
+    if not 0 <= dropout <= 1:
+        raise ValueError(f"dropout must be a probability in [0, 1], got {dropout}")
     if add_bias_kv:
         raise ValueError("add_bias_kv=True is not supported")
     if add_zero_attn:

@@ -40,7 +40,8 @@ class ProtectedCore:
     ----------
     fault_hook : callable ``(site, c)`` or None
         Sees every raw product of :data:`attention.core.CORE_SITES` and the softmax steps
-        (:data:`attention.core.CORE_INVARIANT_SITES`) before verification, forward and backward.
+        (:data:`attention.core.CORE_INVARIANT_SITES`; ``"dropout"`` with dropout) before
+        verification, forward and backward.
     last_report : abftgemm.Report
         Findings of the last forward, extended by its backward.
     """
@@ -57,8 +58,8 @@ class ProtectedCore:
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None = None, scale: float | None = None,
-                 is_causal: bool = False,
-                 need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 is_causal: bool = False, need_weights: bool = False,
+                 dropout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(out, weights)`` of ``softmax(scale query key^T + attn_mask) value``, differentiable
         in ``query``, ``key`` and ``value``.
 
@@ -75,7 +76,11 @@ class ProtectedCore:
         is_causal : bool
             Query ``i`` sees keys ``j <= i`` only (``L == S``).
         need_weights : bool
-            Also return the probabilities ``(..., L, S)`` (a new tensor without gradient).
+            Also return the probabilities ``(..., L, S)`` (a new tensor without gradient; after
+            dropout, as PyTorch's attention functions return them).
+        dropout : float
+            Attention dropout probability (:mod:`attention.dropout`); the mask is drawn with
+            PyTorch's generator on the tensors' device.
 
         Returns
         -------
@@ -94,9 +99,12 @@ class ProtectedCore:
             n *= size
         q, k, v = (t.reshape(n, -1, d).contiguous() for t in (query, key, value))
         mask = _flat_mask(attn_mask, lead, n, seq_q, seq_k)
+        if not 0 <= dropout <= 1:
+            raise ValueError(f"dropout must be a probability in [0, 1], got {dropout}")
+        keep = torch.rand((n, seq_q, seq_k), device=q.device) >= dropout if dropout else None
         out, weights, _ = _torch_core_op.attention_core(
             self.op_id, q, k, v, mask, 1 / d ** 0.5 if scale is None else float(scale),
-            bool(is_causal), need_weights)
+            bool(is_causal), need_weights, keep, float(dropout))
         out = out.view(*lead, seq_q, d)
         return out, (weights.view(*lead, seq_q, seq_k) if need_weights else None)
 
@@ -147,7 +155,8 @@ class _CoreSaved:
 
 def run_core_forward(core: ProtectedCore, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor | None, scale: float, is_causal: bool,
-                     need_weights: bool) -> tuple[torch.Tensor, torch.Tensor, _CoreSaved]:
+                     need_weights: bool, keep: torch.Tensor | None = None,
+                     dropout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, _CoreSaved]:
     """The body of ``abftgemm::attention_core``."""
     workspace = core._workspace_for(q.device)
     context = Context(core.check, core.plan, core.fault_hook)
@@ -155,8 +164,12 @@ def run_core_forward(core: ProtectedCore, q: torch.Tensor, k: torch.Tensor, v: t
         out, saved = core_forward(_array(q), _array(k), _array(v), context, scale=scale,
                                   causal=is_causal,
                                   attn_mask=None if mask is None else _array(mask),
+                                  dropout=dropout,
+                                  dropout_keep=None if keep is None else _array(keep),
                                   workspace=workspace)
-        weights = to_tensor(saved["probs"]).clone() if need_weights else q.new_empty(0)
+        dropped = saved["probs_dropped"]
+        probs = saved["probs"] if dropped is None else dropped
+        weights = to_tensor(probs).clone() if need_weights else q.new_empty(0)
         out = to_tensor(out)
     core.last_report = context.report
     return out, weights, _CoreSaved(core, saved, context.report, workspace)

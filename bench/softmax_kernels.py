@@ -30,6 +30,7 @@ from attention import _cpu_softmax
 from attention.softmax import LOG_CHECK_FLOOR, backward_tolerance
 
 NO_ENCODINGS = (np.zeros((0, 3, 0)), np.zeros((0, 0, 3)))
+NO_DROPOUT = (np.zeros((0, 0, 0), bool), 1.0)
 #: Observe whole rows (no row limits).
 WHOLE = np.zeros(0, np.int64)
 
@@ -83,7 +84,7 @@ def backward_times(rows: int, seq: int, repeats: int) -> dict[str, float]:
         scale = np.array([0.125 if check else 1.0], np.float32)
         enc = encodings(rows, seq) if check else NO_ENCODINGS
         return lambda: _cpu_softmax.backward(dp, p, scale, True, check, u, tiny, ds, stats,
-                                             WHOLE, result, *enc)
+                                             WHOLE, result, *enc, *NO_DROPOUT)
 
     def plain() -> None:
         np.multiply(p, dp - (p * dp).sum(axis=-1, keepdims=True), out=ds)

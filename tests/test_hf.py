@@ -188,15 +188,33 @@ def test_unprotected_fault_damages_the_model(eager_runs):
     assert not all(torch.isfinite(g).all() for g in grads.values())
 
 
-def test_refuses_what_it_cannot_honour():
-    model = protect(build("bert", attn_dropout=0.1))
-    with pytest.raises(ValueError, match="attention dropout"):
-        model(batch()[0])
+def masked_dropout(x, p=0.5, training=True, inplace=False):
+    """``torch.nn.functional.dropout`` with its mask drawn as the protected attention draws its
+    own (``torch.rand(shape) >= p``), so that both see the same masks after the same seed."""
+    if not training or p == 0:
+        return x
+    return x * (torch.rand(x.shape, device=x.device) >= p) / (1 - p)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_attention_dropout_equals_eager_with_the_same_masks(family, monkeypatch):
+    monkeypatch.setattr(torch.nn.functional, "dropout", masked_dropout)
+    eager = build(family, attn_dropout=0.3)
+    torch.manual_seed(4)
+    want = step(eager, *batch())
+    model = protect(copy.deepcopy(eager))
+    torch.manual_seed(4)
+    got = step(model, *batch())
+    assert_same_step(got, want)
+    for core in attention_cores(model).values():
+        assert core.last_report.checked["dropout"] == 1 and not core.last_report.detected
     model.eval()  # no dropout outside training
-    model(batch()[0])
-    neo = protect(build("gpt-neo", attn_dropout=0.1))
-    with pytest.raises(ValueError, match="attention dropout"):
-        neo(batch()[0])
+    with torch.no_grad():
+        model(batch()[0])
+    assert all("dropout" not in c.last_report.checked for c in attention_cores(model).values())
+
+
+def test_refuses_what_it_cannot_honour():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="softcap"):
         abft_attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)

@@ -312,7 +312,7 @@ def test_hook_sees_every_site_and_report_covers_forward_and_backward():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"dropout": 0.1}, "dropout=0.1"),
+    ({"dropout": 1.5}, "dropout must be a probability"),
     ({"add_bias_kv": True}, "add_bias_kv"),
     ({"add_zero_attn": True}, "add_zero_attn"),
     ({"kdim": 8}, "kdim=8"),

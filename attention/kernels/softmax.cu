@@ -402,7 +402,8 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
                                       typename Arith<T>::type* __restrict__ ds_acc,
                                       T* __restrict__ ds, double* __restrict__ stats,
                                       unsigned long long* __restrict__ worst,
-                                      double* __restrict__ details) {
+                                      double* __restrict__ details,
+                                      const bool* __restrict__ keep, double keep_scale) {
     typedef typename Arith<T>::type C;
     constexpr int V = Split<T>::V;
     constexpr int CACHE = 4;  // vectors per lane and operand kept in registers
@@ -410,6 +411,7 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
     const int lane = threadIdx.x & 31;
     const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x >> 5);
     const C sc = static_cast<C>(scale);
+    const C ks = static_cast<C>(keep_scale);
 
     for (long long r = (blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x) >> 5;
          r < rows; r += warps) {
@@ -422,6 +424,12 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
         // so that a fault stored there fails them, as on the CPU.
         const int i = static_cast<int>(r % seq_q);
         auto past = [&](int l) { return causal && l > i; };
+        // With attention dropout, dp is the gradient of the dropped probabilities (its row
+        // checksums are observed as read); dS takes the gradient of those before dropout.
+        const bool* kr = keep == nullptr ? nullptr : keep + base;
+        auto grad = [&](int l, T d) -> C {
+            return kr == nullptr ? widen(d) : kr[l] ? widen(d) * ks : C(0);
+        };
         T* out = ds == nullptr ? nullptr : ds + base;
         C* acc_out = ds_acc == nullptr ? nullptr : ds_acc + base;
         const Split<T> s(dpr, len, lane);
@@ -478,7 +486,7 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
             for (int j = 0; j < V; ++j) {
                 if (j < n) {
                     if (stats != nullptr) a.add(to_double(widen(d[j])), l0 + j);
-                    if (compute && !past(l0 + j)) r_sum += widen(q[j]) * widen(d[j]);
+                    if (compute && !past(l0 + j)) r_sum += widen(q[j]) * grad(l0 + j, d[j]);
                 }
             }
         });
@@ -499,7 +507,7 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
                 if (j < n) {
                     const int l = l0 + j;
                     const C dsj = !compute ? acc_out[l]
-                                  : past(l) ? C(0) : widen(q[j]) * (widen(d[j]) - r_sum);
+                                  : past(l) ? C(0) : widen(q[j]) * (grad(l, d[j]) - r_sum);
                     if (compute && acc_out != nullptr) acc_out[l] = dsj;
                     so[j] = narrow<T>(dsj * sc);
                     if (!check) continue;
@@ -507,7 +515,7 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
                     sum_ds += dsd;
                     abs_ds += fabs(dsd);
                     if (past(l)) continue;
-                    const double pj = to_double(widen(q[j])), dpj = to_double(widen(d[j]));
+                    const double pj = to_double(widen(q[j])), dpj = to_double(grad(l, d[j]));
                     const double term = pj * dpj;
                     rc += term;
                     sum_p += pj;

@@ -1,0 +1,161 @@
+"""Attention dropout in ``attention.torch``: against float64 autograd math with the mask the module
+drew, against stock ``nn.MultiheadAttention``'s statistics, reproducible with ``torch.manual_seed``,
+inside the default ``nn.TransformerEncoderLayer`` (dropout 0.1), under ``torch.compile``, and with
+faults injected while dropout is on."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from abftgemm.faults import Fault
+
+torch = pytest.importorskip("torch", reason="torch is an optional extra (pip install '.[torch]')")
+nn = torch.nn
+
+from attention.torch import MultiheadAttention, protect  # noqa: E402
+
+E, HEADS, N, L = 16, 4, 2, 6
+
+
+def modules(p, dtype=torch.float64):
+    torch.manual_seed(0)
+    stock = nn.MultiheadAttention(E, HEADS, dropout=p, batch_first=True, dtype=dtype)
+    mine = MultiheadAttention(E, HEADS, dropout=p, batch_first=True, dtype=dtype)
+    mine.load_state_dict(stock.state_dict())
+    return stock, mine
+
+
+def explicit(module, x, keep, p, mask):
+    """Attention with the dropout mask ``keep`` ``(N * H, L, L)``, in float64 autograd."""
+    x = x.detach().double().requires_grad_()
+    w, b = module.in_proj_weight.double(), module.in_proj_bias.double()
+    q, k, v = (x @ w[i * E:(i + 1) * E].T + b[i * E:(i + 1) * E] for i in range(3))
+    hd = E // HEADS
+
+    def heads(t):
+        return t.view(N, L, HEADS, hd).transpose(1, 2).reshape(N * HEADS, L, hd)
+
+    s = heads(q) @ heads(k).transpose(1, 2) / math.sqrt(hd)
+    s = s.masked_fill(mask, float("-inf"))
+    probs = torch.softmax(s, -1) * keep / (1 - p)
+    ctx = (probs @ heads(v)).view(N, HEADS, L, hd).transpose(1, 2).reshape(N, L, E)
+    y = ctx @ module.out_proj.weight.double().T + module.out_proj.bias.double()
+    return y, x
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_train_mode_matches_float64_math_with_the_mask_torch_drew(p):
+    _, mine = modules(p)
+    mine.train()
+    x = torch.randn(N, L, E, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(L, L, dtype=torch.bool).triu(1)
+    torch.manual_seed(5)
+    y, _ = mine(x, x, x, attn_mask=mask, need_weights=False)
+    g = torch.randn(y.shape, dtype=y.dtype, generator=torch.Generator().manual_seed(1))
+    (y * g).sum().backward()
+    torch.manual_seed(5)  # the module draws its mask first thing: the same mask again
+    keep = torch.rand((N * HEADS, L, L)) >= p
+    want, x64 = explicit(mine, x, keep, p, mask)
+    (want * g).sum().backward()
+    assert torch.allclose(y, want, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(x.grad, x64.grad, rtol=1e-11, atol=1e-11)
+    assert not mine.last_report.detected and mine.last_report.checked["dropout"] == 1
+
+
+def test_same_statistics_as_stock_dropout():
+    """Over 300 draws, each output element's mean under dropout agrees with stock PyTorch's within
+    five standard errors of the difference, and both are unbiased estimates of the eval output."""
+    stock, mine = modules(0.5)
+    x = torch.randn(N, L, E, dtype=torch.float64)
+    draws = {"stock": [], "mine": []}
+    with torch.no_grad():
+        for name, m in (("stock", stock), ("mine", mine)):
+            m.train()
+            for seed in range(300):
+                torch.manual_seed(seed)
+                draws[name].append(m(x, x, x, need_weights=False)[0])
+        stock.eval()
+        mine.eval()
+        eval_out = stock(x, x, x, need_weights=False)[0]
+        assert torch.allclose(mine(x, x, x, need_weights=False)[0], eval_out, atol=1e-12)
+    a, b = torch.stack(draws["stock"]), torch.stack(draws["mine"])
+    se = ((a.var(0) + b.var(0)) / a.shape[0]).sqrt()
+    assert ((a.mean(0) - b.mean(0)).abs() <= 5 * se + 1e-12).all()
+    assert ((b.mean(0) - eval_out).abs() <= 5 * (b.var(0) / b.shape[0]).sqrt() + 1e-12).all()
+    assert torch.allclose(a.var(0).mean(), b.var(0).mean(), rtol=0.25)
+
+
+def test_reproducible_with_manual_seed_and_weights_after_dropout():
+    _, mine = modules(0.3)
+    mine.train()
+    x = torch.randn(N, L, E, dtype=torch.float64)
+    torch.manual_seed(2)
+    y1, w1 = mine(x, x, x, average_attn_weights=False)
+    torch.manual_seed(2)
+    y2, w2 = mine(x, x, x, average_attn_weights=False)
+    assert torch.equal(y1, y2) and torch.equal(w1, w2)
+    # as stock PyTorch, the weights returned are those after dropout: zeros where dropped
+    zeros = float((w1 == 0).double().mean())
+    assert 0.15 < zeros < 0.45, zeros
+
+
+def encoder():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True)  # dropout 0.1
+    stock = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    return stock
+
+
+def test_default_transformer_encoder_layer_trains_protected():
+    stock = encoder()
+    model = protect(encoder())
+    x = torch.randn(3, 10, 32)
+    model.eval()
+    stock.eval()
+    with torch.no_grad():
+        assert torch.allclose(model(x), stock(x), atol=1e-5)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        assert math.isfinite(loss.item())
+    attn = model.layers[0].self_attn
+    assert attn.last_report.checked["dropout"] == 1 and not attn.last_report.detected
+
+
+def test_compiled_model_with_dropout_runs_the_protected_op():
+    model = protect(encoder())
+    model.train()
+    x = torch.randn(2, 8, 32)
+    compiled = torch.compile(model, fullgraph=True)
+    torch.manual_seed(3)
+    y1 = compiled(x)
+    y1.square().mean().backward()
+    torch.manual_seed(3)
+    y2 = compiled(x)
+    assert torch.equal(y1, y2)
+    assert model.layers[1].self_attn.last_report.checked["dropout"] == 1
+
+
+def test_a_fault_with_dropout_on_is_repaired():
+    _, mine = modules(0.4)
+    mine.train()
+    x = torch.randn(N, L, E, dtype=torch.float64, requires_grad=True)
+
+    def run(hook=None):
+        mine.fault_hook = hook
+        x.grad = None
+        torch.manual_seed(9)
+        y, _ = mine(x, x, x, need_weights=False)
+        y.sum().backward()
+        return y.detach(), x.grad.clone()
+
+    y0, g0 = run()
+    for site in ("dropout", "context", "d_v", "softmax_backward"):
+        y, g = run(Fault("nan", "element", seed=1, sites=site))
+        assert site in mine.last_report.sites, mine.last_report.summary()
+        assert torch.allclose(y, y0, atol=1e-12) and torch.allclose(g, g0, atol=1e-12)
