@@ -55,6 +55,7 @@ from abftgemm.backend import to_host
 from abftgemm.faults import PATTERNS, Fault, bit_layout, chain
 from attention import INVARIANT_SITES, SITES, MultiHeadAttention, reference
 from attention.experiments.flags import option
+from attention.experiments.hf_models import FAMILIES
 
 GEMM_SITE = "gemm"
 #: Sites of a campaign by default: the layer's GEMM and invariant sites, then a standalone GEMM.
@@ -116,6 +117,14 @@ class CampaignConfig:
     sites, kinds, patterns : tuple of str
         Subsets to run (defaults: everything), each non-empty and known.
     seed : int
+    model : str
+        ``"layer"``: this module's campaign of the attention layer. A transformers family
+        (:data:`attention.experiments.hf_models.FAMILIES`): the training-propagation campaign of
+        :mod:`attention.experiments.hf_campaign` on a model of that family with ``layers``
+        blocks, ``steps`` training steps per run (at every protected product of the first layer;
+        ``sites``, ``patterns``, ``clean_trials``, ``gemm`` and ``dtype`` do not apply).
+    layers, steps : int
+        See ``model``.
 
     Raises
     ------
@@ -137,12 +146,18 @@ class CampaignConfig:
     kinds: tuple[str, ...] = option(KINDS, "fault kinds", choices=KINDS)
     patterns: tuple[str, ...] = option(PATTERNS, "fault patterns", choices=PATTERNS)
     seed: int = option(0, "seed of everything random")
+    model: str = option("layer", "the attention layer, or training-propagation in a small "
+                        "transformers model of that family (needs the [hf] extra)",
+                        choices=("layer",) + FAMILIES)
+    layers: int = option(2, "transformer blocks of a --model family")
+    steps: int = option(6, "training steps per run of a --model family (the fault in step 1)")
 
     def __post_init__(self) -> None:
         at_least = {"--trials": (self.trials, 1), "--clean-trials": (self.clean_trials, 0),
                     "--batch": (self.batch, 1), "--seq": (self.seq, 2),
                     "--d-model": (self.d_model, 1), "--heads": (self.n_heads, 1),
-                    "--gemm": (min(self.gemm), 1)}
+                    "--gemm": (min(self.gemm), 1), "--layers": (self.layers, 1),
+                    "--steps": (self.steps, 2)}
         for flag, (value, low) in at_least.items():
             if value < low:
                 raise ValueError(f"{flag} must be at least {low}, got {value}")
@@ -155,6 +170,9 @@ class CampaignConfig:
             raise ValueError(f"--dtype must be one of {', '.join(TOLERANCES)}, got {self.dtype}")
         if not (math.isfinite(self.additive) and self.additive != 0):
             raise ValueError(f"--additive must be finite and non-zero, got {self.additive}")
+        if self.model not in ("layer",) + FAMILIES:
+            raise ValueError(f"--model must be layer or one of {', '.join(FAMILIES)}, got "
+                             f"{self.model}")
         for flag, chosen, known in (("--sites", self.sites, DEFAULT_SITES),
                                     ("--kinds", self.kinds, KINDS),
                                     ("--patterns", self.patterns, PATTERNS)):

@@ -171,6 +171,9 @@ def _run_campaign(config: Any, args: argparse.Namespace) -> int:
 
     from attention.experiments import campaign
 
+    if config.model != "layer":
+        return _run_model_campaign(config, args)
+
     xp = array_module(args.backend)
     print(f"campaign: backend {args.backend}, {config.trials} trial(s) per cell, "
           f"{len(config.sites)} sites x {len(config.kinds)} kinds x {len(config.patterns)} "
@@ -190,6 +193,30 @@ def _run_campaign(config: Any, args: argparse.Namespace) -> int:
     print(campaign.site_table(records), campaign.clean_table(records),
           campaign.propagation_table(prop), sep="\n\n")
     print(f"\nwrote {out}/" + ", ".join(written))
+    return 0
+
+
+def _run_model_campaign(config: Any, args: argparse.Namespace) -> int:
+    """``abft campaign --model FAMILY``: fault propagation through training of a transformers
+    model (:mod:`attention.experiments.hf_campaign`)."""
+    import json
+
+    from attention.experiments import hf_campaign
+    from attention.experiments.train import jsonable
+
+    print(f"campaign: {config.model} ({config.layers} layers), backend {args.backend}, "
+          f"{config.trials} trial(s) per (site, kind), {len(config.kinds)} kinds x 2 modes, "
+          f"{config.steps} steps per run", flush=True)
+    result = hf_campaign.run(config, "cpu" if args.backend == "numpy" else "cuda",
+                             progress=not args.no_progress)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "campaign.json").write_text(json.dumps(jsonable(result), indent=1))
+    table = hf_campaign.markdown(result)
+    (out / "campaign.md").write_text(f"# Fault propagation in training: {config.model}\n\n"
+                                     f"{table}\n")
+    print(table)
+    print(f"\nwrote {out}/campaign.json, campaign.md")
     return 0
 
 

@@ -1,6 +1,8 @@
 """Training under faults: unprotected vs. ABFT-protected vs. checkpoint/restore, side by side.
 
-One character-level :class:`attention.experiments.model.GPT` is trained four times from the same
+One character-level :class:`attention.experiments.model.GPT` (or, with ``model`` one of
+:data:`attention.experiments.hf_models.FAMILIES`, a small Hugging Face transformers model of that
+family: :class:`attention.experiments.hf_models.HFTrainer`) is trained four times from the same
 seed on the same batches:
 
 ``fault_free``
@@ -16,8 +18,9 @@ seed on the same batches:
 
 Faults: before each step, with probability ``fault_rate``, one fault of an extreme kind (INF,
 -INF, NaN, near-INF, or a flip of the top exponent bit) is scheduled at one element of a random
-GEMM site (attention or MLP, forward or backward) of a random block.  The schedule is drawn once
-from the seed and shared by the three faulty runs.
+GEMM site (attention or MLP, forward or backward) of a random block (a transformers model: a random
+protected product of any layer).  The schedule is drawn once from the seed and shared by the three
+faulty runs.
 
 Recovery overhead of checkpointing against protection (ATTNChecker reports up to 49x)::
 
@@ -44,11 +47,14 @@ from abftgemm.backend import to_host
 from abftgemm.faults import Fault, bit_layout
 from attention import SITES
 from attention.experiments.flags import option
+from attention.experiments.hf_models import FAMILIES, HFTrainer
 from attention.experiments.model import GPT, MLP_SITES, GPTConfig
 
 FAULT_KINDS: tuple[str, ...] = ("inf", "-inf", "nan", "near-inf", "bitflip")
 FAULT_SITES: tuple[str, ...] = SITES + MLP_SITES
 RUNS: tuple[str, ...] = ("fault_free", "unprotected", "protected", "checkpoint")
+#: ``--model``: the built-in NumPy GPT or a transformers family.
+MODELS: tuple[str, ...] = ("gpt",) + FAMILIES
 
 _SUBJECTS = {"one": ["the cat", "a dog", "my friend", "the old man", "a small bird"],
              "many": ["the cats", "two dogs", "my friends", "the children", "some birds"]}
@@ -125,6 +131,9 @@ class TrainConfig:
     corpus_chars: int = option(20000, "length of the synthetic training text")
     dtype: str = option("float32", "model dtype", choices=("float32", "float64"))
     seed: int = option(0, "seed of the model, the batches and the fault schedule")
+    model: str = option("gpt", "the model: the built-in NumPy GPT, or a small Hugging Face "
+                        "transformers model of that family (needs the [hf] extra; float32 only)",
+                        choices=MODELS)
 
     def __post_init__(self) -> None:
         at_least = {"--steps": (self.steps, 1), "--batch": (self.batch, 1),
@@ -143,6 +152,11 @@ class TrainConfig:
             raise ValueError(f"--fault-rate must be in [0, 1], got {self.fault_rate}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"--dtype must be float32 or float64, got {self.dtype}")
+        if self.model not in MODELS:
+            raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {self.model}")
+        if self.model != "gpt" and self.dtype != "float32":
+            raise ValueError(f"--model {self.model} trains in float32 only, got --dtype "
+                             f"{self.dtype}")
 
 
 @dataclass(frozen=True)
@@ -161,18 +175,22 @@ class ScheduledFault:
         return Fault(self.kind, "element", seed=self.seed, sites=self.site, bit=self.bit)
 
 
-def fault_schedule(config: TrainConfig) -> dict[int, ScheduledFault]:
-    """Draw the faults of every step from ``config.seed`` (step -> fault; most steps have none)."""
+def fault_schedule(config: TrainConfig, sites: tuple[str, ...] = FAULT_SITES,
+                   layers: int | None = None) -> dict[int, ScheduledFault]:
+    """Draw the faults of every step from ``config.seed`` (step -> fault; most steps have none),
+    at ``sites`` of one of ``layers`` blocks (default ``config.n_layers``; 1 where the site
+    names the block, as a transformers model's do)."""
     rng = np.random.default_rng([config.seed, 3])
     mantissa, exponent = bit_layout(np.dtype(config.dtype))
+    layers = config.n_layers if layers is None else layers
     schedule = {}
     for step in range(config.steps):
         if rng.random() >= config.fault_rate:
             continue
         kind = FAULT_KINDS[rng.integers(len(FAULT_KINDS))]
         schedule[step] = ScheduledFault(
-            step=step, kind=kind, site=FAULT_SITES[rng.integers(len(FAULT_SITES))],
-            layer=int(rng.integers(config.n_layers)), seed=int(rng.integers(2**31)),
+            step=step, kind=kind, site=sites[rng.integers(len(sites))],
+            layer=int(rng.integers(layers)), seed=int(rng.integers(2**31)),
             bit=mantissa + exponent - 1 if kind == "bitflip" else None)
     return schedule
 
@@ -276,6 +294,7 @@ class _Trainer:
                                    d_ff=config.d_ff, dtype=config.dtype), xp, seed=config.seed)
         self.params = self.model.parameters()
         self.opt = Adam(self.params, config.lr)
+        self.checkpoint_name = "checkpoint.npz"
 
     def batch(self, step: int) -> tuple[Any, Any]:
         """Inputs and targets of ``step`` (the same in every run and on replay)."""
@@ -331,7 +350,7 @@ def _run_checkpointed(trainer: _Trainer, schedule: dict[int, ScheduledFault], di
     """The checkpoint/restore run (unprotected GEMMs, reload on a non-finite step)."""
     cfg = trainer.config
     result = RunResult("checkpoint", "off", [None] * cfg.steps)
-    path = directory / "checkpoint.npz"
+    path = directory / trainer.checkpoint_name
     directory.mkdir(parents=True, exist_ok=True)
     fired: set[int] = set()
     start = time.perf_counter()
@@ -393,7 +412,11 @@ def train(config: TrainConfig, xp: Any, out: Path, progress: bool = True) -> dic
     text = synthetic_corpus(config.corpus_chars, config.seed)
     chars = sorted(set(text))
     data = np.array([chars.index(c) for c in text], dtype=np.int64)
-    schedule = fault_schedule(config)
+    if config.model == "gpt":
+        schedule = fault_schedule(config)
+    else:
+        schedule = fault_schedule(config, tuple(_trainer(config, data, len(chars), xp).sites()),
+                                  layers=1)
     _warm_up(config, data, len(chars), xp)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # faults overflow
         runs = _all_runs(config, data, len(chars), xp, schedule, out, progress)
@@ -408,7 +431,7 @@ def train(config: TrainConfig, xp: Any, out: Path, progress: bool = True) -> dic
         "overhead": overhead(runs),
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "train.json").write_text(json.dumps(_jsonable(summary), indent=2))
+    (out / "train.json").write_text(json.dumps(jsonable(summary), indent=2))
     return summary
 
 
@@ -416,8 +439,8 @@ def _all_runs(config: TrainConfig, data: np.ndarray, vocab: int, xp: Any,
               schedule: dict[int, ScheduledFault], out: Path, progress: bool
               ) -> dict[str, RunResult]:
     """The four runs of the module docstring, each on a fresh model from the same seed."""
-    def trainer() -> _Trainer:
-        return _Trainer(config, data, vocab, xp)
+    def trainer() -> Any:
+        return _trainer(config, data, vocab, xp)
 
     return {
         "fault_free": _run_plain(trainer(), "fault_free", "off", {}, False, progress),
@@ -427,9 +450,17 @@ def _all_runs(config: TrainConfig, data: np.ndarray, vocab: int, xp: Any,
     }
 
 
+def _trainer(config: TrainConfig, data: np.ndarray, vocab: int, xp: Any) -> Any:
+    """A fresh :class:`_Trainer`, or :class:`attention.experiments.hf_models.HFTrainer` for a
+    transformers model (on the GPU when ``xp`` is CuPy)."""
+    if config.model == "gpt":
+        return _Trainer(config, data, vocab, xp)
+    return HFTrainer(config, data, vocab, "cpu" if xp is np else "cuda")
+
+
 def _warm_up(config: TrainConfig, data: np.ndarray, vocab: int, xp: Any) -> None:
     """One step in each check mode so JIT compilation is not timed."""
-    trainer = _Trainer(config, data, vocab, xp)
+    trainer = _trainer(config, data, vocab, xp)
     for check in ("off", "correct"):
         trainer.grads(0, check, None, RunResult("warm-up", check, []))
 
@@ -467,14 +498,14 @@ def _last(losses: list[float | None]) -> float | None:
     return done[-1] if done else None
 
 
-def _jsonable(obj: Any) -> Any:
+def jsonable(obj: Any) -> Any:
     """``obj`` with non-finite floats as the strings "nan", "inf", "-inf" (strict JSON)."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return str(obj)
     if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
+        return {k: jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
+        return [jsonable(v) for v in obj]
     return obj
 
 
