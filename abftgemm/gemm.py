@@ -27,6 +27,7 @@ from abftgemm.threads import blas_scope
 
 FaultHook = Callable[[str, Any], None]
 CHECK_MODES = ("correct", "detect", "off")
+_LEFT = "nothing: left in place (check='detect')"
 
 
 def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
@@ -240,7 +241,7 @@ def settle(be: Backend, op: Operands, out: Any, verdict: Verdict, check: str, na
     with np.errstate(all="ignore"):  # non-finite data is judged and reported, not warned about
         for b in ([] if verdict.clean else verdict.flagged_batches()):
             if check == "detect":
-                report.events.append(diagnose(verdict, b).event(name, b, "reported"))
+                report.events.append(diagnose(verdict, b).event(name, b, "reported", _LEFT))
                 continue
             repair_batch(be, op, out, b, verdict, name, report)
             repaired.append(b)

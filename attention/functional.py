@@ -288,7 +288,11 @@ class _Pass:
 def _invariant_finding(report: Report, site: str, worst: float, tol: float, action: str,
                        left_in_place: bool = False) -> None:
     """Record a violated softmax invariant; announce it when detect mode leaves it in place."""
-    report.events.append(Event(site, 0, "2D", (), (), worst, tol, action))
+    done = {"reported": "nothing: left in place" if left_in_place else
+            "the step recomputed, and its invariants still violated",
+            "recomputed": "the step recomputed; then its invariants checked within tolerance "
+                          f"{tol:.3g}"}[action]
+    report.events.append(Event(site, 0, "2D", (), (), worst, tol, action, done))
     if left_in_place:
         announce(report.events[-1])
 
