@@ -12,13 +12,14 @@ The order, each step re-verified against checksums derived afresh from the input
    231 of them flagged and located, and the other 25, below their rows' thresholds, stayed wrong
    by up to 1.98 (a clean element there errs by at most 0.17) while the column's errors left
    summed within its threshold. Recomputing the column costs what recomputing the located
-   elements on it does (one GEMV-sized product). The elements are not rebuilt from the checksums
+   elements on it does (one GEMV-sized product); it is ``corrected`` only when nothing but the
+   located elements changed beyond rounding, else the fault was wider than located and step 3
+   follows. The elements are not rebuilt from the checksums
    either (``predicted sum - sum of the other elements``): that carries the rounding of every
    other element of the vector, up to its threshold, where a recomputed element carries one
-   element's, as in a clean product. Several errors in one vector can locate like a single one;
-   recomputing at the wrong place changes nothing wrong, so the re-verification still sees the
-   errors left and step 3 follows (rebuilding at the wrong place once made a float16 tile of
-   errors whose row, column and weighted sums all cancelled);
+   element's, as in a clean product. Several errors in one vector can locate like a single one
+   (a tile whose unlocated errors cancel in every checksum once the located vectors are
+   recomputed): the changes beyond the located elements show it;
 3. recompute the flagged rows and columns from the inputs (2D, several errors per vector);
 4. recompute the whole matrix;
 5. raise :class:`~abftgemm.report.UncorrectableError` with the report.
@@ -33,11 +34,12 @@ from typing import Any
 
 import numpy as np
 
-from abftgemm.backend import Backend
+from abftgemm.backend import Backend, to_host
 from abftgemm.encode import observe, predict
-from abftgemm.locate import Verdict, diagnose, verify
+from abftgemm.locate import Diagnosis, Verdict, diagnose, verify
 from abftgemm.operands import Operands, item
 from abftgemm.report import Report, UncorrectableError
+from abftgemm.thresholds import element_tolerance
 
 
 def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, site: str,
@@ -56,9 +58,9 @@ def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, 
     if diagnosis.cells:
         rows, cols = (sorted(set(ix)) for ix in zip(*diagnosis.cells))
         held = (rows, []) if diagnosis.direction == "cols" else ([], cols)
-        _recompute_vectors(be, one, view[0], *held)
+        explained = _only_located_changed(be, one, view[0], diagnosis, *held)
         after = _reverify(be, one, view, pred)
-        if after.clean:
+        if explained and after.clean:
             what = "rows" if diagnosis.direction == "cols" else "columns"
             report.events.append(diagnosis.event(site, b, "corrected", _verified(
                 f"the {what} holding the {len(diagnosis.cells)} located elements recomputed "
@@ -92,6 +94,28 @@ def _verified(done: str, after: Verdict) -> str:
     return (f"{done}; then every row and column checked against checksums derived afresh from "
             f"the inputs: largest |d|/threshold {after.worst_ratio():.2g}"
             f"{'' if after.clean else ', still flagged'}")
+
+
+def _only_located_changed(be: Backend, one: Operands, c: Any, diagnosis: Diagnosis,
+                          rows: Sequence[int], cols: Sequence[int]) -> bool:
+    """Recompute rows ``rows`` and columns ``cols`` of ``c``; True when nothing but the located
+    elements changed by more than two elements' rounding (the GEMM's and the recomputation's,
+    :func:`element_tolerance`). Anything else changing means the fault was wider than located,
+    and errors the checksums cannot see may be left elsewhere (a tile whose unlocated errors
+    cancel in every checksum once its located vectors are recomputed), so step 3 follows."""
+    xp = one.xp
+    ix = xp.asarray(np.array(rows or cols))
+    old = to_host(c[ix, :] if rows else c[:, ix].T).astype(np.float64)
+    _recompute_vectors(be, one, c, rows, cols)
+    new = to_host(c[ix, :] if rows else c[:, ix].T).astype(np.float64)
+    a, b = (to_host(x[0]).astype(np.float64) for x in (one.a, one.b))
+    size = np.abs(a[rows]) @ np.abs(b) if rows else (np.abs(a) @ np.abs(b[:, cols])).T
+    located = np.zeros(new.shape, dtype=bool)
+    for i, j in diagnosis.cells:
+        located[(rows.index(i), j) if rows else (cols.index(j), i)] = True
+    with np.errstate(invalid="ignore"):  # INF - INF: changed
+        same = np.abs(new - old) <= 2 * element_tolerance(size, one.k, one.dtype)
+    return bool((same | located).all())
 
 
 def _recompute_vectors(be: Backend, one: Operands, c: Any, rows: Sequence[int],
