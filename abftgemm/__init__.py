@@ -9,12 +9,13 @@ wrong data. With ``check="detect"`` it leaves the data alone and announces every
 from abftgemm.checksums import SUPPORTED_DTYPES, Checksums
 from abftgemm.gemm import CHECK_MODES, DeferredCheck, checksums_of, matmul, matmul_deferred
 from abftgemm.plan import Counters, ProtectedMatmul, settle_all
-from abftgemm.plan_cache import clear_plan_cache
+from abftgemm.plan_cache import PlanCache, clear_plan_cache
 from abftgemm.report import Event, FaultDetectedWarning, Report, UncorrectableError
 from abftgemm.threads import get_threads, set_threads
 from abftgemm.verify import Verification, verify
 
-__all__ = ["matmul", "ProtectedMatmul", "Counters", "settle_all", "clear_plan_cache", "verify",
+__all__ = ["matmul", "ProtectedMatmul", "Counters", "settle_all", "PlanCache", "clear_plan_cache",
+           "verify",
            "Verification", "matmul_deferred", "DeferredCheck", "checksums_of", "Checksums", "Report",
            "Event", "UncorrectableError", "FaultDetectedWarning", "CHECK_MODES", "SUPPORTED_DTYPES",
            "set_threads", "get_threads"]

@@ -62,6 +62,7 @@ class DeferredRows:
             raise ValueError(f"{name}: DeferredRows plans 3-D operands, got {a.shape} @ {b.shape}")
         self.check, self.name = check, name
         self.counters = Counters() if counters is None else counters
+        self.counters.plans += 1
         self._be = get_backend(op.xp)
         self._signature = (op.xp.__name__, op.dtype, op.a.shape, op.b.shape)
         self._layout = _Layout.of(a, b, None, op)

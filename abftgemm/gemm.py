@@ -19,7 +19,7 @@ from abftgemm.encode import observe, predict, predict_rows
 from abftgemm.locate import Verdict, diagnose, verify, verify_rows
 from abftgemm.operands import Operands
 from abftgemm.plan import DIRECTIONS
-from abftgemm.plan_cache import cached_plan, planned_operands
+from abftgemm.plan_cache import PlanCache, default_plans
 from abftgemm.nonfinite import settle_unverifiable
 from abftgemm.repair import repair_batch
 from abftgemm.report import Report, announce
@@ -27,13 +27,15 @@ from abftgemm.threads import blas_scope
 
 FaultHook = Callable[[str, Any], None]
 CHECK_MODES = ("correct", "detect", "off")
+_LEFT = "nothing: left in place (check='detect')"
 
 
 def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
            check: str = "correct", directions: str = "columns",
            fault_hook: FaultHook | None = None, name: str = "matmul",
            return_report: bool = False, a_checksums: Checksums | None = None,
-           b_checksums: Checksums | None = None, return_checksums: bool = False) -> Any:
+           b_checksums: Checksums | None = None, return_checksums: bool = False,
+           plans: PlanCache | None = None) -> Any:
     """Checksum-protected ``a @ b``: a drop-in for ``np.matmul`` / ``cupy.matmul`` that detects
     and corrects faults.
 
@@ -93,6 +95,10 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
         Also return the :class:`Checksums` of the delivered product (flattened batch), ready to
         pass to the next product: its column encoding (and the row encoding with
         ``directions="both"``).
+    plans : PlanCache, optional
+        Where the planned product is kept and found again (keyed by the product's layout and
+        the options, not by ``name``): a cache the caller owns and uses from one thread, such
+        as one per model; by default the calling thread's cache of the 8 most recently used.
 
     Returns
     -------
@@ -112,24 +118,27 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
         return tensor_matmul(matmul, a, b, out, bias, check=check, directions=directions,
                              fault_hook=fault_hook, name=name, return_report=return_report,
                              a_checksums=a_checksums, b_checksums=b_checksums,
-                             return_checksums=return_checksums)
+                             return_checksums=return_checksums, plans=plans)
     if check not in CHECK_MODES:
         raise ValueError(f"check must be one of {CHECK_MODES}, got {check!r}")
     if directions not in DIRECTIONS:
         raise ValueError(f"directions must be one of {DIRECTIONS}, got {directions!r}")
+    if plans is not None and not isinstance(plans, PlanCache):
+        raise TypeError(f"plans must be an abftgemm.PlanCache, got {type(plans).__name__}")
     report, checksums = Report(), None
+    plans = default_plans() if plans is None else plans
     # a layout seen before takes its cached plan without validation (plan_cache.py)
-    found = None if check == "off" else planned_operands(a, b, bias, out, check, directions,
-                                                         name)
+    found = None if check == "off" else plans.planned_operands(a, b, bias, out, check,
+                                                               directions)
     plan, op = found if found else (None, Operands.prepare(a, b, bias, out))
     if plan is None and (check == "off" or op.batch * op.m * op.n == 0):
         _, _, buf = _product(op, fault_hook, name)
     else:
         buf = op.buffer()
-        plan = plan or cached_plan(op, check, directions, name, (a, b, bias))
+        plan = plan or plans.plan(op, check, directions, (a, b, bias))
         try:
             with blas_scope():  # the thread count decided once for the GEMM and the rare path
-                plan.run(op, buf, fault_hook, a_checksums)
+                plan.run(op, buf, fault_hook, a_checksums, name)
                 report, sums = plan.settle(checksums=True)
         except BaseException:
             plan.abandon()
@@ -240,7 +249,7 @@ def settle(be: Backend, op: Operands, out: Any, verdict: Verdict, check: str, na
     with np.errstate(all="ignore"):  # non-finite data is judged and reported, not warned about
         for b in ([] if verdict.clean else verdict.flagged_batches()):
             if check == "detect":
-                report.events.append(diagnose(verdict, b).event(name, b, "reported"))
+                report.events.append(diagnose(verdict, b).event(name, b, "reported", _LEFT))
                 continue
             repair_batch(be, op, out, b, verdict, name, report)
             repaired.append(b)

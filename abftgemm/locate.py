@@ -2,7 +2,7 @@
 
 :func:`verify` runs on the device for the whole batch and leaves a :class:`Verdict`; only when it
 flags something does :func:`diagnose` pull the flagged vectors of one batch item to the host and
-decide which elements the checksums can rebuild.
+decide which elements the checksums can locate.
 """
 from __future__ import annotations
 
@@ -62,6 +62,14 @@ class Verdict:
     def clean(self) -> bool:
         return self.n_bad == 0
 
+    def worst_ratio(self) -> float:
+        """Largest ``|d| / threshold`` (plain or weighted difference) over the vectors of both
+        directions whose difference is finite; below 1 unless something is flagged."""
+        ratios = [to_host(abs(side.diff).max(-1) / side.tau).ravel()
+                  for side in (self.cols, self.rows) if side.pred is not None]
+        finite = np.concatenate([r[np.isfinite(r)] for r in ratios])
+        return float(finite.max()) if finite.size else 0.0
+
     def flagged_batches(self) -> list[int]:
         """Batch indices with at least one flagged vector (host list)."""
         any_bad = self.cols.bad.any(-1) | self.rows.bad.any(-1)
@@ -110,20 +118,22 @@ class Diagnosis:
     """What one batch item's flags mean, on the host."""
 
     pattern: str                 # 0D, 1R, 1C, 2D or checksum
-    cells: list[tuple[int, int]]  # elements the checksums can rebuild (empty: recompute needed)
-    direction: str               # "cols" or "rows": which checksums rebuild the cells
+    cells: list[tuple[int, int]]  # elements the checksums locate (empty: none located)
+    direction: str               # "cols" or "rows": which checksums located the cells
     rows: tuple[int, ...]        # flagged or located rows
     cols: tuple[int, ...]        # flagged or located columns
     magnitude: float
     threshold: float
 
-    def event(self, site: str, batch: int, action: str, pattern: str | None = None) -> Event:
+    def event(self, site: str, batch: int, action: str, verified: str,
+              pattern: str | None = None) -> Event:
+        """The :class:`~abftgemm.report.Event` of this diagnosis (``verified``: see there)."""
         return Event(site, batch, pattern or self.pattern, self.rows, self.cols, self.magnitude,
-                     self.threshold, action)
+                     self.threshold, action, verified)
 
 
 def diagnose(verdict: Verdict, b: int) -> Diagnosis:
-    """Classify the flags of batch item ``b`` and pick the elements the checksums can rebuild."""
+    """Classify the flags of batch item ``b`` and pick the elements the checksums locate."""
     K, k_loc, k_ok = _flagged(verdict.cols, b)
     R, r_loc, r_ok = _flagged(verdict.rows, b)
     magnitude, tau = _worst(verdict, b)
@@ -170,7 +180,7 @@ def _flagged(side: Side, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _consistent(flagged: np.ndarray, located: np.ndarray, other_flagged: np.ndarray,
                 other_ok: np.ndarray) -> bool:
-    """Can the flagged vectors of one direction rebuild their located elements?
+    """Do the flagged vectors of one direction locate every faulty element?
 
     Every flagged vector must locate one element; each located position must be flagged in the
     other direction too (or be unverifiable there); and every vector flagged in the other

@@ -51,6 +51,11 @@ from abftgemm.thresholds import element_tolerance, growth_margin, overflow_limit
 #: Scaled operands stay below 2**_SCALED_EXPONENT, so a product of two stays below 2**1000 and a
 #: sum of fewer than 2**23 of them stays finite in float64.
 _SCALED_EXPONENT = 500
+#: What the events of this module vouch for (Event.verified).
+_PASSED = ("each element checked against a float64 model of it from the inputs: the inputs' "
+           "INF/NaN or rounding allow it; passed through as computed")
+_RECOMPUTED = ("the faulty elements recomputed from the inputs; then each checked against a "
+               "float64 model of it: within element_tolerance, or an overflow rounding allows")
 
 
 def settle_unverifiable(be: Backend, op: Operands, out: Any, verdict: Verdict, check: str,
@@ -168,7 +173,7 @@ def _settle_item(be: Backend, one: Operands, c: Any, rows: np.ndarray, cols: np.
                            ("overflow", passed & model.inputs_finite)):
         if cells.any():
             report.events.append(_event(site, b, pattern, rows, cols, cells, float("nan"),
-                                        float("nan"), "passed-through"))
+                                        float("nan"), "passed-through", _PASSED))
     if allowed.all():
         return False
     faulty = ~allowed
@@ -179,13 +184,14 @@ def _settle_item(be: Backend, one: Operands, c: Any, rows: np.ndarray, cols: np.
     pattern = cell_pattern(_cells(rows, cols, faulty))
     if check == "detect":
         report.events.append(_event(site, b, pattern, rows, cols, faulty, magnitude, threshold,
-                                    "reported"))
+                                    "reported", "nothing: left in place (check='detect')"))
         return False
     _recompute_cells(be, one, c, rows, cols, faulty)
     fixed = to_host(c[xp.asarray(rows)][:, xp.asarray(cols)]).astype(np.float64)
     ok = bool(model.allows(fixed)[faulty].all())
     report.events.append(_event(site, b, pattern, rows, cols, faulty, magnitude, threshold,
-                                "recomputed" if ok else "reported"))
+                                "recomputed" if ok else "reported",
+                                _RECOMPUTED + ("" if ok else ", and they are not")))
     if not ok:
         raise UncorrectableError(f"{site}[{b}]: recomputed elements are still not what the "
                                  "inputs allow", report)
@@ -208,7 +214,7 @@ def _cells(rows: np.ndarray, cols: np.ndarray, mask: np.ndarray) -> list[tuple[i
 
 
 def _event(site: str, b: int, pattern: str, rows: np.ndarray, cols: np.ndarray, mask: np.ndarray,
-           magnitude: float, threshold: float, action: str) -> Event:
+           magnitude: float, threshold: float, action: str, verified: str) -> Event:
     """An event naming the rows and columns of the cells ``mask`` selects in ``rows x cols``."""
     return Event(site, b, pattern, tuple(int(r) for r in rows[mask.any(1)]),
-                 tuple(int(j) for j in cols[mask.any(0)]), magnitude, threshold, action)
+                 tuple(int(j) for j in cols[mask.any(0)]), magnitude, threshold, action, verified)

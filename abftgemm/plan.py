@@ -56,12 +56,16 @@ class Counters:
         Settles that ran the full two-direction path (verify, locate, repair, recompute; its
         launches are not in ``launches``): every settle of a ``directions="both"`` plan, and of
         a column plan only when its fast path flagged something (never for a clean product).
+    plans : int
+        Plans made with these counters (a workspace whose plans are reused makes none in steady
+        state).
     """
 
     launches: int = 0
     allocations: int = 0
     syncs: int = 0
     rare_paths: int = 0
+    plans: int = 0
 
 
 class ProtectedMatmul:
@@ -115,6 +119,7 @@ class ProtectedMatmul:
         op = Operands.prepare(a, b, bias)
         self.check, self.directions, self.name = check, directions, name
         self.counters = Counters() if counters is None else counters
+        self.counters.plans += 1
         self._signature = signature_of(op)
         self._layout = _Layout.of(a, b, bias, op)
         self._be: Backend = get_backend(op.xp)
@@ -168,10 +173,13 @@ class ProtectedMatmul:
         return op.restore(c)
 
     def run(self, op: Operands, c: Any, fault_hook: FaultHook | None = None,
-            a_checksums: Checksums | None = None) -> None:
+            a_checksums: Checksums | None = None, name: str | None = None) -> None:
         """:meth:`execute` for operands already validated against the plan (``op``, from
         :meth:`Operands.prepare` with the planned signature) into the ``(batch, m, n)`` buffer
-        ``c`` (``op.buffer()``); what :func:`abftgemm.matmul` calls."""
+        ``c`` (``op.buffer()``); what :func:`abftgemm.matmul` calls. ``name``: the site of this
+        execute, for ``fault_hook`` and the report (default: the plan's ``name``), so that one
+        plan serves every site of its signature."""
+        name = self.name if name is None else name
         if self._pending is not None:
             raise RuntimeError(f"{self.name}: settle() the previous execute first")
         if a_checksums is not None and self._constant_a:
@@ -180,7 +188,7 @@ class ProtectedMatmul:
             _check_column_encoding(op, a_checksums.cols, self.name)
         self._work.gemm(op, c, self._a_triangle)
         if fault_hook is not None:
-            fault_hook(self.name, c.reshape(op.batch_shape + (op.m, op.n)))
+            fault_hook(name, c.reshape(op.batch_shape + (op.m, op.n)))
         if self._verify_columns:
             if a_checksums is not None and a_checksums.cols is not None:
                 self._work.set_encoding(a_checksums.cols)
@@ -189,7 +197,7 @@ class ProtectedMatmul:
                 encode_a = not self._constant_a
             self._work.predict(op, encode_a)
             self._work.observe_flag(c)
-        self._pending = _Pending(op, c, a_checksums)
+        self._pending = _Pending(op, c, a_checksums, name)
 
     def signature(self) -> tuple:
         """What the plan was made for: array module, dtype, operand and result shapes, bias."""
@@ -265,11 +273,11 @@ class ProtectedMatmul:
             from abftgemm.gemm import protect  # the rare path; gemm imports this module
 
             self.counters.rare_paths += 1
-            sums = protect(self._be, op, c, self.check, self.name, report, pending.a_checksums,
-                           None)
+            sums = protect(self._be, op, c, self.check, pending.name, report,
+                           pending.a_checksums, None)
             if self._verify_columns:  # the fast path hands on column encodings only
                 sums = Checksums(cols=sums.cols)
-        report.checked[self.name] = op.batch
+        report.checked[pending.name] = op.batch
         return (report, sums) if checksums else report
 
     def reset_constant(self, a: Any, b: Any, bias: Any | None = None) -> None:
@@ -388,6 +396,7 @@ class _Pending:
     op: Operands
     c: Any
     a_checksums: Checksums | None
+    name: str  # the site of this execute
 
 
 def _check_column_encoding(op: Operands, cols: Any, name: str) -> None:

@@ -1,14 +1,21 @@
-"""The plans behind :func:`abftgemm.matmul`: a small cache per thread, keyed by what a plan fixes.
+"""The plans behind :func:`abftgemm.matmul`: a :class:`PlanCache`, keyed by what a plan fixes.
 
-Repeated products of one layout (the same shapes, dtype, device, bias presence, check mode,
-directions and site name) reuse one :class:`~abftgemm.plan.ProtectedMatmul` and so its
-workspaces, with nothing to validate or allocate beyond the result. The cache is per thread
-because a plan has one execute in flight at a time; it keeps the :data:`CAPACITY` most recently
-used plans (a plan's workspaces are small next to its product, except 16-bit products on the CPU,
-whose float32 copies of the operands and the product live in the plan).
+Repeated products of one layout (the same shapes, dtype, device, bias presence, check mode and
+directions) reuse one :class:`~abftgemm.plan.ProtectedMatmul` and so its workspaces, with nothing
+to validate or allocate beyond the result. The key holds no site name: the plan takes each call's
+name for its fault hook and report (``ProtectedMatmul.run``), so a model with any number of sites
+needs one plan per distinct product, and :func:`abftgemm.matmul` executes and settles each call
+before the next, so sites of one signature never hold one plan at the same time.
 
-:func:`planned_operands` finds the plan of arrays seen before without validating them again:
-each plan remembers the exact layouts (array type, dtype, shapes) of the calls that made or
+A caller that runs many products (a model's training step) owns a :class:`PlanCache` and passes
+it as ``matmul(..., plans=cache)``: unbounded by default, so no plan is rebuilt in steady state
+(``cache.counters.plans`` counts the plans made). Without one, each thread has a default cache of
+the :data:`CAPACITY` most recently used plans (a plan's workspaces are small next to its product,
+except 16-bit products on the CPU, whose float32 copies of the operands and the product live in
+the plan). A cache serves one thread at a time: a plan has one execute in flight.
+
+:meth:`PlanCache.planned_operands` finds the plan of arrays seen before without validating them
+again: each plan remembers the exact layouts (array type, dtype, shapes) of the calls that made or
 reused it, and arrays of such a layout are taken as they are. That saves ``Operands.prepare``
 (tens of microseconds, a few percent of a 512^3 product on the CPU).
 """
@@ -22,68 +29,102 @@ import numpy as np
 
 from abftgemm.backend import is_cupy_array
 from abftgemm.operands import Operands
-from abftgemm.plan import ProtectedMatmul, _Layout, signature_of
+from abftgemm.plan import Counters, ProtectedMatmul, _Layout, signature_of
 
-#: Plans kept per thread.
+#: Plans kept by each thread's default cache.
 CAPACITY = 8
 
 _local = threading.local()
 
 
-def cached_plan(op: Operands, check: str, directions: str, name: str,
-                arrays: tuple[Any, Any, Any] | None = None) -> ProtectedMatmul:
-    """The plan for ``op`` (validated operands) and these options, made on first use.
+class PlanCache:
+    """Planned products of :func:`abftgemm.matmul`, made on first use and reused.
 
-    ``arrays``: the ``(a, b, bias)`` that ``op`` was prepared from; when ``op`` only reshapes
-    them, their layout is remembered for :func:`planned_operands`.
+    Parameters
+    ----------
+    capacity : int, optional
+        Keep at most this many plans (the least recently used is released first); None (the
+        default) keeps every plan.
+
+    Attributes
+    ----------
+    counters : Counters
+        Shared by every plan of the cache: ``counters.plans`` is the number of plans made.
     """
-    plans, layouts = _plans(), _layouts()
-    key = (signature_of(op), _device(op.xp), check, directions, name)
-    plan = plans.get(key)
-    if plan is None:
-        plan = ProtectedMatmul(op.a, op.b, bias=op.bias, check=check, directions=directions,
-                               name=name)
-        plans[key] = plan
-        while len(plans) > CAPACITY:
-            evicted = plans.popitem(last=False)[1]
-            evicted.release()
-            for stale in [k for k, (_, p, _) in layouts.items() if p is evicted]:
-                del layouts[stale]
-    plans.move_to_end(key)
-    if arrays is not None:
-        layout = _Layout.of(*arrays, op)
-        layout_key = _layout_key(*arrays, check, directions, name)
-        if layout is not None and layout_key is not None:
-            layouts[layout_key] = (layout, plan, key)
-    return plan
+
+    def __init__(self, capacity: int | None = None):
+        if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
+            raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
+        self.capacity = capacity
+        self.counters = Counters()
+        self._plans: OrderedDict[tuple, ProtectedMatmul] = OrderedDict()
+        #: Layout key -> (``_Layout``, plan, plan key), for :meth:`planned_operands`.
+        self._layouts: dict[tuple, tuple[_Layout, ProtectedMatmul, tuple]] = {}
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def plan(self, op: Operands, check: str, directions: str,
+             arrays: tuple[Any, Any, Any] | None = None) -> ProtectedMatmul:
+        """The plan for ``op`` (validated operands) and these options, made on first use.
+
+        ``arrays``: the ``(a, b, bias)`` that ``op`` was prepared from; when ``op`` only reshapes
+        them, their layout is remembered for :meth:`planned_operands`.
+        """
+        key = (signature_of(op), _device(op.xp), check, directions)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = ProtectedMatmul(op.a, op.b, bias=op.bias, check=check, directions=directions,
+                                   counters=self.counters)
+            self._plans[key] = plan
+            while self.capacity is not None and len(self._plans) > self.capacity:
+                evicted = self._plans.popitem(last=False)[1]
+                evicted.release()
+                for stale in [k for k, (_, p, _) in self._layouts.items() if p is evicted]:
+                    del self._layouts[stale]
+        self._plans.move_to_end(key)
+        if arrays is not None:
+            layout = _Layout.of(*arrays, op)
+            layout_key = _layout_key(*arrays, check, directions)
+            if layout is not None and layout_key is not None:
+                self._layouts[layout_key] = (layout, plan, key)
+        return plan
+
+    def planned_operands(self, a: Any, b: Any, bias: Any | None, out: Any | None, check: str,
+                         directions: str) -> tuple[ProtectedMatmul, Operands] | None:
+        """The plan and operands for arrays of a layout a plan was made or used for, taken
+        without validation; None for anything else (validate with ``Operands.prepare``)."""
+        key = _layout_key(a, b, bias, check, directions)
+        entry = None if key is None else self._layouts.get(key)
+        if entry is None:
+            return None
+        layout, plan, plan_key = entry
+        op = layout.operands(a, b, bias, out)
+        if op is None:
+            return None
+        self._plans.move_to_end(plan_key)
+        return plan, op
+
+    def clear(self) -> None:
+        """Release every plan (frees their workspaces)."""
+        self._layouts.clear()
+        while self._plans:
+            self._plans.popitem()[1].release()
 
 
-def planned_operands(a: Any, b: Any, bias: Any | None, out: Any | None, check: str,
-                     directions: str, name: str) -> tuple[ProtectedMatmul, Operands] | None:
-    """The cached plan and operands for arrays of a layout a plan was made or used for, taken
-    without validation; None for anything else (validate with ``Operands.prepare``)."""
-    key = _layout_key(a, b, bias, check, directions, name)
-    entry = None if key is None else _layouts().get(key)
-    if entry is None:
-        return None
-    layout, plan, plan_key = entry
-    op = layout.operands(a, b, bias, out)
-    if op is None:
-        return None
-    _plans().move_to_end(plan_key)
-    return plan, op
+def default_plans() -> PlanCache:
+    """The calling thread's default cache (:data:`CAPACITY` plans)."""
+    if not hasattr(_local, "plans"):
+        _local.plans = PlanCache(CAPACITY)
+    return _local.plans
 
 
 def clear_plan_cache() -> None:
-    """Release every cached plan of the calling thread (frees their workspaces)."""
-    plans = _plans()
-    _layouts().clear()
-    while plans:
-        plans.popitem()[1].release()
+    """Release every plan of the calling thread's default cache (frees their workspaces)."""
+    default_plans().clear()
 
 
-def _layout_key(a: Any, b: Any, bias: Any | None, check: str, directions: str,
-                name: str) -> tuple | None:
+def _layout_key(a: Any, b: Any, bias: Any | None, check: str, directions: str) -> tuple | None:
     """What identifies arrays' layout and the options (None for anything but arrays)."""
     kind = type(a)
     if kind is np.ndarray:
@@ -95,20 +136,7 @@ def _layout_key(a: Any, b: Any, bias: Any | None, check: str, directions: str,
     if type(b) is not kind or (bias is not None and type(bias) is not kind):
         return None
     return (kind, a.dtype, b.dtype, a.shape, b.shape, None if bias is None else bias.shape,
-            device, check, directions, name)
-
-
-def _plans() -> OrderedDict:
-    if not hasattr(_local, "plans"):
-        _local.plans = OrderedDict()
-    return _local.plans
-
-
-def _layouts() -> dict:
-    """Layout key -> (``_Layout``, plan, plan key), for :func:`planned_operands`."""
-    if not hasattr(_local, "layouts"):
-        _local.layouts = {}
-    return _local.layouts
+            device, check, directions)
 
 
 def _device(xp: Any) -> int:

@@ -4,20 +4,32 @@ The order, each step re-verified against checksums derived afresh from the input
 
 1. re-derive the predicted checksums; if the data now verifies, the checksum was wrong
    (``checksum``), and the data is left alone;
-2. rebuild the located elements from the checksums (0D, 1R, 1C, scattered single errors):
-   ``c_ij = predicted_sum_j - sum of the other elements`` -- never ``c_ij + d``, which loses
-   everything to cancellation when ``c_ij`` is huge and is NaN when it is INF -- and confirm each
-   rebuilt element against the same element recomputed from the inputs. Several errors in one
-   vector can locate like a single one, and rebuilding at the wrong place can leave a pattern no
-   checksum sees (a float16 4x4 tile of near-INF errors was "rebuilt" into +-v patterns whose row,
-   column and weighted sums all cancel): without the confirmation that product verified clean
-   and was returned wrong;
+2. recompute from the inputs the vectors that hold the elements the checksums locate (0D, 1R,
+   1C, scattered single errors; ``corrected``): their rows when each flagged column located one
+   element, their columns when each flagged row did. A vector holding several located elements
+   was hit by a fault that may have changed more of its elements than the other direction could
+   locate: a bfloat16 multi-bit fault on a whole column at 256 x 256 x 256 changed all 256 rows,
+   231 of them flagged and located, and the other 25, below their rows' thresholds, stayed wrong
+   by up to 1.98 (a clean element there errs by at most 0.17) while the column's errors left
+   summed within its threshold. Recomputing the column costs what recomputing the located
+   elements on it does (one GEMV-sized product); it is ``corrected`` only when nothing but the
+   located elements changed beyond rounding, else the fault was wider than located and step 3
+   follows. The elements are not rebuilt from the checksums
+   either (``predicted sum - sum of the other elements``): that carries the rounding of every
+   other element of the vector, up to its threshold, where a recomputed element carries one
+   element's, as in a clean product. Several errors in one vector can locate like a single one
+   (a tile whose unlocated errors cancel in every checksum once the located vectors are
+   recomputed): the changes beyond the located elements show it;
 3. recompute the flagged rows and columns from the inputs (2D, several errors per vector);
 4. recompute the whole matrix;
 5. raise :class:`~abftgemm.report.UncorrectableError` with the report.
+
+Each event says in :attr:`~abftgemm.report.Event.verified` what was recomputed and how close the
+re-verified product came to its thresholds.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -27,7 +39,7 @@ from abftgemm.encode import observe, predict
 from abftgemm.locate import Diagnosis, Verdict, diagnose, verify
 from abftgemm.operands import Operands, item
 from abftgemm.report import Report, UncorrectableError
-from abftgemm.thresholds import element_tolerance, threshold
+from abftgemm.thresholds import element_tolerance
 
 
 def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, site: str,
@@ -38,26 +50,36 @@ def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, 
     pred = predict(be, one, None, None)
     fresh = _reverify(be, one, view, pred)
     if fresh.clean:  # the data agrees with checksums derived afresh: the old ones were wrong
-        report.events.append(diagnose(verdict, b).event(site, b, "checksum-recomputed",
-                                                        pattern="checksum"))
+        report.events.append(diagnose(verdict, b).event(
+            site, b, "checksum-recomputed", _verified("the data left as computed", fresh),
+            pattern="checksum"))
         return
     diagnosis = diagnose(fresh, 0)
     if diagnosis.cells:
-        with np.errstate(invalid="ignore", over="ignore"):  # the bad elements may be INF/NaN
-            _rebuild(one.xp, view[0], diagnosis, pred)
-        if _rebuilt_as_recomputed(be, one, view[0], diagnosis, fresh) and \
-                _reverify(be, one, view, pred).clean:
-            report.events.append(diagnosis.event(site, b, "corrected"))
+        rows, cols = (sorted(set(ix)) for ix in zip(*diagnosis.cells))
+        held = (rows, []) if diagnosis.direction == "cols" else ([], cols)
+        explained = _only_located_changed(be, one, view[0], diagnosis, *held)
+        after = _reverify(be, one, view, pred)
+        if explained and after.clean:
+            what = "rows" if diagnosis.direction == "cols" else "columns"
+            report.events.append(diagnosis.event(site, b, "corrected", _verified(
+                f"the {what} holding the {len(diagnosis.cells)} located elements recomputed "
+                "from the inputs", after)))
             return
-    _recompute_vectors(be, one, view[0], diagnosis)
-    if _reverify(be, one, view, pred).clean:
-        report.events.append(diagnosis.event(site, b, "recomputed"))
+    _recompute_vectors(be, one, view[0], diagnosis.rows, diagnosis.cols)
+    after = _reverify(be, one, view, pred)
+    if after.clean:
+        report.events.append(diagnosis.event(site, b, "recomputed", _verified(
+            "the flagged rows and columns recomputed from the inputs", after)))
         return
     be.gemm(one.a, one.b, view, one.bias)
-    if _reverify(be, one, view, pred).clean:
-        report.events.append(diagnosis.event(site, b, "recomputed", pattern="2D"))
+    after = _reverify(be, one, view, pred)
+    if after.clean:
+        report.events.append(diagnosis.event(site, b, "recomputed", _verified(
+            "the whole product recomputed from the inputs", after), pattern="2D"))
         return
-    report.events.append(diagnosis.event(site, b, "reported"))
+    report.events.append(diagnosis.event(site, b, "reported", _verified(
+        "the whole product recomputed from the inputs", after)))
     raise UncorrectableError(f"{site}[{b}]: the product does not verify even after recomputation",
                              report)
 
@@ -67,56 +89,45 @@ def _reverify(be: Backend, one: Operands, view: Any, pred: tuple[Any, Any]) -> V
     return verify(be, one, pred[0], pred[1], obs_col, obs_row)
 
 
-def _rebuild(xp: Any, c: Any, diagnosis: Diagnosis, pred: tuple[Any, Any]) -> None:
-    """Rebuild each located element from the checksum of its (single-error) vector."""
-    rows = xp.asarray(np.array([i for i, _ in diagnosis.cells]))
-    cols = xp.asarray(np.array([j for _, j in diagnosis.cells]))
-    picks = xp.arange(len(diagnosis.cells))
-    if diagnosis.direction == "cols":
-        vectors = c[:, cols].astype(np.float64)          # (m, cells): each cell's column
-        vectors[rows, picks] = 0
-        total = pred[0][0, cols, 0]
-    else:
-        vectors = c[rows, :].astype(np.float64).T        # (n, cells): each cell's row
-        vectors[cols, picks] = 0
-        total = pred[1][0, rows, 0]
-    c[rows, cols] = (total - vectors.sum(0)).astype(c.dtype)
+def _verified(done: str, after: Verdict) -> str:
+    """What an event vouches for: what was done, and the re-verification that followed."""
+    return (f"{done}; then every row and column checked against checksums derived afresh from "
+            f"the inputs: largest |d|/threshold {after.worst_ratio():.2g}"
+            f"{'' if after.clean else ', still flagged'}")
 
 
-def _recompute_vectors(be: Backend, one: Operands, c: Any, diagnosis: Diagnosis) -> None:
-    """Recompute the rows and columns the diagnosis names, from the inputs."""
+def _only_located_changed(be: Backend, one: Operands, c: Any, diagnosis: Diagnosis,
+                          rows: Sequence[int], cols: Sequence[int]) -> bool:
+    """Recompute rows ``rows`` and columns ``cols`` of ``c``; True when nothing but the located
+    elements changed by more than two elements' rounding (the GEMM's and the recomputation's,
+    :func:`element_tolerance`). Anything else changing means the fault was wider than located,
+    and errors the checksums cannot see may be left elsewhere (a tile whose unlocated errors
+    cancel in every checksum once its located vectors are recomputed), so step 3 follows."""
     xp = one.xp
-    if diagnosis.rows:
-        rows = xp.asarray(np.array(diagnosis.rows))
-        c[rows, :] = product_rows(be, one, rows)
-    if diagnosis.cols:
-        cols = xp.asarray(np.array(diagnosis.cols))
-        c[:, cols] = product_cols(be, one, cols)
+    ix = xp.asarray(np.array(rows or cols))
+    old = to_host(c[ix, :] if rows else c[:, ix].T).astype(np.float64)
+    _recompute_vectors(be, one, c, rows, cols)
+    new = to_host(c[ix, :] if rows else c[:, ix].T).astype(np.float64)
+    a, b = (to_host(x[0]).astype(np.float64) for x in (one.a, one.b))
+    size = np.abs(a[rows]) @ np.abs(b) if rows else (np.abs(a) @ np.abs(b[:, cols])).T
+    located = np.zeros(new.shape, dtype=bool)
+    for i, j in diagnosis.cells:
+        located[(rows.index(i), j) if rows else (cols.index(j), i)] = True
+    with np.errstate(invalid="ignore"):  # INF - INF: changed
+        same = np.abs(new - old) <= 2 * element_tolerance(size, one.k, one.dtype)
+    return bool((same | located).all())
 
 
-def _rebuilt_as_recomputed(be: Backend, one: Operands, c: Any, diagnosis: Diagnosis,
-                           fresh: Verdict) -> bool:
-    """Do the rebuilt elements equal the same elements recomputed from the inputs?
-
-    Both sides carry rounding: the rebuilt value that of its vector's checksum (bounded by the
-    vector's threshold), the recomputed one the GEMM's (bounded by :func:`element_tolerance` of
-    the vector's ``sum |A||B|``, which is at least the element's).
-    The cheaper of recomputing the cells' rows or their columns is used.
-    """
+def _recompute_vectors(be: Backend, one: Operands, c: Any, rows: Sequence[int],
+                       cols: Sequence[int]) -> None:
+    """Recompute rows ``rows`` and columns ``cols`` of ``c`` from the inputs."""
     xp = one.xp
-    rows = np.array([i for i, _ in diagnosis.cells])
-    cols = np.array([j for _, j in diagnosis.cells])
-    recomputed = product_cells(be, one, rows, cols)
-    rebuilt = c[xp.asarray(rows), xp.asarray(cols)]
-    side, vectors = (fresh.cols, cols) if diagnosis.direction == "cols" else (fresh.rows, rows)
-    size = to_host(side.pred[0, :, 2])[vectors]  # predicted sum |A||B| of each cell's vector
-    # The vector's threshold with its observed |C| sum (polluted by the fault, NaN for a NaN)
-    # replaced by the predicted one, which bounds it.
-    tolerance = threshold(size, size, one.k, side.length, one.dtype, one.bias is not None) \
-        + element_tolerance(size, one.k, one.dtype)
-    with np.errstate(invalid="ignore"):  # INF - INF: not confirmed
-        gap = np.abs(to_host(rebuilt).astype(np.float64) - to_host(recomputed).astype(np.float64))
-    return bool((gap <= tolerance).all())
+    if rows:
+        ix = xp.asarray(np.array(rows))
+        c[ix, :] = product_rows(be, one, ix)
+    if cols:
+        ix = xp.asarray(np.array(cols))
+        c[:, ix] = product_cols(be, one, ix)
 
 
 def product_cells(be: Backend, one: Operands, rows: np.ndarray, cols: np.ndarray) -> Any:

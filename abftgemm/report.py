@@ -36,8 +36,18 @@ class Event:
     threshold : float
         The rounding-error threshold that difference was compared against (for the same vector).
     action : str
-        ``"corrected"`` (rebuilt from checksums), ``"recomputed"`` (recomputed from the inputs),
-        ``"checksum-recomputed"``, ``"reported"`` (check="detect") or ``"passed-through"``.
+        ``"corrected"`` (the elements the checksums located were recomputed from the inputs, so
+        they carry a clean product's rounding, and the product then verified),
+        ``"recomputed"`` (rows, columns, the whole product or a softmax step recomputed from the
+        inputs), ``"checksum-recomputed"`` (the predicted checksum was wrong; the data verified
+        against fresh ones and was left alone), ``"reported"`` (left in place: check="detect",
+        or nothing could be made to verify) or ``"passed-through"``.
+    verified : str
+        What was done and what was checked afterwards, in words: which values were recomputed,
+        and the re-verification that followed with the tolerance it was judged against (for a
+        product, the largest checksum ``|d|/threshold`` over its rows and columns). Nothing
+        beyond that statement is vouched for: an element no check looked at again is known
+        only to the bound of the check that covers it (docs/detection.md).
     """
 
     site: str
@@ -48,11 +58,12 @@ class Event:
     magnitude: float
     threshold: float
     action: Action
+    verified: str
 
     def __str__(self) -> str:
         where = f"rows {_brief(self.rows)} cols {_brief(self.cols)}"
         return (f"{self.site}[{self.batch}] {self.pattern} at {where}: |d|={self.magnitude:.3g} "
-                f"vs threshold {self.threshold:.3g} -> {self.action}")
+                f"vs threshold {self.threshold:.3g} -> {self.action}: {self.verified}")
 
 
 def _brief(ix: tuple[int, ...]) -> str:
@@ -80,7 +91,8 @@ class Report:
 
     @property
     def corrected(self) -> int:
-        """Number of output elements repaired from checksums."""
+        """Number of output elements the checksums located and that were recomputed (action
+        ``"corrected"``)."""
         return sum(len(_cells(e)) for e in self.events if e.action == "corrected")
 
     @property

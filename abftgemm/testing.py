@@ -146,7 +146,7 @@ def checksum_error_ratio(c: Any, c_clean: Any, a: Any, b: Any,
     with the vector's threshold ``tau`` (the model :func:`abftgemm.matmul` uses). A product
     passes its checks unflagged only if every such sum stays under ``tau`` plus the vector's own
     rounding (below ``tau`` by calibration), so ratios above 2 must have been detected. Each
-    element of ``c`` and ``c_clean`` may also carry its own rounding (a recomputed or rebuilt
+    element of ``c`` and ``c_clean`` may also carry its own rounding (a recomputed
     element): twice :func:`abftgemm.thresholds.element_tolerance` per element is allowed for on
     top. A non-finite element where ``c_clean`` is finite gives ``inf``; elements whose
     fault-free value is not finite are not compared.

@@ -148,7 +148,7 @@ def _run_passes(body: Any, ctx: Context, ws: Workspace, xp: Any) -> Any:
     if origin is None:
         ctx.report.extend(first.report)
         return result
-    replay = _Pass(ctx, ws, xp, per_site=True)
+    replay = _Pass(ctx, ws, xp, per_site=True, modes=first.modes)  # the first pass's draws
     result = body(replay)
     seen = replay.report.sites
     origin.events = [e for e in origin.events if e.site not in seen]
@@ -160,8 +160,11 @@ def _run_passes(body: Any, ctx: Context, ws: Workspace, xp: Any) -> Any:
 class _Pass:
     """One forward or backward pass: named tensors, passed checksums, pending verdicts."""
 
-    def __init__(self, ctx: Context, ws: Workspace, xp: Any, per_site: bool):
+    def __init__(self, ctx: Context, ws: Workspace, xp: Any, per_site: bool,
+                 modes: dict[str, str] | None = None):
         self.ctx, self.ws, self.xp, self.per_site = ctx, ws, xp, per_site
+        #: Site -> its check mode in this step, drawn from the plan once (a replay reuses them).
+        self.modes = {} if modes is None else modes
         #: Causal layer: the routes' ``a_triangle`` and ``out_triangle`` promises hold.
         self.causal = False
         self.env: dict[str, Any] = {}
@@ -188,7 +191,7 @@ class _Pass:
         the swapped product encodes its own ``a``)."""
         route = ROUTES[site]
         a, b, bias = self.tensor(route.a), self.tensor(route.b), self.tensor(route.bias)
-        mode = self.ctx.mode(site)
+        mode = self.mode(site)
         self.env[route.out] = out
         target = out
         a_sums = None if route.a_sums is None else self.sums.get(self._named(route.a_sums))
@@ -217,6 +220,14 @@ class _Pass:
             self.sums[route.out] = sums.cols
         return out
 
+    def mode(self, site: str) -> str:
+        """``site``'s check mode in this step (each site runs once per pass): drawn from the
+        checking plan at its first run, reused by the replay, which must not advance an every-N
+        schedule or redraw a probabilistic check."""
+        if site not in self.modes:
+            self.modes[site] = self.ctx.mode(site)
+        return self.modes[site]
+
     def _named(self, name: str) -> str:
         """``name`` (with any ``^T``) under the name its tensor's checksums are kept by."""
         base = name.removesuffix("^T")
@@ -227,7 +238,7 @@ class _Pass:
         consumer to fill ``observed`` and :meth:`consumed`."""
         route = ROUTES[site]
         a, b = self.tensor(route.a), self.tensor(route.b)
-        mode = self.ctx.mode(site)
+        mode = self.mode(site)
         self.env[route.out] = out
         triangle = route.out_triangle if self.causal else None
         if mode == "off":
@@ -301,7 +312,11 @@ class _Pass:
 def _invariant_finding(report: Report, site: str, worst: float, tol: float, action: str,
                        left_in_place: bool = False) -> None:
     """Record a violated softmax invariant; announce it when detect mode leaves it in place."""
-    report.events.append(Event(site, 0, "2D", (), (), worst, tol, action))
+    done = {"reported": "nothing: left in place" if left_in_place else
+            "the step recomputed, and its invariants still violated",
+            "recomputed": "the step recomputed; then its invariants checked within tolerance "
+                          f"{tol:.3g}"}[action]
+    report.events.append(Event(site, 0, "2D", (), (), worst, tol, action, done))
     if left_in_place:
         announce(report.events[-1])
 

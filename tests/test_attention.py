@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import abftgemm
 from abftgemm.backend import to_host
 from abftgemm.faults import Fault, Recorder, bit_layout
-from attention import (INVARIANT_SITES, SITES, CheckingPlan, MultiHeadAttention,
+from attention import (FORWARD_SITES, INVARIANT_SITES, SITES, CheckingPlan, MultiHeadAttention,
                        adaptive_frequencies)
 from attention import reference as ref
 from conftest import BACKENDS
@@ -298,6 +298,55 @@ def test_plan_frequencies_and_adaptive_model():
     remaining = sum(0.1 * v * (1 - freq[s]) for s, v in {"a": 0.6, "b": 0.3, "c": 0.1}.items())
     assert remaining == pytest.approx(0.02)
     assert "every call" in plan.with_frequencies({"q_proj": 1.0}).table()
+
+
+class RecordingPlan(CheckingPlan):
+    """A checking plan that records every decision it draws, ``(site, checked)`` in call order."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.drawn: list[tuple[str, bool]] = []
+
+    def should_check(self, site: str) -> bool:
+        checked = super().should_check(site)
+        self.drawn.append((site, checked))
+        return checked
+
+
+def _repaired_step(xp, plan):
+    """One forward of a small layer under ``plan`` with a near-INF fault at q_proj, which the
+    settle repairs, so the pass is replayed site by site."""
+    layer, x, _, _ = problem(xp, "float32")
+    layer.plan = plan
+    layer.forward(x, fault_hook=Fault("near-inf", "element", seed=1, sites="q_proj"))
+    assert "q_proj" in layer.last_report.sites, layer.last_report.summary()
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_a_replayed_step_advances_an_every_n_schedule_once(xp):
+    site_plan = CheckingPlan().sites["q_proj"]
+    plan = RecordingPlan({"q_proj": type(site_plan)(site_plan.product, site_plan.checksums,
+                                                    every=2)})
+    _repaired_step(xp, plan)
+    assert [d for d in plan.drawn if d[0] == "q_proj"] == [("q_proj", True)]
+    assert [plan.should_check("q_proj") for _ in range(2)] == [False, True]  # calls 2 and 3
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_a_replay_reuses_the_first_pass_probabilistic_draws(xp):
+    """Every site but q_proj (always checked, where the fault is) is checked with probability
+    1/2: the replayed step draws each site once, the same draws as a clean step of a plan with
+    the same seed."""
+    sites = CheckingPlan().with_frequencies({s: 0.5 for s in FORWARD_SITES
+                                             if s != "q_proj"}).sites
+    plan = RecordingPlan(sites, seed=4)
+    _repaired_step(xp, plan)
+    layer, x, _, _ = problem(xp, "float32")
+    layer.plan = clean = RecordingPlan(sites, seed=4)
+    layer.forward(x)
+    assert not layer.last_report.detected
+    assert plan.drawn == clean.drawn and len(plan.drawn) == len(FORWARD_SITES)
+    assert {checked for site, checked in plan.drawn if site != "q_proj"} == {True, False}
 
 
 @pytest.mark.parametrize("xp", BACKENDS)

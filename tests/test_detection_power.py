@@ -3,8 +3,7 @@
 Every expectation here is computed from first principles or copied from a committed measurement,
 never from :mod:`abftgemm.thresholds` (tests judged by the threshold they test loosen with it).
 Each guarantee is stated close enough to the current detection limit that a 2x looser threshold,
-an off-by-one location weight, a repair that skips its confirmation, or 10x looser softmax
-tolerances fail here (``make mutations`` runs those mutants; see scripts/mutation_check.py).
+an off-by-one location weight, or 10x looser softmax tolerances fail here (``make mutations`` runs those mutants; see scripts/mutation_check.py).
 """
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ml_dtypes import bfloat16
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -141,7 +142,8 @@ def test_errors_that_locate_like_single_ones_are_never_rebuilt_into_invisible_on
     """Found by the deep hypothesis profile: a 4x4 tile of equal-magnitude errors whose signs make
     every row's weighted checksum point at one column. Rebuilding those "single" errors left a
     +-v pattern whose row, column and weighted sums all cancel: verified clean, returned wrong.
-    The rebuilt elements are now confirmed against a recomputation first."""
+    Repairs now recompute the located elements' vectors and re-verify, and that sees the errors
+    left."""
     a = np.zeros((12, 7), dtype)
     a[0:4, 0] = 1
     b = np.ones((7, 8), dtype)
@@ -156,6 +158,32 @@ def test_errors_that_locate_like_single_ones_are_never_rebuilt_into_invisible_on
     c, report = abftgemm.matmul(a, b, fault_hook=hook, return_report=True)
     assert report.detected and report.recomputed >= 1, report.summary()
     np.testing.assert_array_equal(to_host(c), to_host(abftgemm.matmul(a, b, check="off")))
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_a_corrected_column_holds_what_a_clean_product_holds(xp):
+    """A bfloat16 multi-bit fault (bits 7 and 12) on a whole column changes all 128 rows of it.
+    111 rows flag and locate their element; the other 17 stay under their rows' thresholds. The
+    repair used to rebuild the 111 from their row checksums and report "corrected": the 17 stayed
+    wrong by up to 1.98 and the rebuilt ones by up to 0.67 (each carried its row's rounding),
+    while the clean product errs by at most 0.124 anywhere, and the column still verified. Now the
+    column is recomputed, and since that changed more than the located elements, the flagged rows
+    and columns are recomputed and the report says so: every element is within the clean
+    product's own worst error, and nothing is called "corrected"."""
+    rng = np.random.default_rng(2)
+    a, b = (rng.standard_normal((128, 128)).astype(bfloat16) for _ in range(2))
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    a, b = to(xp, a, b)
+    fault = Fault("multibit", "column", seed=5)
+    c, report = abftgemm.matmul(a, b, fault_hook=fault, return_report=True)
+    assert fault.injected[0].bits == (7, 12) and all(fault.injected[0].changed)
+    [event] = report.events
+    assert (event.pattern, event.action) == ("1C", "recomputed"), report.summary()
+    assert len(event.rows) < 128 and "flagged rows and columns" in event.verified, report.summary()
+    at.assert_matches_reference(c, a, b)
+    clean_error = np.abs(to_host(abftgemm.matmul(a, b, check="off")).astype(np.float64) - ref)
+    error = np.abs(to_host(c).astype(np.float64) - ref)
+    assert error.max() <= clean_error.max(), (error.max(), clean_error.max())
 
 
 @pytest.mark.parametrize("xp", BACKENDS)

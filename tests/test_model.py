@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from abftgemm.faults import Fault
+from conftest import BACKENDS
 from finite_differences import central_differences
-from attention.experiments.model import (GPT, Block, Gemm, GPTConfig,
+from attention.experiments.model import (GPT, MLP_SITES, Block, Gemm, GPTConfig,
                                          cross_entropy_backward, cross_entropy_forward,
                                          gelu_backward, gelu_forward, layer_norm_backward,
                                          layer_norm_forward, linear_backward, linear_forward)
@@ -134,3 +135,20 @@ def test_fault_layer_targets_one_block() -> None:
     fault = Fault("inf", "element", seed=0, sites="mlp_up", times=None)
     model.loss_and_grads(tokens, targets, fault_hook=fault, fault_layer=0)
     assert len(fault.injected) == 1
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_no_plan_is_made_after_the_first_training_step(xp) -> None:
+    """issue 27: the plan cache was keyed by site name and held 8 plans, and the demo GPT's own
+    GEMMs run 9 sites a step, so every plan was rebuilt every step. Its plans are now the
+    model's, one per distinct product; the attention layers keep theirs per site."""
+    model = GPT(CONFIG, xp, seed=3)
+    tokens, targets = (xp.asarray(t) for t in _batch())
+    counters = [model.plans.counters] + [block.attn.counters for block in model.blocks]
+    made = []
+    for _ in range(3):
+        model.loss_and_grads(tokens, targets)
+        made.append([c.plans for c in counters])
+    assert all(made[0]) and made[1] == made[2] == made[0], made
+    # one plan per distinct product: 2 blocks run each MLP site, 15 products on 9 plans
+    assert made[0][0] == len(MLP_SITES) + 3, made

@@ -74,7 +74,7 @@ def test_detect_mode_passes_only_when_the_finding_is_reported(xp):
     with pytest.raises(AssertionError, match="does not mark as detected"):
         at.assert_protected(c, a, b, abftgemm.Report())
     elsewhere = abftgemm.Report([abftgemm.Event("matmul", 0, "0D", (0,), (0,), 1.0, 0.5,
-                                                "reported")])
+                                                "reported", "nothing")])
     with pytest.raises(AssertionError):  # reported, but for another batch item
         at.assert_protected(c, a, b, elsewhere)
 

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 import abftgemm
-from abftgemm import Report
+from abftgemm import PlanCache, Report
 from abftgemm.backend import array_module
 from attention import MultiHeadAttention
 
@@ -44,16 +44,20 @@ class Gemm:
     fault_hook : callable ``(site, c)`` or None
     report : Report
         Findings of every protected product run through this object.
+    plans : PlanCache
+        Where the planned products are kept (the model's: one plan per distinct product, not
+        per site, so no step after the first makes one).
     """
 
     check: str = "correct"
     fault_hook: FaultHook | None = None
     report: Report = field(default_factory=Report)
+    plans: PlanCache = field(default_factory=PlanCache)
 
     def __call__(self, a: Any, b: Any, site: str, bias: Any | None = None) -> Any:
         """``a @ b (+ bias)`` through :func:`abftgemm.matmul` at ``site``."""
         c, report = abftgemm.matmul(a, b, bias=bias, check=self.check, fault_hook=self.fault_hook,
-                                    name=site, return_report=True)
+                                    name=site, return_report=True, plans=self.plans)
         self.report.extend(report)
         return c
 
@@ -291,6 +295,8 @@ class GPT:
         if config.n_layers < 1:
             raise ValueError(f"n_layers must be at least 1, got {config.n_layers}")
         self.config, self.xp = config, xp
+        #: The planned products of the model's own GEMMs (the attention layers keep theirs).
+        self.plans = PlanCache()
         self.blocks = [Block(config, xp, seed=seed + 1 + i) for i in range(config.n_layers)]
         self.dtype = dtype = self.blocks[0].attn.dtype
         rng = np.random.default_rng([seed, 0])
@@ -342,9 +348,9 @@ class GPT:
             When protection could not deliver a verified product.
         """
         report = Report()
-        head = Gemm(check, fault_hook if fault_layer is None else None, report)
-        hooked = Gemm(check, fault_hook, report)
-        gemms = [hooked if fault_layer in (None, i) else Gemm(check, None, report)
+        head = Gemm(check, fault_hook if fault_layer is None else None, report, self.plans)
+        hooked = Gemm(check, fault_hook, report, self.plans)
+        gemms = [hooked if fault_layer in (None, i) else Gemm(check, None, report, self.plans)
                  for i in range(len(self.blocks))]
         p = self.params
         seq = tokens.shape[1]
