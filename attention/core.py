@@ -29,7 +29,7 @@ CORE_INVARIANT_SITES = ("softmax", "softmax_backward")
 
 class _CoreInputs:
     """Validated inputs of one attention product (kept in ``saved`` for backward); the attributes
-    the checked softmax steps read (:class:`attention.softmax.ForwardStep`)."""
+    the checked softmax steps read (:func:`attention.softmax.forward_step`)."""
 
     def __init__(self, q: Any, k: Any, v: Any, scale: float, causal: bool, attn_add: Any | None):
         self.xp, self.q, self.k, self.v, self.dtype = array_module(q), q, k, v, q.dtype
@@ -150,8 +150,8 @@ def _backward(p: _Pass, saved: dict[str, Any], d_out: Any) -> tuple[Any, Any, An
     plan = p.gemm_deferred("d_probs", d_probs)
     dv = p.gemm("d_v", xp.empty((n, seq_k, d), dt))
     d_scores = ws.buffer("d_scores", xp, (n, seq_q, seq_k), dt)
-    step = softmax.BackwardStep(d_probs, saved["probs"], d_scores, inp.scale, p.ctx, ws, plan,
-                                causal=inp.causal, dropout=inp.dropout)
+    step = softmax.backward_step(d_probs, saved["probs"], d_scores, inp.scale, p.ctx, ws, plan,
+                                 causal=inp.causal, dropout=inp.dropout)
     p.consumed("d_probs", plan, step.run)
     p.invariant("softmax_backward", step.verdict, step.recompute)
     p.env["d_scores"] = d_scores

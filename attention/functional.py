@@ -459,7 +459,7 @@ def _scores_and_softmax(p: _Pass, inp: Any, shape: tuple[int, int, int]) -> Any:
     plan = p.gemm_deferred("scores", scores)
     probs = p.xp.empty_like(scores)
     p.env["probs"] = probs
-    step = softmax.ForwardStep(inp, scores, probs, p.ctx, p.ws, plan)
+    step = softmax.forward_step(inp, scores, probs, p.ctx, p.ws, plan)
     p.consumed("scores", plan, step.run)
     p.invariant("softmax", step.verdict, step.recompute)
     if step.encodings is not None:  # made by the softmax kernel on its write of P
@@ -546,8 +546,8 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any,
     plan = p.gemm_deferred("d_probs", d_probs)
     p.gemm("d_v", ws.buffer("d_vh", xp, (batch * h, seq_k, hd), dt))
     d_scores = ws.buffer("d_scores", xp, (batch * h, seq_q, seq_k), dt)
-    step = softmax.BackwardStep(d_probs, saved["probs"], d_scores, 1 / math.sqrt(hd), p.ctx, ws,
-                                plan, causal=inp.causal, dropout=inp.dropout)
+    step = softmax.backward_step(d_probs, saved["probs"], d_scores, 1 / math.sqrt(hd), p.ctx, ws,
+                                 plan, causal=inp.causal, dropout=inp.dropout)
     p.consumed("d_probs", plan, step.run)
     p.invariant("softmax_backward", step.verdict, step.recompute)
     p.env["d_scores"] = d_scores

@@ -17,7 +17,9 @@ stored in the layer's dtype. A check that fails triggers one recomputation; if t
 layer raises :class:`abftgemm.UncorrectableError`.
 
 Each step is one kernel per backend with the same boundaries: numba on the CPU
-(:mod:`attention._cpu_softmax`), a CUDA RawKernel on the GPU (:mod:`attention._cuda_softmax`),
+(:mod:`attention._cpu_softmax`, run by the steps of :mod:`attention._cpu_steps`), a CUDA RawKernel
+on the GPU (:mod:`attention._cuda_softmax`, run by :mod:`attention._cuda_steps`); the backend's
+step classes are chosen once per step by :func:`forward_step` and :func:`backward_step`,
 each reading its rows once, observing the row checksums the deferred check of the product before
 it needs, and judging its invariants on what it stored. Both use the tolerances defined here; the
 GPU kernel judges each row with that row's own largest ``|z| + |log P|`` (the CPU's verdict
@@ -30,7 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from abftgemm.checksums import accumulation_dtype, smallest_normal, unit_roundoff
+from abftgemm.checksums import accumulation_dtype, unit_roundoff
 
 #: P entries below this fraction of their row's maximum are skipped by the log identity: their
 #: logarithms are dominated by the rounding of tiny numbers, and they carry almost no weight.
@@ -58,7 +60,7 @@ def forward_tolerances(p_dtype: np.dtype, length: int) -> tuple[float, float, fl
     return 4 * u, 8 * u, 12 * unit_roundoff(acc)
 
 
-def _forward_verdict(errors: tuple[float, float, float], p_dtype: np.dtype,
+def forward_verdict(errors: tuple[float, float, float], p_dtype: np.dtype,
                      length: int) -> tuple[bool, float, float]:
     """(ok, worst error, its tolerance) from ``(worst row-sum error, worst log-identity spread,
     largest size the identity used)`` of probabilities stored in ``p_dtype``, rows of
@@ -113,286 +115,77 @@ def check_backward(ds: np.ndarray, dp: np.ndarray, p: np.ndarray,
     return worst <= 1, err, tol
 
 
-def _known(outcome: tuple[bool, float, float]) -> Verdict:
-    """A verdict already on the host."""
-    return lambda: outcome
+class Step:
+    """One checked softmax step of a pass (forward or backward), run by :meth:`run`.
 
-
-def _xp(x: Any) -> Any:
-    from abftgemm.backend import array_module
-
-    return array_module(x)
-
-
-def _device_verdict(ws: Any, name: str, rows: int) -> Any:
-    """The reusable device verdict of one check (:class:`attention._cuda_softmax.DeviceVerdict`)."""
-    import cupy
-
-    from attention._cuda_softmax import DeviceVerdict
-
-    return DeviceVerdict(ws.buffer(name + "_worst", cupy, (1,), np.uint64),
-                         ws.buffer(name + "_details", cupy, (rows, 2), np.float64))
-
-
-# ------------------------------------------------------------------ the layer's softmax steps
-
-
-class ForwardStep:
-    """The forward softmax of one pass: probabilities, the scores' observed row checksums (into
-    ``plan.observed`` when the scores are checked) and the invariant verdict.
-
-    Without a fault hook one fused kernel does everything (:func:`attention._cpu_softmax.forward`
-    for float32/float64 on the CPU, :func:`attention._cuda_softmax.forward` on the GPU); with one,
-    the hook sees ``P`` between computing and checking. ``verdict`` is a :data:`Verdict`, or None
-    with ``check="off"``. ``encodings`` is ``(column encoding of P, of P^T)``, each
-    ``(batch*heads, L, 3)``, when the CPU's fused kernel made them on its write of ``P`` (so the
-    products that read ``P`` need not), else None.
+    Attributes
+    ----------
+    verdict : Verdict or None
+        The invariant check's outcome (None with ``check="off"``).
+    encodings : tuple or None
+        ``(column encoding of the output, of its transpose)``, each ``(batch*heads, L, 3)``,
+        when the kernel made them on its write (the CPU's fused kernels), else None.
     """
 
-    def __init__(self, inp: Any, scores: Any, probs: Any, ctx: Any, ws: Any, plan: Any | None):
-        self.inp, self.scores, self.probs, self.ctx, self.ws, self.plan = \
-            inp, scores, probs, ctx, ws, plan
+    def __init__(self) -> None:
         self.verdict: Verdict | None = None
         self.encodings: tuple[Any, Any] | None = None
-        self.run()
 
     def run(self) -> None:
-        """Compute (again, after the scores were repaired), let the hook see ``P``, check."""
-        check, hook = self.ctx.check != "off", self.ctx.fault_hook
-        fused = check and hook is None
-        if _xp(self.scores) is not np:
-            self._gpu(compute=True, check=fused)
-            if hook is not None:
-                hook("softmax", self.probs)
-                if check:
-                    self._gpu(compute=False, check=True)
-            self.verdict = self._device.read if check else None
-            return
-        errors = self._compute(fused)
-        if hook is not None:
-            hook("softmax", self.probs)
-        if check:
-            self.verdict = _known(self._verdict(errors if hook is None else None))
+        """Compute (again, after the product it reads was repaired), let the fault hook see the
+        output, check."""
+        raise NotImplementedError
 
     def recompute(self) -> Verdict:
         """Recompute after a failed invariant; the new verdict."""
-        if _xp(self.scores) is not np:
-            self._gpu(compute=True, check=True)
-            self.verdict = self._device.read
-        else:
-            self.verdict = _known(self._verdict(self._compute(fused=True)))
-        return self.verdict
-
-    # ---------------------------------------------------------------- GPU
-
-    def _gpu(self, compute: bool, check: bool) -> None:
-        """One launch of the forward kernel (:func:`attention._cuda_softmax.forward`)."""
-        from attention import _cuda_softmax
-
-        inp, scores = self.inp, self.scores
-        keys = inp.key_visible
-        self._device = _device_verdict(self.ws, "softmax", scores.shape[0] * scores.shape[1])
-        _cuda_softmax.forward(
-            scores, self.probs, scale=1 / math.sqrt(inp.head_dim), heads=inp.n_heads,
-            key_visible=None if keys is None else _xp(keys).ascontiguousarray(keys),
-            attn_add=inp.attn_add, causal=inp.causal, compute=compute, check=check,
-            floor=LOG_CHECK_FLOOR, p_min=smallest_normal(self.probs.dtype),
-            tolerances=forward_tolerances(self.probs.dtype, scores.shape[-1]),
-            stats=self.plan.observed if compute and self.plan is not None else None,
-            verdict=self._device)
-
-    # ---------------------------------------------------------------- CPU
-
-    def _compute(self, fused: bool) -> Any | None:
-        """Fill ``probs`` and the stats; the invariant errors when ``fused`` (float32/float64)."""
-        from attention import _cpu_softmax
-
-        inp, scores = self.inp, self.scores
-        scale = 1 / math.sqrt(inp.head_dim)
-        wide = scores.dtype.itemsize == 2
-        s = scores.astype(np.float32) if wide else scores
-        out = self.ws.buffer("probs32", np, scores.shape, np.float32) if wide else self.probs
-        errors = np.zeros(3)
-        fused = fused and not wide
-        cols, rows = _encoding_buffers(self.ws, "probs", scores.shape) if fused else _NONE
-        _cpu_softmax.forward(s, np.array([scale], s.dtype), *self._masks(), inp.causal,
-                             inp.n_heads, fused, LOG_CHECK_FLOOR,
-                             smallest_normal(self.probs.dtype), out, _observed_rows(self.plan),
-                             _row_limits(self.plan), errors, cols, rows)
-        if wide:
-            self.probs[...] = out
-        self.encodings = (cols.transpose(0, 2, 1), rows) if fused else None
-        return errors if fused else None
-
-    def _masks(self) -> tuple[Any, bool, Any, bool]:
-        inp = self.inp
-        keys = inp.key_visible if inp.key_visible is not None else _NO_KEYS
-        add = inp.attn_add if inp.attn_add is not None else _NO_ADD
-        return keys, inp.key_visible is not None, add, inp.attn_add is not None
-
-    def _verdict(self, errors: Any | None) -> tuple[bool, float, float]:
-        probs, scores = self.probs, self.scores
-        acc = accumulation_dtype(probs.dtype)
-        if errors is None:
-            from attention import _cpu_softmax
-
-            errors = np.zeros(3)
-            _cpu_softmax.check_forward(probs.astype(acc), scores.astype(acc),
-                                       np.array([1 / math.sqrt(self.inp.head_dim)], acc),
-                                       *self._masks(), self.inp.causal, self.inp.n_heads,
-                                       LOG_CHECK_FLOOR, smallest_normal(probs.dtype), errors)
-        return _forward_verdict(tuple(float(e) for e in errors), probs.dtype, scores.shape[-1])
+        raise NotImplementedError
 
 
-class BackwardStep:
-    """The backward softmax of one pass: ``dS`` (scaled, into ``d_scores``), dP's observed row
-    checksums (into ``plan.observed``), the invariant verdict and (fused on the CPU) the
-    ``encodings`` of ``dS`` and ``dS^T``; see :class:`ForwardStep`.
+def forward_step(inp: Any, scores: Any, probs: Any, ctx: Any, ws: Any,
+                 plan: Any | None) -> Step:
+    """The forward softmax of one pass, run: ``probs`` from the raw ``scores``, the scores' row
+    checksums observed into ``plan.observed`` (when the scores are checked by ``plan``, a
+    :class:`abftgemm.deferred.DeferredRows`), the invariant verdict.
 
-    With a fault hook, the hook sees the unscaled ``dS`` in the accumulation dtype.
-
-    With attention dropout (``dropout``: :class:`attention.dropout.Dropout`), ``d_probs`` is the
-    gradient of the dropped probabilities, whose row checksums are observed as read, and
-    ``probs`` those before dropout; dS and its invariants take the gradient of the latter,
-    ``d_probs * keep / (1 - p)``."""
-
-    def __init__(self, d_probs: Any, probs: Any, d_scores: Any, scale: float, ctx: Any, ws: Any,
-                 plan: Any | None, causal: bool = False, dropout: Any | None = None):
-        self.dp, self.p, self.ds, self.scale = d_probs, probs, d_scores, scale
-        self.causal = causal  # P's rows are zero past the diagonal: so are dS's
-        self.keep = None if dropout is None else dropout.keep
-        self.keep_scale = 1.0 if dropout is None else dropout.scale
-        self.ctx, self.ws, self.plan = ctx, ws, plan
-        self.verdict: Verdict | None = None
-        self.encodings: tuple[Any, Any] | None = None
-        self.run()
-
-    def run(self) -> None:
-        check, hook = self.ctx.check != "off", self.ctx.fault_hook
-        if _xp(self.dp) is not np:
-            self._run_gpu(check, hook)
-            return
-        from attention import _cpu_softmax
-
-        wide = self.dp.dtype.itemsize == 2
-        if not (check or wide or hook is not None):  # straight into d_scores, scaled
-            _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype),
-                                  self.causal, False, 0.0, 0.0, self.ds,
-                                  _observed_rows(self.plan), _row_limits(self.plan),
-                                  np.zeros(3), *_NONE, *self._keep())
-            return
-        if wide or hook is not None:
-            ds = self._unscaled()
-            if hook is not None:
-                hook("softmax_backward", ds)
-            if check:
-                self.verdict = self._checked(ds)
-            self.ds[...] = ds * ds.dtype.type(self.scale)
-            return
-        u, tiny = backward_tolerance(self.ds.dtype, self.ds.shape[-1])
-        result = np.array([-1.0, 0.0, 0.0])
-        cols, rows = _encoding_buffers(self.ws, "d_scores", self.ds.shape)
-        _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype),
-                              self.causal, True, u, tiny, self.ds, _observed_rows(self.plan),
-                              _row_limits(self.plan), result, cols, rows, *self._keep())
-        self.encodings = cols.transpose(0, 2, 1), rows
-        self.verdict = _known((result[0] <= 1, float(result[1]), float(result[2]) or tiny))
-
-    def recompute(self) -> Verdict:
-        self.encodings = None  # they described the dS being replaced
-        if _xp(self.dp) is not np:
-            self._gpu(compute=True, check=True, ds=self.ds, ds_acc=None)
-            self.verdict = self._device.read
-            return self.verdict
-        ds = self._unscaled()
-        self.verdict = self._checked(ds)
-        self.ds[...] = ds * ds.dtype.type(self.scale)
-        return self.verdict
-
-    # ---------------------------------------------------------------- GPU
-
-    def _run_gpu(self, check: bool, hook: Any | None) -> None:
-        """The fused kernel; with a hook, compute the unscaled dS, let the hook see it, then
-        check and scale it (a second launch)."""
-        if hook is None:
-            self._gpu(compute=True, check=check, ds=self.ds, ds_acc=None)
-        else:
-            acc = accumulation_dtype(self.dp.dtype)
-            ds_acc = self.ws.buffer("ds_unscaled", _xp(self.dp), self.dp.shape, acc)
-            self._gpu(compute=True, check=False, ds=None, ds_acc=ds_acc)
-            hook("softmax_backward", ds_acc)
-            self._gpu(compute=False, check=check, ds=self.ds, ds_acc=ds_acc)
-        self.verdict = self._device.read if check else None
-
-    def _gpu(self, compute: bool, check: bool, ds: Any | None, ds_acc: Any | None) -> None:
-        """One launch of the backward kernel (:func:`attention._cuda_softmax.backward`)."""
-        from attention import _cuda_softmax
-
-        dp = self.dp
-        u, tiny = backward_tolerance(accumulation_dtype(dp.dtype), dp.shape[-1])
-        self._device = _device_verdict(self.ws, "softmax_backward", dp.shape[0] * dp.shape[1])
-        _cuda_softmax.backward(
-            dp, self.p, scale=self.scale, compute=compute, check=check, u=u, tiny=tiny, ds=ds,
-            ds_acc=ds_acc, stats=self.plan.observed if compute and self.plan is not None else None,
-            verdict=self._device, causal=self.causal, keep=self.keep, keep_scale=self.keep_scale)
-
-    # ---------------------------------------------------------------- CPU
-
-    def _acc(self, x: Any) -> Any:
-        acc = accumulation_dtype(x.dtype)
-        return x if x.dtype == acc else x.astype(acc)
-
-    def _keep(self) -> tuple[Any, float]:
-        """The CPU backward kernel's dropout arguments (an empty mask for none)."""
-        return (_NO_KEEP if self.keep is None else self.keep), self.keep_scale
-
-    def _checked(self, ds: Any) -> Verdict:
-        """The invariant verdict of the unscaled ``ds`` (a hook may have changed it)."""
-        dp = self._acc(self.dp)
-        if self.keep is not None:  # the gradient of the probabilities before dropout
-            dp = np.where(self.keep, dp * dp.dtype.type(self.keep_scale), dp.dtype.type(0))
-        return _known(check_backward(ds, dp, self._acc(self.p), self.causal))
-
-    def _unscaled(self) -> Any:
-        """Unscaled ``dS`` in the accumulation dtype, and dP's row checksums."""
-        from attention import _cpu_softmax
-
-        dp, p = self._acc(self.dp), self._acc(self.p)
-        ds = self.ws.buffer("ds_unscaled", np, dp.shape, dp.dtype)
-        _cpu_softmax.backward(dp, p, np.ones(1, dp.dtype), self.causal, False, 0.0, 0.0, ds,
-                              _observed_rows(self.plan), _row_limits(self.plan), np.zeros(3),
-                              *_NONE, *self._keep())
-        return ds
+    ``inp`` carries ``head_dim``, ``n_heads``, ``causal``, ``key_visible`` and ``attn_add``;
+    ``ctx`` the check mode and fault hook (which sees ``P`` between computing and checking);
+    ``ws`` the workspace of buffers.
+    """
+    steps = _steps(scores)
+    step_class = steps.CpuForwardStep if _on_cpu(scores) else steps.GpuForwardStep
+    step = step_class(inp, scores, probs, ctx, ws, plan)
+    step.run()
+    return step
 
 
-#: Empty encoding buffers: the CPU kernels then make no encodings.
-_NONE = (np.zeros((0, 3, 0)), np.zeros((0, 0, 3)))
-#: Empty dropout mask: the CPU backward kernel then applies none.
-_NO_KEEP = np.zeros((0, 0, 0), bool)
-#: Empty row-checksum buffer: the CPU kernels then observe nothing.
-_NO_STATS = np.zeros((0, 0, 5))
-#: Empty row limits: the CPU kernels then observe whole rows.
-_WHOLE_ROWS = np.zeros(0, np.int64)
-#: Placeholder masks for the CPU forward kernel's "no key-padding mask" / "no additive mask"
-#: (flagged off by its arguments, never read).
-_NO_KEYS, _NO_ADD = np.ones((1, 1), bool), np.zeros((1, 1, 1))
+def backward_step(d_probs: Any, probs: Any, d_scores: Any, scale: float, ctx: Any, ws: Any,
+                  plan: Any | None, causal: bool = False, dropout: Any | None = None) -> Step:
+    """The backward softmax of one pass, run: ``dS`` (scaled by ``scale``, into ``d_scores``),
+    dP's row checksums observed into ``plan.observed``, the invariant verdict.
+
+    ``causal``: P's rows are zero past the diagonal, so are dS's. With attention dropout
+    (``dropout``: :class:`attention.dropout.Dropout`), ``d_probs`` is the gradient of the dropped
+    probabilities, whose row checksums are observed as read, and ``probs`` those before dropout;
+    dS and its invariants take the gradient of the latter, ``d_probs * keep / (1 - p)``. With a
+    fault hook, the hook sees the unscaled ``dS`` in the accumulation dtype.
+    """
+    steps = _steps(d_probs)
+    step_class = steps.CpuBackwardStep if _on_cpu(d_probs) else steps.GpuBackwardStep
+    step = step_class(d_probs, probs, d_scores, scale, ctx, ws, plan, causal, dropout)
+    step.run()
+    return step
 
 
-def _observed_rows(plan: Any | None) -> Any:
-    """Where a CPU softmax kernel puts the row checksums it observes: the buffer of the deferred
-    plan that reads them, or none."""
-    return _NO_STATS if plan is None else plan.observed
+def _on_cpu(x: Any) -> bool:
+    return isinstance(x, np.ndarray)
 
 
-def _row_limits(plan: Any | None) -> Any:
-    """How far a CPU softmax kernel observes each row: the deferred plan's limits, or whole
-    rows (an empty array)."""
-    return _WHOLE_ROWS if plan is None or plan.row_limits is None else plan.row_limits
+def _steps(x: Any) -> Any:
+    """The step classes of ``x``'s backend (numba for NumPy, RawKernels for CuPy)."""
+    if _on_cpu(x):
+        from attention import _cpu_steps
 
+        return _cpu_steps
+    from attention import _cuda_steps
 
-def _encoding_buffers(ws: Any, name: str, shape: tuple[int, int, int]) -> tuple[Any, Any]:
-    """Workspace buffers for the column encodings of a ``(n, rows, cols)`` matrix, ``(n, 3,
-    cols)``, and of its transpose, ``(n, rows, 3)``."""
-    n, rows, cols = shape
-    return (ws.buffer(name + "_cols", np, (n, 3, cols), np.float64),
-            ws.buffer(name + "_rows", np, (n, rows, 3), np.float64))
+    return _cuda_steps

@@ -1,6 +1,6 @@
 """GPU check of the attention softmax kernels (``attention/kernels/softmax.cu``) against the NumPy
-path of the same steps (numba kernels), through :class:`attention.softmax.ForwardStep` and
-:class:`attention.softmax.BackwardStep`.
+path of the same steps (numba kernels), through :func:`attention.softmax.forward_step` and
+:func:`attention.softmax.backward_step`.
 
 Run from the repository root on a GPU machine: ``python scripts/cuda_smoke_softmax.py``. Prints
 one PASS/FAIL line per case and exits 1 if any case failed. Covers every dtype, rows that stay in
@@ -23,7 +23,7 @@ import numpy
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from abftgemm.checksums import accumulation_dtype, unit_roundoff  # noqa: E402
-from attention.softmax import BackwardStep, ForwardStep  # noqa: E402
+from attention.softmax import backward_step, forward_step  # noqa: E402
 from attention.workspace import Workspace  # noqa: E402
 from cuda_smoke import host_dtype, to_device, widen  # noqa: E402  (scripts/ is on sys.path)
 
@@ -64,8 +64,8 @@ def _steps(xp, data: dict, hook: Callable | None = None) -> tuple:
     f_plan = SimpleNamespace(row_limits=None, observed=xp.zeros(s.shape[:2] + (5,)))
     b_plan = SimpleNamespace(row_limits=None, observed=xp.zeros(s.shape[:2] + (5,)))
     ws = Workspace()
-    fwd = ForwardStep(inp, s, xp.empty_like(s), ctx, ws, f_plan)
-    bwd = BackwardStep(dp, fwd.probs, xp.empty_like(dp), 1 / math.sqrt(HEAD_DIM), ctx, ws, b_plan)
+    fwd = forward_step(inp, s, xp.empty_like(s), ctx, ws, f_plan)
+    bwd = backward_step(dp, fwd.probs, xp.empty_like(dp), 1 / math.sqrt(HEAD_DIM), ctx, ws, b_plan)
     return fwd, bwd, f_plan.observed, b_plan.observed
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from abftgemm.backend import to_host
 from abftgemm.checksums import unit_roundoff
-from attention.softmax import BackwardStep, ForwardStep
+from attention.softmax import backward_step, forward_step
 from attention.workspace import Workspace
 from conftest import BACKENDS
 
@@ -59,7 +59,7 @@ def _forward(xp, case, hook=None):
     ctx = SimpleNamespace(check="correct", fault_hook=hook)
     plan = SimpleNamespace(row_limits=None, observed=xp.zeros(scores.shape[:2] + (5,)))
     s = xp.asarray(scores)
-    step = ForwardStep(inp, s, xp.empty_like(s), ctx, Workspace(), plan)
+    step = forward_step(inp, s, xp.empty_like(s), ctx, Workspace(), plan)
     return step, plan
 
 
@@ -116,8 +116,8 @@ def _backward(xp, case, hook=None):
     plan = SimpleNamespace(row_limits=None, observed=xp.zeros(dp.shape[:2] + (5,)))
     d = xp.asarray(dp)
     ctx = SimpleNamespace(check="correct", fault_hook=hook)
-    step = BackwardStep(d, fwd.probs, xp.empty_like(d), 0.5, ctx, Workspace(), plan,
-                        causal=causal)
+    step = backward_step(d, fwd.probs, xp.empty_like(d), 0.5, ctx, Workspace(), plan,
+                         causal=causal)
     return step, plan
 
 

@@ -1,0 +1,185 @@
+"""The checked softmax steps of one pass on the CPU (the numba kernels of
+:mod:`attention._cpu_softmax`).
+
+:class:`CpuForwardStep` and :class:`CpuBackwardStep` implement
+:class:`attention.softmax.Step` for NumPy arrays; :func:`attention.softmax.forward_step` and
+:func:`attention.softmax.backward_step` choose them. Without a fault hook one fused kernel
+computes, observes the product's row checksums, judges the invariants and (float32/float64) makes
+the encodings of what it writes; with a hook the kernel runs unchecked, the hook sees the output,
+and the invariants are judged afterwards. 16-bit layers compute in float32 and store in their
+dtype.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from abftgemm.checksums import accumulation_dtype, smallest_normal
+from attention import _cpu_softmax
+from attention.softmax import (LOG_CHECK_FLOOR, Step, Verdict, backward_tolerance,
+                               check_backward, forward_verdict)
+
+#: Empty encoding buffers: the kernels then make no encodings.
+_NONE = (np.zeros((0, 3, 0)), np.zeros((0, 0, 3)))
+#: Empty dropout mask: the backward kernel then applies none.
+_NO_KEEP = np.zeros((0, 0, 0), bool)
+#: Empty row-checksum buffer: the kernels then observe nothing.
+_NO_STATS = np.zeros((0, 0, 5))
+#: Empty row limits: the kernels then observe whole rows.
+_WHOLE_ROWS = np.zeros(0, np.int64)
+#: Placeholder masks for the forward kernel's "no key-padding mask" / "no additive mask"
+#: (flagged off by its arguments, never read).
+_NO_KEYS, _NO_ADD = np.ones((1, 1), bool), np.zeros((1, 1, 1))
+
+
+def _known(outcome: tuple[bool, float, float]) -> Verdict:
+    """A verdict already on the host."""
+    return lambda: outcome
+
+
+class CpuForwardStep(Step):
+    """The forward softmax of one pass on the CPU; see :func:`attention.softmax.forward_step`."""
+
+    def __init__(self, inp: Any, scores: Any, probs: Any, ctx: Any, ws: Any, plan: Any | None):
+        super().__init__()
+        self.inp, self.scores, self.probs, self.ctx, self.ws, self.plan = \
+            inp, scores, probs, ctx, ws, plan
+
+    def run(self) -> None:
+        check, hook = self.ctx.check != "off", self.ctx.fault_hook
+        errors = self._compute(check and hook is None)
+        if hook is not None:
+            hook("softmax", self.probs)
+        if check:
+            self.verdict = _known(self._verdict(errors if hook is None else None))
+
+    def recompute(self) -> Verdict:
+        self.verdict = _known(self._verdict(self._compute(fused=True)))
+        return self.verdict
+
+    def _compute(self, fused: bool) -> Any | None:
+        """Fill ``probs`` and the stats; the invariant errors when ``fused`` (float32/float64)."""
+        inp, scores = self.inp, self.scores
+        scale = 1 / math.sqrt(inp.head_dim)
+        wide = scores.dtype.itemsize == 2
+        s = scores.astype(np.float32) if wide else scores
+        out = self.ws.buffer("probs32", np, scores.shape, np.float32) if wide else self.probs
+        errors = np.zeros(3)
+        fused = fused and not wide
+        cols, rows = _encoding_buffers(self.ws, "probs", scores.shape) if fused else _NONE
+        _cpu_softmax.forward(s, np.array([scale], s.dtype), *self._masks(), inp.causal,
+                             inp.n_heads, fused, LOG_CHECK_FLOOR,
+                             smallest_normal(self.probs.dtype), out, _observed_rows(self.plan),
+                             _row_limits(self.plan), errors, cols, rows)
+        if wide:
+            self.probs[...] = out
+        self.encodings = (cols.transpose(0, 2, 1), rows) if fused else None
+        return errors if fused else None
+
+    def _masks(self) -> tuple[Any, bool, Any, bool]:
+        inp = self.inp
+        keys = inp.key_visible if inp.key_visible is not None else _NO_KEYS
+        add = inp.attn_add if inp.attn_add is not None else _NO_ADD
+        return keys, inp.key_visible is not None, add, inp.attn_add is not None
+
+    def _verdict(self, errors: Any | None) -> tuple[bool, float, float]:
+        probs, scores = self.probs, self.scores
+        acc = accumulation_dtype(probs.dtype)
+        if errors is None:
+            errors = np.zeros(3)
+            _cpu_softmax.check_forward(probs.astype(acc), scores.astype(acc),
+                                       np.array([1 / math.sqrt(self.inp.head_dim)], acc),
+                                       *self._masks(), self.inp.causal, self.inp.n_heads,
+                                       LOG_CHECK_FLOOR, smallest_normal(probs.dtype), errors)
+        return forward_verdict(tuple(float(e) for e in errors), probs.dtype, scores.shape[-1])
+
+
+class CpuBackwardStep(Step):
+    """The backward softmax of one pass on the CPU; see :func:`attention.softmax.backward_step`."""
+
+    def __init__(self, d_probs: Any, probs: Any, d_scores: Any, scale: float, ctx: Any, ws: Any,
+                 plan: Any | None, causal: bool, dropout: Any | None):
+        super().__init__()
+        self.dp, self.p, self.ds, self.scale = d_probs, probs, d_scores, scale
+        self.causal, self.ctx, self.ws, self.plan = causal, ctx, ws, plan
+        self.keep = None if dropout is None else dropout.keep
+        self.keep_scale = 1.0 if dropout is None else dropout.scale
+
+    def run(self) -> None:
+        check, hook = self.ctx.check != "off", self.ctx.fault_hook
+        wide = self.dp.dtype.itemsize == 2
+        if not (check or wide or hook is not None):  # straight into d_scores, scaled
+            _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype),
+                                  self.causal, False, 0.0, 0.0, self.ds,
+                                  _observed_rows(self.plan), _row_limits(self.plan),
+                                  np.zeros(3), *_NONE, *self._keep())
+            return
+        if wide or hook is not None:
+            ds = self._unscaled()
+            if hook is not None:
+                hook("softmax_backward", ds)
+            if check:
+                self.verdict = self._checked(ds)
+            self.ds[...] = ds * ds.dtype.type(self.scale)
+            return
+        u, tiny = backward_tolerance(self.ds.dtype, self.ds.shape[-1])
+        result = np.array([-1.0, 0.0, 0.0])
+        cols, rows = _encoding_buffers(self.ws, "d_scores", self.ds.shape)
+        _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype),
+                              self.causal, True, u, tiny, self.ds, _observed_rows(self.plan),
+                              _row_limits(self.plan), result, cols, rows, *self._keep())
+        self.encodings = cols.transpose(0, 2, 1), rows
+        self.verdict = _known((result[0] <= 1, float(result[1]), float(result[2]) or tiny))
+
+    def recompute(self) -> Verdict:
+        self.encodings = None  # they described the dS being replaced
+        ds = self._unscaled()
+        self.verdict = self._checked(ds)
+        self.ds[...] = ds * ds.dtype.type(self.scale)
+        return self.verdict
+
+    def _acc(self, x: Any) -> Any:
+        acc = accumulation_dtype(x.dtype)
+        return x if x.dtype == acc else x.astype(acc)
+
+    def _keep(self) -> tuple[Any, float]:
+        """The backward kernel's dropout arguments (an empty mask for none)."""
+        return (_NO_KEEP if self.keep is None else self.keep), self.keep_scale
+
+    def _checked(self, ds: Any) -> Verdict:
+        """The invariant verdict of the unscaled ``ds`` (a hook may have changed it)."""
+        dp = self._acc(self.dp)
+        if self.keep is not None:  # the gradient of the probabilities before dropout
+            dp = np.where(self.keep, dp * dp.dtype.type(self.keep_scale), dp.dtype.type(0))
+        return _known(check_backward(ds, dp, self._acc(self.p), self.causal))
+
+    def _unscaled(self) -> Any:
+        """Unscaled ``dS`` in the accumulation dtype, and dP's row checksums."""
+        dp, p = self._acc(self.dp), self._acc(self.p)
+        ds = self.ws.buffer("ds_unscaled", np, dp.shape, dp.dtype)
+        _cpu_softmax.backward(dp, p, np.ones(1, dp.dtype), self.causal, False, 0.0, 0.0, ds,
+                              _observed_rows(self.plan), _row_limits(self.plan), np.zeros(3),
+                              *_NONE, *self._keep())
+        return ds
+
+
+def _observed_rows(plan: Any | None) -> Any:
+    """Where a kernel puts the row checksums it observes: the buffer of the deferred plan that
+    reads them, or none."""
+    return _NO_STATS if plan is None else plan.observed
+
+
+def _row_limits(plan: Any | None) -> Any:
+    """How far a kernel observes each row: the deferred plan's limits, or whole rows (an empty
+    array)."""
+    return _WHOLE_ROWS if plan is None or plan.row_limits is None else plan.row_limits
+
+
+def _encoding_buffers(ws: Any, name: str, shape: tuple[int, int, int]) -> tuple[Any, Any]:
+    """Workspace buffers for the column encodings of a ``(n, rows, cols)`` matrix, ``(n, 3,
+    cols)``, and of its transpose, ``(n, rows, 3)``."""
+    n, rows, cols = shape
+    return (ws.buffer(name + "_cols", np, (n, 3, cols), np.float64),
+            ws.buffer(name + "_rows", np, (n, rows, 3), np.float64))
