@@ -1,0 +1,279 @@
+"""A protected linear layer's products on PyTorch tensors: ``y = x M + b`` and its gradients.
+
+:class:`ProtectedLinearCore` holds what one projection's products run under (check mode, fault
+hook, last report, plans and buffers per device, the weight's encodings) and computes them through
+the custom operators of :mod:`attention._torch_linear_op` on the tensors' memory (CPU tensors as
+NumPy arrays, CUDA tensors as CuPy arrays). ``M`` is the layer's weight as it multiplies: ``W^T``
+for ``nn.Linear`` (weight stored ``(out, in)``), ``W`` itself for GPT-2's ``Conv1D`` (stored
+``(in, out)``).
+
+The products and where the weight sits (the fast column check encodes the left operand ``a``;
+an encoding of a constant ``a`` is made once, :class:`abftgemm.ProtectedMatmul`'s ``constant_a``):
+
+- ``forward``: ``y = x M + b`` with ``a = x``: the bias is added inside the protection, and the
+  check multiplies the encoding of ``x`` (which it must read anyway) by ``M``; no weight encoding.
+- ``d_input``: ``dx^T = M dy^T`` with ``a = M``: the weight's column encoding is kept between
+  calls and remade only when the weight changed (its memory, layout or ``_version``, which
+  optimizer steps and every in-place write through the Parameter advance). ``dx`` is handed to
+  autograd as the transpose of that product (no copy).
+- ``d_weight``: ``dW`` written straight into the Parameter's layout (``dy^T x`` for ``nn.Linear``,
+  ``x^T dy`` for ``Conv1D``).
+- ``d_bias``: ``db = 1^T dy``, a product whose constant ``a`` is a row of ones.
+
+A stale weight encoding (a weight changed behind the version counter, through ``.data``) cannot
+pass wrong data: its prediction disagrees with the product, the plan's rare path verifies the
+product in both directions from the operands themselves, and the encoding is remade on the next
+call.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+import abftgemm
+from abftgemm._torch import device_scope
+from abftgemm.backend import array_module
+from abftgemm.plan import ProtectedMatmul, settle_all
+from abftgemm.report import Report
+from attention import _torch_op, _torch_linear_op
+from attention.functional import _plain
+from attention.torch import _array, _threads
+from attention.workspace import Workspace
+
+FaultHook = Callable[[str, Any], None]
+#: The products of one protected linear layer, in the order a step runs them.
+LINEAR_SITES = ("forward", "d_input", "d_weight", "d_bias")
+__all__ = ["LINEAR_SITES", "ProtectedLinearCore"]
+
+
+class ProtectedLinearCore:
+    """The checked products of one linear layer, forward and backward.
+
+    Parameters
+    ----------
+    check : {"correct", "detect", "off"}
+        As in :func:`abftgemm.matmul`, for every product.
+
+    Attributes
+    ----------
+    fault_hook : callable ``(site, c)`` or None
+        Sees every raw product (a NumPy or CuPy array sharing its memory, in the layout of the
+        tensor it becomes) before verification; ``site`` one of :data:`LINEAR_SITES`.
+    last_report : abftgemm.Report
+        Findings of the last forward, extended by the backward that follows it.
+    """
+
+    def __init__(self, check: str = "correct"):
+        if check not in abftgemm.CHECK_MODES:
+            raise ValueError(f"check must be one of {abftgemm.CHECK_MODES}, got {check!r}")
+        self.check = check
+        self.fault_hook: FaultHook | None = None
+        self.last_report = Report()
+        self._workspaces: dict[torch.device, Workspace] = {}
+        #: What each constant-``a`` plan's encoding was made from (by ``id`` of the plan).
+        self._encoded: dict[int, tuple] = {}
+        self._ones: dict[tuple, torch.Tensor] = {}
+        self.op_id = _torch_op.register(self)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 weight_in_out: bool) -> torch.Tensor:
+        """``x M + bias``, differentiable in ``x``, ``weight`` and ``bias``.
+
+        Parameters
+        ----------
+        x : tensor (..., in)
+        weight : tensor (out, in), or (in, out) when ``weight_in_out``
+            ``M`` is ``weight.T``, or ``weight`` when ``weight_in_out``.
+        bias : tensor (out,), optional
+        weight_in_out : bool
+
+        Returns
+        -------
+        tensor (..., out)
+
+        Raises
+        ------
+        TypeError, ValueError
+            For operands of other dtypes, devices or shapes (nothing is computed).
+        """
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"the protected linear layer takes a torch.Tensor, got "
+                            f"{type(x).__name__}")
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # as autocast runs nn.Linear: in its dtype
+            dtype = torch.get_autocast_dtype(device)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        n_in, n_out = weight.shape if weight_in_out else weight.shape[::-1]
+        _check_operands(x, weight, bias, n_in, n_out)
+        y = _torch_linear_op.linear(self.op_id, x.reshape(-1, n_in).contiguous(), weight, bias,
+                                    weight_in_out)
+        return y.view(*x.shape[:-1], n_out)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Without its plans, buffers and encodings (``copy.deepcopy``, ``torch.save`` and
+        ``pickle`` work after a forward; a copy builds its own on first use)."""
+        state = self.__dict__.copy()
+        state["_workspaces"], state["_encoded"], state["_ones"] = {}, {}, {}
+        del state["op_id"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.op_id = _torch_op.register(self)
+
+    # ------------------------------------------------------------------ passes
+
+    def run_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    weight_in_out: bool) -> torch.Tensor:
+        """The body of ``abftgemm::linear``: ``y (N, out)`` of ``x (N, in)``."""
+        m = _matrix(weight, weight_in_out)
+        y = x.new_empty(x.shape[0], m.shape[1])
+        report = Report()
+        with device_scope(x), _threads(x), np.errstate(all="ignore"):
+            pass_ = _Pass(self, x.device, report)
+            pass_.product("forward", _array(x), _array(m),
+                          None if bias is None else _array(bias), _array(y))
+            pass_.settle()
+        self.last_report = report
+        return y
+
+    def run_backward(self, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     weight_in_out: bool, need_input: bool, need_weight: bool,
+                     need_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The body of ``abftgemm::linear_backward``: ``(dx, dW, db)`` of ``dy (N, out)``,
+        each an empty tensor where not needed; ``dx`` is the transpose of a C-contiguous
+        ``(in, N)`` tensor."""
+        m = _matrix(weight, weight_in_out)
+        n, (n_in, n_out) = x.shape[0], m.shape
+        empty = dy.new_empty(0)
+        dx = x.new_empty(n_in, n).t() if need_input else empty
+        dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight \
+            else empty.clone()
+        db = dy.new_empty(n_out) if need_bias else empty.clone()
+        report = Report()
+        with device_scope(dy), _threads(dy), np.errstate(all="ignore"):
+            pass_ = _Pass(self, dy.device, report)
+            dya = _array(dy)
+            if need_input:
+                pass_.product("d_input", _array(m), dya.T, None, _array(dx).T,
+                              constant=weight, present=np.transpose)
+            if need_weight:
+                xa = _array(x)
+                a, b = (xa.T, dya) if weight_in_out else (dya.T, xa)
+                pass_.product("d_weight", a, b, None, _array(dw))
+            if need_bias:
+                pass_.product("d_bias", _array(self._ones_for(dy)), dya, None,
+                              _array(db).reshape(1, n_out), constant=self._ones_for(dy),
+                              present=np.ravel)
+            pass_.settle()
+        self.last_report.extend(report)
+        return dx, dw, db
+
+    # ------------------------------------------------------------------ helpers
+
+    def _workspace_for(self, device: torch.device) -> Workspace:
+        ws = self._workspaces.get(device)
+        if ws is None:
+            ws = self._workspaces[device] = Workspace()
+        return ws
+
+    def _ones_for(self, dy: torch.Tensor) -> torch.Tensor:
+        """A row of ``dy.shape[0]`` ones (the constant ``a`` of ``d_bias``), kept per layout."""
+        key = (dy.device, dy.dtype, dy.shape[0])
+        ones = self._ones.get(key)
+        if ones is None:
+            ones = self._ones[key] = dy.new_ones(1, dy.shape[0])
+        return ones
+
+    def _fresh_encoding(self, plan: ProtectedMatmul, source: torch.Tensor, a: Any,
+                        b: Any) -> None:
+        """Remake ``plan``'s encoding of its constant ``a`` (a view of tensor ``source``)
+        unless it was made from this very tensor as it is now (same object, memory, layout and
+        version: a new tensor at a freed one's address, such as autocast's copy of the weight,
+        is re-encoded)."""
+        key = (source.data_ptr(), source._version, source.dtype, tuple(source.shape),
+               source.stride())
+        made = self._encoded.get(id(plan))
+        if made is None or made[0]() is not source or made[1] != key:
+            plan.reset_constant(a, b)
+            self._encoded[id(plan)] = (weakref.ref(source), key)
+
+
+class _Pass:
+    """The products of one forward or backward call, settled together at its end."""
+
+    def __init__(self, core: ProtectedLinearCore, device: torch.device, report: Report):
+        self.core, self.report = core, report
+        self.ws = core._workspace_for(device)
+        self.plans: list[ProtectedMatmul] = []
+        self.constants: list[ProtectedMatmul] = []
+
+    def product(self, site: str, a: Any, b: Any, bias: Any | None, out: Any, *,
+                constant: torch.Tensor | None = None,
+                present: Callable[[Any], Any] | None = None) -> None:
+        """Execute ``out = a @ b (+ bias)`` as ``site``; ``constant``: the tensor ``a`` views,
+        whose encoding the plan keeps; ``present``: how the fault hook sees ``out``."""
+        core = self.core
+        hook = core.fault_hook
+        if hook is not None and present is not None:
+            hook = _presenting(hook, present)
+        if core.check == "off":
+            _plain(array_module(a), a, b, bias, out, site, hook)
+            return
+        plan = self.ws.product(site, a, b, bias, core.check, constant_a=constant is not None)
+        if constant is not None:
+            core._fresh_encoding(plan, constant, a, b)
+            self.constants.append(plan)
+        try:
+            plan.execute(a, b, bias=bias, out=out, fault_hook=hook)
+        except BaseException:
+            self.ws.abandon()
+            raise
+        self.plans.append(plan)
+
+    def settle(self) -> None:
+        """Settle every product with one synchronization; a rare path (a repair, or a weight
+        changed behind its version counter) has the constant encodings remade next call."""
+        rare = self.ws.counters.rare_paths
+        try:
+            reports = settle_all(self.plans)
+        except BaseException:
+            self.ws.abandon()
+            raise
+        finally:
+            if self.ws.counters.rare_paths != rare:
+                for plan in self.constants:
+                    self.core._encoded.pop(id(plan), None)
+        for report in reports:
+            self.report.extend(report)
+
+
+def _presenting(hook: FaultHook, present: Callable[[Any], Any]) -> FaultHook:
+    return lambda site, c: hook(site, present(c))
+
+
+def _matrix(weight: torch.Tensor, weight_in_out: bool) -> torch.Tensor:
+    """``M`` of ``y = x M``: the weight, or its transpose (a view)."""
+    return weight if weight_in_out else weight.t()
+
+
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    n_in: int, n_out: int) -> None:
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"the protected linear layer takes float16, bfloat16, float32 or "
+                        f"float64 input, got {x.dtype}")
+    if x.dtype != weight.dtype or bias is not None and bias.dtype != weight.dtype:
+        raise TypeError(f"input dtype {x.dtype} differs from the layer's weight "
+                        f"{weight.dtype}" + ("" if bias is None else f" / bias {bias.dtype}")
+                        + " (cast the input, or run under torch.autocast)")
+    if x.device != weight.device:
+        raise ValueError(f"input on {x.device}, the layer's weight on {weight.device}")
+    if x.dim() < 1 or x.shape[-1] != n_in:
+        raise ValueError(f"input of shape {tuple(x.shape)}: the last dimension must be the "
+                         f"layer's {n_in} input features")
+    if bias is not None and tuple(bias.shape) != (n_out,):
+        raise ValueError(f"bias of shape {tuple(bias.shape)}, expected ({n_out},)")
