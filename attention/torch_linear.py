@@ -60,8 +60,9 @@ class ProtectedLinearCore:
     Attributes
     ----------
     fault_hook : callable ``(site, c)`` or None
-        Sees every raw product (a NumPy or CuPy array sharing its memory, in the layout of the
-        tensor it becomes) before verification; ``site`` one of :data:`LINEAR_SITES`.
+        Sees every raw product (a NumPy or CuPy array sharing its memory) before verification;
+        ``site`` one of :data:`LINEAR_SITES`: ``forward`` ``(N, out)``, ``d_input`` ``(N, in)``,
+        ``d_weight`` in the weight's layout, ``d_bias`` ``(1, out)``.
     last_report : abftgemm.Report
         Findings of the last forward, extended by the backward that follows it.
     """
@@ -167,8 +168,7 @@ class ProtectedLinearCore:
                 pass_.product("d_weight", a, b, None, _array(dw))
             if need_bias:
                 pass_.product("d_bias", _array(self._ones_for(dy)), dya, None,
-                              _array(db).reshape(1, n_out), constant=self._ones_for(dy),
-                              present=np.ravel)
+                              _array(db).reshape(1, n_out), constant=self._ones_for(dy))
             pass_.settle()
         self.last_report.extend(report)
         return dx, dw, db

@@ -98,15 +98,16 @@ def layer0(family):
 
 
 class OncePerSite:
-    """Injects one ``kind`` fault into the first product of the site ``target`` names, or of
-    every site of a module for a ``target`` ending in ``":"`` (transient faults)."""
+    """Injects one ``kind`` fault (with ``Fault`` options such as ``magnitude``) into the first
+    product of the site ``target`` names, or of every site of a module for a ``target`` ending
+    in ``":"`` (transient faults)."""
 
-    def __init__(self, target, kind="inf"):
-        self.target, self.kind, self.hit = target, kind, []
+    def __init__(self, target, kind="inf", **options):
+        self.target, self.kind, self.options, self.hit = target, kind, options, []
 
     def __call__(self, site, c):
         match = site.startswith(self.target) if self.target.endswith(":") else \
             site == self.target
         if match and site not in self.hit:
             self.hit.append(site)
-            Fault(self.kind, "element", seed=len(self.hit))(site, c)
+            Fault(self.kind, "element", seed=len(self.hit), **self.options)(site, c)
