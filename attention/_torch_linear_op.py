@@ -31,15 +31,20 @@ def linear_backward(op_id: int, dy: torch.Tensor, x: torch.Tensor, weight: torch
                     weight_in_out: bool, need_input: bool, need_weight: bool,
                     need_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d_x, d_weight, d_bias)`` of one :func:`linear` call, each empty where not needed;
-    ``d_x`` ``(N, in)`` is the transpose of a contiguous ``(in, N)`` tensor."""
+    ``d_x`` ``(N, in)`` is the transpose of a contiguous ``(in, N)`` tensor where
+    :func:`attention.torch_linear.weight_on_left`."""
     return _module(op_id).run_backward(dy, x, weight, weight_in_out, need_input, need_weight,
                                        need_bias)
 
 
 @linear_backward.register_fake
 def _(op_id, dy, x, weight, weight_in_out, need_input, need_weight, need_bias):
+    from attention.torch_linear import weight_on_left
+
     n, n_in = x.shape
-    dx = x.new_empty(n_in, n).t() if need_input else x.new_empty(0)
+    left = weight_on_left(n_in, dy.shape[1])
+    dx = (x.new_empty(n_in, n).t() if left else x.new_empty(n, n_in)) if need_input \
+        else x.new_empty(0)
     dw = weight.new_empty(weight.shape) if need_weight else weight.new_empty(0)
     db = dy.new_empty(dy.shape[1]) if need_bias else dy.new_empty(0)
     return dx, dw, db

@@ -12,10 +12,15 @@ an encoding of a constant ``a`` is made once, :class:`abftgemm.ProtectedMatmul`'
 
 - ``forward``: ``y = x M + b`` with ``a = x``: the bias is added inside the protection, and the
   check multiplies the encoding of ``x`` (which it must read anyway) by ``M``; no weight encoding.
-- ``d_input``: ``dx^T = M dy^T`` with ``a = M``: the weight's column encoding is kept between
-  calls and remade only when the weight changed (its memory, layout or ``_version``, which
-  optimizer steps and every in-place write through the Parameter advance). ``dx`` is handed to
-  autograd as the transpose of that product (no copy).
+- ``d_input``: in a widening layer (``in < out``: GPT-2's ``c_attn``, the first feed-forward
+  layer) ``dx^T = M dy^T`` with ``a = M``: the weight's column encoding is kept between calls and
+  remade only when the weight changed (its memory, layout or ``_version``, which optimizer steps
+  and every in-place write through the Parameter advance); ``dx`` goes to autograd as the
+  transpose of that product (no copy). Otherwise ``dx = dy M^T`` with ``a = dy`` (encoded every
+  call) and a contiguous ``dx``: a transposed ``dx`` slows the elementwise backward of what
+  consumes it (measured: GPT-2's GELU backward fed by ``mlp.c_proj``'s ``dx``, about 25% of a
+  ``mlp=True`` step), which costs more than reading ``dy`` once when ``dy`` is not the wider of
+  the two (:func:`weight_on_left`).
 - ``d_weight``: ``dW`` written straight into the Parameter's layout (``dy^T x`` for ``nn.Linear``,
   ``x^T dy`` for ``Conv1D``).
 - ``d_bias``: ``db = 1^T dy``, a product whose constant ``a`` is a row of ones.
@@ -147,11 +152,13 @@ class ProtectedLinearCore:
                      need_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The body of ``abftgemm::linear_backward``: ``(dx, dW, db)`` of ``dy (N, out)``,
         each an empty tensor where not needed; ``dx`` is the transpose of a C-contiguous
-        ``(in, N)`` tensor."""
+        ``(in, N)`` tensor where :func:`weight_on_left`."""
         m = _matrix(weight, weight_in_out)
         n, (n_in, n_out) = x.shape[0], m.shape
         empty = dy.new_empty(0)
-        dx = x.new_empty(n_in, n).t() if need_input else empty
+        left = weight_on_left(n_in, n_out)
+        dx = (x.new_empty(n_in, n).t() if left else x.new_empty(n, n_in)) if need_input \
+            else empty
         dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight \
             else empty.clone()
         db = dy.new_empty(n_out) if need_bias else empty.clone()
@@ -159,9 +166,11 @@ class ProtectedLinearCore:
         with device_scope(dy), _threads(dy), np.errstate(all="ignore"):
             pass_ = _Pass(self, dy.device, report)
             dya = _array(dy)
-            if need_input:
+            if need_input and left:
                 pass_.product("d_input", _array(m), dya.T, None, _array(dx).T,
                               constant=weight, present=np.transpose)
+            elif need_input:
+                pass_.product("d_input", dya, _array(m).T, None, _array(dx))
             if need_weight:
                 xa = _array(x)
                 a, b = (xa.T, dya) if weight_in_out else (dya.T, xa)
@@ -254,6 +263,14 @@ class _Pass:
 
 def _presenting(hook: FaultHook, present: Callable[[Any], Any]) -> FaultHook:
     return lambda site, c: hook(site, present(c))
+
+
+def weight_on_left(n_in: int, n_out: int) -> bool:
+    """Whether ``d_input`` runs as ``dx^T = M dy^T`` (the weight's encoding kept, ``dx`` a
+    transposed view) rather than ``dx = dy M^T`` (``dy`` encoded every call, ``dx``
+    contiguous): when the layer widens (``n_in < n_out``), so that the ``dy`` read saved is wider
+    than the transposed ``dx`` its consumers pay for."""
+    return n_in < n_out
 
 
 def _matrix(weight: torch.Tensor, weight_in_out: bool) -> torch.Tensor:

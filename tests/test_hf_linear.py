@@ -17,7 +17,8 @@ from abftgemm.plan import ProtectedMatmul  # noqa: E402
 from abftgemm.report import FaultDetectedWarning  # noqa: E402
 from attention.hf_linear import ProtectedConv1D, ProtectedLinear, projection_cores  # noqa: E402
 from attention.torch import fault_hook, protect  # noqa: E402
-from attention.torch_linear import LINEAR_SITES, ProtectedLinearCore  # noqa: E402
+from attention.torch_linear import (LINEAR_SITES, ProtectedLinearCore,  # noqa: E402
+                                    weight_on_left)
 from hf_models import (FAMILIES, OncePerSite, assert_close, assert_same_step,  # noqa: E402,F401
                        batch, build, eager_runs, step)
 
@@ -141,6 +142,9 @@ def _linear_step(layer, x):
 
 
 def _protected_linear(check="correct"):
+    """A widening nn.Linear (its d_input keeps the weight's encoding) swapped for a protected
+    one, and an unprotected twin."""
+    assert weight_on_left(16, 24)
     torch.manual_seed(3)
     layer = torch.nn.Linear(16, 24)
     twin = copy.deepcopy(layer)
