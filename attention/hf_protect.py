@@ -19,10 +19,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-
-import abftgemm
 from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
 
+import abftgemm
 from attention.hf import NAME, core_of, not_allowed
 from attention.hf_linear import projection_cores, protect_projections
 from attention.torch_core import ProtectedCore

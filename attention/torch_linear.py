@@ -40,11 +40,9 @@ import torch
 
 import abftgemm
 from abftgemm._torch import device_scope
-from abftgemm.backend import array_module
 from abftgemm.plan import ProtectedMatmul, settle_all
 from abftgemm.report import Report
 from attention import _torch_op, _torch_linear_op
-from attention.functional import _plain
 from attention.torch import _array, _threads
 from attention.workspace import Workspace
 
@@ -109,7 +107,7 @@ class ProtectedLinearCore:
             raise TypeError(f"the protected linear layer takes a torch.Tensor, got "
                             f"{type(x).__name__}")
         device = x.device.type
-        if torch.is_autocast_enabled(device):  # as autocast runs nn.Linear: in its dtype
+        if torch.is_autocast_enabled(device) and x.is_floating_point():  # as nn.Linear runs
             dtype = torch.get_autocast_dtype(device)
             x, weight = x.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
@@ -141,8 +139,7 @@ class ProtectedLinearCore:
         report = Report()
         with device_scope(x), _threads(x), np.errstate(all="ignore"):
             pass_ = _Pass(self, x.device, report)
-            pass_.product("forward", _array(x), _array(m),
-                          None if bias is None else _array(bias), _array(y))
+            pass_.product("forward", x, m, y, bias)
             pass_.settle()
         self.last_report = report
         return y
@@ -165,19 +162,16 @@ class ProtectedLinearCore:
         report = Report()
         with device_scope(dy), _threads(dy), np.errstate(all="ignore"):
             pass_ = _Pass(self, dy.device, report)
-            dya = _array(dy)
             if need_input and left:
-                pass_.product("d_input", _array(m), dya.T, None, _array(dx).T,
-                              constant=weight, present=np.transpose)
+                pass_.product("d_input", m, dy.t(), dx.t(), constant=weight,
+                              present=np.transpose)
             elif need_input:
-                pass_.product("d_input", dya, _array(m).T, None, _array(dx))
+                pass_.product("d_input", dy, m.t(), dx)
             if need_weight:
-                xa = _array(x)
-                a, b = (xa.T, dya) if weight_in_out else (dya.T, xa)
-                pass_.product("d_weight", a, b, None, _array(dw))
+                pass_.product("d_weight", *((x.t(), dy) if weight_in_out else (dy.t(), x)), dw)
             if need_bias:
-                pass_.product("d_bias", _array(self._ones_for(dy)), dya, None,
-                              _array(db).reshape(1, n_out), constant=self._ones_for(dy))
+                ones = self._ones_for(dy)
+                pass_.product("d_bias", ones, dy, db.view(1, n_out), constant=ones)
             pass_.settle()
         self.last_report.extend(report)
         return dx, dw, db
@@ -221,24 +215,35 @@ class _Pass:
         self.plans: list[ProtectedMatmul] = []
         self.constants: list[ProtectedMatmul] = []
 
-    def product(self, site: str, a: Any, b: Any, bias: Any | None, out: Any, *,
-                constant: torch.Tensor | None = None,
+    def product(self, site: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                bias: torch.Tensor | None = None, *, constant: torch.Tensor | None = None,
                 present: Callable[[Any], Any] | None = None) -> None:
-        """Execute ``out = a @ b (+ bias)`` as ``site``; ``constant``: the tensor ``a`` views,
-        whose encoding the plan keeps; ``present``: how the fault hook sees ``out``."""
+        """Execute ``out = a @ b (+ bias)`` as ``site`` (2-D tensors, ``out`` C-contiguous):
+        PyTorch's own GEMM (on its threads, as the unprotected layer), verified by a planned
+        product; ``constant``: the tensor ``a`` views, whose encoding the plan keeps;
+        ``present``: how the fault hook sees ``out``."""
         core = self.core
         hook = core.fault_hook
         if hook is not None and present is not None:
             hook = _presenting(hook, present)
+        gemm = (lambda: torch.mm(a, b, out=out)) if bias is None else \
+            (lambda: torch.addmm(bias, a, b, out=out))
+        arrays = [_array(t) for t in (a, b, out)]
         if core.check == "off":
-            _plain(array_module(a), a, b, bias, out, site, hook)
+            gemm()
+            if hook is not None:
+                hook(site, arrays[2])
             return
-        plan = self.ws.product(site, a, b, bias, core.check, constant_a=constant is not None)
+        a_arr, b_arr, out_arr = arrays
+        bias_arr = None if bias is None else _array(bias)
+        plan = self.ws.product(site, a_arr, b_arr, bias_arr, core.check,
+                               constant_a=constant is not None)
         if constant is not None:
-            core._fresh_encoding(plan, constant, a, b)
+            core._fresh_encoding(plan, constant, a_arr, b_arr)
             self.constants.append(plan)
         try:
-            plan.execute(a, b, bias=bias, out=out, fault_hook=hook)
+            plan.execute(a_arr, b_arr, bias=bias_arr, out=out_arr, fault_hook=hook,
+                         gemm=gemm)
         except BaseException:
             self.ws.abandon()
             raise
