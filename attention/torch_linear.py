@@ -3,7 +3,10 @@
 :class:`ProtectedLinearCore` holds what one projection's products run under (check mode, fault
 hook, last report, plans and buffers per device, the weight's encodings) and computes them through
 the custom operators of :mod:`attention._torch_linear_op` on the tensors' memory (CPU tensors as
-NumPy arrays, CUDA tensors as CuPy arrays). ``M`` is the layer's weight as it multiplies: ``W^T``
+NumPy arrays, CUDA tensors as CuPy arrays): each product is PyTorch's own GEMM (``torch.mm`` into
+the result, on PyTorch's threads as the unprotected layer; NumPy's BLAS would get one thread next
+to them), verified and repaired by a planned product (:meth:`abftgemm.ProtectedMatmul.execute`
+with ``gemm=``). ``M`` is the layer's weight as it multiplies: ``W^T``
 for ``nn.Linear`` (weight stored ``(out, in)``), ``W`` itself for GPT-2's ``Conv1D`` (stored
 ``(in, out)``).
 
