@@ -12,6 +12,8 @@ VOCAB, WIDTH, HEADS, SEQ = 100, 32, 4, 12
 #: fp32 models: worst |protected - eager| over a tensor, relative to its largest |eager| element
 #: (reassociated sums through two layers; measured up to ~1e-6).
 RTOL32 = 1e-5
+#: bfloat16 autocast: a few units of bfloat16's roundoff (2^-8) of the largest element.
+RTOL_BF16 = 5 * 2.0 ** -8
 
 
 def build(family, attn_dropout=0.0):

@@ -16,7 +16,7 @@ from attention.core import CORE_INVARIANT_SITES, CORE_SITES  # noqa: E402
 from attention.hf import abft_attention_forward  # noqa: E402
 from attention.hf_protect import ProtectedGPTNeoSelfAttention, attention_cores  # noqa: E402
 from attention.torch import fault_hook, protect  # noqa: E402
-from hf_models import (FAMILIES, HEADS, VOCAB, WIDTH, OncePerSite,  # noqa: E402,F401
+from hf_models import (FAMILIES, HEADS, RTOL_BF16, VOCAB, WIDTH, OncePerSite,  # noqa: E402,F401
                        assert_close, assert_same_step, batch, build, eager_runs, layer0, step)
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -167,10 +167,6 @@ def test_torch_compile_equals_eager(eager_runs):
     model = protect(copy.deepcopy(eager))
     compiled = torch.compile(model, backend="aot_eager", fullgraph=False)
     assert_same_step(step(compiled, *batch()), want)
-
-
-#: bfloat16 autocast: a few units of bfloat16's roundoff (2^-8) of the largest element.
-RTOL_BF16 = 5 * 2.0 ** -8
 
 
 @pytest.mark.parametrize("family", ("bert", "gpt2"))
