@@ -139,7 +139,8 @@ class ProtectedMatmul:
 
     def execute(self, a: Any, b: Any, *, bias: Any | None = None, out: Any | None = None,
                 fault_hook: FaultHook | None = None,
-                a_checksums: Checksums | None = None) -> Any:
+                a_checksums: Checksums | None = None,
+                gemm: Callable[[], None] | None = None) -> Any:
         """Run the product and queue its verification; call :meth:`settle` for the verdict.
 
         Parameters
@@ -155,6 +156,10 @@ class ProtectedMatmul:
         a_checksums : Checksums, optional
             Column encoding of ``a`` handed on from an earlier product (``a_checksums.cols``):
             skips the read of ``a``.
+        gemm : callable, optional
+            Writes ``a @ b (+ bias)`` into ``out`` (which it needs), in place of the plan's own
+            GEMM: for example the framework's GEMM on the tensors behind the arrays, run on its
+            own threads. The verification checks what it wrote like any product.
 
         Returns
         -------
@@ -168,12 +173,15 @@ class ProtectedMatmul:
             raise ValueError(f"{self.name}: a plan writes straight into out, which must be a "
                              f"C-contiguous {op.dtype} array of shape {op.shape} that overlaps "
                              "no operand (abftgemm.matmul takes any out)")
+        if gemm is not None and out is None:
+            raise ValueError(f"{self.name}: a gemm given to execute needs out")
         c = op.buffer()
-        self.run(op, c, fault_hook, a_checksums)
+        self.run(op, c, fault_hook, a_checksums, gemm=gemm)
         return op.restore(c)
 
     def run(self, op: Operands, c: Any, fault_hook: FaultHook | None = None,
-            a_checksums: Checksums | None = None, name: str | None = None) -> None:
+            a_checksums: Checksums | None = None, name: str | None = None,
+            gemm: Callable[[], None] | None = None) -> None:
         """:meth:`execute` for operands already validated against the plan (``op``, from
         :meth:`Operands.prepare` with the planned signature) into the ``(batch, m, n)`` buffer
         ``c`` (``op.buffer()``); what :func:`abftgemm.matmul` calls. ``name``: the site of this
@@ -186,7 +194,11 @@ class ProtectedMatmul:
             raise ValueError(f"{self.name}: a_checksums given to a plan with a constant a")
         if a_checksums is not None and a_checksums.cols is not None:
             _check_column_encoding(op, a_checksums.cols, self.name)
-        self._work.gemm(op, c, self._a_triangle)
+        if gemm is None:
+            self._work.gemm(op, c, self._a_triangle)
+        else:
+            self.counters.launches += 1 + (op.bias is not None)
+            gemm()
         if fault_hook is not None:
             fault_hook(name, c.reshape(op.batch_shape + (op.m, op.n)))
         if self._verify_columns:

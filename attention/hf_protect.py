@@ -6,7 +6,9 @@ every attention module among their submodules gets its own
 :class:`attention.torch_core.ProtectedCore` (attribute ``abft_core``). GPT-Neo picks its attention
 classes by name and never calls a registered function: there each ``GPTNeoSelfAttention`` becomes
 a :class:`ProtectedGPTNeoSelfAttention` (its class is swapped; the module, its Parameters and
-buffers stay the same objects), whose attention product runs on the protected core.
+buffers stay the same objects), whose attention product runs on the protected core. The
+attention projections (and with ``mlp=True`` the feed-forward layers) become protected linear
+layers (:mod:`attention.hf_linear`).
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ import torch
 from torch import nn
 from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
 
+import abftgemm
 from attention.hf import NAME, core_of, not_allowed
+from attention.hf_linear import projection_cores, protect_projections
 from attention.torch_core import ProtectedCore
 
 __all__ = ["protect_pretrained", "ProtectedGPTNeoSelfAttention", "attention_cores",
@@ -48,14 +52,21 @@ class ProtectedGPTNeoSelfAttention(GPTNeoSelfAttention):
         return out.to(dtype), weights.to(dtype)
 
 
-def protect_pretrained(model: nn.Module, *, check: str = "correct") -> nn.Module:
-    """Protect the attention products of a transformers ``PreTrainedModel`` in place.
+def protect_pretrained(model: nn.Module, *, check: str = "correct", projections: bool = True,
+                       mlp: bool = False) -> nn.Module:
+    """Protect the attention products and projections of a transformers ``PreTrainedModel`` in
+    place.
 
     Parameters
     ----------
     model : transformers.PreTrainedModel
     check : {"correct", "detect", "off"}
-        The check mode of every attention module.
+        The check mode of every protected module.
+    projections : bool
+        Also protect the Q, K, V and output projections of every attention block
+        (:func:`attention.hf_linear.protect_projections`).
+    mlp : bool
+        Also protect the feed-forward layers (needs ``projections``).
 
     Returns
     -------
@@ -66,6 +77,10 @@ def protect_pretrained(model: nn.Module, *, check: str = "correct") -> nn.Module
     ValueError
         For a model that neither calls registered attention functions nor is GPT-Neo.
     """
+    if mlp and not projections:
+        raise ValueError("protect: mlp=True needs projections=True")
+    if check not in abftgemm.CHECK_MODES:
+        raise ValueError(f"check must be one of {abftgemm.CHECK_MODES}, got {check!r}")
     neo = [m for m in model.modules() if isinstance(m, GPTNeoSelfAttention)]
     for m in neo:
         if type(m) is GPTNeoSelfAttention:
@@ -81,6 +96,8 @@ def protect_pretrained(model: nn.Module, *, check: str = "correct") -> nn.Module
         raise ValueError(f"protect: found no attention module in {type(model).__name__}")
     for _, m in modules:
         m.abft_core = ProtectedCore(check)
+    if projections:
+        protect_projections(model, [name for name, _ in modules], check=check, mlp=mlp)
     return model
 
 
@@ -105,9 +122,10 @@ def attention_cores(model: nn.Module) -> dict[str, ProtectedCore]:
 @contextlib.contextmanager
 def fault_hook(model: nn.Module, fn: Callable[[str, Any], None]) -> Iterator[None]:
     """Within the block, ``fn(site, c)`` sees every protected product of ``model``'s attention
-    modules, ``site`` as ``"<module name>:<site>"`` (for example ``"transformer.h.0.attn:scores"``);
-    the previous hooks are restored after it."""
-    cores = attention_cores(model)
+    modules and protected projections, ``site`` as ``"<module name>:<site>"`` (for example
+    ``"transformer.h.0.attn:scores"``, ``"transformer.h.0.attn.c_attn:d_input"``); the previous
+    hooks are restored after it."""
+    cores: dict[str, Any] = {**attention_cores(model), **projection_cores(model)}
     if not cores:
         raise ValueError("fault_hook: the model has no protected attention module (call "
                          "attention.torch.protect(model) first)")

@@ -197,19 +197,25 @@ device, dtype
         return self._views[1]
 
 
-def protect(model: nn.Module, *, check: str = "correct") -> nn.Module:
+def protect(model: nn.Module, *, check: str = "correct", mlp: bool = False,
+            projections: bool = True) -> nn.Module:
     """Swap every ``nn.MultiheadAttention`` inside ``model`` for a :class:`MultiheadAttention`
     holding the same Parameters, in place; returns ``model``.
 
     ``nn.TransformerEncoder``'s nested-tensor inference path is turned off
     (``use_nested_tensor = False``): it would hand the attention packed nested tensors.
-    A Hugging Face transformers ``PreTrainedModel`` gets its attention products protected
-    instead (:func:`attention.hf_protect.protect_pretrained`).
+    A Hugging Face transformers ``PreTrainedModel`` gets its attention products, and with
+    ``projections`` (default) the Q, K, V and output projections of its attention blocks,
+    protected instead; ``mlp=True`` protects its feed-forward layers as well
+    (:func:`attention.hf_protect.protect_pretrained`). ``mlp`` and ``projections`` apply to
+    transformers models only (:class:`MultiheadAttention` protects its own projections).
     """
     if _is_pretrained(model):
         from attention.hf_protect import protect_pretrained
 
-        return protect_pretrained(model, check=check)
+        return protect_pretrained(model, check=check, mlp=mlp, projections=projections)
+    if mlp or not projections:
+        raise ValueError("protect: mlp and projections apply to transformers models only")
     for parent in model.modules():
         if isinstance(parent, nn.TransformerEncoder):
             parent.use_nested_tensor = False
@@ -221,9 +227,10 @@ def protect(model: nn.Module, *, check: str = "correct") -> nn.Module:
 
 
 def fault_hook(model: nn.Module, fn: FaultHook) -> contextlib.AbstractContextManager[None]:
-    """A context manager within which ``fn(site, c)`` sees every protected attention product of
-    a protected transformers model, ``site`` as ``"<module name>:<site>"`` (for example
-    ``"transformer.h.0.attn:scores"``); see :func:`attention.hf_protect.fault_hook`."""
+    """A context manager within which ``fn(site, c)`` sees every protected product (attention
+    and projections) of a protected transformers model, ``site`` as ``"<module name>:<site>"``
+    (for example ``"transformer.h.0.attn:scores"``, ``"transformer.h.0.attn.c_attn:forward"``);
+    see :func:`attention.hf_protect.fault_hook`."""
     from attention.hf_protect import fault_hook as hook
 
     return hook(model, fn)

@@ -25,14 +25,16 @@ class Workspace:
         self._buffers: dict[tuple, Any] = {}
 
     def product(self, site: str, a: Any, b: Any, bias: Any | None, check: str,
-                a_triangle: str | None = None) -> ProtectedMatmul:
-        """The planned product of ``site`` for these operands' layout (and ``a``'s triangle)."""
+                a_triangle: str | None = None, constant_a: bool = False) -> ProtectedMatmul:
+        """The planned product of ``site`` for these operands' layout (and ``a``'s triangle);
+        with ``constant_a``, a plan that encodes ``a`` once (at planning, from this ``a``)."""
         key = (site, check, _layout(a), _layout(b), None if bias is None else bias.shape,
-               a_triangle)
+               a_triangle, constant_a)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = ProtectedMatmul(a, b, bias=bias, check=check, name=site,
                                                       a_triangle=a_triangle,
+                                                      constant_a=constant_a,
                                                       counters=self.counters)
         return plan
 

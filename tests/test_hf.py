@@ -12,93 +12,12 @@ if not hasattr(transformers, "AttentionInterface"):
     pytest.skip(f"transformers {transformers.__version__} has no AttentionInterface "
                 "(the [hf] extra needs >= 5.17)", allow_module_level=True)
 
-from abftgemm.faults import Fault  # noqa: E402
 from attention.core import CORE_INVARIANT_SITES, CORE_SITES  # noqa: E402
 from attention.hf import abft_attention_forward  # noqa: E402
 from attention.hf_protect import ProtectedGPTNeoSelfAttention, attention_cores  # noqa: E402
 from attention.torch import fault_hook, protect  # noqa: E402
-
-FAMILIES = ("bert", "roberta", "gpt2", "gpt-neo")
-VOCAB, WIDTH, HEADS, SEQ = 100, 32, 4, 12
-#: fp32 models: worst |protected - eager| over a tensor, relative to its largest |eager| element
-#: (reassociated sums through two layers; measured up to ~1e-6).
-RTOL32 = 1e-5
-
-
-def build(family, attn_dropout=0.0):
-    """A 2-layer, width-32 model of ``family`` with random weights, eager attention, dropout 0
-    (attention dropout ``attn_dropout``)."""
-    torch.manual_seed(0)
-    t = transformers
-    common = dict(vocab_size=VOCAB)
-    if family in ("bert", "roberta"):
-        cfg_cls, model_cls = ((t.BertConfig, t.BertForMaskedLM) if family == "bert" else
-                              (t.RobertaConfig, t.RobertaForMaskedLM))
-        cfg = cfg_cls(**common, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=HEADS,
-                      intermediate_size=2 * WIDTH, max_position_embeddings=SEQ + 4,
-                      attention_probs_dropout_prob=attn_dropout, hidden_dropout_prob=0.0,
-                      pad_token_id=1, attn_implementation="eager")
-    elif family == "gpt2":
-        cfg_cls, model_cls = t.GPT2Config, t.GPT2LMHeadModel
-        cfg = cfg_cls(**common, n_embd=WIDTH, n_layer=2, n_head=HEADS, n_positions=SEQ,
-                      attn_pdrop=attn_dropout, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0,
-                      eos_token_id=0, attn_implementation="eager")
-    else:
-        cfg_cls, model_cls = t.GPTNeoConfig, t.GPTNeoForCausalLM
-        cfg = cfg_cls(**common, hidden_size=WIDTH, num_layers=2, num_heads=HEADS,
-                      attention_types=[[["global", "local"], 1]], window_size=4,
-                      max_position_embeddings=SEQ, attention_dropout=attn_dropout,
-                      resid_dropout=0.0, embed_dropout=0.0, bos_token_id=0, eos_token_id=0,
-                      attn_implementation="eager")
-    model = model_cls(cfg)
-    model.train()
-    return model
-
-
-def batch():
-    """Token ids (3, SEQ) and a padding mask: item 0 full, items 1 and 2 right-padded."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, VOCAB, (3, SEQ), generator=g)
-    mask = torch.ones(3, SEQ, dtype=torch.long)
-    mask[1, 9:] = 0
-    mask[2, 5:] = 0
-    return ids, mask
-
-
-def step(model, ids, mask):
-    """Logits at the real tokens and every parameter's gradient of a loss over them."""
-    model.zero_grad(set_to_none=True)
-    logits = model(ids, attention_mask=mask).logits
-    keep = mask.bool()
-    logits[keep].pow(2).mean().backward()
-    return logits[keep].detach(), {n.removeprefix("_orig_mod."): p.grad.clone()
-                                   for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_close(actual, expected, rtol=RTOL32, floor=0.0):
-    """``|actual - expected| <= rtol * (max |expected| + floor)`` element-wise at worst."""
-    assert torch.isfinite(actual).all()
-    err = (actual - expected).abs().max().item()
-    scale = expected.abs().max().item() + floor
-    assert err <= rtol * scale, f"max error {err:.3g} > {rtol:.1g} * {scale:.3g}"
-
-
-def assert_same_step(got, want, rtol=RTOL32):
-    """Logits and gradients close; a gradient that is zero in exact arithmetic (the key bias's:
-    softmax ignores a constant added to a row) is rounding noise, judged against 1e-3 of the
-    model's largest gradient."""
-    assert_close(got[0], want[0], rtol)
-    assert got[1].keys() == want[1].keys()
-    largest = max(g.abs().max().item() for g in want[1].values())
-    for name in want[1]:
-        assert_close(got[1][name], want[1][name], rtol, floor=1e-3 * largest)
-
-
-@pytest.fixture(scope="module")
-def eager_runs():
-    """Each family's eager model and its step on the padded batch."""
-    return {f: (m, step(m, *batch())) for f in FAMILIES for m in [build(f)]}
-
+from hf_models import (FAMILIES, HEADS, RTOL_BF16, VOCAB, WIDTH, OncePerSite,  # noqa: E402,F401
+                       assert_close, assert_same_step, batch, build, eager_runs, layer0, step)
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_equals_eager_with_padding_in_train_mode(family, eager_runs):
@@ -135,28 +54,6 @@ def test_protect_keeps_parameters(family):
     assert any(not torch.equal(before[n], p) for n, p in params.items())
 
 
-def _layer0(family):
-    return {"bert": "bert.encoder.layer.0.attention.self",
-            "roberta": "roberta.encoder.layer.0.attention.self",
-            "gpt2": "transformer.h.0.attn",
-            "gpt-neo": "transformer.h.0.attn.attention"}[family]
-
-
-class OncePerSite:
-    """Injects one ``kind`` fault into the first product of the site ``target`` names, or of
-    every site of a module for a ``target`` ending in ``":"`` (transient faults)."""
-
-    def __init__(self, target, kind="inf"):
-        self.target, self.kind, self.hit = target, kind, []
-
-    def __call__(self, site, c):
-        match = site.startswith(self.target) if self.target.endswith(":") else \
-            site == self.target
-        if match and site not in self.hit:
-            self.hit.append(site)
-            Fault(self.kind, "element", seed=len(self.hit))(site, c)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fault_at_every_site_of_a_layer_is_corrected(family, eager_runs):
     """One INF per step, at each site of layer 0 in turn: reported repaired at that site, and
@@ -164,7 +61,7 @@ def test_fault_at_every_site_of_a_layer_is_corrected(family, eager_runs):
     eager, want = eager_runs[family]
     model = protect(copy.deepcopy(eager))
     clean = step(model, *batch())
-    layer = _layer0(family)
+    layer = layer0(family)
     for site in CORE_SITES + CORE_INVARIANT_SITES:
         inject = OncePerSite(f"{layer}:{site}")
         with fault_hook(model, inject):
@@ -182,7 +79,7 @@ def test_fault_at_every_site_of_a_layer_is_corrected(family, eager_runs):
 def test_unprotected_fault_damages_the_model(eager_runs):
     eager, _ = eager_runs["gpt2"]
     model = protect(copy.deepcopy(eager), check="off")
-    with fault_hook(model, OncePerSite(_layer0("gpt2") + ":")):
+    with fault_hook(model, OncePerSite(layer0("gpt2") + ":")):
         logits, grads = step(model, *batch())
     assert not torch.isfinite(logits).all()
     assert not all(torch.isfinite(g).all() for g in grads.values())
@@ -288,10 +185,6 @@ def test_torch_compile_equals_eager(eager_runs):
     model = protect(copy.deepcopy(eager))
     compiled = torch.compile(model, backend="aot_eager", fullgraph=False)
     assert_same_step(step(compiled, *batch()), want)
-
-
-#: bfloat16 autocast: a few units of bfloat16's roundoff (2^-8) of the largest element.
-RTOL_BF16 = 5 * 2.0 ** -8
 
 
 @pytest.mark.parametrize("family", ("bert", "gpt2"))

@@ -494,3 +494,26 @@ def test_a_lower_triangle_product_is_computed_and_verified_up_to_its_row_limits(
         np.testing.assert_array_equal(np.where(lower, _host(out), 0), want)
     with pytest.raises(ValueError, match="out_triangle"):
         DeferredRows(a, b, out_triangle="upper")
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_a_caller_gemm_is_verified_like_the_plans_own(xp):
+    """``execute(gemm=...)``: the caller's GEMM writes the product (here with one element
+    wrong, as a faulty framework GEMM would); the plan verifies and repairs it, and needs out."""
+    a, b, bias = _operands(xp, np.dtype(np.float32), bias=True)
+    out = xp.empty((3, 32, 20), dtype=np.float32)
+
+    def wrong_gemm():
+        xp.matmul(a, b, out=out)
+        xp.add(out, bias, out=out)
+        out[1, 2, 3] += 100.0
+
+    plan = ProtectedMatmul(a, b, bias=bias)
+    launches = plan.counters.launches
+    plan.execute(a, b, bias=bias, out=out, gemm=wrong_gemm)
+    report = plan.settle()
+    assert [(e.rows, e.cols, e.action) for e in report.events] == [((2,), (3,), "corrected")]
+    np.testing.assert_array_equal(_host(out), _host(a) @ _host(b) + _host(bias))
+    assert plan.counters.launches == launches + LAUNCHES + 1  # the caller's GEMM counts as one
+    with pytest.raises(ValueError, match="needs out"):
+        plan.execute(a, b, bias=bias, gemm=wrong_gemm)

@@ -1,0 +1,103 @@
+"""Protected projections of Hugging Face transformers models (:func:`protect_projections`).
+
+In each transformer layer (a module of a ``ModuleList``, such as ``transformer.h.0`` or
+``bert.encoder.layer.0``), the ``nn.Linear`` and GPT-2 ``Conv1D`` modules inside the layer's child
+that holds the attention module are its attention projections (BERT/RoBERTa: ``query``, ``key``,
+``value`` and ``output.dense``; GPT-2: ``c_attn`` and ``c_proj``; GPT-Neo: ``q_proj``, ``k_proj``,
+``v_proj``, ``out_proj``); the layer's other ones are its feed-forward layers (BERT/RoBERTa:
+``intermediate.dense`` and ``output.dense``; GPT-2 and GPT-Neo: ``mlp.c_fc`` and ``mlp.c_proj``).
+
+A protected projection has its class swapped for :class:`ProtectedLinear` or
+:class:`ProtectedConv1D` (a subclass whose forward runs the checked products of
+:class:`attention.torch_linear.ProtectedLinearCore`, kept in its attribute ``abft_linear``): the
+module, its Parameters, ``state_dict`` keys and ``save_pretrained`` files stay the same.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from attention.torch_linear import ProtectedLinearCore
+
+__all__ = ["ProtectedLinear", "ProtectedConv1D", "protect_projections", "projection_cores"]
+
+
+class ProtectedLinear(nn.Linear):
+    """``nn.Linear`` on checked products (``y = x W^T + b`` and its gradients)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.abft_linear(x, self.weight, self.bias, weight_in_out=False)
+
+
+class ProtectedConv1D(Conv1D):
+    """GPT-2's ``Conv1D`` (weight stored ``(in, out)``) on checked products (``y = x W + b``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.abft_linear(x, self.weight, self.bias, weight_in_out=True)
+
+
+_PROTECTED = {nn.Linear: ProtectedLinear, Conv1D: ProtectedConv1D}
+#: The module classes that are protected (exactly these: not other subclasses), or already are.
+_KINDS = (*_PROTECTED, *_PROTECTED.values())
+
+
+def protect_projections(model: nn.Module, attention: list[str], *, check: str = "correct",
+                        mlp: bool = False) -> list[str]:
+    """Swap the projections of the layers holding the attention modules named in ``attention``
+    (and with ``mlp``, their feed-forward layers) for protected ones, in place.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    attention : list of str
+        Module names of the attention modules (those that compute the attention product).
+    check : {"correct", "detect", "off"}
+    mlp : bool
+        Also protect the feed-forward layers.
+
+    Returns
+    -------
+    list of str
+        The names of the protected modules.
+
+    Raises
+    ------
+    ValueError
+        When an attention module is in no layer of a ``ModuleList`` (nothing is changed).
+    """
+    chosen = list(_projections(model, attention, mlp))
+    cores = [ProtectedLinearCore(check) for _ in chosen]  # validates check before any swap
+    for (_, module), core in zip(chosen, cores):
+        module.__class__ = _PROTECTED.get(type(module), type(module))
+        module.abft_linear = core
+    return [name for name, _ in chosen]
+
+
+def projection_cores(model: nn.Module) -> dict[str, ProtectedLinearCore]:
+    """The :class:`ProtectedLinearCore` of every protected projection, by module name."""
+    return {name: m.abft_linear for name, m in model.named_modules()
+            if isinstance(m.__dict__.get("abft_linear"), ProtectedLinearCore)}
+
+
+def _projections(model: nn.Module, attention: list[str],
+                 mlp: bool) -> Iterator[tuple[str, nn.Module]]:
+    modules = dict(model.named_modules())
+    for name in attention:
+        layer, block = _layer_of(modules, name)
+        for sub, m in modules[layer].named_modules(prefix=layer):
+            if type(m) in _KINDS and (mlp or sub.startswith(block + ".")):
+                yield sub, m
+
+
+def _layer_of(modules: dict[str, nn.Module], name: str) -> tuple[str, str]:
+    """``(layer, block)``: the names of the ``ModuleList`` item holding module ``name`` and of
+    that item's child holding it."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if isinstance(modules[".".join(parts[:i])], nn.ModuleList):
+            return ".".join(parts[:i + 1]), ".".join(parts[:i + 2])
+    raise ValueError(f"protect: the attention module {name!r} is in no layer of a ModuleList, "
+                     "so its projections cannot be found")

@@ -1,0 +1,115 @@
+"""Tiny Hugging Face transformers models of the four families the seed paper used (BERT,
+RoBERTa, GPT-2, GPT-Neo), a padded batch, one training step's outputs, and the comparisons and
+fault injector the transformers tests share. Import after skipping without transformers."""
+import pytest
+import torch
+import transformers
+
+from abftgemm.faults import Fault
+
+FAMILIES = ("bert", "roberta", "gpt2", "gpt-neo")
+VOCAB, WIDTH, HEADS, SEQ = 100, 32, 4, 12
+#: fp32 models: worst |protected - eager| over a tensor, relative to its largest |eager| element
+#: (reassociated sums through two layers; measured up to ~1e-6).
+RTOL32 = 1e-5
+#: bfloat16 autocast: a few units of bfloat16's roundoff (2^-8) of the largest element.
+RTOL_BF16 = 5 * 2.0 ** -8
+
+
+def build(family, attn_dropout=0.0):
+    """A 2-layer, width-32 model of ``family`` with random weights, eager attention, dropout 0
+    (attention dropout ``attn_dropout``)."""
+    torch.manual_seed(0)
+    t = transformers
+    common = dict(vocab_size=VOCAB)
+    if family in ("bert", "roberta"):
+        cfg_cls, model_cls = ((t.BertConfig, t.BertForMaskedLM) if family == "bert" else
+                              (t.RobertaConfig, t.RobertaForMaskedLM))
+        cfg = cfg_cls(**common, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=HEADS,
+                      intermediate_size=2 * WIDTH, max_position_embeddings=SEQ + 4,
+                      attention_probs_dropout_prob=attn_dropout, hidden_dropout_prob=0.0,
+                      pad_token_id=1, attn_implementation="eager")
+    elif family == "gpt2":
+        cfg_cls, model_cls = t.GPT2Config, t.GPT2LMHeadModel
+        cfg = cfg_cls(**common, n_embd=WIDTH, n_layer=2, n_head=HEADS, n_positions=SEQ,
+                      attn_pdrop=attn_dropout, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0,
+                      eos_token_id=0, attn_implementation="eager")
+    else:
+        cfg_cls, model_cls = t.GPTNeoConfig, t.GPTNeoForCausalLM
+        cfg = cfg_cls(**common, hidden_size=WIDTH, num_layers=2, num_heads=HEADS,
+                      attention_types=[[["global", "local"], 1]], window_size=4,
+                      max_position_embeddings=SEQ, attention_dropout=attn_dropout,
+                      resid_dropout=0.0, embed_dropout=0.0, bos_token_id=0, eos_token_id=0,
+                      attn_implementation="eager")
+    model = model_cls(cfg)
+    model.train()
+    return model
+
+
+def batch():
+    """Token ids (3, SEQ) and a padding mask: item 0 full, items 1 and 2 right-padded."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (3, SEQ), generator=g)
+    mask = torch.ones(3, SEQ, dtype=torch.long)
+    mask[1, 9:] = 0
+    mask[2, 5:] = 0
+    return ids, mask
+
+
+def step(model, ids, mask):
+    """Logits at the real tokens and every parameter's gradient of a loss over them."""
+    model.zero_grad(set_to_none=True)
+    logits = model(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    logits[keep].pow(2).mean().backward()
+    return logits[keep].detach(), {n.removeprefix("_orig_mod."): p.grad.clone()
+                                   for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_close(actual, expected, rtol=RTOL32, floor=0.0):
+    """``|actual - expected| <= rtol * (max |expected| + floor)`` element-wise at worst."""
+    assert torch.isfinite(actual).all()
+    err = (actual - expected).abs().max().item()
+    scale = expected.abs().max().item() + floor
+    assert err <= rtol * scale, f"max error {err:.3g} > {rtol:.1g} * {scale:.3g}"
+
+
+def assert_same_step(got, want, rtol=RTOL32):
+    """Logits and gradients close; a gradient that is zero in exact arithmetic (the key bias's:
+    softmax ignores a constant added to a row) is rounding noise, judged against 1e-3 of the
+    model's largest gradient."""
+    assert_close(got[0], want[0], rtol)
+    assert got[1].keys() == want[1].keys()
+    largest = max(g.abs().max().item() for g in want[1].values())
+    for name in want[1]:
+        assert_close(got[1][name], want[1][name], rtol, floor=1e-3 * largest)
+
+
+@pytest.fixture(scope="module")
+def eager_runs():
+    """Each family's eager model and its step on the padded batch."""
+    return {f: (m, step(m, *batch())) for f in FAMILIES for m in [build(f)]}
+
+
+def layer0(family):
+    """The name of layer 0's attention module (the one computing the attention product)."""
+    return {"bert": "bert.encoder.layer.0.attention.self",
+            "roberta": "roberta.encoder.layer.0.attention.self",
+            "gpt2": "transformer.h.0.attn",
+            "gpt-neo": "transformer.h.0.attn.attention"}[family]
+
+
+class OncePerSite:
+    """Injects one ``kind`` fault (with ``Fault`` options such as ``magnitude``) into the first
+    product of the site ``target`` names, or of every site of a module for a ``target`` ending
+    in ``":"`` (transient faults)."""
+
+    def __init__(self, target, kind="inf", **options):
+        self.target, self.kind, self.options, self.hit = target, kind, options, []
+
+    def __call__(self, site, c):
+        match = site.startswith(self.target) if self.target.endswith(":") else \
+            site == self.target
+        if match and site not in self.hit:
+            self.hit.append(site)
+            Fault(self.kind, "element", seed=len(self.hit), **self.options)(site, c)

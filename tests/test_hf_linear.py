@@ -1,0 +1,293 @@
+"""Protected projections of Hugging Face transformers models (attention.hf_linear,
+attention.torch_linear): BERT, RoBERTa, GPT-2 and GPT-Neo with their attention projections (and
+with mlp=True their feed-forward layers) on checked products, against the unprotected eager model,
+under injected faults, across optimizer steps, saving and compiling."""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+if not hasattr(transformers, "AttentionInterface"):
+    pytest.skip(f"transformers {transformers.__version__} has no AttentionInterface "
+                "(the [hf] extra needs >= 5.17)", allow_module_level=True)
+
+from abftgemm.plan import ProtectedMatmul  # noqa: E402
+from abftgemm.report import FaultDetectedWarning  # noqa: E402
+from attention.hf_linear import ProtectedConv1D, ProtectedLinear, projection_cores  # noqa: E402
+from attention.torch import fault_hook, protect  # noqa: E402
+from attention.torch_linear import (LINEAR_SITES, ProtectedLinearCore,  # noqa: E402
+                                    weight_on_left)
+from hf_models import (FAMILIES, RTOL_BF16, OncePerSite, assert_close,  # noqa: E402,F401
+                       assert_same_step, batch, build, eager_runs, step)
+
+#: The protected projections of layer 0, attention block first, then the feed-forward layers.
+LAYER0 = {
+    "bert": (["bert.encoder.layer.0.attention.self." + n for n in ("query", "key", "value")]
+             + ["bert.encoder.layer.0.attention.output.dense"],
+             ["bert.encoder.layer.0.intermediate.dense", "bert.encoder.layer.0.output.dense"]),
+    "gpt2": (["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj"],
+             ["transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"]),
+    "gpt-neo": (["transformer.h.0.attn.attention." + n
+                 for n in ("q_proj", "k_proj", "v_proj", "out_proj")],
+                ["transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"]),
+}
+LAYER0["roberta"] = tuple([n.replace("bert.", "roberta.", 1) for n in names]
+                          for names in LAYER0["bert"])
+
+
+def layer0_projections(family, mlp):
+    attn, ff = LAYER0[family]
+    return attn + ff if mlp else attn
+
+
+@pytest.mark.parametrize("mlp", (False, True), ids=("projections", "mlp"))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_equals_eager_with_padding_in_train_mode(family, mlp, eager_runs):
+    eager, want = eager_runs[family]
+    model = protect(copy.deepcopy(eager), mlp=mlp)
+    got = step(model, *batch())
+    assert_same_step(got, want)
+    cores = projection_cores(model)
+    assert sorted(n for n in cores if ".0." in n) == sorted(layer0_projections(family, mlp))
+    assert len(cores) == 2 * len(layer0_projections(family, mlp))  # two layers
+    for name, core in cores.items():
+        module = model.get_submodule(name)
+        sites = LINEAR_SITES if module.bias is not None else LINEAR_SITES[:3]
+        assert core.last_report.checked == {s: 1 for s in sites}, name
+        assert not core.last_report.detected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fault_at_every_projection_site_of_a_layer_is_corrected(family, eager_runs):
+    """One fault per step (INF, NaN, near-INF, 1e3 added, in turn) at each product of
+    each protected projection of layer 0: reported repaired at that site, and the logits and
+    gradients those of the fault-free run."""
+    eager, want = eager_runs[family]
+    model = protect(copy.deepcopy(eager), mlp=True)
+    clean = step(model, *batch())
+    kinds = (("inf", {}), ("nan", {}), ("near-inf", {}), ("additive", {"magnitude": 1e3}))
+    count = 0
+    for name in layer0_projections(family, mlp=True):
+        has_bias = model.get_submodule(name).bias is not None
+        for site in LINEAR_SITES if has_bias else LINEAR_SITES[:3]:
+            kind, options = kinds[count % len(kinds)]
+            inject = OncePerSite(f"{name}:{site}", kind, **options)
+            count += 1
+            with fault_hook(model, inject):
+                got = step(model, *batch())
+            assert inject.hit == [f"{name}:{site}"]
+            report = projection_cores(model)[name].last_report
+            assert [e.site for e in report.events] == [site], report.summary()
+            assert report.events[0].action in ("corrected", "recomputed"), report.summary()
+            assert_same_step(got, clean)
+            assert_same_step(got, want)
+    assert all(core.fault_hook is None for core in projection_cores(model).values())
+
+
+def test_unprotected_fault_damages_the_model(eager_runs):
+    """check="off": an INF in a projection's forward product reaches the logits; one in its
+    input or weight gradient reaches the gradients."""
+    eager, want = eager_runs["gpt2"]
+    for site, damaged in (("forward", "logits"), ("d_input", "grads"), ("d_weight", "grads")):
+        model = protect(copy.deepcopy(eager), check="off", mlp=True)
+        with fault_hook(model, OncePerSite(f"transformer.h.0.mlp.c_fc:{site}")):
+            logits, grads = step(model, *batch())
+        finite = torch.isfinite(logits).all() if damaged == "logits" else \
+            all(torch.isfinite(g).all() for g in grads.values())
+        assert not finite, site
+    assert_same_step(step(model, *batch()), want)  # without the fault, "off" is plain torch
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_protect_keeps_parameters(family):
+    model = build(family)
+    params = dict(model.named_parameters())
+    state = model.state_dict()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    protect(model, mlp=True)
+    assert all(a is b for a, b in zip(model.parameters(), params.values()))
+    assert dict(model.named_parameters()) == params
+    assert model.state_dict().keys() == state.keys()
+    kind = ProtectedConv1D if family == "gpt2" else ProtectedLinear
+    assert all(type(model.get_submodule(n)) is kind
+               for n in layer0_projections(family, mlp=True))
+    before = {n: p.detach().clone() for n, p in params.items()}
+    step(model, *batch())
+    optimizer.step()
+    assert all(not torch.equal(before[n], params[n]) for n in params
+               if any(n.startswith(m + ".") for m in projection_cores(model)))
+
+
+def _counting_resets(monkeypatch):
+    """A list that records the site of every remade constant encoding."""
+    sites = []
+    original = ProtectedMatmul.reset_constant
+
+    def reset(plan, *args, **kw):
+        sites.append(plan.name)
+        return original(plan, *args, **kw)
+
+    monkeypatch.setattr(ProtectedMatmul, "reset_constant", reset)
+    return sites
+
+
+def _linear_step(layer, x):
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    y = layer(x)
+    y.pow(2).sum().backward()
+    return y.detach(), x.grad, layer.weight.grad, layer.bias.grad
+
+
+def _protected_linear(check="correct"):
+    """A widening nn.Linear (its d_input keeps the weight's encoding) swapped for a protected
+    one, and an unprotected twin."""
+    assert weight_on_left(16, 24)
+    torch.manual_seed(3)
+    layer = torch.nn.Linear(16, 24)
+    twin = copy.deepcopy(layer)
+    layer.__class__ = ProtectedLinear
+    layer.abft_linear = ProtectedLinearCore(check)
+    return layer, twin
+
+
+def test_optimizer_step_remakes_the_weight_encoding(monkeypatch):
+    """The d_input product keeps the weight's encoding between calls and remakes it after an
+    optimizer step (the Parameter's version moved), never on a false alarm's rare path."""
+    layer, twin = _protected_linear()
+    resets = _counting_resets(monkeypatch)
+    x = torch.randn(5, 16)
+    counters = lambda: layer.abft_linear._workspace_for(x.device).counters  # noqa: E731
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
+    _linear_step(layer, x)
+    assert resets.count("d_input") == 1  # made once
+    _linear_step(layer, x)
+    assert resets.count("d_input") == 1  # weight unchanged: kept
+    optimizer.step()
+    twin.load_state_dict(layer.state_dict())
+    got = _linear_step(layer, x)
+    assert resets.count("d_input") == 2  # the step changed the weight: remade
+    assert counters().rare_paths == 0  # so the check never disagreed
+    assert resets.count("d_bias") == 1  # the row of ones never changes
+    for a, b in zip(got, _linear_step(twin, x)):
+        assert_close(a, b)
+
+
+def test_stale_encoding_cannot_pass_wrong_data(monkeypatch):
+    """A weight written behind its version counter (through ``.data``) leaves the encoding
+    stale: the check disagrees, the rare path verifies from the operands (the gradient is right,
+    and a fault in it is still repaired), and the next call remakes the encoding."""
+    layer, twin = _protected_linear()
+    resets = _counting_resets(monkeypatch)
+    x = torch.randn(5, 16)
+    _linear_step(layer, x)
+    version = layer.weight._version
+    layer.weight.data.mul_(-2.0)
+    assert layer.weight._version == version  # the version counter did not see it
+    twin.load_state_dict(layer.state_dict())
+    want = _linear_step(twin, x)
+    counters = layer.abft_linear._workspace_for(x.device).counters
+    rare = counters.rare_paths
+    with fault_hook_of(layer, OncePerSite("d_input")):
+        got = _linear_step(layer, x)
+    assert counters.rare_paths == rare + 1
+    report = layer.abft_linear.last_report
+    assert [(e.site, e.action) for e in report.events] == [("d_input", "corrected")]
+    for a, b in zip(got, want):
+        assert_close(a, b)
+    assert resets.count("d_input") == 1
+    got = _linear_step(layer, x)
+    assert resets.count("d_input") == 2 and counters.rare_paths == rare + 1
+    for a, b in zip(got, want):
+        assert_close(a, b)
+
+
+class fault_hook_of:
+    """Sets one layer's fault hook within the block."""
+
+    def __init__(self, layer, fn):
+        self.core, self.fn = layer.abft_linear, fn
+
+    def __enter__(self):
+        self.core.fault_hook = self.fn
+
+    def __exit__(self, *exc):
+        self.core.fault_hook = None
+
+
+def test_float64_and_detect_mode():
+    layer, twin = _protected_linear("detect")
+    layer.double(), twin.double()
+    x = torch.randn(2, 3, 16, dtype=torch.float64)
+    want = _linear_step(twin, x)
+    for a, b in zip(_linear_step(layer, x), want):
+        assert a.dtype == torch.float64
+        assert_close(a, b, rtol=1e-12)
+    with fault_hook_of(layer, OncePerSite("forward", "scale")), \
+            pytest.warns(FaultDetectedWarning, match="forward"):
+        y = _linear_step(layer, x)[0]
+    assert layer.abft_linear.last_report.events[0].action == "reported"  # found, left in place
+    assert (y - want[0]).abs().max() > 0.1
+
+
+def test_bad_input_is_refused(eager_runs):
+    layer, _ = _protected_linear()
+    with pytest.raises(TypeError, match="float16, bfloat16, float32 or float64"):
+        layer(torch.ones(2, 16, dtype=torch.int64))
+    with pytest.raises(TypeError, match="differs from the layer's weight"):
+        layer(torch.ones(2, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="16 input features"):
+        layer(torch.ones(2, 15))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        layer([1.0] * 16)
+    model = copy.deepcopy(eager_runs["gpt2"][0])
+    with pytest.raises(ValueError, match="check must be one of"):
+        protect(model, check="repair")
+    with pytest.raises(ValueError, match="mlp=True needs projections"):
+        protect(model, mlp=True, projections=False)
+    assert not projection_cores(model)  # nothing was changed
+    assert model.config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match="transformers models only"):
+        protect(torch.nn.Sequential(torch.nn.Linear(4, 4)), mlp=True)
+
+
+def test_save_pretrained_round_trip(tmp_path, eager_runs):
+    model = protect(copy.deepcopy(eager_runs["gpt2"][0]), mlp=True)
+    want = step(model, *batch())
+    model.save_pretrained(tmp_path)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    assert not projection_cores(loaded)  # what is protected is not saved: protect again
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+    loaded = protect(loaded, mlp=True).train()
+    assert_same_step(step(loaded, *batch()), want, rtol=0)
+
+
+def test_torch_compile_equals_eager(eager_runs):
+    eager, want = eager_runs["gpt2"]
+    model = protect(copy.deepcopy(eager), mlp=True)
+    compiled = torch.compile(model, backend="aot_eager")
+    assert_same_step(step(compiled, *batch()), want)
+    assert all(core.last_report.checked == {s: 1 for s in LINEAR_SITES}
+               for core in projection_cores(model).values())  # the protected ops ran
+
+
+@pytest.mark.parametrize("family", ("gpt2", "gpt-neo"))
+def test_bfloat16_autocast_equals_eager(family):
+    """Under CPU autocast the protected projections cast input, weight and bias to bfloat16 as
+    nn.Linear does, and run their products in bfloat16."""
+    runs = []
+    for model in (build(family), protect(build(family), mlp=True)):
+        ids, mask = batch()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids, attention_mask=mask).logits
+        assert logits.dtype == torch.bfloat16
+        keep = mask.bool()
+        logits[keep].float().pow(2).mean().backward()
+        runs.append((logits[keep].float().detach(),
+                     {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert all(g.dtype == torch.float32 for g in runs[1][1].values())  # the Parameters' dtype
+    assert_same_step(runs[1], runs[0], rtol=RTOL_BF16)
+    assert all(core.last_report.checked.get("d_weight") == 1
+               for core in projection_cores(model).values())
