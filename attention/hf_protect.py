@@ -27,7 +27,7 @@ from attention.hf_linear import projection_cores, protect_projections
 from attention.torch_core import ProtectedCore
 
 __all__ = ["protect_pretrained", "ProtectedGPTNeoSelfAttention", "attention_cores",
-           "fault_hook"]
+           "protected_cores", "fault_hook"]
 
 
 class ProtectedGPTNeoSelfAttention(GPTNeoSelfAttention):
@@ -119,13 +119,20 @@ def attention_cores(model: nn.Module) -> dict[str, ProtectedCore]:
             if isinstance(m.__dict__.get("abft_core"), ProtectedCore)}
 
 
+def protected_cores(model: nn.Module) -> dict[str, Any]:
+    """Every protected product's owner, by module name: the attention modules'
+    :class:`ProtectedCore` and the projections' ``ProtectedLinearCore``, each with its ``check``,
+    ``fault_hook`` and ``last_report``."""
+    return {**attention_cores(model), **projection_cores(model)}
+
+
 @contextlib.contextmanager
 def fault_hook(model: nn.Module, fn: Callable[[str, Any], None]) -> Iterator[None]:
     """Within the block, ``fn(site, c)`` sees every protected product of ``model``'s attention
     modules and protected projections, ``site`` as ``"<module name>:<site>"`` (for example
     ``"transformer.h.0.attn:scores"``, ``"transformer.h.0.attn.c_attn:d_input"``); the previous
     hooks are restored after it."""
-    cores: dict[str, Any] = {**attention_cores(model), **projection_cores(model)}
+    cores = protected_cores(model)
     if not cores:
         raise ValueError("fault_hook: the model has no protected attention module (call "
                          "attention.torch.protect(model) first)")

@@ -45,14 +45,14 @@ def test_train_a_transformers_model_under_faults(family: str, tmp_path: Path) ->
 def test_propagation_campaign_of_a_transformers_model(family: str, tmp_path: Path) -> None:
     status = main(["campaign", "--backend", "numpy", "--model", family, "--out", str(tmp_path),
                    "--no-progress", "--trials", "1", "--steps", "3", "--layers", "1",
-                   "--kinds", "inf", "nan", *TINY])
+                   "--kinds", "nan", *TINY])
     assert status == 0
     result = json.loads((tmp_path / "campaign.json").read_text())
     records = result["records"]
     # every protected product of the layer (forward and backward), each kind, both modes
     sites = {r["site"] for r in records}
     assert sites == set(result["sites"]) and len(sites) >= 8
-    assert len(records) == len(sites) * 2 * 2
+    assert len(records) == len(sites) * 2
     for r in records:
         assert r["fired"], r
         if r["protected"]:

@@ -98,19 +98,19 @@ def loss_of(model: Any, family: str, tokens: Any, step_seed: int, vocab: int) ->
 
 
 def set_check(model: Any, check: str) -> None:
-    """Set the check mode of every protected module of ``model``."""
-    from attention.hf_protect import attention_cores
+    """Set the check mode of every protected module of ``model`` (attention and projections)."""
+    from attention.hf_protect import protected_cores
 
-    for core in attention_cores(model).values():
+    for core in protected_cores(model).values():
         core.check = check
 
 
 def reports(model: Any) -> Report:
     """The last reports of every protected module of ``model``, merged."""
-    from attention.hf_protect import attention_cores
+    from attention.hf_protect import protected_cores
 
     merged = Report()
-    for core in attention_cores(model).values():
+    for core in protected_cores(model).values():
         merged.extend(core.last_report)
     return merged
 
