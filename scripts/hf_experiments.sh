@@ -9,9 +9,11 @@ out=${1:?usage: scripts/hf_experiments.sh OUT_DIR}
 python=${PYTHON:-python}
 mkdir -p "$out"
 for model in bert roberta gpt2 gpt-neo; do
-    "$python" -m attention campaign --model "$model" --kinds inf nan near-inf --trials 2 \
-        --steps 6 --no-progress --out "$out/campaign-$model"
-    "$python" -m attention train --model "$model" --steps 200 --fault-rate 0.05 \
+    "$python" -m attention campaign --model "$model" --kinds inf nan near-inf --trials 1 \
+        --steps 5 --no-progress --out "$out/campaign-$model"
+done
+for model in gpt2 bert; do
+    "$python" -m attention train --model "$model" --steps 100 --fault-rate 0.05 \
         --checkpoint-every 20 --no-progress --out "$out/train-$model"
 done
 "$python" bench/hf_step.py | tee "$out/hf_step.txt"
