@@ -3,11 +3,11 @@ RoBERTa, GPT-2, GPT-Neo), a padded batch, one training step's outputs, and the c
 fault injector the transformers tests share. Import after skipping without transformers."""
 import pytest
 import torch
-import transformers
 
 from abftgemm.faults import Fault
+from attention.experiments import hf_models
 
-FAMILIES = ("bert", "roberta", "gpt2", "gpt-neo")
+FAMILIES = hf_models.FAMILIES
 VOCAB, WIDTH, HEADS, SEQ = 100, 32, 4, 12
 #: fp32 models: worst |protected - eager| over a tensor, relative to its largest |eager| element
 #: (reassociated sums through two layers; measured up to ~1e-6).
@@ -18,32 +18,9 @@ RTOL_BF16 = 5 * 2.0 ** -8
 
 def build(family, attn_dropout=0.0):
     """A 2-layer, width-32 model of ``family`` with random weights, eager attention, dropout 0
-    (attention dropout ``attn_dropout``)."""
-    torch.manual_seed(0)
-    t = transformers
-    common = dict(vocab_size=VOCAB)
-    if family in ("bert", "roberta"):
-        cfg_cls, model_cls = ((t.BertConfig, t.BertForMaskedLM) if family == "bert" else
-                              (t.RobertaConfig, t.RobertaForMaskedLM))
-        cfg = cfg_cls(**common, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=HEADS,
-                      intermediate_size=2 * WIDTH, max_position_embeddings=SEQ + 4,
-                      attention_probs_dropout_prob=attn_dropout, hidden_dropout_prob=0.0,
-                      pad_token_id=1, attn_implementation="eager")
-    elif family == "gpt2":
-        cfg_cls, model_cls = t.GPT2Config, t.GPT2LMHeadModel
-        cfg = cfg_cls(**common, n_embd=WIDTH, n_layer=2, n_head=HEADS, n_positions=SEQ,
-                      attn_pdrop=attn_dropout, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0,
-                      eos_token_id=0, attn_implementation="eager")
-    else:
-        cfg_cls, model_cls = t.GPTNeoConfig, t.GPTNeoForCausalLM
-        cfg = cfg_cls(**common, hidden_size=WIDTH, num_layers=2, num_heads=HEADS,
-                      attention_types=[[["global", "local"], 1]], window_size=4,
-                      max_position_embeddings=SEQ, attention_dropout=attn_dropout,
-                      resid_dropout=0.0, embed_dropout=0.0, bos_token_id=0, eos_token_id=0,
-                      attn_implementation="eager")
-    model = model_cls(cfg)
-    model.train()
-    return model
+    (attention dropout ``attn_dropout``), built as the ``abft`` experiments build theirs."""
+    return hf_models.build(family, vocab=VOCAB, seq=SEQ, d_model=WIDTH, n_heads=HEADS,
+                           n_layers=2, d_ff=2 * WIDTH, seed=0, dropout=attn_dropout)
 
 
 def batch():
