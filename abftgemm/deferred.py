@@ -9,7 +9,7 @@ backend's ``row_reduce`` with default weights) and calls :meth:`~DeferredRows.ju
 that counts the flagged rows on the device. Nothing reaches the host until :meth:`~DeferredRows.settle`,
 which the caller may batch with other plans' settles (one synchronization, then
 :meth:`~DeferredRows.settle`). A flag runs the rare path: the full row
-verification and repair of :class:`abftgemm.gemm.DeferredCheck`.
+verification and repair of :class:`abftgemm.rare_path.DeferredCheck`.
 
 The module knows nothing about its consumers.
 """
@@ -21,8 +21,10 @@ import numpy as np
 
 from abftgemm.backend import get_backend, to_host
 from abftgemm.checksums import Checksums
+from abftgemm.encode import predict_rows
 from abftgemm.operands import Operands
 from abftgemm.plan import Counters, _Layout
+from abftgemm.rare_path import DeferredCheck
 from abftgemm.report import Report
 from abftgemm.thresholds import safe_magnitude, threshold_coefficients
 
@@ -173,9 +175,6 @@ class DeferredRows:
             Batch indices whose product was modified (the consumer must redo its work there).
             Raises :class:`abftgemm.UncorrectableError` as :func:`abftgemm.matmul` does.
         """
-        from abftgemm.encode import predict_rows
-        from abftgemm.gemm import DeferredCheck  # the rare path; gemm imports the plan modules
-
         if self._pending is None:
             raise RuntimeError(f"{self.name}: settle() without an execute")
         (op, c), self._pending = self._pending, None
