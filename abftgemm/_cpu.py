@@ -1,4 +1,5 @@
-"""CPU backend: NumPy GEMM plus numba kernels that reduce a matrix to checksums in one pass.
+"""CPU backend: NumPy GEMM plus numba kernels (built from :mod:`abftgemm.cpu_kernels`) that reduce
+a matrix to checksums in one pass.
 
 The numba kernels are compiled on first use and cached on disk (``cache=True``), so a new process
 does not recompile them. 16-bit data is upcast to float32 before the kernels (numba has no
