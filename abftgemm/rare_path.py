@@ -85,7 +85,7 @@ class DeferredCheck:
         -------
         list of int
             Flat batch indices whose product was modified (the consumer must redo its work on
-            them). Raises :class:`UncorrectableError` as :func:`matmul` does.
+            them). Raises :class:`~abftgemm.UncorrectableError` as :func:`abftgemm.matmul` does.
         """
         op = self.op
         verdict = verify_rows(self.be, op, self.pred_row, obs_row)
