@@ -54,7 +54,7 @@ bench: $(STAMP)
 	$(BIN)/abft bench --out out/bench
 
 # numba's on-disk cache checks only a kernel's own file: after editing a module whose helpers are
-# inlined into kernels elsewhere (attention/_cpu_vmath.py, abftgemm/_cpu.py), run make clean
+# inlined into kernels elsewhere (attention/_cpu_vmath.py, abftgemm/cpu_kernels.py), run make clean
 clean:
 	rm -rf out .pytest_cache .hypothesis
 	find abftgemm attention tests -name '*.nbi' -delete -o -name '*.nbc' -delete

@@ -7,9 +7,11 @@ wrong data. With ``check="detect"`` it leaves the data alone and announces every
 :class:`FaultDetectedWarning`.
 """
 from abftgemm.checksums import SUPPORTED_DTYPES, Checksums
-from abftgemm.gemm import CHECK_MODES, DeferredCheck, checksums_of, matmul, matmul_deferred
+from abftgemm.encode import checksums_of
+from abftgemm.gemm import CHECK_MODES, matmul, matmul_deferred
 from abftgemm.plan import Counters, ProtectedMatmul, settle_all
 from abftgemm.plan_cache import PlanCache, clear_plan_cache
+from abftgemm.rare_path import DeferredCheck
 from abftgemm.report import Event, FaultDetectedWarning, Report, UncorrectableError
 from abftgemm.threads import get_threads, set_threads
 from abftgemm.verify import Verification, verify

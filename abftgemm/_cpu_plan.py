@@ -12,24 +12,28 @@ A planned product (:class:`abftgemm.plan.ProtectedMatmul`) verifies its columns 
 Both write only into workspaces the plan allocated, so an execute allocates nothing. 16-bit
 products are observed through a 65536-entry float32 table of their bit patterns, a few rows at a
 time, so that the product is read once and never copied whole. The judgement of a column is the
-same as the ``flag`` primitive's (:func:`abftgemm._cpu.judge`).
+same as the ``flag`` primitive's (:func:`abftgemm.cpu_kernels.judge`).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numba
 import numpy as np
 
-from abftgemm._cpu import (_FAST, _as_float32, _rows_first, _store_columns, _sum_columns,
-                           _sum_rows, backend, bits_table, judge)
+from abftgemm.cpu_kernels import (FAST, as_float32, bits_table, judge, rows_first, store_columns,
+                                  sum_columns, sum_rows)
+
+if TYPE_CHECKING:
+    from abftgemm._cpu import CpuBackend
+    from abftgemm.backend import ColumnThresholds
 
 #: Rows of a 16-bit product converted to float32 at a time (64 rows of 4096 float32 values are
 #: 1 MiB, cache resident).
 _BITS_BLOCK = 64
 
 
-@numba.njit(cache=True, fastmath=_FAST)
+@numba.njit(cache=True, fastmath=FAST)
 def predict_cols(a: Any, a_transposed: bool, b: Any, b_transposed: bool, bias: Any,
                  encode_a: bool, weights_m: Any, enc: Any, p: Any, rows: Any, pred: Any) -> None:
     """Predicted column checksums of every batch item of ``a @ b (+ bias)``.
@@ -59,7 +63,7 @@ def predict_cols(a: Any, a_transposed: bool, b: Any, b_transposed: bool, bias: A
         if b_transposed:
             _row_sums_as_columns(bt, et, rows, p)
         else:
-            _sum_columns(bt, et, 0, bt.shape[0], p)
+            sum_columns(bt, et, 0, bt.shape[0], p)
         for j in range(bias.shape[0]):
             pred_bias = bias[j] * m
             p[0, j] += pred_bias
@@ -68,7 +72,7 @@ def predict_cols(a: Any, a_transposed: bool, b: Any, b_transposed: bool, bias: A
         pred[t] = p
 
 
-@numba.njit(cache=True, fastmath=_FAST)
+@numba.njit(cache=True, fastmath=FAST)
 def encode_cols(a: Any, a_transposed: bool, weights_m: Any, rows: Any, enc: Any) -> None:
     """Column encoding ``enc`` (batch, 3, k) of ``a`` (batch, m, k): plain, location-weighted
     and absolute column sums (with ``a_transposed``, ``a`` is given as its transpose
@@ -78,10 +82,10 @@ def encode_cols(a: Any, a_transposed: bool, weights_m: Any, rows: Any, enc: Any)
             _row_sums_as_columns(a[i], weights_m, rows, enc[i])
         else:
             enc[i] = 0.0
-            _sum_columns(a[i], weights_m, 0, a.shape[1], enc[i])
+            sum_columns(a[i], weights_m, 0, a.shape[1], enc[i])
 
 
-@numba.njit(cache=True, fastmath=_FAST)
+@numba.njit(cache=True, fastmath=FAST)
 def observe_flag_cols(c: Any, weights_m: Any, pred: Any, c_obs: float, c_pred: float,
                       floor: float, c_mag: float, safe: float, p: Any, obs: Any) -> int:
     """Observe the column checksums of a float32/float64 product and judge every column.
@@ -94,13 +98,13 @@ def observe_flag_cols(c: Any, weights_m: Any, pred: Any, c_obs: float, c_pred: f
     total = 0
     for t in range(c.shape[0]):
         p[:] = 0.0
-        _sum_columns(c[t], weights_m, 0, c.shape[1], p)
-        _store_columns(c[t], p, obs[t])
+        sum_columns(c[t], weights_m, 0, c.shape[1], p)
+        store_columns(c[t], p, obs[t])
         total += _judge_columns(pred[t], obs[t], c_obs, c_pred, floor, c_mag, safe)
     return total
 
 
-@numba.njit(cache=True, fastmath=_FAST)
+@numba.njit(cache=True, fastmath=FAST)
 def observe_flag_cols_bits(bits: Any, table: Any, weights_m: Any, pred: Any, c_obs: float,
                            c_pred: float, floor: float, c_mag: float, safe: float, p: Any,
                            scratch: Any, obs: Any) -> int:
@@ -118,7 +122,7 @@ def observe_flag_cols_bits(bits: Any, table: Any, weights_m: Any, pred: Any, c_o
                 src, dst = bits[t, i0 + i], scratch[i]
                 for j in range(src.shape[0]):
                     dst[j] = table[src[j]]
-            _sum_columns(scratch, weights_m[i0:i0 + rows], 0, rows, p)
+            sum_columns(scratch, weights_m[i0:i0 + rows], 0, rows, p)
         for j in range(p.shape[1]):
             o = obs[t, j]
             o[0], o[1], o[2], o[3], o[4] = p[0, j], p[1, j], p[2, j], 0.0, -1.0
@@ -133,12 +137,12 @@ def observe_flag_cols_bits(bits: Any, table: Any, weights_m: Any, pred: Any, c_o
     return total
 
 
-@numba.njit(cache=True, fastmath=_FAST, inline="always")
+@numba.njit(cache=True, fastmath=FAST, inline="always")
 def _row_sums_as_columns(xt: Any, c: Any, rows: Any, fields: Any) -> None:
     """The column sums of the matrix whose transpose is ``xt`` (``(L, r)``, C-contiguous), read
     along ``xt``'s rows: ``fields[f, j]`` (``(3, L)``) gets row ``j``'s sum with coefficients
-    ``c`` (see ``_sum_rows``); ``rows`` is an ``(>= L, 5)`` workspace."""
-    _sum_rows(xt, c, 0, xt.shape[0], rows)
+    ``c`` (see ``sum_rows``); ``rows`` is an ``(>= L, 5)`` workspace."""
+    sum_rows(xt, c, 0, xt.shape[0], rows)
     for j in range(xt.shape[0]):
         fields[0, j], fields[1, j], fields[2, j] = rows[j, 0], rows[j, 1], rows[j, 2]
 
@@ -157,13 +161,14 @@ def _judge_columns(pred: Any, obs: Any, c_obs: float, c_pred: float, floor: floa
 
 class CpuWorkspace:
     """Every array a planned product needs on the CPU, allocated once, and the launches that
-    use them. ``counters`` (a :class:`abftgemm.plan.Counters`) counts both."""
+    use them (the GEMM through ``backend``). ``counters`` (a :class:`abftgemm.plan.Counters`)
+    counts both."""
 
-    def __init__(self, op: Any, counters: Any, verify_columns: bool):
+    def __init__(self, backend: CpuBackend, op: Any, counters: Any,
+                 thresholds: ColumnThresholds | None):
+        self._backend = backend
         self._counters = counters
         batch, m, k, n = op.batch, op.m, op.k, op.n
-        self.coefficients = (0.0, 0.0, 0.0, 0.0)
-        self.safe = np.inf
         self._wide = op.dtype.itemsize == 2
         if self._wide:  # 16-bit: the GEMM runs in float32 (as cuBLAS accumulates), rounded once
             self._table = bits_table(op.dtype)
@@ -173,8 +178,9 @@ class CpuWorkspace:
                              self._alloc((n,), np.float32))
         else:
             self._buffers = None
-        if not verify_columns:
+        if thresholds is None:
             return
+        self._coefficients, self._safe = thresholds
         self._weights = self._alloc((m,), np.float64)
         self._weights[:] = np.arange(1, m + 1) / m
         self._bias64 = self._alloc((n if op.bias is not None else 0,), np.float64)
@@ -197,23 +203,24 @@ class CpuWorkspace:
         """``c = op.a @ op.b (+ op.bias)`` without allocating (``triangle``: ``a`` is zero
         outside it, see :func:`abftgemm._cpu_triangles.triangular_matmul`)."""
         self._counters.launches += 1 + (op.bias is not None)
-        backend().gemm(op.a, op.b, c, op.bias, self._buffers, triangle)
+        self._backend.gemm(op.a, op.b, c, op.bias, triangle, buffers=self._buffers)
 
     # The two verification launches.
     def encode(self, a: np.ndarray) -> None:
         """Column encoding of ``a`` into the workspace now (a constant operand)."""
         self._counters.launches += 1
         if self._wide:
-            a = _as_float32(a, self._a32)
+            a = as_float32(a, self._a32)
         self._enc_rows = a.shape[0]
-        a, a_transposed = _rows_first(a)
+        a, a_transposed = rows_first(a)
         encode_cols(a, a_transposed, self._weights, self._rows, self._enc[:self._enc_rows])
 
     def set_encoding(self, cols: np.ndarray) -> None:
         """Use the column encoding ``cols`` ``(batch or 1, k, 3)`` handed on from elsewhere in the
         next prediction, copied into the workspace as three rows of ``k``: handed-on encodings
         interleave their fields (a view of observed checksums), and a prediction that reads
-        ``b`` transposed walks the encoding along ``k``; read in place, 3.7x slower."""
+        ``b`` transposed walks the encoding along ``k``; read in place, several times slower
+        (bench/NOTES.md)."""
         self._enc_rows = cols.shape[0]
         np.copyto(self._enc[:self._enc_rows], cols.transpose(0, 2, 1))
 
@@ -224,8 +231,8 @@ class CpuWorkspace:
             np.copyto(self._bias64, op.bias, casting="unsafe")
         if encode_a:
             self._enc_rows = op.a.shape[0]
-        a, a_transposed = _rows_first(self._a32 if self._wide else op.a)
-        b, b_transposed = _rows_first(self._b32 if self._wide else op.b)
+        a, a_transposed = rows_first(self._a32 if self._wide else op.a)
+        b, b_transposed = rows_first(self._b32 if self._wide else op.b)
         predict_cols(a, a_transposed, b, b_transposed, self._bias64, encode_a, self._weights,
                      self._encoding(), self._p, self._rows, self._pred)
 
@@ -234,11 +241,11 @@ class CpuWorkspace:
         self._counters.launches += 1
         if self._wide:
             self._flagged = observe_flag_cols_bits(
-                c.view(np.uint16), self._table, self._weights, self._pred, *self.coefficients,
-                self.safe, self._p, self._scratch, self._obs)
+                c.view(np.uint16), self._table, self._weights, self._pred, *self._coefficients,
+                self._safe, self._p, self._scratch, self._obs)
         else:
-            self._flagged = observe_flag_cols(c, self._weights, self._pred, *self.coefficients,
-                                              self.safe, self._p, self._obs)
+            self._flagged = observe_flag_cols(c, self._weights, self._pred, *self._coefficients,
+                                              self._safe, self._p, self._obs)
 
     def release(self) -> None:
         """Nothing to free beyond the arrays, which go with the workspace object."""

@@ -61,7 +61,8 @@ def triangular_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray,
 def _matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``np.matmul(a, b, out=out)``, as one 2-D product when every batch of ``a`` (batch, m, k)
     shares one ``b`` and ``a`` and ``out`` are stacks of rows: NumPy would run one small GEMM per
-    batch (2.2x slower at (4, 128, 128) @ (128, 128) on a 2-core AMD EPYC)."""
+    batch, which OpenBLAS cannot spread over its threads as it does one large one
+    (bench/NOTES.md)."""
     shared_b = b.ndim == 2 or (b.ndim == 3 and b.shape[0] == 1)
     if a.ndim == out.ndim == 3 and a.shape[0] > 1 and shared_b and _stacked_rows(a) \
             and _stacked_rows(out):

@@ -3,108 +3,41 @@
 Imported by :func:`abftgemm.backend.get_backend` only once CuPy arrays are in play, so it imports
 CuPy at the top. See :mod:`abftgemm.backend` for the semantics of the three primitives.
 
-Why not ``cupy.matmul``: batched fp16 ``cupy.matmul`` runs 8-18x slower than cuBLAS and batched
-bf16 raises (docs/design.md, Backends), so :meth:`CupyBackend.gemm` calls
+Why not ``cupy.matmul``: batched fp16 ``cupy.matmul`` runs many times slower than cuBLAS called
+directly and batched bf16 raises (bench/NOTES.md), so :meth:`CupyBackend.gemm` calls
 ``cublasGemmStridedBatchedEx`` itself. bfloat16 arrays are CuPy 14 arrays whose dtype is
 ``ml_dtypes.bfloat16`` (CuPy 14 supports that dtype when ml_dtypes is installed); this module never
-runs CuPy arithmetic on them, only bit-level copies, cuBLAS and its own kernels.
-
-Matrix layouts accepted without a copy, per matrix of a ``(batch or 1, rows, cols)`` operand:
-row-major (unit stride along columns, any row pitch ``ld >= cols``) and transposed (unit stride
-along rows, any column pitch ``ld >= rows``, e.g. ``y.transpose(0, 2, 1)`` of a contiguous ``y``),
-with any non-negative batch stride. Anything else is copied to C order first.
+runs CuPy arithmetic on them, only bit-level copies, cuBLAS and its own kernels. The matrix
+layouts read in place are those of :mod:`abftgemm.cuda_kernels`.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import cupy
 import numpy
-from cupy_backends.cuda.libs import cublas
 
 from abftgemm import kernels
+from abftgemm._cuda_plan import CudaWorkspace
+from abftgemm.cuda_kernels import (DATA_TYPES, INT32_MAX, Matrices, bits, cdiv, matrices,
+                                   plain_math, raw_module, strided_batched)
 
-#: cudaDataType_t of each supported element type.
-_DATA_TYPES = {"float16": 2, "bfloat16": 14, "float32": 0, "float64": 1}
-#: Unsigned integer dtypes of each item size, for bit copies that work for every element type.
-_BITS = {2: numpy.uint16, 4: numpy.uint32, 8: numpy.uint64}
-
-# cuBLAS reads alpha/beta through host pointers; module-level arrays outlive every call.
-_ONE32, _ZERO32 = numpy.ones((), numpy.float32), numpy.zeros((), numpy.float32)
-_ONE64, _ZERO64 = numpy.ones((), numpy.float64), numpy.zeros((), numpy.float64)
-# cublasMath_t values, spelled out (not every cupy_backends release exports them).
-_TF32_TENSOR_OP_MATH = 3
-_MATH_MODE_MASK = 0xF  # low bits: the mode; higher bits are flags
-# Reductions (split-K included) accumulate in the compute type, never in a float16/bfloat16 output
-# type: the thresholds assume one rounding of each product to the output type.
-DISALLOW_REDUCED_PRECISION_REDUCTION = 16
-#: The math mode every product of this backend runs under.
-PLAIN_MATH = DISALLOW_REDUCED_PRECISION_REDUCTION  # CUBLAS_DEFAULT_MATH | the flag
+if TYPE_CHECKING:
+    from abftgemm.backend import ColumnThresholds
 
 _ROW_BLOCK = 256  # abft_row_reduce: 8 warps per block, one warp per vector
 _COL_BLOCK = (32, 8)  # abft_col_reduce: must match ROWS in reduce.cu
 _COL_MIN_ROWS = 256  # shortest column chunk worth a block of its own
 _BLOCKS_PER_SM = 8  # resident 256-thread blocks per SM that keep memory busy
-_INT32_MAX = 2**31 - 1
-
-
-class _Matrices(NamedTuple):
-    """A batch of matrices in the form cuBLAS and the kernels take.
-
-    ``array`` owns the data (a C-order copy when the input layout was unusable). With
-    ``transposed`` False, element (i, j) of matrix b sits at ``b*batch_stride + i*ld + j``;
-    with ``transposed`` True at ``b*batch_stride + i + j*ld``. ``batch_stride`` 0 broadcasts.
-    """
-
-    array: cupy.ndarray
-    transposed: bool
-    ld: int
-    batch_stride: int
-
-
-def _layout(x: cupy.ndarray) -> tuple[bool, int, int] | None:
-    """``(transposed, ld, batch_stride)`` of 3-D ``x`` in elements, or None if it needs a copy."""
-    isz = x.itemsize
-    nb, r, c = x.shape
-    if x.size == 0:  # CuPy may give empty arrays zero strides; no element is ever read
-        return False, max(c, 1), 0
-    if any(s % isz for s in x.strides):
-        return None
-    s0, s1, s2 = (s // isz for s in x.strides)
-    batch_stride = 0 if nb == 1 else s0
-    if batch_stride < 0:
-        return None
-    # Strides of length-1 dimensions are arbitrary, so they decide nothing.
-    ld = s1 if r > 1 else max(c, 1)
-    if (c == 1 or s2 == 1) and ld >= max(c, 1):
-        return False, ld, batch_stride
-    ld = s2 if c > 1 else max(r, 1)
-    if (r == 1 or s1 == 1) and ld >= max(r, 1):
-        return True, ld, batch_stride
-    return None
-
-
-def _matrices(x: cupy.ndarray) -> _Matrices:
-    """``x`` as :class:`_Matrices`, copying it to C order only if its layout is unusable."""
-    layout = _layout(x)
-    if layout is None:
-        x = cupy.ascontiguousarray(x)
-        layout = _layout(x)
-    return _Matrices(x, *layout)
-
-
-def _bits(x: cupy.ndarray) -> cupy.ndarray:
-    """View of ``x`` as unsigned integers of the same size (copies without bf16 arithmetic)."""
-    return x.view(_BITS[x.itemsize])
 
 
 def _check_dtype(*arrays: cupy.ndarray) -> str:
     """The common dtype name of ``arrays``; TypeError unless they share a supported one."""
     names = {x.dtype.name for x in arrays}
-    if len(names) != 1 or not names <= _DATA_TYPES.keys():
+    if len(names) != 1 or not names <= DATA_TYPES.keys():
         raise TypeError(
-            f"CuPy backend needs one dtype among {sorted(_DATA_TYPES)} (bfloat16 as "
+            f"CuPy backend needs one dtype among {sorted(DATA_TYPES)} (bfloat16 as "
             f"ml_dtypes.bfloat16), got {sorted(names)}"
         )
     return names.pop()
@@ -145,7 +78,7 @@ def _check_reduce(
     if not out.flags.c_contiguous:
         raise ValueError("reductions need a C-contiguous out")
     _check_batch("x", x.shape[0], batch)
-    if max(batch, vectors, length) > _INT32_MAX:
+    if max(batch, vectors, length) > INT32_MAX:
         raise ValueError("reduction dimensions must fit in int32")
     if coef is not None:
         if coef.dtype != numpy.float64 or coef.ndim != 3 or coef.shape[1:] != (length, 3):
@@ -157,15 +90,10 @@ def _coef(coef: cupy.ndarray | None) -> tuple[cupy.ndarray | None, int]:
     """Coefficients as (array with C-order (L, 3) matrices, batch stride in elements)."""
     if coef is None:
         return None, 0
-    m = _matrices(coef)
+    m = matrices(coef)
     if m.transposed or m.ld != 3:
-        m = _matrices(cupy.ascontiguousarray(coef))
+        m = matrices(cupy.ascontiguousarray(coef))
     return m.array, m.batch_stride
-
-
-def _cdiv(a: int, b: int) -> int:
-    """Ceiling of ``a / b`` for non-negative ints."""
-    return -(-a // b)
 
 
 class CupyBackend:
@@ -208,21 +136,21 @@ class CupyBackend:
             return
         if bias is not None:
             # Broadcast the bias into out and let cuBLAS accumulate onto it (beta = 1).
-            _bits(out)[...] = _bits(bias)
+            bits(out)[...] = bits(bias)
         if k == 0:
             if bias is None:
-                _bits(out).fill(0)  # all-zero bits are +0.0 in every float format
+                bits(out).fill(0)  # all-zero bits are +0.0 in every float format
             return
-        self._strided_batched(_matrices(a), _matrices(b), out, m, n, k, dtype, bias is not None)
+        self._strided_batched(matrices(a), matrices(b), out, m, n, k, dtype, bias is not None)
 
     def _strided_batched(
-        self, a: _Matrices, b: _Matrices, out: cupy.ndarray, m: int, n: int, k: int,
+        self, a: Matrices, b: Matrices, out: cupy.ndarray, m: int, n: int, k: int,
         dtype: str, accumulate: bool,
     ) -> None:
         """:func:`strided_batched` on CuPy's shared handle, its pointer and math modes set for
         the call and restored after it."""
         handle = cupy.cuda.device.get_cublas_handle()
-        restore = _plain_math(handle)
+        restore = plain_math(handle)
         try:
             strided_batched(handle, a, b, out, m, n, k, dtype, accumulate)
         finally:
@@ -239,11 +167,10 @@ class CupyBackend:
         """Wait for the current stream (where every launch of this backend goes)."""
         cupy.cuda.get_current_stream().synchronize()
 
-    def plan_workspace(self, op: Any, counters: Any, verify_columns: bool) -> Any:
+    def plan_workspace(self, op: Any, counters: Any,
+                       thresholds: ColumnThresholds | None) -> CudaWorkspace:
         """Workspaces and launches of a planned product (:mod:`abftgemm._cuda_plan`)."""
-        from abftgemm._cuda_plan import CudaWorkspace
-
-        return CudaWorkspace(op, counters, verify_columns)
+        return CudaWorkspace(self, op, counters, thresholds)
 
     def col_reduce(self, x: cupy.ndarray, coef: cupy.ndarray | None, out: cupy.ndarray) -> None:
         """Checksums of every column of ``x`` ``(batch or 1, r, c)`` into ``out`` ``(batch, c, 5)``.
@@ -288,7 +215,7 @@ class CupyBackend:
         if n:
             c_obs, c_pred, floor, c_mag = (numpy.float64(c) for c in coefficients)
             kernel = self._kernel(kernels.FLAG)
-            kernel((min(_cdiv(n, 256), 4096),), (256,),
+            kernel((min(cdiv(n, 256), 4096),), (256,),
                    (pred, obs, c_obs, c_pred, floor, c_mag, numpy.float64(safe), numpy.int64(n),
                     tau, bad, verifiable, counts))
         return tau, bad, verifiable
@@ -304,7 +231,7 @@ class CupyBackend:
         _check_reduce(x, coef, out, length, vectors)
         if out.size == 0:
             return
-        mats = _matrices(x)
+        mats = matrices(x)
         coef_array, coef_stride = _coef(coef)
         args = (mats.array, numpy.int64(mats.batch_stride), numpy.int64(mats.ld),
                 coef_array, numpy.int64(coef_stride), out)
@@ -316,7 +243,7 @@ class CupyBackend:
     def _row_kernel(self, dtype: str, args: tuple, batch: int, vectors: int, length: int) -> None:
         """Launch abft_row_reduce: vectors contiguous in memory, one warp each."""
         warps_per_block = _ROW_BLOCK // 32
-        blocks = min(_cdiv(batch * vectors, warps_per_block), _INT32_MAX)
+        blocks = min(cdiv(batch * vectors, warps_per_block), INT32_MAX)
         kernel = self._kernel(kernels.instance(kernels.ROW_REDUCE, dtype))
         kernel((blocks,), (_ROW_BLOCK,),
                args + (numpy.int32(batch), numpy.int32(vectors), numpy.int32(length)))
@@ -326,12 +253,12 @@ class CupyBackend:
     ) -> None:
         """Launch abft_col_reduce: vectors strided by ``ld``, long ones split across blocks."""
         batch = out.shape[0]
-        col_blocks = _cdiv(vectors, _COL_BLOCK[0])
+        col_blocks = cdiv(vectors, _COL_BLOCK[0])
         chunks, chunk_rows = self._column_chunks(batch * col_blocks, length)
         if chunks > 1:
             total = batch * vectors
             init = self._kernel(kernels.REDUCE_INIT)
-            init((min(_cdiv(total, 256), _INT32_MAX),), (256,), (out, numpy.int64(total)))
+            init((min(cdiv(total, 256), INT32_MAX),), (256,), (out, numpy.int64(total)))
         kernel = self._kernel(kernels.instance(kernels.COL_REDUCE, dtype))
         kernel((batch * chunks * col_blocks,), _COL_BLOCK,
                args + (numpy.int32(vectors), numpy.int32(length), numpy.int32(col_blocks),
@@ -342,8 +269,8 @@ class CupyBackend:
         target = _BLOCKS_PER_SM * self._sm_count
         if blocks >= target or length < 2 * _COL_MIN_ROWS:
             return 1, length
-        chunk_rows = _cdiv(length, min(_cdiv(target, blocks), length // _COL_MIN_ROWS))
-        return _cdiv(length, chunk_rows), chunk_rows
+        chunk_rows = cdiv(length, min(cdiv(target, blocks), length // _COL_MIN_ROWS))
+        return cdiv(length, chunk_rows), chunk_rows
 
     def _kernel(self, name: str) -> cupy.RawKernel:
         """Kernel ``name`` of reduce.cu on this device (compiled on first use, then cached)."""
@@ -351,71 +278,6 @@ class CupyBackend:
         if kernel is None:
             kernel = self._kernels[name] = raw_module(kernels.REDUCE_FILE).get_function(name)
         return kernel
-
-
-def strided_batched(handle: int, a: _Matrices, b: _Matrices, out: cupy.ndarray, m: int, n: int,
-                    k: int, dtype: str, accumulate: bool) -> None:
-    """Row-major ``out = a @ b (+ out)`` as column-major ``out^T = b^T a^T`` on ``handle``, which
-    must be in host pointer mode under :data:`PLAIN_MATH` (no TF32, no reduced-precision
-    reductions)."""
-    if dtype == "float64":
-        compute, one, zero = cublas.CUBLAS_COMPUTE_64F, _ONE64, _ZERO64
-    else:
-        # 32F, never a FAST_* type: fp32 data must not be rounded to TF32.
-        compute, one, zero = cublas.CUBLAS_COMPUTE_32F, _ONE32, _ZERO32
-    beta = one if accumulate else zero
-    # A row-major matrix read column-major is its transpose, which is what the swapped
-    # product wants (OP_N); a transposed one is the matrix itself, hence OP_T.
-    op_b = cublas.CUBLAS_OP_T if b.transposed else cublas.CUBLAS_OP_N
-    op_a = cublas.CUBLAS_OP_T if a.transposed else cublas.CUBLAS_OP_N
-    data_type = _DATA_TYPES[dtype]
-    cublas.gemmStridedBatchedEx(
-        handle, op_b, op_a, n, m, k,
-        one.ctypes.data,
-        b.array.data.ptr, data_type, b.ld, b.batch_stride,
-        a.array.data.ptr, data_type, a.ld, a.batch_stride,
-        beta.ctypes.data,
-        out.data.ptr, data_type, n, m * n,
-        out.shape[0], compute, cublas.CUBLAS_GEMM_DEFAULT,
-    )
-
-
-def _plain_math(handle: int):
-    """Put ``handle`` in host pointer mode, without TF32 and with reduced-precision reductions
-    disallowed; return a function that undoes it.
-
-    CuPy's per-device handle is shared with other code, which may have left it in device pointer
-    mode (our alpha/beta are host pointers), in TF32 math (which would round fp32 inputs) or
-    allowing float16/bfloat16 split-K reductions in the output type (which would round partial
-    sums).
-    """
-    pointer = cublas.getPointerMode(handle)
-    math = cublas.getMathMode(handle)
-    plain = (math & ~_MATH_MODE_MASK if (math & _MATH_MODE_MASK) == _TF32_TENSOR_OP_MATH
-             else math) | DISALLOW_REDUCED_PRECISION_REDUCTION
-    if pointer != cublas.CUBLAS_POINTER_MODE_HOST:
-        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
-    if plain != math:
-        cublas.setMathMode(handle, plain)
-
-    def restore() -> None:
-        if pointer != cublas.CUBLAS_POINTER_MODE_HOST:
-            cublas.setPointerMode(handle, pointer)
-        if plain != math:
-            cublas.setMathMode(handle, math)
-
-    return restore
-
-
-@functools.cache
-def raw_module(filename: str) -> cupy.RawModule:
-    """The RawModule of ``filename`` (a key of :data:`abftgemm.kernels.MODULES`); CuPy compiles
-    it lazily and caches it per device."""
-    return cupy.RawModule(
-        code=kernels.source(filename),
-        options=kernels.NVRTC_OPTIONS,
-        name_expressions=kernels.MODULES[filename],
-    )
 
 
 @functools.cache

@@ -15,7 +15,7 @@ product).
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cupy
 import cupyx
@@ -23,7 +23,11 @@ import numpy
 from cupy_backends.cuda.libs import cublas
 
 from abftgemm import kernels
-from abftgemm._cuda import PLAIN_MATH, _bits, _cdiv, _matrices, raw_module, strided_batched
+from abftgemm.cuda_kernels import PLAIN_MATH, bits, cdiv, matrices, raw_module, strided_batched
+
+if TYPE_CHECKING:
+    from abftgemm._cuda import CupyBackend
+    from abftgemm.backend import ColumnThresholds
 
 _THREADS = 256  # PLAN_THREADS in plan.cu
 _SLAB = 32  # SLAB in plan.cu
@@ -34,7 +38,9 @@ _BLOCKS_PER_SM = 4  # blocks per SM the grids aim for
 class CudaWorkspace:
     """Device workspaces, kernels and cuBLAS handle of one planned product."""
 
-    def __init__(self, op: Any, counters: Any, verify_columns: bool):
+    def __init__(self, backend: CupyBackend, op: Any, counters: Any,
+                 thresholds: ColumnThresholds | None):
+        self._backend = backend
         self._counters = counters
         self._dtype = op.dtype.name
         self._handle = cublas.create()
@@ -45,18 +51,17 @@ class CudaWorkspace:
         cublas.setPointerMode(self._handle, cublas.CUBLAS_POINTER_MODE_HOST)
         cublas.setMathMode(self._handle, PLAIN_MATH)
         self._stream = cupy.cuda.get_current_stream()  # where the last execute ran
-        self.coefficients = (0.0, 0.0, 0.0, 0.0)
-        self.safe = numpy.inf
-        if not verify_columns:
+        if thresholds is None:
             return
+        self._coefficients, self._safe = thresholds
         batch, m, k, n = op.batch, op.m, op.k, op.n
         sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        self._slabs = _cdiv(k, _SLAB)
+        self._slabs = cdiv(k, _SLAB)
         # One a for every batch item is encoded once: batch blocks fewer, so more row chunks.
         self._a_items = 1 if op.a.shape[0] == 1 else batch
         self._a_chunks, self._a_chunk_rows = _chunks(self._a_items * self._slabs, m, sms)
         self._tile = 32 * (16 // op.dtype.itemsize)
-        self._tiles = _cdiv(n, self._tile)
+        self._tiles = cdiv(n, self._tile)
         self._c_chunks, self._c_chunk_rows = _chunks(batch * self._tiles, m, sms)
         self._enc_acc = self._zeros((self._a_items, self._slabs, 3, _SLAB), numpy.float64)
         self._slab_count = self._zeros((self._a_items, self._slabs), numpy.uint32)
@@ -94,25 +99,23 @@ class CudaWorkspace:
         self._stream = cupy.cuda.get_current_stream()
         if op.bias is not None:
             self._counters.launches += 1
-            _bits(c)[...] = _bits(op.bias)
+            bits(c)[...] = bits(op.bias)
         if c.size == 0 or k == 0:
             if op.bias is None and c.size:
                 self._counters.launches += 1
-                _bits(c).fill(0)
+                bits(c).fill(0)
             return
         self._counters.launches += 1
         cublas.setStream(self._handle, cupy.cuda.get_current_stream().ptr)
-        strided_batched(self._handle, _matrices(op.a), _matrices(op.b), c, m, n, k, self._dtype,
+        strided_batched(self._handle, matrices(op.a), matrices(op.b), c, m, n, k, self._dtype,
                         op.bias is not None)
 
     def encode(self, a: cupy.ndarray) -> None:
         """Column encoding of the constant ``a`` (batch or 1, m, k) into the workspace now."""
-        from abftgemm._cuda import backend
-
         self._counters.launches += 1
         self._counters.allocations += 1
         full = cupy.empty((a.shape[0], a.shape[2], 5), dtype=numpy.float64)
-        backend().col_reduce(a, None, full)
+        self._backend.col_reduce(a, None, full)
         self._enc_given = full[..., :3]
 
     def set_encoding(self, cols: cupy.ndarray) -> None:
@@ -128,7 +131,7 @@ class CudaWorkspace:
         if self._slabs == 0 or self._pred.size == 0:
             return
         self._counters.launches += 1
-        a, b = _matrices(op.a), _matrices(op.b)
+        a, b = matrices(op.a), matrices(op.b)
         enc = self._enc_used
         if enc is not None:
             if enc.strides[2] != 8:
@@ -156,12 +159,12 @@ class CudaWorkspace:
         if batch == 0 or n == 0:
             return
         self._counters.launches += 1
-        c_obs, c_pred, floor, c_mag = (numpy.float64(x) for x in self.coefficients)
+        c_obs, c_pred, floor, c_mag = (numpy.float64(x) for x in self._coefficients)
         vector = n % (16 // c.itemsize) == 0 and c.data.ptr % 16 == 0
         self._observe_flag(
             (batch * self._tiles * self._c_chunks,), (_THREADS,),
             (c, self._bias, self._acc, self._bad_count, self._bad_last, self._tile_count,
-             self._pred, c_obs, c_pred, floor, c_mag, numpy.float64(self.safe), self._obs,
+             self._pred, c_obs, c_pred, floor, c_mag, numpy.float64(self._safe), self._obs,
              self._verdict, numpy.int32(m), numpy.int32(n), numpy.int32(self._tiles),
              numpy.int32(self._c_chunks), numpy.int32(self._c_chunk_rows), numpy.int32(vector)))
 
@@ -202,8 +205,8 @@ def _chunks(blocks: int, rows: int, sms: int) -> tuple[int, int]:
     target = _BLOCKS_PER_SM * sms
     if blocks == 0 or blocks >= target or rows < 2 * _MIN_CHUNK_ROWS:
         return 1, max(rows, 1)
-    chunk_rows = _cdiv(rows, min(_cdiv(target, blocks), rows // _MIN_CHUNK_ROWS))
-    return _cdiv(rows, chunk_rows), chunk_rows
+    chunk_rows = cdiv(rows, min(cdiv(target, blocks), rows // _MIN_CHUNK_ROWS))
+    return cdiv(rows, chunk_rows), chunk_rows
 
 
 def _kernel(name: str) -> cupy.RawKernel:

@@ -14,12 +14,9 @@ batch dimension is either the full batch or 1 (broadcast):
     the whole product, which the promise makes equal). ``out_triangle="lower"`` (no bias): only
     entries ``j <= i`` of the product are wanted; row ``i`` is computed at least up to
     ``row_limits(m, n, dtype)[i]`` (the rest of the row is left as it was).
-``row_limits(m, n, dtype)`` / ``predict_lower_rows(a, b, limits, enc, pred)`` /
-``complete_lower(a, b, out)``
+``row_limits(m, n, dtype)``
     Those limits, ``(m,)`` int64, or None when every row is computed whole (always, on the
-    GPU); then, only where there are limits (so only the CPU backend has them): the predicted
-    row checksums of such a product, each row over its limit, and the rest of it, computed
-    after all (the rare path).
+    GPU). A backend that returns limits also implements :class:`RowPrefixes`.
 ``col_reduce(x, coef, out)`` / ``row_reduce(x, coef, out)``
     One pass over ``x`` producing, per column (resp. row) vector ``v`` of length ``L``, five float64
     numbers ``[sum(c0*v), sum(c1*v), sum(c2*|v|), count(!isfinite(v)), last non-finite index or -1]``.
@@ -37,9 +34,15 @@ batch dimension is either the full batch or 1 (broadcast):
     observed elements, or an observed ``sum |C|`` above ``c_mag * pred[2] + floor``); adds the
     numbers of bad and unverifiable vectors to ``counts``. ``out`` (optional): the three
     ``(batch, vectors)`` arrays to write, for callers that must not allocate.
+``synchronize()``
+    Wait until every launch queued so far has finished (nothing to wait for on the CPU).
+``plan_workspace(op, counters, thresholds)``
+    The :class:`Workspace` of a planned product (:class:`abftgemm.plan.ProtectedMatmul`).
 
-Everything else (thresholds, classification, correction) is written once, on top of these, with
-array-module-generic code in :mod:`abftgemm.gemm`.
+On top of these, array-module generic and written once: the checksum passes
+(:mod:`abftgemm.encode`), verdicts and location (:mod:`abftgemm.locate`), the rare path of
+verification, repair and recomputation (:mod:`abftgemm.rare_path`), and the planned products
+(:mod:`abftgemm.plan`, :mod:`abftgemm.deferred`).
 """
 from __future__ import annotations
 
@@ -47,9 +50,60 @@ import sys
 from types import ModuleType
 from typing import Any, Protocol
 
+#: ``(c_obs, c_pred, floor, c_mag)`` of :func:`abftgemm.thresholds.threshold_coefficients` and the
+#: ``safe`` bound of :func:`abftgemm.thresholds.safe_magnitude`: how a plan judges its columns.
+ColumnThresholds = tuple[tuple[float, float, float, float], float]
+
+
+class Workspace(Protocol):
+    """Every array a planned product needs, allocated at planning, and its launches, which add
+    to the plan's :class:`abftgemm.plan.Counters` (the CPU's :mod:`abftgemm._cpu_plan`, the GPU's
+    :mod:`abftgemm._cuda_plan`).
+
+    Made by :meth:`Backend.plan_workspace` with the column thresholds, or None for a plan that
+    verifies on settle only (``directions="both"``): then only :meth:`gemm` and :meth:`release`
+    may be called.
+    """
+
+    def gemm(self, op: Any, c: Any, triangle: str | None = None) -> None:
+        """``c = op.a @ op.b (+ op.bias)`` into the ``(batch, m, n)`` buffer ``c``."""
+
+    def encode(self, a: Any) -> None:
+        """Column encoding of ``a`` now, kept for every later prediction (a constant ``a``)."""
+
+    def set_encoding(self, cols: Any) -> None:
+        """Use the column encoding ``cols`` ``(batch or 1, k, 3)`` in the next prediction."""
+
+    def predict(self, op: Any, encode_a: bool) -> None:
+        """Launch 1: the predicted column checksums of the product (``encode_a``: from ``op.a``
+        itself, else from the encoding kept or set)."""
+
+    def observe_flag(self, c: Any) -> None:
+        """Launch 2: observe the product's column checksums and judge every column."""
+
+    def fetch_verdict(self) -> None:
+        """Queue the copy of the verdict to the host (no wait)."""
+
+    def verdict_flagged(self) -> bool:
+        """After :meth:`fetch_verdict` and a synchronization: whether a column flagged or was
+        unverifiable."""
+
+    def abandon(self) -> None:
+        """Forget the verdict of an execute that will not be settled."""
+
+    def a_encoding(self) -> Any | None:
+        """The column encoding of ``a`` the last prediction used, ``(batch or 1, k, 3)``, or None
+        where the backend keeps none whole."""
+
+    def observed_cols(self) -> Any:
+        """The observed column encoding of the last product, ``(batch, n, 3)`` (a view)."""
+
+    def release(self) -> None:
+        """Free what the workspace holds beyond its arrays."""
+
 
 class Backend(Protocol):
-    """The primitives a backend provides; see the module docstring."""
+    """The primitives every backend provides; see the module docstring."""
 
     name: str
     xp: ModuleType
@@ -69,6 +123,25 @@ class Backend(Protocol):
     def flag(self, pred: Any, obs: Any, coefficients: tuple[float, float, float, float],
              safe: float, counts: Any,
              out: tuple[Any, Any, Any] | None = None) -> tuple[Any, Any, Any]: ...
+
+    def synchronize(self) -> None: ...
+
+    def plan_workspace(self, op: Any, counters: Any,
+                       thresholds: ColumnThresholds | None) -> Workspace: ...
+
+
+class RowPrefixes(Protocol):
+    """What a backend whose :meth:`Backend.row_limits` returns limits also provides (the CPU's):
+    the products of ``gemm(..., out_triangle="lower")`` that compute each row only up to its
+    limit."""
+
+    def predict_lower_rows(self, a: Any, b: Any, limits: Any, enc: Any, pred: Any) -> None:
+        """The predicted row checksums ``pred`` ``(batch, m, 5)`` of such a product, row ``i``
+        over its first ``limits[i]`` columns; ``enc`` is a ``(3, k)`` float64 workspace."""
+
+    def complete_lower(self, a: Any, b: Any, out: Any) -> None:
+        """Compute the rest of such a product, so that ``out`` is the whole ``a @ b`` (the rare
+        path)."""
 
 
 def is_cupy_array(x: object) -> bool:

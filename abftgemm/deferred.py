@@ -1,15 +1,15 @@
 """Planned products whose rows are verified by the kernel that consumes them.
 
-Reading a product only to verify it can cost a third of its GEMM (attention scores on a GPU).
-:class:`DeferredRows` plans such a product the way :class:`abftgemm.ProtectedMatmul` plans an
-ordinary one: every workspace is allocated at planning, and :meth:`~DeferredRows.execute` runs the
-GEMM and one launch that predicts the product's row checksums from the operands. The consumer
+Reading a product only to verify it can cost a large part of its GEMM (attention scores on a
+GPU). :class:`DeferredRows` plans such a product the way :class:`abftgemm.ProtectedMatmul` plans
+an ordinary one: every workspace is allocated at planning, and :meth:`~DeferredRows.execute` runs
+the GEMM and predicts the product's row checksums from the operands. The consumer
 then fills :attr:`~DeferredRows.observed` with the row checksums of what it read (the fields of a
 backend's ``row_reduce`` with default weights) and calls :meth:`~DeferredRows.judge`, one launch
 that counts the flagged rows on the device. Nothing reaches the host until :meth:`~DeferredRows.settle`,
 which the caller may batch with other plans' settles (one synchronization, then
 :meth:`~DeferredRows.settle`). A flag runs the rare path: the full row
-verification and repair of :class:`abftgemm.gemm.DeferredCheck`.
+verification and repair of :class:`abftgemm.rare_path.DeferredCheck`.
 
 The module knows nothing about its consumers.
 """
@@ -21,8 +21,10 @@ import numpy as np
 
 from abftgemm.backend import get_backend, to_host
 from abftgemm.checksums import Checksums
+from abftgemm.encode import predict_rows
 from abftgemm.operands import Operands
 from abftgemm.plan import Counters, _Layout
+from abftgemm.rare_path import DeferredCheck
 from abftgemm.report import Report
 from abftgemm.thresholds import safe_magnitude, threshold_coefficients
 
@@ -96,7 +98,10 @@ class DeferredRows:
 
     def execute(self, a: Any, b: Any, out: Any, *, fault_hook: FaultHook | None = None,
                 b_rows: Checksums | None = None) -> Any:
-        """GEMM into ``out`` and the predicted row checksums (two launches, no allocation).
+        """GEMM into ``out`` and the predicted row checksums, with no allocation: the GEMM, a
+        read of ``b`` for its row encoding unless ``b_rows`` hands it on, its copy into the
+        coefficients the reductions read, and the prediction (3 or 4 launches); with
+        :attr:`row_limits`, the GEMM and a prediction that encodes ``b`` as it goes (2).
 
         Parameters
         ----------
@@ -173,9 +178,6 @@ class DeferredRows:
             Batch indices whose product was modified (the consumer must redo its work there).
             Raises :class:`abftgemm.UncorrectableError` as :func:`abftgemm.matmul` does.
         """
-        from abftgemm.encode import predict_rows
-        from abftgemm.gemm import DeferredCheck  # the rare path; gemm imports the plan modules
-
         if self._pending is None:
             raise RuntimeError(f"{self.name}: settle() without an execute")
         (op, c), self._pending = self._pending, None

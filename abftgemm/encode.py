@@ -1,11 +1,12 @@
-"""The checksum passes: predicted checksums from the operands, observed ones from the product."""
+"""The checksum passes: predicted checksums from the operands, observed ones from the product,
+and :func:`checksums_of`, the encodings of any array to hand on."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import numpy as np
 
-from abftgemm.backend import Backend, array_module
+from abftgemm.backend import Backend, array_module, get_backend
 from abftgemm.checksums import Checksums, location_weights
 from abftgemm.operands import Operands
 
@@ -91,3 +92,24 @@ def _reduce(fn: Callable, x: Any, coef: Any, batch: int, vectors: int) -> Any:
     out = xp.empty((batch, vectors, 5), dtype=np.float64)
     fn(x, coef, out)
     return out
+
+
+def checksums_of(x: Any, rows: bool = True) -> Checksums:
+    """Column and (unless ``rows=False``) row encodings of ``x`` (``(..., r, c)``, batch
+    flattened), to pass to matmul.
+
+    Use it to encode an operand once and reuse it across several products (e.g. the input of the
+    query, key and value projections, whose column encoding is all they need).
+    """
+    xp = array_module(x)
+    if x.ndim < 2:
+        raise ValueError(f"checksums_of needs a matrix or a batch of matrices, got shape {x.shape}")
+    r, c = x.shape[-2:]
+    x3 = x.reshape(int(np.prod(x.shape[:-2], dtype=np.int64)), r, c)  # -1: ambiguous at size 0
+    be = get_backend(xp)
+    if not rows:
+        cols = xp.empty((x3.shape[0], c, 5), dtype=np.float64)
+        be.col_reduce(x3, None, cols)
+        return Checksums(cols=cols[..., :3])
+    cols, row_sums = observe(be, x3)
+    return Checksums(cols=cols[..., :3], rows=row_sums[..., :3])

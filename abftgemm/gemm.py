@@ -1,33 +1,26 @@
-"""Protected matrix product: encode -> GEMM -> verify -> locate -> correct (or recompute).
+"""The entry points: :func:`matmul` (protected ``a @ b``) and :func:`matmul_deferred`.
 
 :func:`matmul` runs a cached plan (:mod:`abftgemm.plan_cache`): on the fast path one GEMM and two
 verification launches that read ``a``, ``b`` and the product once each, then one host read of
-the verdict. :func:`protect` is the full two-direction verification and repair, written once,
-array-module generic on top of the backends' primitives (:mod:`abftgemm.backend`): the rare path
-of every plan, and the check of ``directions="both"``.
+the verdict; the rare path (:mod:`abftgemm.rare_path`) runs only when that verdict flags.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
-import numpy as np
-
 from abftgemm._torch import any_tensor, tensor_matmul
-from abftgemm.backend import Backend, array_module, get_backend
+from abftgemm.backend import Backend, get_backend
 from abftgemm.checksums import Checksums
-from abftgemm.encode import observe, predict, predict_rows
-from abftgemm.locate import Verdict, diagnose, verify, verify_rows
+from abftgemm.encode import predict_rows
 from abftgemm.operands import Operands
 from abftgemm.plan import DIRECTIONS
 from abftgemm.plan_cache import PlanCache, default_plans
-from abftgemm.nonfinite import settle_unverifiable
-from abftgemm.repair import repair_batch
-from abftgemm.report import Report, announce
+from abftgemm.rare_path import DeferredCheck
+from abftgemm.report import Report
 from abftgemm.threads import blas_scope
 
 FaultHook = Callable[[str, Any], None]
 CHECK_MODES = ("correct", "detect", "off")
-_LEFT = "nothing: left in place (check='detect')"
 
 
 def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
@@ -164,7 +157,7 @@ def _product(op: Operands, fault_hook: FaultHook | None,
 
 def matmul_deferred(a: Any, b: Any, *, check: str = "correct",
                     fault_hook: FaultHook | None = None, name: str = "matmul",
-                    b_checksums: Checksums | None = None) -> tuple[Any, "DeferredCheck | None"]:
+                    b_checksums: Checksums | None = None) -> tuple[Any, DeferredCheck | None]:
     """``a @ b`` whose verification is left to the kernel that consumes the product.
 
     Reading a large product only to verify it can cost more than a third of the GEMM (attention
@@ -194,89 +187,3 @@ def matmul_deferred(a: Any, b: Any, *, check: str = "correct",
         return op.restore(out), None
     return op.restore(out), DeferredCheck(be, op, out, predict_rows(be, op, b_checksums), check,
                                           name)
-
-
-class DeferredCheck:
-    """The pending row verification of a product from :func:`matmul_deferred`."""
-
-    def __init__(self, be: Backend, op: Operands, out: Any, pred_row: Any, check: str, name: str):
-        self.be, self.op, self.out, self.pred_row = be, op, out, pred_row
-        self.check, self.name = check, name
-
-    def verify_rows(self, obs_row: Any, report: Report) -> list[int]:
-        """Verify the product against its observed row checksums; repair it in place.
-
-        Parameters
-        ----------
-        obs_row : array (batch, m, 5) float64
-            Per row of the product as it was read: ``[sum, sum of (j+1)/n weighted, sum of |.|,
-            non-finite count, last non-finite index or -1]`` (what the backends' ``row_reduce``
-            computes with default weights).
-        report : Report
-            Receives the events.
-
-        Returns
-        -------
-        list of int
-            Flat batch indices whose product was modified (the consumer must redo its work on
-            them). Raises :class:`UncorrectableError` as :func:`matmul` does.
-        """
-        op = self.op
-        verdict = verify_rows(self.be, op, self.pred_row, obs_row)
-        report.checked[self.name] = report.checked.get(self.name, 0) + op.batch
-        return settle(self.be, op, self.out, verdict, self.check, self.name, report)
-
-
-def protect(be: Backend, op: Operands, out: Any, check: str, name: str, report: Report,
-            a_checksums: Checksums | None, b_checksums: Checksums | None) -> Checksums:
-    """Verify ``out`` (and repair it when ``check == "correct"``); return its encodings."""
-    with np.errstate(all="ignore"):  # non-finite data is judged and reported, not warned about
-        obs_col, obs_row = observe(be, out)  # first: the product is freshest in cache
-        pred_col, pred_row = predict(be, op, a_checksums, b_checksums)
-        verdict = verify(be, op, pred_col, pred_row, obs_col, obs_row)
-        for b in settle(be, op, out, verdict, check, name, report):
-            obs_col[b], obs_row[b] = (o[0] for o in observe(be, out[b:b + 1]))
-    return Checksums(cols=obs_col[..., :3], rows=obs_row[..., :3])
-
-
-def settle(be: Backend, op: Operands, out: Any, verdict: Verdict, check: str, name: str,
-           report: Report, announce_findings: bool = True) -> list[int]:
-    """Report what ``verdict`` found; with ``check == "correct"`` repair every flagged batch item
-    in place (or raise); with ``check == "detect"`` announce every finding as a
-    :class:`~abftgemm.report.FaultDetectedWarning`. Returns the batch indices that were repaired."""
-    first_new = len(report.events)
-    repaired = []
-    with np.errstate(all="ignore"):  # non-finite data is judged and reported, not warned about
-        for b in ([] if verdict.clean else verdict.flagged_batches()):
-            if check == "detect":
-                report.events.append(diagnose(verdict, b).event(name, b, "reported", _LEFT))
-                continue
-            repair_batch(be, op, out, b, verdict, name, report)
-            repaired.append(b)
-        # Elements no checksum could judge (non-finite inputs, overflow): settled one by one.
-        repaired += settle_unverifiable(be, op, out, verdict, check, name, report)
-    for event in report.events[first_new:] if announce_findings else ():
-        if event.action == "reported":  # detect mode: found and left in place
-            announce(event)
-    return sorted(set(repaired))
-
-
-def checksums_of(x: Any, rows: bool = True) -> Checksums:
-    """Column and (unless ``rows=False``) row encodings of ``x`` (``(..., r, c)``, batch
-    flattened), to pass to matmul.
-
-    Use it to encode an operand once and reuse it across several products (e.g. the input of the
-    query, key and value projections, whose column encoding is all they need).
-    """
-    xp = array_module(x)
-    if x.ndim < 2:
-        raise ValueError(f"checksums_of needs a matrix or a batch of matrices, got shape {x.shape}")
-    r, c = x.shape[-2:]
-    x3 = x.reshape(int(np.prod(x.shape[:-2], dtype=np.int64)), r, c)  # -1: ambiguous at size 0
-    be = get_backend(xp)
-    if not rows:
-        cols = xp.empty((x3.shape[0], c, 5), dtype=np.float64)
-        be.col_reduce(x3, None, cols)
-        return Checksums(cols=cols[..., :3])
-    cols, row_sums = observe(be, x3)
-    return Checksums(cols=cols[..., :3], rows=row_sums[..., :3])

@@ -7,7 +7,7 @@ launches (predict the column checksums from the operands; observe the product's 
 and judge every column on the same read), with no allocation (given ``out=``) and no host
 synchronization. :meth:`~ProtectedMatmul.settle` reads the verdict (two counts per batch item) and
 only when something was flagged runs the rare path: full two-direction verification, location,
-repair and recomputation (:mod:`abftgemm.repair`), exactly as an unplanned product would.
+repair and recomputation (:mod:`abftgemm.rare_path`), exactly as an unplanned product would.
 
 Why one direction on the fast path: weighted column checksums alone detect an error, locate it
 in its column, and correct a single element or a whole bad row; the row direction is needed only
@@ -26,9 +26,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from abftgemm.backend import Backend, get_backend, is_cupy_array
+from abftgemm.backend import Backend, Workspace, get_backend, is_cupy_array
 from abftgemm.checksums import Checksums
 from abftgemm.operands import Operands
+from abftgemm.rare_path import protect
 from abftgemm.report import Report
 from abftgemm.thresholds import safe_magnitude, threshold_coefficients
 
@@ -126,13 +127,11 @@ class ProtectedMatmul:
         self._constant_a = constant_a
         self._a_triangle = a_triangle
         self._verify_columns = directions == "columns"
-        self._work = self._be.plan_workspace(op, self.counters, self._verify_columns)
-        if self._verify_columns:
-            self._work.coefficients = threshold_coefficients(op.k, op.m, op.dtype,
-                                                             op.bias is not None)
-            self._work.safe = safe_magnitude(op.k, op.dtype)
-            if constant_a:
-                self._work.encode(op.a)
+        thresholds = (threshold_coefficients(op.k, op.m, op.dtype, op.bias is not None),
+                      safe_magnitude(op.k, op.dtype)) if self._verify_columns else None
+        self._work: Workspace = self._be.plan_workspace(op, self.counters, thresholds)
+        if self._verify_columns and constant_a:
+            self._work.encode(op.a)
         self._pending: _Pending | None = None
 
     # ------------------------------------------------------------------ public
@@ -282,8 +281,6 @@ class ProtectedMatmul:
         if self._verify_columns and not self._work.verdict_flagged():
             sums = Checksums(cols=self._work.observed_cols()) if checksums else None
         else:
-            from abftgemm.gemm import protect  # the rare path; gemm imports this module
-
             self.counters.rare_paths += 1
             sums = protect(self._be, op, c, self.check, pending.name, report,
                            pending.a_checksums, None)
@@ -334,8 +331,8 @@ class ProtectedMatmul:
 class _Layout:
     """The planned operands' array type, dtype and shapes, to accept an execute's operands
     without re-validating them when they match exactly (arrays of the planned type, dtype and
-    shapes, bias C-contiguous, a writable out of the product's shape): the common case, at a
-    few microseconds instead of the tens that :meth:`Operands.prepare` takes. It keeps shapes,
+    shapes, bias C-contiguous, a writable out of the product's shape): the common case, a
+    few comparisons instead of what :meth:`Operands.prepare` checks. It keeps shapes,
     not the planning arrays."""
 
     kind: type

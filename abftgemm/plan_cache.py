@@ -16,8 +16,8 @@ the plan). A cache serves one thread at a time: a plan has one execute in flight
 
 :meth:`PlanCache.planned_operands` finds the plan of arrays seen before without validating them
 again: each plan remembers the exact layouts (array type, dtype, shapes) of the calls that made or
-reused it, and arrays of such a layout are taken as they are. That saves ``Operands.prepare``
-(tens of microseconds, a few percent of a 512^3 product on the CPU).
+reused it, and arrays of such a layout are taken as they are. That saves ``Operands.prepare``,
+whose full validation costs more than a small product's checks (bench/NOTES.md).
 """
 from __future__ import annotations
 

@@ -15,9 +15,9 @@ import numpy as np
 
 from abftgemm.backend import get_backend, to_host
 from abftgemm.encode import observe, predict
-from abftgemm.gemm import settle
 from abftgemm.locate import Side, verify as verify_sides
 from abftgemm.operands import Operands
+from abftgemm.rare_path import settle
 from abftgemm.report import Report
 
 

@@ -2,12 +2,11 @@
 
 The same invariants, tolerances and NaN behaviour as the GPU kernel (attention/kernels/softmax.cu),
 computed in one pass per row. The sums run in the rows' dtype, the layer's accumulation dtype
-(float32 for 16- and 32-bit layers: eight lanes, 0.44 -> 0.18 ms over 16 x 256 x 256 on an AMD
-EPYC): a float32 sum of ``L`` terms errs by at most ``L`` units of roundoff of its magnitudes,
-and ``r**2`` by twice that of ``sum P dP**2`` (Cauchy-Schwarz), together at most 3/8 of the
-tolerance ``8 L`` units of the same magnitudes; the GPU sums in float64. A row whose
-input-only sums overflow is not judged, as a row holding INF/NaN (a dS fault that overflows a
-sum still fails its check).
+(float32 for 16- and 32-bit layers: eight lanes instead of four): a float32 sum of ``L`` terms
+errs by at most ``L`` units of roundoff of its magnitudes, and ``r**2`` by twice that of
+``sum P dP**2`` (Cauchy-Schwarz), together at most 3/8 of the tolerance ``8 L`` units of the same
+magnitudes; the GPU sums in float64. A row whose input-only sums overflow is not judged, as a
+row holding INF/NaN (a dS fault that overflows a sum still fails its check).
 :func:`backward_row` is also what the fused backward kernel of :mod:`attention._cpu_softmax`
 runs on each row it produces.
 """

@@ -1,8 +1,8 @@
 """CPU (numba) kernel composing a column encoding from the encodings of its blocks.
 
 :func:`stack` is the CPU's :func:`attention.functional._stacked_encoding` (the array-module
-version the GPU runs), one call instead of a dozen small NumPy operations (about 20 us of a
-4 ms small layer step).
+version the GPU runs), one call instead of a dozen small NumPy operations, whose call overheads
+count in a small layer's step.
 """
 from __future__ import annotations
 

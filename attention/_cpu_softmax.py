@@ -25,11 +25,11 @@ from typing import Any
 import numba
 import numpy as np
 
-from abftgemm._cpu import _FAST, _ROWS_PER_UPDATE, _row_sums, _sum_column_prefix, _sum_row
+from abftgemm.cpu_kernels import FAST, ROWS_PER_UPDATE, row_sums, sum_column_prefix, sum_row
 from attention._cpu_checks import _worse, backward_row
 from attention._cpu_vmath import exp_like, from_ordered_key, like, log_like, ordered_key
 
-@numba.njit(cache=True, fastmath=_FAST)
+@numba.njit(cache=True, fastmath=FAST)
 def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add: Any,
             has_attn: bool, causal: bool, heads: int, check: bool, floor: float, p_min: float,
             probs: Any, stats: Any, limits: Any, errors: Any, cols: Any, rows: Any) -> None:
@@ -60,7 +60,7 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
         |z| + |log P| used]`` are folded into it (start from zeros)
     cols, rows : (batch*heads, 3, seq_k) and (batch*heads, seq_q, 3) float64, or empty arrays
         (first dimension 0) for none: the column encodings of ``probs`` and of its transpose, as
-        a planned product of either would compute them (``abftgemm._cpu._row_sums``,
+        a planned product of either would compute them (``abftgemm.cpu_kernels.row_sums``,
         :func:`_fold_columns`)
     """
     bh, sq, sk = scores.shape
@@ -73,7 +73,7 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
         for i in range(sq):
             row, out = scores[t, i], probs[t, i]
             if observe:  # the raw row's checksums, as abftgemm's row reduction takes them
-                _sum_row(row[:limits[i]] if limits.shape[0] else row, weights, stats[t, i])
+                sum_row(row[:limits[i]] if limits.shape[0] else row, weights, stats[t, i])
             visible = min(i + 1, sk) if causal else sk
             add = am[min(i, am.shape[0] - 1)]
             # one compiled row per mask combination: the loops test no flag per element
@@ -92,11 +92,11 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
             if encode:
                 # the row's sums as stored: the column encoding of P^T (entries past `visible`
                 # are exact zeros, hidden by causality: nothing to add)
-                rows[t, i, 0], rows[t, i, 1], rows[t, i, 2] = _row_sums(out[:visible], weights)
+                rows[t, i, 0], rows[t, i, 1], rows[t, i, 2] = row_sums(out[:visible], weights)
                 _fold_columns(probs[t], row_weights, i, cols[t], causal)
 
 
-@numba.njit(cache=True, fastmath=_FAST)
+@numba.njit(cache=True, fastmath=FAST)
 def check_forward(probs: Any, scores: Any, scale: Any, key_visible: Any, has_keys: bool,
                   attn_add: Any, has_attn: bool, causal: bool, heads: int, floor: float,
                   p_min: float, errors: Any) -> None:
@@ -123,18 +123,18 @@ def _fold_columns(x: Any, row_weights: Any, i: int, col: Any, causal: bool) -> N
     """Row ``i`` of ``x`` ``(n_rows, L)`` is final: fold each completed block of eight rows (and
     the last rows) into its column encoding ``col`` ``(3, L)`` (plain, weighted by
     ``row_weights``, absolute; zeroed first), as a planned product reading ``x`` would make it
-    (``abftgemm._cpu._sum_columns``, which updates ``col`` once per eight rows, while they are
+    (``abftgemm.cpu_kernels.sum_columns``, which updates ``col`` once per eight rows, while they are
     still in cache). ``causal``: rows up to ``i`` are zero past column ``i``, which is skipped."""
-    if (i + 1) % _ROWS_PER_UPDATE and i + 1 < x.shape[0]:
+    if (i + 1) % ROWS_PER_UPDATE and i + 1 < x.shape[0]:
         return
-    start = i - i % _ROWS_PER_UPDATE
+    start = i - i % ROWS_PER_UPDATE
     if start == 0:
         col[...] = 0.0
     n = min(i + 1, x.shape[1]) if causal else x.shape[1]
-    _sum_column_prefix(x, row_weights, start, i + 1, col, n)
+    sum_column_prefix(x, row_weights, start, i + 1, col, n)
 
 
-@numba.njit(cache=True, fastmath=_FAST, inline="always")
+@numba.njit(cache=True, fastmath=FAST, inline="always")
 def _softmax_row(row: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has_keys: bool,
                  visible: int, out: Any) -> None:
     """One masked softmax row into ``out``: keys ``j < visible`` (and ``keys[j]``) are seen; from
@@ -176,14 +176,14 @@ def _softmax_row(row: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has_key
     out[visible:] = 0  # hidden by causality: exp(-inf) = 0, unread
 
 
-@numba.njit(cache=True, fastmath=_FAST, inline="always")
+@numba.njit(cache=True, fastmath=FAST, inline="always")
 def _z(s: Any, j: int, sc: Any, add: Any, has_attn: bool) -> Any:
     """Entry ``j``'s ``z``, rounded as :func:`_softmax_row` rounds it (the precision of ``sc``)."""
     z = s[j] * sc
     return like(sc, z + add[j]) if has_attn else z
 
 
-@numba.njit(cache=True, fastmath=_FAST, inline="always")
+@numba.njit(cache=True, fastmath=FAST, inline="always")
 def _check_row_masked(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any,
                       has_keys: bool, visible: int, floor: float, p_min: float,
                       errors: Any) -> None:
@@ -198,7 +198,7 @@ def _check_row_masked(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: A
         _check_row(p, s, sc, add, False, keys, False, visible, floor, p_min, errors)
 
 
-@numba.njit(cache=True, fastmath=_FAST, inline="always")
+@numba.njit(cache=True, fastmath=FAST, inline="always")
 def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has_keys: bool,
                visible: int, floor: float, p_min: float, errors: Any) -> None:
     """Fold one row's invariant errors into ``errors`` (the forward check of
@@ -248,7 +248,7 @@ def _check_row(p: Any, s: Any, sc: Any, add: Any, has_attn: bool, keys: Any, has
     errors[2] = _worse(errors[2], np.float64(from_ordered_key(size)))
 
 
-@numba.njit(cache=True, fastmath=_FAST)
+@numba.njit(cache=True, fastmath=FAST)
 def backward(dp: Any, p: Any, scale: Any, causal: bool, check: bool, u: float, tiny: float,
              ds: Any, stats: Any, limits: Any, result: Any, cols: Any, rows: Any, keep: Any,
              keep_scale: float) -> None:
@@ -290,7 +290,7 @@ def backward(dp: Any, p: Any, scale: Any, causal: bool, check: bool, u: float, t
         for i in range(sq):
             dpr, pr, out = dp[t, i], p[t, i], ds[t, i]
             if observe:
-                _sum_row(dpr[:limits[i]] if limits.shape[0] else dpr, weights, stats[t, i])
+                sum_row(dpr[:limits[i]] if limits.shape[0] else dpr, weights, stats[t, i])
             v = min(i + 1, sk) if causal else sk
             if dropping:  # the gradient w.r.t. the probabilities before dropout
                 kr = keep[t, i]
@@ -312,5 +312,5 @@ def backward(dp: Any, p: Any, scale: Any, causal: bool, check: bool, u: float, t
                 out[j] = out[j] * sc
             out[v:] = 0
             if encode:
-                rows[t, i, 0], rows[t, i, 1], rows[t, i, 2] = _row_sums(out[:v], weights)
+                rows[t, i, 0], rows[t, i, 1], rows[t, i, 2] = row_sums(out[:v], weights)
                 _fold_columns(ds[t], row_weights, i, cols[t], causal)

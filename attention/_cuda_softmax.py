@@ -18,7 +18,7 @@ from typing import Any
 import cupy
 import numpy
 
-from abftgemm._cuda import _INT32_MAX, _cdiv
+from abftgemm.cuda_kernels import INT32_MAX, cdiv
 from attention import kernels
 
 _BLOCK = 256  # 8 warps per block, one warp per row
@@ -182,7 +182,7 @@ def _check_rows(x: cupy.ndarray, y: cupy.ndarray, rows: int, length: int,
     _need(y, x.shape, x.dtype, "probs/P")
     if stats is not None:
         _need(stats, x.shape[:2] + (5,), numpy.dtype(numpy.float64), "stats")
-    if rows > _UINT32_MAX or length > _INT32_MAX or max(x.shape) > _INT32_MAX:
+    if rows > _UINT32_MAX or length > INT32_MAX or max(x.shape) > INT32_MAX:
         raise ValueError(f"softmax kernels index rows in 32 bits, got {x.shape}")
 
 
@@ -193,7 +193,7 @@ def _need(x: Any, shape: tuple[int, ...], dtype: numpy.dtype, name: str) -> None
 
 
 def _blocks(rows: int) -> int:
-    return min(_cdiv(rows, _BLOCK // 32), _INT32_MAX)
+    return min(cdiv(rows, _BLOCK // 32), INT32_MAX)
 
 
 @functools.cache

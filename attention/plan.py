@@ -4,7 +4,8 @@
 site, its operands, its bias, where the checksums come from and how it is verified. Sites are
 planned products (:class:`abftgemm.ProtectedMatmul`) verified by their column checksums; the row
 direction is computed on the rare path, when a column flags. The scores and ``dP`` are the
-exception: reading them only to verify them costs over 30% of their GEMM on a GPU, so the softmax
+exception: reading them only to verify them costs a large part of their GEMM on a GPU (their
+inner dimension, the head dimension, is short, so the GEMM is bound by writing them), so the softmax
 kernels (forward and backward) observe their row checksums on the read they make anyway
 (:class:`abftgemm.deferred.DeferredRows`). Checksums "passed" cost no encoding pass: they are the
 column encodings an earlier product's verification observed (or composed from such encodings of

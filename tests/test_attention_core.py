@@ -292,9 +292,9 @@ def test_causal_products_multiply_only_their_triangles(monkeypatch, check, causa
     seen: dict[int, tuple] = {}
     gemm = CpuBackend.gemm
 
-    def recording(self, a, b, out, bias, buffers=None, triangle=None, out_triangle=None):
+    def recording(self, a, b, out, bias, triangle=None, out_triangle=None, *, buffers=None):
         seen[out.ctypes.data] = (triangle, out_triangle)
-        return gemm(self, a, b, out, bias, buffers, triangle, out_triangle)
+        return gemm(self, a, b, out, bias, triangle, out_triangle, buffers=buffers)
 
     monkeypatch.setattr(CpuBackend, "gemm", recording)
     outputs = {}

@@ -286,8 +286,8 @@ def test_uncorrectable_raises_with_report(xp):
     def break_(out):  # two errors per vector: checksums cannot rebuild them
         out[..., :2, :2] += 1000
 
-    def broken_gemm(x, y, out, bias, *buffers):  # a permanently faulty unit: every
-        real_gemm(x, y, out, bias, *buffers)       # recomputation is wrong
+    def broken_gemm(x, y, out, bias, *args, **kwargs):  # a permanently faulty unit: every
+        real_gemm(x, y, out, bias, *args, **kwargs)       # recomputation is wrong
         break_(out)
     be.gemm = broken_gemm
     try:  # and the product itself (the GPU plan calls cuBLAS on its own handle)

@@ -1,7 +1,7 @@
 """The ``cupy``, ``cupyx`` and ``cupy_backends`` modules of CUDA on the CPU, and
 :func:`installed`, which puts them in ``sys.modules`` for the length of a test, so that
-abftgemm/_cuda.py, abftgemm/_cuda_plan.py and attention/_cuda_softmax.py import and run them
-unchanged. The device is an H200 as far as the launch code can ask (132 SMs)."""
+abftgemm/_cuda.py, _cuda_plan.py, cuda_kernels.py and attention/_cuda_softmax.py import and run
+them unchanged. The device is an H200 as far as the launch code can ask (132 SMs)."""
 from __future__ import annotations
 
 import contextlib

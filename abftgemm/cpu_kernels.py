@@ -1,0 +1,260 @@
+"""The numba building blocks of the CPU checksum passes, shared by every CPU kernel.
+
+The abftgemm backend (:mod:`abftgemm._cpu`), the planned product's kernels
+(:mod:`abftgemm._cpu_plan`) and the attention softmax kernels (:mod:`attention._cpu_softmax`)
+build their passes from these: column and row sums of a matrix with the plain, location-weighted
+and absolute coefficients, every product and sum in float64 (:func:`sum_columns`,
+:func:`sum_rows`, :func:`row_sums`), the judgement of one vector (:func:`judge`), and 16-bit data
+as float32 (:func:`as_float32`, :func:`bits_table`). The helpers are ``inline="always"`` where a
+caller's loop should absorb them; numba compiles them into each caller, so a caller's on-disk
+cache does not see edits here (``make clean``).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import numba
+import numpy as np
+from numba.extending import overload
+
+
+#: Let LLVM reorder and fuse the float64 sums so they vectorize. Not ``fastmath=True``: that also
+#: assumes no NaN/INF and would break the non-finite checks. Reordering is covered by the float64
+#: checksum term of the threshold, which bounds any summation order.
+FAST = {"reassoc", "contract"}
+
+
+@numba.njit(cache=True, inline="always")
+def _scan(v: Any, out: Any) -> None:
+    """Count the non-finite elements of ``v`` and record the last one's index."""
+    count = 0
+    last = -1
+    for l in range(v.shape[0]):
+        if not np.isfinite(v[l]):
+            count += 1
+            last = l
+    out[3] = count
+    out[4] = last
+
+
+# The kernels sweep the matrix row by row (sequential reads) and are single-threaded: right after
+# a GEMM, OpenBLAS's worker threads spin on the other cores for a while, and numba threads
+# competing with them made the checks slower, not faster. On one core the passes are bound by
+# memory bandwidth plus arithmetic that overlaps it poorly, so the kernels keep the arithmetic and
+# the loads per element low: column sums live in float64 arrays of the row's length, updated once
+# per eight rows instead of once per row, and the default coefficients (plain and absolute sums,
+# location weights) load only the weight vector, not three coefficient vectors per element
+# (bench/NOTES.md has the measurements).
+
+ROWS_PER_UPDATE = 8  # rows per column-sum step (the body of _add_eight_rows is written for 8)
+_ROW_STEP = 4  # rows per row-sum step, each coefficient loaded once per step (written out for 4)
+
+
+def _vector_coefficients(c: Any, l: int) -> tuple[float, float, float]:
+    """Coefficients ``(plain, weighted, absolute)`` of position ``l``: ``c[:, l]`` for a
+    ``(3, L)`` array, ``(1, c[l], 1)`` for the default location weights ``c`` ``(L,)`` (compiled
+    per case by the overload below; the constant ones cost no loads)."""
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+@overload(_vector_coefficients, inline="always")
+def _vector_coefficients_impl(c, l):  # noqa: ANN001 (numba compares signatures)
+    if c.ndim == 1:
+        return lambda c, l: (1.0, c[l], 1.0)
+    return lambda c, l: (c[0, l], c[1, l], c[2, l])
+
+
+@numba.njit(cache=True, fastmath=FAST, inline="always")
+def sum_columns(x: Any, c: Any, i0: int, i1: int, p: Any) -> None:
+    """``p[f, j] += sum over rows i0..i1 of c[f, i] * x[i, j]`` (``|x|`` for f = 2), every
+    product and sum in float64, ``p`` ``(3, ncols)`` updated once per eight rows."""
+    sum_column_prefix(x, c, i0, i1, p, p.shape[1])
+
+
+@numba.njit(cache=True, fastmath=FAST, inline="always")
+def sum_column_prefix(x: Any, c: Any, i0: int, i1: int, p: Any, n: int) -> None:
+    """:func:`sum_columns` of the first ``n`` columns only (the others of these rows are
+    zero, such as past the diagonal of a causal block)."""
+    i = i0
+    while i + ROWS_PER_UPDATE <= i1:
+        _add_eight_rows(x, c, i, p, n)
+        i += ROWS_PER_UPDATE
+    p0, p1, p2 = p[0], p[1], p[2]
+    for r in range(i, i1):  # the leftover rows, one at a time
+        r0 = x[r]
+        a0, w0, g0 = _vector_coefficients(c, r)
+        for j in range(n):
+            v0 = np.float64(r0[j])
+            p0[j] += a0 * v0
+            p1[j] += w0 * v0
+            p2[j] += g0 * abs(v0)
+
+
+@numba.njit(cache=True, fastmath=FAST)
+def _add_eight_rows(x: Any, c: Any, i: int, p: Any, n: int) -> None:
+    """``p[f, j] += sum over rows i..i+8 of c[f, r] * x[r, j]`` (``|x|`` for f = 2, ``j < n``) in
+    float64 (products of float32 data and float64 coefficients are exact). Compiled once per
+    signature, not inlined into every caller (inlining doubled the cold compile time)."""
+    p0, p1, p2 = p[0], p[1], p[2]
+    r0, r1, r2, r3 = x[i], x[i + 1], x[i + 2], x[i + 3]
+    r4, r5, r6, r7 = x[i + 4], x[i + 5], x[i + 6], x[i + 7]
+    a0, w0, g0 = _vector_coefficients(c, i)
+    a1, w1, g1 = _vector_coefficients(c, i + 1)
+    a2, w2, g2 = _vector_coefficients(c, i + 2)
+    a3, w3, g3 = _vector_coefficients(c, i + 3)
+    a4, w4, g4 = _vector_coefficients(c, i + 4)
+    a5, w5, g5 = _vector_coefficients(c, i + 5)
+    a6, w6, g6 = _vector_coefficients(c, i + 6)
+    a7, w7, g7 = _vector_coefficients(c, i + 7)
+    for j in range(n):
+        v0, v1 = np.float64(r0[j]), np.float64(r1[j])
+        v2, v3 = np.float64(r2[j]), np.float64(r3[j])
+        v4, v5 = np.float64(r4[j]), np.float64(r5[j])
+        v6, v7 = np.float64(r6[j]), np.float64(r7[j])
+        p0[j] += (a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
+                  + a4 * v4 + a5 * v5 + a6 * v6 + a7 * v7)
+        p1[j] += (w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3
+                  + w4 * v4 + w5 * v5 + w6 * v6 + w7 * v7)
+        p2[j] += (g0 * abs(v0) + g1 * abs(v1) + g2 * abs(v2) + g3 * abs(v3)
+                  + g4 * abs(v4) + g5 * abs(v5) + g6 * abs(v6) + g7 * abs(v7))
+
+
+@numba.njit(cache=True, fastmath=FAST, inline="always")
+def sum_rows(x: Any, c: Any, i0: int, i1: int, out: Any) -> None:
+    """For rows ``i0..i1``: ``out[i] = [sum c0*row, sum c1*row, sum c2*|row|, non-finite count,
+    last non-finite index]``, four rows at a time (each coefficient read once per four rows)."""
+    i = i0
+    while i + _ROW_STEP <= i1:
+        r0, r1, r2, r3 = x[i], x[i + 1], x[i + 2], x[i + 3]
+        s00 = s01 = s02 = s10 = s11 = s12 = 0.0
+        s20 = s21 = s22 = s30 = s31 = s32 = 0.0
+        for j in range(r0.shape[0]):
+            a, w, g = _vector_coefficients(c, j)
+            v0, v1 = np.float64(r0[j]), np.float64(r1[j])
+            v2, v3 = np.float64(r2[j]), np.float64(r3[j])
+            s00 += a * v0
+            s01 += w * v0
+            s02 += g * abs(v0)
+            s10 += a * v1
+            s11 += w * v1
+            s12 += g * abs(v1)
+            s20 += a * v2
+            s21 += w * v2
+            s22 += g * abs(v2)
+            s30 += a * v3
+            s31 += w * v3
+            s32 += g * abs(v3)
+        _store(r0, s00, s01, s02, out[i])
+        _store(r1, s10, s11, s12, out[i + 1])
+        _store(r2, s20, s21, s22, out[i + 2])
+        _store(r3, s30, s31, s32, out[i + 3])
+        i += _ROW_STEP
+    while i < i1:
+        sum_row(x[i], c, out[i])
+        i += 1
+
+
+@numba.njit(cache=True, fastmath=FAST, inline="always")
+def sum_row(row: Any, c: Any, o: Any) -> None:
+    """One row of :func:`sum_rows`."""
+    s0, s1, s2 = row_sums(row, c)
+    _store(row, s0, s1, s2, o)
+
+
+@numba.njit(cache=True, fastmath=FAST, inline="always")
+def row_sums(row: Any, c: Any) -> tuple[float, float, float]:
+    """``(sum c0*row, sum c1*row, sum c2*|row|)`` of one row, in float64."""
+    s0 = s1 = s2 = 0.0
+    for j in range(row.shape[0]):
+        a, w, g = _vector_coefficients(c, j)
+        v = np.float64(row[j])
+        s0 += a * v
+        s1 += w * v
+        s2 += g * abs(v)
+    return s0, s1, s2
+
+
+@numba.njit(cache=True, inline="always")
+def _store(row: Any, s0: float, s1: float, s2: float, o: Any) -> None:
+    """Write one vector's sums; count its non-finite elements only when a sum is not finite."""
+    o[0], o[1], o[2], o[3], o[4] = s0, s1, s2, 0.0, -1.0
+    if not (np.isfinite(s0) and np.isfinite(s1) and np.isfinite(s2)):
+        _scan(row, o)
+
+
+@numba.njit(cache=True, inline="always")
+def store_columns(x: Any, p: Any, out: Any) -> None:
+    """Write the column sums ``p`` ``(3, ncols)`` of ``x`` into ``out`` ``(ncols, 5)``; count a
+    column's non-finite elements only when one of its sums is not finite."""
+    for j in range(p.shape[1]):
+        o = out[j]
+        o[0], o[1], o[2], o[3], o[4] = p[0, j], p[1, j], p[2, j], 0.0, -1.0
+        if not (np.isfinite(p[0, j]) and np.isfinite(p[1, j]) and np.isfinite(p[2, j])):
+            _scan(x[:, j], o)
+
+
+@numba.njit(cache=True, inline="always")
+def judge(p0: float, p1: float, p2: float, o0: float, o1: float, o2: float, o3: float,
+          c_obs: float, c_pred: float, floor: float, c_mag: float,
+          safe: float) -> tuple[float, bool, bool]:
+    """``(threshold, flagged, verifiable)`` of one vector from its predicted ``[plain, weighted,
+    S = sum |A||B|]`` and observed ``[plain, weighted, sum |C|, non-finite count]`` checksums
+    (the rule of backend.py ``flag``; reduce.cu's ``judge`` is the GPU's copy).
+
+    A non-finite element, or finite ones whose sums overflow, make the observed ``|C|`` sum and
+    so the threshold infinite: hence the separate finiteness test. Checksums judge a vector whose
+    inputs are finite (finite prediction) unless it may overflow (``S`` at or above ``safe``) and
+    did: that one is settled element by element on the rare path. A verifiable vector is flagged
+    when a checksum difference exceeds the threshold or its ``sum |C|`` exceeds the rigorous
+    bound ``c_mag * S + floor``.
+    """
+    t = c_obs * o2 + c_pred * p2 + floor
+    observed_finite = np.isfinite(o2) & (o3 == 0)
+    ok = np.isfinite(p0) & np.isfinite(p1) & np.isfinite(p2) & ((p2 < safe) | observed_finite)
+    within = ((abs(p0 - o0) <= t) & (abs(p1 - o1) <= t) & observed_finite
+              & (o2 <= c_mag * p2 + floor))
+    return t, ok and not within, ok
+
+
+def as_float32(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """16-bit data as float32, exactly as ``x.astype(np.float32)``, in ``out`` (a new array when
+    None) and returned.
+
+    The conversion goes through a table of all 65536 bit patterns: NumPy's own float16
+    conversion runs a scalar loop, several times slower than the lookup (bench/NOTES.md).
+    Without ``out`` a non-contiguous ``x`` is copied first; with it (a plan's workspace, which
+    must not allocate) it is converted in place by NumPy.
+    """
+    if out is None:
+        out = np.empty(x.shape, dtype=np.float32)
+        x = np.ascontiguousarray(x)
+    if x.flags.c_contiguous:
+        _lookup(x.reshape(-1).view(np.uint16), bits_table(x.dtype), out.reshape(-1))
+    else:
+        np.copyto(out, x, casting="unsafe")
+    return out
+
+
+@lru_cache(maxsize=2)
+def bits_table(dtype: np.dtype) -> np.ndarray:
+    """The float32 value of every bit pattern of the 16-bit ``dtype`` (NumPy's or ml_dtypes'
+    conversion, tabulated once; read-only)."""
+    table = np.arange(1 << 16, dtype=np.uint16).view(dtype).astype(np.float32)
+    table.setflags(write=False)
+    return table
+
+
+@numba.njit(cache=True)
+def _lookup(bits: Any, table: Any, out: Any) -> None:
+    for i in range(bits.shape[0]):
+        out[i] = table[bits[i]]
+
+
+def rows_first(x: np.ndarray) -> tuple[np.ndarray, bool]:
+    """``(x, False)``, or ``(x^T, True)`` when only the transpose of the (batch, rows, cols)
+    array ``x`` is C-contiguous: the kernels read it along its memory rows either way."""
+    xt = x.transpose(0, 2, 1)
+    if not x.flags.c_contiguous and xt.flags.c_contiguous:
+        return xt, True
+    return x, False

@@ -1,0 +1,160 @@
+"""What the CUDA modules of the packages share: operand layouts, the GEMM call, kernel loading.
+
+:mod:`abftgemm._cuda` (the backend), :mod:`abftgemm._cuda_plan` (a planned product's launches)
+and :mod:`attention._cuda_softmax` launch their kernels with these. Imports CuPy at the top, as
+they do: import it only once CuPy arrays are in play.
+
+Matrix layouts accepted without a copy, per matrix of a ``(batch or 1, rows, cols)`` operand:
+row-major (unit stride along columns, any row pitch ``ld >= cols``) and transposed (unit stride
+along rows, any column pitch ``ld >= rows``, e.g. ``y.transpose(0, 2, 1)`` of a contiguous ``y``),
+with any non-negative batch stride. Anything else is copied to C order first (:func:`matrices`).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import cupy
+import numpy
+from cupy_backends.cuda.libs import cublas
+
+from abftgemm import kernels
+
+#: cudaDataType_t of each supported element type.
+DATA_TYPES = {"float16": 2, "bfloat16": 14, "float32": 0, "float64": 1}
+#: Unsigned integer dtypes of each item size, for bit copies that work for every element type.
+_BITS = {2: numpy.uint16, 4: numpy.uint32, 8: numpy.uint64}
+
+# cuBLAS reads alpha/beta through host pointers; module-level arrays outlive every call.
+_ONE32, _ZERO32 = numpy.ones((), numpy.float32), numpy.zeros((), numpy.float32)
+_ONE64, _ZERO64 = numpy.ones((), numpy.float64), numpy.zeros((), numpy.float64)
+# cublasMath_t values, spelled out (not every cupy_backends release exports them).
+_TF32_TENSOR_OP_MATH = 3
+_MATH_MODE_MASK = 0xF  # low bits: the mode; higher bits are flags
+# Reductions (split-K included) accumulate in the compute type, never in a float16/bfloat16 output
+# type: the thresholds assume one rounding of each product to the output type.
+DISALLOW_REDUCED_PRECISION_REDUCTION = 16
+#: The math mode every product of this backend runs under.
+PLAIN_MATH = DISALLOW_REDUCED_PRECISION_REDUCTION  # CUBLAS_DEFAULT_MATH | the flag
+#: Largest count the kernels index with a 32-bit int (grid sizes, vector lengths).
+INT32_MAX = 2**31 - 1
+
+
+class Matrices(NamedTuple):
+    """A batch of matrices in the form cuBLAS and the kernels take.
+
+    ``array`` owns the data (a C-order copy when the input layout was unusable). With
+    ``transposed`` False, element (i, j) of matrix b sits at ``b*batch_stride + i*ld + j``;
+    with ``transposed`` True at ``b*batch_stride + i + j*ld``. ``batch_stride`` 0 broadcasts.
+    """
+
+    array: cupy.ndarray
+    transposed: bool
+    ld: int
+    batch_stride: int
+
+
+def _layout(x: cupy.ndarray) -> tuple[bool, int, int] | None:
+    """``(transposed, ld, batch_stride)`` of 3-D ``x`` in elements, or None if it needs a copy."""
+    isz = x.itemsize
+    nb, r, c = x.shape
+    if x.size == 0:  # CuPy may give empty arrays zero strides; no element is ever read
+        return False, max(c, 1), 0
+    if any(s % isz for s in x.strides):
+        return None
+    s0, s1, s2 = (s // isz for s in x.strides)
+    batch_stride = 0 if nb == 1 else s0
+    if batch_stride < 0:
+        return None
+    # Strides of length-1 dimensions are arbitrary, so they decide nothing.
+    ld = s1 if r > 1 else max(c, 1)
+    if (c == 1 or s2 == 1) and ld >= max(c, 1):
+        return False, ld, batch_stride
+    ld = s2 if c > 1 else max(r, 1)
+    if (r == 1 or s1 == 1) and ld >= max(r, 1):
+        return True, ld, batch_stride
+    return None
+
+
+def matrices(x: cupy.ndarray) -> Matrices:
+    """``x`` as :class:`Matrices`, copying it to C order only if its layout is unusable."""
+    layout = _layout(x)
+    if layout is None:
+        x = cupy.ascontiguousarray(x)
+        layout = _layout(x)
+    return Matrices(x, *layout)
+
+
+def bits(x: cupy.ndarray) -> cupy.ndarray:
+    """View of ``x`` as unsigned integers of the same size (copies without bf16 arithmetic)."""
+    return x.view(_BITS[x.itemsize])
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling of ``a / b`` for non-negative ints."""
+    return -(-a // b)
+
+
+def strided_batched(handle: int, a: Matrices, b: Matrices, out: cupy.ndarray, m: int, n: int,
+                    k: int, dtype: str, accumulate: bool) -> None:
+    """Row-major ``out = a @ b (+ out)`` as column-major ``out^T = b^T a^T`` on ``handle``, which
+    must be in host pointer mode under :data:`PLAIN_MATH` (no TF32, no reduced-precision
+    reductions)."""
+    if dtype == "float64":
+        compute, one, zero = cublas.CUBLAS_COMPUTE_64F, _ONE64, _ZERO64
+    else:
+        # 32F, never a FAST_* type: fp32 data must not be rounded to TF32.
+        compute, one, zero = cublas.CUBLAS_COMPUTE_32F, _ONE32, _ZERO32
+    beta = one if accumulate else zero
+    # A row-major matrix read column-major is its transpose, which is what the swapped
+    # product wants (OP_N); a transposed one is the matrix itself, hence OP_T.
+    op_b = cublas.CUBLAS_OP_T if b.transposed else cublas.CUBLAS_OP_N
+    op_a = cublas.CUBLAS_OP_T if a.transposed else cublas.CUBLAS_OP_N
+    data_type = DATA_TYPES[dtype]
+    cublas.gemmStridedBatchedEx(
+        handle, op_b, op_a, n, m, k,
+        one.ctypes.data,
+        b.array.data.ptr, data_type, b.ld, b.batch_stride,
+        a.array.data.ptr, data_type, a.ld, a.batch_stride,
+        beta.ctypes.data,
+        out.data.ptr, data_type, n, m * n,
+        out.shape[0], compute, cublas.CUBLAS_GEMM_DEFAULT,
+    )
+
+
+def plain_math(handle: int) -> Callable[[], None]:
+    """Put ``handle`` in host pointer mode, without TF32 and with reduced-precision reductions
+    disallowed; return a function that undoes it.
+
+    CuPy's per-device handle is shared with other code, which may have left it in device pointer
+    mode (our alpha/beta are host pointers), in TF32 math (which would round fp32 inputs) or
+    allowing float16/bfloat16 split-K reductions in the output type (which would round partial
+    sums).
+    """
+    pointer = cublas.getPointerMode(handle)
+    math = cublas.getMathMode(handle)
+    plain = (math & ~_MATH_MODE_MASK if (math & _MATH_MODE_MASK) == _TF32_TENSOR_OP_MATH
+             else math) | DISALLOW_REDUCED_PRECISION_REDUCTION
+    if pointer != cublas.CUBLAS_POINTER_MODE_HOST:
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    if plain != math:
+        cublas.setMathMode(handle, plain)
+
+    def restore() -> None:
+        if pointer != cublas.CUBLAS_POINTER_MODE_HOST:
+            cublas.setPointerMode(handle, pointer)
+        if plain != math:
+            cublas.setMathMode(handle, math)
+
+    return restore
+
+
+@functools.cache
+def raw_module(filename: str) -> cupy.RawModule:
+    """The RawModule of ``filename`` (a key of :data:`abftgemm.kernels.MODULES`); CuPy compiles
+    it lazily and caches it per device."""
+    return cupy.RawModule(
+        code=kernels.source(filename),
+        options=kernels.NVRTC_OPTIONS,
+        name_expressions=kernels.MODULES[filename],
+    )
