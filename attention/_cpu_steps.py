@@ -2,8 +2,8 @@
 :mod:`attention._cpu_softmax`).
 
 :class:`CpuForwardStep` and :class:`CpuBackwardStep` implement
-:class:`attention.softmax.Step` for NumPy arrays; :func:`attention.softmax.forward_step` and
-:func:`attention.softmax.backward_step` choose them. Without a fault hook one fused kernel
+:class:`attention.softmax.Step` for NumPy arrays; :func:`attention.softmax_steps.forward_step` and
+:func:`attention.softmax_steps.backward_step` choose them. Without a fault hook one fused kernel
 computes, observes the product's row checksums, judges the invariants and (float32/float64) makes
 the encodings of what it writes; with a hook the kernel runs unchecked, the hook sees the output,
 and the invariants are judged afterwards. 16-bit layers compute in float32 and store in their
@@ -40,7 +40,7 @@ def _known(outcome: tuple[bool, float, float]) -> Verdict:
 
 
 class CpuForwardStep(Step):
-    """The forward softmax of one pass on the CPU; see :func:`attention.softmax.forward_step`."""
+    """The forward softmax of one pass on the CPU; see :func:`attention.softmax_steps.forward_step`."""
 
     def __init__(self, inp: Any, scores: Any, probs: Any, ctx: Any, ws: Any, plan: Any | None):
         super().__init__()
@@ -97,7 +97,7 @@ class CpuForwardStep(Step):
 
 
 class CpuBackwardStep(Step):
-    """The backward softmax of one pass on the CPU; see :func:`attention.softmax.backward_step`."""
+    """The backward softmax of one pass on the CPU; see :func:`attention.softmax_steps.backward_step`."""
 
     def __init__(self, d_probs: Any, probs: Any, d_scores: Any, scale: float, ctx: Any, ws: Any,
                  plan: Any | None, causal: bool, dropout: Any | None):

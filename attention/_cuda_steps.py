@@ -1,8 +1,8 @@
 """The checked softmax steps of one pass on the GPU (RawKernels of :mod:`attention._cuda_softmax`).
 
 :class:`GpuForwardStep` and :class:`GpuBackwardStep` implement
-:class:`attention.softmax.Step` for CuPy arrays; :func:`attention.softmax.forward_step` and
-:func:`attention.softmax.backward_step` choose them. Without a fault hook one launch computes,
+:class:`attention.softmax.Step` for CuPy arrays; :func:`attention.softmax_steps.forward_step` and
+:func:`attention.softmax_steps.backward_step` choose them. Without a fault hook one launch computes,
 observes the product's row checksums and judges the invariants; with a hook a first launch
 computes, the hook sees the output, and a second launch judges it. Verdicts stay on the device
 (:class:`attention._cuda_softmax.DeviceVerdict`) until the pass settles. The GPU kernels make no
@@ -31,7 +31,7 @@ def _device_verdict(ws: Any, name: str, rows: int) -> _cuda_softmax.DeviceVerdic
 
 
 class GpuForwardStep(Step):
-    """The forward softmax of one pass on the GPU; see :func:`attention.softmax.forward_step`."""
+    """The forward softmax of one pass on the GPU; see :func:`attention.softmax_steps.forward_step`."""
 
     def __init__(self, inp: Any, scores: Any, probs: Any, ctx: Any, ws: Any, plan: Any | None):
         super().__init__()
@@ -67,7 +67,7 @@ class GpuForwardStep(Step):
 
 
 class GpuBackwardStep(Step):
-    """The backward softmax of one pass on the GPU; see :func:`attention.softmax.backward_step`.
+    """The backward softmax of one pass on the GPU; see :func:`attention.softmax_steps.backward_step`.
     With a fault hook, the hook sees the unscaled ``dS`` in the accumulation dtype."""
 
     def __init__(self, d_probs: Any, probs: Any, d_scores: Any, scale: float, ctx: Any, ws: Any,

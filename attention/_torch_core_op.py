@@ -5,13 +5,21 @@ with ``register_fake`` and ``register_autograd``), so ``torch.compile`` keeps th
 opaque node. The backward's state travels in a token tensor and the owner of a call is named by
 an ``op_id``, as for ``abftgemm::mha_forward`` (:mod:`attention._torch_op`, whose registry and
 tokens this module shares). The backward reads ``query``, ``key`` and ``value`` from autograd's
-saved tensors, never from the forward's views of them (a compiler may reuse their memory).
+saved tensors, never from the forward's views of them (a compiler may reuse their memory). The
+operators' bodies (:func:`run_core_forward`, :func:`run_core_backward`) run the core on the
+tensors' memory for the :class:`attention.torch_core.ProtectedCore` their ``op_id`` names.
 """
 from typing import Any, Optional
 
 import torch
 
+from abftgemm._torch import device_scope, to_tensor
+from abftgemm.report import Report
+from attention._torch_arrays import array, threads
 from attention._torch_op import _module, _state, _token
+from attention.context import Context
+from attention.core import core_backward, core_forward
+from attention.workspace import Workspace
 
 
 @torch.library.custom_op("abftgemm::attention_core", mutates_args=())
@@ -23,8 +31,6 @@ def attention_core(op_id: int, query: torch.Tensor, key: torch.Tensor, value: to
     ``(n, S, D)``; ``attn_mask`` ``(L, S)`` or ``(n, L, S)``, bool (True = not allowed) or float
     (added); ``weights`` ``(n, L, S)``, or empty unless ``need_weights``; with ``dropout`` > 0,
     ``dropout_keep`` ``(n, L, S)`` is its mask (True = kept)."""
-    from attention.torch_core import run_core_forward
-
     out, weights, state = run_core_forward(_module(op_id), query, key, value, attn_mask, scale,
                                            is_causal, need_weights, dropout_keep, dropout)
     return out, weights, _token(state)
@@ -44,8 +50,6 @@ def attention_core_backward(token: torch.Tensor, d_out: torch.Tensor, query: tor
                             key: torch.Tensor, value: torch.Tensor
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d_query, d_key, d_value)`` of one :func:`attention_core` call."""
-    from attention.torch_core import run_core_backward
-
     return run_core_backward(_state(token), d_out, query, key, value)
 
 
@@ -68,3 +72,51 @@ def _backward(ctx: Any, d_out: torch.Tensor, d_weights: Any, d_token: Any) -> tu
 
 
 attention_core.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------ the operators' bodies
+
+
+class _CoreSaved:
+    """What one forward leaves for its backward (carried by the operators' token)."""
+
+    def __init__(self, core: Any, saved: dict[str, Any], report: Report,
+                 workspace: Workspace):
+        self.core, self.saved, self.report, self.workspace = core, saved, report, workspace
+
+
+def run_core_forward(core: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None, scale: float, is_causal: bool,
+                     need_weights: bool, keep: torch.Tensor | None = None,
+                     dropout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, _CoreSaved]:
+    """The body of ``abftgemm::attention_core``."""
+    workspace = core._workspace_for(q.device)
+    context = Context(core.check, core.plan, core.fault_hook)
+    with device_scope(q), threads(q):
+        out, saved = core_forward(array(q), array(k), array(v), context, scale=scale,
+                                  causal=is_causal,
+                                  attn_mask=None if mask is None else array(mask),
+                                  dropout=dropout,
+                                  dropout_keep=None if keep is None else array(keep),
+                                  workspace=workspace)
+        dropped = saved["probs_dropped"]
+        probs = saved["probs"] if dropped is None else dropped
+        weights = to_tensor(probs).clone() if need_weights else q.new_empty(0)
+        out = to_tensor(out)
+    core.last_report = context.report
+    return out, weights, _CoreSaved(core, saved, context.report, workspace)
+
+
+def run_core_backward(state: _CoreSaved, d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The body of ``abftgemm::attention_core_backward``: the inputs are read from the tensors
+    given here (those autograd kept)."""
+    core = state.core
+    inputs = state.saved["inputs"]
+    inputs.q, inputs.k, inputs.v = array(q), array(k), array(v)
+    context = Context(core.check, core.plan, core.fault_hook, state.report)
+    with device_scope(d_out), threads(d_out):
+        grads = core_backward(state.saved, array(d_out), context, workspace=state.workspace)
+        result = tuple(to_tensor(g) for g in grads)
+    core.last_report = state.report
+    return result

@@ -13,6 +13,14 @@ import torch
 from attention._torch_op import _module
 
 
+def weight_on_left(n_in: int, n_out: int) -> bool:
+    """Whether ``d_input`` runs as ``dx^T = M dy^T`` (the weight's encoding kept, ``dx`` a
+    transposed view) rather than ``dx = dy M^T`` (``dy`` encoded every call, ``dx``
+    contiguous): when the layer widens (``n_in < n_out``), so that the ``dy`` read saved is wider
+    than the transposed ``dx`` its consumers pay for."""
+    return n_in < n_out
+
+
 @torch.library.custom_op("abftgemm::linear", mutates_args=())
 def linear(op_id: int, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
            weight_in_out: bool) -> torch.Tensor:
@@ -32,15 +40,13 @@ def linear_backward(op_id: int, dy: torch.Tensor, x: torch.Tensor, weight: torch
                     need_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d_x, d_weight, d_bias)`` of one :func:`linear` call, each empty where not needed;
     ``d_x`` ``(N, in)`` is the transpose of a contiguous ``(in, N)`` tensor where
-    :func:`attention.torch_linear.weight_on_left`."""
+    :func:`weight_on_left`."""
     return _module(op_id).run_backward(dy, x, weight, weight_in_out, need_input, need_weight,
                                        need_bias)
 
 
 @linear_backward.register_fake
 def _(op_id, dy, x, weight, weight_in_out, need_input, need_weight, need_bias):
-    from attention.torch_linear import weight_on_left
-
     n, n_in = x.shape
     left = weight_on_left(n_in, dy.shape[1])
     dx = (x.new_empty(n_in, n).t() if left else x.new_empty(n, n_in)) if need_input \

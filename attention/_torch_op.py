@@ -79,7 +79,7 @@ def mha_forward(op_id: int, query: torch.Tensor, key: torch.Tensor, value: torch
     ``weights`` is empty unless ``need_weights`` (then ``(N, L, S)``, or ``(N, H, L, S)``
     without averaging). With ``dropout`` > 0, ``dropout_keep`` is its mask ``(N * H, L, S)``
     (True = kept), drawn by the caller with PyTorch's generator."""
-    from attention.torch import run_forward
+    from attention._torch_mha import run_forward
 
     y, weights, state = run_forward(_module(op_id), query, key, value, in_w, in_b, out_w, out_b,
                                     key_padding_mask, attn_mask, self_attention, is_causal,
@@ -114,7 +114,7 @@ def mha_backward(token: torch.Tensor, dy: torch.Tensor, query: torch.Tensor, key
     The backward reads the forward's inputs and parameters from these arguments, not from the
     forward's views of them: so autograd (and a compiler, which would otherwise reuse their
     memory once the forward is done) keeps them as they were."""
-    from attention.torch import run_backward
+    from attention._torch_mha import run_backward
 
     return run_backward(_state(token), dy, query, key, value, in_w, in_b, out_w, out_b)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from abftgemm.backend import array_module
 from abftgemm.checksums import SUPPORTED_DTYPES
-from attention import softmax
+from attention import softmax_steps
 from attention.context import Context
 from attention.dropout import Dropout
 from attention.functional import _additive, _dropout, _Pass, _read_probs, _run, \
@@ -29,7 +29,7 @@ CORE_INVARIANT_SITES = ("softmax", "softmax_backward")
 
 class _CoreInputs:
     """Validated inputs of one attention product (kept in ``saved`` for backward); the attributes
-    the checked softmax steps read (:func:`attention.softmax.forward_step`)."""
+    the checked softmax steps read (:func:`attention.softmax_steps.forward_step`)."""
 
     def __init__(self, q: Any, k: Any, v: Any, scale: float, causal: bool, attn_add: Any | None):
         self.xp, self.q, self.k, self.v, self.dtype = array_module(q), q, k, v, q.dtype
@@ -150,7 +150,7 @@ def _backward(p: _Pass, saved: dict[str, Any], d_out: Any) -> tuple[Any, Any, An
     plan = p.gemm_deferred("d_probs", d_probs)
     dv = p.gemm("d_v", xp.empty((n, seq_k, d), dt))
     d_scores = ws.buffer("d_scores", xp, (n, seq_q, seq_k), dt)
-    step = softmax.backward_step(d_probs, saved["probs"], d_scores, inp.scale, p.ctx, ws, plan,
+    step = softmax_steps.backward_step(d_probs, saved["probs"], d_scores, inp.scale, p.ctx, ws, plan,
                                  causal=inp.causal, dropout=inp.dropout)
     p.consumed("d_probs", plan, step.run)
     p.invariant("softmax_backward", step.verdict, step.recompute)

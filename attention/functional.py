@@ -20,7 +20,7 @@ from abftgemm.checksums import SUPPORTED_DTYPES, Checksums, accumulation_dtype
 from abftgemm.plan import settle_all
 from abftgemm.report import Event, Report, UncorrectableError, announce
 from abftgemm.threads import blas_scope
-from attention import softmax
+from attention import softmax, softmax_steps
 from attention.context import Context
 from attention.dropout import DROPOUT_SITE, Dropout, DropoutStep
 from attention.plan import ROUTES
@@ -459,7 +459,7 @@ def _scores_and_softmax(p: _Pass, inp: Any, shape: tuple[int, int, int]) -> Any:
     plan = p.gemm_deferred("scores", scores)
     probs = p.xp.empty_like(scores)
     p.env["probs"] = probs
-    step = softmax.forward_step(inp, scores, probs, p.ctx, p.ws, plan)
+    step = softmax_steps.forward_step(inp, scores, probs, p.ctx, p.ws, plan)
     p.consumed("scores", plan, step.run)
     p.invariant("softmax", step.verdict, step.recompute)
     if step.encodings is not None:  # made by the softmax kernel on its write of P
@@ -546,7 +546,7 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any,
     plan = p.gemm_deferred("d_probs", d_probs)
     p.gemm("d_v", ws.buffer("d_vh", xp, (batch * h, seq_k, hd), dt))
     d_scores = ws.buffer("d_scores", xp, (batch * h, seq_q, seq_k), dt)
-    step = softmax.backward_step(d_probs, saved["probs"], d_scores, 1 / math.sqrt(hd), p.ctx, ws,
+    step = softmax_steps.backward_step(d_probs, saved["probs"], d_scores, 1 / math.sqrt(hd), p.ctx, ws,
                                  plan, causal=inp.causal, dropout=inp.dropout)
     p.consumed("d_probs", plan, step.run)
     p.invariant("softmax_backward", step.verdict, step.recompute)

@@ -30,18 +30,14 @@ not fight them. PyTorch's own thread settings are left as they are.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 import abftgemm
-from abftgemm._torch import device_scope, to_array, to_tensor
 from abftgemm.report import Report, register_library_package
-from abftgemm.threads import blas_scope
-from attention.context import Context
-from attention.functional import attention_backward, attention_forward
+from attention._torch_mha import params_of
 from attention.plan import CheckingPlan
 from attention.workspace import Workspace
 from attention import _torch_op
@@ -188,12 +184,12 @@ device, dtype
 
     def _param_views(self, in_w: torch.Tensor, in_b: torch.Tensor | None, out_w: torch.Tensor,
                      out_b: torch.Tensor | None) -> dict[str, Any]:
-        """:func:`_params` of these tensors, kept while none of them moved to other memory or
+        """:func:`attention._torch_mha.params_of` of these tensors, kept while none of them moved to other memory or
         changed layout (optimizer steps update them in place, which the views see)."""
         key = tuple(None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
                     for t in (in_w, in_b, out_w, out_b))
         if self._views[0] != key:
-            self._views = key, _params(in_w, in_b, out_w, out_b)
+            self._views = key, params_of(in_w, in_b, out_w, out_b)
         return self._views[1]
 
 
@@ -242,136 +238,7 @@ def _is_pretrained(model: nn.Module) -> bool:
                for c in type(model).__mro__)
 
 
-# ---------------------------------------------------------------------------------- passes
-# The bodies of the custom operators abftgemm::mha_forward and abftgemm::mha_backward
-# (attention/_torch_op.py), on batch-first tensors.
-
-
-class _Saved:
-    """What one forward leaves for its backward (carried by the operators' token)."""
-
-    def __init__(self, call: "_Call", saved: dict[str, Any], report: Report,
-                 workspace: Workspace):
-        self.call, self.saved, self.report, self.workspace = call, saved, report, workspace
-
-
-def run_forward(module: MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
-                value: torch.Tensor, in_w: torch.Tensor, in_b: torch.Tensor | None,
-                out_w: torch.Tensor, out_b: torch.Tensor | None,
-                key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None,
-                self_attention: bool, is_causal: bool, need_weights: bool, average: bool,
-                dropout_keep: torch.Tensor | None = None,
-                dropout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, _Saved]:
-    """``(y, weights or an empty tensor, saved state)`` of one forward, batch-first; with
-    ``dropout``, ``dropout_keep`` is its mask ``(N * heads, L, S)``, True = kept."""
-    call = _Call.of(module, query, key, value, key_padding_mask, attn_mask, is_causal,
-                    self_attention)
-    workspace = module._workspace_for(query.device)
-    with device_scope(query), _threads(query):
-        params = module._param_views(in_w, in_b, out_w, out_b)
-        x = _array(query)
-        cross = {} if self_attention else {"key": _array(key), "value": _array(value)}
-        context = Context(module.check, module.plan, module.fault_hook)
-        y, saved = attention_forward(params, x, context, n_heads=module.num_heads,
-                                     causal=call.causal, key_visible=call.key_visible,
-                                     attn_mask=call.attn_mask, dropout=dropout,
-                                     dropout_keep=None if dropout_keep is None else
-                                     _array(dropout_keep), workspace=workspace, **cross)
-        y = to_tensor(y)
-        # torch returns the weights after dropout
-        dropped = saved["probs_dropped"]
-        call.probs = saved["probs"] if dropped is None else dropped
-        weights = call.weights(average) if need_weights else query.new_empty(0)
-    module.last_report = context.report
-    return y, weights, _Saved(call, saved, context.report, workspace)
-
-
-def run_backward(state: _Saved, dy: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                 value: torch.Tensor, in_w: torch.Tensor, in_b: torch.Tensor | None,
-                 out_w: torch.Tensor, out_b: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """``(d_query, d_key, d_value, d_in_w, d_in_b, d_out_w, d_out_b)``; ``d_key`` and ``d_value``
-    empty in self-attention. The inputs and parameters are read from the tensors given here
-    (those of the forward, which autograd kept)."""
-    module = state.call.module
-    inputs = state.saved["inputs"]
-    inputs.x = _array(query)
-    inputs.key, inputs.value = (inputs.x, inputs.x) if state.call.self_attention else \
-        (_array(key), _array(value))
-    inputs.params = _params(in_w, in_b, out_w, out_b)
-    context = Context(module.check, module.plan, module.fault_hook, state.report)
-    # The core writes the parameter gradients straight into torch's layout (transposed views
-    # of these buffers: no copies, no concatenation).
-    d_in_w, d_out_w = torch.empty_like(in_w), torch.empty_like(out_w)
-    d_in_b = torch.empty(in_w.shape[0], dtype=in_w.dtype, device=in_w.device)
-    d_out_b = torch.empty(out_w.shape[0], dtype=in_w.dtype, device=in_w.device)
-    with device_scope(dy), _threads(dy):
-        grads_out = {k: v for k, v in _params(d_in_w, d_in_b, d_out_w, d_out_b).items()
-                     if k != "w_qkv"}
-        dx, _ = attention_backward(state.saved, _array(dy), context,
-                                   workspace=state.workspace, grads_out=grads_out)
-        if state.call.self_attention:
-            empty = dy.new_empty(0)
-            d_inputs = (to_tensor(dx), empty, empty.clone())
-        else:
-            d_inputs = tuple(to_tensor(d) for d in dx)
-    module.last_report = state.report
-    return (*d_inputs, d_in_w, d_in_b, d_out_w, d_out_b)
-
-
-def _threads(t: torch.Tensor) -> blas_scope | contextlib.nullcontext:
-    """The library's thread policy for a pass on ``t``'s device: on the CPU, PyTorch's intra-op
-    threads count as busy cores (:mod:`abftgemm.threads`)."""
-    return blas_scope(torch.get_num_threads()) if t.is_cpu else contextlib.nullcontext()
-
-
-def _array(t: torch.Tensor) -> Any:
-    return to_array(t.detach(), "attention input")
-
-
-def _params(in_w: torch.Tensor, in_b: torch.Tensor | None, out_w: torch.Tensor,
-            out_b: torch.Tensor | None) -> dict[str, Any]:
-    """The core's ``x @ w`` parameters as views of torch's ``x @ W.T`` ones (no copies)."""
-    w, e = _array(in_w), in_w.shape[1]
-    zeros = None
-    if in_b is None or out_b is None:
-        zeros = _array(torch.zeros(e, dtype=in_w.dtype, device=in_w.device))
-    b = _array(in_b) if in_b is not None else None
-    params = {"wo": _array(out_w).T, "bo": _array(out_b) if out_b is not None else zeros,
-              "w_qkv": w.T}
-    for i, name in enumerate("qkv"):
-        params["w" + name] = w[i * e:(i + 1) * e].T
-        params["b" + name] = b[i * e:(i + 1) * e] if b is not None else zeros
-    return params
-
-
 # ---------------------------------------------------------------------------------- inputs
-
-
-class _Call:
-    """One forward call's inputs in the core's layout: batch-first tensors, masks as arrays."""
-
-    def __init__(self, **kw: Any):
-        self.__dict__.update(kw)
-        self.probs: Any = None
-
-    @classmethod
-    def of(cls, module: MultiheadAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None,
-           is_causal: bool, self_attention: bool) -> "_Call":
-        """Batch-first ``q``, ``k``, ``v`` (N, L|S, E) and the masks as the core takes them."""
-        n, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
-        key_visible, float_padding = _padding(key_padding_mask, n, seq_k)
-        mask = _attn_mask(attn_mask, float_padding, module.num_heads, n, seq_q, seq_k, q.dtype)
-        return cls(module=module, self_attention=self_attention, key_visible=key_visible,
-                   attn_mask=mask, causal=bool(is_causal) and attn_mask is None,
-                   shape=(n, seq_q, seq_k))
-
-    def weights(self, average: bool) -> torch.Tensor:
-        """The attention probabilities of this call, as torch returns them (no gradient)."""
-        n, seq_q, seq_k = self.shape
-        probs = to_tensor(self.probs).view(n, -1, seq_q, seq_k)
-        # The probabilities are also saved for backward: hand out a new tensor, never a view.
-        return probs.mean(dim=1) if average else probs.clone()
 
 
 def _check_inputs(query: torch.Tensor, key: torch.Tensor,
@@ -398,39 +265,6 @@ def _batch_first(t: torch.Tensor, batched: bool, batch_first: bool, name: str) -
     if not batched:
         return t.unsqueeze(0)
     return t if batch_first else t.transpose(0, 1)
-
-
-def _padding(mask: torch.Tensor | None, n: int, seq_k: int) -> tuple[Any, torch.Tensor | None]:
-    """(boolean key_visible array or None, float additive padding (N, S) or None)."""
-    if mask is None:
-        return None, None
-    if tuple(mask.shape) != (n, seq_k):
-        raise ValueError(f"key_padding_mask must have shape {(n, seq_k)} (batch, seq_k), got "
-                         f"{tuple(mask.shape)}")
-    if mask.dtype == torch.bool:
-        return _array(mask.logical_not()), None
-    if not mask.is_floating_point():
-        raise TypeError(f"key_padding_mask must be bool or float, got {mask.dtype}")
-    return None, mask
-
-
-def _attn_mask(mask: torch.Tensor | None, float_padding: torch.Tensor | None, heads: int,
-               n: int, seq_q: int, seq_k: int, dtype: torch.dtype) -> Any:
-    """``attn_mask`` as the core takes it (boolean or float array, 2-D or 3-D); a float key
-    padding mask is folded in as a float (N * heads, L, S) mask, the way torch merges them."""
-    if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(f"attn_mask must be bool or float, got {mask.dtype}")
-    if float_padding is None:
-        return None if mask is None else _array(mask)
-    add = torch.zeros((n * heads, seq_q, seq_k), dtype=torch.float64, device=float_padding.device)
-    if mask is not None:
-        if mask.dim() == 3 and mask.shape[0] != n * heads:
-            raise ValueError(f"a 3-D attn_mask must have shape {(n * heads, seq_q, seq_k)}, got "
-                             f"{tuple(mask.shape)}")
-        add += (mask.to(torch.float64).masked_fill(mask, -math.inf) if mask.dtype == torch.bool
-                else mask.to(torch.float64)).detach()
-    add.view(n, heads, seq_q, seq_k).add_(float_padding.detach().to(torch.float64)[:, None, None])
-    return _array(add)
 
 
 def _refuse_unsupported(embed_dim: int, dropout: float, add_bias_kv: bool, add_zero_attn: bool,

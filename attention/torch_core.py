@@ -13,13 +13,9 @@ from typing import Any, Callable
 import torch
 
 import abftgemm
-from abftgemm._torch import device_scope, to_tensor
 from abftgemm.report import Report
 from attention import _torch_op, _torch_core_op
-from attention.context import Context
-from attention.core import core_backward, core_forward
 from attention.plan import CheckingPlan
-from attention.torch import _array, _threads
 from attention.workspace import Workspace
 
 FaultHook = Callable[[str, Any], None]
@@ -143,48 +139,3 @@ def _flat_mask(mask: torch.Tensor | None, lead: torch.Size, n: int, seq_q: int,
     if all(s == 1 for s in mask.shape[:-2]) and mask.shape[-2:] == (seq_q, seq_k):
         return mask.reshape(seq_q, seq_k).contiguous()
     return full.reshape(n, seq_q, seq_k).contiguous()
-
-
-class _CoreSaved:
-    """What one forward leaves for its backward (carried by the operators' token)."""
-
-    def __init__(self, core: ProtectedCore, saved: dict[str, Any], report: Report,
-                 workspace: Workspace):
-        self.core, self.saved, self.report, self.workspace = core, saved, report, workspace
-
-
-def run_core_forward(core: ProtectedCore, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: torch.Tensor | None, scale: float, is_causal: bool,
-                     need_weights: bool, keep: torch.Tensor | None = None,
-                     dropout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, _CoreSaved]:
-    """The body of ``abftgemm::attention_core``."""
-    workspace = core._workspace_for(q.device)
-    context = Context(core.check, core.plan, core.fault_hook)
-    with device_scope(q), _threads(q):
-        out, saved = core_forward(_array(q), _array(k), _array(v), context, scale=scale,
-                                  causal=is_causal,
-                                  attn_mask=None if mask is None else _array(mask),
-                                  dropout=dropout,
-                                  dropout_keep=None if keep is None else _array(keep),
-                                  workspace=workspace)
-        dropped = saved["probs_dropped"]
-        probs = saved["probs"] if dropped is None else dropped
-        weights = to_tensor(probs).clone() if need_weights else q.new_empty(0)
-        out = to_tensor(out)
-    core.last_report = context.report
-    return out, weights, _CoreSaved(core, saved, context.report, workspace)
-
-
-def run_core_backward(state: _CoreSaved, d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The body of ``abftgemm::attention_core_backward``: the inputs are read from the tensors
-    given here (those autograd kept)."""
-    core = state.core
-    inputs = state.saved["inputs"]
-    inputs.q, inputs.k, inputs.v = _array(q), _array(k), _array(v)
-    context = Context(core.check, core.plan, core.fault_hook, state.report)
-    with device_scope(d_out), _threads(d_out):
-        grads = core_backward(state.saved, _array(d_out), context, workspace=state.workspace)
-        result = tuple(to_tensor(g) for g in grads)
-    core.last_report = state.report
-    return result

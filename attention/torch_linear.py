@@ -46,7 +46,8 @@ from abftgemm._torch import device_scope
 from abftgemm.plan import ProtectedMatmul, settle_all
 from abftgemm.report import Report
 from attention import _torch_op, _torch_linear_op
-from attention.torch import _array, _threads
+from attention._torch_linear_op import weight_on_left
+from attention._torch_arrays import array, threads
 from attention.workspace import Workspace
 
 FaultHook = Callable[[str, Any], None]
@@ -140,7 +141,7 @@ class ProtectedLinearCore:
         m = _matrix(weight, weight_in_out)
         y = x.new_empty(x.shape[0], m.shape[1])
         report = Report()
-        with device_scope(x), _threads(x), np.errstate(all="ignore"):
+        with device_scope(x), threads(x), np.errstate(all="ignore"):
             pass_ = _Pass(self, x.device, report)
             pass_.product("forward", x, m, y, bias)
             pass_.settle()
@@ -163,7 +164,7 @@ class ProtectedLinearCore:
             else empty.clone()
         db = dy.new_empty(n_out) if need_bias else empty.clone()
         report = Report()
-        with device_scope(dy), _threads(dy), np.errstate(all="ignore"):
+        with device_scope(dy), threads(dy), np.errstate(all="ignore"):
             pass_ = _Pass(self, dy.device, report)
             if need_input and left:
                 pass_.product("d_input", m, dy.t(), dx.t(), constant=weight,
@@ -231,14 +232,14 @@ class _Pass:
             hook = _presenting(hook, present)
         gemm = (lambda: torch.mm(a, b, out=out)) if bias is None else \
             (lambda: torch.addmm(bias, a, b, out=out))
-        arrays = [_array(t) for t in (a, b, out)]
+        arrays = [array(t) for t in (a, b, out)]
         if core.check == "off":
             gemm()
             if hook is not None:
                 hook(site, arrays[2])
             return
         a_arr, b_arr, out_arr = arrays
-        bias_arr = None if bias is None else _array(bias)
+        bias_arr = None if bias is None else array(bias)
         plan = self.ws.product(site, a_arr, b_arr, bias_arr, core.check,
                                constant_a=constant is not None)
         if constant is not None:
@@ -271,14 +272,6 @@ class _Pass:
 
 def _presenting(hook: FaultHook, present: Callable[[Any], Any]) -> FaultHook:
     return lambda site, c: hook(site, present(c))
-
-
-def weight_on_left(n_in: int, n_out: int) -> bool:
-    """Whether ``d_input`` runs as ``dx^T = M dy^T`` (the weight's encoding kept, ``dx`` a
-    transposed view) rather than ``dx = dy M^T`` (``dy`` encoded every call, ``dx``
-    contiguous): when the layer widens (``n_in < n_out``), so that the ``dy`` read saved is wider
-    than the transposed ``dx`` its consumers pay for."""
-    return n_in < n_out
 
 
 def _matrix(weight: torch.Tensor, weight_in_out: bool) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """GPU check of the attention softmax kernels (``attention/kernels/softmax.cu``) against the NumPy
-path of the same steps (numba kernels), through :func:`attention.softmax.forward_step` and
-:func:`attention.softmax.backward_step`.
+path of the same steps (numba kernels), through :func:`attention.softmax_steps.forward_step` and
+:func:`attention.softmax_steps.backward_step`.
 
 Run from the repository root on a GPU machine: ``python scripts/cuda_smoke_softmax.py``. Prints
 one PASS/FAIL line per case and exits 1 if any case failed. Covers every dtype, rows that stay in
@@ -23,7 +23,7 @@ import numpy
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from abftgemm.checksums import accumulation_dtype, unit_roundoff  # noqa: E402
-from attention.softmax import backward_step, forward_step  # noqa: E402
+from attention.softmax_steps import backward_step, forward_step  # noqa: E402
 from attention.workspace import Workspace  # noqa: E402
 from cuda_smoke import host_dtype, to_device, widen  # noqa: E402  (scripts/ is on sys.path)
 

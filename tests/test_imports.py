@@ -9,8 +9,7 @@ two modules still depend on each other. Imports under ``if TYPE_CHECKING:`` do n
 never run). A package's ``__init__`` is an edge target only when it is named itself (``import
 abftgemm``, ``from abftgemm import matmul``), not because one of its submodules is imported.
 
-The graph must be acyclic except for the cycles of :data:`KNOWN_CYCLES`, which must stay exactly
-as they are until they are removed (then the list shrinks).
+The graph must be acyclic.
 """
 from __future__ import annotations
 
@@ -21,13 +20,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("abftgemm", "attention")
-#: Cycles left for now, each as the modules it joins (a strongly connected component). The
-#: PyTorch adapter: its custom operators (``_torch_op``, ``_torch_core_op``) call back into the
-#: modules that register them, and ``attention.torch.protect`` imports ``hf_protect``, which builds
-#: on ``torch_core``, which builds on ``attention.torch`` (issue 27's layering of the PyTorch
-#: entry points removes them).
-KNOWN_CYCLES = [frozenset({"attention.torch", "attention.torch_core", "attention._torch_op",
-                           "attention._torch_core_op", "attention.hf", "attention.hf_protect"})]
 
 
 def module_files() -> dict[str, Path]:
@@ -173,16 +165,9 @@ def test_strongly_connected():
 
 def test_no_import_cycles():
     graph = import_graph()
-    for component in strongly_connected(graph):
-        if component not in KNOWN_CYCLES:
-            cycle = find_cycle({m: graph[m] & component for m in component})
-            raise AssertionError("import cycle: " + " -> ".join(cycle))
-
-
-def test_known_cycles_are_still_there():
-    """A known cycle that is gone, or has grown, must be taken off (or restated in) the list."""
-    components = strongly_connected(import_graph())
-    assert all(known in components for known in KNOWN_CYCLES), components
+    cycles = [" -> ".join(find_cycle({m: graph[m] & c for m in c}))
+              for c in strongly_connected(graph)]
+    assert not cycles, "import cycles: " + "; ".join(cycles)
 
 
 def test_abftgemm_imports_nothing_from_attention():

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from abftgemm.backend import to_host
 from abftgemm.checksums import unit_roundoff
-from attention.softmax import backward_step, forward_step
+from attention.softmax_steps import backward_step, forward_step
 from attention.workspace import Workspace
 from conftest import BACKENDS
 
