@@ -40,7 +40,8 @@ def _known(outcome: tuple[bool, float, float]) -> Verdict:
 
 
 class CpuForwardStep(Step):
-    """The forward softmax of one pass on the CPU; see :func:`attention.softmax_steps.forward_step`."""
+    """The forward softmax of one pass on the CPU; see
+    :func:`attention.softmax_steps.forward_step`."""
 
     def __init__(self, inp: Any, scores: Any, probs: Any, ctx: Any, ws: Any, plan: Any | None):
         super().__init__()
@@ -97,7 +98,8 @@ class CpuForwardStep(Step):
 
 
 class CpuBackwardStep(Step):
-    """The backward softmax of one pass on the CPU; see :func:`attention.softmax_steps.backward_step`."""
+    """The backward softmax of one pass on the CPU; see
+    :func:`attention.softmax_steps.backward_step`."""
 
     def __init__(self, d_probs: Any, probs: Any, d_scores: Any, scale: float, ctx: Any, ws: Any,
                  plan: Any | None, causal: bool, dropout: Any | None):

@@ -31,7 +31,8 @@ def _device_verdict(ws: Any, name: str, rows: int) -> _cuda_softmax.DeviceVerdic
 
 
 class GpuForwardStep(Step):
-    """The forward softmax of one pass on the GPU; see :func:`attention.softmax_steps.forward_step`."""
+    """The forward softmax of one pass on the GPU; see
+    :func:`attention.softmax_steps.forward_step`."""
 
     def __init__(self, inp: Any, scores: Any, probs: Any, ctx: Any, ws: Any, plan: Any | None):
         super().__init__()
@@ -67,7 +68,8 @@ class GpuForwardStep(Step):
 
 
 class GpuBackwardStep(Step):
-    """The backward softmax of one pass on the GPU; see :func:`attention.softmax_steps.backward_step`.
+    """The backward softmax of one pass on the GPU; see
+    :func:`attention.softmax_steps.backward_step`.
     With a fault hook, the hook sees the unscaled ``dS`` in the accumulation dtype."""
 
     def __init__(self, d_probs: Any, probs: Any, d_scores: Any, scale: float, ctx: Any, ws: Any,

@@ -1,7 +1,7 @@
 """The bodies of the custom operators ``abftgemm::mha_forward`` and ``abftgemm::mha_backward``
-(:mod:`attention._torch_op`): one forward or backward of an :class:`attention.torch.MultiheadAttention`
-on batch-first tensors, through the functional core on their memory (no copies), and the masks
-in the core's layout. The module arrives as an argument (named by the operator's ``op_id``), so
+(:mod:`attention._torch_op`): one forward or backward of an
+:class:`attention.torch.MultiheadAttention` on batch-first tensors, through the functional core
+on their memory (no copies), and the masks in the core's layout. The module arrives as an argument (named by the operator's ``op_id``), so
 nothing here imports :mod:`attention.torch`.
 """
 from __future__ import annotations

@@ -150,8 +150,8 @@ def _backward(p: _Pass, saved: dict[str, Any], d_out: Any) -> tuple[Any, Any, An
     plan = p.gemm_deferred("d_probs", d_probs)
     dv = p.gemm("d_v", xp.empty((n, seq_k, d), dt))
     d_scores = ws.buffer("d_scores", xp, (n, seq_q, seq_k), dt)
-    step = softmax_steps.backward_step(d_probs, saved["probs"], d_scores, inp.scale, p.ctx, ws, plan,
-                                 causal=inp.causal, dropout=inp.dropout)
+    step = softmax_steps.backward_step(d_probs, saved["probs"], d_scores, inp.scale, p.ctx, ws,
+                                       plan, causal=inp.causal, dropout=inp.dropout)
     p.consumed("d_probs", plan, step.run)
     p.invariant("softmax_backward", step.verdict, step.recompute)
     p.env["d_scores"] = d_scores

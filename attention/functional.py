@@ -546,8 +546,8 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any,
     plan = p.gemm_deferred("d_probs", d_probs)
     p.gemm("d_v", ws.buffer("d_vh", xp, (batch * h, seq_k, hd), dt))
     d_scores = ws.buffer("d_scores", xp, (batch * h, seq_q, seq_k), dt)
-    step = softmax_steps.backward_step(d_probs, saved["probs"], d_scores, 1 / math.sqrt(hd), p.ctx, ws,
-                                 plan, causal=inp.causal, dropout=inp.dropout)
+    step = softmax_steps.backward_step(d_probs, saved["probs"], d_scores, 1 / math.sqrt(hd),
+                                       p.ctx, ws, plan, causal=inp.causal, dropout=inp.dropout)
     p.consumed("d_probs", plan, step.run)
     p.invariant("softmax_backward", step.verdict, step.recompute)
     p.env["d_scores"] = d_scores

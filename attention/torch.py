@@ -184,8 +184,9 @@ device, dtype
 
     def _param_views(self, in_w: torch.Tensor, in_b: torch.Tensor | None, out_w: torch.Tensor,
                      out_b: torch.Tensor | None) -> dict[str, Any]:
-        """:func:`attention._torch_mha.params_of` of these tensors, kept while none of them moved to other memory or
-        changed layout (optimizer steps update them in place, which the views see)."""
+        """:func:`attention._torch_mha.params_of` of these tensors, kept while none of them moved
+        to other memory or changed layout (optimizer steps update them in place, which the views
+        see)."""
         key = tuple(None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
                     for t in (in_w, in_b, out_w, out_b))
         if self._views[0] != key:

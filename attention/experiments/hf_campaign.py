@@ -137,10 +137,30 @@ def summary_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def kinds_table(result: dict[str, Any]) -> str:
+    """Per fault kind, over every site: faulty runs, how many became non-trainable unprotected and
+    after how many steps (``k``: that many steps after the faulty one), and the protected runs
+    detected and made non-trainable."""
+    lines = ["| kind | runs | unprotected: non-trainable | after (steps: runs) | "
+             "protected: detected | protected: non-trainable |", "|" + "---|" * 6]
+    for kind in dict.fromkeys(r["kind"] for r in result["records"]):
+        mine = [r for r in result["records"] if r["kind"] == kind and r["fired"]]
+        off = [r for r in mine if not r["protected"]]
+        on = [r for r in mine if r["protected"]]
+        after = sorted(r["steps_to_non_trainable"] for r in off
+                       if r["non_trainable_at"] is not None)
+        spread = ", ".join(f"{k}: {after.count(k)}" for k in dict.fromkeys(after)) or "-"
+        lines.append(f"| {kind} | {len(off)} | {len(after)} | {spread} | "
+                     f"{sum(r['detected'] > 0 for r in on)} | "
+                     f"{sum(r['non_trainable_at'] is not None for r in on)} |")
+    return "\n".join(lines)
+
+
 def markdown(result: dict[str, Any]) -> str:
-    """The per-(site, kind) table and the totals."""
+    """The per-kind and per-(site, kind) tables and the totals."""
     rows = summary_rows(result)
-    lines = ["| site | kind | runs | unprotected: non-trainable | steps until then | "
+    lines = [kinds_table(result), "",
+             "| site | kind | runs | unprotected: non-trainable | steps until then | "
              "protected: detected | protected: max abs dloss |", "|" + "---|" * 7]
     for r in rows:
         lines.append(f"| {r['site']} | {r['kind']} | {r['runs']} | {_pct(r['non_trainable'])} | "
