@@ -4,8 +4,9 @@ Two drivers hold the loops, :func:`_forward_block` (one query block of one head)
 :func:`_backward_head` (one head); everything elementwise, every tile product and every check
 is a leaf ``njit`` function they call. Each driver is a plain Python function compiled as well:
 the compiled one runs inside the ``prange`` kernels (:func:`forward`, :func:`backward`) with
-:func:`no_hook`, and the Python one runs, block after block, when a fault hook must see the
-internal tiles (it calls the same compiled leaves, so both paths share every check).
+:func:`no_hook` as the global ``_HOOK``, and the Python one (:func:`python_drivers`) runs,
+block after block, when a fault hook must see the internal tiles (it calls the same compiled
+leaves, so both paths share every check).
 
 Sites (indices into the per-task records ``rec[task, site, field]``): see :data:`SITES`.
 Record fields: ``FLAGS`` detections, ``FAILED`` recomputation did not verify, ``RATIO`` the worst
@@ -15,6 +16,7 @@ located element (global indices; -1 where none), ``AFTER`` the worst ratio after
 from __future__ import annotations
 
 import math
+import types
 from typing import Any
 
 import numba
@@ -458,7 +460,7 @@ def _settle(rec: Any, site: int, attempt: int, ratio: float, correct: bool, info
 
 def _forward_block(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, b: int, i0: int,
                    scale: Any, causal: bool, check: bool, correct: bool, c_s: Any, c_o: Any,
-                   c_l: Any, tol_p: Any, out: Any, lse: Any, rec: Any, hook: Any) -> int:
+                   c_l: Any, tol_p: Any, out: Any, lse: Any, rec: Any) -> int:
     """One query block ``[i0, i0 + BR)`` of head ``b``: online softmax over the key tiles with
     every check; writes ``out[b, block]`` and ``lse[b, block]``. Returns 0, or -1 when a
     recomputation did not verify."""
@@ -495,7 +497,7 @@ def _forward_block(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, b: in
             p = pbuf[:rows * cols].reshape(rows, cols)
             for a in range(2):
                 _product_t(qb, kt[b], j0, s)
-                hook(S_, s)
+                _HOOK(S_, s)
                 ratio = 0.0
                 if check:
                     _predict(k[b, j0:j1], qenc, pred)
@@ -511,7 +513,7 @@ def _forward_block(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, b: in
             _new_max(s, m, alpha)
             for a in range(2):
                 _exp_rows(s, m, p)
-                hook(P_, p)
+                _HOOK(P_, p)
                 ratio = _probs_ratio(s, p, m, tol_p, info) if check else 0.0
                 st = _settle(rec, P_, a, ratio, correct, info, i0, j0, True)
                 if st != 1:
@@ -522,7 +524,7 @@ def _forward_block(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, b: in
             _accumulate(p, v[b, j0:j1], alpha, acc)
             if check:
                 _carry(p, ve[b, j0:j1], alpha, oc, False)
-            hook(O_, acc)
+            _HOOK(O_, acc)
         ob = out[b, i0:i1]
         st = _settle(rec, L_, attempt, _rowsum_ratio(oc, l, c_l, info) if check else 0.0,
                      correct, info, i0, -1, True)
@@ -550,7 +552,7 @@ def _backward_tile(q: Any, k: Any, kt: Any, vt: Any, do: Any, dd: Any, lse: Any,
                    venc: Any, scale: Any, causal: bool, check: bool, correct: bool, c_s: Any,
                    tol_p: Any, tol_ds: Any, bufs: Any, dkb: Any, dvb: Any, dkc: Any, dvc: Any,
                    dq: Any, dqc: Any, do_kv: bool, do_q: bool, rec: Any, info: Any, pred: Any,
-                   obs: Any, hook: Any) -> int:
+                   obs: Any) -> int:
     """One tile (query block ``i0``, keys ``[j0, j1)``) of head ``b``: ``S`` and ``P``
     recomputed and checked, then ``dV += P^T dO``, ``dP = dO V^T``, ``dS = P (dP - D)``,
     ``dK += dS^T Q`` (``do_kv``) and ``dQ += dS K`` (``do_q``), unscaled, each accumulator with
@@ -567,7 +569,7 @@ def _backward_tile(q: Any, k: Any, kt: Any, vt: Any, do: Any, dd: Any, lse: Any,
     info[5] = cols
     for a in range(2):
         _product_t(qi, kt[b], j0, s)
-        hook(S_, s)
+        _HOOK(S_, s)
         ratio = 0.0
         if check:
             _predict(qi, kenc, pred)
@@ -581,7 +583,7 @@ def _backward_tile(q: Any, k: Any, kt: Any, vt: Any, do: Any, dd: Any, lse: Any,
     _mask(s, scale, i0, j0, causal, vis)
     for a in range(2):
         _exp_rows(s, lse_i, p)
-        hook(P_, p)
+        _HOOK(P_, p)
         ratio = _probs_ratio(s, p, lse_i, tol_p, info) if check else 0.0
         st = _settle(rec, P_, a, ratio, correct, info, i0, j0, True)
         if st != 1:
@@ -592,11 +594,11 @@ def _backward_tile(q: Any, k: Any, kt: Any, vt: Any, do: Any, dd: Any, lse: Any,
         _accumulate_t(p, doi, dvb)
         if check:
             _carry(p, doe[b, i0:i1], none, dvc, True)
-        hook(DV_, dvb)
+        _HOOK(DV_, dvb)
     info[5] = cols
     for a in range(2):
         _product_t(doi, vt[b], j0, dp)
-        hook(DP_, dp)
+        _HOOK(DP_, dp)
         ratio = 0.0
         if check:
             _predict(doi, venc, pred)
@@ -609,7 +611,7 @@ def _backward_tile(q: Any, k: Any, kt: Any, vt: Any, do: Any, dd: Any, lse: Any,
         return -1
     for a in range(2):
         _dscores(p, dp, dd_i, ds)
-        hook(DS_, ds)
+        _HOOK(DS_, ds)
         ratio = _dscores_ratio(ds, p, dp, dd_i, tol_ds, info) if check else 0.0
         st = _settle(rec, DS_, a, ratio, correct, info, i0, j0, True)
         if st != 1:
@@ -620,21 +622,20 @@ def _backward_tile(q: Any, k: Any, kt: Any, vt: Any, do: Any, dd: Any, lse: Any,
         _accumulate_t(ds, qi, dkb)
         if check:
             _carry(ds, qe[b, i0:i1], none, dkc, True)
-        hook(DK_, dkb)
+        _HOOK(DK_, dkb)
     if do_q:
         dqi = dq[b, i0:i1]
         _accumulate(ds, k[b, j0:j1], none, dqi)
         if check:
             _carry(ds, ke[b, j0:j1], none, dqc[b, i0:i1], False)
-        hook(DQ_, dqi)
+        _HOOK(DQ_, dqi)
     return 0
 
 
 def _backward_head(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, lse: Any,
                    qe: Any, ke: Any, doe: Any, visible: Any, b: int, scale: Any, causal: bool,
                    check: bool, correct: bool, c_s: Any, c_kv: Any, c_q: Any, tol_p: Any,
-                   tol_ds: Any, dq: Any, dk: Any, dv: Any, dqc: Any, rec: Any, tile: Any,
-                   hook: Any) -> int:
+                   tol_ds: Any, dq: Any, dk: Any, dv: Any, dqc: Any, rec: Any) -> int:
     """Head ``b``, FlashAttention-2 order: key blocks outside, query blocks inside; ``dK`` and
     ``dV`` of a key block accumulate in the block, ``dQ`` in ``dq[b]`` (this head's alone, so
     heads run in parallel without races). A flagged ``dK``/``dV`` block is recomputed (its
@@ -665,10 +666,10 @@ def _backward_head(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, l
             dkc[:cols] = 0.0
             dvc[:cols] = 0.0
             for i0 in range(first, lq, BR):
-                if tile(q, k, kt, vt, do, dd, lse, qe, ke, doe, vis, b, i0, j0, j1, kenc, venc,
+                if _TILE(q, k, kt, vt, do, dd, lse, qe, ke, doe, vis, b, i0, j0, j1, kenc, venc,
                         scale, causal, check, correct, c_s, tol_p, tol_ds, bufs, dkb[:cols],
                         dvb[:cols], dkc[:cols], dvc[:cols], dq, dqc, True, attempt == 0, rec,
-                        info, pred, obs, hook) < 0:
+                        info, pred, obs) < 0:
                     return -1
             st = 0
             if check:
@@ -697,10 +698,10 @@ def _backward_head(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, l
                     j1 = min(j0 + BC, lk)
                     _encode_cols(k[b, j0:j1], kenc)
                     _encode_cols(v[b, j0:j1], venc)
-                    if tile(q, k, kt, vt, do, dd, lse, qe, ke, doe, vis, b, i0, j0, j1, kenc,
+                    if _TILE(q, k, kt, vt, do, dd, lse, qe, ke, doe, vis, b, i0, j0, j1, kenc,
                             venc, scale, causal, check, correct, c_s, tol_p, tol_ds, bufs,
                             dkb[:j1 - j0], dvb[:j1 - j0], dkc[:j1 - j0], dvc[:j1 - j0], dq, dqc,
-                            False, True, rec, info, pred, obs, hook) < 0:
+                            False, True, rec, info, pred, obs) < 0:
                         return -1
             if not check:
                 break
@@ -716,9 +717,23 @@ def _backward_head(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, l
     return 0
 
 
+#: The drivers' globals: the hook, and the tile the head calls. Compiled, they are ``no_hook`` and
+#: the compiled tile, frozen at compile time; :func:`python_drivers` runs the same code with
+#: others.
+_HOOK = no_hook
+_TILE = numba.njit(cache=True)(_backward_tile)
 _forward_block_jit = numba.njit(cache=True)(_forward_block)
-_backward_tile_jit = numba.njit(cache=True)(_backward_tile)
 _backward_head_jit = numba.njit(cache=True)(_backward_head)
+
+
+def python_drivers(hook: Any) -> tuple[Any, Any]:
+    """``(forward_block, backward_head)``: :func:`_forward_block` and :func:`_backward_head` as
+    Python functions calling ``hook(site, tile)`` (the leaves stay compiled)."""
+    def rebound(fn: Any, **names: Any) -> Any:
+        return types.FunctionType(fn.__code__, {**fn.__globals__, **names}, fn.__name__)
+
+    tile = rebound(_backward_tile, _HOOK=hook)
+    return rebound(_forward_block, _HOOK=hook), rebound(_backward_head, _HOOK=hook, _TILE=tile)
 
 
 @numba.njit(cache=True, parallel=True)
@@ -730,7 +745,7 @@ def forward(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, scale: Any, 
     for t in numba.prange(q.shape[0] * nqb):
         status[t] = _forward_block_jit(q, k, kt, v, ve, visible, t // nqb, (t % nqb) * BR, scale,
                                        causal, check, correct, c_s, c_o, c_l, tol_p, out, lse,
-                                       rec[t], no_hook)
+                                       rec[t])
 
 
 @numba.njit(cache=True, parallel=True)
@@ -742,8 +757,7 @@ def backward(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, lse: An
     for b in numba.prange(q.shape[0]):
         status[b] = _backward_head_jit(q, k, kt, v, vt, do, dd, lse, qe, ke, doe, visible, b,
                                        scale, causal, check, correct, c_s, c_kv, c_q, tol_p,
-                                       tol_ds, dq, dk, dv, dqc, rec[b], _backward_tile_jit,
-                                       no_hook)
+                                       tol_ds, dq, dk, dv, dqc, rec[b])
 
 
 @numba.njit(cache=True, parallel=True, fastmath=_FAST)

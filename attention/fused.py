@@ -195,9 +195,9 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         _threads()
         K.forward(*args, *rest, rec, status)
     else:
-        hook = _site_hook(ctx)
+        block, _ = K.python_drivers(_site_hook(ctx))
         for t in range(n * nqb):
-            status[t] = K._forward_block(*args, t // nqb, (t % nqb) * K.BR, *rest, rec[t], hook)
+            status[t] = block(*args, t // nqb, (t % nqb) * K.BR, *rest, rec[t])
     _book(ctx, rec, status, lambda t: t // nqb, FORWARD_SITES, check)
     return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "scale": scale,
                  "causal": causal, "visible": visible}
@@ -244,9 +244,9 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
         _threads()
         K.backward(*args, *rest, rec, status)
     else:
-        hook = _site_hook(ctx)
+        _, head = K.python_drivers(_site_hook(ctx))
         for b in range(n):
-            status[b] = K._backward_head(*args, b, *rest, rec[b], K._backward_tile, hook)
+            status[b] = head(*args, b, *rest, rec[b])
     _book(ctx, rec, status, lambda t: t, BACKWARD_SITES, check)
     return dq, dk, dv
 
