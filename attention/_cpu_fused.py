@@ -276,38 +276,58 @@ def _rowsum_ratio(oc: Any, l: Any, coef: Any, info: Any) -> float:
 
 
 @numba.njit(cache=True, fastmath=_FAST)
+def _probs_bad(pv: Any, x: Any, t0: Any, t1: Any, t2: Any, tiny: Any) -> Any:
+    """One entry of the softmax invariant, ``pv`` the stored ``P``, ``x = z - m``: 0 when it
+    holds, else at least 1. A normal ``pv`` needs ``|log pv - x| <= t0 + t1 |x|`` (and ``x``
+    above the flush ``t2`` less 1); one below ``tiny`` needs ``0 <= pv`` and ``x < t2 + 1`` (it
+    weighs under ``e * tiny``); NaN fails. Arithmetic on the comparisons, no branch, so the
+    tile's loop vectorizes."""
+    lp = log_like(max(pv, tiny))
+    by_log = np.float32(abs(lp - x) > t0 + t1 * abs(x)) + np.float32(x < t2 - 1)
+    small = np.float32(pv < 0) + np.float32(x >= t2 + 1)
+    normal = np.float32(pv >= tiny)
+    return normal * by_log + (1 - normal) * small + np.float32(pv != pv)
+
+
+@numba.njit(cache=True, fastmath=_FAST)
 def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
     """The softmax invariant of a tile, judged on what was stored: ``log p_ij = z_ij - m_i``
     (``m`` the running max forward, the log-sum-exp backward) within ``tol[0] + tol[1] |z_ij -
-    m_i|``; an entry below ``tol[3]``, the smallest normal number, must have ``z_ij - m_i <
-    tol[2]`` (the
-    exponential's flush or underflow), a row with ``m_i = -inf`` must be 0. Returns the worst ratio; ``info``
-    as :func:`_judge` (vector = row, position = key)."""
+    m_i|``; an entry below ``tol[3]``, the smallest normal number, must have ``z_ij - m_i`` below
+    the exponential's flush or underflow ``tol[2]`` (:func:`_probs_bad`); a row with ``m_i =
+    -inf`` must be 0. Returns 0 when every entry holds, else the worst ratio (at least 1; INF
+    where the logarithm cannot measure it) with ``info`` as :func:`_judge` (vector = row,
+    position = key)."""
     rows, cols = p.shape
-    tiny = tol[3]
-    worst = 0.0
-    info[0], info[3], info[4] = 0.0, -1.0, -1.0
+    t0, t1, t2, tiny = like(p, tol[0]), like(p, tol[1]), like(p, tol[2]), like(p, tol[3])
+    bad = np.float32(0)
     for r in range(rows):
+        mr, zr, pr = m[r], z[r], p[r]
+        if mr == -np.inf:
+            for j in range(cols):
+                bad += np.float32(pr[j] != 0)
+        else:
+            for j in range(cols):
+                bad += _probs_bad(pr[j], zr[j] - mr, t0, t1, t2, tiny)
+    if bad == 0:
+        return 0.0
+    worst = 0.0
+    for r in range(rows):  # rare: locate and measure for the report
         mr = m[r]
-        row = 0.0
-        where = 0
         for j in range(cols):
             pv = p[r, j]
             if mr == -np.inf:
                 e = 0.0 if pv == 0 else np.inf
             else:
                 x = z[r, j] - mr
-                if pv >= tiny:
+                e = 0.0
+                if _probs_bad(pv, x, t0, t1, t2, tiny) > 0:
                     e = abs(np.float64(log_like(pv)) - np.float64(x)) / \
-                        (tol[0] + tol[1] * abs(np.float64(x)))
-                else:
-                    e = 0.0 if (pv >= 0 and x < tol[2]) else np.inf
-            if not e <= row:
-                row = e if e == e else np.inf
-                where = j
-        if row > worst:
-            worst = row
-            info[0], info[1], info[2], info[3], info[4] = row, row, 1.0, r, where
+                        (tol[0] + tol[1] * abs(np.float64(x))) if pv >= tiny else np.inf
+                    e = max(e, 1.0 + 2.0 ** -20) if e == e else np.inf
+            if e > worst:
+                worst = e
+                info[0], info[1], info[2], info[3], info[4] = e, e, 1.0, r, j
     return worst
 
 
