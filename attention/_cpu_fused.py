@@ -204,16 +204,21 @@ def _observe_rows(t: Any, out: Any) -> None:
 
 @numba.njit(cache=True, fastmath=_FAST)
 def _observe_cols(t: Any, out: Any) -> None:
-    """``out[j] = (sum_r t_rj, sum_r w_r t_rj, sum_r |t_rj|)``, ``w_r = (r + 1) / rows``."""
+    """``out[j] = (sum_r t_rj, sum_r w_r t_rj, sum_r |t_rj|)``, ``w_r = (r + 1) / rows`` (summed
+    in three contiguous rows, so the loop over ``j`` vectorizes)."""
     rows, cols = t.shape
-    out[:cols] = 0.0
+    sums = np.zeros((3, cols))
+    s0, s1, s2 = sums[0], sums[1], sums[2]
     for r in range(rows):
         w = (r + 1) / rows
+        tr = t[r]
         for j in range(cols):
-            v = np.float64(t[r, j])
-            out[j, 0] += v
-            out[j, 1] += w * v
-            out[j, 2] += abs(v)
+            v = np.float64(tr[j])
+            s0[j] += v
+            s1[j] += w * v
+            s2[j] += abs(v)
+    for j in range(cols):
+        out[j, 0], out[j, 1], out[j, 2] = s0[j], s1[j], s2[j]
 
 
 # ------------------------------------------------------------------ judging
