@@ -21,7 +21,8 @@ The count, unless :func:`set_threads` fixed one (or the ``ABFT_THREADS`` environ
   ``threadpoolctl.threadpool_limits`` stay in force).
 
 numba: the library's kernels are serial (no ``parallel=True``), so numba never starts its thread
-pool (tests/test_threads.py checks it). PyTorch: the library never changes PyTorch's own thread
+pool (tests/test_threads.py checks it), except the fused attention core (:mod:`attention.fused`),
+whose kernels run in numba's pool at :func:`current_policy` threads and call no BLAS. PyTorch: the library never changes PyTorch's own thread
 settings; it only counts them, as above. Measured (bench/loaded.py, bench/NOTES.md, "the thread policy on a shared machine"): on
 a 2-core AMD EPYC with a CPU-bound process running, the protected ``attention.torch`` layer at
 (4, 4, 128, 32) took 1796 ms fwd+bwd before the policy and 78 ms with it (BLAS forced to one
