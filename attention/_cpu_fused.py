@@ -308,15 +308,18 @@ def _rowsum_ratio(oc: Any, l: Any, coef: Any, info: Any) -> float:
     return worst
 
 
-@numba.njit(cache=True, fastmath=_FAST)
+@numba.njit(cache=True, fastmath=_FAST, inline="always")
 def _probs_bad(pv: Any, x: Any, t0: Any, t1: Any, t2: Any, tiny: Any) -> Any:
     """One entry of the softmax invariant, ``pv`` the stored ``P``, ``x = z - m``: 0 when it
     holds, else at least 1. A normal ``pv`` needs ``|log pv - x| <= t0 + t1 |x|`` (and ``x``
     above the flush ``t2`` less 1); one below ``tiny`` needs ``0 <= pv`` and ``x < t2 + 1`` (it
     weighs under ``e * tiny``); NaN fails. Arithmetic on the comparisons, no branch, so the
     tile's loop vectorizes."""
-    lp = log_like(max(pv, tiny))
-    by_log = np.float32(abs(lp - x) > t0 + t1 * abs(x)) + np.float32(x < t2 - 1)
+    lp = log_like(pv if pv > tiny else tiny)  # selects, not max/abs: those keep NaN rules
+    d = lp - x
+    d = d if d >= 0 else -d
+    ax = x if x >= 0 else -x
+    by_log = np.float32(d > t0 + t1 * ax) + np.float32(x < t2 - 1)
     small = np.float32(pv < 0) + np.float32(x >= t2 + 1)
     normal = np.float32(pv >= tiny)
     return normal * by_log + (1 - normal) * small + np.float32(pv != pv)
