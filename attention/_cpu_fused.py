@@ -22,7 +22,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from attention._cpu_vmath import EXP_FLUSH, exp_like, like, log_like
+from attention._cpu_vmath import exp_like, like, log_like
 
 #: Query rows and keys per tile.
 BR = 64
