@@ -21,10 +21,12 @@ The count, unless :func:`set_threads` fixed one (or the ``ABFT_THREADS`` environ
   ``threadpoolctl.threadpool_limits`` stay in force).
 
 numba: the library's kernels are serial (no ``parallel=True``), so numba never starts its thread
-pool (tests/test_threads.py checks it). PyTorch: the library never changes PyTorch's own thread
-settings; it only counts them, as above. With a CPU-bound process running on a 2-core machine,
-the protected ``attention.torch`` layer runs many times faster under the policy than without it
-(bench/loaded.py; bench/NOTES.md, "the thread policy on a shared machine").
+pool (tests/test_threads.py checks it), except the fused attention core (:mod:`attention.fused`),
+whose kernels run in numba's pool at :func:`current_policy` threads and call no BLAS. PyTorch: the
+library never changes PyTorch's own thread settings; it only counts them, as above. With a
+CPU-bound process running on a 2-core machine, the protected ``attention.torch`` layer runs many
+times faster under the policy than without it (bench/loaded.py; bench/NOTES.md, "the thread
+policy on a shared machine").
 """
 from __future__ import annotations
 

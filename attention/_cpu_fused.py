@@ -1,0 +1,827 @@
+"""numba kernels of the fused protected attention core (CPU); see :mod:`attention.fused`.
+
+Two drivers hold the loops, :func:`_forward_block` (one query block of one head) and
+:func:`_backward_head` (one head); everything elementwise, every tile product and every check
+is a leaf ``njit`` function they call. Each driver is a plain Python function compiled as well:
+the compiled one runs inside the ``prange`` kernels (:func:`forward`, :func:`backward`) with
+:func:`no_hook` as the global ``_HOOK``, and the Python one (:func:`python_drivers`) runs,
+block after block, when a fault hook must see the internal tiles (it calls the same compiled
+leaves, so both paths share every check).
+
+Sites (indices into the per-task records ``rec[task, site, field]``): see :data:`SITES`.
+Record fields: ``FLAGS`` detections, ``FAILED`` recomputation did not verify, ``RATIO`` the worst
+``|d| / tau`` found, ``MAG`` and ``TAU`` its difference and threshold, ``ROW``/``COL`` the
+located element (global indices; -1 where none), ``AFTER`` the worst ratio after recomputation.
+"""
+from __future__ import annotations
+
+import math
+import types
+from typing import Any
+
+import numba
+import numpy as np
+
+from attention._cpu_vmath import exp_like, like, log_like
+
+#: Query rows and keys per tile.
+BR = 64
+BC = 64
+
+SITES = ("fused:S", "fused:P", "fused:O_acc", "fused:rowsum", "fused:dP", "fused:dS",
+         "fused:dQ_acc", "fused:dK_acc", "fused:dV_acc")
+S_, P_, O_, L_, DP_, DS_, DQ_, DK_, DV_ = range(len(SITES))
+FLAGS, FAILED, RATIO, MAG, TAU, ROW, COL, AFTER = range(8)
+FIELDS = 8
+
+#: Reassociation and contraction let LLVM vectorize the sums (not ``fastmath=True``: the checks
+#: must see NaN and INF).
+_FAST = {"reassoc", "contract"}
+
+
+@numba.njit(cache=True)
+def no_hook(site: int, tile: Any) -> None:
+    """The compiled path's hook: nothing."""
+
+
+# ------------------------------------------------------------------ tile products
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _product_t(a: Any, bt: Any, j0: int, out: Any) -> None:
+    """``out = a @ bt[:, j0:j0+cols]`` (``a`` rows x d, ``bt`` d x L): ``Q K^T`` and ``dO V^T``
+    with ``K^T``, ``V^T`` stored transposed, so the inner loop runs along contiguous keys; four
+    rows at a time share each load of ``bt`` (about 1.5x faster than one)."""
+    rows, cols = out.shape
+    d = a.shape[1]
+    out[:] = 0
+    r = 0
+    while r + 4 <= rows:
+        o0, o1, o2, o3 = out[r], out[r + 1], out[r + 2], out[r + 3]
+        for c in range(d):
+            x0, x1, x2, x3 = a[r, c], a[r + 1, c], a[r + 2, c], a[r + 3, c]
+            b = bt[c, j0:j0 + cols]
+            for j in range(cols):
+                bj = b[j]
+                o0[j] += x0 * bj
+                o1[j] += x1 * bj
+                o2[j] += x2 * bj
+                o3[j] += x3 * bj
+        r += 4
+    for r in range(r, rows):
+        o = out[r]
+        for c in range(d):
+            x = a[r, c]
+            b = bt[c, j0:j0 + cols]
+            for j in range(cols):
+                o[j] += x * b[j]
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _accumulate(a: Any, b: Any, alpha: Any, acc: Any) -> None:
+    """``acc = alpha[:, None] * acc + a @ b`` (``a`` rows x cols, ``b`` cols x d); ``alpha`` empty
+    for no rescaling. ``P V`` and ``dS K``; four rows of ``b`` per pass over a row of ``acc``
+    (about 2x faster than one)."""
+    rows, cols = a.shape
+    d = b.shape[1]
+    for r in range(rows):
+        o = acc[r]
+        if alpha.size:
+            s = alpha[r]
+            for c in range(d):
+                o[c] *= s
+        j = 0
+        while j + 4 <= cols:
+            x0, x1, x2, x3 = a[r, j], a[r, j + 1], a[r, j + 2], a[r, j + 3]
+            b0, b1, b2, b3 = b[j], b[j + 1], b[j + 2], b[j + 3]
+            for c in range(d):
+                o[c] += x0 * b0[c] + x1 * b1[c] + x2 * b2[c] + x3 * b3[c]
+            j += 4
+        for j in range(j, cols):
+            x, bj = a[r, j], b[j]
+            for c in range(d):
+                o[c] += x * bj[c]
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _accumulate_t(a: Any, b: Any, acc: Any) -> None:
+    """``acc += a^T @ b`` (``a`` rows x cols, ``b`` rows x d, ``acc`` cols x d): ``P^T dO`` and
+    ``dS^T Q``, four rows of ``b`` per pass over a row of ``acc``."""
+    rows, cols = a.shape
+    d = b.shape[1]
+    r = 0
+    while r + 4 <= rows:
+        b0, b1, b2, b3 = b[r], b[r + 1], b[r + 2], b[r + 3]
+        for j in range(cols):
+            x0, x1, x2, x3 = a[r, j], a[r + 1, j], a[r + 2, j], a[r + 3, j]
+            o = acc[j]
+            for c in range(d):
+                o[c] += x0 * b0[c] + x1 * b1[c] + x2 * b2[c] + x3 * b3[c]
+        r += 4
+    for r in range(r, rows):
+        br = b[r]
+        for j in range(cols):
+            x, o = a[r, j], acc[j]
+            for c in range(d):
+                o[c] += x * br[c]
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _carry(a: Any, enc: Any, alpha: Any, acc: Any, transpose: bool) -> None:
+    """The checksum columns beside a product: ``acc = alpha * acc + a @ enc`` (or ``acc += a^T @
+    enc`` with ``transpose``), float64, ``enc`` ``(cols or rows, 3)`` row encodings of the other
+    operand. ``acc`` may have a fourth column: it then also receives the row sums of ``a`` (the
+    forward's independent ``sum p``)."""
+    rows, cols = a.shape
+    width = acc.shape[1]
+    if transpose:
+        for r in range(rows):
+            e0, e1, e2 = enc[r, 0], enc[r, 1], enc[r, 2]
+            for j in range(cols):
+                x = np.float64(a[r, j])
+                acc[j, 0] += x * e0
+                acc[j, 1] += x * e1
+                acc[j, 2] += abs(x) * e2
+        return
+    for r in range(rows):
+        if alpha.size:
+            s = np.float64(alpha[r])
+            for f in range(width):
+                acc[r, f] *= s
+        t0 = t1 = t2 = t3 = 0.0
+        for j in range(cols):
+            x = np.float64(a[r, j])
+            t0 += x * enc[j, 0]
+            t1 += x * enc[j, 1]
+            t2 += abs(x) * enc[j, 2]
+            t3 += x
+        acc[r, 0] += t0
+        acc[r, 1] += t1
+        acc[r, 2] += t2
+        if width > 3:
+            acc[r, 3] += t3
+
+
+# ------------------------------------------------------------------ encodings and observation
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _encode_rows_2d(x: Any, out: Any) -> None:
+    """``out[r] = (sum_c x_rc, sum_c w_c x_rc, sum_c |x_rc|)``, ``w_c = (c + 1) / d``."""
+    d = x.shape[1]
+    for r in range(x.shape[0]):
+        t0 = t1 = t2 = 0.0
+        for c in range(d):
+            v = np.float64(x[r, c])
+            t0 += v
+            t1 += v * ((c + 1) / d)
+            t2 += abs(v)
+        out[r, 0], out[r, 1], out[r, 2] = t0, t1, t2
+
+
+@numba.njit(cache=True, parallel=True)
+def encode_rows(x: Any, out: Any) -> None:
+    """Row encodings ``(n, L, 3)`` of every head of ``x`` ``(n, L, d)`` (weights over ``d``)."""
+    for b in numba.prange(x.shape[0]):
+        _encode_rows_2d(x[b], out[b])
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _encode_cols(x: Any, out: Any) -> None:
+    """Column encoding ``(3, d)`` of a block ``x`` (rows x d): plain, weighted by ``(r + 1) /
+    rows``, absolute sums over its rows."""
+    rows, d = x.shape
+    out[:] = 0.0
+    for r in range(rows):
+        w = (r + 1) / rows
+        for c in range(d):
+            v = np.float64(x[r, c])
+            out[0, c] += v
+            out[1, c] += w * v
+            out[2, c] += abs(v)
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _predict(x: Any, enc: Any, out: Any) -> None:
+    """``out[v] = (x_v . enc_0, x_v . enc_1, |x_v| . enc_2)`` for each row ``x_v`` of ``x``: the
+    predicted checksums of the vectors of ``x @ B^T`` (or ``A @ x^T``) whose other operand's
+    encoding is ``enc`` ``(3, d)``."""
+    for v in range(x.shape[0]):
+        t0 = t1 = t2 = 0.0
+        for c in range(x.shape[1]):
+            y = np.float64(x[v, c])
+            t0 += y * enc[0, c]
+            t1 += y * enc[1, c]
+            t2 += abs(y) * enc[2, c]
+        out[v, 0], out[v, 1], out[v, 2] = t0, t1, t2
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _observe_rows(t: Any, out: Any) -> None:
+    """``out[r] = (sum_j t_rj, sum_j w_j t_rj, sum_j |t_rj|)``, ``w_j = (j + 1) / cols``."""
+    cols = t.shape[1]
+    for r in range(t.shape[0]):
+        t0 = t1 = t2 = 0.0
+        for j in range(cols):
+            v = np.float64(t[r, j])
+            t0 += v
+            t1 += v * ((j + 1) / cols)
+            t2 += abs(v)
+        out[r, 0], out[r, 1], out[r, 2] = t0, t1, t2
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _observe_cols(t: Any, out: Any) -> None:
+    """``out[j] = (sum_r t_rj, sum_r w_r t_rj, sum_r |t_rj|)``, ``w_r = (r + 1) / rows`` (summed
+    in three contiguous rows, so the loop over ``j`` vectorizes)."""
+    rows, cols = t.shape
+    sums = np.zeros((3, cols))
+    s0, s1, s2 = sums[0], sums[1], sums[2]
+    for r in range(rows):
+        w = (r + 1) / rows
+        tr = t[r]
+        for j in range(cols):
+            v = np.float64(tr[j])
+            s0[j] += v
+            s1[j] += w * v
+            s2[j] += abs(v)
+    for j in range(cols):
+        out[j, 0], out[j, 1], out[j, 2] = s0[j], s1[j], s2[j]
+
+
+# ------------------------------------------------------------------ judging
+
+
+@numba.njit(cache=True)
+def _ratio(p0: float, p1: float, p2: float, o0: float, o1: float, o2: float,
+           coef: Any) -> tuple[float, float, float]:
+    """``(|d| / tau, |d|, tau)`` of one vector: predicted ``(p0, p1, p2)`` (plain, weighted,
+    ``S``) against observed ``(o0, o1, o2)`` (plain, weighted, ``sum |.|``), ``coef = (c_obs,
+    c_pred, floor, c_mag, safe)`` (:func:`attention.fused.coefficients`). Inputs that are not
+    finite make the vector unverifiable (ratio 0); a non-finite observation is a fault unless
+    ``S`` reaches ``safe``; the magnitude bound ``sum |.| <= c_mag S + floor`` catches errors that
+    cancel in both sums."""
+    if not (math.isfinite(p0) and math.isfinite(p1) and math.isfinite(p2)):
+        return 0.0, 0.0, 1.0
+    tau = coef[0] * o2 + coef[1] * p2 + coef[2]
+    if not (math.isfinite(o0) and math.isfinite(o1) and math.isfinite(o2)):
+        return (0.0, 0.0, 1.0) if p2 >= coef[4] else (math.inf, math.inf, tau)
+    d = max(abs(p0 - o0), abs(p1 - o1))
+    mag = o2 / (coef[3] * p2 + coef[2])
+    return max(d / tau, mag), d, tau
+
+
+@numba.njit(cache=True)
+def _judge(pred: Any, obs: Any, n: int, coef: Any, info: Any) -> float:
+    """The worst ratio over ``n`` vectors; ``info = (ratio, |d|, tau, vector, position)`` of the
+    worst, ``position`` located from the two sums (``len * d_w / d - 1``; -1 when it is not
+    within 0.25 of an integer, or the vector's length ``info[5]`` is unknown)."""
+    worst = 0.0
+    info[0], info[3], info[4] = 0.0, -1.0, -1.0
+    for v in range(n):
+        r, d, tau = _ratio(pred[v, 0], pred[v, 1], pred[v, 2], obs[v, 0], obs[v, 1], obs[v, 2],
+                           coef)
+        if r > worst or (r != r):
+            worst = r if r == r else math.inf
+            info[0], info[1], info[2], info[3] = worst, d, tau, v
+            d0 = pred[v, 0] - obs[v, 0]
+            pos = info[5] * (pred[v, 1] - obs[v, 1]) / d0 - 1 if d0 != 0 else -1.0
+            info[4] = round(pos) if math.isfinite(pos) and abs(pos - round(pos)) <= 0.25 \
+                and 0 <= round(pos) < info[5] else -1.0
+    return worst
+
+
+@numba.njit(cache=True)
+def _rowsum_ratio(oc: Any, l: Any, coef: Any, info: Any) -> float:
+    """The running softmax denominators ``l`` (summed in the data's dtype, tile by tile, and
+    rescaled) against ``sum p`` carried in float64 beside the output's checksums (``oc[:, 3]``):
+    a fault in ``l`` or in the rescaling shows here. Returns the worst ratio; ``info`` as
+    :func:`_judge` (vector = row)."""
+    worst = 0.0
+    info[0], info[3], info[4] = 0.0, -1.0, -1.0
+    for r in range(l.shape[0]):
+        x, y = np.float64(l[r]), oc[r, 3]
+        e, d, tau = _ratio(y, y, y, x, x, x, coef)
+        if not e <= worst:
+            worst = e if e == e else np.inf
+            info[0], info[1], info[2], info[3] = worst, d, tau, r
+    return worst
+
+
+@numba.njit(cache=True, fastmath=_FAST, inline="always")
+def _probs_bad(pv: Any, x: Any, t0: Any, t1: Any, t2: Any, tiny: Any) -> Any:
+    """One entry of the softmax invariant, ``pv`` the stored ``P``, ``x = z - m``: 0 when it
+    holds, else at least 1. A normal ``pv`` needs ``|log pv - x| <= t0 + t1 |x|`` (and ``x``
+    above the flush ``t2`` less 1); one below ``tiny`` needs ``0 <= pv`` and ``x < t2 + 1`` (it
+    weighs under ``e * tiny``); NaN fails. Arithmetic on the comparisons, no branch, so the
+    tile's loop vectorizes."""
+    lp = log_like(pv if pv > tiny else tiny)  # selects, not max/abs: those keep NaN rules
+    d = lp - x
+    d = d if d >= 0 else -d
+    ax = x if x >= 0 else -x
+    by_log = np.float32(d > t0 + t1 * ax) + np.float32(x < t2 - 1)
+    small = np.float32(pv < 0) + np.float32(x >= t2 + 1)
+    normal = np.float32(pv >= tiny)
+    return normal * by_log + (1 - normal) * small + np.float32(pv != pv)
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
+    """The softmax invariant of a tile, judged on what was stored: ``log p_ij = z_ij - m_i``
+    (``m`` the running max forward, the log-sum-exp backward) within ``tol[0] + tol[1] |z_ij -
+    m_i|``; an entry below ``tol[3]``, the smallest normal number, must have ``z_ij - m_i`` below
+    the exponential's flush or underflow ``tol[2]`` (:func:`_probs_bad`); a row with ``m_i =
+    -inf`` must be 0. Returns 0 when every entry holds, else the worst ratio (at least 1; INF
+    where the logarithm cannot measure it) with ``info`` as :func:`_judge` (vector = row,
+    position = key)."""
+    rows, cols = p.shape
+    t0, t1, t2, tiny = like(p, tol[0]), like(p, tol[1]), like(p, tol[2]), like(p, tol[3])
+    bad = np.float32(0)
+    for r in range(rows):
+        mr, zr, pr = m[r], z[r], p[r]
+        if mr == -np.inf:
+            for j in range(cols):
+                bad += np.float32(pr[j] != 0)
+        else:
+            for j in range(cols):
+                bad += _probs_bad(pr[j], zr[j] - mr, t0, t1, t2, tiny)
+    if bad == 0:
+        return 0.0
+    worst = 0.0
+    for r in range(rows):  # rare: locate and measure for the report
+        mr = m[r]
+        for j in range(cols):
+            pv = p[r, j]
+            if mr == -np.inf:
+                e = 0.0 if pv == 0 else np.inf
+            else:
+                x = z[r, j] - mr
+                e = 0.0
+                if _probs_bad(pv, x, t0, t1, t2, tiny) > 0:
+                    e = abs(np.float64(log_like(pv)) - np.float64(x)) / \
+                        (tol[0] + tol[1] * abs(np.float64(x))) if pv >= tiny else np.inf
+                    e = max(e, 1.0 + 2.0 ** -20) if e == e else np.inf
+            if e > worst:
+                worst = e
+                info[0], info[1], info[2], info[3], info[4] = e, e, 1.0, r, j
+    return worst
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _dscores_ratio(ds: Any, p: Any, dp: Any, dd: Any, tol: Any, info: Any) -> float:
+    """The softmax-backward invariants of a tile: with ``r1 = sum_j p dP``, ``r2 = sum_j p`` and
+    ``v = sum_j p dP^2`` (float64, from ``p`` and ``dP``, not from ``dS``), each row satisfies
+    ``sum_j dS = r1 - D r2`` and ``sum_j dS dP = v - D r1`` within ``tol[0]`` times its
+    magnitude plus ``tol[1]``. Returns the worst ratio; ``info`` as :func:`_judge`."""
+    rows, cols = ds.shape
+    worst = 0.0
+    info[0], info[3], info[4] = 0.0, -1.0, -1.0
+    for r in range(rows):
+        dr = np.float64(dd[r])
+        r1 = r2 = v = s = sw = mag = magw = 0.0
+        for j in range(cols):
+            pj = np.float64(p[r, j])
+            g = np.float64(dp[r, j])
+            x = np.float64(ds[r, j])
+            r1 += pj * g
+            r2 += pj
+            v += pj * g * g
+            s += x
+            sw += x * g
+            a = pj * (abs(g) + abs(dr))
+            mag += a
+            magw += a * abs(g)
+        tau = tol[0] * mag + tol[1]
+        tauw = tol[0] * magw + tol[1]
+        e = max(abs(s - (r1 - dr * r2)) / tau, abs(sw - (v - dr * r1)) / tauw)
+        if not e <= worst:
+            worst = e if e == e else np.inf
+            info[0], info[1], info[2], info[3] = worst, abs(s - (r1 - dr * r2)), tau, r
+    return worst
+
+
+# ------------------------------------------------------------------ softmax steps
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _mask(s: Any, scale: Any, i0: int, j0: int, causal: bool, visible: Any) -> None:
+    """``s = scale * s`` in place, ``-inf`` where masked: keys ``j > i`` (``causal``) and keys
+    that ``visible`` (empty: all) hides."""
+    rows, cols = s.shape
+    ninf = like(scale, -np.inf)
+    for r in range(rows):
+        lim = min(cols, i0 + r - j0 + 1) if causal else cols
+        lim = max(lim, 0)
+        row = s[r]
+        for j in range(lim):
+            row[j] *= scale
+        for j in range(lim, cols):
+            row[j] = ninf
+        if visible.size:
+            for j in range(lim):
+                if not visible[j0 + j]:
+                    row[j] = ninf
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _new_max(z: Any, m: Any, alpha: Any) -> None:
+    """Online softmax: ``m = max(m, rowmax z)`` and ``alpha = exp(m_old - m)`` (1 while a row
+    has seen no visible key)."""
+    for r in range(z.shape[0]):
+        mx = m[r]
+        row = z[r]
+        for j in range(z.shape[1]):
+            mx = max(mx, row[j])
+        alpha[r] = exp_like(m[r] - mx) if mx > -np.inf else like(mx, 1.0)
+        m[r] = mx
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _exp_rows(z: Any, m: Any, p: Any) -> None:
+    """``p = exp(z - m[:, None])``; 0 in rows with ``m = -inf`` (no visible key)."""
+    zero = like(m, 0.0)
+    for r in range(z.shape[0]):
+        mr = m[r]
+        row, out = z[r], p[r]
+        if mr == -np.inf:
+            for j in range(z.shape[1]):
+                out[j] = zero
+        else:
+            for j in range(z.shape[1]):
+                out[j] = exp_like(row[j] - mr)
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _sum_rows(p: Any, alpha: Any, l: Any) -> None:
+    """``l = alpha * l + rowsum(p)`` (in ``p``'s dtype, as the softmax needs it)."""
+    for r in range(p.shape[0]):
+        t = like(l, 0.0)
+        for j in range(p.shape[1]):
+            t += p[r, j]
+        l[r] = alpha[r] * l[r] + t
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _finish(acc: Any, oc: Any, m: Any, l: Any, out: Any, lse: Any) -> None:
+    """``out = acc / l``, the carried checksums likewise, ``lse = m + log l`` (0 and ``-inf`` for
+    rows without a visible key)."""
+    for r in range(acc.shape[0]):
+        if l[r] > 0:
+            inv = l[r]
+            for c in range(acc.shape[1]):
+                out[r, c] = acc[r, c] / inv
+            for f in range(3):
+                oc[r, f] /= np.float64(inv)
+            lse[r] = m[r] + math.log(l[r])
+        else:
+            out[r, :] = 0
+            oc[r, :3] = 0.0
+            lse[r] = -np.inf
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _dscores(p: Any, dp: Any, dd: Any, ds: Any) -> None:
+    """``dS = P (dP - D[:, None])`` (unscaled)."""
+    for r in range(p.shape[0]):
+        x = dd[r]
+        for j in range(p.shape[1]):
+            ds[r, j] = p[r, j] * (dp[r, j] - x)
+
+
+@numba.njit(cache=True)
+def _settle(rec: Any, site: int, attempt: int, ratio: float, correct: bool, info: Any,
+            row0: int, col0: int, by_rows: bool) -> int:
+    """Book one check: 0 go on, 1 recompute and check again, -1 give up (recomputation did not
+    verify). ``row0``/``col0`` offset the located element to global indices; ``by_rows``: the
+    vectors are rows (else columns)."""
+    if attempt > 0:
+        rec[site, AFTER] = max(rec[site, AFTER], ratio)
+    if ratio <= 1:
+        return 0
+    if attempt > 0:
+        rec[site, FAILED] = 1
+        return -1
+    rec[site, FLAGS] += 1
+    if ratio > rec[site, RATIO] or rec[site, FLAGS] == 1:
+        v, pos = int(info[3]), int(info[4])
+        rec[site, RATIO], rec[site, MAG], rec[site, TAU] = ratio, info[1], info[2]
+        r, c = (v, pos) if by_rows else (pos, v)
+        rec[site, ROW] = row0 + r if r >= 0 else -1
+        rec[site, COL] = col0 + c if c >= 0 else -1
+    return 1 if correct else 0
+
+
+# ------------------------------------------------------------------ forward
+
+
+def _forward_block(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, b: int, i0: int,
+                   scale: Any, causal: bool, check: bool, correct: bool, c_s: Any, c_o: Any,
+                   c_l: Any, tol_p: Any, out: Any, lse: Any, rec: Any) -> int:
+    """One query block ``[i0, i0 + BR)`` of head ``b``: online softmax over the key tiles with
+    every check; writes ``out[b, block]`` and ``lse[b, block]``. Returns 0, or -1 when a
+    recomputation did not verify."""
+    lq, d = q.shape[1], q.shape[2]
+    lk = k.shape[1]
+    i1 = min(i0 + BR, lq)
+    rows = i1 - i0
+    qb = q[b, i0:i1]
+    vis = visible[b] if visible.shape[1] else visible[0]
+    dt = q.dtype
+    qenc = np.zeros((3, d))
+    if check:
+        _encode_cols(qb, qenc)
+    sbuf = np.empty(rows * BC, dt)
+    pbuf = np.empty(rows * BC, dt)
+    acc = np.empty((rows, d), dt)
+    oc = np.empty((rows, 4))
+    m = np.empty(rows, dt)
+    l = np.empty(rows, dt)
+    alpha = np.empty(rows, dt)
+    pred = np.empty((max(rows, BC), 3))
+    obs = np.empty((max(rows, BC), 3))
+    info = np.zeros(6)
+    jend = min(lk, i1) if causal else lk
+    for attempt in range(2):
+        acc[:] = 0
+        oc[:] = 0.0
+        m[:] = -np.inf
+        l[:] = 0
+        for j0 in range(0, jend, BC):
+            j1 = min(j0 + BC, jend)
+            cols = j1 - j0
+            s = sbuf[:rows * cols].reshape(rows, cols)
+            p = pbuf[:rows * cols].reshape(rows, cols)
+            for a in range(2):
+                _product_t(qb, kt[b], j0, s)
+                _HOOK(S_, s)
+                ratio = 0.0
+                if check:
+                    _predict(k[b, j0:j1], qenc, pred)
+                    _observe_cols(s, obs)
+                    info[5] = rows
+                    ratio = _judge(pred, obs, cols, c_s, info)
+                st = _settle(rec, S_, a, ratio, correct, info, i0, j0, False)
+                if st != 1:
+                    break
+            if st < 0:
+                return -1
+            _mask(s, scale, i0, j0, causal, vis)
+            _new_max(s, m, alpha)
+            for a in range(2):
+                _exp_rows(s, m, p)
+                _HOOK(P_, p)
+                ratio = _probs_ratio(s, p, m, tol_p, info) if check else 0.0
+                st = _settle(rec, P_, a, ratio, correct, info, i0, j0, True)
+                if st != 1:
+                    break
+            if st < 0:
+                return -1
+            _sum_rows(p, alpha, l)
+            _accumulate(p, v[b, j0:j1], alpha, acc)
+            if check:
+                _carry(p, ve[b, j0:j1], alpha, oc, False)
+            _HOOK(O_, acc)
+        ob = out[b, i0:i1]
+        st = _settle(rec, L_, attempt, _rowsum_ratio(oc, l, c_l, info) if check else 0.0,
+                     correct, info, i0, -1, True)
+        if st < 0:
+            return -1
+        if st == 1:
+            continue
+        _finish(acc, oc, m, l, ob, lse[b, i0:i1])
+        ratio = 0.0
+        if check:
+            _observe_rows(ob, obs)
+            info[5] = d
+            ratio = _judge(oc, obs, rows, c_o, info)
+        st = _settle(rec, O_, attempt, ratio, correct, info, i0, 0, True)
+        if st != 1:
+            return st
+    return -1
+
+
+# ------------------------------------------------------------------ backward
+
+
+def _backward_tile(q: Any, k: Any, kt: Any, vt: Any, do: Any, dd: Any, lse: Any, qe: Any,
+                   ke: Any, doe: Any, vis: Any, b: int, i0: int, j0: int, j1: int, kenc: Any,
+                   venc: Any, scale: Any, causal: bool, check: bool, correct: bool, c_s: Any,
+                   tol_p: Any, tol_ds: Any, bufs: Any, dkb: Any, dvb: Any, dkc: Any, dvc: Any,
+                   dq: Any, dqc: Any, do_kv: bool, do_q: bool, rec: Any, info: Any, pred: Any,
+                   obs: Any) -> int:
+    """One tile (query block ``i0``, keys ``[j0, j1)``) of head ``b``: ``S`` and ``P``
+    recomputed and checked, then ``dV += P^T dO``, ``dP = dO V^T``, ``dS = P (dP - D)``,
+    ``dK += dS^T Q`` (``do_kv``) and ``dQ += dS K`` (``do_q``), unscaled, each accumulator with
+    its checksum columns carried beside it. Returns 0, or -1 when a recomputation did not
+    verify."""
+    i1 = min(i0 + BR, q.shape[1])
+    rows, cols = i1 - i0, j1 - j0
+    qi, doi, lse_i, dd_i = q[b, i0:i1], do[b, i0:i1], lse[b, i0:i1], dd[b, i0:i1]
+    s = bufs[0, :rows * cols].reshape(rows, cols)
+    p = bufs[1, :rows * cols].reshape(rows, cols)
+    dp = bufs[2, :rows * cols].reshape(rows, cols)
+    ds = bufs[3, :rows * cols].reshape(rows, cols)
+    none = np.empty(0, q.dtype)
+    info[5] = cols
+    for a in range(2):
+        _product_t(qi, kt[b], j0, s)
+        _HOOK(S_, s)
+        ratio = 0.0
+        if check:
+            _predict(qi, kenc, pred)
+            _observe_rows(s, obs)
+            ratio = _judge(pred, obs, rows, c_s, info)
+        st = _settle(rec, S_, a, ratio, correct, info, i0, j0, True)
+        if st != 1:
+            break
+    if st < 0:
+        return -1
+    _mask(s, scale, i0, j0, causal, vis)
+    for a in range(2):
+        _exp_rows(s, lse_i, p)
+        _HOOK(P_, p)
+        ratio = _probs_ratio(s, p, lse_i, tol_p, info) if check else 0.0
+        st = _settle(rec, P_, a, ratio, correct, info, i0, j0, True)
+        if st != 1:
+            break
+    if st < 0:
+        return -1
+    if do_kv:
+        _accumulate_t(p, doi, dvb)
+        if check:
+            _carry(p, doe[b, i0:i1], none, dvc, True)
+        _HOOK(DV_, dvb)
+    info[5] = cols
+    for a in range(2):
+        _product_t(doi, vt[b], j0, dp)
+        _HOOK(DP_, dp)
+        ratio = 0.0
+        if check:
+            _predict(doi, venc, pred)
+            _observe_rows(dp, obs)
+            ratio = _judge(pred, obs, rows, c_s, info)
+        st = _settle(rec, DP_, a, ratio, correct, info, i0, j0, True)
+        if st != 1:
+            break
+    if st < 0:
+        return -1
+    for a in range(2):
+        _dscores(p, dp, dd_i, ds)
+        _HOOK(DS_, ds)
+        ratio = _dscores_ratio(ds, p, dp, dd_i, tol_ds, info) if check else 0.0
+        st = _settle(rec, DS_, a, ratio, correct, info, i0, j0, True)
+        if st != 1:
+            break
+    if st < 0:
+        return -1
+    if do_kv:
+        _accumulate_t(ds, qi, dkb)
+        if check:
+            _carry(ds, qe[b, i0:i1], none, dkc, True)
+        _HOOK(DK_, dkb)
+    if do_q:
+        dqi = dq[b, i0:i1]
+        _accumulate(ds, k[b, j0:j1], none, dqi)
+        if check:
+            _carry(ds, ke[b, j0:j1], none, dqc[b, i0:i1], False)
+        _HOOK(DQ_, dqi)
+    return 0
+
+
+def _backward_head(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, lse: Any,
+                   qe: Any, ke: Any, doe: Any, visible: Any, b: int, scale: Any, causal: bool,
+                   check: bool, correct: bool, c_s: Any, c_kv: Any, c_q: Any, tol_p: Any,
+                   tol_ds: Any, dq: Any, dk: Any, dv: Any, dqc: Any, rec: Any) -> int:
+    """Head ``b``, FlashAttention-2 order: key blocks outside, query blocks inside; ``dK`` and
+    ``dV`` of a key block accumulate in the block, ``dQ`` in ``dq[b]`` (this head's alone, so
+    heads run in parallel without races). A flagged ``dK``/``dV`` block is recomputed (its
+    query sweep again, without ``dQ``), a flagged ``dQ`` block likewise (its key sweep). Writes
+    the scaled gradients; returns 0, or -1 when a recomputation did not verify."""
+    lq, d = q.shape[1], q.shape[2]
+    lk = k.shape[1]
+    dt = q.dtype
+    vis = visible[b] if visible.shape[1] else visible[0]
+    kenc, venc = np.zeros((3, d)), np.zeros((3, d))
+    bufs = np.empty((4, BR * BC), dt)
+    dkb, dvb = np.empty((BC, d), dt), np.empty((BC, d), dt)
+    dkc, dvc = np.empty((BC, 3)), np.empty((BC, 3))
+    pred, obs = np.empty((max(BR, BC), 3)), np.empty((max(BR, BC), 3))
+    info = np.zeros(6)
+    dq[b, :, :] = 0
+    dqc[b, :, :] = 0.0
+    for j0 in range(0, lk, BC):
+        j1 = min(j0 + BC, lk)
+        cols = j1 - j0
+        if check:
+            _encode_cols(k[b, j0:j1], kenc)
+            _encode_cols(v[b, j0:j1], venc)
+        first = (j0 // BR) * BR if causal else 0
+        for attempt in range(2):
+            dkb[:cols] = 0
+            dvb[:cols] = 0
+            dkc[:cols] = 0.0
+            dvc[:cols] = 0.0
+            for i0 in range(first, lq, BR):
+                if _TILE(q, k, kt, vt, do, dd, lse, qe, ke, doe, vis, b, i0, j0, j1, kenc, venc,
+                        scale, causal, check, correct, c_s, tol_p, tol_ds, bufs, dkb[:cols],
+                        dvb[:cols], dkc[:cols], dvc[:cols], dq, dqc, True, attempt == 0, rec,
+                        info, pred, obs) < 0:
+                    return -1
+            st = 0
+            if check:
+                info[5] = d
+                _observe_rows(dkb[:cols], obs)
+                st_k = _settle(rec, DK_, attempt, _judge(dkc, obs, cols, c_kv, info), correct,
+                               info, j0, 0, True)
+                _observe_rows(dvb[:cols], obs)
+                st_v = _settle(rec, DV_, attempt, _judge(dvc, obs, cols, c_kv, info), correct,
+                               info, j0, 0, True)
+                st = min(st_k, st_v) if min(st_k, st_v) < 0 else max(st_k, st_v)
+            if st < 0:
+                return -1
+            if st == 0:
+                break
+        dk[b, j0:j1] = dkb[:cols] * scale
+        dv[b, j0:j1] = dvb[:cols]
+    for i0 in range(0, lq, BR):
+        i1 = min(i0 + BR, lq)
+        rows = i1 - i0
+        for attempt in range(2):
+            if attempt > 0:  # the query block's key sweep again, dQ alone
+                dq[b, i0:i1, :] = 0
+                dqc[b, i0:i1, :] = 0.0
+                for j0 in range(0, min(lk, i1) if causal else lk, BC):
+                    j1 = min(j0 + BC, lk)
+                    _encode_cols(k[b, j0:j1], kenc)
+                    _encode_cols(v[b, j0:j1], venc)
+                    if _TILE(q, k, kt, vt, do, dd, lse, qe, ke, doe, vis, b, i0, j0, j1, kenc,
+                            venc, scale, causal, check, correct, c_s, tol_p, tol_ds, bufs,
+                            dkb[:j1 - j0], dvb[:j1 - j0], dkc[:j1 - j0], dvc[:j1 - j0], dq, dqc,
+                            False, True, rec, info, pred, obs) < 0:
+                        return -1
+            if not check:
+                break
+            info[5] = d
+            _observe_rows(dq[b, i0:i1], obs)
+            st = _settle(rec, DQ_, attempt, _judge(dqc[b, i0:i1], obs, rows, c_q, info),
+                         correct, info, i0, 0, True)
+            if st < 0:
+                return -1
+            if st == 0:
+                break
+    dq[b, :, :] *= scale
+    return 0
+
+
+#: The drivers' globals: the hook, and the tile the head calls. Compiled, they are ``no_hook`` and
+#: the compiled tile, frozen at compile time; :func:`python_drivers` runs the same code with
+#: others.
+_HOOK = no_hook
+_TILE = numba.njit(cache=True)(_backward_tile)
+_forward_block_jit = numba.njit(cache=True)(_forward_block)
+_backward_head_jit = numba.njit(cache=True)(_backward_head)
+
+
+def python_drivers(hook: Any) -> tuple[Any, Any]:
+    """``(forward_block, backward_head)``: :func:`_forward_block` and :func:`_backward_head` as
+    Python functions calling ``hook(site, tile)`` (the leaves stay compiled)."""
+    def rebound(fn: Any, **names: Any) -> Any:
+        return types.FunctionType(fn.__code__, {**fn.__globals__, **names}, fn.__name__)
+
+    tile = rebound(_backward_tile, _HOOK=hook)
+    return rebound(_forward_block, _HOOK=hook), rebound(_backward_head, _HOOK=hook, _TILE=tile)
+
+
+@numba.njit(cache=True, parallel=True)
+def forward(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, scale: Any, causal: bool,
+            check: bool, correct: bool, c_s: Any, c_o: Any, c_l: Any, tol_p: Any, out: Any,
+            lse: Any, rec: Any, status: Any) -> None:
+    """Every (head, query block) in parallel (:func:`_forward_block`)."""
+    nqb = (q.shape[1] + BR - 1) // BR
+    for t in numba.prange(q.shape[0] * nqb):
+        status[t] = _forward_block_jit(q, k, kt, v, ve, visible, t // nqb, (t % nqb) * BR, scale,
+                                       causal, check, correct, c_s, c_o, c_l, tol_p, out, lse,
+                                       rec[t])
+
+
+@numba.njit(cache=True, parallel=True)
+def backward(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, lse: Any, qe: Any,
+             ke: Any, doe: Any, visible: Any, scale: Any, causal: bool, check: bool,
+             correct: bool, c_s: Any, c_kv: Any, c_q: Any, tol_p: Any, tol_ds: Any, dq: Any,
+             dk: Any, dv: Any, dqc: Any, rec: Any, status: Any) -> None:
+    """Every head in parallel (:func:`_backward_head`)."""
+    for b in numba.prange(q.shape[0]):
+        status[b] = _backward_head_jit(q, k, kt, v, vt, do, dd, lse, qe, ke, doe, visible, b,
+                                       scale, causal, check, correct, c_s, c_kv, c_q, tol_p,
+                                       tol_ds, dq, dk, dv, dqc, rec[b])
+
+
+@numba.njit(cache=True, parallel=True, fastmath=_FAST)
+def delta(do: Any, o: Any, out: Any) -> None:
+    """``out = rowsum(dO * O)`` per head (float64 sums)."""
+    for b in numba.prange(o.shape[0]):
+        for r in range(o.shape[1]):
+            t = 0.0
+            for c in range(o.shape[2]):
+                t += np.float64(do[b, r, c]) * np.float64(o[b, r, c])
+            out[b, r] = t

@@ -1,0 +1,345 @@
+"""The fused protected attention core on the CPU: ``softmax(scale Q K^T + mask) V`` in tiles,
+forward and backward, with O(L) extra memory and every tile checked.
+
+:func:`fused_forward` saves only the output and the row log-sum-exp; :func:`fused_backward`
+recomputes ``P`` tile by tile from them (FlashAttention-2). Heads are the leading axis: ``(n,
+L, d)`` with ``n`` = batch * heads, as :mod:`attention.core` takes them. No ``L x L`` buffer is
+ever made; the tiles are ``BR x BC`` = 64 x 64 (:mod:`attention._cpu_fused`, numba kernels in
+parallel over (head, query block) forward and over heads backward, so no two threads write one
+accumulator). The unfused :mod:`attention.core` stays the reference and the path for what this
+one does not support (additive masks, dropout, 16-bit data, the GPU); the layers do not use this
+core yet.
+
+What is checked, per tile (sites of the fault hook, ``ctx.fault_hook(site, tile)``, which sees
+each tile array as computed and before it is checked):
+
+``fused:S``
+    ``S = Q_blk K_blk^T``. Forward: the query block is encoded once, ``(E^T Q_blk)`` with ``E =
+    [1 | w]`` (location weights over its rows) and ``1^T |Q_blk|``; each tile's column checksums
+    ``E^T S`` are predicted as ``(E^T Q_blk) K_blk^T`` and observed on the tile, so a bad element
+    is located in its column. Backward (key blocks outside): ``E^T K_blk`` is encoded once per
+    key block and the tile's row checksums are predicted as ``Q_blk (K_blk^T E)``.
+``fused:P``
+    ``P = exp(z - m)`` (``m`` the running row max forward, the saved log-sum-exp backward), judged
+    on what was stored by the softmax invariant ``log P_ij = z_ij - m_i`` for every entry (entries
+    below the smallest normal number: ``z_ij - m_i`` must lie below the exponential's flush).
+    This shares no work with the exponential, so a fault in ``P`` that would feed the output and
+    its carried checksum alike (common mode) is seen here.
+``fused:O_acc``
+    The output accumulator. V's row checksums ``V 1``, ``V w`` and ``|V| 1`` (``w`` over the
+    head dimension) are accumulated beside it, ``oc = alpha oc + P [V1, Vw, |V|1]`` in float64
+    with the same rescaling factors ``alpha``, and divided by the same ``l``; each output row's
+    checksums are then compared with the prediction.
+``fused:rowsum``
+    The softmax denominators: the running ``l`` (tile row sums rescaled in the data's dtype)
+    against ``sum P`` carried in float64 beside the output's checksums.
+``fused:dP``
+    ``dP = dO_blk V_blk^T``, row checksums predicted as ``dO_blk (V_blk^T E)``, ``E^T V_blk``
+    encoded once per key block.
+``fused:dS``
+    ``dS = P (dP - D)``, ``D = rowsum(dO O)``: per tile row, ``sum_j dS = sum P dP - D sum P``
+    and ``sum_j dS dP = sum P dP^2 - D sum P dP``, from ``P`` and ``dP`` in float64 (the
+    invariants of :mod:`attention.softmax`, per tile).
+``fused:dV_acc``, ``fused:dK_acc``, ``fused:dQ_acc``
+    ``dV += P^T dO``, ``dK += dS^T Q``, ``dQ += dS K``: the row encodings of the other operand
+    (``dO E``, ``Q E``, ``K E``, over the head dimension, made once per call) are carried through
+    the same products in float64 and compared with the accumulated rows at the end of the block.
+
+A flag recomputes: the S, P, dP or dS tile (once), the query block forward (``O_acc``,
+``rowsum``), the key block's dK and dV or the query block's dQ backward. If the recomputation
+does not verify, :class:`abftgemm.UncorrectableError` is raised with the report. Findings go to
+``ctx.report`` as :class:`abftgemm.Event` s (``check="detect"`` reports and warns, changing
+nothing; ``check="off"`` runs the same tiles without any check).
+
+Thresholds (rounding model of :mod:`abftgemm.thresholds`, unit roundoff ``u`` of the data's
+dtype, float64 checksums):
+
+- tile products (``S``, ``dP``: inner dimension ``d``, vectors of at most 64):
+  :func:`abftgemm.thresholds.threshold_coefficients` ``(d, 64)`` as for any product, with the
+  magnitude bound and the safe magnitude of non-finite values;
+- accumulated products (``O``, ``dK``, ``dV``, ``dQ``; inner dimension ``K`` = the keys or
+  queries summed over, vectors of length ``d``): the same coefficients for ``K``, plus ``R u``
+  times ``S`` for the ``R`` roundings the tiling adds to every element (one addition of a tile's
+  partial sum per tile; forward also one rescaling by ``alpha`` per tile: ``R = 2 T``, ``T``
+  tiles), and ``R`` more factors ``(1 + u)`` in the magnitude bound. The division by ``l`` is an
+  output rounding (the ``c_obs`` term); ``oc`` is divided by the same ``l``;
+- ``rowsum``: ``l`` is a sum of positive terms, so ``S = sum P`` and the same rule applies with
+  ``K`` = the keys, ``R = 2 T``;
+- ``P``: the exponential and the logarithm of :mod:`attention._cpu_vmath` are within 1 and 2
+  ulp (``math.exp``/``math.log`` within 1 for float64), so ``|log P_ij - x| <= 2u + 4u |x|`` for
+  ``x = z_ij - m_i`` (recomputed by the check exactly as the exponential got it); the tolerance
+  is twice that, ``4u + 8u |x|``;
+- ``dS``: ``fl(P fl(dP - D))`` errs by at most ``2.01 u P (|dP| + |D|)`` per element; the float64
+  sums of at most 64 terms add ``64 u64`` each; the tolerance is twice the sum, ``(4u + 4 * 64
+  u64) * sum_j P (|dP| + |D|)`` (times ``|dP|`` for the weighted invariant) plus the smallest
+  normal number per term for underflow.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numba
+import numpy as np
+
+from abftgemm.checksums import accumulation_dtype, smallest_normal, unit_roundoff
+from abftgemm.report import Event, UncorrectableError, announce
+from abftgemm.threads import current_policy
+from abftgemm.thresholds import magnitude_coefficient, safe_magnitude, threshold_coefficients
+from attention import _cpu_fused as K
+from attention._cpu_vmath import EXP_FLUSH
+from attention.context import Context
+
+#: The fault hook's sites (and the report's), forward then backward.
+FUSED_SITES = K.SITES
+FORWARD_SITES = K.SITES[:4]
+BACKWARD_SITES = K.SITES[:2] + K.SITES[4:]
+SUPPORTED = (np.dtype(np.float32), np.dtype(np.float64))
+_U64 = 2.0 ** -53
+
+#: What a flag at each site recomputes, for the report.
+_RECOMPUTES = {"fused:S": "the S tile", "fused:P": "the P tile",
+               "fused:O_acc": "the query block (all its tiles)",
+               "fused:rowsum": "the query block (all its tiles)", "fused:dP": "the dP tile",
+               "fused:dS": "the dS tile", "fused:dQ_acc": "the query block's dQ (its key sweep)",
+               "fused:dK_acc": "the key block's dK and dV (its query sweep)",
+               "fused:dV_acc": "the key block's dK and dV (its query sweep)"}
+
+
+def coefficients(k: int, length: int, dtype: np.dtype, roundings: int = 0) -> np.ndarray:
+    """``(c_obs, c_pred, floor, c_mag, safe)`` of one checked vector (:func:`_cpu_fused._ratio`).
+
+    Parameters
+    ----------
+    k : int
+        Inner dimension summed over (for an accumulator: all the tiles' terms).
+    length : int
+        Length of the vector the checksums sum over.
+    dtype : numpy dtype
+        Data dtype (float32 or float64).
+    roundings : int
+        Roundings the tiling adds to every element (see the module docstring).
+    """
+    c_obs, c_pred, floor, _ = threshold_coefficients(k, length, dtype)
+    u = unit_roundoff(accumulation_dtype(dtype))
+    return np.array([c_obs, c_pred + roundings * u, floor,
+                     magnitude_coefficient(k + roundings, length, dtype),
+                     safe_magnitude(k + roundings, dtype)])
+
+
+def probs_tolerance(dtype: np.dtype) -> np.ndarray:
+    """``(base, slope, flush, tiny)`` of the ``P`` invariant: ``|log P - x| <= base + slope
+    |x|``; an entry below ``tiny``, the smallest normal number, needs ``x < flush``."""
+    u = unit_roundoff(dtype)
+    flush = EXP_FLUSH if np.dtype(dtype) == np.float32 else math.log(smallest_normal(dtype))
+    return np.array([4 * u, 8 * u, flush, smallest_normal(dtype)])
+
+
+def dscores_tolerance(dtype: np.dtype) -> np.ndarray:
+    """``(c, tiny)`` of the ``dS`` invariants: ``c`` times a row's magnitude plus ``tiny`` per
+    term."""
+    return np.array([4 * unit_roundoff(dtype) + 4 * K.BC * _U64, smallest_normal(dtype)])
+
+
+def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = None,
+                  causal: bool = False, key_visible: Any | None = None
+                  ) -> tuple[np.ndarray, dict[str, Any]]:
+    """``softmax(scale q k^T + mask) v`` in tiles, every tile checked (module docstring).
+
+    Parameters
+    ----------
+    q : ndarray (n, seq_q, d)
+        Queries, ``n`` = batch * heads; C-contiguous float32 or float64 NumPy array, finite.
+    k, v : ndarray (n, seq_k, d)
+        Keys and values, same dtype, C-contiguous, finite.
+    ctx : Context
+        Check mode (``ctx.check``; the plan's per-site frequencies do not apply to this core),
+        fault hook (sites :data:`FORWARD_SITES`) and the report the findings go to.
+    scale : float, optional
+        Positive factor of the scores (default ``1 / sqrt(d)``).
+    causal : bool
+        Query ``i`` sees keys ``j <= i`` only (``seq_q`` must equal ``seq_k``).
+    key_visible : ndarray (n, seq_k) of bool, optional
+        True = the key may be attended to. A query that sees no key gets output 0.
+
+    Returns
+    -------
+    out : ndarray (n, seq_q, d)
+        A new array.
+    saved : dict
+        What :func:`fused_backward` needs: the inputs (not copied), ``out`` and ``lse``, the row
+        log-sum-exp ``(n, seq_q)`` (``-inf`` for a row that sees no key).
+
+    Raises
+    ------
+    abftgemm.UncorrectableError
+        A flagged tile or block still failed its check after recomputation.
+    """
+    scale, visible = _validate(q, k, v, scale, causal, key_visible)
+    n, lq, d = q.shape
+    lk, dt = k.shape[1], q.dtype
+    check, correct = ctx.check != "off", ctx.check == "correct"
+    kt = np.ascontiguousarray(k.transpose(0, 2, 1))
+    ve = _row_encodings(v, check)
+    out = np.empty_like(q)
+    lse = np.empty((n, lq), dt)
+    nqb = -(-lq // K.BR)
+    tiles = -(-lk // K.BC)
+    rec = np.zeros((n * nqb, len(K.SITES), K.FIELDS))
+    status = np.zeros(n * nqb, np.int64)
+    args = (q, k, kt, v, ve, visible)
+    rest = (dt.type(scale), causal, check, correct, coefficients(d, K.BR, dt),
+            coefficients(lk, d, dt, 2 * tiles), coefficients(lk, 1, dt, 2 * tiles),
+            probs_tolerance(dt), out, lse)
+    if ctx.fault_hook is None:
+        _threads()
+        K.forward(*args, *rest, rec, status)
+    else:
+        block, _ = K.python_drivers(_site_hook(ctx))
+        for t in range(n * nqb):
+            status[t] = block(*args, t // nqb, (t % nqb) * K.BR, *rest, rec[t])
+    _book(ctx, rec, status, lambda t: t // nqb, FORWARD_SITES, check)
+    return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "scale": scale,
+                 "causal": causal, "visible": visible}
+
+
+def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(dq, dk, dv)`` (new arrays) from the gradient ``d_out`` ``(n, seq_q, d)`` of
+    :func:`fused_forward`'s output (C-contiguous, its dtype, finite), FlashAttention-2 style:
+    ``P`` recomputed per tile from the saved log-sum-exp, every tile and accumulator checked
+    (module docstring; fault hook sites :data:`BACKWARD_SITES`).
+
+    Raises
+    ------
+    abftgemm.UncorrectableError
+        A flagged tile or block still failed its check after recomputation.
+    """
+    q, k, v, out, lse = (saved[key] for key in ("q", "k", "v", "out", "lse"))
+    if not isinstance(d_out, np.ndarray) or d_out.shape != q.shape or d_out.dtype != q.dtype:
+        raise ValueError(f"d_out must be a NumPy array of shape {q.shape} and dtype {q.dtype}, "
+                         f"got {type(d_out).__name__} {getattr(d_out, 'shape', None)} "
+                         f"{getattr(d_out, 'dtype', None)}")
+    if not d_out.flags.c_contiguous:
+        raise ValueError("d_out must be C-contiguous")
+    if not np.isfinite(d_out).all():
+        raise ValueError("d_out holds INF or NaN; the fused core takes finite data only")
+    n, lq, d = q.shape
+    lk, dt = k.shape[1], q.dtype
+    check, correct = ctx.check != "off", ctx.check == "correct"
+    dd = np.empty((n, lq), dt)
+    K.delta(d_out, out, dd)
+    kt = np.ascontiguousarray(k.transpose(0, 2, 1))
+    vt = np.ascontiguousarray(v.transpose(0, 2, 1))
+    qe, ke, doe = (_row_encodings(x, check) for x in (q, k, d_out))
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    dqc = np.empty((n, lq, 3))
+    rec = np.zeros((n, len(K.SITES), K.FIELDS))
+    status = np.zeros(n, np.int64)
+    args = (q, k, kt, v, vt, d_out, dd, lse, qe, ke, doe, saved["visible"])
+    rest = (dt.type(saved["scale"]), saved["causal"], check, correct, coefficients(d, K.BC, dt),
+            coefficients(lq, d, dt, -(-lq // K.BR)), coefficients(lk, d, dt, -(-lk // K.BC)),
+            probs_tolerance(dt), dscores_tolerance(dt), dq, dk, dv, dqc)
+    if ctx.fault_hook is None:
+        _threads()
+        K.backward(*args, *rest, rec, status)
+    else:
+        _, head = K.python_drivers(_site_hook(ctx))
+        for b in range(n):
+            status[b] = head(*args, b, *rest, rec[b])
+    _book(ctx, rec, status, lambda t: t, BACKWARD_SITES, check)
+    return dq, dk, dv
+
+
+def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
+              key_visible: Any | None) -> tuple[float, np.ndarray]:
+    """Check the inputs; ``(scale, key_visible as (n, seq_k) bool or an empty (1, 0))``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, np.ndarray):
+            raise TypeError(f"{name} must be a NumPy array (the fused core runs on the CPU), "
+                            f"got {type(t).__name__}")
+        if t.dtype not in SUPPORTED or t.dtype != q.dtype:
+            raise TypeError(f"{name} must be float32 or float64, of q's dtype {q.dtype}; got "
+                            f"{t.dtype}")
+        if t.ndim != 3:
+            raise ValueError(f"{name} must be 3-D (batch * heads, seq, head_dim), got {t.shape}")
+        if not t.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q {q.shape}, k {k.shape} and v {v.shape} must be (n, seq_q, d), "
+                         "(n, seq_k, d), (n, seq_k, d)")
+    if min(q.shape) < 1 or k.shape[1] < 1:
+        raise ValueError(f"every dimension must be at least 1, got q {q.shape}, k {k.shape}")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal=True needs seq_q == seq_k (got {q.shape[1]} and {k.shape[1]})")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not np.isfinite(t).all():
+            raise ValueError(f"{name} holds INF or NaN; the fused core takes finite data only "
+                             "(attention.core passes non-finite inputs through)")
+    scale = 1 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+    if key_visible is None:
+        return scale, np.ones((1, 0), bool)
+    key_visible = np.asarray(key_visible)
+    if key_visible.dtype != bool or key_visible.shape != (q.shape[0], k.shape[1]):
+        raise ValueError(f"key_visible must be a bool array of shape {(q.shape[0], k.shape[1])},"
+                         f" got {key_visible.dtype} {key_visible.shape}")
+    return scale, np.ascontiguousarray(key_visible)
+
+
+def _row_encodings(x: np.ndarray, check: bool) -> np.ndarray:
+    """``(n, L, 3)`` row encodings of ``x`` over its last axis, or an empty ``(n, 0, 3)``."""
+    if not check:
+        return np.zeros((x.shape[0], 0, 3))
+    out = np.empty(x.shape[:2] + (3,))
+    K.encode_rows(x, out)
+    return out
+
+
+def _threads() -> None:
+    """numba's threads for this call: the library's CPU thread policy
+    (:func:`abftgemm.threads.current_policy`), at most numba's pool."""
+    numba.set_num_threads(min(current_policy(), numba.config.NUMBA_NUM_THREADS))
+
+
+def _site_hook(ctx: Context) -> Any:
+    """The Python drivers' hook: site index -> ``ctx.fault_hook(name, tile)``."""
+    user = ctx.fault_hook
+    return lambda site, tile: user(K.SITES[site], tile)
+
+
+def _book(ctx: Context, rec: np.ndarray, status: np.ndarray, batch_of: Any,
+          sites: tuple[str, ...], check: bool) -> None:
+    """Turn the kernels' records into events of ``ctx.report``; raise if any task failed."""
+    if not check:
+        return
+    report = ctx.report
+    for site in sites:
+        report.checked[site] = report.checked.get(site, 0) + 1
+    for t, s in zip(*np.nonzero(rec[:, :, K.FLAGS])):
+        r = rec[t, s]
+        site = K.SITES[s]
+        row, col = int(r[K.ROW]), int(r[K.COL])
+        located = r[K.FLAGS] == 1 and row >= 0 and col >= 0
+        failed = bool(r[K.FAILED])
+        if ctx.check == "detect":
+            action, verified = "reported", "left in place (check='detect')"
+        elif failed:
+            action = "reported"
+            verified = (f"recomputed {_RECOMPUTES[site]}, which still failed its check: worst "
+                        f"|d|/threshold {r[K.AFTER]:.3g}")
+        else:
+            action = "recomputed"
+            verified = (f"recomputed {_RECOMPUTES[site]} and checked it again: worst "
+                        f"|d|/threshold {r[K.AFTER]:.3g}")
+        event = Event(site=site, batch=int(batch_of(t)), pattern="0D" if located else "2D",
+                      rows=(row,) if row >= 0 else (), cols=(col,) if col >= 0 else (),
+                      magnitude=float(r[K.MAG]), threshold=float(r[K.TAU]), action=action,
+                      verified=verified)
+        report.events.append(event)
+        if ctx.check == "detect":
+            announce(event)
+    if (status < 0).any():
+        raise UncorrectableError("the fused attention core could not verify a recomputed tile",
+                                 report)

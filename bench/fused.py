@@ -1,0 +1,86 @@
+"""The fused protected attention core on the CPU, fwd+bwd, float32, causal, in one run:
+
+- ``fused``: :mod:`attention.fused` with its checks (``check="correct"``);
+- ``fused_off``: the same core, ``check="off"``;
+- ``core``: the unfused protected :mod:`attention.core`;
+- ``torch_sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` (CPU, causal) forward and
+  ``backward``, with PyTorch's own threads.
+
+Timed in interleaved rounds (``bench.timing.time_many``); prints the medians and the ratios to
+``fused_off`` and to ``torch_sdpa``, with the CPU and the load.
+
+    PYTHONPATH=. python bench/fused.py [--shapes 1x8x1024x64,1x8x4096x64] [--repeats 5]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attention.context import Context  # noqa: E402
+from attention.core import core_backward, core_forward  # noqa: E402
+from attention.fused import fused_backward, fused_forward  # noqa: E402
+from bench.timing import device_name, time_many  # noqa: E402
+
+
+def _cases(batch: int, heads: int, seq: int, d: int) -> dict[str, Callable[[], Any]]:
+    rng = np.random.default_rng(0)
+    n = batch * heads
+    q, k, v, do = (rng.standard_normal((n, seq, d)).astype(np.float32) for _ in range(4))
+
+    def fused(check: str) -> Callable[[], Any]:
+        def run() -> Any:
+            ctx = Context(check=check)
+            _, saved = fused_forward(q, k, v, ctx, causal=True)
+            return fused_backward(saved, do, ctx)
+        return run
+
+    def core() -> Any:
+        ctx = Context()
+        _, saved = core_forward(q, k, v, ctx, causal=True)
+        return core_backward(saved, do, ctx)
+
+    cases = {"fused": fused("correct"), "fused_off": fused("off"), "core": core}
+    try:
+        import torch
+    except ImportError:
+        return cases
+    tq, tk, tv = (torch.from_numpy(x.reshape(batch, heads, seq, d)).requires_grad_()
+                  for x in (q, k, v))
+    tdo = torch.from_numpy(do.reshape(batch, heads, seq, d))
+
+    def sdpa() -> Any:
+        out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+        return torch.autograd.grad(out, (tq, tk, tv), tdo)
+
+    cases["torch_sdpa"] = sdpa
+    return cases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="1x8x1024x64,1x8x4096x64",
+                        help="comma-separated batch x heads x seq x head_dim")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print(f"device: {device_name()}; load average: {os.getloadavg()}")
+    for shape in args.shapes.split(","):
+        b, h, s, d = (int(x) for x in shape.split("x"))
+        times = time_many(_cases(b, h, s, d), args.repeats, warmup=1, gpu=False)
+        print(f"\n({b}, {h}, {s}, {d}) fp32 causal fwd+bwd, median ms of {args.repeats}:")
+        for name, ms in times.items():
+            line = f"  {name:11s} {ms:9.1f} ms   x{ms / times['fused_off']:.2f} vs fused_off"
+            if "torch_sdpa" in times:
+                line += f"   x{ms / times['torch_sdpa']:.2f} vs torch_sdpa"
+            print(line)
+        print(f"  load average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
