@@ -78,10 +78,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              (("pos = diff[t, 1] / diff[t, 0] * side.length - 1",
                "pos = diff[t, 1] / diff[t, 0] * side.length"),), True),
     Mutation("repair skips its re-verification", "abftgemm/repair.py",
-             (("        after = _reverify(be, one, view, pred)\n        if after.clean:\n"
-               "            what = ",
-               "        after = _reverify(be, one, view, pred)\n        if True:\n"
-               "            what = "),), False,
+             (("        if explained and after.clean:\n            what = ",
+               "        if explained:\n            what = "),), False,
              "survives: every located fault we know how to build that the located vectors do not "
              "hold whole is caught first by the diagnosis, whose cells must explain every flag "
              "of the other direction (the column magnitude bound flags the columns the "
