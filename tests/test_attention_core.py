@@ -224,9 +224,9 @@ def test_a_fault_behind_softmax_made_encodings_is_repaired(monkeypatch, site):
     dx0, g0 = layer.backward(dy, cache)
     handed, run = [], ProtectedMatmul.run
 
-    def faulty_run(plan, op, c, fault_hook=None, a_checksums=None):
+    def faulty_run(plan, op, c, fault_hook=None, a_checksums=None, **kw):
         if plan.name != site or handed:
-            return run(plan, op, c, fault_hook, a_checksums)
+            return run(plan, op, c, fault_hook, a_checksums, **kw)
         handed.append(a_checksums is not None)
         gemm = plan._work.gemm
 
@@ -236,7 +236,7 @@ def test_a_fault_behind_softmax_made_encodings_is_repaired(monkeypatch, site):
 
         monkeypatch.setattr(plan._work, "gemm", corrupted)
         try:
-            return run(plan, op, c, fault_hook, a_checksums)
+            return run(plan, op, c, fault_hook, a_checksums, **kw)
         finally:
             monkeypatch.setattr(plan._work, "gemm", gemm)
 
