@@ -165,25 +165,11 @@ def _carry(a: Any, enc: Any, alpha: Any, acc: Any, transpose: bool) -> None:
 # ------------------------------------------------------------------ encodings and observation
 
 
-@numba.njit(cache=True, fastmath=_FAST)
-def _encode_rows_2d(x: Any, out: Any) -> None:
-    """``out[r] = (sum_c x_rc, sum_c w_c x_rc, sum_c |x_rc|)``, ``w_c = (c + 1) / d``."""
-    d = x.shape[1]
-    for r in range(x.shape[0]):
-        t0 = t1 = t2 = 0.0
-        for c in range(d):
-            v = np.float64(x[r, c])
-            t0 += v
-            t1 += v * ((c + 1) / d)
-            t2 += abs(v)
-        out[r, 0], out[r, 1], out[r, 2] = t0, t1, t2
-
-
 @numba.njit(cache=True, parallel=True)
 def encode_rows(x: Any, out: Any) -> None:
     """Row encodings ``(n, L, 3)`` of every head of ``x`` ``(n, L, d)`` (weights over ``d``)."""
     for b in numba.prange(x.shape[0]):
-        _encode_rows_2d(x[b], out[b])
+        _observe_rows(x[b], out[b])
 
 
 @numba.njit(cache=True, fastmath=_FAST)
@@ -218,7 +204,8 @@ def _predict(x: Any, enc: Any, out: Any) -> None:
 
 @numba.njit(cache=True, fastmath=_FAST)
 def _observe_rows(t: Any, out: Any) -> None:
-    """``out[r] = (sum_j t_rj, sum_j w_j t_rj, sum_j |t_rj|)``, ``w_j = (j + 1) / cols``."""
+    """``out[r] = (sum_j t_rj, sum_j w_j t_rj, sum_j |t_rj|)``, ``w_j = (j + 1) / cols``: the
+    observed row checksums of a tile, and the row encoding of an operand block."""
     cols = t.shape[1]
     for r in range(t.shape[0]):
         t0 = t1 = t2 = 0.0

@@ -2,8 +2,8 @@
 :mod:`attention._cpu_softmax`).
 
 :class:`CpuForwardStep` and :class:`CpuBackwardStep` implement
-:class:`attention.softmax.Step` for NumPy arrays; :func:`attention.softmax_steps.forward_step` and
-:func:`attention.softmax_steps.backward_step` choose them. Without a fault hook one fused kernel
+:class:`attention.softmax.ForwardStep` and :class:`attention.softmax.BackwardStep` for NumPy
+arrays; :mod:`attention.softmax_steps` chooses them. Without a fault hook one fused kernel
 computes, observes the product's row checksums, judges the invariants and (float32/float64) makes
 the encodings of what it writes; with a hook the kernel runs unchecked, the hook sees the output,
 and the invariants are judged afterwards. 16-bit layers compute in float32 and store in their
@@ -18,8 +18,8 @@ import numpy as np
 
 from abftgemm.checksums import accumulation_dtype, smallest_normal
 from attention import _cpu_softmax
-from attention.softmax import (LOG_CHECK_FLOOR, Step, Verdict, backward_tolerance,
-                               check_backward, forward_verdict)
+from attention.softmax import (LOG_CHECK_FLOOR, BackwardStep, ForwardStep, Verdict,
+                               backward_tolerance, check_backward, forward_verdict)
 
 #: Empty encoding buffers: the kernels then make no encodings.
 _NONE = (np.zeros((0, 3, 0)), np.zeros((0, 0, 3)))
@@ -39,14 +39,9 @@ def _known(outcome: tuple[bool, float, float]) -> Verdict:
     return lambda: outcome
 
 
-class CpuForwardStep(Step):
+class CpuForwardStep(ForwardStep):
     """The forward softmax of one pass on the CPU; see
     :func:`attention.softmax_steps.forward_step`."""
-
-    def __init__(self, inp: Any, scores: Any, probs: Any, ctx: Any, ws: Any, plan: Any | None):
-        super().__init__()
-        self.inp, self.scores, self.probs, self.ctx, self.ws, self.plan = \
-            inp, scores, probs, ctx, ws, plan
 
     def run(self) -> None:
         check, hook = self.ctx.check != "off", self.ctx.fault_hook
@@ -97,17 +92,9 @@ class CpuForwardStep(Step):
         return forward_verdict(tuple(float(e) for e in errors), probs.dtype, scores.shape[-1])
 
 
-class CpuBackwardStep(Step):
+class CpuBackwardStep(BackwardStep):
     """The backward softmax of one pass on the CPU; see
     :func:`attention.softmax_steps.backward_step`."""
-
-    def __init__(self, d_probs: Any, probs: Any, d_scores: Any, scale: float, ctx: Any, ws: Any,
-                 plan: Any | None, causal: bool, dropout: Any | None):
-        super().__init__()
-        self.dp, self.p, self.ds, self.scale = d_probs, probs, d_scores, scale
-        self.causal, self.ctx, self.ws, self.plan = causal, ctx, ws, plan
-        self.keep = None if dropout is None else dropout.keep
-        self.keep_scale = 1.0 if dropout is None else dropout.scale
 
     def run(self) -> None:
         check, hook = self.ctx.check != "off", self.ctx.fault_hook

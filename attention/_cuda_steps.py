@@ -1,8 +1,8 @@
 """The checked softmax steps of one pass on the GPU (RawKernels of :mod:`attention._cuda_softmax`).
 
 :class:`GpuForwardStep` and :class:`GpuBackwardStep` implement
-:class:`attention.softmax.Step` for CuPy arrays; :func:`attention.softmax_steps.forward_step` and
-:func:`attention.softmax_steps.backward_step` choose them. Without a fault hook one launch computes,
+:class:`attention.softmax.ForwardStep` and :class:`attention.softmax.BackwardStep` for CuPy
+arrays; :mod:`attention.softmax_steps` chooses them. Without a fault hook one launch computes,
 observes the product's row checksums and judges the invariants; with a hook a first launch
 computes, the hook sees the output, and a second launch judges it. Verdicts stay on the device
 (:class:`attention._cuda_softmax.DeviceVerdict`) until the pass settles. The GPU kernels make no
@@ -20,8 +20,8 @@ import numpy as np
 
 from abftgemm.checksums import accumulation_dtype, smallest_normal
 from attention import _cuda_softmax
-from attention.softmax import (LOG_CHECK_FLOOR, Step, Verdict, backward_tolerance,
-                               forward_tolerances)
+from attention.softmax import (LOG_CHECK_FLOOR, BackwardStep, ForwardStep, Verdict,
+                               backward_tolerance, forward_tolerances)
 
 
 def _device_verdict(ws: Any, name: str, rows: int) -> _cuda_softmax.DeviceVerdict:
@@ -30,14 +30,9 @@ def _device_verdict(ws: Any, name: str, rows: int) -> _cuda_softmax.DeviceVerdic
                                        ws.buffer(name + "_details", cupy, (rows, 2), np.float64))
 
 
-class GpuForwardStep(Step):
+class GpuForwardStep(ForwardStep):
     """The forward softmax of one pass on the GPU; see
     :func:`attention.softmax_steps.forward_step`."""
-
-    def __init__(self, inp: Any, scores: Any, probs: Any, ctx: Any, ws: Any, plan: Any | None):
-        super().__init__()
-        self.inp, self.scores, self.probs, self.ctx, self.ws, self.plan = \
-            inp, scores, probs, ctx, ws, plan
 
     def run(self) -> None:
         check, hook = self.ctx.check != "off", self.ctx.fault_hook
@@ -67,18 +62,10 @@ class GpuForwardStep(Step):
             verdict=self._device)
 
 
-class GpuBackwardStep(Step):
+class GpuBackwardStep(BackwardStep):
     """The backward softmax of one pass on the GPU; see
     :func:`attention.softmax_steps.backward_step`.
     With a fault hook, the hook sees the unscaled ``dS`` in the accumulation dtype."""
-
-    def __init__(self, d_probs: Any, probs: Any, d_scores: Any, scale: float, ctx: Any, ws: Any,
-                 plan: Any | None, causal: bool, dropout: Any | None):
-        super().__init__()
-        self.dp, self.p, self.ds, self.scale = d_probs, probs, d_scores, scale
-        self.causal, self.ctx, self.ws, self.plan = causal, ctx, ws, plan
-        self.keep = None if dropout is None else dropout.keep
-        self.keep_scale = 1.0 if dropout is None else dropout.scale
 
     def run(self) -> None:
         """The fused kernel; with a hook, compute the unscaled dS, let the hook see it, then

@@ -139,3 +139,26 @@ class Step:
     def recompute(self) -> Verdict:
         """Recompute after a failed invariant; the new verdict."""
         raise NotImplementedError
+
+
+class ForwardStep(Step):
+    """The forward softmax: ``probs`` from the raw ``scores`` (the operands of
+    :func:`attention.softmax_steps.forward_step`); each backend's class implements the steps."""
+
+    def __init__(self, inp: Any, scores: Any, probs: Any, ctx: Any, ws: Any, plan: Any | None):
+        super().__init__()
+        self.inp, self.scores, self.probs, self.ctx, self.ws, self.plan = \
+            inp, scores, probs, ctx, ws, plan
+
+
+class BackwardStep(Step):
+    """The backward softmax: ``dS`` from ``d_probs`` and ``probs`` (the operands of
+    :func:`attention.softmax_steps.backward_step`); each backend's class implements the steps."""
+
+    def __init__(self, d_probs: Any, probs: Any, d_scores: Any, scale: float, ctx: Any, ws: Any,
+                 plan: Any | None, causal: bool, dropout: Any | None):
+        super().__init__()
+        self.dp, self.p, self.ds, self.scale = d_probs, probs, d_scores, scale
+        self.causal, self.ctx, self.ws, self.plan = causal, ctx, ws, plan
+        self.keep = None if dropout is None else dropout.keep
+        self.keep_scale = 1.0 if dropout is None else dropout.scale

@@ -9,11 +9,12 @@ from hypothesis import strategies as st
 
 from abftgemm.backend import to_host
 from abftgemm.faults import Fault, Recorder
-from attention import INVARIANT_SITES, SITES, Context, MultiHeadAttention
+from attention import INVARIANT_SITES, SITES, Context
 from attention import reference as ref
 from attention.core import core_backward, core_forward
 from attention.dropout import DROPOUT_SITE
 from conftest import BACKENDS
+from test_attention import problem as layer_problem
 
 #: Relative error allowed against float64 math, per layer dtype: the flash-attention style budget
 #: of tests/test_attention.py is per tensor; here a plain bound of the dtype's roundoff over the
@@ -52,16 +53,10 @@ def assert_close(got, want, tol):
 
 def problem(xp, dtype, p, batch=2, seq=6, d_model=8, heads=2, causal=False, masked=False,
             seed=0):
-    layer = MultiHeadAttention(d_model, heads, causal=causal, dtype=dtype, xp=xp, seed=seed)
-    rng = np.random.default_rng(seed + 1)
-    x = xp.asarray(rng.standard_normal((batch, seq, d_model)).astype(layer.dtype))
-    dy = xp.asarray(rng.standard_normal((batch, seq, d_model)).astype(layer.dtype))
-    mask = None
-    if masked:
-        m = rng.random((batch, seq)) < 0.7
-        m[0, :] = False  # a fully masked batch row
-        mask = xp.asarray(m)
-    keep = xp.asarray(keep_mask(rng, (batch * heads, seq, seq), p))
+    """The layer problem of tests/test_attention.py, and a dropout mask with probability ``p``."""
+    layer, x, mask, dy = layer_problem(xp, dtype, batch, seq, d_model, heads, causal, masked,
+                                       seed)
+    keep = xp.asarray(keep_mask(np.random.default_rng(seed + 2), (batch * heads, seq, seq), p))
     return layer, x, mask, dy, keep
 
 
