@@ -8,17 +8,15 @@ wrong data. With ``check="detect"`` it leaves the data alone and announces every
 """
 from abftgemm.checksums import SUPPORTED_DTYPES, Checksums
 from abftgemm.encode import checksums_of
-from abftgemm.gemm import CHECK_MODES, matmul, matmul_deferred
+from abftgemm.gemm import CHECK_MODES, matmul
 from abftgemm.plan import Counters, ProtectedMatmul, settle_all
 from abftgemm.plan_cache import PlanCache, clear_plan_cache
-from abftgemm.rare_path import DeferredCheck
 from abftgemm.report import Event, FaultDetectedWarning, Report, UncorrectableError
 from abftgemm.threads import get_threads, set_threads
 from abftgemm.verify import Verification, verify
 
 __all__ = ["matmul", "ProtectedMatmul", "Counters", "settle_all", "PlanCache", "clear_plan_cache",
-           "verify",
-           "Verification", "matmul_deferred", "DeferredCheck", "checksums_of", "Checksums", "Report",
+           "verify", "Verification", "checksums_of", "Checksums", "Report",
            "Event", "UncorrectableError", "FaultDetectedWarning", "CHECK_MODES", "SUPPORTED_DTYPES",
            "set_threads", "get_threads"]
 __version__ = "0.1.0"

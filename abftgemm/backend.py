@@ -42,7 +42,7 @@ batch dimension is either the full batch or 1 (broadcast):
 On top of these, array-module generic and written once: the checksum passes
 (:mod:`abftgemm.encode`), verdicts and location (:mod:`abftgemm.locate`), the rare path of
 verification, repair and recomputation (:mod:`abftgemm.rare_path`), and the planned products
-(:mod:`abftgemm.plan`, :mod:`abftgemm.deferred`).
+(:mod:`abftgemm.plan`, :mod:`abftgemm.consumer_rows`).
 """
 from __future__ import annotations
 

@@ -11,17 +11,16 @@ from abftgemm.checksums import Checksums, location_weights
 from abftgemm.operands import Operands
 
 
-def predict(be: Backend, op: Operands, a_checksums: Checksums | None,
-            b_checksums: Checksums | None) -> tuple[Any, Any]:
+def predict(be: Backend, op: Operands, a_checksums: Checksums | None) -> tuple[Any, Any]:
     """Predicted column and row checksums of ``a @ b (+ bias)``, float64 ``(batch, n|m, 5)``.
 
     Field 2 is ``S``, the predicted sum of ``|a||b|`` terms that scales the threshold. Passes:
-    ``b`` once for its row encoding (skipped when passed in), ``a`` once for both its column
+    ``b`` once for its row encoding, ``a`` once for both its column
     encoding and the predicted row checksums, ``b`` again for the predicted column checksums.
     """
     xp = op.xp
-    b_rows = _row_encoding_of_b(be, op, b_checksums)
-    a_cols = _passed(a_checksums, "cols")
+    b_rows = _row_encoding_of_b(be, op)
+    a_cols = None if a_checksums is None else a_checksums.cols
     if a_cols is None:
         batch = max(op.a.shape[0], b_rows.shape[0])
         enc_a = xp.empty((batch, op.k, 5), dtype=np.float64)
@@ -37,22 +36,17 @@ def predict(be: Backend, op: Operands, a_checksums: Checksums | None,
     return pred_col, pred_row
 
 
-def predict_rows(be: Backend, op: Operands, b_checksums: Checksums | None) -> Any:
-    """Predicted row checksums only, float64 ``(batch, m, 5)`` (reads ``a`` once, ``b`` at most
-    once)."""
-    pred_row = _reduce(be.row_reduce, op.a, _row_encoding_of_b(be, op, b_checksums), op.batch,
-                       op.m)
+def predict_rows(be: Backend, op: Operands) -> Any:
+    """Predicted row checksums only, float64 ``(batch, m, 5)`` (reads ``b``, then ``a``)."""
+    pred_row = _reduce(be.row_reduce, op.a, _row_encoding_of_b(be, op), op.batch, op.m)
     if op.bias is not None:
         _add_bias_to_rows(op, pred_row)
     return pred_row
 
 
-def _row_encoding_of_b(be: Backend, op: Operands, b_checksums: Checksums | None) -> Any:
-    """``b``'s row encoding ``(batch or 1, k, 3)``, contiguous: handed in, or one pass over ``b``."""
-    b_rows = _passed(b_checksums, "rows")
-    if b_rows is None:
-        b_rows = _reduce(be.row_reduce, op.b, None, op.b.shape[0], op.k)[..., :3]
-    return op.xp.ascontiguousarray(b_rows)
+def _row_encoding_of_b(be: Backend, op: Operands) -> Any:
+    """``b``'s row encoding ``(batch or 1, k, 3)``, contiguous: one pass over ``b``."""
+    return op.xp.ascontiguousarray(_reduce(be.row_reduce, op.b, None, op.b.shape[0], op.k)[..., :3])
 
 
 def _add_bias_to_cols(op: Operands, pred_col: Any) -> None:
@@ -79,10 +73,6 @@ def observe(be: Backend, out: Any) -> tuple[Any, Any]:
     obs_row = xp.empty((batch, m, 5), dtype=np.float64)
     be.both_reduce(out, None, None, obs_col, obs_row)
     return obs_col, obs_row
-
-
-def _passed(checksums: Checksums | None, which: str) -> Any | None:
-    return None if checksums is None else getattr(checksums, which)
 
 
 def _reduce(fn: Callable, x: Any, coef: Any, batch: int, vectors: int) -> Any:

@@ -1,21 +1,21 @@
-"""The entry points: :func:`matmul` (protected ``a @ b``) and :func:`matmul_deferred`.
+"""The entry point: :func:`matmul`, a protected ``a @ b``.
 
-:func:`matmul` runs a cached plan (:mod:`abftgemm.plan_cache`): on the fast path one GEMM and two
-verification launches that read ``a``, ``b`` and the product once each, then one host read of
+:func:`matmul` executes and settles a cached plan (:mod:`abftgemm.plan_cache`): on the fast
+path one GEMM and two verification launches that read ``a``, ``b`` and the product once each, then one host read of
 the verdict; the rare path (:mod:`abftgemm.rare_path`) runs only when that verdict flags.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 from abftgemm._torch import any_tensor, tensor_matmul
-from abftgemm.backend import Backend, get_backend
+from abftgemm.backend import array_module, get_backend
 from abftgemm.checksums import Checksums
-from abftgemm.encode import predict_rows
 from abftgemm.operands import Operands
 from abftgemm.plan import DIRECTIONS
 from abftgemm.plan_cache import PlanCache, default_plans
-from abftgemm.rare_path import DeferredCheck
 from abftgemm.report import Report
 from abftgemm.threads import blas_scope
 
@@ -27,7 +27,7 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
            check: str = "correct", directions: str = "columns",
            fault_hook: FaultHook | None = None, name: str = "matmul",
            return_report: bool = False, a_checksums: Checksums | None = None,
-           b_checksums: Checksums | None = None, return_checksums: bool = False,
+           return_checksums: bool = False,
            plans: PlanCache | None = None) -> Any:
     """Checksum-protected ``a @ b``: a drop-in for ``np.matmul`` / ``cupy.matmul`` that detects
     and corrects faults.
@@ -79,11 +79,10 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
         Site name used in reports and passed to ``fault_hook``.
     return_report : bool
         Also return the :class:`Report`.
-    a_checksums, b_checksums : Checksums, optional
-        Encodings handed on from earlier products: ``a_checksums.cols`` (column encoding of ``a``)
-        replaces the read of ``a``; ``b_checksums`` is accepted for compatibility and unused (the
-        row direction is predicted afresh when it is needed). Batch dimensions are flattened:
-        shape ``(batch or 1, vectors, 3)``.
+    a_checksums : Checksums, optional
+        Encoding handed on from an earlier product: ``a_checksums.cols`` (column encoding of
+        ``a``, batch dimensions flattened: shape ``(batch or 1, k, 3)``) replaces the read of
+        ``a``.
     return_checksums : bool
         Also return the :class:`Checksums` of the delivered product (flattened batch), ready to
         pass to the next product: its column encoding (and the row encoding with
@@ -110,8 +109,8 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
     if any_tensor(a, b, out, bias):
         return tensor_matmul(matmul, a, b, out, bias, check=check, directions=directions,
                              fault_hook=fault_hook, name=name, return_report=return_report,
-                             a_checksums=a_checksums, b_checksums=b_checksums,
-                             return_checksums=return_checksums, plans=plans)
+                             a_checksums=a_checksums, return_checksums=return_checksums,
+                             plans=plans)
     if check not in CHECK_MODES:
         raise ValueError(f"check must be one of {CHECK_MODES}, got {check!r}")
     if directions not in DIRECTIONS:
@@ -121,69 +120,39 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
     report, checksums = Report(), None
     plans = default_plans() if plans is None else plans
     # a layout seen before takes its cached plan without validation (plan_cache.py)
-    found = None if check == "off" else plans.planned_operands(a, b, bias, out, check,
-                                                               directions)
-    plan, op = found if found else (None, Operands.prepare(a, b, bias, out))
-    if plan is None and (check == "off" or op.batch * op.m * op.n == 0):
-        _, _, buf = _product(op, fault_hook, name)
-    else:
-        buf = op.buffer()
-        plan = plan or plans.plan(op, check, directions, (a, b, bias))
-        try:
-            with blas_scope():  # the thread count decided once for the GEMM and the rare path
-                plan.run(op, buf, fault_hook, a_checksums, name)
-                report, sums = plan.settle(checksums=True)
-        except BaseException:
-            plan.abandon()
-            raise
-        if return_checksums:  # the plan's are workspace views: the next call overwrites them
-            checksums = Checksums(*(None if x is None else op.xp.array(x)
-                                    for x in (sums.cols, sums.rows)))
-    result = op.deliver(buf)
+    plan = None if check == "off" else plans.find(a, b, bias, check, directions)
+    if plan is None:
+        op = Operands.prepare(a, b, bias, out)
+        if check == "off" or op.batch * op.m * op.n == 0:
+            result = op.deliver(_product(op, fault_hook, name))
+            return _with_extras(result, report, None, return_report, return_checksums)
+        plan = plans.plan(op, check, directions, (a, b, bias))
+    try:
+        with blas_scope():  # the thread count decided once for the GEMM and the rare path
+            result = plan.execute(a, b, bias=bias, out=out, fault_hook=fault_hook,
+                                  a_checksums=a_checksums, name=name)
+            report, sums = plan.settle(checksums=True)
+    except BaseException:
+        plan.abandon()
+        raise
+    if return_checksums:  # the plan's are workspace views: the next call overwrites them
+        xp = array_module(sums.cols)
+        checksums = Checksums(*(None if x is None else xp.array(x) for x in (sums.cols, sums.rows)))
+    if out is None and result.ndim == 0 and type(result) is np.ndarray:
+        result = result[()]  # NumPy vector @ vector: a scalar (CuPy returns 0-d arrays)
+    return _with_extras(result, report, checksums, return_report, return_checksums)
+
+
+def _with_extras(result: Any, report: Report, checksums: Checksums | None, return_report: bool,
+                 return_checksums: bool) -> Any:
     extras = ([report] if return_report else []) + ([checksums] if return_checksums else [])
     return (result, *extras) if extras else result
 
 
-def _product(op: Operands, fault_hook: FaultHook | None,
-             name: str) -> tuple[Backend, Operands, Any]:
-    """Run the GEMM into ``op``'s ``(batch, m, n)`` buffer, let ``fault_hook`` see it."""
-    be = get_backend(op.xp)
+def _product(op: Operands, fault_hook: FaultHook | None, name: str) -> Any:
+    """The unprotected GEMM into ``op``'s ``(batch, m, n)`` buffer, seen by ``fault_hook``."""
     buf = op.buffer()
-    be.gemm(op.a, op.b, buf, op.bias)
+    get_backend(op.xp).gemm(op.a, op.b, buf, op.bias)
     if fault_hook is not None:
         fault_hook(name, buf.reshape(op.batch_shape + (op.m, op.n)))
-    return be, op, buf
-
-
-def matmul_deferred(a: Any, b: Any, *, check: str = "correct",
-                    fault_hook: FaultHook | None = None, name: str = "matmul",
-                    b_checksums: Checksums | None = None) -> tuple[Any, DeferredCheck | None]:
-    """``a @ b`` whose verification is left to the kernel that consumes the product.
-
-    Reading a large product only to verify it can cost more than a third of the GEMM (attention
-    scores); the kernel that reads it anyway (the softmax) can observe its row checksums on the
-    way through and hand them to :meth:`DeferredCheck.verify_rows`. Only the row checksums are
-    predicted (one read of ``a``, at most one of ``b``); a flagged row is repaired with full
-    two-direction verification, as in :func:`matmul`.
-
-    Parameters
-    ----------
-    a, b, check, fault_hook, name
-        As in :func:`matmul`.
-    b_checksums : Checksums, optional
-        Row encoding of ``b`` (``b_checksums.rows``), handed on from an earlier product.
-
-    Returns
-    -------
-    c : array (..., m, n)
-        The unverified product.
-    deferred : DeferredCheck or None
-        None when ``check == "off"`` (or the product is empty).
-    """
-    if check not in CHECK_MODES:
-        raise ValueError(f"check must be one of {CHECK_MODES}, got {check!r}")
-    be, op, out = _product(Operands.prepare(a, b), fault_hook, name)
-    if check == "off" or not out.size:
-        return op.restore(out), None
-    return op.restore(out), DeferredCheck(be, op, out, predict_rows(be, op, b_checksums), check,
-                                          name)
+    return buf

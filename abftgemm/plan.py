@@ -15,6 +15,9 @@ to repair a bad column, and the rare path computes it then. Reading ``a``, ``b``
 once each instead of ``a`` and ``b`` twice is what brings the CPU overhead near the memory floor
 (docs/design.md). ``directions="both"`` keeps the stronger two-direction check on every call
 (all of it at :meth:`~ProtectedMatmul.settle`); docs/detection.md compares the two.
+``directions="rows by consumer"`` leaves the observation to the kernel that reads the product
+anyway (:mod:`abftgemm.consumer_rows`): the execute predicts the row checksums, the consumer
+observes them into :attr:`~ProtectedMatmul.observed` and calls :meth:`~ProtectedMatmul.judge`.
 
 Counters (:class:`Counters`) record the launches, workspace allocations and host syncs of a plan,
 so that tests can prove the structure on the CPU, where the kernel boundaries are the GPU's.
@@ -28,6 +31,7 @@ import numpy as np
 
 from abftgemm.backend import Backend, Workspace, get_backend, is_cupy_array
 from abftgemm.checksums import Checksums
+from abftgemm.consumer_rows import ConsumerRows
 from abftgemm.operands import Operands
 from abftgemm.rare_path import protect
 from abftgemm.report import Report
@@ -35,6 +39,9 @@ from abftgemm.thresholds import safe_magnitude, threshold_coefficients
 
 FaultHook = Callable[[str, Any], None]
 DIRECTIONS = ("columns", "both")
+#: What a plan may verify besides :data:`DIRECTIONS`: the rows its consumer observes.
+CONSUMER_ROWS = "rows by consumer"
+PLAN_DIRECTIONS = DIRECTIONS + (CONSUMER_ROWS,)
 #: What ``a_triangle`` may promise.
 TRIANGLES = (None, "lower", "upper")
 
@@ -81,9 +88,12 @@ class ProtectedMatmul:
         Planned with a bias: every execute adds one (``a @ b + bias``) inside the protection.
     check : {"correct", "detect"}
         What :meth:`settle` does with a finding: repair (or raise), or report only.
-    directions : {"columns", "both"}
+    directions : {"columns", "both", "rows by consumer"}
         ``"columns"`` (default): the fast path verifies column checksums only (see the module
-        docstring). ``"both"``: rows and columns on every call.
+        docstring). ``"both"``: rows and columns on every call. ``"rows by consumer"``: the
+        execute predicts the row checksums; the kernel that consumes the product observes them
+        on its read into :attr:`observed` and calls :meth:`judge` (no bias;
+        :mod:`abftgemm.consumer_rows`).
     name : str
         Site name in reports and for ``fault_hook``.
     constant_a : bool
@@ -95,9 +105,24 @@ class ProtectedMatmul:
         probabilities; ``"upper"``: for ``j < i``, their transpose). The GEMM then multiplies
         only the blocks the triangle can hold (on the CPU; the GPU runs the whole product). The
         verification reads ``a`` whole, so it still sees what the promise says is zero.
+    out_triangle : {None, "lower"}
+        With ``"rows by consumer"``: only entries ``j <= i`` of the product are read (causal
+        attention's scores and ``dP``). Where the backend skips the rest (the CPU,
+        float32/float64), row ``i`` is computed and verified up to :attr:`row_limits` ``[i]``
+        only, and the consumer observes each row up to there; what lies beyond is never written
+        nor read (a fault there changes nothing). The rare path completes the product first.
     counters : Counters, optional
         Counters to add to (several plans may share one, e.g. the sites of a layer); default a
         new one, :attr:`counters`.
+
+    Attributes
+    ----------
+    observed : array (batch, m, 5) or None
+        With ``"rows by consumer"``: where the consumer writes the row checksums it observed
+        (the fields of a backend's ``row_reduce`` with default weights).
+    row_limits : array (m,) or None
+        With ``out_triangle``: how many leading columns of each row are computed, observed and
+        verified; None: every row whole.
 
     Examples
     --------
@@ -109,14 +134,21 @@ class ProtectedMatmul:
 
     def __init__(self, a: Any, b: Any, *, bias: Any | None = None, check: str = "correct",
                  directions: str = "columns", name: str = "matmul", constant_a: bool = False,
-                 a_triangle: str | None = None, counters: Counters | None = None):
+                 a_triangle: str | None = None, out_triangle: str | None = None,
+                 counters: Counters | None = None):
         if check not in ("correct", "detect"):
             raise ValueError(f"check must be 'correct' or 'detect' for a plan, got {check!r} "
                              "(check='off' needs no plan: use abftgemm.matmul)")
-        if directions not in DIRECTIONS:
-            raise ValueError(f"directions must be one of {DIRECTIONS}, got {directions!r}")
+        if directions not in PLAN_DIRECTIONS:
+            raise ValueError(f"directions must be one of {PLAN_DIRECTIONS}, got {directions!r}")
         if a_triangle not in TRIANGLES:
             raise ValueError(f"a_triangle must be one of {TRIANGLES}, got {a_triangle!r}")
+        consumer = directions == CONSUMER_ROWS
+        if out_triangle not in (None, "lower") or out_triangle and not consumer:
+            raise ValueError(f"out_triangle must be None, or 'lower' with directions="
+                             f"{CONSUMER_ROWS!r}; got {out_triangle!r} with {directions!r}")
+        if consumer and bias is not None:
+            raise ValueError(f"{name}: a plan with directions={CONSUMER_ROWS!r} takes no bias")
         op = Operands.prepare(a, b, bias)
         self.check, self.directions, self.name = check, directions, name
         self.counters = Counters() if counters is None else counters
@@ -132,14 +164,21 @@ class ProtectedMatmul:
         self._work: Workspace = self._be.plan_workspace(op, self.counters, thresholds)
         if self._verify_columns and constant_a:
             self._work.encode(op.a)
+        self._rows = ConsumerRows(self._be, op, out_triangle, self._zeros) if consumer else None
+        self.observed = None if self._rows is None else self._rows.observed
+        self.row_limits = None if self._rows is None else self._rows.row_limits
         self._pending: _Pending | None = None
+
+    def _zeros(self, shape: tuple[int, ...], dtype: Any = np.float64) -> Any:
+        self.counters.allocations += 1
+        return self._be.xp.zeros(shape, dtype=dtype)
 
     # ------------------------------------------------------------------ public
 
     def execute(self, a: Any, b: Any, *, bias: Any | None = None, out: Any | None = None,
-                fault_hook: FaultHook | None = None,
-                a_checksums: Checksums | None = None,
-                gemm: Callable[[], None] | None = None) -> Any:
+                fault_hook: FaultHook | None = None, a_checksums: Checksums | None = None,
+                b_rows: Checksums | None = None, gemm: Callable[[], None] | None = None,
+                name: str | None = None) -> Any:
         """Run the product and queue its verification; call :meth:`settle` for the verdict.
 
         Parameters
@@ -147,60 +186,61 @@ class ProtectedMatmul:
         a, b, bias : array
             Operands of the planned shapes and dtype (``bias`` if and only if planned with one).
         out : array, optional
-            C-contiguous array of the product's shape and dtype, overlapping no operand, that
-            receives the result; without it a new array is allocated (the only allocation of an
-            execute).
+            Receives the result, as :func:`abftgemm.matmul`'s ``out``. A C-contiguous array of
+            the product's shape and dtype that overlaps no operand receives it directly; any
+            other valid ``out`` receives the verified product at :meth:`settle` (the product is
+            computed in a new array, as without ``out``: the only allocation of an execute).
         fault_hook : callable ``(site, c)``, optional
             Sees the raw product before verification (fault injection).
         a_checksums : Checksums, optional
             Column encoding of ``a`` handed on from an earlier product (``a_checksums.cols``):
             skips the read of ``a``.
+        b_rows : Checksums, optional
+            With ``"rows by consumer"``: ``b_rows.rows``, the row encoding of ``b``
+            ``(1 or b's batch, k, 3)`` handed on from an earlier product; without it ``b`` is
+            read once more (not used with :attr:`row_limits`).
         gemm : callable, optional
-            Writes ``a @ b (+ bias)`` into ``out`` (which it needs), in place of the plan's own
-            GEMM: for example the framework's GEMM on the tensors behind the arrays, run on its
-            own threads. The verification checks what it wrote like any product.
+            Writes ``a @ b (+ bias)`` into ``out`` (which it needs, written directly), in place
+            of the plan's own GEMM: for example the framework's GEMM on the tensors behind the
+            arrays, run on its own threads. The verification checks what it wrote like any
+            product.
+        name : str, optional
+            The site of this execute, for ``fault_hook`` and the report (default: the plan's
+            ``name``), so that one plan serves every site of its signature.
 
         Returns
         -------
         array
             The product (``out`` when given). Do not trust it before :meth:`settle` returns.
         """
-        op = self._planned(a, b, bias, out)
-        if out is None:
-            self.counters.allocations += 1
-        elif not op.direct:
-            raise ValueError(f"{self.name}: a plan writes straight into out, which must be a "
-                             f"C-contiguous {op.dtype} array of shape {op.shape} that overlaps "
-                             "no operand (abftgemm.matmul takes any out)")
-        if gemm is not None and out is None:
-            raise ValueError(f"{self.name}: a gemm given to execute needs out")
-        c = op.buffer()
-        self.run(op, c, fault_hook, a_checksums, gemm=gemm)
-        return op.restore(c)
-
-    def run(self, op: Operands, c: Any, fault_hook: FaultHook | None = None,
-            a_checksums: Checksums | None = None, name: str | None = None,
-            gemm: Callable[[], None] | None = None) -> None:
-        """:meth:`execute` for operands already validated against the plan (``op``, from
-        :meth:`Operands.prepare` with the planned signature) into the ``(batch, m, n)`` buffer
-        ``c`` (``op.buffer()``); what :func:`abftgemm.matmul` calls. ``name``: the site of this
-        execute, for ``fault_hook`` and the report (default: the plan's ``name``), so that one
-        plan serves every site of its signature."""
         name = self.name if name is None else name
         if self._pending is not None:
             raise RuntimeError(f"{self.name}: settle() the previous execute first")
+        op = self._planned(a, b, bias, out)
+        if not op.direct:
+            if gemm is not None or self._rows is not None and out is not None:
+                raise ValueError(f"{name}: a gemm or a consumer needs out, a C-contiguous "
+                                 f"{op.dtype} array of shape {op.shape} that overlaps no operand")
+            self.counters.allocations += 1
         if a_checksums is not None and self._constant_a:
-            raise ValueError(f"{self.name}: a_checksums given to a plan with a constant a")
+            raise ValueError(f"{name}: a_checksums given to a plan with a constant a")
         if a_checksums is not None and a_checksums.cols is not None:
-            _check_column_encoding(op, a_checksums.cols, self.name)
-        if gemm is None:
-            self._work.gemm(op, c, self._a_triangle)
-        else:
+            _check_column_encoding(op, a_checksums.cols, name)
+        c = op.buffer()
+        if gemm is not None or self.row_limits is not None:  # else the workspace counts it
             self.counters.launches += 1 + (op.bias is not None)
+        if gemm is not None:
             gemm()
+        elif self.row_limits is not None:
+            self._rows.gemm(op, c)
+        else:
+            self._work.gemm(op, c, self._a_triangle)
         if fault_hook is not None:
             fault_hook(name, c.reshape(op.batch_shape + (op.m, op.n)))
-        if self._verify_columns:
+        if self._rows is not None:
+            self.counters.launches += self._rows.predict(
+                op, None if b_rows is None else b_rows.rows)
+        elif self._verify_columns:
             if a_checksums is not None and a_checksums.cols is not None:
                 self._work.set_encoding(a_checksums.cols)
                 encode_a = False
@@ -209,6 +249,16 @@ class ProtectedMatmul:
             self._work.predict(op, encode_a)
             self._work.observe_flag(c)
         self._pending = _Pending(op, c, a_checksums, name)
+        return op.restore(c) if op.out is None else op.out
+
+    def judge(self) -> None:
+        """With ``"rows by consumer"``, once the consumer filled :attr:`observed`: count the
+        flagged and unverifiable rows on the device (one launch)."""
+        if self._rows is None or self._pending is None:
+            raise RuntimeError(f"{self.name}: judge() needs an executed plan with directions="
+                               f"{CONSUMER_ROWS!r}")
+        self.counters.launches += 1
+        self._rows.judge()
 
     def signature(self) -> tuple:
         """What the plan was made for: array module, dtype, operand and result shapes, bias."""
@@ -249,7 +299,7 @@ class ProtectedMatmul:
             Also return the encodings of the delivered product, ready to hand on (as the
             ``a_checksums`` of a next product): ``Checksums(cols=...)`` on the default path (a
             view of a workspace, valid until the next execute); rows too with
-            ``directions="both"``.
+            ``directions="both"``; none with ``"rows by consumer"``.
 
         Returns
         -------
@@ -274,19 +324,26 @@ class ProtectedMatmul:
             self._work.fetch_verdict()
 
     def _finish_settle(self, checksums: bool) -> Report | tuple[Report, Checksums]:
-        """With the verdict on the host: report, and run the rare path if it flagged anything."""
+        """With the verdict on the host: report, run the rare path if it flagged anything, and
+        deliver the product into an ``out`` it was not computed in."""
         pending, self._pending = self._pending, None
         op, c = pending.op, pending.c
-        report = Report()
-        if self._verify_columns and not self._work.verdict_flagged():
+        report, sums = Report(), None
+        if self._rows is not None:
+            if self._rows.flagged():
+                self.counters.rare_paths += 1
+                self._rows.rare_path(op, c, self.check, pending.name, report)
+        elif self._verify_columns and not self._work.verdict_flagged():
             sums = Checksums(cols=self._work.observed_cols()) if checksums else None
         else:
             self.counters.rare_paths += 1
             sums = protect(self._be, op, c, self.check, pending.name, report,
-                           pending.a_checksums, None)
+                           pending.a_checksums)
             if self._verify_columns:  # the fast path hands on column encodings only
                 sums = Checksums(cols=sums.cols)
         report.checked[pending.name] = op.batch
+        if op.out is not None and not op.direct:
+            op.deliver(c)
         return (report, sums) if checksums else report
 
     def reset_constant(self, a: Any, b: Any, bias: Any | None = None) -> None:

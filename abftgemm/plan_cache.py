@@ -3,7 +3,7 @@
 Repeated products of one layout (the same shapes, dtype, device, bias presence, check mode and
 directions) reuse one :class:`~abftgemm.plan.ProtectedMatmul` and so its workspaces, with nothing
 to validate or allocate beyond the result. The key holds no site name: the plan takes each call's
-name for its fault hook and report (``ProtectedMatmul.run``), so a model with any number of sites
+name for its fault hook and report (``ProtectedMatmul.execute``), so a model with any number of sites
 needs one plan per distinct product, and :func:`abftgemm.matmul` executes and settles each call
 before the next, so sites of one signature never hold one plan at the same time.
 
@@ -14,10 +14,11 @@ the :data:`CAPACITY` most recently used plans (a plan's workspaces are small nex
 except 16-bit products on the CPU, whose float32 copies of the operands and the product live in
 the plan). A cache serves one thread at a time: a plan has one execute in flight.
 
-:meth:`PlanCache.planned_operands` finds the plan of arrays seen before without validating them
-again: each plan remembers the exact layouts (array type, dtype, shapes) of the calls that made or
-reused it, and arrays of such a layout are taken as they are. That saves ``Operands.prepare``,
-whose full validation costs more than a small product's checks (bench/NOTES.md).
+:meth:`PlanCache.find` finds the plan of arrays seen before without validating them again: the
+cache remembers the layouts (array type, dtype, shapes) of the calls that made or reused a plan,
+and the plan, made from the first call's arrays, takes arrays of that exact layout as they are.
+That saves ``Operands.prepare``, whose full validation costs more than a small product's checks
+(bench/NOTES.md).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import numpy as np
 
 from abftgemm.backend import is_cupy_array
 from abftgemm.operands import Operands
-from abftgemm.plan import Counters, ProtectedMatmul, _Layout, signature_of
+from abftgemm.plan import Counters, ProtectedMatmul, signature_of
 
 #: Plans kept by each thread's default cache.
 CAPACITY = 8
@@ -58,8 +59,8 @@ class PlanCache:
         self.capacity = capacity
         self.counters = Counters()
         self._plans: OrderedDict[tuple, ProtectedMatmul] = OrderedDict()
-        #: Layout key -> (``_Layout``, plan, plan key), for :meth:`planned_operands`.
-        self._layouts: dict[tuple, tuple[_Layout, ProtectedMatmul, tuple]] = {}
+        #: Layout key of the arrays -> key of their plan, for :meth:`find`.
+        self._layouts: dict[tuple, tuple] = {}
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -68,42 +69,38 @@ class PlanCache:
              arrays: tuple[Any, Any, Any] | None = None) -> ProtectedMatmul:
         """The plan for ``op`` (validated operands) and these options, made on first use.
 
-        ``arrays``: the ``(a, b, bias)`` that ``op`` was prepared from; when ``op`` only reshapes
-        them, their layout is remembered for :meth:`planned_operands`.
+        ``arrays``: the ``(a, b, bias)`` that ``op`` was prepared from, whose layout is remembered
+        for :meth:`find`.
         """
         key = (signature_of(op), _device(op.xp), check, directions)
         plan = self._plans.get(key)
         if plan is None:
-            plan = ProtectedMatmul(op.a, op.b, bias=op.bias, check=check, directions=directions,
+            # made from the caller's arrays: the plan takes their layout without validation
+            a, b, bias = (op.a, op.b, op.bias) if arrays is None else arrays
+            plan = ProtectedMatmul(a, b, bias=bias, check=check, directions=directions,
                                    counters=self.counters)
             self._plans[key] = plan
             while self.capacity is not None and len(self._plans) > self.capacity:
-                evicted = self._plans.popitem(last=False)[1]
+                evicted_key, evicted = self._plans.popitem(last=False)
                 evicted.release()
-                for stale in [k for k, (_, p, _) in self._layouts.items() if p is evicted]:
+                for stale in [k for k, p in self._layouts.items() if p == evicted_key]:
                     del self._layouts[stale]
         self._plans.move_to_end(key)
-        if arrays is not None:
-            layout = _Layout.of(*arrays, op)
-            layout_key = _layout_key(*arrays, check, directions)
-            if layout is not None and layout_key is not None:
-                self._layouts[layout_key] = (layout, plan, key)
+        layout_key = None if arrays is None else _layout_key(*arrays, check, directions)
+        if layout_key is not None:
+            self._layouts[layout_key] = key
         return plan
 
-    def planned_operands(self, a: Any, b: Any, bias: Any | None, out: Any | None, check: str,
-                         directions: str) -> tuple[ProtectedMatmul, Operands] | None:
-        """The plan and operands for arrays of a layout a plan was made or used for, taken
-        without validation; None for anything else (validate with ``Operands.prepare``)."""
+    def find(self, a: Any, b: Any, bias: Any | None, check: str,
+             directions: str) -> ProtectedMatmul | None:
+        """The plan made or used for arrays of this layout and these options, found without
+        validating them; None for anything else (validate with ``Operands.prepare``)."""
         key = _layout_key(a, b, bias, check, directions)
-        entry = None if key is None else self._layouts.get(key)
-        if entry is None:
-            return None
-        layout, plan, plan_key = entry
-        op = layout.operands(a, b, bias, out)
-        if op is None:
+        plan_key = None if key is None else self._layouts.get(key)
+        if plan_key is None:
             return None
         self._plans.move_to_end(plan_key)
-        return plan, op
+        return self._plans[plan_key]
 
     def clear(self) -> None:
         """Release every plan (frees their workspaces)."""
@@ -135,8 +132,8 @@ def _layout_key(a: Any, b: Any, bias: Any | None, check: str, directions: str) -
         return None
     if type(b) is not kind or (bias is not None and type(bias) is not kind):
         return None
-    return (kind, a.dtype, b.dtype, a.shape, b.shape, None if bias is None else bias.shape,
-            device, check, directions)
+    return (kind, a.dtype, b.dtype, a.shape, b.shape,
+            None if bias is None else (bias.dtype, bias.shape), device, check, directions)
 
 
 def _device(xp: Any) -> int:

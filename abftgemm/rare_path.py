@@ -3,10 +3,9 @@
 :func:`protect` observes and predicts the column and row checksums of a delivered product and
 judges them (:mod:`abftgemm.locate`); :func:`settle` reports what the verdict found and, with
 ``check="correct"``, repairs every flagged batch item in place (:mod:`abftgemm.repair`), settles
-the elements no checksum can judge (:mod:`abftgemm.nonfinite`), or raises. :class:`DeferredCheck`
-is the same for a product whose row checksums its consumer observed. Written once,
+the elements no checksum can judge (:mod:`abftgemm.nonfinite`), or raises. Written once,
 array-module generic on top of the backends' primitives (:mod:`abftgemm.backend`): what a plan's
-settle runs when its fast path flags (:mod:`abftgemm.plan`, :mod:`abftgemm.deferred`), the check
+settle runs when its fast path flags (:mod:`abftgemm.plan`, and :mod:`abftgemm.consumer_rows` for rows its consumer observed), the check
 of ``directions="both"``, and :func:`abftgemm.verify`'s.
 """
 from __future__ import annotations
@@ -28,11 +27,11 @@ _LEFT = "nothing: left in place (check='detect')"
 
 
 def protect(be: Backend, op: Operands, out: Any, check: str, name: str, report: Report,
-            a_checksums: Checksums | None, b_checksums: Checksums | None) -> Checksums:
+            a_checksums: Checksums | None) -> Checksums:
     """Verify ``out`` (and repair it when ``check == "correct"``); return its encodings."""
     with np.errstate(all="ignore"):  # non-finite data is judged and reported, not warned about
         obs_col, obs_row = observe(be, out)  # first: the product is freshest in cache
-        pred_col, pred_row = predict(be, op, a_checksums, b_checksums)
+        pred_col, pred_row = predict(be, op, a_checksums)
         verdict = verify(be, op, pred_col, pred_row, obs_col, obs_row)
         for b in settle(be, op, out, verdict, check, name, report):
             obs_col[b], obs_row[b] = (o[0] for o in observe(be, out[b:b + 1]))
@@ -59,35 +58,3 @@ def settle(be: Backend, op: Operands, out: Any, verdict: Verdict, check: str, na
         if event.action == "reported":  # detect mode: found and left in place
             announce(event)
     return sorted(set(repaired))
-
-
-class DeferredCheck:
-    """The pending row verification of a product whose consumer observes its rows
-    (:func:`abftgemm.matmul_deferred`, :class:`abftgemm.deferred.DeferredRows`)."""
-
-    def __init__(self, be: Backend, op: Operands, out: Any, pred_row: Any, check: str, name: str):
-        self.be, self.op, self.out, self.pred_row = be, op, out, pred_row
-        self.check, self.name = check, name
-
-    def verify_rows(self, obs_row: Any, report: Report) -> list[int]:
-        """Verify the product against its observed row checksums; repair it in place.
-
-        Parameters
-        ----------
-        obs_row : array (batch, m, 5) float64
-            Per row of the product as it was read: ``[sum, sum of (j+1)/n weighted, sum of |.|,
-            non-finite count, last non-finite index or -1]`` (what the backends' ``row_reduce``
-            computes with default weights).
-        report : Report
-            Receives the events.
-
-        Returns
-        -------
-        list of int
-            Flat batch indices whose product was modified (the consumer must redo its work on
-            them). Raises :class:`~abftgemm.UncorrectableError` as :func:`abftgemm.matmul` does.
-        """
-        op = self.op
-        verdict = verify_rows(self.be, op, self.pred_row, obs_row)
-        report.checked[self.name] = report.checked.get(self.name, 0) + op.batch
-        return settle(self.be, op, self.out, verdict, self.check, self.name, report)

@@ -47,7 +47,7 @@ def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, 
     """Make ``out[b]`` verify against checksums derived from the inputs, or raise."""
     one = item(op, b)
     view = out[b:b + 1]
-    pred = predict(be, one, None, None)
+    pred = predict(be, one, None)
     fresh = _reverify(be, one, view, pred)
     if fresh.clean:  # the data agrees with checksums derived afresh: the old ones were wrong
         report.events.append(diagnose(verdict, b).event(

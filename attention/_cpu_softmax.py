@@ -54,7 +54,7 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
         non-finite count, last non-finite index or -1]`` of every raw score row; an empty array
         (first dimension 0) when nothing reads them
     limits : (seq_q,) int64: observe row ``i``'s first ``limits[i]`` scores only (all that the
-        scores product computed, :attr:`abftgemm.deferred.DeferredRows.row_limits`); an empty
+        scores product computed, :attr:`abftgemm.ProtectedMatmul.row_limits`); an empty
         array for whole rows
     errors : (3,) float64: ``[worst row-sum error, worst log-identity spread, largest
         |z| + |log P| used]`` are folded into it (start from zeros)

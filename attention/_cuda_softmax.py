@@ -2,7 +2,7 @@
 
 :func:`forward` and :func:`backward` each run one kernel over the rows of the
 ``(batch*heads, seq_q, seq_k)`` operands: the fused clean path reads its inputs once, writes the
-output, the row checksums a :class:`abftgemm.deferred.DeferredRows` consumer owes (``stats``) and
+output, the row checksums a :class:`abftgemm.ProtectedMatmul` consumer owes (``stats``) and
 the invariant verdict (:class:`DeviceVerdict`), with no host synchronization and no
 ``(batch*heads, seq_q, seq_k)`` temporary. The visibility of a key is recomputed in the kernel from
 the key-padding mask, causality and the additive attention mask.

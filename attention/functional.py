@@ -17,7 +17,7 @@ import numpy as np
 
 from abftgemm.backend import array_module, astype, get_backend
 from abftgemm.checksums import SUPPORTED_DTYPES, Checksums, accumulation_dtype
-from abftgemm.plan import settle_all
+from abftgemm.plan import CONSUMER_ROWS, settle_all
 from abftgemm.report import Event, Report, UncorrectableError, announce
 from abftgemm.threads import blas_scope
 from attention import softmax, softmax_steps
@@ -244,10 +244,11 @@ class _Pass:
         if mode == "off":
             _plain(self.xp, a, b, None, out, site, self.ctx.fault_hook, out_triangle=triangle)
             return None
-        plan = self.ws.deferred(site, a, b, mode, triangle)
+        plan = self.ws.product(site, a, b, None, mode, directions=CONSUMER_ROWS,
+                               out_triangle=triangle)
         rows = self.sums.get(route.b_rows)
         rows = None if rows is None else Checksums(rows=rows.reshape(-1, b.shape[-2], 3))
-        plan.execute(a, b, out, fault_hook=self.ctx.fault_hook, b_rows=rows)
+        plan.execute(a, b, out=out, fault_hook=self.ctx.fault_hook, b_rows=rows)
         return plan
 
     def consumed(self, site: str, plan: Any | None, redo: Any) -> None:
@@ -257,8 +258,11 @@ class _Pass:
             return
         plan.judge()
         if not self.per_site:
-            self._pending.append(("deferred", site, plan))
-        elif plan.settle(self.report):
+            self._pending.append(("plan", site, plan))
+            return
+        found = plan.settle()
+        self.report.extend(found)
+        if any(e.action in _REPAIRS for e in found.events):
             redo()
 
     def invariant(self, site: str, verdict: softmax.Verdict | None, recheck: Any) -> None:
@@ -294,8 +298,6 @@ class _Pass:
             found = Report()
             if kind == "plan":
                 found = next(reports)
-            elif kind == "deferred":
-                item.settle(found)
             else:
                 ok, worst, tol = item()
                 if not ok:  # outside detect mode the replay recomputes it

@@ -7,9 +7,9 @@ direction is computed on the rare path, when a column flags. The scores and ``dP
 exception: reading them only to verify them costs a large part of their GEMM on a GPU (their
 inner dimension, the head dimension, is short, so the GEMM is bound by writing them), so the softmax
 kernels (forward and backward) observe their row checksums on the read they make anyway
-(:class:`abftgemm.deferred.DeferredRows`). Checksums "passed" cost no encoding pass: they are the
-column encodings an earlier product's verification observed (or composed from such encodings of
-its parts), the encoding an earlier site made of the same operand (``X`` is encoded once per pass
+(:class:`abftgemm.ProtectedMatmul`'s ``directions="rows by consumer"``). Checksums "passed" cost
+no encoding pass: they are the column encodings an earlier product's verification observed (or
+composed from such encodings of its parts), the encoding an earlier site made of the same operand (``X`` is encoded once per pass
 for ``Q``, ``K`` and ``V``, and ``X^T`` once for their weight gradients), or, for ``P``, ``dS``
 and their transposes, the encodings the CPU softmax kernels make as they write them (the GPU
 kernels do not yet: there those products read their operand; nor does a GPU plan keep a whole
@@ -90,7 +90,7 @@ class Route:
     out_triangle : {None, "lower"}
         In a causal layer, only this triangle of the product is read (the scores and ``dP``:
         the softmax sees keys ``j <= i``): row blocks are computed and verified up to their
-        last column (:class:`abftgemm.deferred.DeferredRows`' ``out_triangle``).
+        last column (:class:`abftgemm.ProtectedMatmul`'s ``out_triangle``).
     """
 
     out: str

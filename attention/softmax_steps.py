@@ -18,7 +18,8 @@ def forward_step(inp: Any, scores: Any, probs: Any, ctx: Any, ws: Any,
                  plan: Any | None) -> Step:
     """The forward softmax of one pass, run: ``probs`` from the raw ``scores``, the scores' row
     checksums observed into ``plan.observed`` (when the scores are checked by ``plan``, a
-    :class:`abftgemm.deferred.DeferredRows`), the invariant verdict.
+    :class:`abftgemm.ProtectedMatmul` with ``directions="rows by consumer"``), the invariant
+    verdict.
 
     ``inp`` carries ``head_dim``, ``n_heads``, ``causal``, ``key_visible`` and ``attn_add``;
     ``ctx`` the check mode and fault hook (which sees ``P`` between computing and checking);

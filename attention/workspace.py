@@ -1,8 +1,7 @@
 """The planned products and reusable buffers of an attention layer, per shape.
 
-A :class:`Workspace` holds one planned product per site, layout and check mode
-(:class:`abftgemm.ProtectedMatmul`, or :class:`abftgemm.deferred.DeferredRows` for the products
-the softmax kernels verify), all counting into one :class:`abftgemm.plan.Counters`, and the
+A :class:`Workspace` holds one planned product (:class:`abftgemm.ProtectedMatmul`) per site,
+layout, check mode and verification, all counting into one :class:`abftgemm.plan.Counters`, and the
 intermediate buffers a pass reuses from call to call. Outputs and saved activations are not
 kept here: they are new arrays every call.
 """
@@ -12,7 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from abftgemm.deferred import DeferredRows
 from abftgemm.plan import Counters, ProtectedMatmul
 
 
@@ -21,33 +19,23 @@ class Workspace:
 
     def __init__(self) -> None:
         self.counters = Counters()
-        self._plans: dict[tuple, Any] = {}
+        self._plans: dict[tuple, ProtectedMatmul] = {}
         self._buffers: dict[tuple, Any] = {}
 
     def product(self, site: str, a: Any, b: Any, bias: Any | None, check: str,
-                a_triangle: str | None = None, constant_a: bool = False) -> ProtectedMatmul:
-        """The planned product of ``site`` for these operands' layout (and ``a``'s triangle);
-        with ``constant_a``, a plan that encodes ``a`` once (at planning, from this ``a``)."""
+                a_triangle: str | None = None, constant_a: bool = False, *,
+                directions: str = "columns", out_triangle: str | None = None) -> ProtectedMatmul:
+        """The planned product of ``site`` for these operands' layout and these options (see
+        :class:`abftgemm.ProtectedMatmul`); with ``constant_a``, a plan that encodes ``a`` once
+        (at planning, from this ``a``)."""
         key = (site, check, _layout(a), _layout(b), None if bias is None else bias.shape,
-               a_triangle, constant_a)
+               a_triangle, constant_a, directions, out_triangle)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = ProtectedMatmul(a, b, bias=bias, check=check, name=site,
-                                                      a_triangle=a_triangle,
-                                                      constant_a=constant_a,
-                                                      counters=self.counters)
-        return plan
-
-    def deferred(self, site: str, a: Any, b: Any, check: str,
-                 out_triangle: str | None = None) -> DeferredRows:
-        """The planned, consumer-verified product of ``site`` for these operands' layout (and
-        the triangle of it that is read)."""
-        key = (site, check, "rows", _layout(a), _layout(b), out_triangle)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = DeferredRows(a, b, check=check, name=site,
-                                                   out_triangle=out_triangle,
-                                                   counters=self.counters)
+            plan = self._plans[key] = ProtectedMatmul(
+                a, b, bias=bias, check=check, directions=directions, name=site,
+                constant_a=constant_a, a_triangle=a_triangle, out_triangle=out_triangle,
+                counters=self.counters)
         return plan
 
     def buffer(self, name: str, xp: Any, shape: tuple[int, ...], dtype: Any) -> Any:

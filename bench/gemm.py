@@ -24,8 +24,7 @@ GPU (``--backend cupy``), dtypes float16, bfloat16 (``ml_dtypes.bfloat16`` CuPy 
 - ``gemm-projection``: (1, 16384, 4096, 4096) and (1, 4096, 1024, 1024) as 2-D products;
 - ``gemm-batched``: 128 x (512,64,512), (512,512,64), (2048,128,2048), (2048,2048,128);
 - ``gemm-chained``: the projection shapes called as attention calls them: ``a_checksums`` from an
-  earlier product's ``return_checksums=True``, ``b_checksums`` computed once for the weight, and
-  ``return_checksums=True``.
+  earlier product's ``return_checksums=True``, and ``return_checksums=True``.
 
 Shapes are ``(batch, m, k, n)``: ``C(batch, m, n) = A(batch, m, k) @ B(batch, k, n)``. Inputs are
 standard normal scaled by ``1/sqrt(k)`` (never zeros). ``floor_ms`` is one read of C at the copy
@@ -54,7 +53,6 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` and ``abftgemm`
 import numpy as np
 
 import abftgemm
-from abftgemm.checksums import Checksums
 from bench import timing
 
 Shape = tuple[int, int, int, int]  # (batch, m, k, n)
@@ -157,16 +155,6 @@ def operands(xp: Any, shape: Shape, dtype: str, seed: int = 0) -> tuple[Any, Any
             random_array(xp, lead + (k, n), dtype, 1.0, seed + 1))
 
 
-def weight_checksums(xp: Any, w: Any) -> Checksums:
-    """Row encoding of a weight ``w (k, n)``, computed once (what a model stores with the weight)."""
-    from abftgemm.backend import get_backend
-
-    w3 = w.reshape((1,) + w.shape[-2:])
-    out = xp.empty((1, w3.shape[1], 5), dtype=np.float64)
-    get_backend(xp).row_reduce(w3, None, out)
-    return Checksums(rows=out[..., :3])
-
-
 # ----------------------------------------------------------------------------- the runner
 
 
@@ -253,7 +241,7 @@ class Runner:
         self._record(group, shape, dtype, times["protected"], times["unprotected"], peers, extra)
 
     def chained_case(self, shape: Shape, dtype: str) -> None:
-        """``X @ W`` with X's encoding from the product that made X and W's encoding stored."""
+        """``X @ W`` with X's encoding from the product that made X."""
         xp = self.xp
         _, m, k, n = shape
         x0, w0 = operands(xp, (1, m, k, k), dtype, seed=10)
@@ -261,13 +249,12 @@ class Runner:
         del x0, w0
         self.free()
         w = random_array(xp, (k, n), dtype, 1.0, seed=12)
-        w_cs = weight_checksums(xp, w)
 
         def chained() -> Any:
-            return abftgemm.matmul(x, w, a_checksums=x_cs, b_checksums=w_cs, return_checksums=True)
+            return abftgemm.matmul(x, w, a_checksums=x_cs, return_checksums=True)
 
-        c, report, _ = abftgemm.matmul(x, w, a_checksums=x_cs, b_checksums=w_cs,
-                                       return_checksums=True, return_report=True)
+        c, report, _ = abftgemm.matmul(x, w, a_checksums=x_cs, return_checksums=True,
+                                       return_report=True)
         flags = len(report.events)
         if flags:
             self.note(f"gemm-chained {case_name(shape)} {dtype}: {flags} false flag(s)")

@@ -222,12 +222,12 @@ def test_a_fault_behind_softmax_made_encodings_is_repaired(monkeypatch, site):
     x, dy = (rng.standard_normal((2, 8, 16)).astype(np.float32) for _ in range(2))
     y0, cache = layer.forward(x)
     dx0, g0 = layer.backward(dy, cache)
-    handed, run = [], ProtectedMatmul.run
+    handed, execute = [], ProtectedMatmul.execute
 
-    def faulty_run(plan, op, c, fault_hook=None, a_checksums=None, **kw):
+    def faulty_execute(plan, a, b, **kw):
         if plan.name != site or handed:
-            return run(plan, op, c, fault_hook, a_checksums, **kw)
-        handed.append(a_checksums is not None)
+            return execute(plan, a, b, **kw)
+        handed.append(kw.get("a_checksums") is not None)
         gemm = plan._work.gemm
 
         def corrupted(op, c, triangle=None):
@@ -236,11 +236,11 @@ def test_a_fault_behind_softmax_made_encodings_is_repaired(monkeypatch, site):
 
         monkeypatch.setattr(plan._work, "gemm", corrupted)
         try:
-            return run(plan, op, c, fault_hook, a_checksums, **kw)
+            return execute(plan, a, b, **kw)
         finally:
             monkeypatch.setattr(plan._work, "gemm", gemm)
 
-    monkeypatch.setattr(ProtectedMatmul, "run", faulty_run)
+    monkeypatch.setattr(ProtectedMatmul, "execute", faulty_execute)
     y, cache = layer.forward(x)
     events = list(layer.last_report.events)
     dx, g = layer.backward(dy, cache)
@@ -316,15 +316,19 @@ def test_a_fault_where_a_causal_layer_reads_nothing_changes_nothing(site, monkey
     (blocks of 44 rows here), and the softmax kernels observe each row that far: a clean step
     flags nothing. A fault beyond, in memory the product never writes and the softmax never
     reads, changes nothing and is not reported; one at a visible entry is repaired."""
-    from abftgemm.deferred import DeferredRows
+    from abftgemm.plan import ProtectedMatmul
 
-    settled, settle = [], DeferredRows.settle
+    settled, settle = [], ProtectedMatmul._finish_settle
 
-    def recording(plan, report):
-        settled.append((plan.name, plan.row_limits is not None, plan.flagged()))
-        return settle(plan, report)
+    def recording(plan, checksums):
+        rare_paths = plan.counters.rare_paths
+        report = settle(plan, checksums)
+        if plan.observed is not None:
+            settled.append((plan.name, plan.row_limits is not None,
+                            plan.counters.rare_paths > rare_paths))
+        return report
 
-    monkeypatch.setattr(DeferredRows, "settle", recording)
+    monkeypatch.setattr(ProtectedMatmul, "_finish_settle", recording)
     layer, x, dy, clean = _causal_130_keys()
     for row, col, read in ((3, 120, False), (100, 50, True)):
         fault = Fault("additive", "element", sites=site, batch=0, row=row, col=col,

@@ -357,21 +357,23 @@ def test_overflow_is_passed_through_as_inf_like_plain_matmul(xp):
 @pytest.mark.parametrize("xp", BACKENDS)
 @pytest.mark.parametrize("pattern,expected", [("element", "0D"), ("column", "1C"),
                                               ("row", None), ("tile", None)])
-def test_deferred_row_verification_repairs_the_product(xp, pattern, expected):
-    """matmul_deferred + verify_rows with the row statistics a consumer observed."""
+def test_row_verification_by_the_consumer_repairs_the_product(xp, pattern, expected):
+    """A plan whose consumer observes the row checksums: the rare path repairs what they flag."""
     from abftgemm.backend import get_backend
 
     rng = np.random.default_rng(11)
     a, b = to(xp, rng.integers(-3, 4, (2, 24, 8)).astype(np.float32),
               rng.integers(-3, 4, (2, 8, 20)).astype(np.float32))
     fault = Fault("near-inf", pattern, seed=2)
-    c, deferred = abftgemm.matmul_deferred(a, b, fault_hook=fault)
-    stats = xp.empty((2, 24, 5), dtype=np.float64)
-    get_backend(xp).row_reduce(c, None, stats)
-    report = abftgemm.Report()
-    repaired = deferred.verify_rows(stats, report)
-    assert repaired == [fault.injected[0].batch[0]] and report.detected
+    plan = abftgemm.ProtectedMatmul(a, b, directions="rows by consumer")
+    c = plan.execute(a, b, fault_hook=fault)
+    get_backend(xp).row_reduce(c, None, plan.observed)
+    plan.judge()
+    report = plan.settle()
+    assert report.detected and report.checked == {"matmul": 2}
+    assert plan.counters.rare_paths == 1
     np.testing.assert_array_equal(to_host(c), to_host(a) @ to_host(b))
     if expected:
         assert [e.pattern for e in report.events] == [expected]
-    assert abftgemm.matmul_deferred(a, b, check="off")[1] is None
+    with pytest.raises(ValueError, match="no bias"):
+        abftgemm.ProtectedMatmul(a, b, bias=b[0, 0], directions="rows by consumer")

@@ -256,8 +256,13 @@ def test_misuse_raises_clearly(xp):
         plan.settle()
     with pytest.raises(ValueError, match="do not match the plan"):
         plan.execute(a[:, :5], b)
-    with pytest.raises(ValueError, match="writes straight into out"):
-        plan.execute(a, b, out=xp.empty((3, 20, 32), dtype=np.float32).transpose(0, 2, 1))
+    odd = xp.empty((3, 20, 32), dtype=np.float32).transpose(0, 2, 1)  # any valid out
+    allocations = plan.counters.allocations
+    assert plan.execute(a, b, out=odd, fault_hook=Fault("near-inf", "element", seed=1)) is odd
+    assert plan.settle().corrected and plan.counters.allocations == allocations + 1
+    np.testing.assert_array_equal(_host(odd), _host(a) @ _host(b))  # delivered once repaired
+    with pytest.raises(ValueError, match="needs out, a C-contiguous"):
+        plan.execute(a, b, out=odd, gemm=lambda: None)
     plan.execute(a, b)
     with pytest.raises(RuntimeError, match="settle"):
         plan.execute(a, b)
@@ -459,8 +464,6 @@ def test_a_lower_triangle_product_is_computed_and_verified_up_to_its_row_limits(
     """Only entries j <= i of a causal product are read: on the CPU its row blocks are computed
     and verified up to their last column (row_limits), on the GPU whole. The lower triangle is
     exact, a fault inside the rows' limits is repaired, one beyond them changes nothing read."""
-    from abftgemm.deferred import DeferredRows
-
     rng = np.random.default_rng(21)
     a = rng.integers(-3, 4, (2, 200, 16)).astype(np.float32)
     b = rng.integers(-3, 4, (2, 16, 200)).astype(np.float32)
@@ -471,7 +474,7 @@ def test_a_lower_triangle_product_is_computed_and_verified_up_to_its_row_limits(
     b = xp.asarray(b) if b_layout == "C" else xp.asarray(b.transpose(0, 2, 1).copy()).transpose(
         0, 2, 1)
     out = xp.zeros((2, 200, 200), np.float32)
-    plan = DeferredRows(a, b, out_triangle="lower")
+    plan = ProtectedMatmul(a, b, directions="rows by consumer", out_triangle="lower")
     limits = plan.row_limits
     if xp is np:  # the CPU skips blocks: at least j <= i, not every row whole
         assert (limits > np.arange(200)).all() and (limits < 200).any()
@@ -483,17 +486,19 @@ def test_a_lower_triangle_product_is_computed_and_verified_up_to_its_row_limits(
         faults.append((Fault("additive", "element", seed=1, row=3, col=150, magnitude=1e3),
                        False))
     for fault, read in faults:
-        plan.execute(a, b, out, fault_hook=fault)
+        rare_paths = plan.counters.rare_paths
+        plan.execute(a, b, out=out, fault_hook=fault)
         _observe_rows(xp, plan, out)
+        report = plan.settle()
         # the prediction matches the prefixes: only a read fault reaches the rare path
-        assert plan.flagged() == (fault is not None and read)
-        report = abftgemm.Report()
-        plan.settle(report)
+        assert plan.counters.rare_paths - rare_paths == (fault is not None and read)
         found = [(e.pattern, e.rows, e.cols) for e in report.events]
         assert found == ([("0D", (100,), (50,))] if fault is not None and read else []), found
         np.testing.assert_array_equal(np.where(lower, _host(out), 0), want)
-    with pytest.raises(ValueError, match="out_triangle"):
-        DeferredRows(a, b, out_triangle="upper")
+    for options in ({"out_triangle": "upper", "directions": "rows by consumer"},
+                    {"out_triangle": "lower"}):
+        with pytest.raises(ValueError, match="out_triangle"):
+            ProtectedMatmul(a, b, **options)
 
 
 @pytest.mark.parametrize("xp", BACKENDS)

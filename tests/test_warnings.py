@@ -88,11 +88,11 @@ def test_no_warning_without_a_fault_left_in_place(xp, case):
 @pytest.mark.parametrize("xp", BACKENDS)
 def test_deferred_verification_warns_in_detect_mode(xp):
     a, b = operands(xp)
-    c, deferred = abftgemm.matmul_deferred(a, b, check="detect",
-                                           fault_hook=Fault("near-inf", "element", seed=3))
-    stats = xp.empty((2, 16, 5), dtype=np.float64)
-    get_backend(xp).row_reduce(c, None, stats)
-    records = caught(lambda: deferred.verify_rows(stats, abftgemm.Report()))
+    plan = abftgemm.ProtectedMatmul(a, b, check="detect", directions="rows by consumer")
+    c = plan.execute(a, b, fault_hook=Fault("near-inf", "element", seed=3))
+    get_backend(xp).row_reduce(c, None, plan.observed)
+    plan.judge()
+    records = caught(plan.settle)
     assert len(records) == 1 and records[0].filename == __file__
 
 

@@ -1,0 +1,105 @@
+"""The row verification of a planned product whose consumer observes its rows.
+
+Reading a product only to verify it can cost a large part of its GEMM (attention scores on a
+GPU). A :class:`abftgemm.ProtectedMatmul` planned with ``directions="rows by consumer"`` keeps a
+:class:`ConsumerRows`: at execute it predicts the product's row checksums from the operands; the
+kernel that consumes the product then fills :attr:`ConsumerRows.observed` with the row checksums
+of what it read (the fields of a backend's ``row_reduce`` with default weights), and
+:meth:`ConsumerRows.judge` counts the flagged rows on the device (one launch). Nothing reaches
+the host until the plan settles; a flag runs :meth:`ConsumerRows.rare_path`, the full row
+verification and repair. The module knows nothing about its consumers.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from abftgemm.backend import Backend, to_host
+from abftgemm.encode import predict_rows
+from abftgemm.locate import verify_rows
+from abftgemm.operands import Operands
+from abftgemm.rare_path import settle
+from abftgemm.report import Report
+from abftgemm.thresholds import safe_magnitude, threshold_coefficients
+
+Allocate = Callable[..., Any]
+
+
+class ConsumerRows:
+    """Workspaces and launches of the row verification of one planned product.
+
+    Parameters
+    ----------
+    be : Backend
+    op : Operands
+        The planned operands (no bias).
+    out_triangle : {None, "lower"}
+        Only entries ``j <= i`` of the product are wanted. Where the backend skips the rest (the
+        CPU, float32/float64), row ``i`` is computed and verified up to :attr:`row_limits`
+        ``[i]`` only, and the consumer observes each row up to there.
+    alloc : callable ``(shape, dtype=float64)``
+        The plan's counted allocation of a zeroed array.
+    """
+
+    def __init__(self, be: Backend, op: Operands, out_triangle: str | None, alloc: Allocate):
+        self._be = be
+        self._coefficients = threshold_coefficients(op.k, op.n, op.dtype, False)
+        self._safe = safe_magnitude(op.k, op.dtype)
+        #: How many leading columns of each row are computed, observed and verified, ``(m,)``;
+        #: None: every row whole.
+        self.row_limits = None if out_triangle is None else be.row_limits(op.m, op.n, op.dtype)
+        if self.row_limits is None:
+            self._b_rows = alloc((op.b.shape[0], op.k, 5))
+            # the row encoding of b, contiguous, as the reduction kernels take coefficients
+            self._b_coef = alloc((op.b.shape[0], op.k, 3))
+        else:  # the encoding of b's leading columns, grown by the prediction
+            self._enc = alloc((3, op.k))
+        self._pred = alloc((op.batch, op.m, 5))
+        #: The consumer writes the observed row checksums of the product here, ``(batch, m, 5)``
+        #: (of each row's first ``row_limits[i]`` entries when :attr:`row_limits` is set).
+        self.observed = alloc((op.batch, op.m, 5))
+        self._verdict = alloc((2,), np.int64)
+        # The judge's per-row threshold, flag and verifiability (written, never read here).
+        rows = (op.batch, op.m)
+        self._judged = (alloc(rows), alloc(rows, bool), alloc(rows, bool))
+
+    def gemm(self, op: Operands, c: Any) -> None:
+        """The product's row prefixes (with :attr:`row_limits`; one launch)."""
+        self._be.gemm(op.a, op.b, c, None, out_triangle="lower")
+
+    def predict(self, op: Operands, b_rows: Any | None) -> int:
+        """Predicted row checksums of the product; returns the launches it took: a read of
+        ``b`` for its row encoding unless ``b_rows`` ``(1 or b's batch, k, 3)`` hands it on, its
+        copy into the coefficients the reductions read, and the prediction (2 or 3); with
+        :attr:`row_limits`, one prediction that encodes ``b``'s leading columns as it goes."""
+        if self.row_limits is not None:
+            self._be.predict_lower_rows(op.a, op.b, self.row_limits, self._enc, self._pred)
+            return 1
+        launches = 2
+        if b_rows is None:
+            launches += 1
+            self._be.row_reduce(op.b, None, self._b_rows)
+            b_rows = self._b_rows[..., :3]
+        self._b_coef[...] = b_rows  # the reduction kernels read contiguous coefficients
+        self._be.row_reduce(op.a, self._b_coef, self._pred)
+        return launches
+
+    def judge(self) -> None:
+        """Count the flagged and unverifiable rows of :attr:`observed` (on the device)."""
+        self._verdict[...] = 0
+        self._be.flag(self._pred, self.observed, self._coefficients, self._safe, self._verdict,
+                      out=self._judged)
+
+    def flagged(self) -> bool:
+        """Whether the judged rows flagged; read after the caller's synchronization."""
+        return bool(to_host(self._verdict).any())
+
+    def rare_path(self, op: Operands, c: Any, check: str, name: str, report: Report) -> None:
+        """Verify whole rows from a fresh prediction and repair ``c`` in place (or raise, as
+        :func:`abftgemm.matmul` does); with :attr:`row_limits`, complete the product first."""
+        if self.row_limits is not None:
+            self._be.complete_lower(op.a, op.b, c)
+            self._be.row_reduce(c, None, self.observed)
+        verdict = verify_rows(self._be, op, predict_rows(self._be, op), self.observed)
+        settle(self._be, op, c, verdict, check, name, report)
