@@ -1,0 +1,451 @@
+// The fused protected attention core on the GPU: softmax(scale Q K^T + mask) V in tiles, with the
+// algorithm, the checks per site and the thresholds of attention/fused.py (the CPU's copy is
+// attention/_cpu_fused.py; attention/_cuda_fused.py launches these kernels). Heads are the leading
+// axis, (n, L, d) with n = batch * heads; head_dim d <= FDMAX.
+//
+// Forward: one block of FNT threads per (head, query block of FBR rows); key tiles of FBC. Per
+// tile: S = Q_blk K_blk^T with its column checksums predicted from the query block's column
+// encoding (fused:S); the online softmax; P = exp(z - m) judged entry by entry on the softmax
+// invariant log P = z - m (fused:P); l = alpha l + rowsum P (fused:rowsum, against sum P carried in
+// float64); O_acc = alpha O_acc + P V with V's row encodings carried through the same rescaling
+// (fused:O_acc, judged on the stored output). A flagged tile is recomputed once, a flagged block
+// (rowsum, O_acc) likewise; the decision is block-uniform (thread 0 settles it through shared
+// memory). Tile arithmetic is in Arith<T> (float for half, bfloat16 and float; double for double).
+//
+// Records (rec, float64, (tasks, NSITES, FIELDS), zeroed by the host) and the per-task status
+// (int, 0 or -1: a recomputation did not verify) are read by the host once per call.
+//
+// Fault injection (tests and campaigns): `fault` is null or a float64 descriptor (F_* fields):
+// site, head, row and column of the element in the site's matrix (S, P: query x key; O_acc: query
+// x head dim; rowsum: query, column 0), the tile step of the sweep after which an accumulator is
+// hit (0 for tile sites), the kind (1 set, 2 set the magnitude keeping the sign, 3 add, 4
+// multiply), whether it persists through recomputations, the value; the kernel counts its hits
+// and stores the last old value.
+namespace {
+
+constexpr int FBR = 32;    // query rows per block
+constexpr int FBC = 32;    // keys per tile
+constexpr int FNT = 128;   // threads per block
+constexpr int FDMAX = 128; // largest head dimension
+constexpr int FPER = FBR * FDMAX / FNT;  // accumulator elements per thread
+
+enum Site { S_, P_, O_, L_, DP_, DS_, DQ_, DK_, DV_, NSITES };
+enum Field { FLAGS, FAILED, RATIO, MAG, TAU, ROW, COL, AFTER, FIELDS };
+enum Param { C_S = 0, C_O = 5, C_L = 10, TOL_P = 15, TOL_DS = 19, C_KV = 21, C_Q = 26 };
+enum FaultField { F_SITE, F_HEAD, F_ROW, F_COL, F_STEP, F_KIND, F_PERSIST, F_VALUE, F_HITS, F_OLD };
+
+template <typename T> struct Arith {
+    typedef float type;
+};
+template <> struct Arith<double> {
+    typedef double type;
+};
+
+__device__ __forceinline__ float widen(float v) { return v; }
+__device__ __forceinline__ float widen(__half v) { return __half2float(v); }
+__device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ double widen(double v) { return v; }
+
+template <typename T> __device__ __forceinline__ T narrow(typename Arith<T>::type v);
+template <> __device__ __forceinline__ float narrow<float>(float v) { return v; }
+template <> __device__ __forceinline__ double narrow<double>(double v) { return v; }
+template <> __device__ __forceinline__ __half narrow<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+
+// No host headers under NVRTC: infinities are bit patterns.
+__device__ __forceinline__ float ninf(float) { return __int_as_float(0xff800000); }
+__device__ __forceinline__ double ninf(double) {
+    return __longlong_as_double(static_cast<long long>(0xfff0000000000000ULL));
+}
+__device__ __forceinline__ double inf64() { return __longlong_as_double(0x7ff0000000000000LL); }
+__device__ __forceinline__ bool finite(double x) { return x - x == 0.0; }
+// Full-precision exponential and logarithm (not __expf).
+__device__ __forceinline__ float exp_of(float v) { return expf(v); }
+__device__ __forceinline__ double exp_of(double v) { return exp(v); }
+__device__ __forceinline__ float log_of(float v) { return logf(v); }
+__device__ __forceinline__ double log_of(double v) { return log(v); }
+
+// ------------------------------------------------------------------ fault injection
+
+struct FaultAt {
+    double* f;
+    int site, head, row, col, step, kind;
+    bool persist;
+    double value;
+};
+
+__device__ __forceinline__ FaultAt load_fault(double* f) {
+    FaultAt a{f, -1, -1, -1, -1, -1, 0, false, 0.0};
+    if (f) {
+        a.site = static_cast<int>(f[F_SITE]);
+        a.head = static_cast<int>(f[F_HEAD]);
+        a.row = static_cast<int>(f[F_ROW]);
+        a.col = static_cast<int>(f[F_COL]);
+        a.step = static_cast<int>(f[F_STEP]);
+        a.kind = static_cast<int>(f[F_KIND]);
+        a.persist = f[F_PERSIST] != 0.0;
+        a.value = f[F_VALUE];
+    }
+    return a;
+}
+
+// x, or x corrupted when the descriptor names this element (first: the first computation of it,
+// not a recomputation).
+template <typename A>
+__device__ __forceinline__ A inject(const FaultAt& ft, int site, int head, int row, int col,
+                                   int step, bool first, A x) {
+    if (ft.site != site || ft.head != head || ft.row != row || ft.col != col || ft.step != step ||
+        !(first || ft.persist))
+        return x;
+    const double old = to_double(x);
+    double y = ft.value;
+    if (ft.kind == 2) y = copysign(ft.value, old);
+    if (ft.kind == 3) y = old + ft.value;
+    if (ft.kind == 4) y = old * ft.value;
+    ft.f[F_HITS] += 1.0;
+    ft.f[F_OLD] = old;
+    return static_cast<A>(y);
+}
+
+// ------------------------------------------------------------------ judging
+
+struct Ratio {
+    double ratio, d, tau;
+};
+
+// |d| / tau of one vector (attention._cpu_fused._ratio): predicted (p0, p1, p2) against observed
+// (o0, o1, o2), c = (c_obs, c_pred, floor, c_mag, safe).
+__device__ Ratio ratio3(double p0, double p1, double p2, double o0, double o1, double o2,
+                        const double* c) {
+    if (!(finite(p0) && finite(p1) && finite(p2))) return Ratio{0.0, 0.0, 1.0};
+    const double tau = c[0] * o2 + c[1] * p2 + c[2];
+    if (!(finite(o0) && finite(o1) && finite(o2)))
+        return p2 >= c[4] ? Ratio{0.0, 0.0, 1.0} : Ratio{inf64(), inf64(), tau};
+    const double d = fmax(fabs(p0 - o0), fabs(p1 - o1));
+    const double mag = o2 / (c[3] * p2 + c[2]);
+    const double r = d / tau;
+    return Ratio{r > mag ? r : mag, d, tau};
+}
+
+// The element a weighted and a plain checksum difference point at (weights (i + 1) / len), or -1.
+__device__ int locate(double p0, double p1, double o0, double o1, int len) {
+    const double d0 = p0 - o0;
+    if (d0 == 0.0) return -1;
+    const double pos = len * (p1 - o1) / d0 - 1.0;
+    if (!finite(pos)) return -1;
+    const double r = floor(pos + 0.5);
+    return fabs(pos - r) <= 0.25 && r >= 0.0 && r < len ? static_cast<int>(r) : -1;
+}
+
+// Per-vector verdicts of one check, then thread 0's settlement (attention._cpu_fused._settle).
+struct Votes {
+    double ratio[FBR > FBC ? FBR : FBC], d[FBR > FBC ? FBR : FBC], tau[FBR > FBC ? FBR : FBC];
+    int pos[FBR > FBC ? FBR : FBC];
+    int code;
+};
+
+__device__ __forceinline__ void vote(Votes& vt, int v, Ratio r, int pos) {
+    vt.ratio[v] = r.ratio == r.ratio ? r.ratio : inf64();
+    vt.d[v] = r.d;
+    vt.tau[v] = r.tau;
+    vt.pos[v] = pos;
+}
+
+__device__ int settle(double* rec, int site, int attempt, double ratio, bool correct, double d,
+                      double tau, int v, int pos, int row0, int col0, bool by_rows) {
+    double* r = rec + site * FIELDS;
+    if (attempt > 0) r[AFTER] = fmax(r[AFTER], ratio);
+    if (ratio <= 1.0) return 0;
+    if (attempt > 0) {
+        r[FAILED] = 1.0;
+        return -1;
+    }
+    r[FLAGS] += 1.0;
+    if (ratio > r[RATIO] || r[FLAGS] == 1.0) {
+        r[RATIO] = ratio;
+        r[MAG] = d;
+        r[TAU] = tau;
+        const int rr = by_rows ? v : pos, cc = by_rows ? pos : v;
+        r[ROW] = rr >= 0 ? row0 + rr : -1.0;
+        r[COL] = cc >= 0 && col0 >= 0 ? col0 + cc : -1.0;
+    }
+    return correct ? 1 : 0;
+}
+
+// Every thread: after the votes of vectors [0, n), 0 go on, 1 recompute, -1 give up.
+__device__ int settle_block(Votes& vt, double* rec, int site, int attempt, bool correct, int n,
+                            bool by_rows, int row0, int col0) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int w = 0;
+        double worst = 0.0;
+        for (int v = 0; v < n; ++v)
+            if (vt.ratio[v] > worst) {
+                worst = vt.ratio[v];
+                w = v;
+            }
+        vt.code = settle(rec, site, attempt, worst, correct, vt.d[w], vt.tau[w], w, vt.pos[w],
+                         row0, col0, by_rows);
+    }
+    __syncthreads();
+    return vt.code;
+}
+
+// One entry of the softmax invariant (attention._cpu_fused._probs_bad), pv the stored P and
+// x = z - m: 0 when it holds, else its ratio (at least 1 + 2^-20, INF where the logarithm cannot
+// measure it). t = (base, slope, flush, tiny).
+template <typename A> __device__ double probs_bad(A pv, A x, const double* t) {
+    const A tiny = static_cast<A>(t[3]), flush = static_cast<A>(t[2]);
+    if (pv != pv) return inf64();
+    if (pv >= tiny) {
+        const double lp = to_double(log_of(pv)), xd = to_double(x);
+        const double tol = t[0] + t[1] * fabs(xd);
+        const double e = fabs(lp - xd) / tol;
+        if (e <= 1.0 && !(x < flush - static_cast<A>(1))) return 0.0;
+        return e == e ? fmax(e, 1.0 + 0x1p-20) : inf64();
+    }
+    return pv < static_cast<A>(0) || x >= flush + static_cast<A>(1) ? inf64() : 0.0;
+}
+
+// ------------------------------------------------------------------ forward
+
+template <typename A> struct Forward {
+    double qenc[3][FDMAX];
+    A s[FBR][FBC];
+    A p[FBR][FBC];
+    A m[FBR], l[FBR], alpha[FBR];
+    double oc[FBR][4];
+    Votes votes;
+};
+
+}  // namespace
+
+// Row encodings (rows, 3) of x (rows, d): plain, weighted by (c + 1) / d, absolute sums.
+template <typename T>
+__global__ void attn_fused_encode_rows(const T* x, long long rows, int d, double* out) {
+    for (long long r = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; r < rows;
+         r += static_cast<long long>(gridDim.x) * blockDim.x) {
+        double s0 = 0.0, s1 = 0.0, s2 = 0.0;
+        for (int c = 0; c < d; ++c) {
+            const double v = to_double(x[r * d + c]);
+            s0 += v;
+            s1 += v * (static_cast<double>(c + 1) / d);
+            s2 += fabs(v);
+        }
+        out[3 * r] = s0;
+        out[3 * r + 1] = s1;
+        out[3 * r + 2] = s2;
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(FNT)
+attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const bool* visible,
+                   int lq, int lk, int d, double scale, int causal, int check, int correct,
+                   const double* params, double* fault, T* out, typename Arith<T>::type* lse,
+                   double* rec, int* status) {
+    typedef typename Arith<T>::type A;
+    __shared__ Forward<A> sh;
+    const int tid = threadIdx.x;
+    const int nqb = (lq + FBR - 1) / FBR;
+    const long long task = blockIdx.x;
+    const int b = static_cast<int>(task / nqb), i0 = static_cast<int>(task % nqb) * FBR;
+    const int i1 = min(i0 + FBR, lq), rows = i1 - i0;
+    const T* qb = q + (static_cast<long long>(b) * lq + i0) * d;
+    const T* kb = k + static_cast<long long>(b) * lk * d;
+    const T* vb = v + static_cast<long long>(b) * lk * d;
+    const double* vb_enc = ve + static_cast<long long>(b) * lk * 3;
+    const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
+    double* rt = rec + task * NSITES * FIELDS;
+    const FaultAt ft = load_fault(fault);
+    const A sc = static_cast<A>(scale), zero = static_cast<A>(0);
+    if (check)
+        for (int c = tid; c < d; c += FNT) {
+            double s0 = 0.0, s1 = 0.0, s2 = 0.0;
+            for (int r = 0; r < rows; ++r) {
+                const double x = to_double(qb[r * d + c]), w = static_cast<double>(r + 1) / rows;
+                s0 += x;
+                s1 += w * x;
+                s2 += fabs(x);
+            }
+            sh.qenc[0][c] = s0;
+            sh.qenc[1][c] = s1;
+            sh.qenc[2][c] = s2;
+        }
+    const int jend = causal ? min(lk, i1) : lk;
+    A acc[FPER];
+    for (int attempt = 0; attempt < 2; ++attempt) {
+#pragma unroll
+        for (int e = 0; e < FPER; ++e) acc[e] = zero;
+        if (tid < rows) {
+            sh.m[tid] = ninf(zero);
+            sh.l[tid] = zero;
+            for (int f = 0; f < 4; ++f) sh.oc[tid][f] = 0.0;
+        }
+        int st = 0;
+        for (int j0 = 0, step = 0; j0 < jend; j0 += FBC, ++step) {
+            const int cols = min(FBC, jend - j0);
+            for (int a = 0; a < 2; ++a) {  // ---- S, checked by its column checksums
+                __syncthreads();
+                for (int e = tid; e < rows * cols; e += FNT) {
+                    const int r = e / cols, j = e % cols;
+                    A t = zero;
+                    for (int c = 0; c < d; ++c) t += widen(qb[r * d + c]) * widen(kb[(j0 + j) * d + c]);
+                    sh.s[r][j] = inject(ft, S_, b, i0 + r, j0 + j, 0, a == 0 && attempt == 0, t);
+                }
+                if (!check) break;
+                __syncthreads();
+                if (tid < cols) {
+                    const int j = tid;
+                    double p0 = 0.0, p1 = 0.0, p2 = 0.0, o0 = 0.0, o1 = 0.0, o2 = 0.0;
+                    for (int c = 0; c < d; ++c) {
+                        const double y = to_double(kb[(j0 + j) * d + c]);
+                        p0 += y * sh.qenc[0][c];
+                        p1 += y * sh.qenc[1][c];
+                        p2 += fabs(y) * sh.qenc[2][c];
+                    }
+                    for (int r = 0; r < rows; ++r) {
+                        const double x = to_double(sh.s[r][j]);
+                        o0 += x;
+                        o1 += x * (static_cast<double>(r + 1) / rows);
+                        o2 += fabs(x);
+                    }
+                    vote(sh.votes, j, ratio3(p0, p1, p2, o0, o1, o2, params + C_S),
+                         locate(p0, p1, o0, o1, rows));
+                }
+                st = settle_block(sh.votes, rt, S_, a, correct, cols, false, i0, j0);
+                if (st != 1) break;
+            }
+            if (st < 0) break;
+            __syncthreads();
+            if (tid < rows) {  // ---- mask, scale, running maximum
+                const int r = tid;
+                const int lim = causal ? max(0, min(cols, i0 + r - j0 + 1)) : cols;
+                A mx = sh.m[r];
+                for (int j = 0; j < cols; ++j) {
+                    const A z = j < lim && (!vis || vis[j0 + j]) ? sh.s[r][j] * sc : ninf(zero);
+                    sh.s[r][j] = z;
+                    mx = z > mx ? z : mx;
+                }
+                sh.alpha[r] = mx > ninf(zero) ? exp_of(sh.m[r] - mx) : static_cast<A>(1);
+                sh.m[r] = mx;
+            }
+            for (int a = 0; a < 2; ++a) {  // ---- P, checked by the softmax invariant
+                __syncthreads();
+                for (int e = tid; e < rows * cols; e += FNT) {
+                    const int r = e / cols, j = e % cols;
+                    const A mr = sh.m[r];
+                    const A pv = mr == ninf(zero) ? zero : exp_of(sh.s[r][j] - mr);
+                    sh.p[r][j] = inject(ft, P_, b, i0 + r, j0 + j, 0, a == 0 && attempt == 0, pv);
+                }
+                if (!check) break;
+                __syncthreads();
+                if (tid < rows) {
+                    const int r = tid;
+                    const A mr = sh.m[r];
+                    double worst = 0.0;
+                    int at = -1;
+                    for (int j = 0; j < cols; ++j) {
+                        const A pv = sh.p[r][j];
+                        const double e = mr == ninf(zero)
+                                             ? (pv == zero ? 0.0 : inf64())
+                                             : probs_bad(pv, sh.s[r][j] - mr, params + TOL_P);
+                        if (e > worst) {
+                            worst = e;
+                            at = j;
+                        }
+                    }
+                    vote(sh.votes, r, Ratio{worst, worst, 1.0}, at);
+                }
+                st = settle_block(sh.votes, rt, P_, a, correct, rows, true, i0, j0);
+                if (st != 1) break;
+            }
+            if (st < 0) break;
+            __syncthreads();
+            if (tid < rows) {  // ---- l, and the float64 checksums carried beside O
+                const int r = tid;
+                A t = zero;
+                for (int j = 0; j < cols; ++j) t += sh.p[r][j];
+                sh.l[r] = inject(ft, L_, b, i0 + r, 0, step, attempt == 0, sh.alpha[r] * sh.l[r] + t);
+                if (check) {
+                    const double al = to_double(sh.alpha[r]);
+                    double t0 = 0.0, t1 = 0.0, t2 = 0.0, t3 = 0.0;
+                    for (int j = 0; j < cols; ++j) {
+                        const double x = to_double(sh.p[r][j]);
+                        const double* e = vb_enc + 3 * (j0 + j);
+                        t0 += x * e[0];
+                        t1 += x * e[1];
+                        t2 += fabs(x) * e[2];
+                        t3 += x;
+                    }
+                    sh.oc[r][0] = sh.oc[r][0] * al + t0;
+                    sh.oc[r][1] = sh.oc[r][1] * al + t1;
+                    sh.oc[r][2] = sh.oc[r][2] * al + t2;
+                    sh.oc[r][3] = sh.oc[r][3] * al + t3;
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < FPER; ++e) {  // ---- O_acc = alpha O_acc + P V
+                const int idx = tid + e * FNT, r = idx / d, c = idx % d;
+                if (r < rows) {
+                    A t = sh.alpha[r] * acc[e];
+                    for (int j = 0; j < cols; ++j) t += sh.p[r][j] * widen(vb[(j0 + j) * d + c]);
+                    acc[e] = inject(ft, O_, b, i0 + r, c, step, attempt == 0, t);
+                }
+            }
+        }
+        if (st < 0) break;
+        __syncthreads();
+        if (check) {  // ---- rowsum: l against the carried sum P
+            if (tid < rows) {
+                const double x = to_double(sh.l[tid]), y = sh.oc[tid][3];
+                vote(sh.votes, tid, ratio3(y, y, y, x, x, x, params + C_L), -1);
+            }
+            st = settle_block(sh.votes, rt, L_, attempt, correct, rows, true, i0, -1);
+            if (st < 0) break;
+            if (st == 1) continue;
+        }
+        T* ob = out + (static_cast<long long>(b) * lq + i0) * d;
+#pragma unroll
+        for (int e = 0; e < FPER; ++e) {  // ---- out = O_acc / l, lse = m + log l
+            const int idx = tid + e * FNT, r = idx / d, c = idx % d;
+            if (r < rows) {
+                const A lr = sh.l[r];
+                ob[r * d + c] = narrow<T>(lr > zero ? acc[e] / lr : zero);
+            }
+        }
+        if (tid < rows) {
+            const A lr = sh.l[tid];
+            A* lb = lse + static_cast<long long>(b) * lq + i0;
+            if (lr > zero) {
+                for (int f = 0; f < 3; ++f) sh.oc[tid][f] /= to_double(lr);
+                lb[tid] = sh.m[tid] + log_of(lr);
+            } else {
+                for (int f = 0; f < 3; ++f) sh.oc[tid][f] = 0.0;
+                lb[tid] = ninf(zero);
+            }
+        }
+        __syncthreads();
+        if (check) {  // ---- the stored output's row checksums against the carried ones
+            if (tid < rows) {
+                double o0 = 0.0, o1 = 0.0, o2 = 0.0;
+                for (int c = 0; c < d; ++c) {
+                    const double x = to_double(ob[tid * d + c]);
+                    o0 += x;
+                    o1 += x * (static_cast<double>(c + 1) / d);
+                    o2 += fabs(x);
+                }
+                const double* p = sh.oc[tid];
+                vote(sh.votes, tid, ratio3(p[0], p[1], p[2], o0, o1, o2, params + C_O),
+                     locate(p[0], p[1], o0, o1, d));
+            }
+            st = settle_block(sh.votes, rt, O_, attempt, correct, rows, true, i0, 0);
+            if (st == 1) continue;
+        }
+        if (tid == 0) status[task] = st;
+        return;
+    }
+    if (tid == 0) status[task] = -1;
+}
