@@ -4,7 +4,8 @@
 
 The kernels judge every tile and recompute flagged tiles and blocks themselves (the decision is
 block-uniform); each call reads the per-task records back once and books them into
-``ctx.report``. Tiles are :data:`BR` x :data:`BC` = 32 x 32 (``FBR``/``FBC`` of the kernel
+``ctx.report``. The backward runs FlashAttention-2's two sweeps as two kernels (dK and dV per key
+block, dQ per query block: no atomics), each recomputing the tiles it needs. Tiles are :data:`BR` x :data:`BC` = 32 x 32 (``FBR``/``FBC`` of the kernel
 source), head dimensions up to :data:`MAX_HEAD_DIM`; float16, bfloat16 (``ml_dtypes``), float32
 and float64 data, tile arithmetic in float32 (float64 for float64).
 
@@ -28,7 +29,8 @@ from abftgemm.faults import near_inf_value
 from attention import _cpu_fused as K
 from attention import kernels
 from attention.context import Context
-from attention.fused_rules import FORWARD_SITES, book, coefficients, probs_tolerance
+from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, book, coefficients,
+                                   dscores_tolerance, probs_tolerance)
 
 BR = 32  # query rows per block (FBR in fused.cu)
 BC = 32  # keys per tile (FBC)
@@ -52,9 +54,11 @@ class DeviceFault:
     site : str
         One of :data:`attention._cpu_fused.SITES`.
     row, col : int
-        The element, in the site's matrix of head ``head``: ``fused:S``, ``fused:P`` (and the
-        backward's ``fused:dP``, ``fused:dS``): query x key; ``fused:O_acc``: query x head dim;
-        ``fused:rowsum``: the query (``col`` 0).
+        The element, in the site's matrix of head ``head``: ``fused:S``, ``fused:P``,
+        ``fused:dP``, ``fused:dS``: query x key; ``fused:O_acc``, ``fused:dQ_acc``: query x head
+        dim; ``fused:dK_acc``, ``fused:dV_acc``: key x head dim; ``fused:rowsum``: the query
+        (``col`` 0). ``fused:S`` and ``fused:P`` are hit in the forward (the backward only sees
+        a fault of theirs that the forward did not take).
     head : int
         Index into the leading (batch * heads) axis.
     step : int
@@ -150,16 +154,63 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
                  "causal": causal, "visible": visible}
 
 
-def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context) -> tuple[Any, Any, Any]:
-    """The backward of the fused CUDA core is not written yet.
-
-    Raises
-    ------
-    NotImplementedError
-        Always: compute the gradients with :mod:`attention.core` (or the CPU fused core).
-    """
-    raise NotImplementedError("the fused CUDA core has no backward yet: attention.core computes "
-                              "the gradients on the GPU, attention.fused on NumPy arrays")
+def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
+                   ) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
+    """:func:`attention.fused.fused_backward` for CuPy arrays: ``(dq, dk, dv)`` from the
+    gradient ``d_out`` of :func:`fused_forward`'s output (C-contiguous, its dtype, finite)."""
+    fault = _fault(ctx)
+    q, k, v, out, lse = (saved[key] for key in ("q", "k", "v", "out", "lse"))
+    if not isinstance(d_out, cupy.ndarray) or d_out.shape != q.shape or d_out.dtype != q.dtype:
+        raise ValueError(f"d_out must be a CuPy array of shape {q.shape} and dtype {q.dtype}, "
+                         f"got {type(d_out).__name__} {getattr(d_out, 'shape', None)} "
+                         f"{getattr(d_out, 'dtype', None)}")
+    if not d_out.flags.c_contiguous:
+        raise ValueError("d_out must be C-contiguous")
+    if not _finite(d_out):
+        raise ValueError("d_out holds INF or NaN; the fused core takes finite data only")
+    n, lq, d = q.shape
+    lk = k.shape[1]
+    arith = _arith(q.dtype)
+    check, correct = ctx.check != "off", ctx.check == "correct"
+    nqb, nkb = cdiv(lq, BR), cdiv(lk, BC)
+    params = cupy.asarray(numpy.concatenate([
+        coefficients(d, BC, arith), numpy.zeros(10), probs_tolerance(arith),
+        dscores_tolerance(arith, BC), coefficients(lq, d, arith, nqb),
+        coefficients(lk, d, arith, nkb)]))
+    dd = cupy.empty((n, lq), arith)
+    with q.device:
+        _kernel(q.device.id, kernels.FUSED_DELTA, q.dtype.name)(
+            (min(cdiv(n * lq, _ENCODE_BLOCK), 65535),), (_ENCODE_BLOCK,),
+            (d_out, out, numpy.int64(n * lq), numpy.int32(d), dd))
+    qe, ke, doe = (_row_encodings(x) if check else None for x in (q, k, d_out))
+    ws_q = cupy.empty(q.shape, arith) if check else None
+    ws_k, ws_v = (cupy.empty(k.shape, arith) if check else None for _ in range(2))
+    dq, dk, dv = (cupy.empty(x.shape, x.dtype) for x in (q, k, v))
+    rec = cupy.zeros((n * (nkb + nqb), len(K.SITES), K.FIELDS))
+    status = cupy.zeros(n * (nkb + nqb), numpy.int32)
+    split = n * nkb
+    # Tile sites are injected by the dK/dV kernel, dQ_acc by the dQ kernel.
+    desc_kv = desc_q = None
+    if fault is not None:
+        desc_kv = fault.descriptor(tuple(s for s in BACKWARD_SITES if s != "fused:dQ_acc"), arith)
+        desc_q = fault.descriptor(("fused:dQ_acc",), arith)
+    common = (numpy.int32(lq), numpy.int32(lk), numpy.int32(d), numpy.float64(saved["scale"]),
+              numpy.int32(saved["causal"]), numpy.int32(check), numpy.int32(correct), params)
+    with q.device:
+        _kernel(q.device.id, kernels.FUSED_BACKWARD_KV, q.dtype.name)(
+            (split,), (_THREADS,),
+            (q, k, v, d_out, lse, dd, qe, doe, saved["visible"], *common, desc_kv, ws_k, ws_v,
+             dk, dv, rec[:split], status[:split]))
+        _kernel(q.device.id, kernels.FUSED_BACKWARD_Q, q.dtype.name)(
+            (n * nqb,), (_THREADS,),
+            (q, k, v, d_out, lse, dd, ke, saved["visible"], *common, desc_q, ws_q, dq,
+             rec[split:], status[split:]))
+    if fault is not None:
+        fault.record(desc_kv)
+        fault.record(desc_q)
+    book(ctx, rec.get(), status.get(),
+         lambda t: t // nkb if t < split else (t - split) // nqb, BACKWARD_SITES, check)
+    return dq, dk, dv
 
 
 def _fault(ctx: Context) -> DeviceFault | None:

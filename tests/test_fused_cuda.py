@@ -1,7 +1,7 @@
 """The fused protected attention core's CUDA kernels (attention/_cuda_fused.py, kernels/fused.cu)
 on CuPy, or on cupy-on-cpu without a GPU: test_fused.py's float64 reference and data, every
-forward site faulted by the kernels' own injector, clean adversarial data, 16-bit dtypes, bad
-input. Shapes stay small: the emulation runs every CUDA thread on the CPU."""
+internal site (forward and backward) faulted by the kernels' own injector, clean adversarial
+data, 16-bit dtypes, bad input. Shapes stay small: the emulation runs every CUDA thread on the CPU."""
 from __future__ import annotations
 
 import math
@@ -15,16 +15,22 @@ from hypothesis import strategies as st
 from abftgemm import UncorrectableError
 from abftgemm.checksums import unit_roundoff
 from attention.context import Context
-from attention.fused import FORWARD_SITES, fused_backward, fused_forward
+from attention.fused import fused_backward, fused_forward
 from conftest import BACKENDS
 from test_fused import _data, _reference
 
 CUDA = [p for p in BACKENDS if p.id != "numpy"]
 KINDS = [("inf", 0.0), ("nan", 0.0), ("near-inf", 0.0), ("additive", 1e3)]
-#: An element of each forward site in the second query block and second key tile (32 x 32 tiles)
-#: of head 1, causal-visible; accumulators hit after their first tile.
+#: An element of each site in the second query block and second key tile (32 x 32 tiles) of head
+#: 1, causal-visible; accumulators hit after their first tile.
 ELEMENTS = {"fused:S": (40, 35), "fused:P": (41, 33), "fused:O_acc": (45, 3),
-            "fused:rowsum": (50, 0)}
+            "fused:rowsum": (50, 0), "fused:dP": (40, 35), "fused:dS": (41, 33),
+            "fused:dQ_acc": (45, 3), "fused:dK_acc": (35, 3), "fused:dV_acc": (36, 5)}
+#: (site, the call whose kernels take the fault): S and P are recomputed in the backward too.
+CASES = [(s, "forward") for s in ("fused:S", "fused:P", "fused:O_acc", "fused:rowsum")] + [
+    (s, "backward") for s in ("fused:S", "fused:P", "fused:dP", "fused:dS", "fused:dQ_acc",
+                              "fused:dK_acc", "fused:dV_acc")]
+IDS = [f"{s}-{phase}" for s, phase in CASES]
 
 
 def _forward(xp, q, k, v, ctx, **kw):
@@ -32,11 +38,26 @@ def _forward(xp, q, k, v, ctx, **kw):
     return out.get(), saved
 
 
+def _run(xp, q, k, v, do, ctx, backward_ctx=None, **kw):
+    """Output and gradients (NumPy); ``backward_ctx`` (default ``ctx``) for the backward."""
+    out, saved = _forward(xp, q, k, v, ctx, **kw)
+    grads = fused_backward(saved, xp.asarray(do), ctx if backward_ctx is None else backward_ctx)
+    return [out] + [g.get() for g in grads]
+
+
 def _fault(site, kind, value, persistent=False):
     from attention._cuda_fused import DeviceFault
 
     row, col = ELEMENTS[site]
     return DeviceFault(site, row, col, head=1, kind=kind, value=value, persistent=persistent)
+
+
+def _faulted_run(xp, q, k, v, do, site, phase, fault, check="correct"):
+    """One fwd+bwd whose ``phase`` call carries ``fault``; the context(s) that saw it."""
+    ctx, clean = Context(check=check, fault_hook=fault), Context(check=check)
+    if phase == "forward":
+        return _run(xp, q, k, v, do, ctx, clean, causal=True), ctx
+    return _run(xp, q, k, v, do, clean, ctx, causal=True), ctx
 
 
 @pytest.mark.parametrize("xp", CUDA)
@@ -48,28 +69,35 @@ def test_forward_matches_float64_reference(xp, n, lq, lk, d, causal, dtype, seed
         lk = lq
     q, k, v, do = _data(np.random.default_rng(seed), n, lq, lk, d, dtype)
     ctx = Context()
-    out, saved = _forward(xp, q, k, v, ctx, causal=causal)
+    got = _run(xp, q, k, v, do, ctx, causal=causal)
     assert not ctx.report.events, ctx.report.summary()
-    assert saved["lse"].dtype == dtype
     want, tol = _reference(q, k, v, do, 1 / math.sqrt(d), causal)
-    if dtype == np.float64:
-        np.testing.assert_allclose(out, want[0], rtol=1e-9, atol=1e-12)
-    else:
-        assert np.all(np.abs(out - want[0]) <= tol[0]), np.max(np.abs(out - want[0]) / tol[0])
+    for name, g, w, t in zip(("out", "dq", "dk", "dv"), got, want, tol):
+        assert g.dtype == dtype
+        if dtype == np.float64:
+            np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12, err_msg=name)
+        else:
+            assert np.all(np.abs(g - w) <= t), (name, np.max(np.abs(g - w) / t))
 
 
 @pytest.mark.parametrize("xp", CUDA)
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
 def test_16_bit_data(xp, dtype):
-    """Tile arithmetic in float32, the output rounded once to the data's dtype."""
+    """Tile arithmetic in float32, each result rounded once to the data's dtype; the output, and
+    through it D = rowsum(dO O), carry the data's rounding: the float32 bounds of the reference
+    with the data's unit roundoff."""
     q, k, v, do = _data(np.random.default_rng(3), 2, 50, 70, 32, dtype)
     ctx = Context()
     out, saved = _forward(xp, q, k, v, ctx, causal=False)
+    assert saved["lse"].dtype == np.float32
+    got = [out] + [g.get() for g in fused_backward(saved, xp.asarray(do), ctx)]
     assert not ctx.report.events, ctx.report.summary()
-    assert out.dtype == dtype and saved["lse"].dtype == np.float32
     want, tol = _reference(q, k, v, do, 1 / math.sqrt(32), False)
-    err = np.abs(out.astype(np.float64) - want[0])
-    assert np.all(err <= tol[0] + 1.01 * unit_roundoff(dtype) * np.abs(want[0])), err.max()
+    grow = unit_roundoff(dtype) / unit_roundoff(np.float32)
+    for name, g, w, t in zip(("out", "dq", "dk", "dv"), got, want, tol):
+        assert g.dtype == dtype
+        err = np.abs(g.astype(np.float64) - w)
+        assert np.all(err <= grow * t), (name, np.max(err / t))
 
 
 @pytest.mark.parametrize("xp", CUDA)
@@ -80,57 +108,60 @@ def test_key_visible_and_fully_masked_rows(xp):
     visible[1] = False  # head 1 sees no key at all: output 0, log-sum-exp -inf
     ctx = Context()
     out, saved = _forward(xp, q, k, v, ctx, key_visible=visible)
+    assert np.all(saved["lse"].get()[1] == -np.inf)
+    got = [out] + [g.get() for g in fused_backward(saved, xp.asarray(do), ctx)]
     assert not ctx.report.events
     want, tol = _reference(q, k, v, do, 0.25, False, visible)
-    assert np.all(np.abs(out - want[0]) <= tol[0])
-    assert not out[1].any() and np.all(saved["lse"].get()[1] == -np.inf)
+    for g, w, t in zip(got, want, tol):
+        assert np.all(np.abs(g - w) <= t)
+    assert all(not g[1].any() for g in got)
 
 
 @pytest.mark.parametrize("xp", CUDA)
-@pytest.mark.parametrize("site", FORWARD_SITES)
+@pytest.mark.parametrize("site,phase", CASES, ids=IDS)
 @pytest.mark.parametrize("kind,value", KINDS, ids=[k for k, _ in KINDS])
-def test_fault_at_internal_site_is_detected_and_corrected(xp, site, kind, value):
-    q, k, v, _ = _data(np.random.default_rng(2), 2, 70, 70, 16)
-    clean, _ = _forward(xp, q, k, v, Context(), causal=True)
+def test_fault_at_internal_site_is_detected_and_corrected(xp, site, phase, kind, value):
+    q, k, v, do = _data(np.random.default_rng(2), 2, 70, 70, 16)
+    clean = _run(xp, q, k, v, do, Context(), causal=True)
     fault = _fault(site, kind, value)
-    ctx = Context(fault_hook=fault)
-    got, _ = _forward(xp, q, k, v, ctx, causal=True)
+    got, ctx = _faulted_run(xp, q, k, v, do, site, phase, fault)
     assert fault.hits == 1
     assert site in ctx.report.sites, ctx.report.summary()
     assert all(e.action == "recomputed" for e in ctx.report.events)
-    assert np.array_equal(got, clean)
+    for g, c in zip(got, clean):
+        assert np.array_equal(g, c)
 
 
 @pytest.mark.parametrize("xp", CUDA)
-@pytest.mark.parametrize("site", FORWARD_SITES)
-def test_check_off_shows_the_damage(xp, site):
-    q, k, v, _ = _data(np.random.default_rng(2), 2, 70, 70, 16)
-    clean, _ = _forward(xp, q, k, v, Context(check="off"), causal=True)
+@pytest.mark.parametrize("site,phase", CASES, ids=IDS)
+def test_check_off_shows_the_damage(xp, site, phase):
+    q, k, v, do = _data(np.random.default_rng(2), 2, 70, 70, 16)
+    clean = _run(xp, q, k, v, do, Context(check="off"), causal=True)
     fault = _fault(site, "additive", 1e3)
-    ctx = Context(check="off", fault_hook=fault)
-    got, _ = _forward(xp, q, k, v, ctx, causal=True)
+    got, ctx = _faulted_run(xp, q, k, v, do, site, phase, fault, check="off")
     assert fault.hits == 1 and not ctx.report.events
-    assert not np.array_equal(got, clean)
+    assert any(not np.array_equal(g, c) for g, c in zip(got, clean))
 
 
 @pytest.mark.parametrize("xp", CUDA)
 def test_detect_mode_reports_and_leaves_the_fault(xp):
-    q, k, v, _ = _data(np.random.default_rng(4), 2, 64, 64, 16)
-    clean, _ = _forward(xp, q, k, v, Context())
-    ctx = Context(check="detect", fault_hook=_fault("fused:O_acc", "near-inf", 0.0))
-    with pytest.warns(Warning, match="fused:O_acc"):
-        got, _ = _forward(xp, q, k, v, ctx)
+    q, k, v, do = _data(np.random.default_rng(4), 2, 64, 64, 16)
+    clean = _run(xp, q, k, v, do, Context())
+    ctx = Context(check="detect", fault_hook=_fault("fused:dK_acc", "near-inf", 0.0))
+    with pytest.warns(Warning, match="fused:dK_acc"):
+        got = _run(xp, q, k, v, do, ctx)
     assert [e.action for e in ctx.report.events] == ["reported"]
-    assert not np.array_equal(got, clean)
+    assert not np.array_equal(got[2], clean[2])
 
 
 @pytest.mark.parametrize("xp", CUDA)
-@pytest.mark.parametrize("site", ["fused:S", "fused:P", "fused:O_acc"])
+@pytest.mark.parametrize("site", ["fused:S", "fused:O_acc", "fused:dS", "fused:dK_acc",
+                                  "fused:dQ_acc"])
 def test_persistent_fault_raises(xp, site):
-    q, k, v, _ = _data(np.random.default_rng(5), 2, 64, 64, 16)
+    q, k, v, do = _data(np.random.default_rng(5), 2, 64, 64, 16)
     ctx = Context(fault_hook=_fault(site, "inf", 0.0, persistent=True))
     with pytest.raises(UncorrectableError, match=site):
-        _forward(xp, q, k, v, ctx)
+        _run(xp, q, k, v, do, ctx)
 
 
 @pytest.mark.parametrize("xp", CUDA)
@@ -154,7 +185,7 @@ def test_no_false_positive_on_adversarial_clean_data(xp):
         causal = bool(call % 2)
         lk = lq if causal else int(rng.integers(1, 70))
         spread = float(10.0 ** rng.uniform(0, 15)) if call % 3 else 1.0
-        q, k, v, _ = _data(rng, n, lq, lk, d, spread=math.sqrt(spread))
+        q, k, v, do = _data(rng, n, lq, lk, d, spread=math.sqrt(spread))
         if call % 5 == 0:
             k[:] = k[:, :1]  # identical keys: flat rows
         visible = None
@@ -162,9 +193,9 @@ def test_no_false_positive_on_adversarial_clean_data(xp):
             visible = rng.random((n, lk)) < 0.3
             visible[0] = False
         ctx = Context()
-        out, _ = _forward(xp, q, k, v, ctx, causal=causal, key_visible=visible)
+        got = _run(xp, q, k, v, do, ctx, causal=causal, key_visible=visible)
         assert not ctx.report.events, (call, ctx.report.summary())
-        assert np.isfinite(out).all()
+        assert all(np.isfinite(g).all() for g in got)
 
 
 @pytest.mark.parametrize("xp", CUDA)
@@ -186,6 +217,8 @@ def test_bad_input(xp):
         fused_forward(dq, dk, dv, Context(), key_visible=xp.ones((1, 8)))
     with pytest.raises(TypeError, match="DeviceFault"):
         fused_forward(dq, dk, dv, Context(fault_hook=lambda site, tile: None))
-    _, saved = fused_forward(dq, dk, dv, Context())
-    with pytest.raises(NotImplementedError, match="backward"):
-        fused_backward(saved, dq, Context())
+    out, saved = fused_forward(dq, dk, dv, Context())
+    with pytest.raises(ValueError, match="d_out"):
+        fused_backward(saved, out[:, :4], Context())
+    with pytest.raises(ValueError, match="d_out"):
+        fused_backward(saved, q, Context())

@@ -449,3 +449,426 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
     }
     if (tid == 0) status[task] = -1;
 }
+
+// ------------------------------------------------------------------ backward
+//
+// FlashAttention-2 order in two kernels, so that no accumulator is shared between blocks: one
+// block per (head, key block) sweeps the query blocks for dK and dV (attn_fused_backward_kv), one
+// per (head, query block) sweeps the key tiles for dQ (attn_fused_backward_q); each recomputes S,
+// P = exp(z - lse), dP = dO V^T and dS = P (dP - D) per tile with their checks (backward_tile),
+// and checks its accumulators against the row encodings of the other operand carried beside them
+// (fused:dK_acc, fused:dV_acc, fused:dQ_acc). The unscaled accumulators are judged as the CPU
+// judges them, staged through a workspace of the arithmetic type; the outputs are then scaled and
+// rounded to T. Tile sites are injected by the key-block kernel only.
+
+namespace {
+
+template <typename A> struct Backward {
+    double kenc[3][FDMAX], venc[3][FDMAX];
+    A s[FBR][FBC];  // S, then z, then dS
+    A p[FBR][FBC];
+    A dp[FBR][FBC];
+    double acc_enc[FBR > FBC ? FBR : FBC][3];  // the checksum columns beside the accumulator
+    Votes votes;
+};
+
+// Column encodings of the key block's rows [j0, j0 + cols) of K and V (weights (j + 1) / cols).
+template <typename T, typename A>
+__device__ void encode_key_block(Backward<A>& sh, const T* kh, const T* vh, int j0, int cols,
+                                 int d) {
+    for (int c = threadIdx.x; c < d; c += FNT) {
+        double k0 = 0.0, k1 = 0.0, k2 = 0.0, v0 = 0.0, v1 = 0.0, v2 = 0.0;
+        for (int j = 0; j < cols; ++j) {
+            const double w = static_cast<double>(j + 1) / cols;
+            const double x = to_double(kh[(j0 + j) * d + c]), y = to_double(vh[(j0 + j) * d + c]);
+            k0 += x;
+            k1 += w * x;
+            k2 += fabs(x);
+            v0 += y;
+            v1 += w * y;
+            v2 += fabs(y);
+        }
+        sh.kenc[0][c] = k0;
+        sh.kenc[1][c] = k1;
+        sh.kenc[2][c] = k2;
+        sh.venc[0][c] = v0;
+        sh.venc[1][c] = v1;
+        sh.venc[2][c] = v2;
+    }
+}
+
+// Row r's checksums of a tile product x (rows x cols) against x_r . enc (x the tile's left
+// operand row, enc the right operand block's column encoding): a vote of vector r.
+template <typename T, typename A>
+__device__ void vote_product_row(Votes& votes, A (*tile)[FBC], const T* left,
+                                 double (*enc)[FDMAX], int r, int cols, int d,
+                                 const double* coef) {
+    double p0 = 0.0, p1 = 0.0, p2 = 0.0, o0 = 0.0, o1 = 0.0, o2 = 0.0;
+    for (int c = 0; c < d; ++c) {
+        const double y = to_double(left[r * d + c]);
+        p0 += y * enc[0][c];
+        p1 += y * enc[1][c];
+        p2 += fabs(y) * enc[2][c];
+    }
+    for (int j = 0; j < cols; ++j) {
+        const double x = to_double(tile[r][j]);
+        o0 += x;
+        o1 += x * (static_cast<double>(j + 1) / cols);
+        o2 += fabs(x);
+    }
+    vote(votes, r, ratio3(p0, p1, p2, o0, o1, o2, coef), locate(p0, p1, o0, o1, cols));
+}
+
+// One tile (query rows [i0, i0 + rows), keys [j0, j0 + cols)) of head b: S, P, dP and dS into
+// sh.s (dS), sh.p, sh.dp, each checked and recomputed once when flagged. qh, kh, vh, doh, lseh,
+// ddh: head b's rows. first: the first computation of the tile in this kernel (faults that do
+// not persist hit it only); tiles: inject at tile sites. Returns 0, or -1 when a recomputation
+// did not verify. Ends with a barrier.
+template <typename T, typename A>
+__device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T* vh,
+                             const T* doh, const A* lseh, const A* ddh, const bool* vis, int i0,
+                             int rows, int j0, int cols, int d, A sc, bool causal, bool check,
+                             bool correct, const double* params, const FaultAt& ft, bool tiles,
+                             bool first, double* rt, int b) {
+    const int tid = threadIdx.x;
+    const A zero = static_cast<A>(0);
+    const T* qi = qh + static_cast<long long>(i0) * d;
+    const T* doi = doh + static_cast<long long>(i0) * d;
+    const FaultAt none = load_fault(nullptr);
+    const FaultAt& f = tiles ? ft : none;
+    int st = 0;
+    for (int a = 0; a < 2; ++a) {  // ---- S, checked by its row checksums
+        __syncthreads();
+        for (int e = tid; e < rows * cols; e += FNT) {
+            const int r = e / cols, j = e % cols;
+            A t = zero;
+            for (int c = 0; c < d; ++c) t += widen(qi[r * d + c]) * widen(kh[(j0 + j) * d + c]);
+            sh.s[r][j] = inject(f, S_, b, i0 + r, j0 + j, 0, a == 0 && first, t);
+        }
+        if (!check) break;
+        __syncthreads();
+        if (tid < rows) vote_product_row(sh.votes, sh.s, qi, sh.kenc, tid, cols, d, params + C_S);
+        st = settle_block(sh.votes, rt, S_, a, correct, rows, true, i0, j0);
+        if (st != 1) break;
+    }
+    if (st < 0) return -1;
+    __syncthreads();
+    if (tid < rows) {  // ---- mask and scale
+        const int r = tid;
+        const int lim = causal ? max(0, min(cols, i0 + r - j0 + 1)) : cols;
+        for (int j = 0; j < cols; ++j)
+            sh.s[r][j] = j < lim && (!vis || vis[j0 + j]) ? sh.s[r][j] * sc : ninf(zero);
+    }
+    for (int a = 0; a < 2; ++a) {  // ---- P = exp(z - lse), checked by the softmax invariant
+        __syncthreads();
+        for (int e = tid; e < rows * cols; e += FNT) {
+            const int r = e / cols, j = e % cols;
+            const A mr = lseh[i0 + r];
+            const A pv = mr == ninf(zero) ? zero : exp_of(sh.s[r][j] - mr);
+            sh.p[r][j] = inject(f, P_, b, i0 + r, j0 + j, 0, a == 0 && first, pv);
+        }
+        if (!check) break;
+        __syncthreads();
+        if (tid < rows) {
+            const int r = tid;
+            const A mr = lseh[i0 + r];
+            double worst = 0.0;
+            int at = -1;
+            for (int j = 0; j < cols; ++j) {
+                const A pv = sh.p[r][j];
+                const double e = mr == ninf(zero) ? (pv == zero ? 0.0 : inf64())
+                                                  : probs_bad(pv, sh.s[r][j] - mr, params + TOL_P);
+                if (e > worst) {
+                    worst = e;
+                    at = j;
+                }
+            }
+            vote(sh.votes, r, Ratio{worst, worst, 1.0}, at);
+        }
+        st = settle_block(sh.votes, rt, P_, a, correct, rows, true, i0, j0);
+        if (st != 1) break;
+    }
+    if (st < 0) return -1;
+    for (int a = 0; a < 2; ++a) {  // ---- dP = dO V^T, checked by its row checksums
+        __syncthreads();
+        for (int e = tid; e < rows * cols; e += FNT) {
+            const int r = e / cols, j = e % cols;
+            A t = zero;
+            for (int c = 0; c < d; ++c) t += widen(doi[r * d + c]) * widen(vh[(j0 + j) * d + c]);
+            sh.dp[r][j] = inject(f, DP_, b, i0 + r, j0 + j, 0, a == 0 && first, t);
+        }
+        if (!check) break;
+        __syncthreads();
+        if (tid < rows) vote_product_row(sh.votes, sh.dp, doi, sh.venc, tid, cols, d, params + C_S);
+        st = settle_block(sh.votes, rt, DP_, a, correct, rows, true, i0, j0);
+        if (st != 1) break;
+    }
+    if (st < 0) return -1;
+    for (int a = 0; a < 2; ++a) {  // ---- dS = P (dP - D), checked by the softmax-backward invariants
+        __syncthreads();
+        for (int e = tid; e < rows * cols; e += FNT) {
+            const int r = e / cols, j = e % cols;
+            const A x = sh.p[r][j] * (sh.dp[r][j] - ddh[i0 + r]);
+            sh.s[r][j] = inject(f, DS_, b, i0 + r, j0 + j, 0, a == 0 && first, x);
+        }
+        if (!check) break;
+        __syncthreads();
+        if (tid < rows) {
+            const int r = tid;
+            const double dr = to_double(ddh[i0 + r]);
+            double r1 = 0.0, r2 = 0.0, v = 0.0, s = 0.0, sw = 0.0, mag = 0.0, magw = 0.0;
+            for (int j = 0; j < cols; ++j) {
+                const double pj = to_double(sh.p[r][j]), g = to_double(sh.dp[r][j]);
+                const double x = to_double(sh.s[r][j]);
+                r1 += pj * g;
+                r2 += pj;
+                v += pj * g * g;
+                s += x;
+                sw += x * g;
+                const double m = pj * (fabs(g) + fabs(dr));
+                mag += m;
+                magw += m * fabs(g);
+            }
+            const double* tol = params + TOL_DS;
+            const double tau = tol[0] * mag + tol[1], tauw = tol[0] * magw + tol[1];
+            const double d1 = fabs(s - (r1 - dr * r2)), d2 = fabs(sw - (v - dr * r1));
+            const double e1 = d1 / tau, e2 = d2 / tauw;
+            const double e = e1 != e1 || e2 != e2 ? inf64() : fmax(e1, e2);
+            vote(sh.votes, r, Ratio{e, d1, tau}, -1);
+        }
+        st = settle_block(sh.votes, rt, DS_, a, correct, rows, true, i0, j0);
+        if (st != 1) break;
+    }
+    if (st < 0) return -1;
+    __syncthreads();
+    return 0;
+}
+
+// The staged accumulator rows [0, n) (ws, head dim d) against the carried encodings: votes.
+template <typename A>
+__device__ void vote_accumulator(Votes& votes, const A* ws, double (*enc)[3], int n, int d,
+                                 const double* coef) {
+    const int r = threadIdx.x;
+    if (r >= n) return;
+    double o0 = 0.0, o1 = 0.0, o2 = 0.0;
+    for (int c = 0; c < d; ++c) {
+        const double x = to_double(ws[r * d + c]);
+        o0 += x;
+        o1 += x * (static_cast<double>(c + 1) / d);
+        o2 += fabs(x);
+    }
+    const double* p = enc[r];
+    vote(votes, r, ratio3(p[0], p[1], p[2], o0, o1, o2, coef), locate(p[0], p[1], o0, o1, d));
+}
+
+}  // namespace
+
+// D = rowsum(dO * O) per row (float64 sums, stored in the arithmetic type).
+template <typename T>
+__global__ void attn_fused_delta(const T* d_out, const T* o, long long rows, int d,
+                                 typename Arith<T>::type* out) {
+    for (long long r = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; r < rows;
+         r += static_cast<long long>(gridDim.x) * blockDim.x) {
+        double t = 0.0;
+        for (int c = 0; c < d; ++c) t += to_double(d_out[r * d + c]) * to_double(o[r * d + c]);
+        out[r] = static_cast<typename Arith<T>::type>(t);
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(FNT)
+attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
+                       const typename Arith<T>::type* lse, const typename Arith<T>::type* dd,
+                       const double* qe, const double* doe, const bool* visible, int lq, int lk,
+                       int d, double scale, int causal, int check, int correct,
+                       const double* params, double* fault, typename Arith<T>::type* ws_k,
+                       typename Arith<T>::type* ws_v, T* dk, T* dv, double* rec, int* status) {
+    typedef typename Arith<T>::type A;
+    __shared__ Backward<A> sh;
+    __shared__ double dv_enc[FBC][3];
+    const int tid = threadIdx.x;
+    const int nkb = (lk + FBC - 1) / FBC;
+    const long long task = blockIdx.x;
+    const int b = static_cast<int>(task / nkb), j0 = static_cast<int>(task % nkb) * FBC;
+    const int cols = min(FBC, lk - j0);
+    const T* qh = q + static_cast<long long>(b) * lq * d;
+    const T* kh = k + static_cast<long long>(b) * lk * d;
+    const T* vh = v + static_cast<long long>(b) * lk * d;
+    const T* doh = d_out + static_cast<long long>(b) * lq * d;
+    const A* lseh = lse + static_cast<long long>(b) * lq;
+    const A* ddh = dd + static_cast<long long>(b) * lq;
+    const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
+    const long long row0 = static_cast<long long>(b) * lk + j0;
+    A* wk = ws_k + row0 * d;
+    A* wv = ws_v + row0 * d;
+    double* rt = rec + task * NSITES * FIELDS;
+    const FaultAt ft = load_fault(fault);
+    const A sc = static_cast<A>(scale), zero = static_cast<A>(0);
+    if (check) encode_key_block(sh, kh, vh, j0, cols, d);
+    const int first_i = causal ? (j0 / FBR) * FBR : 0;
+    A kacc[FPER], vacc[FPER];
+    for (int attempt = 0; attempt < 2; ++attempt) {
+#pragma unroll
+        for (int e = 0; e < FPER; ++e) kacc[e] = vacc[e] = zero;
+        if (tid < cols)
+            for (int f = 0; f < 3; ++f) sh.acc_enc[tid][f] = dv_enc[tid][f] = 0.0;
+        int st = 0;
+        for (int i0 = first_i, step = 0; i0 < lq; i0 += FBR, ++step) {
+            const int rows = min(FBR, lq - i0);
+            st = backward_tile(sh, qh, kh, vh, doh, lseh, ddh, vis, i0, rows, j0, cols, d, sc,
+                               causal != 0, check != 0, correct != 0, params, ft, true,
+                               attempt == 0, rt, b);
+            if (st < 0) break;
+#pragma unroll
+            for (int e = 0; e < FPER; ++e) {  // ---- dV += P^T dO, dK += dS^T Q
+                const int idx = tid + e * FNT, j = idx / d, c = idx % d;
+                if (j < cols) {
+                    A tv = vacc[e], tk = kacc[e];
+                    for (int r = 0; r < rows; ++r) {
+                        tv += sh.p[r][j] * widen(doh[(i0 + r) * d + c]);
+                        tk += sh.s[r][j] * widen(qh[(i0 + r) * d + c]);
+                    }
+                    vacc[e] = inject(ft, DV_, b, j0 + j, c, step, attempt == 0, tv);
+                    kacc[e] = inject(ft, DK_, b, j0 + j, c, step, attempt == 0, tk);
+                }
+            }
+            if (check && tid < cols) {  // ---- their checksum columns, float64
+                const int j = tid;
+                const double* qer = qe + (static_cast<long long>(b) * lq + i0) * 3;
+                const double* der = doe + (static_cast<long long>(b) * lq + i0) * 3;
+                for (int r = 0; r < rows; ++r) {
+                    const double x = to_double(sh.p[r][j]), y = to_double(sh.s[r][j]);
+                    dv_enc[j][0] += x * der[3 * r];
+                    dv_enc[j][1] += x * der[3 * r + 1];
+                    dv_enc[j][2] += fabs(x) * der[3 * r + 2];
+                    sh.acc_enc[j][0] += y * qer[3 * r];
+                    sh.acc_enc[j][1] += y * qer[3 * r + 1];
+                    sh.acc_enc[j][2] += fabs(y) * qer[3 * r + 2];
+                }
+            }
+        }
+        if (st < 0) break;
+        if (check) {  // ---- the accumulators, staged unscaled, against the carried checksums
+#pragma unroll
+            for (int e = 0; e < FPER; ++e) {
+                const int idx = tid + e * FNT, j = idx / d, c = idx % d;
+                if (j < cols) {
+                    wk[j * d + c] = kacc[e];
+                    wv[j * d + c] = vacc[e];
+                }
+            }
+            __syncthreads();
+            vote_accumulator(sh.votes, wk, sh.acc_enc, cols, d, params + C_KV);
+            const int st_k = settle_block(sh.votes, rt, DK_, attempt, correct, cols, true, j0, 0);
+            vote_accumulator(sh.votes, wv, dv_enc, cols, d, params + C_KV);
+            const int st_v = settle_block(sh.votes, rt, DV_, attempt, correct, cols, true, j0, 0);
+            st = min(st_k, st_v) < 0 ? -1 : max(st_k, st_v);
+            if (st < 0) break;
+            if (st == 1) continue;
+        }
+        T* dkb = dk + row0 * d;
+        T* dvb = dv + row0 * d;
+#pragma unroll
+        for (int e = 0; e < FPER; ++e) {
+            const int idx = tid + e * FNT, j = idx / d, c = idx % d;
+            if (j < cols) {
+                dkb[j * d + c] = narrow<T>(kacc[e] * sc);
+                dvb[j * d + c] = narrow<T>(vacc[e]);
+            }
+        }
+        if (tid == 0) status[task] = 0;
+        return;
+    }
+    if (tid == 0) status[task] = -1;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(FNT)
+attn_fused_backward_q(const T* q, const T* k, const T* v, const T* d_out,
+                      const typename Arith<T>::type* lse, const typename Arith<T>::type* dd,
+                      const double* ke, const bool* visible, int lq, int lk, int d, double scale,
+                      int causal, int check, int correct, const double* params, double* fault,
+                      typename Arith<T>::type* ws_q, T* dq, double* rec, int* status) {
+    typedef typename Arith<T>::type A;
+    __shared__ Backward<A> sh;
+    const int tid = threadIdx.x;
+    const int nqb = (lq + FBR - 1) / FBR;
+    const long long task = blockIdx.x;
+    const int b = static_cast<int>(task / nqb), i0 = static_cast<int>(task % nqb) * FBR;
+    const int i1 = min(i0 + FBR, lq), rows = i1 - i0;
+    const T* qh = q + static_cast<long long>(b) * lq * d;
+    const T* kh = k + static_cast<long long>(b) * lk * d;
+    const T* vh = v + static_cast<long long>(b) * lk * d;
+    const T* doh = d_out + static_cast<long long>(b) * lq * d;
+    const A* lseh = lse + static_cast<long long>(b) * lq;
+    const A* ddh = dd + static_cast<long long>(b) * lq;
+    const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
+    const long long row0 = static_cast<long long>(b) * lq + i0;
+    A* wq = ws_q + row0 * d;
+    double* rt = rec + task * NSITES * FIELDS;
+    const FaultAt ft = load_fault(fault);
+    const A sc = static_cast<A>(scale), zero = static_cast<A>(0);
+    const int jend = causal ? min(lk, i1) : lk;
+    A acc[FPER];
+    for (int attempt = 0; attempt < 2; ++attempt) {
+#pragma unroll
+        for (int e = 0; e < FPER; ++e) acc[e] = zero;
+        if (tid < rows)
+            for (int f = 0; f < 3; ++f) sh.acc_enc[tid][f] = 0.0;
+        int st = 0;
+        for (int j0 = 0, step = 0; j0 < jend; j0 += FBC, ++step) {
+            const int cols = min(FBC, jend - j0);
+            __syncthreads();  // the previous tile's checks are done with the encodings
+            if (check) encode_key_block(sh, kh, vh, j0, cols, d);
+            st = backward_tile(sh, qh, kh, vh, doh, lseh, ddh, vis, i0, rows, j0, cols, d, sc,
+                               causal != 0, check != 0, correct != 0, params, ft, false,
+                               attempt == 0, rt, b);
+            if (st < 0) break;
+#pragma unroll
+            for (int e = 0; e < FPER; ++e) {  // ---- dQ += dS K
+                const int idx = tid + e * FNT, r = idx / d, c = idx % d;
+                if (r < rows) {
+                    A t = acc[e];
+                    for (int j = 0; j < cols; ++j) t += sh.s[r][j] * widen(kh[(j0 + j) * d + c]);
+                    acc[e] = inject(ft, DQ_, b, i0 + r, c, step, attempt == 0, t);
+                }
+            }
+            if (check && tid < rows) {  // ---- its checksum columns, float64
+                const int r = tid;
+                const double* ker = ke + (static_cast<long long>(b) * lk + j0) * 3;
+                double t0 = 0.0, t1 = 0.0, t2 = 0.0;
+                for (int j = 0; j < cols; ++j) {
+                    const double x = to_double(sh.s[r][j]);
+                    t0 += x * ker[3 * j];
+                    t1 += x * ker[3 * j + 1];
+                    t2 += fabs(x) * ker[3 * j + 2];
+                }
+                sh.acc_enc[r][0] += t0;
+                sh.acc_enc[r][1] += t1;
+                sh.acc_enc[r][2] += t2;
+            }
+        }
+        if (st < 0) break;
+        if (check) {
+#pragma unroll
+            for (int e = 0; e < FPER; ++e) {
+                const int idx = tid + e * FNT, r = idx / d, c = idx % d;
+                if (r < rows) wq[r * d + c] = acc[e];
+            }
+            __syncthreads();
+            vote_accumulator(sh.votes, wq, sh.acc_enc, rows, d, params + C_Q);
+            st = settle_block(sh.votes, rt, DQ_, attempt, correct, rows, true, i0, 0);
+            if (st < 0) break;
+            if (st == 1) continue;
+        }
+        T* dqb = dq + row0 * d;
+#pragma unroll
+        for (int e = 0; e < FPER; ++e) {
+            const int idx = tid + e * FNT, r = idx / d, c = idx % d;
+            if (r < rows) dqb[r * d + c] = narrow<T>(acc[e] * sc);
+        }
+        if (tid == 0) status[task] = 0;
+        return;
+    }
+    if (tid == 0) status[task] = -1;
+}
