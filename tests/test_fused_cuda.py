@@ -133,6 +133,21 @@ def test_fault_at_internal_site_is_detected_and_corrected(xp, site, phase, kind,
 
 
 @pytest.mark.parametrize("xp", CUDA)
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("site,phase", [("fused:S", "forward"), ("fused:O_acc", "forward"),
+                                        ("fused:dP", "backward"), ("fused:dK_acc", "backward")])
+def test_fault_in_16_bit_data_is_corrected(xp, dtype, site, phase):
+    """The tensor-core tile products (head dim 32) and the float32 accumulators of 16-bit data."""
+    q, k, v, do = _data(np.random.default_rng(2), 2, 70, 70, 32, dtype)
+    clean = _run(xp, q, k, v, do, Context(), causal=True)
+    fault = _fault(site, "near-inf", 0.0)
+    got, ctx = _faulted_run(xp, q, k, v, do, site, phase, fault)
+    assert fault.hits == 1 and site in ctx.report.sites, ctx.report.summary()
+    for g, c in zip(got, clean):
+        assert np.array_equal(g, c)
+
+
+@pytest.mark.parametrize("xp", CUDA)
 @pytest.mark.parametrize("site,phase", CASES, ids=IDS)
 def test_check_off_shows_the_damage(xp, site, phase):
     q, k, v, do = _data(np.random.default_rng(2), 2, 70, 70, 16)

@@ -10,7 +10,8 @@
 // float64); O_acc = alpha O_acc + P V with V's row encodings carried through the same rescaling
 // (fused:O_acc, judged on the stored output). A flagged tile is recomputed once, a flagged block
 // (rowsum, O_acc) likewise; the decision is block-uniform (thread 0 settles it through shared
-// memory). Tile arithmetic is in Arith<T> (float for half, bfloat16 and float; double for double).
+// memory). Tile arithmetic is in Arith<T> (float for half, bfloat16 and float; double for double);
+// the tile products S and dP of half and bfloat16 run on tensor cores (tile_product).
 //
 // Records (rec, float64, (tasks, NSITES, FIELDS), zeroed by the host) and the per-task status
 // (int, 0 or -1: a recomputation did not verify) are read by the host once per call.
@@ -21,6 +22,8 @@
 // hit (0 for tile sites), the kind (1 set, 2 set the magnitude keeping the sign, 3 add, 4
 // multiply), whether it persists through recomputations, the value; the kernel counts its hits
 // and stores the last old value.
+#include <mma.h>
+
 namespace {
 
 constexpr int FBR = 32;    // query rows per block
@@ -66,6 +69,67 @@ __device__ __forceinline__ float exp_of(float v) { return expf(v); }
 __device__ __forceinline__ double exp_of(double v) { return exp(v); }
 __device__ __forceinline__ float log_of(float v) { return logf(v); }
 __device__ __forceinline__ double log_of(double v) { return log(v); }
+
+// ------------------------------------------------------------------ tile products
+
+template <typename T> struct TensorCores {
+    static constexpr bool value = false;
+};
+template <> struct TensorCores<__half> {
+    static constexpr bool value = true;
+};
+template <> struct TensorCores<__nv_bfloat16> {
+    static constexpr bool value = true;
+};
+
+// tile[r][j] = sum_c left[r][c] right[j][c] (r < rows, j < cols; rows of length d): S = Q K^T
+// and dP = dO V^T. Half and bfloat16 with d % 16 == 0 on tensor cores (nvcuda::wmma 16 x 16 x 16,
+// float accumulation; the operands staged zero-padded in shared memory, one 16 x 16 block of the
+// tile per warp), everything else with FMAs in the arithmetic type (16-bit products are exact in
+// float either way). Every thread of the block calls it; it ends with a barrier.
+template <typename T, typename A>
+__device__ void tile_product(A (*tile)[FBC], const T* left, const T* right, int rows, int cols,
+                             int d) {
+    if constexpr (TensorCores<T>::value) {
+        static_assert(FBR == 32 && FBC == 32 && FNT == 128, "one 16 x 16 block per warp");
+        if (d % 16 == 0) {
+            struct alignas(32) Staging {
+                T lhs[FBR][FDMAX], rhs[FBC][FDMAX];
+            };
+            __shared__ Staging st;
+            T (*lhs)[FDMAX] = st.lhs;
+            T (*rhs)[FDMAX] = st.rhs;
+            const T zero = narrow<T>(0.0f);
+            for (int e = threadIdx.x; e < FBR * d; e += FNT) {
+                const int r = e / d, c = e % d;
+                lhs[r][c] = r < rows ? left[r * d + c] : zero;
+                rhs[r][c] = r < cols ? right[r * d + c] : zero;
+            }
+            __syncthreads();
+            const int w = threadIdx.x / 32, wr = w / 2, wc = w % 2;
+            nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, T, nvcuda::wmma::row_major> fa;
+            nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, T, nvcuda::wmma::col_major> fb;
+            nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> fc;
+            nvcuda::wmma::fill_fragment(fc, 0.0f);
+            for (int k = 0; k < d; k += 16) {
+                nvcuda::wmma::load_matrix_sync(fa, &lhs[wr * 16][k], FDMAX);
+                nvcuda::wmma::load_matrix_sync(fb, &rhs[wc * 16][k], FDMAX);
+                nvcuda::wmma::mma_sync(fc, fa, fb, fc);
+            }
+            nvcuda::wmma::store_matrix_sync(&tile[wr * 16][wc * 16], fc, FBC,
+                                            nvcuda::wmma::mem_row_major);
+            __syncthreads();
+            return;
+        }
+    }
+    for (int e = threadIdx.x; e < rows * cols; e += FNT) {
+        const int r = e / cols, j = e % cols;
+        A t = static_cast<A>(0);
+        for (int c = 0; c < d; ++c) t += widen(left[r * d + c]) * widen(right[j * d + c]);
+        tile[r][j] = t;
+    }
+    __syncthreads();
+}
 
 // ------------------------------------------------------------------ fault injection
 
@@ -213,7 +277,7 @@ template <typename A> __device__ double probs_bad(A pv, A x, const double* t) {
 
 template <typename A> struct Forward {
     double qenc[3][FDMAX];
-    A s[FBR][FBC];
+    alignas(32) A s[FBR][FBC];  // S, then z
     A p[FBR][FBC];
     A m[FBR], l[FBR], alpha[FBR];
     double oc[FBR][4];
@@ -289,11 +353,11 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
             const int cols = min(FBC, jend - j0);
             for (int a = 0; a < 2; ++a) {  // ---- S, checked by its column checksums
                 __syncthreads();
+                tile_product(sh.s, qb, kb + static_cast<long long>(j0) * d, rows, cols, d);
                 for (int e = tid; e < rows * cols; e += FNT) {
                     const int r = e / cols, j = e % cols;
-                    A t = zero;
-                    for (int c = 0; c < d; ++c) t += widen(qb[r * d + c]) * widen(kb[(j0 + j) * d + c]);
-                    sh.s[r][j] = inject(ft, S_, b, i0 + r, j0 + j, 0, a == 0 && attempt == 0, t);
+                    sh.s[r][j] = inject(ft, S_, b, i0 + r, j0 + j, 0, a == 0 && attempt == 0,
+                                        sh.s[r][j]);
                 }
                 if (!check) break;
                 __syncthreads();
@@ -465,9 +529,9 @@ namespace {
 
 template <typename A> struct Backward {
     double kenc[3][FDMAX], venc[3][FDMAX];
-    A s[FBR][FBC];  // S, then z, then dS
+    alignas(32) A s[FBR][FBC];  // S, then z, then dS
     A p[FBR][FBC];
-    A dp[FBR][FBC];
+    alignas(32) A dp[FBR][FBC];
     double acc_enc[FBR > FBC ? FBR : FBC][3];  // the checksum columns beside the accumulator
     Votes votes;
 };
@@ -539,11 +603,10 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
     int st = 0;
     for (int a = 0; a < 2; ++a) {  // ---- S, checked by its row checksums
         __syncthreads();
+        tile_product(sh.s, qi, kh + static_cast<long long>(j0) * d, rows, cols, d);
         for (int e = tid; e < rows * cols; e += FNT) {
             const int r = e / cols, j = e % cols;
-            A t = zero;
-            for (int c = 0; c < d; ++c) t += widen(qi[r * d + c]) * widen(kh[(j0 + j) * d + c]);
-            sh.s[r][j] = inject(f, S_, b, i0 + r, j0 + j, 0, a == 0 && first, t);
+            sh.s[r][j] = inject(f, S_, b, i0 + r, j0 + j, 0, a == 0 && first, sh.s[r][j]);
         }
         if (!check) break;
         __syncthreads();
@@ -591,11 +654,10 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
     if (st < 0) return -1;
     for (int a = 0; a < 2; ++a) {  // ---- dP = dO V^T, checked by its row checksums
         __syncthreads();
+        tile_product(sh.dp, doi, vh + static_cast<long long>(j0) * d, rows, cols, d);
         for (int e = tid; e < rows * cols; e += FNT) {
             const int r = e / cols, j = e % cols;
-            A t = zero;
-            for (int c = 0; c < d; ++c) t += widen(doi[r * d + c]) * widen(vh[(j0 + j) * d + c]);
-            sh.dp[r][j] = inject(f, DP_, b, i0 + r, j0 + j, 0, a == 0 && first, t);
+            sh.dp[r][j] = inject(f, DP_, b, i0 + r, j0 + j, 0, a == 0 && first, sh.dp[r][j]);
         }
         if (!check) break;
         __syncthreads();
