@@ -5,9 +5,11 @@
 The kernels judge every tile and recompute flagged tiles and blocks themselves (the decision is
 block-uniform); each call reads the per-task records back once and books them into
 ``ctx.report``. The backward runs FlashAttention-2's two sweeps as two kernels (dK and dV per key
-block, dQ per query block: no atomics), each recomputing the tiles it needs. Tiles are :data:`BR` x :data:`BC` = 32 x 32 (``FBR``/``FBC`` of the kernel
-source), head dimensions up to :data:`MAX_HEAD_DIM`; float16, bfloat16 (``ml_dtypes``), float32
-and float64 data, tile arithmetic in float32 (float64 for float64).
+block, dQ per query block: no atomics), each recomputing the tiles it needs. Tiles are
+:data:`BR` x :data:`BC` = 32 x 32 (``FBR``/``FBC`` of the kernel source), head dimensions up to
+:data:`MAX_HEAD_DIM`; float16, bfloat16 (``ml_dtypes``), float32 and float64 data, tile
+arithmetic in float32 (float64 for float64), the 16-bit tile products S and dP on tensor cores
+where CUDA's headers allow (``FUSED_WMMA`` in the source).
 
 Faults are injected by the kernels, at the element a :class:`DeviceFault` names (``ctx.fault_hook``
 must be one, or None): a Python hook cannot see the tiles of a kernel.

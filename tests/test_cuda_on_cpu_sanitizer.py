@@ -227,16 +227,17 @@ def test_wmma_fragments_multiply_like_a_warp_and_must_be_reached_by_every_lane()
     rng = np.random.default_rng(0)
     a, b = (rng.integers(-4, 5, (16, 16)).astype(np.float16) for _ in "ab")
     c = cupy.zeros((16, 16), np.float32)
-    _kernel(WMMA % ("__syncwarp();", ""), "tile")((1,), (32,), (cupy.asarray(a), cupy.asarray(b), c))
+    args = (cupy.asarray(a), cupy.asarray(b), c)
+    _kernel(WMMA % ("__syncwarp();", ""), "tile")((1,), (32,), args)
     np.testing.assert_array_equal(c.get(), a.astype(np.float32) @ b.astype(np.float32).T)
     with pytest.raises(_error(), match=r"nvcuda::wmma::mma_sync \(mask 0xffffffff\) in block "
                                        r"\(0,0,0\) warp 0: lane 0 waits for lane 16, which has "
                                        r"exited"):
         _kernel(WMMA % ("__syncwarp();", "if (threadIdx.x >= 16) return;"), "tile")(
-            (1,), (32,), (cupy.asarray(a), cupy.asarray(b), c))
+            (1,), (32,), args)
     with pytest.raises(_error(), match=r"reads 2 bytes at shared offset \d+, which thread "
                                        r"\(\d+,0,0\) wrote in the same barrier interval"):
-        _kernel(WMMA % ("", ""), "tile")((1,), (32,), (cupy.asarray(a), cupy.asarray(b), c))
+        _kernel(WMMA % ("", ""), "tile")((1,), (32,), args)
 
 
 def test_a_mask_without_the_callers_lane_is_an_error():

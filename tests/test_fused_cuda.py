@@ -1,7 +1,8 @@
 """The fused protected attention core's CUDA kernels (attention/_cuda_fused.py, kernels/fused.cu)
 on CuPy, or on cupy-on-cpu without a GPU: test_fused.py's float64 reference and data, every
 internal site (forward and backward) faulted by the kernels' own injector, clean adversarial
-data, 16-bit dtypes, bad input. Shapes stay small: the emulation runs every CUDA thread on the CPU."""
+data, 16-bit dtypes, bad input. Shapes stay small: the emulation runs every CUDA thread on the
+CPU."""
 from __future__ import annotations
 
 import math

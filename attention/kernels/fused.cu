@@ -22,7 +22,15 @@
 // hit (0 for tile sites), the kind (1 set, 2 set the magnitude keeping the sign, 3 add, 4
 // multiply), whether it persists through recomputations, the value; the kernel counts its hits
 // and stores the last old value.
+// Tensor cores through CUDA's mma.h, which includes crt/mma.h: a header set without the latter
+// (the pip wheel nvidia-cuda-runtime 13.5 ships mma.h alone) cannot use them, and the 16-bit tile
+// products then run on FMAs (tile_product). FUSED_WMMA says which.
+#if __has_include(<crt/mma.h>)
 #include <mma.h>
+#define FUSED_WMMA 1
+#else
+#define FUSED_WMMA 0
+#endif
 
 namespace {
 
@@ -85,11 +93,12 @@ template <> struct TensorCores<__nv_bfloat16> {
 // tile[r][j] = sum_c left[r][c] right[j][c] (r < rows, j < cols; rows of length d): S = Q K^T
 // and dP = dO V^T. Half and bfloat16 with d % 16 == 0 on tensor cores (nvcuda::wmma 16 x 16 x 16,
 // float accumulation; the operands staged zero-padded in shared memory, one 16 x 16 block of the
-// tile per warp), everything else with FMAs in the arithmetic type (16-bit products are exact in
-// float either way). Every thread of the block calls it; it ends with a barrier.
+// tile per warp; FUSED_WMMA), everything else with FMAs in the arithmetic type (16-bit products
+// are exact in float either way). Every thread of the block calls it; it ends with a barrier.
 template <typename T, typename A>
 __device__ void tile_product(A (*tile)[FBC], const T* left, const T* right, int rows, int cols,
                              int d) {
+#if FUSED_WMMA
     if constexpr (TensorCores<T>::value) {
         static_assert(FBR == 32 && FBC == 32 && FNT == 128, "one 16 x 16 block per warp");
         if (d % 16 == 0) {
@@ -107,21 +116,22 @@ __device__ void tile_product(A (*tile)[FBC], const T* left, const T* right, int 
             }
             __syncthreads();
             const int w = threadIdx.x / 32, wr = w / 2, wc = w % 2;
-            nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, T, nvcuda::wmma::row_major> fa;
-            nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, T, nvcuda::wmma::col_major> fb;
-            nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> fc;
-            nvcuda::wmma::fill_fragment(fc, 0.0f);
+            namespace wmma = nvcuda::wmma;
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> fc;
+            wmma::fill_fragment(fc, 0.0f);
             for (int k = 0; k < d; k += 16) {
-                nvcuda::wmma::load_matrix_sync(fa, &lhs[wr * 16][k], FDMAX);
-                nvcuda::wmma::load_matrix_sync(fb, &rhs[wc * 16][k], FDMAX);
-                nvcuda::wmma::mma_sync(fc, fa, fb, fc);
+                wmma::load_matrix_sync(fa, &lhs[wr * 16][k], FDMAX);
+                wmma::load_matrix_sync(fb, &rhs[wc * 16][k], FDMAX);
+                wmma::mma_sync(fc, fa, fb, fc);
             }
-            nvcuda::wmma::store_matrix_sync(&tile[wr * 16][wc * 16], fc, FBC,
-                                            nvcuda::wmma::mem_row_major);
+            wmma::store_matrix_sync(&tile[wr * 16][wc * 16], fc, FBC, wmma::mem_row_major);
             __syncthreads();
             return;
         }
     }
+#endif
     for (int e = threadIdx.x; e < rows * cols; e += FNT) {
         const int r = e / cols, j = e % cols;
         A t = static_cast<A>(0);
@@ -432,7 +442,8 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
                 const int r = tid;
                 A t = zero;
                 for (int j = 0; j < cols; ++j) t += sh.p[r][j];
-                sh.l[r] = inject(ft, L_, b, i0 + r, 0, step, attempt == 0, sh.alpha[r] * sh.l[r] + t);
+                sh.l[r] = inject(ft, L_, b, i0 + r, 0, step, attempt == 0,
+                                 sh.alpha[r] * sh.l[r] + t);
                 if (check) {
                     const double al = to_double(sh.alpha[r]);
                     double t0 = 0.0, t1 = 0.0, t2 = 0.0, t3 = 0.0;
@@ -666,7 +677,7 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
         if (st != 1) break;
     }
     if (st < 0) return -1;
-    for (int a = 0; a < 2; ++a) {  // ---- dS = P (dP - D), checked by the softmax-backward invariants
+    for (int a = 0; a < 2; ++a) {  // ---- dS = P (dP - D), checked by the backward invariants
         __syncthreads();
         for (int e = tid; e < rows * cols; e += FNT) {
             const int r = e / cols, j = e % cols;
