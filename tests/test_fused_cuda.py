@@ -215,6 +215,29 @@ def test_no_false_positive_on_adversarial_clean_data(xp):
 
 
 @pytest.mark.parametrize("xp", CUDA)
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_no_false_positive_on_adversarial_16_bit_data(xp, dtype):
+    """Wide logits (scores up to ~10^6 in float32), flat rows, rows without a key, in 16-bit data
+    whose tile products run on tensor cores (head dims 16 and 32): 12 calls, no event."""
+    rng = np.random.default_rng(8)
+    for call in range(12):
+        n, lq, d = 2, int(rng.integers(1, 70)), int(rng.choice([16, 32]))
+        causal = bool(call % 2)
+        lk = lq if causal else int(rng.integers(1, 70))
+        q, k, v, do = _data(rng, n, lq, lk, d, dtype, spread=float(10.0 ** rng.uniform(0, 2)))
+        if call % 5 == 0:
+            k[:] = k[:, :1]
+        visible = None
+        if call % 4 == 0:
+            visible = rng.random((n, lk)) < 0.3
+            visible[0] = False
+        ctx = Context()
+        got = _run(xp, q, k, v, do, ctx, causal=causal, key_visible=visible)
+        assert not ctx.report.events, (call, ctx.report.summary())
+        assert all(np.isfinite(g.astype(np.float32)).all() for g in got)
+
+
+@pytest.mark.parametrize("xp", CUDA)
 def test_bad_input(xp):
     q, k, v, _ = _data(np.random.default_rng(0), 1, 8, 8, 8)
     dq, dk, dv = xp.asarray(q), xp.asarray(k), xp.asarray(v)
