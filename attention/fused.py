@@ -6,9 +6,10 @@ recomputes ``P`` tile by tile from them (FlashAttention-2). Heads are the leadin
 L, d)`` with ``n`` = batch * heads, as :mod:`attention.core` takes them. No ``L x L`` buffer is
 ever made; the tiles are ``BR x BC`` = 64 x 64 (:mod:`attention._cpu_fused`, numba kernels in
 parallel over (head, query block) forward and over heads backward, so no two threads write one
-accumulator). The unfused :mod:`attention.core` stays the reference and the path for what this
-one does not support (additive masks, dropout, 16-bit data, the GPU); the layers do not use this
-core yet.
+accumulator). CuPy arrays run the same algorithm and checks in CUDA kernels
+(:mod:`attention._cuda_fused`, 16-bit data too). The unfused :mod:`attention.core` stays the
+reference and the path for what this one does not support (additive masks, dropout, 16-bit data
+on the CPU); the layers do not use this core yet.
 
 What is checked, per tile (sites of the fault hook, ``ctx.fault_hook(site, tile)``, which sees
 each tile array as computed and before it is checked):
