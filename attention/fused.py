@@ -87,10 +87,9 @@ from abftgemm.backend import is_cupy_array
 from abftgemm.threads import current_policy
 from attention import _cpu_fused as K
 from attention.context import Context
+from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, FUSED_SITES,  # noqa: F401
+                                   coefficients, dscores_tolerance, probs_tolerance)
 from attention.fused_rules import book as _book
-from attention.fused_rules import coefficients, dscores_tolerance, probs_tolerance
-
-from attention.fused_rules import BACKWARD_SITES, FORWARD_SITES, FUSED_SITES  # noqa: F401
 
 SUPPORTED = (np.dtype(np.float32), np.dtype(np.float64))
 
