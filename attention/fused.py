@@ -6,9 +6,10 @@ recomputes ``P`` tile by tile from them (FlashAttention-2). Heads are the leadin
 L, d)`` with ``n`` = batch * heads, as :mod:`attention.core` takes them. No ``L x L`` buffer is
 ever made; the tiles are ``BR x BC`` = 64 x 64 (:mod:`attention._cpu_fused`, numba kernels in
 parallel over (head, query block) forward and over heads backward, so no two threads write one
-accumulator). The unfused :mod:`attention.core` stays the reference and the path for what this
-one does not support (additive masks, dropout, 16-bit data, the GPU); the layers do not use this
-core yet.
+accumulator). CuPy arrays run the same algorithm and checks in CUDA kernels
+(:mod:`attention._cuda_fused`, 16-bit data too). The unfused :mod:`attention.core` stays the
+reference and the path for what this one does not support (additive masks, dropout, 16-bit data
+on the CPU); the layers do not use this core yet.
 
 What is checked, per tile (sites of the fault hook, ``ctx.fault_hook(site, tile)``, which sees
 each tile array as computed and before it is checked):
@@ -82,63 +83,15 @@ from typing import Any
 import numba
 import numpy as np
 
-from abftgemm.checksums import accumulation_dtype, smallest_normal, unit_roundoff
-from abftgemm.report import Event, UncorrectableError, announce
+from abftgemm.backend import is_cupy_array
 from abftgemm.threads import current_policy
-from abftgemm.thresholds import magnitude_coefficient, safe_magnitude, threshold_coefficients
 from attention import _cpu_fused as K
-from attention._cpu_vmath import EXP_FLUSH
 from attention.context import Context
+from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, FUSED_SITES,  # noqa: F401
+                                   coefficients, dscores_tolerance, probs_tolerance)
+from attention.fused_rules import book as _book
 
-#: The fault hook's sites (and the report's), forward then backward.
-FUSED_SITES = K.SITES
-FORWARD_SITES = K.SITES[:4]
-BACKWARD_SITES = K.SITES[:2] + K.SITES[4:]
 SUPPORTED = (np.dtype(np.float32), np.dtype(np.float64))
-_U64 = 2.0 ** -53
-
-#: What a flag at each site recomputes, for the report.
-_RECOMPUTES = {"fused:S": "the S tile", "fused:P": "the P tile",
-               "fused:O_acc": "the query block (all its tiles)",
-               "fused:rowsum": "the query block (all its tiles)", "fused:dP": "the dP tile",
-               "fused:dS": "the dS tile", "fused:dQ_acc": "the query block's dQ (its key sweep)",
-               "fused:dK_acc": "the key block's dK and dV (its query sweep)",
-               "fused:dV_acc": "the key block's dK and dV (its query sweep)"}
-
-
-def coefficients(k: int, length: int, dtype: np.dtype, roundings: int = 0) -> np.ndarray:
-    """``(c_obs, c_pred, floor, c_mag, safe)`` of one checked vector (:func:`_cpu_fused._ratio`).
-
-    Parameters
-    ----------
-    k : int
-        Inner dimension summed over (for an accumulator: all the tiles' terms).
-    length : int
-        Length of the vector the checksums sum over.
-    dtype : numpy dtype
-        Data dtype (float32 or float64).
-    roundings : int
-        Roundings the tiling adds to every element (see the module docstring).
-    """
-    c_obs, c_pred, floor, _ = threshold_coefficients(k, length, dtype)
-    u = unit_roundoff(accumulation_dtype(dtype))
-    return np.array([c_obs, c_pred + roundings * u, floor,
-                     magnitude_coefficient(k + roundings, length, dtype),
-                     safe_magnitude(k + roundings, dtype)])
-
-
-def probs_tolerance(dtype: np.dtype) -> np.ndarray:
-    """``(base, slope, flush, tiny)`` of the ``P`` invariant: ``|log P - x| <= base + slope
-    |x|``; an entry below ``tiny``, the smallest normal number, needs ``x < flush``."""
-    u = unit_roundoff(dtype)
-    flush = EXP_FLUSH if np.dtype(dtype) == np.float32 else math.log(smallest_normal(dtype))
-    return np.array([4 * u, 8 * u, flush, smallest_normal(dtype)])
-
-
-def dscores_tolerance(dtype: np.dtype) -> np.ndarray:
-    """``(c, tiny)`` of the ``dS`` invariants: ``c`` times a row's magnitude plus ``tiny`` per
-    term."""
-    return np.array([4 * unit_roundoff(dtype) + 4 * K.BC * _U64, smallest_normal(dtype)])
 
 
 def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = None,
@@ -175,6 +128,10 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     abftgemm.UncorrectableError
         A flagged tile or block still failed its check after recomputation.
     """
+    if is_cupy_array(q):  # the CUDA kernels: attention/_cuda_fused.py
+        from attention import _cuda_fused
+        return _cuda_fused.fused_forward(q, k, v, ctx, scale=scale, causal=causal,
+                                         key_visible=key_visible)
     scale, visible = _validate(q, k, v, scale, causal, key_visible)
     n, lq, d = q.shape
     lk, dt = k.shape[1], q.dtype
@@ -215,6 +172,9 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
     abftgemm.UncorrectableError
         A flagged tile or block still failed its check after recomputation.
     """
+    if is_cupy_array(saved["q"]):
+        from attention import _cuda_fused
+        return _cuda_fused.fused_backward(saved, d_out, ctx)
     q, k, v, out, lse = (saved[key] for key in ("q", "k", "v", "out", "lse"))
     if not isinstance(d_out, np.ndarray) or d_out.shape != q.shape or d_out.dtype != q.dtype:
         raise ValueError(f"d_out must be a NumPy array of shape {q.shape} and dtype {q.dtype}, "
@@ -307,39 +267,3 @@ def _site_hook(ctx: Context) -> Any:
     """The Python drivers' hook: site index -> ``ctx.fault_hook(name, tile)``."""
     user = ctx.fault_hook
     return lambda site, tile: user(K.SITES[site], tile)
-
-
-def _book(ctx: Context, rec: np.ndarray, status: np.ndarray, batch_of: Any,
-          sites: tuple[str, ...], check: bool) -> None:
-    """Turn the kernels' records into events of ``ctx.report``; raise if any task failed."""
-    if not check:
-        return
-    report = ctx.report
-    for site in sites:
-        report.checked[site] = report.checked.get(site, 0) + 1
-    for t, s in zip(*np.nonzero(rec[:, :, K.FLAGS])):
-        r = rec[t, s]
-        site = K.SITES[s]
-        row, col = int(r[K.ROW]), int(r[K.COL])
-        located = r[K.FLAGS] == 1 and row >= 0 and col >= 0
-        failed = bool(r[K.FAILED])
-        if ctx.check == "detect":
-            action, verified = "reported", "left in place (check='detect')"
-        elif failed:
-            action = "reported"
-            verified = (f"recomputed {_RECOMPUTES[site]}, which still failed its check: worst "
-                        f"|d|/threshold {r[K.AFTER]:.3g}")
-        else:
-            action = "recomputed"
-            verified = (f"recomputed {_RECOMPUTES[site]} and checked it again: worst "
-                        f"|d|/threshold {r[K.AFTER]:.3g}")
-        event = Event(site=site, batch=int(batch_of(t)), pattern="0D" if located else "2D",
-                      rows=(row,) if row >= 0 else (), cols=(col,) if col >= 0 else (),
-                      magnitude=float(r[K.MAG]), threshold=float(r[K.TAU]), action=action,
-                      verified=verified)
-        report.events.append(event)
-        if ctx.check == "detect":
-            announce(event)
-    if (status < 0).any():
-        raise UncorrectableError("the fused attention core could not verify a recomputed tile",
-                                 report)

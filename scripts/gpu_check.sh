@@ -20,7 +20,7 @@ PY="${PYTHON:-python3}"
 export PYTHONPATH="${PYTHONPATH:-.}" PYTHONUNBUFFERED=1
 # 30 examples per property: the device time is short, and CI runs the CPU cases with 300.
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}"
-STEPS=" ${GPU_CHECK_STEPS:-smoke smoke_softmax pytest calibrate bench_gemm bench_attention bench_sites bench_torch} "
+STEPS=" ${GPU_CHECK_STEPS:-smoke smoke_softmax pytest calibrate bench_gemm bench_attention bench_sites bench_torch bench_fused} "
 END=$((SECONDS + ${GPU_CHECK_SECONDS:-330}))
 LOG="$OUT/gpu_check.log"
 mkdir -p "$OUT"
@@ -68,6 +68,9 @@ step bench_attention 100 $PY bench/attention.py --backend cupy --json "$OUT/benc
 step bench_sites 60 $PY bench/attention.py --backend cupy --sites --cases bert-base --repeats 10 \
     --json "$OUT/bench_attention_sites.json"
 step bench_torch 60 $PY bench/torch_adapter.py --device cuda --json "$OUT/bench_torch_adapter.json"
+# The fused core's CUDA kernels (tests/test_fused_cuda.py runs in the pytest step): fwd+bwd against
+# the unfused core and PyTorch's flash SDPA, BERT-base and Llama-like shapes, float16.
+step bench_fused 90 $PY bench/fused_cuda.py --repeats 10
 
 echo "=== done at ${SECONDS}s" | tee -a "$LOG"
 [ ${#skipped[@]} -ne 0 ] && echo "SKIPPED steps (no time left): ${skipped[*]}" | tee -a "$LOG"

@@ -16,7 +16,8 @@ import compile_kernels  # noqa: E402
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-_USED = re.compile(r"Used (\d+) registers(?:, used \d+ barriers)?(?:, (\d+) bytes smem)?")
+_USED = re.compile(r"Used (\d+) registers(?:, used \d+ barriers)?"
+                   r"(?:, \d+ bytes cumulative stack size)?(?:, (\d+) bytes smem)?")
 
 
 def resources(arch: str = "sm_90") -> list[tuple[str, int, int, int, int]]:

@@ -198,6 +198,48 @@ def test_a_warp_intrinsic_some_lanes_of_the_mask_skip_is_an_error_not_a_hang():
                 "warp_sum")((1,), (32,), (x, y))
 
 
+WMMA = """
+#include <mma.h>
+using namespace nvcuda;
+extern "C" __global__ void tile(const __half* a, const __half* b, float* c) {
+    __shared__ __half bs[16 * 16];
+    for (int i = threadIdx.x; i < 256; i += 32) bs[i] = b[i];
+    %s
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> fa;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> fb;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> fc;
+    wmma::fill_fragment(fc, 0.0f);
+    wmma::load_matrix_sync(fa, a, 16);
+    wmma::load_matrix_sync(fb, bs, 16);
+    %s
+    wmma::mma_sync(fc, fa, fb, fc);
+    wmma::store_matrix_sync(c, fc, 16, wmma::mem_row_major);
+}
+"""
+
+
+def test_wmma_fragments_multiply_like_a_warp_and_must_be_reached_by_every_lane():
+    """nvcuda::wmma with an opaque fragment layout: a 16 x 16 x 16 product (b column-major, i.e.
+    a @ b_stored.T) from global and shared memory; a lane that leaves before mma_sync is reported,
+    as is a load from shared memory other lanes wrote without a barrier."""
+    import cupy
+
+    rng = np.random.default_rng(0)
+    a, b = (rng.integers(-4, 5, (16, 16)).astype(np.float16) for _ in "ab")
+    c = cupy.zeros((16, 16), np.float32)
+    args = (cupy.asarray(a), cupy.asarray(b), c)
+    _kernel(WMMA % ("__syncwarp();", ""), "tile")((1,), (32,), args)
+    np.testing.assert_array_equal(c.get(), a.astype(np.float32) @ b.astype(np.float32).T)
+    with pytest.raises(_error(), match=r"nvcuda::wmma::mma_sync \(mask 0xffffffff\) in block "
+                                       r"\(0,0,0\) warp 0: lane 0 waits for lane 16, which has "
+                                       r"exited"):
+        _kernel(WMMA % ("__syncwarp();", "if (threadIdx.x >= 16) return;"), "tile")(
+            (1,), (32,), args)
+    with pytest.raises(_error(), match=r"reads 2 bytes at shared offset \d+, which thread "
+                                       r"\(\d+,0,0\) wrote in the same barrier interval"):
+        _kernel(WMMA % ("", ""), "tile")((1,), (32,), args)
+
+
 def test_a_mask_without_the_callers_lane_is_an_error():
     import cupy
 
@@ -304,6 +346,8 @@ def test_ci_subset_launches_every_kernel_of_every_dtype_on_every_launch_path():
     from abftgemm import ProtectedMatmul, kernels
     from abftgemm._cuda import backend
     from attention import kernels as attention_kernels
+    from attention.context import Context
+    from attention.fused import fused_backward, fused_forward
     from attention.layer import MultiHeadAttention
     from cuda_on_cpu import launch
 
@@ -355,6 +399,9 @@ def test_ci_subset_launches_every_kernel_of_every_dtype_on_every_launch_path():
                 x = cupy.asarray(rng.standard_normal((2, 9, 16)).astype(dtype))
                 y, cache = layer.forward(x)
                 layer.backward(cupy.asarray(rng.standard_normal((2, 9, 16)).astype(dtype)), cache)
+            q, k, v = (cupy.asarray(rng.standard_normal((2, 40, 16)).astype(dtype)) for _ in "qkv")
+            _, saved = fused_forward(q, k, v, Context(), causal=True)  # the fused core's kernels
+            fused_backward(saved, q, Context())
     finally:
         launch.RawKernel.__call__ = call
     names = {name for name, _ in seen}

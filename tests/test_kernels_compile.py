@@ -90,6 +90,36 @@ def test_every_dtype_has_both_softmax_kernels():
         assert attention_kernels.instance(attention_kernels.SOFTMAX_BACKWARD, dtype) in names
 
 
+def test_every_dtype_has_every_fused_kernel():
+    names = attention_kernels.MODULES[attention_kernels.FUSED_FILE]
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        for kernel in attention_kernels.FUSED_KERNELS:
+            assert attention_kernels.instance(kernel, dtype) in names
+
+
+def _complete_cuda_headers() -> Path | None:
+    """A CUDA toolkit include directory whose mma.h can be used (it has crt/mma.h), or None."""
+    roots = [os.environ.get("CUDA_PATH", ""), "/usr/local/cuda", *sorted(
+        str(p) for p in Path("/usr/local").glob("cuda-*"))]
+    for root in filter(None, roots):
+        if (Path(root) / "include" / "crt" / "mma.h").is_file():
+            return Path(root) / "include"
+    return None
+
+
+@pytest.mark.skipif(_complete_cuda_headers() is None,
+                    reason="no CUDA toolkit headers with crt/mma.h on this machine")
+def test_the_fused_core_uses_tensor_cores_where_cuda_headers_are_complete(compile_kernels):
+    """fused.cu compiles its 16-bit tile products to wmma.mma where CuPy's include path has
+    crt/mma.h (a CUDA toolkit), and to FMAs with the headers of the pip wheel, which lack it."""
+    source = attention_kernels.source(attention_kernels.FUSED_FILE)
+    names = attention_kernels.MODULES[attention_kernels.FUSED_FILE]
+    options = attention_kernels.NVRTC_OPTIONS + (f"-I{_complete_cuda_headers()}",)
+    text = compile_kernels.ptx(source, names, "compute_90", "attention/fused.cu", options)
+    assert "wmma.mma.sync" in text
+    assert "cvt.ftz.f64" not in text
+
+
 def test_options_match_the_runtime(compile_kernels):
     opts = compile_kernels.nvrtc_options("sm_90")
     assert "--std=c++17" in opts

@@ -22,10 +22,22 @@ SOFTMAX_FORWARD = "attn_softmax_forward"
 #: dS + dP's row checksums + the backward invariants + scaling, one warp per row.
 SOFTMAX_BACKWARD = "attn_softmax_backward"
 
+FUSED_FILE = "fused.cu"
+#: The fused protected attention core (attention/_cuda_fused.py): row encodings of an operand,
+#: the forward per (head, query block), rowsum(dO * O), the backward's dK and dV per (head, key
+#: block) and dQ per (head, query block).
+FUSED_ENCODE = "attn_fused_encode_rows"
+FUSED_FORWARD = "attn_fused_forward"
+FUSED_DELTA = "attn_fused_delta"
+FUSED_BACKWARD_KV = "attn_fused_backward_kv"
+FUSED_BACKWARD_Q = "attn_fused_backward_q"
+FUSED_KERNELS = (FUSED_ENCODE, FUSED_FORWARD, FUSED_DELTA, FUSED_BACKWARD_KV, FUSED_BACKWARD_Q)
+
 #: Source file -> every name expression compiled from it.
 MODULES: dict[str, tuple[str, ...]] = {
     SOFTMAX_FILE: tuple(instance(k, t) for k in (SOFTMAX_FORWARD, SOFTMAX_BACKWARD)
                         for t in CUDA_TYPES),
+    FUSED_FILE: tuple(instance(k, t) for k in FUSED_KERNELS for t in CUDA_TYPES),
 }
 
 

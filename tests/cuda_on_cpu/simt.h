@@ -245,3 +245,130 @@ SIMT_UNCHECKED int launch(void (*fn)(P...), const SimtLaunch* launch, const void
 }
 
 }  // namespace simt
+
+// ---- nvcuda::wmma (mma.h): warp-collective tile products on fragments whose layout is opaque,
+// as on the GPU. Lane l holds elements l, l + 32, l + 64, ... of the fragment's matrix in row-major
+// order (M x K for matrix_a, K x N for matrix_b, M x N for the accumulator): code that assumes a
+// layout gets wrong results. Every function is a warp intrinsic with the full mask (every lane of
+// the warp must reach the same one; the sanitizer reports a lane that exited or waits elsewhere);
+// loads and stores are checked lane by lane like any access, and none of them orders memory
+// between lanes (no __syncwarp). Products are summed in the accumulator's type, k in order.
+inline int simt_linear_thread() {
+    const uint3 t = simt_thread_idx();
+    const dim3 b = simt_block_dim();
+    return static_cast<int>(t.x + b.x * (t.y + b.y * t.z));
+}
+SIMT_UNCHECKED inline void simt_collective(int kind, const char* name) {
+    unsigned char v[8] = {};
+    simt_warp_op(kind, 0xffffffffu, v, 0, 32, name);
+}
+inline float simt_wmma_value(float v) { return v; }
+inline float simt_wmma_value(__half v) { return static_cast<float>(v); }
+inline float simt_wmma_value(__nv_bfloat16 v) { return __bfloat162float(v); }
+inline double simt_wmma_value(double v) { return v; }
+
+namespace nvcuda {
+namespace wmma {
+
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <typename Use, int M, int N, int K> struct simt_shape;
+template <int M, int N, int K> struct simt_shape<matrix_a, M, N, K> {
+    static constexpr int rows = M, cols = K;
+};
+template <int M, int N, int K> struct simt_shape<matrix_b, M, N, K> {
+    static constexpr int rows = K, cols = N;
+};
+template <int M, int N, int K> struct simt_shape<accumulator, M, N, K> {
+    static constexpr int rows = M, cols = N;
+};
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void> struct fragment {
+    static constexpr int rows = simt_shape<Use, M, N, K>::rows;
+    static constexpr int cols = simt_shape<Use, M, N, K>::cols;
+    static constexpr int num_elements = rows * cols / 32;
+    static_assert(rows * cols % 32 == 0, "a fragment spreads over the 32 lanes of a warp");
+    T x[num_elements];
+};
+
+template <typename F, typename T> inline void simt_load(F& f, const T* p, unsigned ldm, bool col) {
+    const int lane = simt_linear_thread() % 32;
+    for (int i = 0; i < F::num_elements; ++i) {
+        const int e = lane + 32 * i, r = e / F::cols, c = e % F::cols;
+        f.x[i] = col ? p[static_cast<size_t>(c) * ldm + r] : p[static_cast<size_t>(r) * ldm + c];
+    }
+}
+
+template <typename Use, int M, int N, int K, typename T, typename Layout>
+inline void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const T* p, unsigned ldm) {
+    static_assert(!std::is_same_v<Use, accumulator>, "an accumulator load takes a layout_t");
+    simt_collective(8, "nvcuda::wmma::load_matrix_sync");
+    simt_load(f, p, ldm, std::is_same_v<Layout, col_major>);
+}
+
+template <int M, int N, int K, typename T>
+inline void load_matrix_sync(fragment<accumulator, M, N, K, T>& f, const T* p, unsigned ldm,
+                             layout_t layout) {
+    simt_collective(8, "nvcuda::wmma::load_matrix_sync");
+    simt_load(f, p, ldm, layout == mem_col_major);
+}
+
+template <int M, int N, int K, typename T>
+inline void store_matrix_sync(T* p, const fragment<accumulator, M, N, K, T>& f, unsigned ldm,
+                              layout_t layout) {
+    simt_collective(9, "nvcuda::wmma::store_matrix_sync");
+    const int lane = simt_linear_thread() % 32;
+    for (int i = 0; i < f.num_elements; ++i) {
+        const int e = lane + 32 * i, r = e / N, c = e % N;
+        p[layout == mem_col_major ? static_cast<size_t>(c) * ldm + r
+                                  : static_cast<size_t>(r) * ldm + c] = f.x[i];
+    }
+}
+
+template <typename Use, int M, int N, int K, typename T, typename Layout, typename V>
+inline void fill_fragment(fragment<Use, M, N, K, T, Layout>& f, const V& v) {
+    simt_collective(10, "nvcuda::wmma::fill_fragment");
+    for (int i = 0; i < f.num_elements; ++i) f.x[i] = static_cast<T>(v);
+}
+
+// The lanes' operand fragments during an mma_sync, per warp (one block runs at a time).
+inline const void* simt_mma_operands[32][32][2];
+
+// d = a b + c: every lane publishes its operands, the warp meets, each lane sums its own elements
+// of d from every lane's operands, the warp meets again (no lane changes an operand that another
+// still reads), then d is written.
+template <int M, int N, int K, typename TA, typename LA, typename LB, typename TC>
+SIMT_UNCHECKED inline void mma_sync(fragment<accumulator, M, N, K, TC>& d,
+                                    const fragment<matrix_a, M, N, K, TA, LA>& a,
+                                    const fragment<matrix_b, M, N, K, TA, LB>& b,
+                                    const fragment<accumulator, M, N, K, TC>& c) {
+    typedef fragment<matrix_a, M, N, K, TA, LA> FA;
+    typedef fragment<matrix_b, M, N, K, TA, LB> FB;
+    const int t = simt_linear_thread(), w = t / 32, lane = t % 32;
+    simt_mma_operands[w][lane][0] = &a;
+    simt_mma_operands[w][lane][1] = &b;
+    simt_collective(11, "nvcuda::wmma::mma_sync");
+    TC out[fragment<accumulator, M, N, K, TC>::num_elements];
+    for (int i = 0; i < d.num_elements; ++i) {
+        const int e = lane + 32 * i, m = e / N, n = e % N;
+        TC s = c.x[i];
+        for (int k = 0; k < K; ++k) {
+            const int ia = m * K + k, ib = k * N + n;
+            const FA* fa = static_cast<const FA*>(simt_mma_operands[w][ia % 32][0]);
+            const FB* fb = static_cast<const FB*>(simt_mma_operands[w][ib % 32][1]);
+            s += static_cast<TC>(simt_wmma_value(fa->x[ia / 32])) *
+                 static_cast<TC>(simt_wmma_value(fb->x[ib / 32]));
+        }
+        out[i] = s;
+    }
+    simt_collective(12, "nvcuda::wmma::mma_sync");
+    for (int i = 0; i < d.num_elements; ++i) d.x[i] = out[i];
+}
+
+}  // namespace wmma
+}  // namespace nvcuda

@@ -1,0 +1,306 @@
+"""CuPy launchers of the fused protected attention core (``kernels/fused.cu``): the entry points of
+:mod:`attention.fused` for CuPy arrays, same signatures, algorithm, checks and thresholds
+(:mod:`attention.fused_rules`).
+
+The kernels judge every tile and recompute flagged tiles and blocks themselves (the decision is
+block-uniform); each call reads the per-task records back once and books them into
+``ctx.report``. The backward runs FlashAttention-2's two sweeps as two kernels (dK and dV per key
+block, dQ per query block: no atomics), each recomputing the tiles it needs. Tiles are
+:data:`BR` x :data:`BC` = 32 x 32 (``FBR``/``FBC`` of the kernel source), head dimensions up to
+:data:`MAX_HEAD_DIM`; float16, bfloat16 (``ml_dtypes``), float32 and float64 data, tile
+arithmetic in float32 (float64 for float64), the 16-bit tile products S and dP on tensor cores
+where CUDA's headers allow (``FUSED_WMMA`` in the source).
+
+Faults are injected by the kernels, at the element a :class:`DeviceFault` names (``ctx.fault_hook``
+must be one, or None): a Python hook cannot see the tiles of a kernel.
+
+Imports CuPy at the top: import it only once CuPy arrays are in play.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import cupy
+import numpy
+
+from abftgemm.cuda_kernels import INT32_MAX, cdiv
+from abftgemm.faults import near_inf_value
+from attention import _cpu_fused as K
+from attention import kernels
+from attention.context import Context
+from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, book, coefficients,
+                                   dscores_tolerance, probs_tolerance)
+
+BR = 32  # query rows per block (FBR in fused.cu)
+BC = 32  # keys per tile (FBC)
+MAX_HEAD_DIM = 128  # FDMAX
+_THREADS = 128  # FNT
+_ENCODE_BLOCK = 256
+_KINDS = {"inf": (1, math.inf), "-inf": (1, -math.inf), "nan": (1, math.nan), "near-inf": (2, None),
+          "additive": (3, None), "scale": (4, None)}
+#: Bit patterns of an all-ones exponent (INF or NaN), by item size and dtype name.
+_EXPONENT = {"float16": 0x7C00, "bfloat16": 0x7F80, "float32": 0x7F800000,
+             "float64": 0x7FF0000000000000}
+_UINT = {2: numpy.uint16, 4: numpy.uint32, 8: numpy.uint64}
+
+
+@dataclass
+class DeviceFault:
+    """A fault the fused CUDA kernels inject into one element of an internal site.
+
+    Parameters
+    ----------
+    site : str
+        One of :data:`attention._cpu_fused.SITES`.
+    row, col : int
+        The element, in the site's matrix of head ``head``: ``fused:S``, ``fused:P``,
+        ``fused:dP``, ``fused:dS``: query x key; ``fused:O_acc``, ``fused:dQ_acc``: query x head
+        dim; ``fused:dK_acc``, ``fused:dV_acc``: key x head dim; ``fused:rowsum``: the query
+        (``col`` 0). ``fused:S`` and ``fused:P`` are hit in the forward (the backward only sees
+        a fault of theirs that the forward did not take).
+    head : int
+        Index into the leading (batch * heads) axis.
+    step : int
+        Accumulator sites: the tile of the sweep after which the accumulator is hit (0: the
+        first); 0 for tile sites.
+    kind : str
+        ``"inf"``, ``"-inf"``, ``"nan"``, ``"near-inf"`` (the magnitude of
+        :func:`abftgemm.faults.near_inf_value` of the tile arithmetic's dtype, the element's
+        sign), ``"additive"`` (adds ``value``) or ``"scale"`` (multiplies by ``value``).
+    value : float
+        Magnitude of ``"additive"``, factor of ``"scale"``.
+    persistent : bool
+        Also corrupt every recomputation (default: the first computation only, in the first call
+        that has the site).
+
+    After a call, ``hits`` counts the injections so far and ``old`` holds the last value replaced.
+    """
+
+    site: str
+    row: int
+    col: int = 0
+    head: int = 0
+    step: int = 0
+    kind: str = "inf"
+    value: float = 0.0
+    persistent: bool = False
+    hits: int = 0
+    old: float = math.nan
+
+    def __post_init__(self) -> None:
+        if self.site not in K.SITES:
+            raise ValueError(f"site must be one of {K.SITES}, got {self.site!r}")
+        if self.kind not in _KINDS:
+            raise ValueError(f"kind must be one of {tuple(_KINDS)}, got {self.kind!r}")
+        if min(self.row, self.col, self.head, self.step) < 0:
+            raise ValueError("row, col, head and step must be >= 0")
+
+    def descriptor(self, sites: tuple[str, ...], arith: numpy.dtype) -> cupy.ndarray | None:
+        """The kernel's descriptor (``F_*`` of fused.cu) when this call should inject, else None."""
+        if self.site not in sites or (self.hits and not self.persistent):
+            return None
+        code, value = _KINDS[self.kind]
+        if value is None:
+            value = near_inf_value(arith) if code == 2 else self.value
+        return cupy.asarray(numpy.array(
+            [K.SITES.index(self.site), self.head, self.row, self.col, self.step, code,
+             float(self.persistent), value, 0.0, math.nan]))
+
+    def record(self, desc: cupy.ndarray | None) -> None:
+        """Take the hit count and the old value back from a descriptor after its launch."""
+        if desc is None:
+            return
+        got = desc.get()
+        self.hits += int(got[8])
+        if got[8]:
+            self.old = float(got[9])
+
+
+def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = None,
+                  causal: bool = False, key_visible: Any | None = None
+                  ) -> tuple[cupy.ndarray, dict[str, Any]]:
+    """:func:`attention.fused.fused_forward` for CuPy arrays (float16, bfloat16, float32 or
+    float64, head dim at most :data:`MAX_HEAD_DIM`); ``saved["lse"]`` is float32 below float64."""
+    fault = _fault(ctx)
+    scale, visible = _validate(q, k, v, scale, causal, key_visible)
+    n, lq, d = q.shape
+    lk = k.shape[1]
+    arith = _arith(q.dtype)
+    check, correct = ctx.check != "off", ctx.check == "correct"
+    tiles = cdiv(lk, BC)
+    nqb = cdiv(lq, BR)
+    if n * nqb > INT32_MAX:
+        raise ValueError(f"too many query blocks for one grid: {n} x {nqb}")
+    params = cupy.asarray(numpy.concatenate([
+        coefficients(d, BR, arith), coefficients(lk, d, q.dtype, 2 * tiles),
+        coefficients(lk, 1, arith, 2 * tiles), probs_tolerance(arith)]))
+    ve = _row_encodings(v) if check else None
+    out = cupy.empty(q.shape, q.dtype)
+    lse = cupy.empty((n, lq), arith)
+    rec = cupy.zeros((n * nqb, len(K.SITES), K.FIELDS))
+    status = cupy.zeros(n * nqb, numpy.int32)
+    desc = None if fault is None else fault.descriptor(FORWARD_SITES, arith)
+    with q.device:
+        _kernel(q.device.id, kernels.FUSED_FORWARD, q.dtype.name)(
+            (n * nqb,), (_THREADS,),
+            (q, k, v, ve, visible, numpy.int32(lq), numpy.int32(lk), numpy.int32(d),
+             numpy.float64(scale), numpy.int32(causal), numpy.int32(check), numpy.int32(correct),
+             params, desc, out, lse, rec, status))
+    if fault is not None:
+        fault.record(desc)
+    book(ctx, rec.get(), status.get(), lambda t: t // nqb, FORWARD_SITES, check)
+    return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "scale": scale,
+                 "causal": causal, "visible": visible}
+
+
+def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
+                   ) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
+    """:func:`attention.fused.fused_backward` for CuPy arrays: ``(dq, dk, dv)`` from the
+    gradient ``d_out`` of :func:`fused_forward`'s output (C-contiguous, its dtype, finite)."""
+    fault = _fault(ctx)
+    q, k, v, out, lse = (saved[key] for key in ("q", "k", "v", "out", "lse"))
+    if not isinstance(d_out, cupy.ndarray) or d_out.shape != q.shape or d_out.dtype != q.dtype:
+        raise ValueError(f"d_out must be a CuPy array of shape {q.shape} and dtype {q.dtype}, "
+                         f"got {type(d_out).__name__} {getattr(d_out, 'shape', None)} "
+                         f"{getattr(d_out, 'dtype', None)}")
+    if not d_out.flags.c_contiguous:
+        raise ValueError("d_out must be C-contiguous")
+    if not _finite(d_out):
+        raise ValueError("d_out holds INF or NaN; the fused core takes finite data only")
+    n, lq, d = q.shape
+    lk = k.shape[1]
+    arith = _arith(q.dtype)
+    check, correct = ctx.check != "off", ctx.check == "correct"
+    nqb, nkb = cdiv(lq, BR), cdiv(lk, BC)
+    params = cupy.asarray(numpy.concatenate([
+        coefficients(d, BC, arith), numpy.zeros(10), probs_tolerance(arith),
+        dscores_tolerance(arith, BC), coefficients(lq, d, arith, nqb),
+        coefficients(lk, d, arith, nkb)]))
+    dd = cupy.empty((n, lq), arith)
+    with q.device:
+        _kernel(q.device.id, kernels.FUSED_DELTA, q.dtype.name)(
+            (min(cdiv(n * lq, _ENCODE_BLOCK), 65535),), (_ENCODE_BLOCK,),
+            (d_out, out, numpy.int64(n * lq), numpy.int32(d), dd))
+    qe, ke, doe = (_row_encodings(x) if check else None for x in (q, k, d_out))
+    ws_q = cupy.empty(q.shape, arith) if check else None
+    ws_k, ws_v = (cupy.empty(k.shape, arith) if check else None for _ in range(2))
+    dq, dk, dv = (cupy.empty(x.shape, x.dtype) for x in (q, k, v))
+    rec = cupy.zeros((n * (nkb + nqb), len(K.SITES), K.FIELDS))
+    status = cupy.zeros(n * (nkb + nqb), numpy.int32)
+    split = n * nkb
+    # Tile sites are injected by the dK/dV kernel, dQ_acc by the dQ kernel.
+    desc_kv = desc_q = None
+    if fault is not None:
+        desc_kv = fault.descriptor(tuple(s for s in BACKWARD_SITES if s != "fused:dQ_acc"), arith)
+        desc_q = fault.descriptor(("fused:dQ_acc",), arith)
+    common = (numpy.int32(lq), numpy.int32(lk), numpy.int32(d), numpy.float64(saved["scale"]),
+              numpy.int32(saved["causal"]), numpy.int32(check), numpy.int32(correct), params)
+    with q.device:
+        _kernel(q.device.id, kernels.FUSED_BACKWARD_KV, q.dtype.name)(
+            (split,), (_THREADS,),
+            (q, k, v, d_out, lse, dd, qe, doe, saved["visible"], *common, desc_kv, ws_k, ws_v,
+             dk, dv, rec[:split], status[:split]))
+        _kernel(q.device.id, kernels.FUSED_BACKWARD_Q, q.dtype.name)(
+            (n * nqb,), (_THREADS,),
+            (q, k, v, d_out, lse, dd, ke, saved["visible"], *common, desc_q, ws_q, dq,
+             rec[split:], status[split:]))
+    if fault is not None:
+        fault.record(desc_kv)
+        fault.record(desc_q)
+    book(ctx, rec.get(), status.get(),
+         lambda t: t // nkb if t < split else (t - split) // nqb, BACKWARD_SITES, check)
+    return dq, dk, dv
+
+
+def _fault(ctx: Context) -> DeviceFault | None:
+    hook = ctx.fault_hook
+    if hook is not None and not isinstance(hook, DeviceFault):
+        raise TypeError("the fused CUDA core injects faults in its kernels: ctx.fault_hook must be "
+                        f"an attention._cuda_fused.DeviceFault or None, got {type(hook).__name__}")
+    return hook
+
+
+def _arith(dtype: numpy.dtype) -> numpy.dtype:
+    """The tile arithmetic's dtype: float64 for float64, float32 otherwise."""
+    return numpy.dtype(numpy.float64 if dtype == numpy.float64 else numpy.float32)
+
+
+def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
+              key_visible: Any | None) -> tuple[float, cupy.ndarray | None]:
+    """Check the inputs (as :func:`attention.fused._validate` does for NumPy); ``(scale,
+    key_visible as a C-contiguous (n, seq_k) bool device array or None)``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, cupy.ndarray):
+            raise TypeError(f"{name} must be a CuPy array, got {type(t).__name__}")
+        if t.dtype.name not in kernels.CUDA_TYPES or t.dtype != q.dtype:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, of q's dtype "
+                            f"{q.dtype}; got {t.dtype}")
+        if t.ndim != 3:
+            raise ValueError(f"{name} must be 3-D (batch * heads, seq, head_dim), got {t.shape}")
+        if not t.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q {q.shape}, k {k.shape} and v {v.shape} must be (n, seq_q, d), "
+                         "(n, seq_k, d), (n, seq_k, d)")
+    if min(q.shape) < 1 or k.shape[1] < 1:
+        raise ValueError(f"every dimension must be at least 1, got q {q.shape}, k {k.shape}")
+    if q.shape[2] > MAX_HEAD_DIM:
+        raise ValueError(f"the fused CUDA core takes head dims up to {MAX_HEAD_DIM}, got "
+                         f"{q.shape[2]}")
+    if max(q.shape[1], k.shape[1]) * q.shape[2] > INT32_MAX:
+        raise ValueError("the fused CUDA core indexes one head in 32 bits")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal=True needs seq_q == seq_k (got {q.shape[1]} and {k.shape[1]})")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not _finite(t):
+            raise ValueError(f"{name} holds INF or NaN; the fused core takes finite data only "
+                             "(attention.core passes non-finite inputs through)")
+    scale = 1 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+    if key_visible is None:
+        return scale, None
+    key_visible = cupy.asarray(key_visible)
+    if key_visible.dtype != bool or key_visible.shape != (q.shape[0], k.shape[1]):
+        raise ValueError(f"key_visible must be a bool array of shape {(q.shape[0], k.shape[1])},"
+                         f" got {key_visible.dtype} {key_visible.shape}")
+    return scale, cupy.ascontiguousarray(key_visible)
+
+
+def _finite(x: cupy.ndarray) -> bool:
+    """No INF or NaN in ``x``, from the exponent bits (bfloat16 has no CuPy arithmetic)."""
+    bits = _EXPONENT[x.dtype.name]
+    return not bool(((x.view(_UINT[x.dtype.itemsize]) & bits) == bits).any())
+
+
+def _row_encodings(x: cupy.ndarray) -> cupy.ndarray:
+    """``(n, L, 3)`` float64 row encodings of ``x`` over its last axis (plain, weighted by
+    ``(c + 1) / d``, absolute), as :func:`attention._cpu_fused.encode_rows`."""
+    n, length, d = x.shape
+    out = cupy.empty((n, length, 3))
+    rows = n * length
+    with x.device:
+        _kernel(x.device.id, kernels.FUSED_ENCODE, x.dtype.name)(
+            (min(cdiv(rows, _ENCODE_BLOCK), 65535),), (_ENCODE_BLOCK,),
+            (x, numpy.int64(rows), numpy.int32(d), out))
+    return out
+
+
+@functools.cache
+def _module() -> cupy.RawModule:
+    """The RawModule of fused.cu; CuPy compiles it lazily and caches it per device.
+
+    Same source, options and name expressions as ``scripts/compile_kernels.py`` checks in CI.
+    """
+    return cupy.RawModule(code=kernels.source(kernels.FUSED_FILE), options=kernels.NVRTC_OPTIONS,
+                          name_expressions=kernels.MODULES[kernels.FUSED_FILE])
+
+
+@functools.cache
+def _kernel(device_id: int, name: str, dtype: str) -> cupy.RawKernel:
+    """Template ``name`` instantiated for NumPy dtype ``dtype`` on device ``device_id``."""
+    with cupy.cuda.Device(device_id):
+        return _module().get_function(kernels.instance(name, dtype))

@@ -1,0 +1,107 @@
+"""The fused attention core's rules shared by its backends (:mod:`attention.fused` on the CPU,
+:mod:`attention._cuda_fused` on the GPU): the thresholds of every check (derived in
+:mod:`attention.fused`'s docstring) and the booking of the kernels' per-task records into
+``ctx.report``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from abftgemm.checksums import accumulation_dtype, smallest_normal, unit_roundoff
+from abftgemm.report import Event, UncorrectableError, announce
+from abftgemm.thresholds import magnitude_coefficient, safe_magnitude, threshold_coefficients
+from attention import _cpu_fused as K
+from attention._cpu_vmath import EXP_FLUSH
+from attention.context import Context
+
+_U64 = 2.0 ** -53
+
+#: The fault hook's sites (and the report's), forward then backward.
+FUSED_SITES = K.SITES
+FORWARD_SITES = K.SITES[:4]
+BACKWARD_SITES = K.SITES[:2] + K.SITES[4:]
+
+#: What a flag at each site recomputes, for the report.
+_RECOMPUTES = {"fused:S": "the S tile", "fused:P": "the P tile",
+               "fused:O_acc": "the query block (all its tiles)",
+               "fused:rowsum": "the query block (all its tiles)", "fused:dP": "the dP tile",
+               "fused:dS": "the dS tile", "fused:dQ_acc": "the query block's dQ (its key sweep)",
+               "fused:dK_acc": "the key block's dK and dV (its query sweep)",
+               "fused:dV_acc": "the key block's dK and dV (its query sweep)"}
+
+
+def coefficients(k: int, length: int, dtype: np.dtype, roundings: int = 0) -> np.ndarray:
+    """``(c_obs, c_pred, floor, c_mag, safe)`` of one checked vector (:func:`_cpu_fused._ratio`).
+
+    Parameters
+    ----------
+    k : int
+        Inner dimension summed over (for an accumulator: all the tiles' terms).
+    length : int
+        Length of the vector the checksums sum over.
+    dtype : numpy dtype
+        Data dtype (float32 or float64).
+    roundings : int
+        Roundings the tiling adds to every element (see the module docstring).
+    """
+    c_obs, c_pred, floor, _ = threshold_coefficients(k, length, dtype)
+    u = unit_roundoff(accumulation_dtype(dtype))
+    return np.array([c_obs, c_pred + roundings * u, floor,
+                     magnitude_coefficient(k + roundings, length, dtype),
+                     safe_magnitude(k + roundings, dtype)])
+
+
+def probs_tolerance(dtype: np.dtype) -> np.ndarray:
+    """``(base, slope, flush, tiny)`` of the ``P`` invariant: ``|log P - x| <= base + slope
+    |x|``; an entry below ``tiny``, the smallest normal number, needs ``x < flush``."""
+    u = unit_roundoff(dtype)
+    flush = EXP_FLUSH if np.dtype(dtype) == np.float32 else math.log(smallest_normal(dtype))
+    return np.array([4 * u, 8 * u, flush, smallest_normal(dtype)])
+
+
+def dscores_tolerance(dtype: np.dtype, length: int = K.BC) -> np.ndarray:
+    """``(c, tiny)`` of the ``dS`` invariants: ``c`` times a row's magnitude plus ``tiny`` per
+    term (``length``: keys per tile)."""
+    return np.array([4 * unit_roundoff(dtype) + 4 * length * _U64, smallest_normal(dtype)])
+
+
+
+def book(ctx: Context, rec: np.ndarray, status: np.ndarray, batch_of: Any,
+          sites: tuple[str, ...], check: bool) -> None:
+    """Turn the kernels' records ``rec`` ``(tasks, sites, FIELDS)`` (NumPy; fields of
+    :mod:`attention._cpu_fused`) and per-task ``status`` into events of ``ctx.report`` (task ``t``
+    is of batch ``batch_of(t)``); raise if any task failed (status < 0)."""
+    if not check:
+        return
+    report = ctx.report
+    for site in sites:
+        report.checked[site] = report.checked.get(site, 0) + 1
+    for t, s in zip(*np.nonzero(rec[:, :, K.FLAGS])):
+        r = rec[t, s]
+        site = K.SITES[s]
+        row, col = int(r[K.ROW]), int(r[K.COL])
+        located = r[K.FLAGS] == 1 and row >= 0 and col >= 0
+        failed = bool(r[K.FAILED])
+        if ctx.check == "detect":
+            action, verified = "reported", "left in place (check='detect')"
+        elif failed:
+            action = "reported"
+            verified = (f"recomputed {_RECOMPUTES[site]}, which still failed its check: worst "
+                        f"|d|/threshold {r[K.AFTER]:.3g}")
+        else:
+            action = "recomputed"
+            verified = (f"recomputed {_RECOMPUTES[site]} and checked it again: worst "
+                        f"|d|/threshold {r[K.AFTER]:.3g}")
+        event = Event(site=site, batch=int(batch_of(t)), pattern="0D" if located else "2D",
+                      rows=(row,) if row >= 0 else (), cols=(col,) if col >= 0 else (),
+                      magnitude=float(r[K.MAG]), threshold=float(r[K.TAU]), action=action,
+                      verified=verified)
+        report.events.append(event)
+        if ctx.check == "detect":
+            announce(event)
+    if (status < 0).any():
+        raise UncorrectableError("the fused attention core could not verify a recomputed tile",
+                                 report)

@@ -1,0 +1,947 @@
+// The fused protected attention core on the GPU: softmax(scale Q K^T + mask) V in tiles, with the
+// algorithm, the checks per site and the thresholds of attention/fused.py (the CPU's copy is
+// attention/_cpu_fused.py; attention/_cuda_fused.py launches these kernels). Heads are the leading
+// axis, (n, L, d) with n = batch * heads; head_dim d <= FDMAX.
+//
+// Forward: one block of FNT threads per (head, query block of FBR rows); key tiles of FBC. Per
+// tile: S = Q_blk K_blk^T with its column checksums predicted from the query block's column
+// encoding (fused:S); the online softmax; P = exp(z - m) judged entry by entry on the softmax
+// invariant log P = z - m (fused:P); l = alpha l + rowsum P (fused:rowsum, against sum P carried in
+// float64); O_acc = alpha O_acc + P V with V's row encodings carried through the same rescaling
+// (fused:O_acc, judged on the stored output). A flagged tile is recomputed once, a flagged block
+// (rowsum, O_acc) likewise; the decision is block-uniform (thread 0 settles it through shared
+// memory). Tile arithmetic is in Arith<T> (float for half, bfloat16 and float; double for double);
+// the tile products S and dP of half and bfloat16 run on tensor cores (tile_product).
+//
+// Records (rec, float64, (tasks, NSITES, FIELDS), zeroed by the host) and the per-task status
+// (int, 0 or -1: a recomputation did not verify) are read by the host once per call.
+//
+// Fault injection (tests and campaigns): `fault` is null or a float64 descriptor (F_* fields):
+// site, head, row and column of the element in the site's matrix (S, P: query x key; O_acc: query
+// x head dim; rowsum: query, column 0), the tile step of the sweep after which an accumulator is
+// hit (0 for tile sites), the kind (1 set, 2 set the magnitude keeping the sign, 3 add, 4
+// multiply), whether it persists through recomputations, the value; the kernel counts its hits
+// and stores the last old value.
+// Tensor cores through CUDA's mma.h, which includes crt/mma.h: a header set without the latter
+// (the pip wheel nvidia-cuda-runtime 13.5 ships mma.h alone) cannot use them, and the 16-bit tile
+// products then run on FMAs (tile_product). FUSED_WMMA says which.
+#if __has_include(<crt/mma.h>)
+#include <mma.h>
+#define FUSED_WMMA 1
+#else
+#define FUSED_WMMA 0
+#endif
+
+namespace {
+
+constexpr int FBR = 32;    // query rows per block
+constexpr int FBC = 32;    // keys per tile
+constexpr int FNT = 128;   // threads per block
+constexpr int FDMAX = 128; // largest head dimension
+constexpr int FPER = FBR * FDMAX / FNT;  // accumulator elements per thread
+
+enum Site { S_, P_, O_, L_, DP_, DS_, DQ_, DK_, DV_, NSITES };
+enum Field { FLAGS, FAILED, RATIO, MAG, TAU, ROW, COL, AFTER, FIELDS };
+enum Param { C_S = 0, C_O = 5, C_L = 10, TOL_P = 15, TOL_DS = 19, C_KV = 21, C_Q = 26 };
+enum FaultField { F_SITE, F_HEAD, F_ROW, F_COL, F_STEP, F_KIND, F_PERSIST, F_VALUE, F_HITS, F_OLD };
+
+template <typename T> struct Arith {
+    typedef float type;
+};
+template <> struct Arith<double> {
+    typedef double type;
+};
+
+__device__ __forceinline__ float widen(float v) { return v; }
+__device__ __forceinline__ float widen(__half v) { return __half2float(v); }
+__device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ double widen(double v) { return v; }
+
+template <typename T> __device__ __forceinline__ T narrow(typename Arith<T>::type v);
+template <> __device__ __forceinline__ float narrow<float>(float v) { return v; }
+template <> __device__ __forceinline__ double narrow<double>(double v) { return v; }
+template <> __device__ __forceinline__ __half narrow<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+
+// No host headers under NVRTC: infinities are bit patterns.
+__device__ __forceinline__ float ninf(float) { return __int_as_float(0xff800000); }
+__device__ __forceinline__ double ninf(double) {
+    return __longlong_as_double(static_cast<long long>(0xfff0000000000000ULL));
+}
+__device__ __forceinline__ double inf64() { return __longlong_as_double(0x7ff0000000000000LL); }
+__device__ __forceinline__ bool finite(double x) { return x - x == 0.0; }
+// Full-precision exponential and logarithm (not __expf).
+__device__ __forceinline__ float exp_of(float v) { return expf(v); }
+__device__ __forceinline__ double exp_of(double v) { return exp(v); }
+__device__ __forceinline__ float log_of(float v) { return logf(v); }
+__device__ __forceinline__ double log_of(double v) { return log(v); }
+
+// ------------------------------------------------------------------ tile products
+
+template <typename T> struct TensorCores {
+    static constexpr bool value = false;
+};
+template <> struct TensorCores<__half> {
+    static constexpr bool value = true;
+};
+template <> struct TensorCores<__nv_bfloat16> {
+    static constexpr bool value = true;
+};
+
+// tile[r][j] = sum_c left[r][c] right[j][c] (r < rows, j < cols; rows of length d): S = Q K^T
+// and dP = dO V^T. Half and bfloat16 with d % 16 == 0 on tensor cores (nvcuda::wmma 16 x 16 x 16,
+// float accumulation; the operands staged zero-padded in shared memory, one 16 x 16 block of the
+// tile per warp; FUSED_WMMA), everything else with FMAs in the arithmetic type (16-bit products
+// are exact in float either way). Every thread of the block calls it; it ends with a barrier.
+template <typename T, typename A>
+__device__ void tile_product(A (*tile)[FBC], const T* left, const T* right, int rows, int cols,
+                             int d) {
+#if FUSED_WMMA
+    if constexpr (TensorCores<T>::value) {
+        static_assert(FBR == 32 && FBC == 32 && FNT == 128, "one 16 x 16 block per warp");
+        if (d % 16 == 0) {
+            struct alignas(32) Staging {
+                T lhs[FBR][FDMAX], rhs[FBC][FDMAX];
+            };
+            __shared__ Staging st;
+            T (*lhs)[FDMAX] = st.lhs;
+            T (*rhs)[FDMAX] = st.rhs;
+            const T zero = narrow<T>(0.0f);
+            for (int e = threadIdx.x; e < FBR * d; e += FNT) {
+                const int r = e / d, c = e % d;
+                lhs[r][c] = r < rows ? left[r * d + c] : zero;
+                rhs[r][c] = r < cols ? right[r * d + c] : zero;
+            }
+            __syncthreads();
+            const int w = threadIdx.x / 32, wr = w / 2, wc = w % 2;
+            namespace wmma = nvcuda::wmma;
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> fc;
+            wmma::fill_fragment(fc, 0.0f);
+            for (int k = 0; k < d; k += 16) {
+                wmma::load_matrix_sync(fa, &lhs[wr * 16][k], FDMAX);
+                wmma::load_matrix_sync(fb, &rhs[wc * 16][k], FDMAX);
+                wmma::mma_sync(fc, fa, fb, fc);
+            }
+            wmma::store_matrix_sync(&tile[wr * 16][wc * 16], fc, FBC, wmma::mem_row_major);
+            __syncthreads();
+            return;
+        }
+    }
+#endif
+    for (int e = threadIdx.x; e < rows * cols; e += FNT) {
+        const int r = e / cols, j = e % cols;
+        A t = static_cast<A>(0);
+        for (int c = 0; c < d; ++c) t += widen(left[r * d + c]) * widen(right[j * d + c]);
+        tile[r][j] = t;
+    }
+    __syncthreads();
+}
+
+// ------------------------------------------------------------------ fault injection
+
+struct FaultAt {
+    double* f;
+    int site, head, row, col, step, kind;
+    bool persist;
+    double value;
+};
+
+__device__ __forceinline__ FaultAt load_fault(double* f) {
+    FaultAt a{f, -1, -1, -1, -1, -1, 0, false, 0.0};
+    if (f) {
+        a.site = static_cast<int>(f[F_SITE]);
+        a.head = static_cast<int>(f[F_HEAD]);
+        a.row = static_cast<int>(f[F_ROW]);
+        a.col = static_cast<int>(f[F_COL]);
+        a.step = static_cast<int>(f[F_STEP]);
+        a.kind = static_cast<int>(f[F_KIND]);
+        a.persist = f[F_PERSIST] != 0.0;
+        a.value = f[F_VALUE];
+    }
+    return a;
+}
+
+// x, or x corrupted when the descriptor names this element (first: the first computation of it,
+// not a recomputation).
+template <typename A>
+__device__ __forceinline__ A inject(const FaultAt& ft, int site, int head, int row, int col,
+                                   int step, bool first, A x) {
+    if (ft.site != site || ft.head != head || ft.row != row || ft.col != col || ft.step != step ||
+        !(first || ft.persist))
+        return x;
+    const double old = to_double(x);
+    double y = ft.value;
+    if (ft.kind == 2) y = copysign(ft.value, old);
+    if (ft.kind == 3) y = old + ft.value;
+    if (ft.kind == 4) y = old * ft.value;
+    ft.f[F_HITS] += 1.0;
+    ft.f[F_OLD] = old;
+    return static_cast<A>(y);
+}
+
+// ------------------------------------------------------------------ judging
+
+struct Ratio {
+    double ratio, d, tau;
+};
+
+// |d| / tau of one vector (attention._cpu_fused._ratio): predicted (p0, p1, p2) against observed
+// (o0, o1, o2), c = (c_obs, c_pred, floor, c_mag, safe).
+__device__ Ratio ratio3(double p0, double p1, double p2, double o0, double o1, double o2,
+                        const double* c) {
+    if (!(finite(p0) && finite(p1) && finite(p2))) return Ratio{0.0, 0.0, 1.0};
+    const double tau = c[0] * o2 + c[1] * p2 + c[2];
+    if (!(finite(o0) && finite(o1) && finite(o2)))
+        return p2 >= c[4] ? Ratio{0.0, 0.0, 1.0} : Ratio{inf64(), inf64(), tau};
+    const double d = fmax(fabs(p0 - o0), fabs(p1 - o1));
+    const double mag = o2 / (c[3] * p2 + c[2]);
+    const double r = d / tau;
+    return Ratio{r > mag ? r : mag, d, tau};
+}
+
+// The element a weighted and a plain checksum difference point at (weights (i + 1) / len), or -1.
+__device__ int locate(double p0, double p1, double o0, double o1, int len) {
+    const double d0 = p0 - o0;
+    if (d0 == 0.0) return -1;
+    const double pos = len * (p1 - o1) / d0 - 1.0;
+    if (!finite(pos)) return -1;
+    const double r = floor(pos + 0.5);
+    return fabs(pos - r) <= 0.25 && r >= 0.0 && r < len ? static_cast<int>(r) : -1;
+}
+
+// Per-vector verdicts of one check, then thread 0's settlement (attention._cpu_fused._settle).
+struct Votes {
+    double ratio[FBR > FBC ? FBR : FBC], d[FBR > FBC ? FBR : FBC], tau[FBR > FBC ? FBR : FBC];
+    int pos[FBR > FBC ? FBR : FBC];
+    int code;
+};
+
+__device__ __forceinline__ void vote(Votes& vt, int v, Ratio r, int pos) {
+    vt.ratio[v] = r.ratio == r.ratio ? r.ratio : inf64();
+    vt.d[v] = r.d;
+    vt.tau[v] = r.tau;
+    vt.pos[v] = pos;
+}
+
+__device__ int settle(double* rec, int site, int attempt, double ratio, bool correct, double d,
+                      double tau, int v, int pos, int row0, int col0, bool by_rows) {
+    double* r = rec + site * FIELDS;
+    if (attempt > 0) r[AFTER] = fmax(r[AFTER], ratio);
+    if (ratio <= 1.0) return 0;
+    if (attempt > 0) {
+        r[FAILED] = 1.0;
+        return -1;
+    }
+    r[FLAGS] += 1.0;
+    if (ratio > r[RATIO] || r[FLAGS] == 1.0) {
+        r[RATIO] = ratio;
+        r[MAG] = d;
+        r[TAU] = tau;
+        const int rr = by_rows ? v : pos, cc = by_rows ? pos : v;
+        r[ROW] = rr >= 0 ? row0 + rr : -1.0;
+        r[COL] = cc >= 0 && col0 >= 0 ? col0 + cc : -1.0;
+    }
+    return correct ? 1 : 0;
+}
+
+// Every thread: after the votes of vectors [0, n), 0 go on, 1 recompute, -1 give up.
+__device__ int settle_block(Votes& vt, double* rec, int site, int attempt, bool correct, int n,
+                            bool by_rows, int row0, int col0) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int w = 0;
+        double worst = 0.0;
+        for (int v = 0; v < n; ++v)
+            if (vt.ratio[v] > worst) {
+                worst = vt.ratio[v];
+                w = v;
+            }
+        vt.code = settle(rec, site, attempt, worst, correct, vt.d[w], vt.tau[w], w, vt.pos[w],
+                         row0, col0, by_rows);
+    }
+    __syncthreads();
+    return vt.code;
+}
+
+// One entry of the softmax invariant (attention._cpu_fused._probs_bad), pv the stored P and
+// x = z - m: 0 when it holds, else its ratio (at least 1 + 2^-20, INF where the logarithm cannot
+// measure it). t = (base, slope, flush, tiny).
+template <typename A> __device__ double probs_bad(A pv, A x, const double* t) {
+    const A tiny = static_cast<A>(t[3]), flush = static_cast<A>(t[2]);
+    if (pv != pv) return inf64();
+    if (pv >= tiny) {
+        const double lp = to_double(log_of(pv)), xd = to_double(x);
+        const double tol = t[0] + t[1] * fabs(xd);
+        const double e = fabs(lp - xd) / tol;
+        if (e <= 1.0 && !(x < flush - static_cast<A>(1))) return 0.0;
+        return e == e ? fmax(e, 1.0 + 0x1p-20) : inf64();
+    }
+    return pv < static_cast<A>(0) || x >= flush + static_cast<A>(1) ? inf64() : 0.0;
+}
+
+// ------------------------------------------------------------------ forward
+
+template <typename A> struct Forward {
+    double qenc[3][FDMAX];
+    alignas(32) A s[FBR][FBC];  // S, then z
+    A p[FBR][FBC];
+    A m[FBR], l[FBR], alpha[FBR];
+    double oc[FBR][4];
+    Votes votes;
+};
+
+}  // namespace
+
+// Row encodings (rows, 3) of x (rows, d): plain, weighted by (c + 1) / d, absolute sums.
+template <typename T>
+__global__ void attn_fused_encode_rows(const T* x, long long rows, int d, double* out) {
+    for (long long r = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; r < rows;
+         r += static_cast<long long>(gridDim.x) * blockDim.x) {
+        double s0 = 0.0, s1 = 0.0, s2 = 0.0;
+        for (int c = 0; c < d; ++c) {
+            const double v = to_double(x[r * d + c]);
+            s0 += v;
+            s1 += v * (static_cast<double>(c + 1) / d);
+            s2 += fabs(v);
+        }
+        out[3 * r] = s0;
+        out[3 * r + 1] = s1;
+        out[3 * r + 2] = s2;
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(FNT)
+attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const bool* visible,
+                   int lq, int lk, int d, double scale, int causal, int check, int correct,
+                   const double* params, double* fault, T* out, typename Arith<T>::type* lse,
+                   double* rec, int* status) {
+    typedef typename Arith<T>::type A;
+    __shared__ Forward<A> sh;
+    const int tid = threadIdx.x;
+    const int nqb = (lq + FBR - 1) / FBR;
+    const long long task = blockIdx.x;
+    const int b = static_cast<int>(task / nqb), i0 = static_cast<int>(task % nqb) * FBR;
+    const int i1 = min(i0 + FBR, lq), rows = i1 - i0;
+    const T* qb = q + (static_cast<long long>(b) * lq + i0) * d;
+    const T* kb = k + static_cast<long long>(b) * lk * d;
+    const T* vb = v + static_cast<long long>(b) * lk * d;
+    const double* vb_enc = ve + static_cast<long long>(b) * lk * 3;
+    const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
+    double* rt = rec + task * NSITES * FIELDS;
+    const FaultAt ft = load_fault(fault);
+    const A sc = static_cast<A>(scale), zero = static_cast<A>(0);
+    if (check)
+        for (int c = tid; c < d; c += FNT) {
+            double s0 = 0.0, s1 = 0.0, s2 = 0.0;
+            for (int r = 0; r < rows; ++r) {
+                const double x = to_double(qb[r * d + c]), w = static_cast<double>(r + 1) / rows;
+                s0 += x;
+                s1 += w * x;
+                s2 += fabs(x);
+            }
+            sh.qenc[0][c] = s0;
+            sh.qenc[1][c] = s1;
+            sh.qenc[2][c] = s2;
+        }
+    const int jend = causal ? min(lk, i1) : lk;
+    A acc[FPER];
+    for (int attempt = 0; attempt < 2; ++attempt) {
+#pragma unroll
+        for (int e = 0; e < FPER; ++e) acc[e] = zero;
+        if (tid < rows) {
+            sh.m[tid] = ninf(zero);
+            sh.l[tid] = zero;
+            for (int f = 0; f < 4; ++f) sh.oc[tid][f] = 0.0;
+        }
+        int st = 0;
+        for (int j0 = 0, step = 0; j0 < jend; j0 += FBC, ++step) {
+            const int cols = min(FBC, jend - j0);
+            for (int a = 0; a < 2; ++a) {  // ---- S, checked by its column checksums
+                __syncthreads();
+                tile_product(sh.s, qb, kb + static_cast<long long>(j0) * d, rows, cols, d);
+                for (int e = tid; e < rows * cols; e += FNT) {
+                    const int r = e / cols, j = e % cols;
+                    sh.s[r][j] = inject(ft, S_, b, i0 + r, j0 + j, 0, a == 0 && attempt == 0,
+                                        sh.s[r][j]);
+                }
+                if (!check) break;
+                __syncthreads();
+                if (tid < cols) {
+                    const int j = tid;
+                    double p0 = 0.0, p1 = 0.0, p2 = 0.0, o0 = 0.0, o1 = 0.0, o2 = 0.0;
+                    for (int c = 0; c < d; ++c) {
+                        const double y = to_double(kb[(j0 + j) * d + c]);
+                        p0 += y * sh.qenc[0][c];
+                        p1 += y * sh.qenc[1][c];
+                        p2 += fabs(y) * sh.qenc[2][c];
+                    }
+                    for (int r = 0; r < rows; ++r) {
+                        const double x = to_double(sh.s[r][j]);
+                        o0 += x;
+                        o1 += x * (static_cast<double>(r + 1) / rows);
+                        o2 += fabs(x);
+                    }
+                    vote(sh.votes, j, ratio3(p0, p1, p2, o0, o1, o2, params + C_S),
+                         locate(p0, p1, o0, o1, rows));
+                }
+                st = settle_block(sh.votes, rt, S_, a, correct, cols, false, i0, j0);
+                if (st != 1) break;
+            }
+            if (st < 0) break;
+            __syncthreads();
+            if (tid < rows) {  // ---- mask, scale, running maximum
+                const int r = tid;
+                const int lim = causal ? max(0, min(cols, i0 + r - j0 + 1)) : cols;
+                A mx = sh.m[r];
+                for (int j = 0; j < cols; ++j) {
+                    const A z = j < lim && (!vis || vis[j0 + j]) ? sh.s[r][j] * sc : ninf(zero);
+                    sh.s[r][j] = z;
+                    mx = z > mx ? z : mx;
+                }
+                sh.alpha[r] = mx > ninf(zero) ? exp_of(sh.m[r] - mx) : static_cast<A>(1);
+                sh.m[r] = mx;
+            }
+            for (int a = 0; a < 2; ++a) {  // ---- P, checked by the softmax invariant
+                __syncthreads();
+                for (int e = tid; e < rows * cols; e += FNT) {
+                    const int r = e / cols, j = e % cols;
+                    const A mr = sh.m[r];
+                    const A pv = mr == ninf(zero) ? zero : exp_of(sh.s[r][j] - mr);
+                    sh.p[r][j] = inject(ft, P_, b, i0 + r, j0 + j, 0, a == 0 && attempt == 0, pv);
+                }
+                if (!check) break;
+                __syncthreads();
+                if (tid < rows) {
+                    const int r = tid;
+                    const A mr = sh.m[r];
+                    double worst = 0.0;
+                    int at = -1;
+                    for (int j = 0; j < cols; ++j) {
+                        const A pv = sh.p[r][j];
+                        const double e = mr == ninf(zero)
+                                             ? (pv == zero ? 0.0 : inf64())
+                                             : probs_bad(pv, sh.s[r][j] - mr, params + TOL_P);
+                        if (e > worst) {
+                            worst = e;
+                            at = j;
+                        }
+                    }
+                    vote(sh.votes, r, Ratio{worst, worst, 1.0}, at);
+                }
+                st = settle_block(sh.votes, rt, P_, a, correct, rows, true, i0, j0);
+                if (st != 1) break;
+            }
+            if (st < 0) break;
+            __syncthreads();
+            if (tid < rows) {  // ---- l, and the float64 checksums carried beside O
+                const int r = tid;
+                A t = zero;
+                for (int j = 0; j < cols; ++j) t += sh.p[r][j];
+                sh.l[r] = inject(ft, L_, b, i0 + r, 0, step, attempt == 0,
+                                 sh.alpha[r] * sh.l[r] + t);
+                if (check) {
+                    const double al = to_double(sh.alpha[r]);
+                    double t0 = 0.0, t1 = 0.0, t2 = 0.0, t3 = 0.0;
+                    for (int j = 0; j < cols; ++j) {
+                        const double x = to_double(sh.p[r][j]);
+                        const double* e = vb_enc + 3 * (j0 + j);
+                        t0 += x * e[0];
+                        t1 += x * e[1];
+                        t2 += fabs(x) * e[2];
+                        t3 += x;
+                    }
+                    sh.oc[r][0] = sh.oc[r][0] * al + t0;
+                    sh.oc[r][1] = sh.oc[r][1] * al + t1;
+                    sh.oc[r][2] = sh.oc[r][2] * al + t2;
+                    sh.oc[r][3] = sh.oc[r][3] * al + t3;
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < FPER; ++e) {  // ---- O_acc = alpha O_acc + P V
+                const int idx = tid + e * FNT, r = idx / d, c = idx % d;
+                if (r < rows) {
+                    A t = sh.alpha[r] * acc[e];
+                    for (int j = 0; j < cols; ++j) t += sh.p[r][j] * widen(vb[(j0 + j) * d + c]);
+                    acc[e] = inject(ft, O_, b, i0 + r, c, step, attempt == 0, t);
+                }
+            }
+        }
+        if (st < 0) break;
+        __syncthreads();
+        if (check) {  // ---- rowsum: l against the carried sum P
+            if (tid < rows) {
+                const double x = to_double(sh.l[tid]), y = sh.oc[tid][3];
+                vote(sh.votes, tid, ratio3(y, y, y, x, x, x, params + C_L), -1);
+            }
+            st = settle_block(sh.votes, rt, L_, attempt, correct, rows, true, i0, -1);
+            if (st < 0) break;
+            if (st == 1) continue;
+        }
+        T* ob = out + (static_cast<long long>(b) * lq + i0) * d;
+#pragma unroll
+        for (int e = 0; e < FPER; ++e) {  // ---- out = O_acc / l, lse = m + log l
+            const int idx = tid + e * FNT, r = idx / d, c = idx % d;
+            if (r < rows) {
+                const A lr = sh.l[r];
+                ob[r * d + c] = narrow<T>(lr > zero ? acc[e] / lr : zero);
+            }
+        }
+        if (tid < rows) {
+            const A lr = sh.l[tid];
+            A* lb = lse + static_cast<long long>(b) * lq + i0;
+            if (lr > zero) {
+                for (int f = 0; f < 3; ++f) sh.oc[tid][f] /= to_double(lr);
+                lb[tid] = sh.m[tid] + log_of(lr);
+            } else {
+                for (int f = 0; f < 3; ++f) sh.oc[tid][f] = 0.0;
+                lb[tid] = ninf(zero);
+            }
+        }
+        __syncthreads();
+        if (check) {  // ---- the stored output's row checksums against the carried ones
+            if (tid < rows) {
+                double o0 = 0.0, o1 = 0.0, o2 = 0.0;
+                for (int c = 0; c < d; ++c) {
+                    const double x = to_double(ob[tid * d + c]);
+                    o0 += x;
+                    o1 += x * (static_cast<double>(c + 1) / d);
+                    o2 += fabs(x);
+                }
+                const double* p = sh.oc[tid];
+                vote(sh.votes, tid, ratio3(p[0], p[1], p[2], o0, o1, o2, params + C_O),
+                     locate(p[0], p[1], o0, o1, d));
+            }
+            st = settle_block(sh.votes, rt, O_, attempt, correct, rows, true, i0, 0);
+            if (st == 1) continue;
+        }
+        if (tid == 0) status[task] = st;
+        return;
+    }
+    if (tid == 0) status[task] = -1;
+}
+
+// ------------------------------------------------------------------ backward
+//
+// FlashAttention-2 order in two kernels, so that no accumulator is shared between blocks: one
+// block per (head, key block) sweeps the query blocks for dK and dV (attn_fused_backward_kv), one
+// per (head, query block) sweeps the key tiles for dQ (attn_fused_backward_q); each recomputes S,
+// P = exp(z - lse), dP = dO V^T and dS = P (dP - D) per tile with their checks (backward_tile),
+// and checks its accumulators against the row encodings of the other operand carried beside them
+// (fused:dK_acc, fused:dV_acc, fused:dQ_acc). The unscaled accumulators are judged as the CPU
+// judges them, staged through a workspace of the arithmetic type; the outputs are then scaled and
+// rounded to T. Tile sites are injected by the key-block kernel only.
+
+namespace {
+
+template <typename A> struct Backward {
+    double kenc[3][FDMAX], venc[3][FDMAX];
+    alignas(32) A s[FBR][FBC];  // S, then z, then dS
+    A p[FBR][FBC];
+    alignas(32) A dp[FBR][FBC];
+    double acc_enc[FBR > FBC ? FBR : FBC][3];  // the checksum columns beside the accumulator
+    Votes votes;
+};
+
+// Column encodings of the key block's rows [j0, j0 + cols) of K and V (weights (j + 1) / cols).
+template <typename T, typename A>
+__device__ void encode_key_block(Backward<A>& sh, const T* kh, const T* vh, int j0, int cols,
+                                 int d) {
+    for (int c = threadIdx.x; c < d; c += FNT) {
+        double k0 = 0.0, k1 = 0.0, k2 = 0.0, v0 = 0.0, v1 = 0.0, v2 = 0.0;
+        for (int j = 0; j < cols; ++j) {
+            const double w = static_cast<double>(j + 1) / cols;
+            const double x = to_double(kh[(j0 + j) * d + c]), y = to_double(vh[(j0 + j) * d + c]);
+            k0 += x;
+            k1 += w * x;
+            k2 += fabs(x);
+            v0 += y;
+            v1 += w * y;
+            v2 += fabs(y);
+        }
+        sh.kenc[0][c] = k0;
+        sh.kenc[1][c] = k1;
+        sh.kenc[2][c] = k2;
+        sh.venc[0][c] = v0;
+        sh.venc[1][c] = v1;
+        sh.venc[2][c] = v2;
+    }
+}
+
+// Row r's checksums of a tile product x (rows x cols) against x_r . enc (x the tile's left
+// operand row, enc the right operand block's column encoding): a vote of vector r.
+template <typename T, typename A>
+__device__ void vote_product_row(Votes& votes, A (*tile)[FBC], const T* left,
+                                 double (*enc)[FDMAX], int r, int cols, int d,
+                                 const double* coef) {
+    double p0 = 0.0, p1 = 0.0, p2 = 0.0, o0 = 0.0, o1 = 0.0, o2 = 0.0;
+    for (int c = 0; c < d; ++c) {
+        const double y = to_double(left[r * d + c]);
+        p0 += y * enc[0][c];
+        p1 += y * enc[1][c];
+        p2 += fabs(y) * enc[2][c];
+    }
+    for (int j = 0; j < cols; ++j) {
+        const double x = to_double(tile[r][j]);
+        o0 += x;
+        o1 += x * (static_cast<double>(j + 1) / cols);
+        o2 += fabs(x);
+    }
+    vote(votes, r, ratio3(p0, p1, p2, o0, o1, o2, coef), locate(p0, p1, o0, o1, cols));
+}
+
+// One tile (query rows [i0, i0 + rows), keys [j0, j0 + cols)) of head b: S, P, dP and dS into
+// sh.s (dS), sh.p, sh.dp, each checked and recomputed once when flagged. qh, kh, vh, doh, lseh,
+// ddh: head b's rows. first: the first computation of the tile in this kernel (faults that do
+// not persist hit it only); tiles: inject at tile sites. Returns 0, or -1 when a recomputation
+// did not verify. Ends with a barrier.
+template <typename T, typename A>
+__device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T* vh,
+                             const T* doh, const A* lseh, const A* ddh, const bool* vis, int i0,
+                             int rows, int j0, int cols, int d, A sc, bool causal, bool check,
+                             bool correct, const double* params, const FaultAt& ft, bool tiles,
+                             bool first, double* rt, int b) {
+    const int tid = threadIdx.x;
+    const A zero = static_cast<A>(0);
+    const T* qi = qh + static_cast<long long>(i0) * d;
+    const T* doi = doh + static_cast<long long>(i0) * d;
+    const FaultAt none = load_fault(nullptr);
+    const FaultAt& f = tiles ? ft : none;
+    int st = 0;
+    for (int a = 0; a < 2; ++a) {  // ---- S, checked by its row checksums
+        __syncthreads();
+        tile_product(sh.s, qi, kh + static_cast<long long>(j0) * d, rows, cols, d);
+        for (int e = tid; e < rows * cols; e += FNT) {
+            const int r = e / cols, j = e % cols;
+            sh.s[r][j] = inject(f, S_, b, i0 + r, j0 + j, 0, a == 0 && first, sh.s[r][j]);
+        }
+        if (!check) break;
+        __syncthreads();
+        if (tid < rows) vote_product_row(sh.votes, sh.s, qi, sh.kenc, tid, cols, d, params + C_S);
+        st = settle_block(sh.votes, rt, S_, a, correct, rows, true, i0, j0);
+        if (st != 1) break;
+    }
+    if (st < 0) return -1;
+    __syncthreads();
+    if (tid < rows) {  // ---- mask and scale
+        const int r = tid;
+        const int lim = causal ? max(0, min(cols, i0 + r - j0 + 1)) : cols;
+        for (int j = 0; j < cols; ++j)
+            sh.s[r][j] = j < lim && (!vis || vis[j0 + j]) ? sh.s[r][j] * sc : ninf(zero);
+    }
+    for (int a = 0; a < 2; ++a) {  // ---- P = exp(z - lse), checked by the softmax invariant
+        __syncthreads();
+        for (int e = tid; e < rows * cols; e += FNT) {
+            const int r = e / cols, j = e % cols;
+            const A mr = lseh[i0 + r];
+            const A pv = mr == ninf(zero) ? zero : exp_of(sh.s[r][j] - mr);
+            sh.p[r][j] = inject(f, P_, b, i0 + r, j0 + j, 0, a == 0 && first, pv);
+        }
+        if (!check) break;
+        __syncthreads();
+        if (tid < rows) {
+            const int r = tid;
+            const A mr = lseh[i0 + r];
+            double worst = 0.0;
+            int at = -1;
+            for (int j = 0; j < cols; ++j) {
+                const A pv = sh.p[r][j];
+                const double e = mr == ninf(zero) ? (pv == zero ? 0.0 : inf64())
+                                                  : probs_bad(pv, sh.s[r][j] - mr, params + TOL_P);
+                if (e > worst) {
+                    worst = e;
+                    at = j;
+                }
+            }
+            vote(sh.votes, r, Ratio{worst, worst, 1.0}, at);
+        }
+        st = settle_block(sh.votes, rt, P_, a, correct, rows, true, i0, j0);
+        if (st != 1) break;
+    }
+    if (st < 0) return -1;
+    for (int a = 0; a < 2; ++a) {  // ---- dP = dO V^T, checked by its row checksums
+        __syncthreads();
+        tile_product(sh.dp, doi, vh + static_cast<long long>(j0) * d, rows, cols, d);
+        for (int e = tid; e < rows * cols; e += FNT) {
+            const int r = e / cols, j = e % cols;
+            sh.dp[r][j] = inject(f, DP_, b, i0 + r, j0 + j, 0, a == 0 && first, sh.dp[r][j]);
+        }
+        if (!check) break;
+        __syncthreads();
+        if (tid < rows) vote_product_row(sh.votes, sh.dp, doi, sh.venc, tid, cols, d, params + C_S);
+        st = settle_block(sh.votes, rt, DP_, a, correct, rows, true, i0, j0);
+        if (st != 1) break;
+    }
+    if (st < 0) return -1;
+    for (int a = 0; a < 2; ++a) {  // ---- dS = P (dP - D), checked by the backward invariants
+        __syncthreads();
+        for (int e = tid; e < rows * cols; e += FNT) {
+            const int r = e / cols, j = e % cols;
+            const A x = sh.p[r][j] * (sh.dp[r][j] - ddh[i0 + r]);
+            sh.s[r][j] = inject(f, DS_, b, i0 + r, j0 + j, 0, a == 0 && first, x);
+        }
+        if (!check) break;
+        __syncthreads();
+        if (tid < rows) {
+            const int r = tid;
+            const double dr = to_double(ddh[i0 + r]);
+            double r1 = 0.0, r2 = 0.0, v = 0.0, s = 0.0, sw = 0.0, mag = 0.0, magw = 0.0;
+            for (int j = 0; j < cols; ++j) {
+                const double pj = to_double(sh.p[r][j]), g = to_double(sh.dp[r][j]);
+                const double x = to_double(sh.s[r][j]);
+                r1 += pj * g;
+                r2 += pj;
+                v += pj * g * g;
+                s += x;
+                sw += x * g;
+                const double m = pj * (fabs(g) + fabs(dr));
+                mag += m;
+                magw += m * fabs(g);
+            }
+            const double* tol = params + TOL_DS;
+            const double tau = tol[0] * mag + tol[1], tauw = tol[0] * magw + tol[1];
+            const double d1 = fabs(s - (r1 - dr * r2)), d2 = fabs(sw - (v - dr * r1));
+            const double e1 = d1 / tau, e2 = d2 / tauw;
+            const double e = e1 != e1 || e2 != e2 ? inf64() : fmax(e1, e2);
+            vote(sh.votes, r, Ratio{e, d1, tau}, -1);
+        }
+        st = settle_block(sh.votes, rt, DS_, a, correct, rows, true, i0, j0);
+        if (st != 1) break;
+    }
+    if (st < 0) return -1;
+    __syncthreads();
+    return 0;
+}
+
+// The staged accumulator rows [0, n) (ws, head dim d) against the carried encodings: votes.
+template <typename A>
+__device__ void vote_accumulator(Votes& votes, const A* ws, double (*enc)[3], int n, int d,
+                                 const double* coef) {
+    const int r = threadIdx.x;
+    if (r >= n) return;
+    double o0 = 0.0, o1 = 0.0, o2 = 0.0;
+    for (int c = 0; c < d; ++c) {
+        const double x = to_double(ws[r * d + c]);
+        o0 += x;
+        o1 += x * (static_cast<double>(c + 1) / d);
+        o2 += fabs(x);
+    }
+    const double* p = enc[r];
+    vote(votes, r, ratio3(p[0], p[1], p[2], o0, o1, o2, coef), locate(p[0], p[1], o0, o1, d));
+}
+
+}  // namespace
+
+// D = rowsum(dO * O) per row (float64 sums, stored in the arithmetic type).
+template <typename T>
+__global__ void attn_fused_delta(const T* d_out, const T* o, long long rows, int d,
+                                 typename Arith<T>::type* out) {
+    for (long long r = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; r < rows;
+         r += static_cast<long long>(gridDim.x) * blockDim.x) {
+        double t = 0.0;
+        for (int c = 0; c < d; ++c) t += to_double(d_out[r * d + c]) * to_double(o[r * d + c]);
+        out[r] = static_cast<typename Arith<T>::type>(t);
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(FNT)
+attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
+                       const typename Arith<T>::type* lse, const typename Arith<T>::type* dd,
+                       const double* qe, const double* doe, const bool* visible, int lq, int lk,
+                       int d, double scale, int causal, int check, int correct,
+                       const double* params, double* fault, typename Arith<T>::type* ws_k,
+                       typename Arith<T>::type* ws_v, T* dk, T* dv, double* rec, int* status) {
+    typedef typename Arith<T>::type A;
+    __shared__ Backward<A> sh;
+    __shared__ double dv_enc[FBC][3];
+    const int tid = threadIdx.x;
+    const int nkb = (lk + FBC - 1) / FBC;
+    const long long task = blockIdx.x;
+    const int b = static_cast<int>(task / nkb), j0 = static_cast<int>(task % nkb) * FBC;
+    const int cols = min(FBC, lk - j0);
+    const T* qh = q + static_cast<long long>(b) * lq * d;
+    const T* kh = k + static_cast<long long>(b) * lk * d;
+    const T* vh = v + static_cast<long long>(b) * lk * d;
+    const T* doh = d_out + static_cast<long long>(b) * lq * d;
+    const A* lseh = lse + static_cast<long long>(b) * lq;
+    const A* ddh = dd + static_cast<long long>(b) * lq;
+    const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
+    const long long row0 = static_cast<long long>(b) * lk + j0;
+    A* wk = ws_k + row0 * d;
+    A* wv = ws_v + row0 * d;
+    double* rt = rec + task * NSITES * FIELDS;
+    const FaultAt ft = load_fault(fault);
+    const A sc = static_cast<A>(scale), zero = static_cast<A>(0);
+    if (check) encode_key_block(sh, kh, vh, j0, cols, d);
+    const int first_i = causal ? (j0 / FBR) * FBR : 0;
+    A kacc[FPER], vacc[FPER];
+    for (int attempt = 0; attempt < 2; ++attempt) {
+#pragma unroll
+        for (int e = 0; e < FPER; ++e) kacc[e] = vacc[e] = zero;
+        if (tid < cols)
+            for (int f = 0; f < 3; ++f) sh.acc_enc[tid][f] = dv_enc[tid][f] = 0.0;
+        int st = 0;
+        for (int i0 = first_i, step = 0; i0 < lq; i0 += FBR, ++step) {
+            const int rows = min(FBR, lq - i0);
+            st = backward_tile(sh, qh, kh, vh, doh, lseh, ddh, vis, i0, rows, j0, cols, d, sc,
+                               causal != 0, check != 0, correct != 0, params, ft, true,
+                               attempt == 0, rt, b);
+            if (st < 0) break;
+#pragma unroll
+            for (int e = 0; e < FPER; ++e) {  // ---- dV += P^T dO, dK += dS^T Q
+                const int idx = tid + e * FNT, j = idx / d, c = idx % d;
+                if (j < cols) {
+                    A tv = vacc[e], tk = kacc[e];
+                    for (int r = 0; r < rows; ++r) {
+                        tv += sh.p[r][j] * widen(doh[(i0 + r) * d + c]);
+                        tk += sh.s[r][j] * widen(qh[(i0 + r) * d + c]);
+                    }
+                    vacc[e] = inject(ft, DV_, b, j0 + j, c, step, attempt == 0, tv);
+                    kacc[e] = inject(ft, DK_, b, j0 + j, c, step, attempt == 0, tk);
+                }
+            }
+            if (check && tid < cols) {  // ---- their checksum columns, float64
+                const int j = tid;
+                const double* qer = qe + (static_cast<long long>(b) * lq + i0) * 3;
+                const double* der = doe + (static_cast<long long>(b) * lq + i0) * 3;
+                for (int r = 0; r < rows; ++r) {
+                    const double x = to_double(sh.p[r][j]), y = to_double(sh.s[r][j]);
+                    dv_enc[j][0] += x * der[3 * r];
+                    dv_enc[j][1] += x * der[3 * r + 1];
+                    dv_enc[j][2] += fabs(x) * der[3 * r + 2];
+                    sh.acc_enc[j][0] += y * qer[3 * r];
+                    sh.acc_enc[j][1] += y * qer[3 * r + 1];
+                    sh.acc_enc[j][2] += fabs(y) * qer[3 * r + 2];
+                }
+            }
+        }
+        if (st < 0) break;
+        if (check) {  // ---- the accumulators, staged unscaled, against the carried checksums
+#pragma unroll
+            for (int e = 0; e < FPER; ++e) {
+                const int idx = tid + e * FNT, j = idx / d, c = idx % d;
+                if (j < cols) {
+                    wk[j * d + c] = kacc[e];
+                    wv[j * d + c] = vacc[e];
+                }
+            }
+            __syncthreads();
+            vote_accumulator(sh.votes, wk, sh.acc_enc, cols, d, params + C_KV);
+            const int st_k = settle_block(sh.votes, rt, DK_, attempt, correct, cols, true, j0, 0);
+            vote_accumulator(sh.votes, wv, dv_enc, cols, d, params + C_KV);
+            const int st_v = settle_block(sh.votes, rt, DV_, attempt, correct, cols, true, j0, 0);
+            st = min(st_k, st_v) < 0 ? -1 : max(st_k, st_v);
+            if (st < 0) break;
+            if (st == 1) continue;
+        }
+        T* dkb = dk + row0 * d;
+        T* dvb = dv + row0 * d;
+#pragma unroll
+        for (int e = 0; e < FPER; ++e) {
+            const int idx = tid + e * FNT, j = idx / d, c = idx % d;
+            if (j < cols) {
+                dkb[j * d + c] = narrow<T>(kacc[e] * sc);
+                dvb[j * d + c] = narrow<T>(vacc[e]);
+            }
+        }
+        if (tid == 0) status[task] = 0;
+        return;
+    }
+    if (tid == 0) status[task] = -1;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(FNT)
+attn_fused_backward_q(const T* q, const T* k, const T* v, const T* d_out,
+                      const typename Arith<T>::type* lse, const typename Arith<T>::type* dd,
+                      const double* ke, const bool* visible, int lq, int lk, int d, double scale,
+                      int causal, int check, int correct, const double* params, double* fault,
+                      typename Arith<T>::type* ws_q, T* dq, double* rec, int* status) {
+    typedef typename Arith<T>::type A;
+    __shared__ Backward<A> sh;
+    const int tid = threadIdx.x;
+    const int nqb = (lq + FBR - 1) / FBR;
+    const long long task = blockIdx.x;
+    const int b = static_cast<int>(task / nqb), i0 = static_cast<int>(task % nqb) * FBR;
+    const int i1 = min(i0 + FBR, lq), rows = i1 - i0;
+    const T* qh = q + static_cast<long long>(b) * lq * d;
+    const T* kh = k + static_cast<long long>(b) * lk * d;
+    const T* vh = v + static_cast<long long>(b) * lk * d;
+    const T* doh = d_out + static_cast<long long>(b) * lq * d;
+    const A* lseh = lse + static_cast<long long>(b) * lq;
+    const A* ddh = dd + static_cast<long long>(b) * lq;
+    const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
+    const long long row0 = static_cast<long long>(b) * lq + i0;
+    A* wq = ws_q + row0 * d;
+    double* rt = rec + task * NSITES * FIELDS;
+    const FaultAt ft = load_fault(fault);
+    const A sc = static_cast<A>(scale), zero = static_cast<A>(0);
+    const int jend = causal ? min(lk, i1) : lk;
+    A acc[FPER];
+    for (int attempt = 0; attempt < 2; ++attempt) {
+#pragma unroll
+        for (int e = 0; e < FPER; ++e) acc[e] = zero;
+        if (tid < rows)
+            for (int f = 0; f < 3; ++f) sh.acc_enc[tid][f] = 0.0;
+        int st = 0;
+        for (int j0 = 0, step = 0; j0 < jend; j0 += FBC, ++step) {
+            const int cols = min(FBC, jend - j0);
+            __syncthreads();  // the previous tile's checks are done with the encodings
+            if (check) encode_key_block(sh, kh, vh, j0, cols, d);
+            st = backward_tile(sh, qh, kh, vh, doh, lseh, ddh, vis, i0, rows, j0, cols, d, sc,
+                               causal != 0, check != 0, correct != 0, params, ft, false,
+                               attempt == 0, rt, b);
+            if (st < 0) break;
+#pragma unroll
+            for (int e = 0; e < FPER; ++e) {  // ---- dQ += dS K
+                const int idx = tid + e * FNT, r = idx / d, c = idx % d;
+                if (r < rows) {
+                    A t = acc[e];
+                    for (int j = 0; j < cols; ++j) t += sh.s[r][j] * widen(kh[(j0 + j) * d + c]);
+                    acc[e] = inject(ft, DQ_, b, i0 + r, c, step, attempt == 0, t);
+                }
+            }
+            if (check && tid < rows) {  // ---- its checksum columns, float64
+                const int r = tid;
+                const double* ker = ke + (static_cast<long long>(b) * lk + j0) * 3;
+                double t0 = 0.0, t1 = 0.0, t2 = 0.0;
+                for (int j = 0; j < cols; ++j) {
+                    const double x = to_double(sh.s[r][j]);
+                    t0 += x * ker[3 * j];
+                    t1 += x * ker[3 * j + 1];
+                    t2 += fabs(x) * ker[3 * j + 2];
+                }
+                sh.acc_enc[r][0] += t0;
+                sh.acc_enc[r][1] += t1;
+                sh.acc_enc[r][2] += t2;
+            }
+        }
+        if (st < 0) break;
+        if (check) {
+#pragma unroll
+            for (int e = 0; e < FPER; ++e) {
+                const int idx = tid + e * FNT, r = idx / d, c = idx % d;
+                if (r < rows) wq[r * d + c] = acc[e];
+            }
+            __syncthreads();
+            vote_accumulator(sh.votes, wq, sh.acc_enc, rows, d, params + C_Q);
+            st = settle_block(sh.votes, rt, DQ_, attempt, correct, rows, true, i0, 0);
+            if (st < 0) break;
+            if (st == 1) continue;
+        }
+        T* dqb = dq + row0 * d;
+#pragma unroll
+        for (int e = 0; e < FPER; ++e) {
+            const int idx = tid + e * FNT, r = idx / d, c = idx % d;
+            if (r < rows) dqb[r * d + c] = narrow<T>(acc[e] * sc);
+        }
+        if (tid == 0) status[task] = 0;
+        return;
+    }
+    if (tid == 0) status[task] = -1;
+}
