@@ -48,7 +48,8 @@ def _reference(q, k, v, do, scale, causal, visible=None):
     z_err = scale * (KAPPA * math.sqrt(d) + 2) * u * (np.abs(q) @ np.abs(k).transpose(0, 2, 1))
     p_rel = 2 * np.where(mask, z_err, 0).max(-1, keepdims=True) + (KAPPA * math.sqrt(lk) + 8) * u
     acc = (KAPPA * math.sqrt(max(q.shape[1], lk)) + 2 * (lk // 64 + 2)) * u
-    mag_ds = p * (np.abs(dp) + np.abs(dd))
+    # dP's rounding scales with |dO| |V|^T (as the scores' with |Q| |K|^T), not with |dP|.
+    mag_ds = p * (np.abs(do) @ np.abs(v).transpose(0, 2, 1) + np.abs(dd))
     mags = (p @ np.abs(v),
             scale * mag_ds @ np.abs(k), scale * mag_ds.transpose(0, 2, 1) @ np.abs(q),
             p.transpose(0, 2, 1) @ np.abs(do))
