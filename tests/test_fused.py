@@ -186,9 +186,8 @@ def _peak_bytes(seq: int, d: int = 64) -> int:
 
 
 def test_no_quadratic_buffer():
-    """The traced peak of a fwd+bwd grows linearly with the sequence (outputs, gradients, K^T,
-    V^T and the O(L) encodings: 3.9 MB at L = 2048, d = 64) and stays far below one float32
-    L x L buffer (16.8 MB). The numba kernels' own buffers are per tile."""
+    """The traced peak of a fwd+bwd grows linearly with the sequence (outputs, gradients and the
+    O(L) encodings) and stays far below one float32 L x L buffer (16.8 MB at L = 2048). The numba kernels' own buffers are per tile."""
     _peak_bytes(64)  # compile and warm up
     small, large = _peak_bytes(1024), _peak_bytes(2048)
     assert large < 0.3 * 4 * 2048 * 2048, large
