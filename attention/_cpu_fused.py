@@ -300,9 +300,11 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
     the log-sum-exp backward), within ``sum_j (tol[0] + tol[1] |z_ij - m_i|)``. The left side is
     ``sum_j e_ij log 2 + log prod_j m_ij`` from the entries' exponents and mantissas (bit
     operations and a product, no ``exp`` and no per-entry ``log``), so it shares no work with the
-    exponential it checks. Entry by entry, branch-free: an entry below ``tol[3]``, the smallest
-    normal number, needs ``0 <= p_ij`` and ``z_ij - m_i`` below the flush ``tol[2]`` plus 1; a
-    normal one needs it above the flush less 1; NaN fails; a row with ``m_i = -inf`` must be 0.
+    exponential it checks. An entry of magnitude below ``tol[3]``, the smallest normal number,
+    needs ``z_ij - m_i`` below the flush ``tol[2]`` plus 1 (entry by entry, branch-free); every
+    other entry is in the sum, where INF and NaN (exponent 128 or more: ``log 2`` times that
+    against a non-positive ``z_ij - m_i``) and a negative entry (a negative mantissa, the
+    ``log`` of a negative product) fail; a row with ``m_i = -inf`` must be 0.
     The tolerance also covers the check's own float64 rounding (``log 2`` times the exponents'
     sum, the ``log``, the sum of ``z_ij - m_i``), which counts for float64 data.
     Returns the worst ratio (row sum against its tolerance; at least 1 for an entry that fails);
@@ -320,26 +322,25 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
             for j in range(cols):
                 bad += np.float32(pr[j] != 0)
             continue
-        es = like(p, 0.0)
+        es = count = like(p, 0.0)
         ms = one
-        xs = xa = count = 0.0
-        for j in range(cols):
+        for j in range(cols):  # the data's precision alone: eight float32 lanes
             pv = pr[j]
-            x = zr[j] - mr
-            normal = pv >= tiny
-            ex, mant = frexp_like(pv if normal else one)
+            small = (pv if pv >= 0 else -pv) < tiny  # NaN is not small
+            ex, mant = frexp_like(one if small else pv)
             es += ex
             ms *= mant
-            xn = np.float64(x if normal else like(p, 0.0))
+            count += like(p, not small)
+            bad += np.float32(small) * np.float32(zr[j] - mr >= t2 + 1)
+        xs = xa = 0.0
+        for j in range(cols):  # float64 sums in a loop of their own (four lanes)
+            pv = pr[j]
+            xn = np.float64(zr[j] - mr) if (pv if pv >= 0 else -pv) >= tiny else 0.0
             xs += xn
             xa += xn if xn >= 0 else -xn
-            count += np.float64(normal)
-            bad += np.float32(normal) * np.float32(x < t2 - 1) + \
-                (1 - np.float32(normal)) * (np.float32(pv < 0) + np.float32(x >= t2 + 1)) + \
-                np.float32(pv != pv)
         le, lm = np.float64(es) * math.log(2.0), math.log(np.float64(ms))
         lhs = le + lm
-        tau = tol[0] * count + (tol[1] + 2 * BC * _U64) * xa + 4 * _U64 * (abs(le) + abs(lm)) \
+        tau = tol[0] * np.float64(count) + (tol[1] + 2 * BC * _U64) * xa + 4 * _U64 * (abs(le) + abs(lm)) \
             + tol[3]
         e = abs(lhs - xs) / tau
         if not e <= worst:
