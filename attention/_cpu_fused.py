@@ -186,14 +186,19 @@ def _predict(x: Any, enc: Any, out: Any) -> None:
 @numba.njit(cache=True, fastmath=_FAST)
 def _observe_rows(t: Any, out: Any) -> None:
     """``out[r] = (sum_j t_rj, sum_j w_j t_rj, sum_j |t_rj|)``, ``w_j = (j + 1) / cols``: the
-    observed row checksums of a tile, and the row encoding of an operand block."""
+    observed row checksums of a tile, and the row encoding of an operand block (the weights
+    made once, not a division per entry)."""
     cols = t.shape[1]
+    w = np.empty(cols)
+    for j in range(cols):
+        w[j] = (j + 1) / cols
     for r in range(t.shape[0]):
         t0 = t1 = t2 = 0.0
+        tr = t[r]
         for j in range(cols):
-            v = np.float64(t[r, j])
+            v = np.float64(tr[j])
             t0 += v
-            t1 += v * ((j + 1) / cols)
+            t1 += v * w[j]
             t2 += abs(v)
         out[r, 0], out[r, 1], out[r, 2] = t0, t1, t2
 
@@ -332,12 +337,11 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
             ms *= mant
             count += like(p, not small)
             bad += np.float32(small) * np.float32(zr[j] - mr >= t2 + 1)
-        xs = xa = 0.0
-        for j in range(cols):  # float64 sums in a loop of their own (four lanes)
+        xs = 0.0
+        for j in range(cols):  # the float64 sum in a loop of its own (four lanes)
             pv = pr[j]
-            xn = np.float64(zr[j] - mr) if (pv if pv >= 0 else -pv) >= tiny else 0.0
-            xs += xn
-            xa += xn if xn >= 0 else -xn
+            xs += np.float64(zr[j] - mr) if (pv if pv >= 0 else -pv) >= tiny else 0.0
+        xa = abs(xs)  # every z_ij - m_i <= 0: m_i is the row's max, or the log-sum-exp above it
         le, lm = np.float64(es) * math.log(2.0), math.log(np.float64(ms))
         lhs = le + lm
         tau = tol[0] * np.float64(count) + (tol[1] + 2 * BC * _U64) * xa + 4 * _U64 * (abs(le) + abs(lm)) \

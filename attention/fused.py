@@ -6,9 +6,12 @@ recomputes ``P`` tile by tile from them (FlashAttention-2). Heads are the leadin
 L, d)`` with ``n`` = batch * heads, as :mod:`attention.core` takes them. No ``L x L`` buffer is
 ever made; the tiles are ``BR x BC`` = 64 x 64 (:mod:`attention._cpu_fused`, numba kernels in
 parallel over (head, query block) forward and over heads backward, so no two threads write one
-accumulator). The unfused :mod:`attention.core` stays the reference and the path for what this
-one does not support (additive masks, dropout, 16-bit data, the GPU); the layers do not use this
-core yet.
+accumulator; the tile products call BLAS, single-threaded, through numba's ``np.dot``).
+:func:`attention.core.core_forward` runs this core by default where it applies (and the PyTorch
+:class:`attention.torch_core.ProtectedCore` through it); the unfused core stays the reference
+and the path for what this one does not support (additive masks, dropout, 16-bit data, the GPU,
+the attention weights). The NumPy layer :class:`attention.MultiHeadAttention` and
+:class:`attention.torch.MultiheadAttention` do not use it yet.
 
 What is checked, per tile (sites of the fault hook, ``ctx.fault_hook(site, tile)``, which sees
 each tile array as computed and before it is checked):
@@ -74,7 +77,8 @@ dtype, float64 checksums):
   exactly as the exponential got it); the product of a row's at most 64 mantissas, rounded in
   the data's dtype, adds at most ``1.01 u`` per entry to the logarithm, the float64 ``log`` and
   sums nothing that counts. The tolerance is twice the sum, ``sum_j (8u + 8u |x_j|)`` over the
-  row's normal entries (the entry-by-entry pass that locates a flagged entry uses ``8u + 8u
+  row's normal entries (``sum_j |x_j| = |sum_j x_j|``: every ``x_j <= 0``, ``m_i`` being the
+  row's max forward and the log-sum-exp, at least that max, backward) (the entry-by-entry pass that locates a flagged entry uses ``8u + 8u
   |x|`` per entry with the 2-ulp float32 ``log``);
 - ``dS``: ``fl(P fl(dP - D))`` errs by at most ``2.01 u P (|dP| + |D|)`` per element; the float64
   sums of at most 64 terms add ``64 u64`` each; the tolerance is twice the sum, ``(4u + 4 * 64
