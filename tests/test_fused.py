@@ -225,3 +225,19 @@ def test_bad_input():
 
 def test_site_lists():
     assert set(FORWARD_SITES) | set(BACKWARD_SITES) >= set(HOOK_SITES)
+
+
+def test_head_dim_128_cuts_the_blas_products():
+    """d = 128: 64 x 64 x 128 tile products are cut below BLAS's threading threshold
+    (``_cpu_fused.BLAS_ONE_THREAD``); results and a corrected fault as at d = 64."""
+    q, k, v, do = _data(np.random.default_rng(10), 1, 100, 100, 128)
+    ctx = Context()
+    got = _run(q, k, v, do, ctx, causal=True)
+    assert not ctx.report.events
+    want, tol = _reference(q, k, v, do, 128 ** -0.5, True)
+    for g, w, t in zip(got, want, tol):
+        assert np.all(np.abs(g - w) <= t), np.max(np.abs(g - w) / t)
+    ctx = Context(fault_hook=Fault("near-inf", "element", seed=1, sites="fused:dK_acc"))
+    for g, c in zip(_run(q, k, v, do, ctx, causal=True), got):
+        assert np.array_equal(g, c)
+    assert "fused:dK_acc" in ctx.report.sites
