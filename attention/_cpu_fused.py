@@ -22,7 +22,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from attention._cpu_vmath import exp_like, like, log_like
+from attention._cpu_vmath import exp_like, frexp_like, like, log_like
 
 #: Query rows and keys per tile.
 BR = 64
@@ -33,6 +33,9 @@ SITES = ("fused:S", "fused:P", "fused:O_acc", "fused:rowsum", "fused:dP", "fused
 S_, P_, O_, L_, DP_, DS_, DQ_, DK_, DV_ = range(len(SITES))
 FLAGS, FAILED, RATIO, MAG, TAU, ROW, COL, AFTER = range(8)
 FIELDS = 8
+
+#: float64's unit roundoff: the rounding of the checks' own float64 sums.
+_U64 = 2.0 ** -53
 
 #: Reassociation and contraction let LLVM vectorize the sums (not ``fastmath=True``: the checks
 #: must see NaN and INF).
@@ -47,113 +50,91 @@ def no_hook(site: int, tile: Any) -> None:
 # ------------------------------------------------------------------ tile products
 
 
-@numba.njit(cache=True, fastmath=_FAST)
-def _product_t(a: Any, bt: Any, j0: int, out: Any) -> None:
-    """``out = a @ bt[:, j0:j0+cols]`` (``a`` rows x d, ``bt`` d x L): ``Q K^T`` and ``dO V^T``
-    with ``K^T``, ``V^T`` stored transposed, so the inner loop runs along contiguous keys; four
-    rows at a time share each load of ``bt`` (about 1.5x faster than one)."""
-    rows, cols = out.shape
-    d = a.shape[1]
-    out[:] = 0
-    r = 0
-    while r + 4 <= rows:
-        o0, o1, o2, o3 = out[r], out[r + 1], out[r + 2], out[r + 3]
-        for c in range(d):
-            x0, x1, x2, x3 = a[r, c], a[r + 1, c], a[r + 2, c], a[r + 3, c]
-            b = bt[c, j0:j0 + cols]
-            for j in range(cols):
-                bj = b[j]
-                o0[j] += x0 * bj
-                o1[j] += x1 * bj
-                o2[j] += x2 * bj
-                o3[j] += x3 * bj
-        r += 4
-    for r in range(r, rows):
-        o = out[r]
-        for c in range(d):
-            x = a[r, c]
-            b = bt[c, j0:j0 + cols]
-            for j in range(cols):
-                o[j] += x * b[j]
+#: OpenBLAS runs a product ``m x k`` by ``k x n`` on the calling thread when ``m n k`` is at most
+#: this (its multithreading threshold): the tile products are cut to that size, so the BLAS never
+#: starts threads of its own inside numba's (64 x 64 tiles reach it at ``d = 64``).
+BLAS_ONE_THREAD = 1 << 18
+
+
+@numba.njit(cache=True)
+def _dot(a: Any, b: Any, out: Any) -> None:
+    """``out = a @ b`` through BLAS (numba's ``np.dot``, with SciPy's BLAS), ``a`` and ``out``
+    C-contiguous, cut into row blocks of at most :data:`BLAS_ONE_THREAD` multiply-adds. BLAS
+    tile products run about 2x faster than register-blocked numba loops."""
+    rows, k = a.shape
+    step = max(1, BLAS_ONE_THREAD // max(1, k * b.shape[1]))
+    for r0 in range(0, rows, step):
+        r1 = min(r0 + step, rows)
+        np.dot(a[r0:r1], b, out[r0:r1])
 
 
 @numba.njit(cache=True, fastmath=_FAST)
-def _accumulate(a: Any, b: Any, alpha: Any, acc: Any) -> None:
-    """``acc = alpha[:, None] * acc + a @ b`` (``a`` rows x cols, ``b`` cols x d); ``alpha`` empty
-    for no rescaling. ``P V`` and ``dS K``; four rows of ``b`` per pass over a row of ``acc``
-    (about 2x faster than one)."""
-    rows, cols = a.shape
-    d = b.shape[1]
+def _accumulate(a: Any, b: Any, alpha: Any, tmp: Any, acc: Any) -> None:
+    """``acc = alpha[:, None] * acc + a @ b`` (``a`` rows x cols, ``b`` cols x d, ``tmp`` a
+    buffer of ``acc``'s shape); ``alpha`` empty for no rescaling. ``P V`` and ``dS K``."""
+    _dot(a, b, tmp)
+    rows, d = acc.shape
     for r in range(rows):
-        o = acc[r]
+        o, t = acc[r], tmp[r]
         if alpha.size:
             s = alpha[r]
             for c in range(d):
-                o[c] *= s
-        j = 0
-        while j + 4 <= cols:
-            x0, x1, x2, x3 = a[r, j], a[r, j + 1], a[r, j + 2], a[r, j + 3]
-            b0, b1, b2, b3 = b[j], b[j + 1], b[j + 2], b[j + 3]
+                o[c] = s * o[c] + t[c]
+        else:
             for c in range(d):
-                o[c] += x0 * b0[c] + x1 * b1[c] + x2 * b2[c] + x3 * b3[c]
-            j += 4
-        for j in range(j, cols):
-            x, bj = a[r, j], b[j]
-            for c in range(d):
-                o[c] += x * bj[c]
+                o[c] += t[c]
 
 
 @numba.njit(cache=True, fastmath=_FAST)
-def _accumulate_t(a: Any, b: Any, acc: Any) -> None:
-    """``acc += a^T @ b`` (``a`` rows x cols, ``b`` rows x d, ``acc`` cols x d): ``P^T dO`` and
-    ``dS^T Q``, four rows of ``b`` per pass over a row of ``acc``."""
+def _accumulate_t(a: Any, b: Any, tmp: Any, acc: Any) -> None:
+    """``acc += a^T @ b`` (``a`` rows x cols, ``b`` rows x d, ``acc`` and the buffer ``tmp``
+    cols x d): ``P^T dO`` and ``dS^T Q``, the inner dimension cut as :func:`_dot` cuts rows."""
     rows, cols = a.shape
     d = b.shape[1]
-    r = 0
-    while r + 4 <= rows:
-        b0, b1, b2, b3 = b[r], b[r + 1], b[r + 2], b[r + 3]
+    step = max(1, BLAS_ONE_THREAD // max(1, cols * d))
+    for r0 in range(0, rows, step):
+        r1 = min(r0 + step, rows)
+        np.dot(a[r0:r1].T, b[r0:r1], tmp)
         for j in range(cols):
-            x0, x1, x2, x3 = a[r, j], a[r + 1, j], a[r + 2, j], a[r + 3, j]
-            o = acc[j]
+            o, t = acc[j], tmp[j]
             for c in range(d):
-                o[c] += x0 * b0[c] + x1 * b1[c] + x2 * b2[c] + x3 * b3[c]
-        r += 4
-    for r in range(r, rows):
-        br = b[r]
-        for j in range(cols):
-            x, o = a[r, j], acc[j]
-            for c in range(d):
-                o[c] += x * br[c]
+                o[c] += t[c]
 
 
 @numba.njit(cache=True, fastmath=_FAST)
-def _carry(a: Any, enc: Any, alpha: Any, acc: Any, transpose: bool) -> None:
-    """The checksum columns beside a product: ``acc = alpha * acc + a @ enc`` (or ``acc += a^T @
-    enc`` with ``transpose``), float64, ``enc`` ``(cols or rows, 3)`` row encodings of the other
-    operand. ``acc`` may have a fourth column: it then also receives the row sums of ``a`` (the
-    forward's independent ``sum p``)."""
+def _carry(a: Any, enc: Any, off: int, alpha: Any, acc: Any, transpose: bool) -> None:
+    """The checksum columns beside a product, float64: ``acc = alpha * acc + a @ E`` with ``E =
+    enc[:, off:off + cols]^T`` (``acc`` rows x 3; a fourth column, if any, also receives the row
+    sums of ``a``: the forward's independent ``sum p``), or with ``transpose`` ``acc^T += a^T @
+    E``, ``E = enc[:, off:off + rows]^T`` (``acc`` 3 x at least cols). ``enc`` ``(3, L)``: row
+    encodings of the other operand, one contiguous row per checksum, so the loops over ``a``'s
+    rows vectorize."""
     rows, cols = a.shape
-    width = acc.shape[1]
     if transpose:
+        a0, a1, a2 = acc[0], acc[1], acc[2]
         for r in range(rows):
-            e0, e1, e2 = enc[r, 0], enc[r, 1], enc[r, 2]
+            e0, e1, e2 = enc[0, off + r], enc[1, off + r], enc[2, off + r]
+            ar = a[r]
             for j in range(cols):
-                x = np.float64(a[r, j])
-                acc[j, 0] += x * e0
-                acc[j, 1] += x * e1
-                acc[j, 2] += abs(x) * e2
+                x = np.float64(ar[j])
+                a0[j] += x * e0
+                a1[j] += x * e1
+                a2[j] += abs(x) * e2
         return
+    width = acc.shape[1]
+    e0, e1, e2 = enc[0, off:off + cols], enc[1, off:off + cols], enc[2, off:off + cols]
     for r in range(rows):
         if alpha.size:
             s = np.float64(alpha[r])
             for f in range(width):
                 acc[r, f] *= s
         t0 = t1 = t2 = t3 = 0.0
+        ar = a[r]
         for j in range(cols):
-            x = np.float64(a[r, j])
-            t0 += x * enc[j, 0]
-            t1 += x * enc[j, 1]
-            t2 += abs(x) * enc[j, 2]
+            x = np.float64(ar[j])
+            t0 += x * e0[j]
+            t1 += x * e1[j]
+            t2 += abs(x) * e2[j]
             t3 += x
         acc[r, 0] += t0
         acc[r, 1] += t1
@@ -167,9 +148,9 @@ def _carry(a: Any, enc: Any, alpha: Any, acc: Any, transpose: bool) -> None:
 
 @numba.njit(cache=True, parallel=True)
 def encode_rows(x: Any, out: Any) -> None:
-    """Row encodings ``(n, L, 3)`` of every head of ``x`` ``(n, L, d)`` (weights over ``d``)."""
+    """Row encodings ``(n, 3, L)`` of every head of ``x`` ``(n, L, d)`` (weights over ``d``)."""
     for b in numba.prange(x.shape[0]):
-        _observe_rows(x[b], out[b])
+        _observe_rows(x[b], out[b].T)
 
 
 @numba.njit(cache=True, fastmath=_FAST)
@@ -205,14 +186,19 @@ def _predict(x: Any, enc: Any, out: Any) -> None:
 @numba.njit(cache=True, fastmath=_FAST)
 def _observe_rows(t: Any, out: Any) -> None:
     """``out[r] = (sum_j t_rj, sum_j w_j t_rj, sum_j |t_rj|)``, ``w_j = (j + 1) / cols``: the
-    observed row checksums of a tile, and the row encoding of an operand block."""
+    observed row checksums of a tile, and the row encoding of an operand block (the weights
+    made once, not a division per entry)."""
     cols = t.shape[1]
+    w = np.empty(cols)
+    for j in range(cols):
+        w[j] = (j + 1) / cols
     for r in range(t.shape[0]):
         t0 = t1 = t2 = 0.0
+        tr = t[r]
         for j in range(cols):
-            v = np.float64(t[r, j])
+            v = np.float64(tr[j])
             t0 += v
-            t1 += v * ((j + 1) / cols)
+            t1 += v * w[j]
             t2 += abs(v)
         out[r, 0], out[r, 1], out[r, 2] = t0, t1, t2
 
@@ -314,8 +300,66 @@ def _probs_bad(pv: Any, x: Any, t0: Any, t1: Any, t2: Any, tiny: Any) -> Any:
 
 @numba.njit(cache=True, fastmath=_FAST)
 def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
-    """The softmax invariant of a tile, judged on what was stored: ``log p_ij = z_ij - m_i``
-    (``m`` the running max forward, the log-sum-exp backward) within ``tol[0] + tol[1] |z_ij -
+    """The softmax invariant of a tile, judged on what was stored, one ``log`` per row: ``sum_j
+    log p_ij = sum_j (z_ij - m_i)`` over the row's normal entries (``m`` the running max forward,
+    the log-sum-exp backward), within ``sum_j (tol[0] + tol[1] |z_ij - m_i|)``. The left side is
+    ``sum_j e_ij log 2 + log prod_j m_ij`` from the entries' exponents and mantissas (bit
+    operations and a product, no ``exp`` and no per-entry ``log``), so it shares no work with the
+    exponential it checks. An entry of magnitude below ``tol[3]``, the smallest normal number,
+    needs ``z_ij - m_i`` below the flush ``tol[2]`` plus 1 (entry by entry, branch-free); every
+    other entry is in the sum, where INF and NaN (exponent 128 or more: ``log 2`` times that
+    against a non-positive ``z_ij - m_i``) and a negative entry (a negative mantissa, the
+    ``log`` of a negative product) fail; a row with ``m_i = -inf`` must be 0.
+    The tolerance also covers the check's own float64 rounding (``log 2`` times the exponents'
+    sum, the ``log``, the sum of ``z_ij - m_i``), which counts for float64 data.
+    Returns the worst ratio (row sum against its tolerance; at least 1 for an entry that fails);
+    when it exceeds 1, :func:`_probs_locate` fills ``info`` (as :func:`_judge`: vector = row,
+    position = key)."""
+    rows, cols = p.shape
+    t2, tiny = like(p, tol[2]), like(p, tol[3])
+    one = like(p, 1.0)
+    bad = np.float32(0)
+    worst = 0.0
+    info[0], info[1], info[2], info[3], info[4] = 0.0, 0.0, 1.0, -1.0, -1.0
+    for r in range(rows):
+        mr, zr, pr = m[r], z[r], p[r]
+        if mr == -np.inf:
+            for j in range(cols):
+                bad += np.float32(pr[j] != 0)
+            continue
+        es = count = like(p, 0.0)
+        ms = one
+        for j in range(cols):  # the data's precision alone: eight float32 lanes
+            pv = pr[j]
+            small = (pv if pv >= 0 else -pv) < tiny  # NaN is not small
+            ex, mant = frexp_like(one if small else pv)
+            es += ex
+            ms *= mant
+            count += like(p, not small)
+            bad += np.float32(small) * np.float32(zr[j] - mr >= t2 + 1)
+        xs = 0.0
+        for j in range(cols):  # the float64 sum in a loop of its own (four lanes)
+            pv = pr[j]
+            xs += np.float64(zr[j] - mr) if (pv if pv >= 0 else -pv) >= tiny else 0.0
+        xa = abs(xs)  # every z_ij - m_i <= 0: m_i is the row's max, or the log-sum-exp above it
+        le, lm = np.float64(es) * math.log(2.0), math.log(np.float64(ms))
+        lhs = le + lm
+        tau = tol[0] * np.float64(count) + (tol[1] + 2 * BC * _U64) * xa + 4 * _U64 * (abs(le) + abs(lm)) \
+            + tol[3]
+        e = abs(lhs - xs) / tau
+        if not e <= worst:
+            worst = e if e == e else math.inf
+            info[0], info[1], info[2], info[3] = worst, abs(lhs - xs), tau, r
+    if bad == 0 and worst <= 1:
+        return worst
+    located = _probs_locate(z, p, m, tol, info)
+    return max(worst, located, 1.0 + 2.0 ** -20) if bad > 0 else worst
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _probs_locate(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
+    """The softmax invariant entry by entry (a ``log`` each; run when :func:`_probs_ratio` flags
+    a tile, to locate the entry): ``log p_ij = z_ij - m_i`` within ``tol[0] + tol[1] |z_ij -
     m_i|``; an entry below ``tol[3]``, the smallest normal number, must have ``z_ij - m_i`` below
     the exponential's flush or underflow ``tol[2]`` (:func:`_probs_bad`); a row with ``m_i =
     -inf`` must be 0. Returns 0 when every entry holds, else the worst ratio (at least 1; INF
@@ -501,7 +545,7 @@ def _settle(rec: Any, site: int, attempt: int, ratio: float, correct: bool, info
 # ------------------------------------------------------------------ forward
 
 
-def _forward_block(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, b: int, i0: int,
+def _forward_block(q: Any, k: Any, v: Any, ve: Any, visible: Any, b: int, i0: int,
                    scale: Any, causal: bool, check: bool, correct: bool, c_s: Any, c_o: Any,
                    c_l: Any, tol_p: Any, out: Any, lse: Any, rec: Any) -> int:
     """One query block ``[i0, i0 + BR)`` of head ``b``: online softmax over the key tiles with
@@ -520,6 +564,7 @@ def _forward_block(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, b: in
     sbuf = np.empty(rows * BC, dt)
     pbuf = np.empty(rows * BC, dt)
     acc = np.empty((rows, d), dt)
+    tmp = np.empty((rows, d), dt)
     oc = np.empty((rows, 4))
     m = np.empty(rows, dt)
     l = np.empty(rows, dt)
@@ -539,7 +584,7 @@ def _forward_block(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, b: in
             s = sbuf[:rows * cols].reshape(rows, cols)
             p = pbuf[:rows * cols].reshape(rows, cols)
             for a in range(2):
-                _product_t(qb, kt[b], j0, s)
+                _dot(qb, k[b, j0:j1].T, s)
                 _HOOK(S_, s)
                 ratio = 0.0
                 if check:
@@ -564,9 +609,9 @@ def _forward_block(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, b: in
             if st < 0:
                 return -1
             _sum_rows(p, alpha, l)
-            _accumulate(p, v[b, j0:j1], alpha, acc)
+            _accumulate(p, v[b, j0:j1], alpha, tmp[:rows], acc)
             if check:
-                _carry(p, ve[b, j0:j1], alpha, oc, False)
+                _carry(p, ve[b], j0, alpha, oc, False)
             _HOOK(O_, acc)
         ob = out[b, i0:i1]
         st = _settle(rec, L_, attempt, _rowsum_ratio(oc, l, c_l, info) if check else 0.0,
@@ -590,7 +635,7 @@ def _forward_block(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, b: in
 # ------------------------------------------------------------------ backward
 
 
-def _backward_tile(q: Any, k: Any, kt: Any, vt: Any, do: Any, dd: Any, lse: Any, qe: Any,
+def _backward_tile(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any, qe: Any,
                    ke: Any, doe: Any, vis: Any, b: int, i0: int, j0: int, j1: int, kenc: Any,
                    venc: Any, scale: Any, causal: bool, check: bool, correct: bool, c_s: Any,
                    tol_p: Any, tol_ds: Any, bufs: Any, dkb: Any, dvb: Any, dkc: Any, dvc: Any,
@@ -608,10 +653,11 @@ def _backward_tile(q: Any, k: Any, kt: Any, vt: Any, do: Any, dd: Any, lse: Any,
     p = bufs[1, :rows * cols].reshape(rows, cols)
     dp = bufs[2, :rows * cols].reshape(rows, cols)
     ds = bufs[3, :rows * cols].reshape(rows, cols)
+    tmp = np.empty((max(rows, cols), q.shape[2]), q.dtype)
     none = np.empty(0, q.dtype)
     info[5] = cols
     for a in range(2):
-        _product_t(qi, kt[b], j0, s)
+        _dot(qi, k[b, j0:j1].T, s)
         _HOOK(S_, s)
         ratio = 0.0
         if check:
@@ -634,13 +680,13 @@ def _backward_tile(q: Any, k: Any, kt: Any, vt: Any, do: Any, dd: Any, lse: Any,
     if st < 0:
         return -1
     if do_kv:
-        _accumulate_t(p, doi, dvb)
+        _accumulate_t(p, doi, tmp[:cols], dvb)
         if check:
-            _carry(p, doe[b, i0:i1], none, dvc, True)
+            _carry(p, doe[b], i0, none, dvc, True)
         _HOOK(DV_, dvb)
     info[5] = cols
     for a in range(2):
-        _product_t(doi, vt[b], j0, dp)
+        _dot(doi, v[b, j0:j1].T, dp)
         _HOOK(DP_, dp)
         ratio = 0.0
         if check:
@@ -662,20 +708,20 @@ def _backward_tile(q: Any, k: Any, kt: Any, vt: Any, do: Any, dd: Any, lse: Any,
     if st < 0:
         return -1
     if do_kv:
-        _accumulate_t(ds, qi, dkb)
+        _accumulate_t(ds, qi, tmp[:cols], dkb)
         if check:
-            _carry(ds, qe[b, i0:i1], none, dkc, True)
+            _carry(ds, qe[b], i0, none, dkc, True)
         _HOOK(DK_, dkb)
     if do_q:
         dqi = dq[b, i0:i1]
-        _accumulate(ds, k[b, j0:j1], none, dqi)
+        _accumulate(ds, k[b, j0:j1], none, tmp[:rows], dqi)
         if check:
-            _carry(ds, ke[b, j0:j1], none, dqc[b, i0:i1], False)
+            _carry(ds, ke[b], j0, none, dqc[b, i0:i1], False)
         _HOOK(DQ_, dqi)
     return 0
 
 
-def _backward_head(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, lse: Any,
+def _backward_head(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any,
                    qe: Any, ke: Any, doe: Any, visible: Any, b: int, scale: Any, causal: bool,
                    check: bool, correct: bool, c_s: Any, c_kv: Any, c_q: Any, tol_p: Any,
                    tol_ds: Any, dq: Any, dk: Any, dv: Any, dqc: Any, rec: Any) -> int:
@@ -691,7 +737,7 @@ def _backward_head(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, l
     kenc, venc = np.zeros((3, d)), np.zeros((3, d))
     bufs = np.empty((4, BR * BC), dt)
     dkb, dvb = np.empty((BC, d), dt), np.empty((BC, d), dt)
-    dkc, dvc = np.empty((BC, 3)), np.empty((BC, 3))
+    dkc, dvc = np.empty((3, BC)), np.empty((3, BC))
     pred, obs = np.empty((max(BR, BC), 3)), np.empty((max(BR, BC), 3))
     info = np.zeros(6)
     dq[b, :, :] = 0
@@ -706,22 +752,22 @@ def _backward_head(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, l
         for attempt in range(2):
             dkb[:cols] = 0
             dvb[:cols] = 0
-            dkc[:cols] = 0.0
-            dvc[:cols] = 0.0
+            dkc[:] = 0.0
+            dvc[:] = 0.0
             for i0 in range(first, lq, BR):
-                if _TILE(q, k, kt, vt, do, dd, lse, qe, ke, doe, vis, b, i0, j0, j1, kenc, venc,
+                if _TILE(q, k, v, do, dd, lse, qe, ke, doe, vis, b, i0, j0, j1, kenc, venc,
                         scale, causal, check, correct, c_s, tol_p, tol_ds, bufs, dkb[:cols],
-                        dvb[:cols], dkc[:cols], dvc[:cols], dq, dqc, True, attempt == 0, rec,
+                        dvb[:cols], dkc, dvc, dq, dqc, True, attempt == 0, rec,
                         info, pred, obs) < 0:
                     return -1
             st = 0
             if check:
                 info[5] = d
                 _observe_rows(dkb[:cols], obs)
-                st_k = _settle(rec, DK_, attempt, _judge(dkc, obs, cols, c_kv, info), correct,
+                st_k = _settle(rec, DK_, attempt, _judge(dkc.T, obs, cols, c_kv, info), correct,
                                info, j0, 0, True)
                 _observe_rows(dvb[:cols], obs)
-                st_v = _settle(rec, DV_, attempt, _judge(dvc, obs, cols, c_kv, info), correct,
+                st_v = _settle(rec, DV_, attempt, _judge(dvc.T, obs, cols, c_kv, info), correct,
                                info, j0, 0, True)
                 st = min(st_k, st_v) if min(st_k, st_v) < 0 else max(st_k, st_v)
             if st < 0:
@@ -741,9 +787,9 @@ def _backward_head(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, l
                     j1 = min(j0 + BC, lk)
                     _encode_cols(k[b, j0:j1], kenc)
                     _encode_cols(v[b, j0:j1], venc)
-                    if _TILE(q, k, kt, vt, do, dd, lse, qe, ke, doe, vis, b, i0, j0, j1, kenc,
+                    if _TILE(q, k, v, do, dd, lse, qe, ke, doe, vis, b, i0, j0, j1, kenc,
                             venc, scale, causal, check, correct, c_s, tol_p, tol_ds, bufs,
-                            dkb[:j1 - j0], dvb[:j1 - j0], dkc[:j1 - j0], dvc[:j1 - j0], dq, dqc,
+                            dkb[:j1 - j0], dvb[:j1 - j0], dkc, dvc, dq, dqc,
                             False, True, rec, info, pred, obs) < 0:
                         return -1
             if not check:
@@ -780,25 +826,25 @@ def python_drivers(hook: Any) -> tuple[Any, Any]:
 
 
 @numba.njit(cache=True, parallel=True)
-def forward(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, scale: Any, causal: bool,
+def forward(q: Any, k: Any, v: Any, ve: Any, visible: Any, scale: Any, causal: bool,
             check: bool, correct: bool, c_s: Any, c_o: Any, c_l: Any, tol_p: Any, out: Any,
             lse: Any, rec: Any, status: Any) -> None:
     """Every (head, query block) in parallel (:func:`_forward_block`)."""
     nqb = (q.shape[1] + BR - 1) // BR
     for t in numba.prange(q.shape[0] * nqb):
-        status[t] = _forward_block_jit(q, k, kt, v, ve, visible, t // nqb, (t % nqb) * BR, scale,
+        status[t] = _forward_block_jit(q, k, v, ve, visible, t // nqb, (t % nqb) * BR, scale,
                                        causal, check, correct, c_s, c_o, c_l, tol_p, out, lse,
                                        rec[t])
 
 
 @numba.njit(cache=True, parallel=True)
-def backward(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, lse: Any, qe: Any,
+def backward(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any, qe: Any,
              ke: Any, doe: Any, visible: Any, scale: Any, causal: bool, check: bool,
              correct: bool, c_s: Any, c_kv: Any, c_q: Any, tol_p: Any, tol_ds: Any, dq: Any,
              dk: Any, dv: Any, dqc: Any, rec: Any, status: Any) -> None:
     """Every head in parallel (:func:`_backward_head`)."""
     for b in numba.prange(q.shape[0]):
-        status[b] = _backward_head_jit(q, k, kt, v, vt, do, dd, lse, qe, ke, doe, visible, b,
+        status[b] = _backward_head_jit(q, k, v, do, dd, lse, qe, ke, doe, visible, b,
                                        scale, causal, check, correct, c_s, c_kv, c_q, tol_p,
                                        tol_ds, dq, dk, dv, dqc, rec[b])
 

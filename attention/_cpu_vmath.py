@@ -127,6 +127,13 @@ def log_like(x: Any) -> Any:
     raise NotImplementedError("only callable from numba-compiled code")
 
 
+def frexp_like(x: Any) -> Any:
+    """``(e, m)`` with ``x = m * 2**e``, ``m`` in [0.5, 1), both in the precision of ``x``, a
+    positive normal number (numba only; anything else gives a finite meaningless pair, for the
+    caller to mask). Bit operations for float32, so a loop of them vectorizes."""
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
 def _expf(x):  # noqa: ANN001, ANN202 (numba compares signatures)
     xc = min(max(x, np.float32(EXP_FLUSH)), np.float32(88.72283))
     n = np.floor(xc * np.float32(1.44269504088896341) + np.float32(0.5))
@@ -172,6 +179,17 @@ def _like_impl(x, v):  # noqa: ANN001, ANN202 (numba compares signatures)
     if (x.dtype if isinstance(x, types.Array) else x) == types.float32:
         return lambda x, v: np.float32(v)
     return lambda x, v: np.float64(v)
+
+
+@overload(frexp_like, inline="always")
+def _frexp_like_impl(x):  # noqa: ANN001, ANN202
+    if x == types.float32:
+        return lambda x: _exponent_mantissa(x)
+
+    def frexp64(x):  # noqa: ANN001, ANN202
+        m, e = math.frexp(x)
+        return np.float64(e), m
+    return frexp64
 
 
 @overload(log_like, inline="always")

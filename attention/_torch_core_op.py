@@ -98,12 +98,13 @@ def run_core_forward(core: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                   attn_mask=None if mask is None else array(mask),
                                   dropout=dropout,
                                   dropout_keep=None if keep is None else array(keep),
-                                  workspace=workspace)
+                                  workspace=workspace,
+                                  core="unfused" if need_weights else core.core)
         dropped = saved["probs_dropped"]
         probs = saved["probs"] if dropped is None else dropped
         weights = to_tensor(probs).clone() if need_weights else q.new_empty(0)
         out = to_tensor(out)
-    core.last_report = context.report
+    core.last_report, core.last_core = context.report, saved["core"]
     return out, weights, _CoreSaved(core, saved, context.report, workspace)
 
 

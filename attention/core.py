@@ -7,17 +7,27 @@ function Q, K and V split into heads), only the attention product is left to pro
 with the routes, checked softmax steps, one settle per pass and replay on a repair of the whole
 layer (:mod:`attention.functional`). Heads are the leading batch axis: ``(batch * heads, seq,
 head_dim)``.
+
+Two implementations: the fused core (:mod:`attention.fused`: tiles, O(L) extra memory, every
+tile checked; its fault-hook sites are :data:`attention.fused.FUSED_SITES`) and the unfused one
+above (the scores and probabilities materialized; the reference, and the path for what the fused
+core does not support). ``core="auto"`` (the default) runs the fused core where it applies
+(:func:`fused_unsupported`), ``"fused"`` and ``"unfused"`` force one; ``saved["core"]`` says which
+ran.
 """
 from __future__ import annotations
 
 import math
 from typing import Any
 
+import numpy as np
+
 from abftgemm.backend import array_module
 from abftgemm.checksums import SUPPORTED_DTYPES
 from attention import softmax_steps
 from attention.context import Context
 from attention.dropout import Dropout
+from attention.fused import SUPPORTED as FUSED_DTYPES, fused_backward, fused_forward
 from attention.functional import _additive, _dropout, _Pass, _read_probs, _run, \
     _scores_and_softmax
 from attention.workspace import Workspace
@@ -25,6 +35,8 @@ from attention.workspace import Workspace
 #: The GEMM sites the attention product runs (forward, then backward), and its invariant sites.
 CORE_SITES = ("scores", "context", "d_probs", "d_v", "d_q", "d_k")
 CORE_INVARIANT_SITES = ("softmax", "softmax_backward")
+#: The ``core`` choices of :func:`core_forward`.
+CORES = ("auto", "fused", "unfused")
 
 
 class _CoreInputs:
@@ -45,7 +57,8 @@ class _CoreInputs:
 def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = None,
                  causal: bool = False, attn_mask: Any | None = None, dropout: float = 0.0,
                  dropout_keep: Any | None = None, rng: Any | None = None,
-                 workspace: Workspace | None = None) -> tuple[Any, dict[str, Any]]:
+                 workspace: Workspace | None = None, core: str = "auto"
+                 ) -> tuple[Any, dict[str, Any]]:
     """``softmax(scale q k^T + mask) v`` with every product and the softmax checked.
 
     Parameters
@@ -67,21 +80,64 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
         Attention dropout, as :func:`attention.attention_forward` takes it (the mask is
         ``(n, seq_q, seq_k)``; site ``"dropout"``).
     workspace : Workspace, optional
-        Plans and buffers to reuse across calls.
+        Plans and buffers to reuse across calls (unfused core).
+    core : {"auto", "fused", "unfused"}
+        Which implementation runs (module docstring); ``"fused"`` raises ``ValueError`` where
+        the fused core does not apply.
 
     Returns
     -------
     out : array (n, seq_q, d)
         A new array.
     saved : dict
-        What :func:`core_backward` needs; ``saved["probs"]`` holds the probabilities (and
-        ``saved["probs_dropped"]`` those after dropout, or None).
+        What :func:`core_backward` needs; ``saved["core"]`` is ``"fused"`` or ``"unfused"``,
+        ``saved["probs"]`` holds the probabilities (and ``saved["probs_dropped"]`` those after
+        dropout, or None); both are None after the fused core, which keeps no ``L x L`` array.
     """
+    if core not in CORES:
+        raise ValueError(f"core must be one of {CORES}, got {core!r}")
     inp = _inputs(q, k, v, scale, causal, attn_mask)
+    if core != "unfused":
+        why_not = fused_unsupported(inp, ctx, dropout, dropout_keep, forced=core == "fused")
+        if why_not is None:
+            out, saved = fused_forward(q, k, v, ctx, scale=inp.scale, causal=inp.causal)
+            return out, {"inputs": inp, "core": "fused", "fused": saved, "probs": None,
+                         "probs_dropped": None}
+        if core == "fused":
+            raise ValueError(f"the fused attention core does not apply here: {why_not}")
     inp.dropout = Dropout.of(inp.xp, dropout, dropout_keep,
                              (q.shape[0], q.shape[1], k.shape[1]), rng)
     ws = workspace or Workspace()
-    return _run(lambda p: _forward(p, inp), ctx, ws, inp.xp)
+    out, saved = _run(lambda p: _forward(p, inp), ctx, ws, inp.xp)
+    saved["core"] = "unfused"
+    return out, saved
+
+
+def fused_unsupported(inp: _CoreInputs, ctx: Context, dropout: float = 0.0,
+                      dropout_keep: Any | None = None, forced: bool = False) -> str | None:
+    """Why the fused core cannot run this product (None when it can): it takes NumPy float32 or
+    float64 data, finite, a causal mask or none, no dropout, and checks every tile on every
+    call. ``forced`` (``core="fused"``): a fault hook and a plan that checks the core's sites
+    less often do not count (the hook then sees the fused sites)."""
+    if inp.xp is not np:
+        return f"the data are {inp.xp.__name__} arrays (the fused core runs on the CPU)"
+    if inp.dtype not in FUSED_DTYPES:
+        return f"dtype {inp.dtype} (the fused core takes float32 and float64)"
+    if inp.attn_add is not None:
+        return "an attn_mask (the fused core takes causal=True or no mask)"
+    if dropout or dropout_keep is not None:
+        return "attention dropout"
+    if not forced:
+        if ctx.fault_hook is not None:
+            return "a fault hook (it names the unfused core's sites; core='fused' runs the " \
+                   "fused sites)"
+        sites = ctx.plan.sites
+        if any(sites[s].every != 1 or sites[s].probability != 1 for s in CORE_SITES):
+            return "a checking plan that skips calls (the fused core checks every tile)"
+    for name, t in (("q", inp.q), ("k", inp.k), ("v", inp.v)):
+        if not np.isfinite(t).all():
+            return f"{name} holds INF or NaN"
+    return None
 
 
 def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
@@ -94,6 +150,14 @@ def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
                          f"{d_out.shape} {d_out.dtype}")
     if not d_out.flags.c_contiguous:
         raise ValueError("d_out must be C-contiguous")
+    if saved["core"] == "fused":  # the inputs as given now (a caller may hand them on anew)
+        saved["fused"].update(q=inp.q, k=inp.k, v=inp.v)
+        if np.isfinite(d_out).all():
+            return fused_backward(saved["fused"], d_out, ctx)
+        # The unfused core passes non-finite gradients through: its forward again, then its
+        # backward.
+        _, saved = core_forward(inp.q, inp.k, inp.v, ctx, scale=inp.scale, causal=inp.causal,
+                                workspace=workspace, core="unfused")
     ws = workspace or Workspace()
     return _run(lambda p: _backward(p, saved, d_out), ctx, ws, inp.xp)
 

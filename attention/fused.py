@@ -6,10 +6,13 @@ recomputes ``P`` tile by tile from them (FlashAttention-2). Heads are the leadin
 L, d)`` with ``n`` = batch * heads, as :mod:`attention.core` takes them. No ``L x L`` buffer is
 ever made; the tiles are ``BR x BC`` = 64 x 64 (:mod:`attention._cpu_fused`, numba kernels in
 parallel over (head, query block) forward and over heads backward, so no two threads write one
-accumulator). CuPy arrays run the same algorithm and checks in CUDA kernels
-(:mod:`attention._cuda_fused`, 16-bit data too). The unfused :mod:`attention.core` stays the
-reference and the path for what this one does not support (additive masks, dropout, 16-bit data
-on the CPU); the layers do not use this core yet.
+accumulator; the tile products call BLAS, single-threaded, through numba's ``np.dot``).
+CuPy arrays run the same algorithm and checks in CUDA kernels (:mod:`attention._cuda_fused`,
+16-bit data too). :func:`attention.core.core_forward` runs this core by default where it applies
+(and the PyTorch :class:`attention.torch_core.ProtectedCore` through it); the unfused core stays
+the reference and the path for what this one does not support (additive masks, dropout, 16-bit
+data on the CPU, the attention weights). The NumPy layer :class:`attention.MultiHeadAttention`
+and :class:`attention.torch.MultiheadAttention` do not use it yet.
 
 What is checked, per tile (sites of the fault hook, ``ctx.fault_hook(site, tile)``, which sees
 each tile array as computed and before it is checked):
@@ -22,10 +25,14 @@ each tile array as computed and before it is checked):
     key block and the tile's row checksums are predicted as ``Q_blk (K_blk^T E)``.
 ``fused:P``
     ``P = exp(z - m)`` (``m`` the running row max forward, the saved log-sum-exp backward), judged
-    on what was stored by the softmax invariant ``log P_ij = z_ij - m_i`` for every entry (entries
-    below the smallest normal number: ``z_ij - m_i`` must lie below the exponential's flush).
-    This shares no work with the exponential, so a fault in ``P`` that would feed the output and
-    its carried checksum alike (common mode) is seen here.
+    on what was stored by the softmax invariant ``log P_ij = z_ij - m_i`` summed over each row's
+    normal entries: ``sum_j log P_ij`` is taken from the entries' exponents and the ``log`` of the
+    product of their mantissas (bit operations, one ``log`` per row), so the check shares no work
+    with the exponential, and a fault in ``P`` that would feed the output and its carried
+    checksum alike (common mode) is seen here. Entries below the smallest normal number need
+    ``z_ij - m_i`` below the exponential's flush (each entry, branch-free). An error this row
+    sum misses changes ``log P_ij`` by less than the row's tolerance, about ``8 u sum_j |z_ij -
+    m_i|``: its effect on the output row is within the output check's own rounding bound.
 ``fused:O_acc``
     The output accumulator. V's row checksums ``V 1``, ``V w`` and ``|V| 1`` (``w`` over the
     head dimension) are accumulated beside it, ``oc = alpha oc + P [V1, Vw, |V|1]`` in float64
@@ -66,10 +73,14 @@ dtype, float64 checksums):
   output rounding (the ``c_obs`` term); ``oc`` is divided by the same ``l``;
 - ``rowsum``: ``l`` is a sum of positive terms, so ``S = sum P`` and the same rule applies with
   ``K`` = the keys, ``R = 2 T``;
-- ``P``: the exponential and the logarithm of :mod:`attention._cpu_vmath` are within 1 and 2
-  ulp (``math.exp``/``math.log`` within 1 for float64), so ``|log P_ij - x| <= 2u + 4u |x|`` for
-  ``x = z_ij - m_i`` (recomputed by the check exactly as the exponential got it); the tolerance
-  is twice that, ``4u + 8u |x|``;
+- ``P``: the exponential of :mod:`attention._cpu_vmath` is within 1 ulp (``math.exp`` for
+  float64), so ``|log P_ij - x| <= 2u + 4u |x|`` for ``x = z_ij - m_i`` (recomputed by the check
+  exactly as the exponential got it); the product of a row's at most 64 mantissas, rounded in
+  the data's dtype, adds at most ``1.01 u`` per entry to the logarithm, the float64 ``log`` and
+  sums nothing that counts. The tolerance is twice the sum, ``sum_j (8u + 8u |x_j|)`` over the
+  row's normal entries (``sum_j |x_j| = |sum_j x_j|``: every ``x_j <= 0``, ``m_i`` being the
+  row's max forward and the log-sum-exp, at least that max, backward) (the entry-by-entry pass that locates a flagged entry uses ``8u + 8u
+  |x|`` per entry with the 2-ulp float32 ``log``);
 - ``dS``: ``fl(P fl(dP - D))`` errs by at most ``2.01 u P (|dP| + |D|)`` per element; the float64
   sums of at most 64 terms add ``64 u64`` each; the tolerance is twice the sum, ``(4u + 4 * 64
   u64) * sum_j P (|dP| + |D|)`` (times ``|dP|`` for the weighted invariant) plus the smallest
@@ -136,7 +147,6 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     n, lq, d = q.shape
     lk, dt = k.shape[1], q.dtype
     check, correct = ctx.check != "off", ctx.check == "correct"
-    kt = np.ascontiguousarray(k.transpose(0, 2, 1))
     ve = _row_encodings(v, check)
     out = np.empty_like(q)
     lse = np.empty((n, lq), dt)
@@ -144,7 +154,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     tiles = -(-lk // K.BC)
     rec = np.zeros((n * nqb, len(K.SITES), K.FIELDS))
     status = np.zeros(n * nqb, np.int64)
-    args = (q, k, kt, v, ve, visible)
+    args = (q, k, v, ve, visible)
     rest = (dt.type(scale), causal, check, correct, coefficients(d, K.BR, dt),
             coefficients(lk, d, dt, 2 * tiles), coefficients(lk, 1, dt, 2 * tiles),
             probs_tolerance(dt), out, lse)
@@ -189,14 +199,12 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
     check, correct = ctx.check != "off", ctx.check == "correct"
     dd = np.empty((n, lq), dt)
     K.delta(d_out, out, dd)
-    kt = np.ascontiguousarray(k.transpose(0, 2, 1))
-    vt = np.ascontiguousarray(v.transpose(0, 2, 1))
     qe, ke, doe = (_row_encodings(x, check) for x in (q, k, d_out))
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     dqc = np.empty((n, lq, 3))
     rec = np.zeros((n, len(K.SITES), K.FIELDS))
     status = np.zeros(n, np.int64)
-    args = (q, k, kt, v, vt, d_out, dd, lse, qe, ke, doe, saved["visible"])
+    args = (q, k, v, d_out, dd, lse, qe, ke, doe, saved["visible"])
     rest = (dt.type(saved["scale"]), saved["causal"], check, correct, coefficients(d, K.BC, dt),
             coefficients(lq, d, dt, -(-lq // K.BR)), coefficients(lk, d, dt, -(-lk // K.BC)),
             probs_tolerance(dt), dscores_tolerance(dt), dq, dk, dv, dqc)
@@ -249,10 +257,10 @@ def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
 
 
 def _row_encodings(x: np.ndarray, check: bool) -> np.ndarray:
-    """``(n, L, 3)`` row encodings of ``x`` over its last axis, or an empty ``(n, 0, 3)``."""
+    """``(n, 3, L)`` row encodings of ``x`` over its last axis, or an empty ``(n, 3, 0)``."""
     if not check:
-        return np.zeros((x.shape[0], 0, 3))
-    out = np.empty(x.shape[:2] + (3,))
+        return np.zeros((x.shape[0], 3, 0))
+    out = np.empty((x.shape[0], 3, x.shape[1]))
     K.encode_rows(x, out)
     return out
 

@@ -55,18 +55,19 @@ def coefficients(k: int, length: int, dtype: np.dtype, roundings: int = 0) -> np
 
 
 def probs_tolerance(dtype: np.dtype) -> np.ndarray:
-    """``(base, slope, flush, tiny)`` of the ``P`` invariant: ``|log P - x| <= base + slope
-    |x|``; an entry below ``tiny``, the smallest normal number, needs ``x < flush``."""
+    """``(base, slope, flush, tiny)`` of the ``P`` invariant ``|log P_j - x_j| <= base + slope
+    |x_j|`` per entry (the CUDA kernels; the CPU's pass that locates a flagged entry), summed
+    over a row's normal entries on the CPU (``|sum_j (log P_j - x_j)| <= sum_j (base + slope
+    |x_j|)``); an entry below ``tiny``, the smallest normal number, needs ``x < flush``."""
     u = unit_roundoff(dtype)
     flush = EXP_FLUSH if np.dtype(dtype) == np.float32 else math.log(smallest_normal(dtype))
-    return np.array([4 * u, 8 * u, flush, smallest_normal(dtype)])
+    return np.array([8 * u, 8 * u, flush, smallest_normal(dtype)])
 
 
 def dscores_tolerance(dtype: np.dtype, length: int = K.BC) -> np.ndarray:
     """``(c, tiny)`` of the ``dS`` invariants: ``c`` times a row's magnitude plus ``tiny`` per
     term (``length``: keys per tile)."""
     return np.array([4 * unit_roundoff(dtype) + 4 * length * _U64, smallest_normal(dtype)])
-
 
 
 def book(ctx: Context, rec: np.ndarray, status: np.ndarray, batch_of: Any,

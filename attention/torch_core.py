@@ -15,6 +15,7 @@ import torch
 import abftgemm
 from abftgemm.report import Report
 from attention import _torch_op, _torch_core_op
+from attention.core import CORES
 from attention.plan import CheckingPlan
 from attention.workspace import Workspace
 
@@ -31,6 +32,10 @@ class ProtectedCore:
         As in :func:`abftgemm.matmul`, for every site.
     plan : attention.CheckingPlan, optional
         How often each site is checked (default: every call).
+    core : {"auto", "fused", "unfused"}
+        Which implementation of :mod:`attention.core` runs: ``"auto"`` the fused core where it
+        applies (CPU, float32/float64, causal or no mask, no dropout, no fault hook, every call
+        checked, ``need_weights=False``), else the unfused one; the others force one.
 
     Attributes
     ----------
@@ -40,12 +45,18 @@ class ProtectedCore:
         verification, forward and backward.
     last_report : abftgemm.Report
         Findings of the last forward, extended by its backward.
+    last_core : str or None
+        ``"fused"`` or ``"unfused"``: the implementation the last forward ran.
     """
 
-    def __init__(self, check: str = "correct", plan: CheckingPlan | None = None):
+    def __init__(self, check: str = "correct", plan: CheckingPlan | None = None,
+                 core: str = "auto"):
         if check not in abftgemm.CHECK_MODES:
             raise ValueError(f"check must be one of {abftgemm.CHECK_MODES}, got {check!r}")
-        self.check = check
+        if core not in CORES:
+            raise ValueError(f"core must be one of {CORES}, got {core!r}")
+        self.check, self.core = check, core
+        self.last_core: str | None = None
         self.plan = plan or CheckingPlan()
         self.fault_hook: FaultHook | None = None
         self.last_report = Report()
@@ -113,7 +124,7 @@ class ProtectedCore:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"core": "auto", "last_core": None, **state})
         self.op_id = _torch_op.register(self)
 
     def _workspace_for(self, device: torch.device) -> Workspace:

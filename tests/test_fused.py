@@ -48,7 +48,8 @@ def _reference(q, k, v, do, scale, causal, visible=None):
     z_err = scale * (KAPPA * math.sqrt(d) + 2) * u * (np.abs(q) @ np.abs(k).transpose(0, 2, 1))
     p_rel = 2 * np.where(mask, z_err, 0).max(-1, keepdims=True) + (KAPPA * math.sqrt(lk) + 8) * u
     acc = (KAPPA * math.sqrt(max(q.shape[1], lk)) + 2 * (lk // 64 + 2)) * u
-    mag_ds = p * (np.abs(dp) + np.abs(dd))
+    # dP's rounding scales with |dO| |V|^T (as the scores' with |Q| |K|^T), not with |dP|.
+    mag_ds = p * (np.abs(do) @ np.abs(v).transpose(0, 2, 1) + np.abs(dd))
     mags = (p @ np.abs(v),
             scale * mag_ds @ np.abs(k), scale * mag_ds.transpose(0, 2, 1) @ np.abs(q),
             p.transpose(0, 2, 1) @ np.abs(do))
@@ -185,9 +186,8 @@ def _peak_bytes(seq: int, d: int = 64) -> int:
 
 
 def test_no_quadratic_buffer():
-    """The traced peak of a fwd+bwd grows linearly with the sequence (outputs, gradients, K^T,
-    V^T and the O(L) encodings: 3.9 MB at L = 2048, d = 64) and stays far below one float32
-    L x L buffer (16.8 MB). The numba kernels' own buffers are per tile."""
+    """The traced peak of a fwd+bwd grows linearly with the sequence (outputs, gradients and the
+    O(L) encodings) and stays far below one float32 L x L buffer (16.8 MB at L = 2048). The numba kernels' own buffers are per tile."""
     _peak_bytes(64)  # compile and warm up
     small, large = _peak_bytes(1024), _peak_bytes(2048)
     assert large < 0.3 * 4 * 2048 * 2048, large
@@ -225,3 +225,19 @@ def test_bad_input():
 
 def test_site_lists():
     assert set(FORWARD_SITES) | set(BACKWARD_SITES) >= set(HOOK_SITES)
+
+
+def test_head_dim_128_cuts_the_blas_products():
+    """d = 128: 64 x 64 x 128 tile products are cut below BLAS's threading threshold
+    (``_cpu_fused.BLAS_ONE_THREAD``); results and a corrected fault as at d = 64."""
+    q, k, v, do = _data(np.random.default_rng(10), 1, 100, 100, 128)
+    ctx = Context()
+    got = _run(q, k, v, do, ctx, causal=True)
+    assert not ctx.report.events
+    want, tol = _reference(q, k, v, do, 128 ** -0.5, True)
+    for g, w, t in zip(got, want, tol):
+        assert np.all(np.abs(g - w) <= t), np.max(np.abs(g - w) / t)
+    ctx = Context(fault_hook=Fault("near-inf", "element", seed=1, sites="fused:dK_acc"))
+    for g, c in zip(_run(q, k, v, do, ctx, causal=True), got):
+        assert np.array_equal(g, c)
+    assert "fused:dK_acc" in ctx.report.sites

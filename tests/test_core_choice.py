@@ -1,0 +1,109 @@
+"""attention.core's choice between the fused and the unfused attention product: which runs where,
+equal results within the derived tolerance, faults corrected on both paths, the PyTorch module
+saying which ran."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from abftgemm.faults import Fault
+from attention.context import Context
+from attention.core import core_backward, core_forward
+from attention.plan import CheckingPlan
+from test_fused import _data, _reference
+
+
+def _run(q, k, v, do, ctx, **kw):
+    out, saved = core_forward(q, k, v, ctx, **kw)
+    return saved["core"], (out,) + core_backward(saved, do, ctx)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("core", ["fused", "unfused"])
+def test_both_cores_match_the_reference(core, causal):
+    q, k, v, do = _data(np.random.default_rng(0), 2, 100, 100, 32)
+    ctx = Context()
+    ran, got = _run(q, k, v, do, ctx, causal=causal, core=core)
+    assert ran == core and not ctx.report.events
+    want, tol = _reference(q, k, v, do, 32 ** -0.5, causal)
+    for g, w, t in zip(got, want, tol):
+        assert np.all(np.abs(g - w) <= t), np.max(np.abs(g - w) / t)
+
+
+def test_auto_runs_the_fused_core_where_it_applies():
+    q, k, v, do = _data(np.random.default_rng(1), 1, 40, 40, 16)
+    assert _run(q, k, v, do, Context(), causal=True)[0] == "fused"
+    assert _run(q, k, v, do, Context(check="off"))[0] == "fused"
+    assert _run(*(x.astype(np.float64) for x in (q, k, v, do)), Context())[0] == "fused"
+
+
+def test_auto_falls_back_to_the_unfused_core():
+    q, k, v, do = _data(np.random.default_rng(2), 1, 24, 24, 8)
+    mask = np.triu(np.ones((24, 24), bool), 1)
+    every_other = CheckingPlan().with_frequencies({"scores": 0.5})
+    bad = q.copy()
+    bad[0, 3, 1] = np.inf
+    cases = [((q, k, v), {"attn_mask": mask}), ((q, k, v), {"dropout": 0.1}),
+             ((q, k, v), {"ctx": Context(fault_hook=lambda site, c: None)}),
+             ((q, k, v), {"ctx": Context(plan=every_other)}),
+             ((bad, k, v), {}),
+             (tuple(x.astype(np.float16) for x in (q, k, v)), {})]
+    for args, kw in cases:
+        ctx = kw.pop("ctx", Context())
+        _, saved = core_forward(*args, ctx, **kw)
+        assert saved["core"] == "unfused", kw
+
+
+def test_forcing_the_fused_core_where_it_does_not_apply_raises():
+    q, k, v, _ = _data(np.random.default_rng(3), 1, 16, 16, 8)
+    with pytest.raises(ValueError, match="attn_mask"):
+        core_forward(q, k, v, Context(), attn_mask=np.zeros((16, 16), bool), core="fused")
+    with pytest.raises(ValueError, match="dropout"):
+        core_forward(q, k, v, Context(), dropout=0.5, core="fused")
+    with pytest.raises(ValueError, match="core must be one of"):
+        core_forward(q, k, v, Context(), core="flash")
+
+
+@pytest.mark.parametrize("core,site", [("fused", "fused:P"), ("fused", "fused:dK_acc"),
+                                       ("unfused", "scores"), ("unfused", "d_k")])
+def test_fault_corrected_on_either_core(core, site):
+    q, k, v, do = _data(np.random.default_rng(4), 2, 70, 70, 16)
+    clean = _run(q, k, v, do, Context(), causal=True, core=core)[1]
+    fault = Fault("near-inf", "element", seed=5, sites=site)
+    ctx = Context(fault_hook=fault)
+    ran, got = _run(q, k, v, do, ctx, causal=True, core=core)
+    assert ran == core and fault.injected
+    assert site in ctx.report.sites and ctx.report.detected, ctx.report.summary()
+    for g, c in zip(got, clean):
+        np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-6)
+
+
+def test_non_finite_gradient_passes_through_as_on_the_unfused_core():
+    q, k, v, do = _data(np.random.default_rng(6), 1, 20, 20, 8)
+    do[0, 4, 2] = np.nan
+    want = _run(q, k, v, do, Context(), core="unfused")[1]
+    out, saved = core_forward(q, k, v, Context())
+    assert saved["core"] == "fused"
+    got = core_backward(saved, do, Context())
+    for g, w in zip(got, want[1:]):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_module_says_which_core_ran():
+    torch = pytest.importorskip("torch")
+    from attention.torch_core import ProtectedCore
+    q, k, v = (torch.randn(1, 2, 30, 16, requires_grad=True) for _ in range(3))
+    core = ProtectedCore()
+    out, _ = core(q, k, v, is_causal=True)
+    assert core.last_core == "fused"
+    out.sum().backward()
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    core(q, k, v, is_causal=True, need_weights=True)
+    assert core.last_core == "unfused"
+    forced = ProtectedCore(core="unfused")
+    forced(q, k, v, is_causal=True)
+    assert forced.last_core == "unfused"
+    with pytest.raises(ValueError, match="core must be one of"):
+        ProtectedCore(core="flash")
