@@ -16,8 +16,8 @@ without NumPy floating-point warnings: INF and NaN in a product are the checks' 
 repaired or reported), not a warning to the user.
 Each GEMM is ``np.matmul``, or the engine a caller set for its thread with :class:`gemm_engine`
 (the PyTorch adapters run them as PyTorch's own GEMM on its intra-op threads, where NumPy's BLAS
-gets one thread next to them). Rows are cut by :func:`triangle_blocks`. The sums run in another order than one whole product's,
-within the same rounding bound. bench/NOTES.md has the measured gains.
+gets one thread next to them). Rows are cut by :func:`triangle_blocks`. The sums run in another
+order than one whole product's, within the same rounding bound. bench/NOTES.md has the measured gains.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ _BLOCK_ROWS = 128
 _SMALL_BLOCK_ROWS = 64
 
 
-#: ``engine(a, b, out)`` writes ``a @ b`` into ``out`` (NumPy arrays, any strides, as ``np.matmul``).
+#: ``engine(a, b, out)`` writes ``a @ b`` into ``out`` (NumPy arrays, any strides, as np.matmul).
 GemmEngine = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 _local = threading.local()
 
