@@ -3,7 +3,7 @@
 Usage::
 
     python bench/hf_step.py [--layers 4] [--width 256] [--heads 4] [--seq 128] [--batch 8]
-                            [--repeats 5] [--json PATH]
+                            [--repeats 5] [--cpu-time] [--json PATH]
 
 Models are built from configs in code (random weights and token ids, dropout 0, fp32, CPU). Each
 implementation's forward + backward + SGD step is timed in interleaved rounds (load that comes and
@@ -11,7 +11,10 @@ goes hits each alike); the median of ``--repeats`` rounds is printed with the ra
 ``/proc/loadavg`` (other work on the machine shows there). Protected variants, each against
 "sdpa": ``attention`` (the attention products only: ``protect(model, projections=False)``),
 ``projections`` (those and the Q, K, V and output projections: ``protect(model)``) and ``mlp``
-(the feed-forward layers too: ``protect(model, mlp=True)``). ``--json`` also writes the settings,
+(the feed-forward layers too: ``protect(model, mlp=True)``). ``--cpu-time`` runs PyTorch on one thread
+and times the CPU time of that thread (``time.thread_time``): the work a step does, which other
+load on the machine inflates far less than wall time, but without what a second thread gains.
+``--json`` also writes the settings,
 the CPU, the load before and after, every round's time and the medians to a file.
 """
 from __future__ import annotations
@@ -60,8 +63,13 @@ def main() -> None:
     for name, default in (("layers", 4), ("width", 256), ("heads", 4), ("seq", 128),
                           ("batch", 8), ("repeats", 5)):
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--cpu-time", action="store_true",
+                   help="one PyTorch thread, timed by its CPU time (time.thread_time)")
     p.add_argument("--json", type=Path, help="also write the results to this file")
     args = p.parse_args()
+    if args.cpu_time:
+        torch.set_num_threads(1)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     torch.manual_seed(0)
     ids = torch.randint(3, 1000, (args.batch, args.seq))
     result = {"settings": {k: v for k, v in vars(args).items() if k != "json"},
@@ -75,12 +83,12 @@ def main() -> None:
         times: dict[str, list[float]] = {k: [] for k in models}
         for round_ in range(args.repeats + 1):  # the first round warms up
             for k, m in models.items():
-                start = time.perf_counter()
+                start = clock()
                 opts[k].zero_grad()
                 m(ids).logits.float().pow(2).mean().backward()
                 opts[k].step()
                 if round_:
-                    times[k].append(time.perf_counter() - start)
+                    times[k].append(clock() - start)
         med = {k: statistics.median(v) for k, v in times.items()}
         print(f"{family}: " + ", ".join(f"{k} {1e3 * v:.0f} ms ({v / med['sdpa']:.2f}x)"
                                         for k, v in med.items()))
