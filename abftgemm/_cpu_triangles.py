@@ -14,15 +14,10 @@ Two promises, both made by causal attention:
 Every product runs under the library's thread policy (:class:`abftgemm.threads.blas_scope`), and
 without NumPy floating-point warnings: INF and NaN in a product are the checks' business (judged,
 repaired or reported), not a warning to the user.
-Each GEMM is ``np.matmul``, or the engine a caller set for its thread with :class:`gemm_engine`
-(the PyTorch adapters run them as PyTorch's own GEMM on its intra-op threads, where NumPy's BLAS
-gets one thread next to them). Rows are cut by :func:`triangle_blocks`. The sums run in another
-order than one whole product's, within the same rounding bound. bench/NOTES.md has the measured gains.
+Rows are cut by :func:`triangle_blocks`. The sums run in another order than one whole product's,
+within the same rounding bound. bench/NOTES.md has the measured gains.
 """
 from __future__ import annotations
-
-import threading
-from typing import Callable
 
 import numpy as np
 
@@ -32,39 +27,6 @@ from abftgemm.threads import blas_scope
 _BLOCK_ROWS = 128
 #: Rows per block below 256 rows; a product of at most this many rows stays whole.
 _SMALL_BLOCK_ROWS = 64
-
-
-#: ``engine(a, b, out)`` writes ``a @ b`` into ``out`` (NumPy arrays, any strides, as np.matmul).
-GemmEngine = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
-_local = threading.local()
-
-
-class gemm_engine:
-    """``with gemm_engine(engine):`` runs this module's GEMMs in the calling thread as
-    ``engine(a, b, out)`` (float32/float64 arrays, ``out`` possibly a strided view) instead of
-    ``np.matmul``; the engine of an enclosing scope is restored after. What the engine writes is
-    verified as any product."""
-
-    __slots__ = ("engine", "_before")
-
-    def __init__(self, engine: GemmEngine):
-        self.engine = engine
-
-    def __enter__(self) -> None:
-        self._before = getattr(_local, "engine", None)
-        _local.engine = self.engine
-
-    def __exit__(self, *exc: object) -> None:
-        _local.engine = self._before
-
-
-def _gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-    """``out = a @ b`` on this thread's engine (``np.matmul`` by default)."""
-    engine = getattr(_local, "engine", None)
-    if engine is None:
-        np.matmul(a, b, out=out)
-    else:
-        engine(a, b, out)
 
 
 def triangle_blocks(m: int) -> list[tuple[int, int]]:
@@ -92,22 +54,21 @@ def triangular_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray,
             return _matmul(a, b, out)
         for lo, hi in blocks:
             cols = slice(0, min(hi, k)) if triangle == "lower" else slice(min(lo, k), k)
-            _gemm(a[..., lo:hi, cols], b[..., cols, :], out[..., lo:hi, :])
+            np.matmul(a[..., lo:hi, cols], b[..., cols, :], out=out[..., lo:hi, :])
     return out
 
 
 def _matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``out = a @ b``, as one 2-D product when every batch of ``a`` (batch, m, k)
+    """``np.matmul(a, b, out=out)``, as one 2-D product when every batch of ``a`` (batch, m, k)
     shares one ``b`` and ``a`` and ``out`` are stacks of rows: NumPy would run one small GEMM per
     batch, which OpenBLAS cannot spread over its threads as it does one large one
     (bench/NOTES.md)."""
     shared_b = b.ndim == 2 or (b.ndim == 3 and b.shape[0] == 1)
     if a.ndim == out.ndim == 3 and a.shape[0] > 1 and shared_b and _stacked_rows(a) \
             and _stacked_rows(out):
-        _gemm(_as_rows(a), b.reshape(b.shape[-2:]), _as_rows(out))
-    else:
-        _gemm(a, b, out)
-    return out
+        np.matmul(_as_rows(a), b.reshape(b.shape[-2:]), out=_as_rows(out))
+        return out
+    return np.matmul(a, b, out=out)
 
 
 def _as_rows(x: np.ndarray) -> np.ndarray:
@@ -138,7 +99,7 @@ def lower_product(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     with blas_scope():
         for lo, hi in triangle_blocks(m):
             cols = min(hi, n)
-            _gemm(a[..., lo:hi, :], b[..., :, :cols], out[..., lo:hi, :cols])
+            np.matmul(a[..., lo:hi, :], b[..., :, :cols], out=out[..., lo:hi, :cols])
     return out
 
 
@@ -149,5 +110,5 @@ def complete_lower(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     with blas_scope():
         for lo, hi in triangle_blocks(m):
             if hi < n:
-                _gemm(a[..., lo:hi, :], b[..., :, hi:], out[..., lo:hi, hi:])
+                np.matmul(a[..., lo:hi, :], b[..., :, hi:], out=out[..., lo:hi, hi:])
     return out
