@@ -22,3 +22,16 @@ def threads(t: torch.Tensor) -> blas_scope | contextlib.nullcontext:
 
 def array(t: torch.Tensor) -> Any:
     return to_array(t.detach(), "attention input")
+
+
+def eager(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call on ``tensors`` may skip its custom operator's dispatch and run the
+    operator's bodies under a ``torch.autograd.Function``: not while ``torch.compile`` or a
+    tracer records the call, and only on plain tensors and Parameters on a real device (not
+    fake, meta or other tensor subclasses)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    return all(t is None or (type(t) in _PLAIN and t.device.type != "meta") for t in tensors)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)

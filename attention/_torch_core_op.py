@@ -8,6 +8,11 @@ tokens this module shares). The backward reads ``query``, ``key`` and ``value`` 
 saved tensors, never from the forward's views of them (a compiler may reuse their memory). The
 operators' bodies (:func:`run_core_forward`, :func:`run_core_backward`) run the core on the
 tensors' memory for the :class:`attention.torch_core.ProtectedCore` their ``op_id`` names.
+
+:func:`apply_core` is what :class:`attention.torch_core.ProtectedCore` calls: outside
+``torch.compile`` and tracing, on plain tensors, the same bodies run under a
+``torch.autograd.Function`` (:class:`_EagerCore`, the backward's state kept on its context), which
+skips the dispatch of two custom operators and the token.
 """
 from typing import Any, Optional
 
@@ -15,7 +20,9 @@ import torch
 
 from abftgemm._torch import device_scope, to_tensor
 from abftgemm.report import Report
-from attention._torch_arrays import array, threads
+from torch.autograd.function import once_differentiable
+
+from attention._torch_arrays import array, eager, threads
 from attention._torch_op import _module, _state, _token
 from attention.context import Context
 from attention.core import core_backward, core_forward
@@ -72,6 +79,45 @@ def _backward(ctx: Any, d_out: torch.Tensor, d_weights: Any, d_token: Any) -> tu
 
 
 attention_core.register_autograd(_backward, setup_context=_setup_context)
+
+
+def apply_core(op_id: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attn_mask: Optional[torch.Tensor], scale: float, is_causal: bool,
+               need_weights: bool, dropout_keep: Optional[torch.Tensor],
+               dropout: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, weights)`` of :func:`attention_core`, differentiable in ``query``, ``key`` and
+    ``value``: the custom operator where a compiler or tracer may see it, else
+    :class:`_EagerCore` on the same bodies."""
+    args = (op_id, query, key, value, attn_mask, scale, is_causal, need_weights, dropout_keep,
+            dropout)
+    if eager(query, key, value, attn_mask, dropout_keep):
+        return _EagerCore.apply(*args)
+    out, weights, _ = attention_core(*args)
+    return out, weights
+
+
+class _EagerCore(torch.autograd.Function):
+    """:func:`attention_core` and its backward without custom operators' dispatch."""
+
+    @staticmethod
+    def forward(ctx: Any, op_id: int, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, attn_mask: Optional[torch.Tensor], scale: float,
+                is_causal: bool, need_weights: bool, dropout_keep: Optional[torch.Tensor],
+                dropout: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out, weights, state = run_core_forward(_module(op_id), query, key, value, attn_mask,
+                                               scale, is_causal, need_weights, dropout_keep,
+                                               dropout)
+        ctx.mark_non_differentiable(weights)
+        ctx.save_for_backward(query, key, value)
+        ctx.state = state
+        return out, weights
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, d_out: torch.Tensor, d_weights: Any) -> tuple:
+        query, key, value = ctx.saved_tensors
+        dq, dk, dv = run_core_backward(ctx.state, d_out.contiguous(), query, key, value)
+        return None, dq, dk, dv, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------ the operators' bodies

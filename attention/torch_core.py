@@ -109,7 +109,7 @@ class ProtectedCore:
         if not 0 <= dropout <= 1:
             raise ValueError(f"dropout must be a probability in [0, 1], got {dropout}")
         keep = torch.rand((n, seq_q, seq_k), device=q.device) >= dropout if dropout else None
-        out, weights, _ = _torch_core_op.attention_core(
+        out, weights = _torch_core_op.apply_core(
             self.op_id, q, k, v, mask, 1 / d ** 0.5 if scale is None else float(scale),
             bool(is_causal), need_weights, keep, float(dropout))
         out = out.view(*lead, seq_q, d)

@@ -117,8 +117,8 @@ class ProtectedLinearCore:
             bias = None if bias is None else bias.to(dtype)
         n_in, n_out = weight.shape if weight_in_out else weight.shape[::-1]
         _check_operands(x, weight, bias, n_in, n_out)
-        y = _torch_linear_op.linear(self.op_id, x.reshape(-1, n_in).contiguous(), weight, bias,
-                                    weight_in_out)
+        y = _torch_linear_op.apply_linear(self.op_id, x.reshape(-1, n_in).contiguous(), weight,
+                                          bias, weight_in_out)
         return y.view(*x.shape[:-1], n_out)
 
     def __getstate__(self) -> dict[str, Any]:

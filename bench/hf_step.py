@@ -3,7 +3,7 @@
 Usage::
 
     python bench/hf_step.py [--layers 4] [--width 256] [--heads 4] [--seq 128] [--batch 8]
-                            [--repeats 5]
+                            [--repeats 5] [--cpu-time] [--json PATH]
 
 Models are built from configs in code (random weights and token ids, dropout 0, fp32, CPU). Each
 implementation's forward + backward + SGD step is timed in interleaved rounds (load that comes and
@@ -11,12 +11,17 @@ goes hits each alike); the median of ``--repeats`` rounds is printed with the ra
 ``/proc/loadavg`` (other work on the machine shows there). Protected variants, each against
 "sdpa": ``attention`` (the attention products only: ``protect(model, projections=False)``),
 ``projections`` (those and the Q, K, V and output projections: ``protect(model)``) and ``mlp``
-(the feed-forward layers too: ``protect(model, mlp=True)``).
+(the feed-forward layers too: ``protect(model, mlp=True)``). ``--cpu-time`` runs PyTorch on one thread
+and times the CPU time of that thread (``time.thread_time``): the work a step does, which other
+load on the machine inflates far less than wall time, but without what a second thread gains.
+``--json`` also writes the settings,
+the CPU, the load before and after, every round's time and the medians to a file.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import platform
 import statistics
 import sys
@@ -58,27 +63,60 @@ def main() -> None:
     for name, default in (("layers", 4), ("width", 256), ("heads", 4), ("seq", 128),
                           ("batch", 8), ("repeats", 5)):
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--cpu-time", action="store_true",
+                   help="one PyTorch thread, timed by its CPU time (time.thread_time)")
+    p.add_argument("--json", type=Path, help="also write the results to this file")
     args = p.parse_args()
+    if args.cpu_time:
+        torch.set_num_threads(1)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     torch.manual_seed(0)
     ids = torch.randint(3, 1000, (args.batch, args.seq))
-    print(f"{platform.processor() or platform.machine()}, torch threads "
-          f"{torch.get_num_threads()}, load {open('/proc/loadavg').read().split()[:3]}")
+    result = {"settings": {k: v for k, v in vars(args).items() if k != "json"},
+              "cpu": _cpu_model(), "torch_threads": torch.get_num_threads(),
+              "load_before": _load(), "families": {}}
+    print(f"{result['cpu']}, torch threads {result['torch_threads']}, "
+          f"load {result['load_before']}")
     for family in ("gpt2", "bert"):
         models = _models(family, args)
         opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in models.items()}
         times: dict[str, list[float]] = {k: [] for k in models}
         for round_ in range(args.repeats + 1):  # the first round warms up
             for k, m in models.items():
-                start = time.perf_counter()
+                start = clock()
                 opts[k].zero_grad()
                 m(ids).logits.float().pow(2).mean().backward()
                 opts[k].step()
                 if round_:
-                    times[k].append(time.perf_counter() - start)
+                    times[k].append(clock() - start)
         med = {k: statistics.median(v) for k, v in times.items()}
         print(f"{family}: " + ", ".join(f"{k} {1e3 * v:.0f} ms ({v / med['sdpa']:.2f}x)"
                                         for k, v in med.items()))
-    print(f"load after {open('/proc/loadavg').read().split()[:3]}")
+        result["families"][family] = {
+            "seconds": times, "median_s": med,
+            "ratio_to_sdpa": {k: v / med["sdpa"] for k, v in med.items()}}
+    result["load_after"] = _load()
+    print(f"load after {result['load_after']}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def _load() -> list[str]:
+    """The load averages of ``/proc/loadavg`` (1, 5 and 15 minutes)."""
+    with open("/proc/loadavg") as f:
+        return f.read().split()[:3]
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,55 @@
+"""The eager path of the protected PyTorch products (attention._torch_arrays.eager,
+attention._torch_linear_op.apply_linear, attention._torch_core_op.apply_core) against their custom
+operators."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from attention import _torch_arrays, _torch_core_op, _torch_linear_op  # noqa: E402
+from attention.torch_core import ProtectedCore  # noqa: E402
+from attention.torch_linear import ProtectedLinearCore  # noqa: E402
+
+
+def _run_linear(core, x, w, b):
+    x, w, b = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    y = core(x, w, b, weight_in_out=False)
+    (y * torch.arange(y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+    return [y.detach(), x.grad, w.grad, b.grad]
+
+
+def _run_core(core, q, k, v, causal):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, weights = core(q, k, v, is_causal=causal, need_weights=True)
+    (out * torch.arange(out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    return [out.detach(), weights, q.grad, k.grad, v.grad]
+
+
+def test_eager_path_equals_the_custom_operators(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=gen) for s in ((2, 5, 12), (7, 12), (7,)))
+    q, k, v = (torch.randn(2, 3, 16, 8, generator=gen) for _ in range(3))
+    linear, core = ProtectedLinearCore(), ProtectedCore()
+    eager = [_run_linear(linear, x, w, b)] + [_run_core(core, q, k, v, c) for c in (False, True)]
+    assert linear.last_report.checked and core.last_report.checked
+    monkeypatch.setattr(_torch_linear_op, "eager", lambda *t: False)
+    monkeypatch.setattr(_torch_core_op, "eager", lambda *t: False)
+    ops = [_run_linear(linear, x, w, b)] + [_run_core(core, q, k, v, c) for c in (False, True)]
+    for mine, theirs in zip(eager, ops):
+        for a, b_ in zip(mine, theirs):
+            assert torch.equal(a, b_)
+
+
+def test_eager_only_on_plain_tensors():
+    t = torch.ones(2)
+    assert _torch_arrays.eager(t, torch.nn.Parameter(t), None)
+    assert not _torch_arrays.eager(t, torch.ones(2, device="meta"))
+
+
+def test_eager_backward_refuses_double_backward():
+    x = torch.randn(4, 6, requires_grad=True)
+    w, b = torch.randn(3, 6, requires_grad=True), torch.randn(3, requires_grad=True)
+    linear = ProtectedLinearCore()
+    y = linear(x, w, b, weight_in_out=False)
+    (gx,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gx.sum().backward()
