@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.utils import output_capturing
 
 from attention.torch_core import ProtectedCore
 
@@ -75,7 +76,9 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     Returns
     -------
     attn_output : tensor (batch, L, heads, D)
-    attn_weights : tensor (batch, heads, L, S), without gradient
+    attn_weights : tensor (batch, heads, L, S) without gradient, or None
+        None when the model's forward collects no attention weights (no ``output_attentions``):
+        the product may then run on the fused core (:mod:`attention.fused`), which makes none.
     """
     for name in _REFUSED:
         if kwargs.get(name) is not None:
@@ -93,9 +96,19 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=query.device).triu(
             seq_k - seq_q + 1)
         causal = False
-    out, weights = core_of(module)(query, key, value, mask, scaling, causal, need_weights=True,
+    wanted = _weights_wanted()
+    out, weights = core_of(module)(query, key, value, mask, scaling, causal, need_weights=wanted,
                                    dropout=dropout)
-    return out.transpose(1, 2), weights
+    return out.transpose(1, 2), weights if wanted else None
+
+
+def _weights_wanted() -> bool:
+    """Whether the running forward may collect attention weights: True unless transformers'
+    output collector (``output_attentions`` and its kin) is active and collects none. Called
+    outside a model's forward, or where transformers has no such collector, weights are made."""
+    collector = getattr(output_capturing, "_active_collector", None)
+    collected = None if collector is None else collector.get()
+    return not isinstance(collected, dict) or any("attention" in key for key in collected)
 
 
 def not_allowed(mask: torch.Tensor | None) -> torch.Tensor | None:

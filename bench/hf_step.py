@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 def _models(family: str, args: argparse.Namespace) -> dict:
     import transformers as t
 
+    from attention.hf import core_of
     from attention.torch import protect
 
     if family == "gpt2":
@@ -50,9 +51,13 @@ def _models(family: str, args: argparse.Namespace) -> dict:
         base = t.BertForMaskedLM(cfg)
     eager = copy.deepcopy(base)
     eager.set_attn_implementation("eager")
+    unfused = protect(copy.deepcopy(base))
+    for module in unfused.modules():
+        if "abft_core" in module.__dict__:
+            core_of(module).core = "unfused"
     return {"sdpa": base, "eager": eager,
             "attention": protect(copy.deepcopy(base), projections=False),
-            "projections": protect(copy.deepcopy(base)),
+            "projections": protect(copy.deepcopy(base)), "unfused": unfused,
             "mlp": protect(copy.deepcopy(base), mlp=True)}
 
 

@@ -203,3 +203,22 @@ def test_bfloat16_autocast_equals_eager(family):
                      {n: p.grad.clone() for n, p in model.named_parameters()}))
     assert_same_step(runs[1], runs[0], rtol=RTOL_BF16)
     assert any(c.last_report.checked for c in attention_cores(model).values())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_fused_core_without_padding_and_weights_when_asked(family):
+    # no padding mask and no output_attentions: the fused core runs, equal to eager; asked for
+    # the attention weights, the unfused core makes them, equal to eager's
+    eager = build(family)
+    model = protect(copy.deepcopy(eager))
+    ids, _ = batch()
+    full = torch.ones_like(ids)
+    got, want = step(model, ids, full), step(eager, ids, full)
+    assert_same_step(got, want)
+    assert {c.last_core for c in attention_cores(model).values()} == {"fused"}
+    out = model(ids, output_attentions=True)
+    ref = eager(ids, output_attentions=True)
+    assert {c.last_core for c in attention_cores(model).values()} == {"unfused"}
+    assert len(out.attentions) == len(ref.attentions) == 2
+    for a, b in zip(out.attentions, ref.attentions):
+        assert_close(a, b)
