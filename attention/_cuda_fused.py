@@ -31,8 +31,9 @@ from abftgemm.faults import near_inf_value
 from attention import _cpu_fused as K
 from attention import kernels
 from attention.context import Context
-from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, book, coefficients,
-                                   dscores_tolerance, probs_tolerance)
+from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, book, check_inputs,
+                                   coefficients, dscores_tolerance, key_visible_of,
+                                   probs_tolerance)
 
 BR = 32  # query rows per block (FBR in fused.cu)
 BC = 32  # keys per tile (FBC)
@@ -238,36 +239,15 @@ def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
         if t.dtype.name not in kernels.CUDA_TYPES or t.dtype != q.dtype:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, of q's dtype "
                             f"{q.dtype}; got {t.dtype}")
-        if t.ndim != 3:
-            raise ValueError(f"{name} must be 3-D (batch * heads, seq, head_dim), got {t.shape}")
-        if not t.flags.c_contiguous:
-            raise ValueError(f"{name} must be C-contiguous")
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
-        raise ValueError(f"q {q.shape}, k {k.shape} and v {v.shape} must be (n, seq_q, d), "
-                         "(n, seq_k, d), (n, seq_k, d)")
-    if min(q.shape) < 1 or k.shape[1] < 1:
-        raise ValueError(f"every dimension must be at least 1, got q {q.shape}, k {k.shape}")
+    scale = check_inputs(q, k, v, scale, causal, _finite)
     if q.shape[2] > MAX_HEAD_DIM:
         raise ValueError(f"the fused CUDA core takes head dims up to {MAX_HEAD_DIM}, got "
                          f"{q.shape[2]}")
     if max(q.shape[1], k.shape[1]) * q.shape[2] > INT32_MAX:
         raise ValueError("the fused CUDA core indexes one head in 32 bits")
-    if causal and q.shape[1] != k.shape[1]:
-        raise ValueError(f"causal=True needs seq_q == seq_k (got {q.shape[1]} and {k.shape[1]})")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not _finite(t):
-            raise ValueError(f"{name} holds INF or NaN; the fused core takes finite data only "
-                             "(attention.core passes non-finite inputs through)")
-    scale = 1 / math.sqrt(q.shape[2]) if scale is None else float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite number, got {scale}")
     if key_visible is None:
         return scale, None
-    key_visible = cupy.asarray(key_visible)
-    if key_visible.dtype != bool or key_visible.shape != (q.shape[0], k.shape[1]):
-        raise ValueError(f"key_visible must be a bool array of shape {(q.shape[0], k.shape[1])},"
-                         f" got {key_visible.dtype} {key_visible.shape}")
-    return scale, cupy.ascontiguousarray(key_visible)
+    return scale, key_visible_of(cupy, key_visible, q, k)
 
 
 def _finite(x: cupy.ndarray) -> bool:

@@ -79,8 +79,8 @@ dtype, float64 checksums):
   the data's dtype, adds at most ``1.01 u`` per entry to the logarithm, the float64 ``log`` and
   sums nothing that counts. The tolerance is twice the sum, ``sum_j (8u + 8u |x_j|)`` over the
   row's normal entries (``sum_j |x_j| = |sum_j x_j|``: every ``x_j <= 0``, ``m_i`` being the
-  row's max forward and the log-sum-exp, at least that max, backward) (the entry-by-entry pass that locates a flagged entry uses ``8u + 8u
-  |x|`` per entry with the 2-ulp float32 ``log``);
+  row's max forward and the log-sum-exp, at least that max, backward) (the entry-by-entry pass
+  that locates a flagged entry uses ``8u + 8u |x|`` per entry with the 2-ulp float32 ``log``);
 - ``dS``: ``fl(P fl(dP - D))`` errs by at most ``2.01 u P (|dP| + |D|)`` per element; the float64
   sums of at most 64 terms add ``64 u64`` each; the tolerance is twice the sum, ``(4u + 4 * 64
   u64) * sum_j P (|dP| + |D|)`` (times ``|dP|`` for the weighted invariant) plus the smallest
@@ -88,7 +88,6 @@ dtype, float64 checksums):
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numba
@@ -101,6 +100,7 @@ from attention.context import Context
 from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, FUSED_SITES,  # noqa: F401
                                    coefficients, dscores_tolerance, probs_tolerance)
 from attention.fused_rules import book as _book
+from attention.fused_rules import check_inputs, key_visible_of
 
 SUPPORTED = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -229,31 +229,10 @@ def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
         if t.dtype not in SUPPORTED or t.dtype != q.dtype:
             raise TypeError(f"{name} must be float32 or float64, of q's dtype {q.dtype}; got "
                             f"{t.dtype}")
-        if t.ndim != 3:
-            raise ValueError(f"{name} must be 3-D (batch * heads, seq, head_dim), got {t.shape}")
-        if not t.flags.c_contiguous:
-            raise ValueError(f"{name} must be C-contiguous")
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
-        raise ValueError(f"q {q.shape}, k {k.shape} and v {v.shape} must be (n, seq_q, d), "
-                         "(n, seq_k, d), (n, seq_k, d)")
-    if min(q.shape) < 1 or k.shape[1] < 1:
-        raise ValueError(f"every dimension must be at least 1, got q {q.shape}, k {k.shape}")
-    if causal and q.shape[1] != k.shape[1]:
-        raise ValueError(f"causal=True needs seq_q == seq_k (got {q.shape[1]} and {k.shape[1]})")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not np.isfinite(t).all():
-            raise ValueError(f"{name} holds INF or NaN; the fused core takes finite data only "
-                             "(attention.core passes non-finite inputs through)")
-    scale = 1 / math.sqrt(q.shape[2]) if scale is None else float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite number, got {scale}")
+    scale = check_inputs(q, k, v, scale, causal, lambda t: bool(np.isfinite(t).all()))
     if key_visible is None:
         return scale, np.ones((1, 0), bool)
-    key_visible = np.asarray(key_visible)
-    if key_visible.dtype != bool or key_visible.shape != (q.shape[0], k.shape[1]):
-        raise ValueError(f"key_visible must be a bool array of shape {(q.shape[0], k.shape[1])},"
-                         f" got {key_visible.dtype} {key_visible.shape}")
-    return scale, np.ascontiguousarray(key_visible)
+    return scale, key_visible_of(np, key_visible, q, k)
 
 
 def _row_encodings(x: np.ndarray, check: bool) -> np.ndarray:

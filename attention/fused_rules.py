@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -68,6 +68,42 @@ def dscores_tolerance(dtype: np.dtype, length: int = K.BC) -> np.ndarray:
     """``(c, tiny)`` of the ``dS`` invariants: ``c`` times a row's magnitude plus ``tiny`` per
     term (``length``: keys per tile)."""
     return np.array([4 * unit_roundoff(dtype) + 4 * length * _U64, smallest_normal(dtype)])
+
+
+def check_inputs(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
+                 finite: Callable[[Any], bool]) -> float:
+    """The input checks both backends share, after each checked its array type and dtypes:
+    3-D, C-contiguous, matching shapes, ``causal`` only for square products, finite data
+    (``finite(t)``) and a positive finite scale, which is returned (default ``1 / sqrt(d)``)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.ndim != 3:
+            raise ValueError(f"{name} must be 3-D (batch * heads, seq, head_dim), got {t.shape}")
+        if not t.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q {q.shape}, k {k.shape} and v {v.shape} must be (n, seq_q, d), "
+                         "(n, seq_k, d), (n, seq_k, d)")
+    if min(q.shape) < 1 or k.shape[1] < 1:
+        raise ValueError(f"every dimension must be at least 1, got q {q.shape}, k {k.shape}")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal=True needs seq_q == seq_k (got {q.shape[1]} and {k.shape[1]})")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not finite(t):
+            raise ValueError(f"{name} holds INF or NaN; the fused core takes finite data only "
+                             "(attention.core passes non-finite inputs through)")
+    scale = 1 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+    return scale
+
+
+def key_visible_of(xp: Any, key_visible: Any, q: Any, k: Any) -> Any:
+    """``key_visible`` as a C-contiguous ``(n, seq_k)`` bool array of ``xp``, checked."""
+    key_visible = xp.asarray(key_visible)
+    if key_visible.dtype != bool or key_visible.shape != (q.shape[0], k.shape[1]):
+        raise ValueError(f"key_visible must be a bool array of shape {(q.shape[0], k.shape[1])},"
+                         f" got {key_visible.dtype} {key_visible.shape}")
+    return xp.ascontiguousarray(key_visible)
 
 
 def book(ctx: Context, rec: np.ndarray, status: np.ndarray, batch_of: Any,
