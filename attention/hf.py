@@ -36,7 +36,7 @@ NAME = "abft"
 #: Keyword arguments transformers may pass that the protected product cannot honour.
 _REFUSED = ("head_mask", "softcap", "sliding_window", "s_aux", "sinks", "position_bias")
 
-__all__ = ["NAME", "abft_attention_forward", "core_of"]
+__all__ = ["NAME", "abft_attention_forward", "core_of", "weights_wanted"]
 
 
 def core_of(module: torch.nn.Module) -> ProtectedCore:
@@ -96,13 +96,13 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=query.device).triu(
             seq_k - seq_q + 1)
         causal = False
-    wanted = _weights_wanted()
+    wanted = weights_wanted()
     out, weights = core_of(module)(query, key, value, mask, scaling, causal, need_weights=wanted,
                                    dropout=dropout)
     return out.transpose(1, 2), weights if wanted else None
 
 
-def _weights_wanted() -> bool:
+def weights_wanted() -> bool:
     """Whether the running forward may collect attention weights: True unless transformers'
     output collector (``output_attentions`` and its kin) is active and collects none. Called
     outside a model's forward, or where transformers has no such collector, weights are made."""

@@ -22,7 +22,7 @@ from torch import nn
 from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
 
 import abftgemm
-from attention.hf import NAME, core_of, not_allowed
+from attention.hf import NAME, core_of, not_allowed, weights_wanted
 from attention.hf_linear import projection_cores, protect_projections
 from attention.torch_core import ProtectedCore
 
@@ -33,10 +33,11 @@ __all__ = ["protect_pretrained", "ProtectedGPTNeoSelfAttention", "attention_core
 class ProtectedGPTNeoSelfAttention(GPTNeoSelfAttention):
     """GPT-Neo's self-attention with its attention product on the protected core (unscaled
     scores, the module's causal or local window mask, the model's additive mask, its attention
-    dropout in training)."""
+    dropout in training). Attention weights are made only where the forward collects them
+    (:func:`attention.hf.weights_wanted`)."""
 
     def _attn(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         seq_q, seq_k = query.size(-2), key.size(-2)
         dtype = value.dtype
         # As GPT-Neo's eager attention: the scores in float32.
@@ -47,9 +48,10 @@ class ProtectedGPTNeoSelfAttention(GPTNeoSelfAttention):
             hidden = self.bias[:, :, seq_k - seq_q:seq_k, :seq_k].logical_not()
             mask = hidden if attention_mask is None else \
                 not_allowed(attention_mask).to(torch.float32).masked_fill(hidden, -math.inf)
-        out, weights = core_of(self)(query, key, value, mask, 1.0, causal, need_weights=True,
+        wanted = weights_wanted()
+        out, weights = core_of(self)(query, key, value, mask, 1.0, causal, need_weights=wanted,
                                      dropout=self.attn_dropout.p if self.training else 0.0)
-        return out.to(dtype), weights.to(dtype)
+        return out.to(dtype), weights.to(dtype) if wanted else None
 
 
 def protect_pretrained(model: nn.Module, *, check: str = "correct", projections: bool = True,
