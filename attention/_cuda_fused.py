@@ -31,9 +31,9 @@ from abftgemm.faults import near_inf_value
 from attention import _cpu_fused as K
 from attention import kernels
 from attention.context import Context
-from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, book, check_inputs,
-                                   coefficients, dscores_tolerance, key_visible_of,
-                                   probs_tolerance)
+from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, book, check_gradient,
+                                   check_inputs, coefficients, dscores_tolerance,
+                                   key_visible_of, probs_tolerance)
 
 BR = 32  # query rows per block (FBR in fused.cu)
 BC = 32  # keys per tile (FBC)
@@ -163,14 +163,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
     gradient ``d_out`` of :func:`fused_forward`'s output (C-contiguous, its dtype, finite)."""
     fault = _fault(ctx)
     q, k, v, out, lse = (saved[key] for key in ("q", "k", "v", "out", "lse"))
-    if not isinstance(d_out, cupy.ndarray) or d_out.shape != q.shape or d_out.dtype != q.dtype:
-        raise ValueError(f"d_out must be a CuPy array of shape {q.shape} and dtype {q.dtype}, "
-                         f"got {type(d_out).__name__} {getattr(d_out, 'shape', None)} "
-                         f"{getattr(d_out, 'dtype', None)}")
-    if not d_out.flags.c_contiguous:
-        raise ValueError("d_out must be C-contiguous")
-    if not _finite(d_out):
-        raise ValueError("d_out holds INF or NaN; the fused core takes finite data only")
+    check_gradient(cupy, d_out, q, _finite)
     n, lq, d = q.shape
     lk = k.shape[1]
     arith = _arith(q.dtype)

@@ -100,7 +100,7 @@ from attention.context import Context
 from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, FUSED_SITES,  # noqa: F401
                                    coefficients, dscores_tolerance, probs_tolerance)
 from attention.fused_rules import book as _book
-from attention.fused_rules import check_inputs, key_visible_of
+from attention.fused_rules import check_gradient, check_inputs, key_visible_of
 
 SUPPORTED = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -186,14 +186,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
         from attention import _cuda_fused
         return _cuda_fused.fused_backward(saved, d_out, ctx)
     q, k, v, out, lse = (saved[key] for key in ("q", "k", "v", "out", "lse"))
-    if not isinstance(d_out, np.ndarray) or d_out.shape != q.shape or d_out.dtype != q.dtype:
-        raise ValueError(f"d_out must be a NumPy array of shape {q.shape} and dtype {q.dtype}, "
-                         f"got {type(d_out).__name__} {getattr(d_out, 'shape', None)} "
-                         f"{getattr(d_out, 'dtype', None)}")
-    if not d_out.flags.c_contiguous:
-        raise ValueError("d_out must be C-contiguous")
-    if not np.isfinite(d_out).all():
-        raise ValueError("d_out holds INF or NaN; the fused core takes finite data only")
+    check_gradient(np, d_out, q, lambda t: bool(np.isfinite(t).all()))
     n, lq, d = q.shape
     lk, dt = k.shape[1], q.dtype
     check, correct = ctx.check != "off", ctx.check == "correct"

@@ -97,6 +97,18 @@ def check_inputs(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
     return scale
 
 
+def check_gradient(xp: Any, d_out: Any, q: Any, finite: Callable[[Any], bool]) -> None:
+    """``d_out`` must be a C-contiguous, finite ``xp`` array of ``q``'s shape and dtype."""
+    if not isinstance(d_out, xp.ndarray) or d_out.shape != q.shape or d_out.dtype != q.dtype:
+        raise ValueError(f"d_out must be a {xp.__name__} array of shape {q.shape} and dtype "
+                         f"{q.dtype}, got {type(d_out).__name__} {getattr(d_out, 'shape', None)} "
+                         f"{getattr(d_out, 'dtype', None)}")
+    if not d_out.flags.c_contiguous:
+        raise ValueError("d_out must be C-contiguous")
+    if not finite(d_out):
+        raise ValueError("d_out holds INF or NaN; the fused core takes finite data only")
+
+
 def key_visible_of(xp: Any, key_visible: Any, q: Any, k: Any) -> Any:
     """``key_visible`` as a C-contiguous ``(n, seq_k)`` bool array of ``xp``, checked."""
     key_visible = xp.asarray(key_visible)
