@@ -435,9 +435,11 @@ def _dscores_ratio(ds: Any, p: Any, dp: Any, dd: Any, tol: Any, info: Any) -> fl
 
 
 @numba.njit(cache=True, fastmath=_FAST)
-def _mask(s: Any, scale: Any, i0: int, j0: int, causal: bool, visible: Any) -> None:
-    """``s = scale * s`` in place, ``-inf`` where masked: keys ``j > i`` (``causal``) and keys
-    that ``visible`` (empty: all) hides."""
+def _mask(s: Any, scale: Any, i0: int, j0: int, causal: bool, visible: Any, add: Any) -> None:
+    """``s = scale * s (+ add)`` in place, ``-inf`` where masked: keys ``j > i`` (``causal``) and
+    keys that ``visible`` (empty: all) hides. ``add`` ``(seq_q, seq_k)`` float64 (or an empty
+    ``(0, 0)``: none) is added to the scaled score in float64 and the sum rounded to the data's
+    dtype, as the unfused softmax does (:mod:`attention._cpu_softmax`)."""
     rows, cols = s.shape
     ninf = like(scale, -np.inf)
     for r in range(rows):
@@ -446,6 +448,10 @@ def _mask(s: Any, scale: Any, i0: int, j0: int, causal: bool, visible: Any) -> N
         row = s[r]
         for j in range(lim):
             row[j] *= scale
+        if add.shape[1]:
+            ar = add[i0 + r]
+            for j in range(lim):
+                row[j] = like(scale, row[j] + ar[j0 + j])
         for j in range(lim, cols):
             row[j] = ninf
         if visible.size:
@@ -545,7 +551,7 @@ def _settle(rec: Any, site: int, attempt: int, ratio: float, correct: bool, info
 # ------------------------------------------------------------------ forward
 
 
-def _forward_block(q: Any, k: Any, v: Any, ve: Any, visible: Any, b: int, i0: int,
+def _forward_block(q: Any, k: Any, v: Any, ve: Any, visible: Any, add: Any, b: int, i0: int,
                    scale: Any, causal: bool, check: bool, correct: bool, c_s: Any, c_o: Any,
                    c_l: Any, tol_p: Any, out: Any, lse: Any, rec: Any) -> int:
     """One query block ``[i0, i0 + BR)`` of head ``b``: online softmax over the key tiles with
@@ -557,6 +563,7 @@ def _forward_block(q: Any, k: Any, v: Any, ve: Any, visible: Any, b: int, i0: in
     rows = i1 - i0
     qb = q[b, i0:i1]
     vis = visible[b] if visible.shape[1] else visible[0]
+    addh = add[b] if add.shape[0] > 1 else add[0]
     dt = q.dtype
     qenc = np.zeros((3, d))
     if check:
@@ -597,7 +604,7 @@ def _forward_block(q: Any, k: Any, v: Any, ve: Any, visible: Any, b: int, i0: in
                     break
             if st < 0:
                 return -1
-            _mask(s, scale, i0, j0, causal, vis)
+            _mask(s, scale, i0, j0, causal, vis, addh)
             _new_max(s, m, alpha)
             for a in range(2):
                 _exp_rows(s, m, p)
@@ -636,7 +643,8 @@ def _forward_block(q: Any, k: Any, v: Any, ve: Any, visible: Any, b: int, i0: in
 
 
 def _backward_tile(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any, qe: Any,
-                   ke: Any, doe: Any, vis: Any, b: int, i0: int, j0: int, j1: int, kenc: Any,
+                   ke: Any, doe: Any, vis: Any, addh: Any, b: int, i0: int, j0: int, j1: int,
+                   kenc: Any,
                    venc: Any, scale: Any, causal: bool, check: bool, correct: bool, c_s: Any,
                    tol_p: Any, tol_ds: Any, bufs: Any, dkb: Any, dvb: Any, dkc: Any, dvc: Any,
                    dq: Any, dqc: Any, do_kv: bool, do_q: bool, rec: Any, info: Any, pred: Any,
@@ -669,7 +677,7 @@ def _backward_tile(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any, qe: Any,
             break
     if st < 0:
         return -1
-    _mask(s, scale, i0, j0, causal, vis)
+    _mask(s, scale, i0, j0, causal, vis, addh)
     for a in range(2):
         _exp_rows(s, lse_i, p)
         _HOOK(P_, p)
@@ -722,7 +730,8 @@ def _backward_tile(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any, qe: Any,
 
 
 def _backward_head(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any,
-                   qe: Any, ke: Any, doe: Any, visible: Any, b: int, scale: Any, causal: bool,
+                   qe: Any, ke: Any, doe: Any, visible: Any, add: Any, b: int, scale: Any,
+                   causal: bool,
                    check: bool, correct: bool, c_s: Any, c_kv: Any, c_q: Any, tol_p: Any,
                    tol_ds: Any, dq: Any, dk: Any, dv: Any, dqc: Any, rec: Any) -> int:
     """Head ``b``, FlashAttention-2 order: key blocks outside, query blocks inside; ``dK`` and
@@ -734,6 +743,7 @@ def _backward_head(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any,
     lk = k.shape[1]
     dt = q.dtype
     vis = visible[b] if visible.shape[1] else visible[0]
+    addh = add[b] if add.shape[0] > 1 else add[0]
     kenc, venc = np.zeros((3, d)), np.zeros((3, d))
     bufs = np.empty((4, BR * BC), dt)
     dkb, dvb = np.empty((BC, d), dt), np.empty((BC, d), dt)
@@ -755,7 +765,7 @@ def _backward_head(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any,
             dkc[:] = 0.0
             dvc[:] = 0.0
             for i0 in range(first, lq, BR):
-                if _TILE(q, k, v, do, dd, lse, qe, ke, doe, vis, b, i0, j0, j1, kenc, venc,
+                if _TILE(q, k, v, do, dd, lse, qe, ke, doe, vis, addh, b, i0, j0, j1, kenc, venc,
                         scale, causal, check, correct, c_s, tol_p, tol_ds, bufs, dkb[:cols],
                         dvb[:cols], dkc, dvc, dq, dqc, True, attempt == 0, rec,
                         info, pred, obs) < 0:
@@ -787,7 +797,7 @@ def _backward_head(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any,
                     j1 = min(j0 + BC, lk)
                     _encode_cols(k[b, j0:j1], kenc)
                     _encode_cols(v[b, j0:j1], venc)
-                    if _TILE(q, k, v, do, dd, lse, qe, ke, doe, vis, b, i0, j0, j1, kenc,
+                    if _TILE(q, k, v, do, dd, lse, qe, ke, doe, vis, addh, b, i0, j0, j1, kenc,
                             venc, scale, causal, check, correct, c_s, tol_p, tol_ds, bufs,
                             dkb[:j1 - j0], dvb[:j1 - j0], dkc, dvc, dq, dqc,
                             False, True, rec, info, pred, obs) < 0:
@@ -826,25 +836,25 @@ def python_drivers(hook: Any) -> tuple[Any, Any]:
 
 
 @numba.njit(cache=True, parallel=True)
-def forward(q: Any, k: Any, v: Any, ve: Any, visible: Any, scale: Any, causal: bool,
+def forward(q: Any, k: Any, v: Any, ve: Any, visible: Any, add: Any, scale: Any, causal: bool,
             check: bool, correct: bool, c_s: Any, c_o: Any, c_l: Any, tol_p: Any, out: Any,
             lse: Any, rec: Any, status: Any) -> None:
     """Every (head, query block) in parallel (:func:`_forward_block`)."""
     nqb = (q.shape[1] + BR - 1) // BR
     for t in numba.prange(q.shape[0] * nqb):
-        status[t] = _forward_block_jit(q, k, v, ve, visible, t // nqb, (t % nqb) * BR, scale,
+        status[t] = _forward_block_jit(q, k, v, ve, visible, add, t // nqb, (t % nqb) * BR, scale,
                                        causal, check, correct, c_s, c_o, c_l, tol_p, out, lse,
                                        rec[t])
 
 
 @numba.njit(cache=True, parallel=True)
 def backward(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any, qe: Any,
-             ke: Any, doe: Any, visible: Any, scale: Any, causal: bool, check: bool,
+             ke: Any, doe: Any, visible: Any, add: Any, scale: Any, causal: bool, check: bool,
              correct: bool, c_s: Any, c_kv: Any, c_q: Any, tol_p: Any, tol_ds: Any, dq: Any,
              dk: Any, dv: Any, dqc: Any, rec: Any, status: Any) -> None:
     """Every head in parallel (:func:`_backward_head`)."""
     for b in numba.prange(q.shape[0]):
-        status[b] = _backward_head_jit(q, k, v, do, dd, lse, qe, ke, doe, visible, b,
+        status[b] = _backward_head_jit(q, k, v, do, dd, lse, qe, ke, doe, visible, add, b,
                                        scale, causal, check, correct, c_s, c_kv, c_q, tol_p,
                                        tol_ds, dq, dk, dv, dqc, rec[b])
 

@@ -31,9 +31,9 @@ from abftgemm.faults import near_inf_value
 from attention import _cpu_fused as K
 from attention import kernels
 from attention.context import Context
-from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, book, check_gradient,
-                                   check_inputs, coefficients, dscores_tolerance,
-                                   key_visible_of, probs_tolerance)
+from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, additive_of, book,
+                                   check_gradient, check_inputs, coefficients,
+                                   dscores_tolerance, key_visible_of, probs_tolerance)
 
 BR = 32  # query rows per block (FBR in fused.cu)
 BC = 32  # keys per tile (FBC)
@@ -121,12 +121,13 @@ class DeviceFault:
 
 
 def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = None,
-                  causal: bool = False, key_visible: Any | None = None
-                  ) -> tuple[cupy.ndarray, dict[str, Any]]:
+                  causal: bool = False, key_visible: Any | None = None,
+                  attn_mask: Any | None = None) -> tuple[cupy.ndarray, dict[str, Any]]:
     """:func:`attention.fused.fused_forward` for CuPy arrays (float16, bfloat16, float32 or
     float64, head dim at most :data:`MAX_HEAD_DIM`); ``saved["lse"]`` is float32 below float64."""
     fault = _fault(ctx)
     scale, visible = _validate(q, k, v, scale, causal, key_visible)
+    add = None if attn_mask is None else additive_of(cupy, attn_mask, q, k)
     n, lq, d = q.shape
     lk = k.shape[1]
     arith = _arith(q.dtype)
@@ -147,14 +148,14 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     with q.device:
         _kernel(q.device.id, kernels.FUSED_FORWARD, q.dtype.name)(
             (n * nqb,), (_THREADS,),
-            (q, k, v, ve, visible, numpy.int32(lq), numpy.int32(lk), numpy.int32(d),
-             numpy.float64(scale), numpy.int32(causal), numpy.int32(check), numpy.int32(correct),
-             params, desc, out, lse, rec, status))
+            (q, k, v, ve, visible, add, _stride(add), numpy.int32(lq), numpy.int32(lk),
+             numpy.int32(d), numpy.float64(scale), numpy.int32(causal), numpy.int32(check),
+             numpy.int32(correct), params, desc, out, lse, rec, status))
     if fault is not None:
         fault.record(desc)
     book(ctx, rec.get(), status.get(), lambda t: t // nqb, FORWARD_SITES, check)
     return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "scale": scale,
-                 "causal": causal, "visible": visible}
+                 "causal": causal, "visible": visible, "add": add}
 
 
 def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
@@ -190,16 +191,17 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
     if fault is not None:
         desc_kv = fault.descriptor(tuple(s for s in BACKWARD_SITES if s != "fused:dQ_acc"), arith)
         desc_q = fault.descriptor(("fused:dQ_acc",), arith)
+    mask = (saved["add"], _stride(saved["add"]))
     common = (numpy.int32(lq), numpy.int32(lk), numpy.int32(d), numpy.float64(saved["scale"]),
               numpy.int32(saved["causal"]), numpy.int32(check), numpy.int32(correct), params)
     with q.device:
         _kernel(q.device.id, kernels.FUSED_BACKWARD_KV, q.dtype.name)(
             (split,), (_THREADS,),
-            (q, k, v, d_out, lse, dd, qe, doe, saved["visible"], *common, desc_kv, ws_k, ws_v,
-             dk, dv, rec[:split], status[:split]))
+            (q, k, v, d_out, lse, dd, qe, doe, saved["visible"], *mask, *common, desc_kv, ws_k,
+             ws_v, dk, dv, rec[:split], status[:split]))
         _kernel(q.device.id, kernels.FUSED_BACKWARD_Q, q.dtype.name)(
             (n * nqb,), (_THREADS,),
-            (q, k, v, d_out, lse, dd, ke, saved["visible"], *common, desc_q, ws_q, dq,
+            (q, k, v, d_out, lse, dd, ke, saved["visible"], *mask, *common, desc_q, ws_q, dq,
              rec[split:], status[split:]))
     if fault is not None:
         fault.record(desc_kv)
@@ -241,6 +243,11 @@ def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
     if key_visible is None:
         return scale, None
     return scale, key_visible_of(cupy, key_visible, q, k)
+
+
+def _stride(add: cupy.ndarray | None) -> numpy.int64:
+    """The kernels' head stride of the additive mask ``(1 or n, seq_q, seq_k)``: 0 when shared."""
+    return numpy.int64(0 if add is None or add.shape[0] == 1 else add.shape[1] * add.shape[2])
 
 
 def _finite(x: cupy.ndarray) -> bool:

@@ -49,13 +49,14 @@ def run_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
                                      causal=call.causal, key_visible=call.key_visible,
                                      attn_mask=call.attn_mask, dropout=dropout,
                                      dropout_keep=None if dropout_keep is None else
-                                     array(dropout_keep), workspace=workspace, **cross)
+                                     array(dropout_keep), workspace=workspace,
+                                     need_weights=need_weights, core=module.core, **cross)
         y = to_tensor(y)
         # torch returns the weights after dropout
         dropped = saved["probs_dropped"]
         call.probs = saved["probs"] if dropped is None else dropped
         weights = call.weights(average) if need_weights else query.new_empty(0)
-    module.last_report = context.report
+    module.last_report, module.last_core = context.report, saved["core"]
     return y, weights, _Saved(call, saved, context.report, workspace)
 
 

@@ -27,16 +27,16 @@ from abftgemm.checksums import SUPPORTED_DTYPES
 from attention import softmax_steps
 from attention.context import Context
 from attention.dropout import Dropout
-from attention.fused import SUPPORTED as FUSED_DTYPES, fused_backward, fused_forward
+from attention.fused import fused_backward, fused_forward
+from attention.fused_choice import (CORE_SITES, CORES, check_core,  # noqa: F401
+                                     finite_reason, static_reason)
 from attention.functional import _additive, _dropout, _Pass, _read_probs, _run, \
     _scores_and_softmax
 from attention.workspace import Workspace
 
-#: The GEMM sites the attention product runs (forward, then backward), and its invariant sites.
-CORE_SITES = ("scores", "context", "d_probs", "d_v", "d_q", "d_k")
+#: The GEMM sites the attention product runs (forward, then backward:
+#: :data:`attention.fused_choice.CORE_SITES`), and its invariant sites.
 CORE_INVARIANT_SITES = ("softmax", "softmax_backward")
-#: The ``core`` choices of :func:`core_forward`.
-CORES = ("auto", "fused", "unfused")
 
 
 class _CoreInputs:
@@ -94,13 +94,13 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
         ``saved["probs"]`` holds the probabilities (and ``saved["probs_dropped"]`` those after
         dropout, or None); both are None after the fused core, which keeps no ``L x L`` array.
     """
-    if core not in CORES:
-        raise ValueError(f"core must be one of {CORES}, got {core!r}")
+    check_core(core)
     inp = _inputs(q, k, v, scale, causal, attn_mask)
     if core != "unfused":
         why_not = fused_unsupported(inp, ctx, dropout, dropout_keep, forced=core == "fused")
         if why_not is None:
-            out, saved = fused_forward(q, k, v, ctx, scale=inp.scale, causal=inp.causal)
+            out, saved = fused_forward(q, k, v, ctx, scale=inp.scale, causal=inp.causal,
+                                       attn_mask=inp.attn_add)
             return out, {"inputs": inp, "core": "fused", "fused": saved, "probs": None,
                          "probs_dropped": None}
         if core == "fused":
@@ -116,28 +116,12 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
 def fused_unsupported(inp: _CoreInputs, ctx: Context, dropout: float = 0.0,
                       dropout_keep: Any | None = None, forced: bool = False) -> str | None:
     """Why the fused core cannot run this product (None when it can): it takes NumPy float32 or
-    float64 data, finite, a causal mask or none, no dropout, and checks every tile on every
-    call. ``forced`` (``core="fused"``): a fault hook and a plan that checks the core's sites
-    less often do not count (the hook then sees the fused sites)."""
-    if inp.xp is not np:
-        return f"the data are {inp.xp.__name__} arrays (the fused core runs on the CPU)"
-    if inp.dtype not in FUSED_DTYPES:
-        return f"dtype {inp.dtype} (the fused core takes float32 and float64)"
-    if inp.attn_add is not None:
-        return "an attn_mask (the fused core takes causal=True or no mask)"
-    if dropout or dropout_keep is not None:
-        return "attention dropout"
-    if not forced:
-        if ctx.fault_hook is not None:
-            return "a fault hook (it names the unfused core's sites; core='fused' runs the " \
-                   "fused sites)"
-        sites = ctx.plan.sites
-        if any(sites[s].every != 1 or sites[s].probability != 1 for s in CORE_SITES):
-            return "a checking plan that skips calls (the fused core checks every tile)"
-    for name, t in (("q", inp.q), ("k", inp.k), ("v", inp.v)):
-        if not np.isfinite(t).all():
-            return f"{name} holds INF or NaN"
-    return None
+    float64 data, finite, a causal mask, a boolean or additive ``attn_mask``
+    (:func:`attention.fused_rules.additive_ok`) or none, no dropout, and checks every tile on
+    every call. ``forced`` (``core="fused"``): a fault hook and a plan that checks the core's
+    sites less often do not count (the hook then sees the fused sites)."""
+    return static_reason(inp.xp, inp.dtype, inp.attn_add, ctx, dropout, dropout_keep, forced) \
+        or finite_reason(q=inp.q, k=inp.k, v=inp.v)
 
 
 def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
@@ -156,8 +140,9 @@ def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
             return fused_backward(saved["fused"], d_out, ctx)
         # The unfused core passes non-finite gradients through: its forward again, then its
         # backward.
+        mask = inp.attn_add if inp.attn_add is None or len(inp.attn_add) > 1 else inp.attn_add[0]
         _, saved = core_forward(inp.q, inp.k, inp.v, ctx, scale=inp.scale, causal=inp.causal,
-                                workspace=workspace, core="unfused")
+                                attn_mask=mask, workspace=workspace, core="unfused")
     ws = workspace or Workspace()
     return _run(lambda p: _backward(p, saved, d_out), ctx, ws, inp.xp)
 

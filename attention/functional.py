@@ -23,6 +23,8 @@ from abftgemm.threads import blas_scope
 from attention import softmax, softmax_steps
 from attention.context import Context
 from attention.dropout import DROPOUT_SITE, Dropout, DropoutStep
+from attention.fused import fused_backward, fused_forward
+from attention.fused_choice import check_core, finite_reason, static_reason
 from attention.plan import ROUTES
 from attention.workspace import Workspace
 
@@ -35,7 +37,8 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
                       key_visible: Any | None = None, attn_mask: Any | None = None,
                       need_weights: bool = False, dropout: float = 0.0,
                       dropout_keep: Any | None = None, rng: Any | None = None,
-                      workspace: Workspace | None = None) -> tuple[Any, dict[str, Any]]:
+                      workspace: Workspace | None = None, core: str = "auto"
+                      ) -> tuple[Any, dict[str, Any]]:
     """Multi-head attention output, every GEMM protected.
 
     Parameters
@@ -61,8 +64,8 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
     attn_mask : array (seq_q, seq_k) or (batch*heads, seq_q, seq_k), optional
         Boolean, True = NOT allowed (torch's convention), or float, added to the scaled scores.
     need_weights : bool
-        Also keep the attention probabilities as ``saved["probs"]``, ``(batch*heads, seq_q,
-        seq_k)`` (they are saved for backward in any case).
+        Keep the attention probabilities as ``saved["probs"]``, ``(batch*heads, seq_q,
+        seq_k)``: the unfused product runs (the fused core makes none).
     dropout : float
         Attention dropout probability (0: none): the probabilities the context multiplies are
         ``P * keep / (1 - dropout)`` (:mod:`attention.dropout`), kept as
@@ -73,15 +76,32 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
         Draws the dropout mask (CuPy's generator for CuPy arrays; a new unseeded one if None).
     workspace : Workspace, optional
         Plans and buffers to reuse across calls (a new one otherwise).
+    core : {"auto", "fused", "unfused"}
+        The attention product between the projections: ``"auto"`` runs the fused core
+        (:mod:`attention.fused`: tiles, O(L) memory, every tile checked, its own fault-hook
+        sites) where it applies (:mod:`attention.fused_choice`: NumPy float32/float64, no
+        dropout, no ``need_weights``, no fault hook, every call of the product's sites checked,
+        finite Q, K and V), else the unfused sites ``scores``, ``softmax``, ``context`` (and
+        backward ``d_probs``, ``d_v``, ``softmax_backward``, ``d_q``, ``d_k``); ``"fused"`` and
+        ``"unfused"`` force one (``"fused"`` raises ``ValueError`` where it does not apply). The
+        fused core encodes its operands itself: the projections' output checksums are not
+        handed on to it.
 
     Returns
     -------
     y : array (batch, seq_q, d_model)
     saved : dict
-        What :func:`attention_backward` needs.
+        What :func:`attention_backward` needs; ``saved["core"]`` is ``"fused"`` or
+        ``"unfused"``, and ``saved["probs"]`` is None after the fused core.
     """
-    del need_weights  # the probabilities are saved for backward anyway
+    check_core(core)
     inputs = _Inputs.of(params, x, key, value, key_visible, attn_mask, n_heads, causal)
+    inputs.core = core
+    inputs.why_not = None if core == "unfused" else static_reason(
+        inputs.xp, inputs.dtype, inputs.attn_add, ctx, dropout, dropout_keep, core == "fused",
+        need_weights)
+    if core == "fused" and inputs.why_not is not None:
+        raise ValueError(f"the fused attention core does not apply here: {inputs.why_not}")
     batch, seq_q = x.shape[:2]
     inputs.dropout = Dropout.of(inputs.xp, dropout, dropout_keep,
                                 (batch * n_heads, seq_q, inputs.key.shape[1]), rng)
@@ -440,17 +460,43 @@ def _forward(p: _Pass, inp: _Inputs) -> tuple[Any, dict[str, Any]]:
         p.env[name + "h"] = _split(xp, p.env[name], h)
         if name in p.sums:
             p.sums[name + "h"] = p.sums[name]
-    probs = _scores_and_softmax(p, inp, (batch * h, seq_q, seq_k))
-    dropped = _dropout(p, inp, probs)
-    p.gemm("context", ws.buffer("context_h", xp, (batch * h, seq_q, hd), dt))
+    product = _product_forward(p, inp, (batch * h, seq_q, seq_k))
     p.env["context"] = _merge(xp, p.env["context_h"], h)
     y = p.gemm("out_proj", xp.empty((batch, seq_q, d), dt))
     v_sums, p_sums = p.sums.get("vh"), p.sums.get("probs^T")
     saved = {"inputs": inp, "qh": p.env["qh"], "kh": p.env["kh"], "vh": p.env["vh"],
-             "probs": probs, "probs_dropped": dropped, "context": p.env["context"],
+             "context": p.env["context"], **product,
              "v_sums": None if v_sums is None else v_sums.copy(),
              "probs_t_sums": None if p_sums is None else p_sums.copy()}
     return y, saved
+
+
+def _product_forward(p: _Pass, inp: _Inputs, shape: tuple[int, int, int]) -> dict[str, Any]:
+    """The attention product between the projections, ``context_h`` from ``qh``, ``kh``,
+    ``vh``: the fused core where ``inp.core`` and the operands allow, else the unfused sites.
+    Returns the entries of ``saved`` it adds (``core``, ``probs``, ``probs_dropped``,
+    ``fused``)."""
+    if inp.core != "unfused" and inp.why_not is None and (
+            inp.core == "fused" or finite_reason(q=p.env["qh"], k=p.env["kh"],
+                                                 v=p.env["vh"]) is None):
+        visible = inp.key_visible
+        if visible is not None:  # (batch, seq_k) -> (batch * heads, seq_k)
+            visible = np.repeat(visible, inp.n_heads, axis=0)
+        out, fused = fused_forward(p.env["qh"], p.env["kh"], p.env["vh"], _fused_context(p),
+                                   scale=1 / math.sqrt(inp.head_dim), causal=inp.causal,
+                                   key_visible=visible, attn_mask=inp.attn_add)
+        p.env["context_h"] = out
+        return {"core": "fused", "fused": fused, "probs": None, "probs_dropped": None}
+    probs = _scores_and_softmax(p, inp, shape)
+    dropped = _dropout(p, inp, probs)
+    p.gemm("context", p.ws.buffer("context_h", p.xp, shape[:2] + (inp.head_dim,), inp.dtype))
+    return {"core": "unfused", "probs": probs, "probs_dropped": dropped}
+
+
+def _fused_context(p: _Pass) -> Context:
+    """The fused core's context in a pass: its findings go to the pass's report (a replay
+    replaces them as it replaces the sites')."""
+    return Context(p.ctx.check, p.ctx.plan, p.ctx.fault_hook, p.report)
 
 
 def _scores_and_softmax(p: _Pass, inp: Any, shape: tuple[int, int, int]) -> Any:
@@ -544,19 +590,7 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any,
     p.env["dy"] = dy
     d_ctx = p.gemm("d_context", ws.buffer("d_context", xp, (batch, seq_q, d), dt))
     p.env["d_context_h"] = _split(xp, d_ctx, h)
-    d_probs = ws.buffer("d_probs", xp, (batch * h, seq_q, seq_k), dt)
-    plan = p.gemm_deferred("d_probs", d_probs)
-    p.gemm("d_v", ws.buffer("d_vh", xp, (batch * h, seq_k, hd), dt))
-    d_scores = ws.buffer("d_scores", xp, (batch * h, seq_q, seq_k), dt)
-    step = softmax_steps.backward_step(d_probs, saved["probs"], d_scores, 1 / math.sqrt(hd),
-                                       p.ctx, ws, plan, causal=inp.causal, dropout=inp.dropout)
-    p.consumed("d_probs", plan, step.run)
-    p.invariant("softmax_backward", step.verdict, step.recompute)
-    p.env["d_scores"] = d_scores
-    if step.encodings is not None:  # made by the softmax kernel on its write of dS
-        p.sums["d_scores"], p.sums["d_scores^T"] = step.encodings
-    p.gemm("d_q", ws.buffer("d_qh", xp, (batch * h, seq_q, hd), dt))
-    p.gemm("d_k", ws.buffer("d_kh", xp, (batch * h, seq_k, hd), dt))
+    _product_backward(p, saved, (batch * h, seq_q, seq_k))
     dq = _merge(xp, p.env["d_qh"], h, ws.buffer("dq", xp, (batch, seq_q, d), dt)).reshape(flat)
     dk = _merge(xp, p.env["d_kh"], h, ws.buffer("dk", xp, (batch, seq_k, d), dt)).reshape(flat)
     dv = _merge(xp, p.env["d_vh"], h, ws.buffer("dv", xp, (batch, seq_k, d), dt)).reshape(flat)
@@ -588,6 +622,39 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any,
         p.env.update(d_qkv=d_qkv, w_qkv=w_qkv)
         dx = p.gemm("d_x", xp.empty((batch * seq_q, d), dt)).reshape(inp.x.shape)
     return dx, {k: grads[k] for k in PARAM_KEYS}
+
+
+def _product_backward(p: _Pass, saved: dict[str, Any], shape: tuple[int, int, int]) -> None:
+    """``d_qh``, ``d_kh``, ``d_vh`` from ``d_context_h``: the fused core's backward after its
+    forward (where the gradient is finite: else the unfused product again, as the unfused core
+    passes non-finite gradients through), else the unfused sites."""
+    inp: _Inputs = saved["inputs"]
+    xp, ws, dt = p.xp, p.ws, inp.dtype
+    hd = inp.head_dim
+    n, seq_q, seq_k = shape
+    if saved["core"] == "fused":
+        d_out = p.env["d_context_h"]
+        if np.isfinite(d_out).all():
+            p.env["d_qh"], p.env["d_kh"], p.env["d_vh"] = fused_backward(
+                saved["fused"], d_out, _fused_context(p))
+            return
+        p.env["probs"] = _scores_and_softmax(p, inp, shape)
+        probs = p.env["probs"]
+    else:
+        probs = saved["probs"]
+    d_probs = ws.buffer("d_probs", xp, shape, dt)
+    plan = p.gemm_deferred("d_probs", d_probs)
+    p.gemm("d_v", ws.buffer("d_vh", xp, (n, seq_k, hd), dt))
+    d_scores = ws.buffer("d_scores", xp, shape, dt)
+    step = softmax_steps.backward_step(d_probs, probs, d_scores, 1 / math.sqrt(hd),
+                                       p.ctx, ws, plan, causal=inp.causal, dropout=inp.dropout)
+    p.consumed("d_probs", plan, step.run)
+    p.invariant("softmax_backward", step.verdict, step.recompute)
+    p.env["d_scores"] = d_scores
+    if step.encodings is not None:  # made by the softmax kernel on its write of dS
+        p.sums["d_scores"], p.sums["d_scores^T"] = step.encodings
+    p.gemm("d_q", ws.buffer("d_qh", xp, (n, seq_q, hd), dt))
+    p.gemm("d_k", ws.buffer("d_kh", xp, (n, seq_k, hd), dt))
 
 
 def _read_probs(saved: dict[str, Any]) -> Any:

@@ -4,14 +4,15 @@ forward and backward, with O(L) extra memory and every tile checked.
 :func:`fused_forward` saves only the output and the row log-sum-exp; :func:`fused_backward`
 recomputes ``P`` tile by tile from them (FlashAttention-2). Heads are the leading axis: ``(n,
 L, d)`` with ``n`` = batch * heads, as :mod:`attention.core` takes them. No ``L x L`` buffer is
-ever made; the tiles are ``BR x BC`` = 64 x 64 (:mod:`attention._cpu_fused`, numba kernels in
+ever made (an additive mask is the caller's, read tile by tile; one not in float64 is converted
+once); the tiles are ``BR x BC`` = 64 x 64 (:mod:`attention._cpu_fused`, numba kernels in
 parallel over (head, query block) forward and over heads backward, so no two threads write one
 accumulator; the tile products call BLAS, single-threaded, through numba's ``np.dot``).
 CuPy arrays run the same algorithm and checks in CUDA kernels (:mod:`attention._cuda_fused`,
 16-bit data too). :func:`attention.core.core_forward` runs this core by default where it applies
 (and the PyTorch :class:`attention.torch_core.ProtectedCore` through it); the unfused core stays
-the reference and the path for what this one does not support (additive masks, dropout, 16-bit
-data on the CPU, the attention weights). The NumPy layer :class:`attention.MultiHeadAttention`
+the reference and the path for what this one does not support (dropout, 16-bit data on the
+CPU, the attention weights). The NumPy layer :class:`attention.MultiHeadAttention`
 and :class:`attention.torch.MultiheadAttention` do not use it yet.
 
 What is checked, per tile (sites of the fault hook, ``ctx.fault_hook(site, tile)``, which sees
@@ -24,7 +25,8 @@ each tile array as computed and before it is checked):
     is located in its column. Backward (key blocks outside): ``E^T K_blk`` is encoded once per
     key block and the tile's row checksums are predicted as ``Q_blk (K_blk^T E)``.
 ``fused:P``
-    ``P = exp(z - m)`` (``m`` the running row max forward, the saved log-sum-exp backward), judged
+    ``P = exp(z - m)`` (``z`` the scaled scores plus the additive mask, if any: the mask is
+    added after the ``S`` check, and ``z`` as stored is what the invariant reads) (``m`` the running row max forward, the saved log-sum-exp backward), judged
     on what was stored by the softmax invariant ``log P_ij = z_ij - m_i`` summed over each row's
     normal entries: ``sum_j log P_ij`` is taken from the entries' exponents and the ``log`` of the
     product of their mantissas (bit operations, one ``log`` per row), so the check shares no work
@@ -100,14 +102,16 @@ from attention.context import Context
 from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, FUSED_SITES,  # noqa: F401
                                    coefficients, dscores_tolerance, probs_tolerance)
 from attention.fused_rules import book as _book
-from attention.fused_rules import check_gradient, check_inputs, key_visible_of
+from attention.fused_rules import additive_of, check_gradient, check_inputs, key_visible_of
 
 SUPPORTED = (np.dtype(np.float32), np.dtype(np.float64))
+#: The kernels' "no additive mask": an empty (1, 0, 0) float64 array.
+_NO_ADD = np.zeros((1, 0, 0))
 
 
 def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = None,
-                  causal: bool = False, key_visible: Any | None = None
-                  ) -> tuple[np.ndarray, dict[str, Any]]:
+                  causal: bool = False, key_visible: Any | None = None,
+                  attn_mask: Any | None = None) -> tuple[np.ndarray, dict[str, Any]]:
     """``softmax(scale q k^T + mask) v`` in tiles, every tile checked (module docstring).
 
     Parameters
@@ -125,6 +129,11 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         Query ``i`` sees keys ``j <= i`` only (``seq_q`` must equal ``seq_k``).
     key_visible : ndarray (n, seq_k) of bool, optional
         True = the key may be attended to. A query that sees no key gets output 0.
+    attn_mask : ndarray (seq_q, seq_k) or (1 or n, seq_q, seq_k), optional
+        Float mask added to the scaled scores after the scores' check (``-inf``: not allowed;
+        NaN and ``+inf`` are refused). Added in float64, the sum rounded to the data's dtype.
+        The softmax invariant is judged on these masked scores (module docstring). Combines
+        with ``causal`` and ``key_visible``.
 
     Returns
     -------
@@ -142,8 +151,9 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     if is_cupy_array(q):  # the CUDA kernels: attention/_cuda_fused.py
         from attention import _cuda_fused
         return _cuda_fused.fused_forward(q, k, v, ctx, scale=scale, causal=causal,
-                                         key_visible=key_visible)
+                                         key_visible=key_visible, attn_mask=attn_mask)
     scale, visible = _validate(q, k, v, scale, causal, key_visible)
+    add = _NO_ADD if attn_mask is None else additive_of(np, attn_mask, q, k)
     n, lq, d = q.shape
     lk, dt = k.shape[1], q.dtype
     check, correct = ctx.check != "off", ctx.check == "correct"
@@ -154,7 +164,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     tiles = -(-lk // K.BC)
     rec = np.zeros((n * nqb, len(K.SITES), K.FIELDS))
     status = np.zeros(n * nqb, np.int64)
-    args = (q, k, v, ve, visible)
+    args = (q, k, v, ve, visible, add)
     rest = (dt.type(scale), causal, check, correct, coefficients(d, K.BR, dt),
             coefficients(lk, d, dt, 2 * tiles), coefficients(lk, 1, dt, 2 * tiles),
             probs_tolerance(dt), out, lse)
@@ -167,7 +177,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
             status[t] = block(*args, t // nqb, (t % nqb) * K.BR, *rest, rec[t])
     _book(ctx, rec, status, lambda t: t // nqb, FORWARD_SITES, check)
     return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "scale": scale,
-                 "causal": causal, "visible": visible}
+                 "causal": causal, "visible": visible, "add": add}
 
 
 def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
@@ -197,7 +207,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
     dqc = np.empty((n, lq, 3))
     rec = np.zeros((n, len(K.SITES), K.FIELDS))
     status = np.zeros(n, np.int64)
-    args = (q, k, v, d_out, dd, lse, qe, ke, doe, saved["visible"])
+    args = (q, k, v, d_out, dd, lse, qe, ke, doe, saved["visible"], saved["add"])
     rest = (dt.type(saved["scale"]), saved["causal"], check, correct, coefficients(d, K.BC, dt),
             coefficients(lq, d, dt, -(-lq // K.BR)), coefficients(lk, d, dt, -(-lk // K.BC)),
             probs_tolerance(dt), dscores_tolerance(dt), dq, dk, dv, dqc)

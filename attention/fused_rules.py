@@ -10,7 +10,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from abftgemm.checksums import accumulation_dtype, smallest_normal, unit_roundoff
+from abftgemm.backend import astype
+from abftgemm.checksums import SUPPORTED_DTYPES, accumulation_dtype, smallest_normal, \
+    unit_roundoff
 from abftgemm.report import Event, UncorrectableError, announce
 from abftgemm.thresholds import magnitude_coefficient, safe_magnitude, threshold_coefficients
 from attention import _cpu_fused as K
@@ -116,6 +118,36 @@ def key_visible_of(xp: Any, key_visible: Any, q: Any, k: Any) -> Any:
         raise ValueError(f"key_visible must be a bool array of shape {(q.shape[0], k.shape[1])},"
                          f" got {key_visible.dtype} {key_visible.shape}")
     return xp.ascontiguousarray(key_visible)
+
+
+def additive_of(xp: Any, attn_mask: Any, q: Any, k: Any) -> Any:
+    """``attn_mask`` (float, ``(seq_q, seq_k)`` or ``(1 or n, seq_q, seq_k)``, added to the
+    scaled scores; ``-inf`` = not allowed) as a C-contiguous float64 ``(1 or n, seq_q, seq_k)``
+    array of ``xp``, checked (:func:`additive_ok`)."""
+    n, lq, lk = q.shape[0], q.shape[1], k.shape[1]
+    if not isinstance(attn_mask, xp.ndarray):
+        raise TypeError(f"attn_mask must be a {xp.__name__} array, got "
+                        f"{type(attn_mask).__name__}")
+    if attn_mask.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"attn_mask must be a float array (added to the scores), got "
+                        f"{attn_mask.dtype}")
+    if attn_mask.shape not in ((lq, lk), (1, lq, lk), (n, lq, lk)):
+        raise ValueError(f"attn_mask must have shape {(lq, lk)}, {(1, lq, lk)} or {(n, lq, lk)},"
+                         f" got {attn_mask.shape}")
+    add = xp.ascontiguousarray(astype(attn_mask, np.float64).reshape((-1, lq, lk)))
+    if not additive_ok(xp, add, q.dtype):
+        raise ValueError("attn_mask holds NaN, +inf or values beyond the tile arithmetic's "
+                         "largest number (the fused core takes -inf for \"not allowed\" and "
+                         "finite values)")
+    return add
+
+
+def additive_ok(xp: Any, add: Any, dtype: np.dtype) -> bool:
+    """Whether the float64 mask ``add`` holds no NaN and nothing above the largest number of the
+    tile arithmetic of ``dtype`` data (float64 for float64, else float32): a score pushed to
+    ``+inf`` would leave the softmax undefined."""
+    top = np.finfo(np.float64 if dtype == np.float64 else np.float32).max
+    return not bool(xp.any(xp.isnan(add) | (add > top)))
 
 
 def book(ctx: Context, rec: np.ndarray, status: np.ndarray, batch_of: Any,

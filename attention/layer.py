@@ -19,6 +19,7 @@ from abftgemm.plan import Counters
 from abftgemm.report import Report, register_library_package
 from attention.context import Context
 from attention.functional import PARAM_KEYS, attention_backward, attention_forward
+from attention.fused_choice import check_core
 from attention.plan import CheckingPlan
 from attention.workspace import Workspace
 
@@ -51,6 +52,11 @@ class MultiHeadAttention:
         As in :func:`abftgemm.matmul`, for every site.
     plan : CheckingPlan, optional
         How often each site is checked (default: every call).
+    core : {"auto", "fused", "unfused"}
+        The attention product between the projections (``core`` of
+        :func:`attention.functional.attention_forward`): ``"auto"`` runs the fused core
+        (:mod:`attention.fused`) where it applies (CPU, float32/float64, no dropout, no
+        ``need_weights``, no fault hook, every call checked), else the unfused sites.
 
     Attributes
     ----------
@@ -59,6 +65,8 @@ class MultiHeadAttention:
         ``(d_model,)``.
     last_report : Report
         Findings of the most recent ``forward`` or ``backward`` call.
+    last_core : str or None
+        ``"fused"`` or ``"unfused"``: the attention product the last ``forward`` ran.
 
     Notes
     -----
@@ -68,13 +76,15 @@ class MultiHeadAttention:
 
     def __init__(self, d_model: int, n_heads: int, *, causal: bool = False,
                  dtype: Any = "float32", xp: Any = np, seed: int = 0, check: str = "correct",
-                 plan: CheckingPlan | None = None):
+                 plan: CheckingPlan | None = None, core: str = "auto"):
         if n_heads <= 0 or d_model <= 0 or d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be a positive multiple of n_heads ({n_heads})")
         if check not in abftgemm.CHECK_MODES:
             raise ValueError(f"check must be one of {abftgemm.CHECK_MODES}, got {check!r}")
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
-        self.causal, self.xp, self.check = causal, xp, check
+        check_core(core)
+        self.causal, self.xp, self.check, self.core = causal, xp, check, core
+        self.last_core: str | None = None
         self.dtype = check_dtype(_dtype(dtype))
         self.plan = plan or CheckingPlan()
         self.params = self._init_params(seed)
@@ -92,7 +102,8 @@ class MultiHeadAttention:
     def forward(self, x: Any, mask: Any | None = None, fault_hook: FaultHook | None = None, *,
                 key: Any | None = None, value: Any | None = None, attn_mask: Any | None = None,
                 check: str | None = None, dropout: float = 0.0, dropout_keep: Any | None = None,
-                rng: Any | None = None) -> tuple[Any, dict[str, Any]]:
+                rng: Any | None = None, need_weights: bool = False
+                ) -> tuple[Any, dict[str, Any]]:
         """Attention output for ``x`` (see :func:`attention.functional.attention_forward`).
 
         Parameters
@@ -113,20 +124,25 @@ class MultiHeadAttention:
             Attention dropout of this call (a training step): probability, optional mask
             ``(batch*heads, seq, seq_k)`` (True = kept) and the generator that draws it
             otherwise (:func:`attention.functional.attention_forward`).
+        need_weights : bool
+            Keep the attention probabilities in ``cache["probs"]`` (the unfused product runs).
 
         Returns
         -------
         y : array (batch, seq, d_model)
         cache : dict
-            What ``backward`` needs (``cache["probs"]``: the attention probabilities).
+            What ``backward`` needs; ``cache["core"]`` says which product ran (also
+            ``last_core``), ``cache["probs"]`` holds the attention probabilities after the
+            unfused one, None after the fused core.
         """
         ctx = self._context(fault_hook, check)
         y, saved = attention_forward(self.params, x, ctx, n_heads=self.n_heads,
                                      causal=self.causal, key=key, value=value, key_visible=mask,
                                      attn_mask=attn_mask, dropout=dropout,
                                      dropout_keep=dropout_keep, rng=rng,
-                                     workspace=self._workspace)
-        self.last_report = ctx.report
+                                     workspace=self._workspace, need_weights=need_weights,
+                                     core=self.core)
+        self.last_report, self.last_core = ctx.report, saved["core"]
         return y, saved
 
     # ------------------------------------------------------------------ backward

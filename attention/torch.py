@@ -38,6 +38,7 @@ from torch import nn
 import abftgemm
 from abftgemm.report import Report, register_library_package
 from attention._torch_mha import params_of
+from attention.fused_choice import check_core
 from attention.plan import CheckingPlan
 from attention.workspace import Workspace
 from attention import _torch_op
@@ -62,6 +63,11 @@ device, dtype
         As in :func:`abftgemm.matmul`, for every site.
     plan : attention.CheckingPlan, optional
         How often each site is checked (default: every call).
+    core : {"auto", "fused", "unfused"}
+        The attention product between the projections (:func:`attention.attention_forward`'s
+        ``core``): ``"auto"`` runs the fused core (:mod:`attention.fused`) where it applies
+        (CPU, float32/float64, ``need_weights=False``, no dropout in training, no fault hook,
+        every call checked), else the unfused sites; the others force one.
 
     Attributes
     ----------
@@ -72,18 +78,23 @@ device, dtype
         dropout in training, ``"dropout"``.
     last_report : abftgemm.Report
         Findings of the last forward, extended by its backward.
+    last_core : str or None
+        ``"fused"`` or ``"unfused"``: the attention product the last forward ran.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
                  vdim: int | None = None, batch_first: bool = False, device: Any = None,
-                 dtype: Any = None, *, check: str = "correct", plan: CheckingPlan | None = None):
+                 dtype: Any = None, *, check: str = "correct", plan: CheckingPlan | None = None,
+                 core: str = "auto"):
         _refuse_unsupported(embed_dim, dropout, add_bias_kv, add_zero_attn, kdim, vdim)
         if check not in abftgemm.CHECK_MODES:
             raise ValueError(f"check must be one of {abftgemm.CHECK_MODES}, got {check!r}")
         super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias,
                          batch_first=batch_first, device=device, dtype=dtype)
-        self.check = check
+        check_core(core)
+        self.check, self.core = check, core
+        self.last_core: str | None = None
         self.plan = plan or CheckingPlan()
         self.fault_hook: FaultHook | None = None
         self.last_report = Report()
@@ -97,7 +108,7 @@ device, dtype
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention, *, check: str = "correct",
-                   plan: CheckingPlan | None = None) -> "MultiheadAttention":
+                   plan: CheckingPlan | None = None, core: str = "auto") -> "MultiheadAttention":
         """A protected module holding ``module``'s own Parameters (shared, not copied)."""
         if not module._qkv_same_embed_dim:
             raise ValueError("kdim/vdim must equal embed_dim (separate q/k/v projection weights "
@@ -105,7 +116,7 @@ device, dtype
         new = cls(module.embed_dim, module.num_heads, module.dropout,
                   module.in_proj_bias is not None, module.bias_k is not None,
                   module.add_zero_attn, batch_first=module.batch_first, device="meta",
-                  check=check, plan=plan)
+                  check=check, plan=plan, core=core)
         new.in_proj_weight, new.in_proj_bias = module.in_proj_weight, module.in_proj_bias
         new.out_proj = module.out_proj
         new.train(module.training)
@@ -171,7 +182,7 @@ device, dtype
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
+        super().__setstate__({"core": "auto", "last_core": None, **state})
         self.op_id = _torch_op.register(self)
 
     def _workspace_for(self, device: torch.device) -> Workspace:

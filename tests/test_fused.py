@@ -22,8 +22,9 @@ HOOK_SITES = ("fused:S", "fused:P", "fused:O_acc", "fused:dP", "fused:dS", "fuse
 KINDS = [("inf", {}), ("nan", {}), ("near-inf", {}), ("additive", {"magnitude": 1e3})]
 
 
-def _reference(q, k, v, do, scale, causal, visible=None):
-    """Float64 forward and gradients, and the magnitudes their rounding scales with."""
+def _reference(q, k, v, do, scale, causal, visible=None, add=None):
+    """Float64 forward and gradients, and the magnitudes their rounding scales with; ``add`` an
+    additive mask broadcastable to the scores (``-inf``: not allowed)."""
     q, k, v, do = (x.astype(np.float64) for x in (q, k, v, do))
     s = scale * q @ k.transpose(0, 2, 1)
     mask = np.ones(s.shape, bool)
@@ -31,6 +32,9 @@ def _reference(q, k, v, do, scale, causal, visible=None):
         mask &= np.tril(np.ones(s.shape[1:], bool))
     if visible is not None:
         mask &= visible[:, None, :]
+    if add is not None:
+        mask &= np.broadcast_to(add > -np.inf, s.shape)
+        s = s + np.where(np.isfinite(add), add, 0)
     z = np.where(mask, s, -np.inf)
     top = z.max(-1, keepdims=True)
     e = np.where(mask, np.exp(z - np.where(np.isfinite(top), top, 0)), 0)
@@ -46,6 +50,8 @@ def _reference(q, k, v, do, scale, causal, visible=None):
     u = unit_roundoff(np.float32)
     lk, d = k.shape[1], q.shape[2]
     z_err = scale * (KAPPA * math.sqrt(d) + 2) * u * (np.abs(q) @ np.abs(k).transpose(0, 2, 1))
+    if add is not None:  # the mask's addition, rounded to float32
+        z_err = z_err + u * np.abs(np.where(mask, s, 0))
     p_rel = 2 * np.where(mask, z_err, 0).max(-1, keepdims=True) + (KAPPA * math.sqrt(lk) + 8) * u
     acc = (KAPPA * math.sqrt(max(q.shape[1], lk)) + 2 * (lk // 64 + 2)) * u
     # dP's rounding scales with |dO| |V|^T (as the scores' with |Q| |K|^T), not with |dP|.
@@ -97,6 +103,80 @@ def test_key_visible_and_fully_masked_rows():
     for g, w, t in zip(got, want, tol):
         assert np.all(np.abs(g - w) <= t)
     assert all(not g[1].any() for g in got)
+
+
+def additive_mask(rng, shape, spread=3.0, hidden=0.3):
+    """A float64 additive mask: normal values times ``spread``, ``-inf`` with probability
+    ``hidden``."""
+    add = spread * rng.standard_normal(shape)
+    add[rng.random(shape) < hidden] = -np.inf
+    return add
+
+
+@given(n=st.integers(1, 3), lq=st.integers(1, 150), lk=st.integers(1, 150),
+       d=st.sampled_from([8, 16, 64]), causal=st.booleans(), shared=st.booleans(),
+       dtype=st.sampled_from([np.float32, np.float64]), seed=st.integers(0, 2**31))
+def test_additive_mask_matches_float64_reference(n, lq, lk, d, causal, shared, dtype, seed):
+    """Float masks added to the scaled scores, ``-inf`` allowed, one per head or shared (2-D),
+    with causality; a fully masked query row gets output and gradients 0."""
+    if causal:
+        lk = lq
+    rng = np.random.default_rng(seed)
+    q, k, v, do = _data(rng, n, lq, lk, d, dtype)
+    add = additive_mask(rng, (lq, lk) if shared else (n, lq, lk))
+    add[..., lq // 2, :] = -np.inf  # a query row that sees no key
+    ctx = Context()
+    got = _run(q, k, v, do, ctx, causal=causal, attn_mask=add)
+    assert not ctx.report.events, ctx.report.summary()
+    want, tol = _reference(q, k, v, do, 1 / math.sqrt(d), causal, add=add)
+    for name, g, w, t in zip(("out", "dq", "dk", "dv"), got, want, tol):
+        if dtype == np.float64:
+            np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-11, err_msg=name)
+        else:
+            assert np.all(np.abs(g - w) <= t), (name, np.max(np.abs(g - w) / t))
+    assert not got[0][:, lq // 2].any() and not got[1][:, lq // 2].any()
+
+
+def test_additive_mask_with_key_visible_and_wide_values():
+    """An additive mask with key padding, values up to 1e4 (rows dominated by the mask) and
+    -1e300, which is -inf once rounded to float32 as the unfused softmax rounds it."""
+    rng = np.random.default_rng(11)
+    q, k, v, do = _data(rng, 2, 90, 80, 16)
+    add = additive_mask(rng, (2, 90, 80), spread=1e4, hidden=0.2)
+    add[0, :, 3] = -1e300
+    visible = rng.random((2, 80)) < 0.8
+    ctx = Context()
+    got = _run(q, k, v, do, ctx, key_visible=visible, attn_mask=add)
+    assert not ctx.report.events, ctx.report.summary()
+    want, tol = _reference(q, k, v, do, 0.25, False, visible, np.where(add < -1e300 / 2, -np.inf,
+                                                                        add))
+    for g, w, t in zip(got, want, tol):
+        assert np.all(np.abs(g - w) <= t), np.max(np.abs(g - w) / t)
+
+
+@pytest.mark.parametrize("site", HOOK_SITES)
+def test_fault_under_an_additive_mask_is_corrected(site):
+    rng = np.random.default_rng(12)
+    q, k, v, do = _data(rng, 2, 130, 130, 32)
+    add = additive_mask(rng, (130, 130))
+    clean = _run(q, k, v, do, Context(), causal=True, attn_mask=add)
+    fault = Fault("near-inf", "element", seed=3, sites=site)
+    ctx = Context(fault_hook=fault)
+    got = _run(q, k, v, do, ctx, causal=True, attn_mask=add)
+    assert fault.injected and site in ctx.report.sites, ctx.report.summary()
+    assert all(e.action == "recomputed" for e in ctx.report.events)
+    for g, c in zip(got, clean):
+        assert np.array_equal(g, c)
+
+
+def test_bad_additive_mask():
+    q, k, v, _ = _data(np.random.default_rng(0), 2, 8, 6, 8)
+    for bad, match in ((np.zeros((2, 6, 8)), "shape"), (np.zeros((3, 8, 6)), "shape"),
+                       (np.zeros((8, 6), bool), "float"), ([[0.0] * 6] * 8, "numpy array"),
+                       (np.full((8, 6), np.nan), "NaN"), (np.full((8, 6), np.inf), "\\+inf"),
+                       (np.full((8, 6), 1e300), "largest")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            fused_forward(q, k, v, Context(), attn_mask=bad)
 
 
 @pytest.mark.parametrize("site", HOOK_SITES)

@@ -5,10 +5,12 @@
 //
 // Forward: one block of FNT threads per (head, query block of FBR rows); key tiles of FBC. Per
 // tile: S = Q_blk K_blk^T with its column checksums predicted from the query block's column
-// encoding (fused:S); the online softmax; P = exp(z - m) judged entry by entry on the softmax
-// invariant log P = z - m (fused:P); l = alpha l + rowsum P (fused:rowsum, against sum P carried in
-// float64); O_acc = alpha O_acc + P V with V's row encodings carried through the same rescaling
-// (fused:O_acc, judged on the stored output). A flagged tile is recomputed once, a flagged block
+// encoding (fused:S); the masks (causal, key_visible, an additive float64 mask added to the
+// scaled scores after the S check: masked_score); the online softmax; P = exp(z - m) judged entry
+// by entry on the softmax invariant log P = z - m, z the masked scores as stored (fused:P);
+// l = alpha l + rowsum P (fused:rowsum, against sum P carried in float64); O_acc = alpha O_acc
+// + P V with V's row encodings carried through the same rescaling (fused:O_acc, judged on the
+// stored output). A flagged tile is recomputed once, a flagged block
 // (rowsum, O_acc) likewise; the decision is block-uniform (thread 0 settles it through shared
 // memory). Tile arithmetic is in Arith<T> (float for half, bfloat16 and float; double for double);
 // the tile products S and dP of half and bfloat16 run on tensor cores (tile_product).
@@ -283,6 +285,26 @@ template <typename A> __device__ double probs_bad(A pv, A x, const double* t) {
     return pv < static_cast<A>(0) || x >= flush + static_cast<A>(1) ? inf64() : 0.0;
 }
 
+// The masked, scaled score z of one entry: -inf where hidden (causality, key_visible), else
+// sc * s plus the additive mask's entry add_row[j] (add_row null: no mask), added in double and
+// rounded to A, as attention/_cpu_fused._mask. The S check has already judged s.
+template <typename A>
+__device__ __forceinline__ A masked_score(A s, A sc, bool seen, const double* add_row, int j) {
+    if (!seen) return ninf(sc);
+    const A z = s * sc;
+    return add_row ? static_cast<A>(static_cast<double>(z) + add_row[j]) : z;
+}
+
+// The additive mask of head b: add (1 or n, lq, lk) float64, stride 0 or lq * lk; null: none.
+__device__ __forceinline__ const double* head_mask(const double* add, long long stride, int b) {
+    return add ? add + stride * b : nullptr;
+}
+
+// Row i of a head's additive mask from key j0 on (null: none).
+__device__ __forceinline__ const double* mask_row(const double* addh, int i, int lk, int j0) {
+    return addh ? addh + static_cast<long long>(i) * lk + j0 : nullptr;
+}
+
 // ------------------------------------------------------------------ forward
 
 template <typename A> struct Forward {
@@ -317,7 +339,8 @@ __global__ void attn_fused_encode_rows(const T* x, long long rows, int d, double
 template <typename T>
 __global__ void __launch_bounds__(FNT)
 attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const bool* visible,
-                   int lq, int lk, int d, double scale, int causal, int check, int correct,
+                   const double* add, long long add_stride, int lq, int lk, int d, double scale,
+                   int causal, int check, int correct,
                    const double* params, double* fault, T* out, typename Arith<T>::type* lse,
                    double* rec, int* status) {
     typedef typename Arith<T>::type A;
@@ -332,6 +355,7 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
     const T* vb = v + static_cast<long long>(b) * lk * d;
     const double* vb_enc = ve + static_cast<long long>(b) * lk * 3;
     const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
+    const double* addh = head_mask(add, add_stride, b);
     double* rt = rec + task * NSITES * FIELDS;
     const FaultAt ft = load_fault(fault);
     const A sc = static_cast<A>(scale), zero = static_cast<A>(0);
@@ -397,9 +421,11 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
             if (tid < rows) {  // ---- mask, scale, running maximum
                 const int r = tid;
                 const int lim = causal ? max(0, min(cols, i0 + r - j0 + 1)) : cols;
+                const double* add_row = mask_row(addh, i0 + r, lk, j0);
                 A mx = sh.m[r];
                 for (int j = 0; j < cols; ++j) {
-                    const A z = j < lim && (!vis || vis[j0 + j]) ? sh.s[r][j] * sc : ninf(zero);
+                    const A z = masked_score(sh.s[r][j], sc, j < lim && (!vis || vis[j0 + j]),
+                                             add_row, j);
                     sh.s[r][j] = z;
                     mx = z > mx ? z : mx;
                 }
@@ -596,15 +622,16 @@ __device__ void vote_product_row(Votes& votes, A (*tile)[FBC], const T* left,
 
 // One tile (query rows [i0, i0 + rows), keys [j0, j0 + cols)) of head b: S, P, dP and dS into
 // sh.s (dS), sh.p, sh.dp, each checked and recomputed once when flagged. qh, kh, vh, doh, lseh,
-// ddh: head b's rows. first: the first computation of the tile in this kernel (faults that do
-// not persist hit it only); tiles: inject at tile sites. Returns 0, or -1 when a recomputation
-// did not verify. Ends with a barrier.
+// ddh: head b's rows; addh: head b's additive mask (lq x lk), or null. first: the first
+// computation of the tile in this kernel (faults that do not persist hit it only); tiles: inject
+// at tile sites. Returns 0, or -1 when a recomputation did not verify. Ends with a barrier.
 template <typename T, typename A>
 __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T* vh,
-                             const T* doh, const A* lseh, const A* ddh, const bool* vis, int i0,
-                             int rows, int j0, int cols, int d, A sc, bool causal, bool check,
-                             bool correct, const double* params, const FaultAt& ft, bool tiles,
-                             bool first, double* rt, int b) {
+                             const T* doh, const A* lseh, const A* ddh, const bool* vis,
+                             const double* addh, int lk, int i0, int rows, int j0, int cols,
+                             int d, A sc, bool causal, bool check, bool correct,
+                             const double* params, const FaultAt& ft, bool tiles, bool first,
+                             double* rt, int b) {
     const int tid = threadIdx.x;
     const A zero = static_cast<A>(0);
     const T* qi = qh + static_cast<long long>(i0) * d;
@@ -630,8 +657,10 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
     if (tid < rows) {  // ---- mask and scale
         const int r = tid;
         const int lim = causal ? max(0, min(cols, i0 + r - j0 + 1)) : cols;
+        const double* add_row = mask_row(addh, i0 + r, lk, j0);
         for (int j = 0; j < cols; ++j)
-            sh.s[r][j] = j < lim && (!vis || vis[j0 + j]) ? sh.s[r][j] * sc : ninf(zero);
+            sh.s[r][j] = masked_score(sh.s[r][j], sc, j < lim && (!vis || vis[j0 + j]), add_row,
+                                      j);
     }
     for (int a = 0; a < 2; ++a) {  // ---- P = exp(z - lse), checked by the softmax invariant
         __syncthreads();
@@ -752,7 +781,8 @@ template <typename T>
 __global__ void __launch_bounds__(FNT)
 attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
                        const typename Arith<T>::type* lse, const typename Arith<T>::type* dd,
-                       const double* qe, const double* doe, const bool* visible, int lq, int lk,
+                       const double* qe, const double* doe, const bool* visible,
+                       const double* add, long long add_stride, int lq, int lk,
                        int d, double scale, int causal, int check, int correct,
                        const double* params, double* fault, typename Arith<T>::type* ws_k,
                        typename Arith<T>::type* ws_v, T* dk, T* dv, double* rec, int* status) {
@@ -771,6 +801,7 @@ attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
     const A* lseh = lse + static_cast<long long>(b) * lq;
     const A* ddh = dd + static_cast<long long>(b) * lq;
     const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
+    const double* addh = head_mask(add, add_stride, b);
     const long long row0 = static_cast<long long>(b) * lk + j0;
     A* wk = ws_k + row0 * d;
     A* wv = ws_v + row0 * d;
@@ -788,8 +819,8 @@ attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
         int st = 0;
         for (int i0 = first_i, step = 0; i0 < lq; i0 += FBR, ++step) {
             const int rows = min(FBR, lq - i0);
-            st = backward_tile(sh, qh, kh, vh, doh, lseh, ddh, vis, i0, rows, j0, cols, d, sc,
-                               causal != 0, check != 0, correct != 0, params, ft, true,
+            st = backward_tile(sh, qh, kh, vh, doh, lseh, ddh, vis, addh, lk, i0, rows, j0, cols,
+                               d, sc, causal != 0, check != 0, correct != 0, params, ft, true,
                                attempt == 0, rt, b);
             if (st < 0) break;
 #pragma unroll
@@ -859,7 +890,8 @@ template <typename T>
 __global__ void __launch_bounds__(FNT)
 attn_fused_backward_q(const T* q, const T* k, const T* v, const T* d_out,
                       const typename Arith<T>::type* lse, const typename Arith<T>::type* dd,
-                      const double* ke, const bool* visible, int lq, int lk, int d, double scale,
+                      const double* ke, const bool* visible, const double* add,
+                      long long add_stride, int lq, int lk, int d, double scale,
                       int causal, int check, int correct, const double* params, double* fault,
                       typename Arith<T>::type* ws_q, T* dq, double* rec, int* status) {
     typedef typename Arith<T>::type A;
@@ -876,6 +908,7 @@ attn_fused_backward_q(const T* q, const T* k, const T* v, const T* d_out,
     const A* lseh = lse + static_cast<long long>(b) * lq;
     const A* ddh = dd + static_cast<long long>(b) * lq;
     const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
+    const double* addh = head_mask(add, add_stride, b);
     const long long row0 = static_cast<long long>(b) * lq + i0;
     A* wq = ws_q + row0 * d;
     double* rt = rec + task * NSITES * FIELDS;
@@ -893,8 +926,8 @@ attn_fused_backward_q(const T* q, const T* k, const T* v, const T* d_out,
             const int cols = min(FBC, jend - j0);
             __syncthreads();  // the previous tile's checks are done with the encodings
             if (check) encode_key_block(sh, kh, vh, j0, cols, d);
-            st = backward_tile(sh, qh, kh, vh, doh, lseh, ddh, vis, i0, rows, j0, cols, d, sc,
-                               causal != 0, check != 0, correct != 0, params, ft, false,
+            st = backward_tile(sh, qh, kh, vh, doh, lseh, ddh, vis, addh, lk, i0, rows, j0, cols,
+                               d, sc, causal != 0, check != 0, correct != 0, params, ft, false,
                                attempt == 0, rt, b);
             if (st < 0) break;
 #pragma unroll

@@ -1,0 +1,61 @@
+"""When the fused attention core (:mod:`attention.fused`) can run an attention product: the rules
+shared by the bare product (:func:`attention.core.core_forward`) and the layer, which runs it
+between its projections (:func:`attention.functional.attention_forward`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from attention.context import Context
+from attention.fused import SUPPORTED as FUSED_DTYPES
+from attention.fused_rules import additive_ok
+
+#: The ``core`` choices: ``"auto"`` the fused core where it applies, else the unfused one.
+CORES = ("auto", "fused", "unfused")
+#: The GEMM sites of the unfused attention product (forward, then backward).
+CORE_SITES = ("scores", "context", "d_probs", "d_v", "d_q", "d_k")
+
+
+def check_core(core: str) -> None:
+    """``core`` must be one of :data:`CORES`."""
+    if core not in CORES:
+        raise ValueError(f"core must be one of {CORES}, got {core!r}")
+
+
+def static_reason(xp: Any, dtype: np.dtype, attn_add: Any | None, ctx: Context,
+                  dropout: float = 0.0, dropout_keep: Any | None = None, forced: bool = False,
+                  need_weights: bool = False) -> str | None:
+    """Why the fused core cannot run a product, from what is known before its operands exist
+    (None when it can): it takes NumPy float32 or float64 data, an additive mask
+    (:func:`attention.fused_rules.additive_ok`) or none, no dropout, no attention weights, and
+    checks every tile on every call. ``forced`` (``core="fused"``): a fault hook and a plan that
+    checks the product's sites less often do not count (the hook then sees the fused sites)."""
+    if xp is not np:
+        return f"the data are {xp.__name__} arrays (the fused core runs on the CPU)"
+    if dtype not in FUSED_DTYPES:
+        return f"dtype {dtype} (the fused core takes float32 and float64)"
+    if attn_add is not None and not additive_ok(np, attn_add, dtype):
+        return "an attn_mask holding NaN, +inf or values that overflow the scores"
+    if dropout or dropout_keep is not None:
+        return "attention dropout"
+    if need_weights:
+        return "the attention weights were asked for (the fused core makes none)"
+    if not forced:
+        if ctx.fault_hook is not None:
+            return "a fault hook (it names the unfused core's sites; core='fused' runs the " \
+                   "fused sites)"
+        sites = ctx.plan.sites
+        if any(sites[s].every != 1 or sites[s].probability != 1 for s in CORE_SITES):
+            return "a checking plan that skips calls (the fused core checks every tile)"
+    return None
+
+
+def finite_reason(**operands: Any) -> str | None:
+    """``"<name> holds INF or NaN"`` for the first NumPy operand that does (the fused core takes
+    finite data only), else None."""
+    for name, t in operands.items():
+        if not np.isfinite(t).all():
+            return f"{name} holds INF or NaN"
+    return None
