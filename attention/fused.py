@@ -10,10 +10,11 @@ parallel over (head, query block) forward and over heads backward, so no two thr
 accumulator; the tile products call BLAS, single-threaded, through numba's ``np.dot``).
 CuPy arrays run the same algorithm and checks in CUDA kernels (:mod:`attention._cuda_fused`,
 16-bit data too). :func:`attention.core.core_forward` runs this core by default where it applies
-(and the PyTorch :class:`attention.torch_core.ProtectedCore` through it); the unfused core stays
-the reference and the path for what this one does not support (dropout, 16-bit data on the
-CPU, the attention weights). The NumPy layer :class:`attention.MultiHeadAttention`
-and :class:`attention.torch.MultiheadAttention` do not use it yet.
+(and the PyTorch :class:`attention.torch_core.ProtectedCore` through it), and so do the layers
+between their projections (:func:`attention.functional.attention_forward`, so
+:class:`attention.MultiHeadAttention` and :class:`attention.torch.MultiheadAttention`); the
+unfused core stays the reference and the path for what this one does not support (dropout,
+16-bit data on the CPU, the attention weights).
 
 What is checked, per tile (sites of the fault hook, ``ctx.fault_hook(site, tile)``, which sees
 each tile array as computed and before it is checked):

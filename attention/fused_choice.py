@@ -53,9 +53,11 @@ def static_reason(xp: Any, dtype: np.dtype, attn_add: Any | None, ctx: Context,
 
 
 def finite_reason(**operands: Any) -> str | None:
-    """``"<name> holds INF or NaN"`` for the first NumPy operand that does (the fused core takes
-    finite data only), else None."""
+    """Why the fused core cannot take these NumPy operands (None when it can): it takes
+    non-empty, finite data only."""
     for name, t in operands.items():
+        if t.size == 0:
+            return f"{name} is empty"
         if not np.isfinite(t).all():
             return f"{name} holds INF or NaN"
     return None

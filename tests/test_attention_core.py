@@ -1,5 +1,7 @@
 """The functional attention core: routes as data, one settle per pass, counted structure,
-cross-attention and masks against float64 math written here from the definitions."""
+cross-attention and masks against float64 math written here from the definitions. The layers
+whose unfused sites a test watches run the unfused product (``core="unfused"``; the fused one:
+tests/test_layer_core.py)."""
 from __future__ import annotations
 
 import tracemalloc
@@ -22,7 +24,7 @@ TOL64 = 1e-10
 
 
 def _data(xp, batch=2, seq_q=5, seq_k=7, d=8, heads=2, seed=0):
-    layer = MultiHeadAttention(d, heads, dtype="float64", xp=xp, seed=seed)
+    layer = MultiHeadAttention(d, heads, dtype="float64", xp=xp, seed=seed, core="unfused")
     rng = np.random.default_rng(seed + 1)
     x, key, value, dy = (rng.standard_normal(s) for s in
                          ((batch, seq_q, d), (batch, seq_k, d), (batch, seq_k, d),
@@ -148,7 +150,7 @@ def test_an_encoding_is_made_once_per_pass_and_handed_on(xp, monkeypatch):
 @pytest.mark.parametrize("shape", [(0, 4), (2, 0)], ids=["no batch", "no tokens"])
 def test_empty_batches_and_sequences_run_both_passes(xp, shape):
     """An empty batch or sequence gives empty outputs and zero gradients, as plain math does."""
-    layer = MultiHeadAttention(8, 2, causal=True, dtype="float32", xp=xp)
+    layer = MultiHeadAttention(8, 2, causal=True, dtype="float32", xp=xp, core="unfused")
     x = xp.zeros(shape + (8,), np.float32)
     y, cache = layer.forward(x)
     dx, grads = layer.backward(xp.zeros_like(x), cache)
@@ -166,7 +168,7 @@ _TENSORS = {"x", "key", "value", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo",
 
 @pytest.mark.parametrize("xp", BACKENDS)
 def test_clean_step_syncs_twice_and_allocates_nothing_new(xp):
-    layer = MultiHeadAttention(16, 4, causal=True, dtype="float32", xp=xp)
+    layer = MultiHeadAttention(16, 4, causal=True, dtype="float32", xp=xp, core="unfused")
     rng = np.random.default_rng(0)
     x = xp.asarray(rng.standard_normal((2, 8, 16)).astype(np.float32))
     dy = xp.asarray(rng.standard_normal((2, 8, 16)).astype(np.float32))
@@ -198,7 +200,7 @@ def test_clean_step_syncs_twice_and_allocates_nothing_new(xp):
 def test_replay_repairs_at_the_source(xp, site):
     """A fault found at the pass's settle is replayed site by site: the saved Q, K and V are the
     fault-free ones."""
-    layer = MultiHeadAttention(8, 2, causal=True, dtype="float64", xp=xp)
+    layer = MultiHeadAttention(8, 2, causal=True, dtype="float64", xp=xp, core="unfused")
     x = xp.asarray(np.random.default_rng(3).standard_normal((2, 6, 8)))
     _, clean = layer.forward(x)
     y, cache = layer.forward(x, fault_hook=Fault("additive", "element", seed=1, sites=site,
@@ -217,7 +219,7 @@ def test_a_fault_behind_softmax_made_encodings_is_repaired(monkeypatch, site):
     products behind the hook's back (in its GEMM) is still found and repaired."""
     from abftgemm.plan import ProtectedMatmul
 
-    layer = MultiHeadAttention(16, 4, causal=True, dtype="float32")
+    layer = MultiHeadAttention(16, 4, causal=True, dtype="float32", core="unfused")
     rng = np.random.default_rng(3)
     x, dy = (rng.standard_normal((2, 8, 16)).astype(np.float32) for _ in range(2))
     y0, cache = layer.forward(x)
@@ -299,7 +301,8 @@ def test_causal_products_multiply_only_their_triangles(monkeypatch, check, causa
     monkeypatch.setattr(CpuBackend, "gemm", recording)
     outputs = {}
     hook = lambda site, c: outputs.setdefault(site, c.ctypes.data)  # noqa: E731
-    layer = MultiHeadAttention(16, 4, causal=causal, dtype="float32", check=check)
+    layer = MultiHeadAttention(16, 4, causal=causal, dtype="float32", check=check,
+                               core="unfused")
     x = np.random.default_rng(0).standard_normal((1, 130, 16)).astype(np.float32)
     _, cache = layer.forward(x, fault_hook=hook)
     layer.backward(x, cache, fault_hook=hook)
@@ -370,7 +373,7 @@ def test_a_softmax_backward_fault_is_caught_whatever_dp_holds_where_it_is_never_
 def _causal_130_keys():
     """A float64 causal layer over 130 keys (more than one row block on the CPU), its inputs and
     its fault-free results ``(y, dx, grads)``."""
-    layer = MultiHeadAttention(16, 4, causal=True, dtype="float64")
+    layer = MultiHeadAttention(16, 4, causal=True, dtype="float64", core="unfused")
     rng = np.random.default_rng(8)
     x, dy = (rng.standard_normal((1, 130, 16)) for _ in range(2))
     y, cache = layer.forward(x)

@@ -207,17 +207,16 @@ def test_bfloat16_autocast_equals_eager(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_core_without_padding_and_weights_when_asked(family):
-    # no padding mask and no output_attentions: the fused core runs, equal to eager (not in
-    # GPT-Neo, which passes its causal and window masks as additive masks); asked for the
-    # attention weights, the unfused core makes them, equal to eager's
+    # no padding mask and no output_attentions: the fused core runs, equal to eager (in GPT-Neo
+    # too, whose causal and window masks come as additive masks); asked for the attention
+    # weights, the unfused core makes them, equal to eager's
     eager = build(family)
     model = protect(copy.deepcopy(eager))
     ids, _ = batch()
     full = torch.ones_like(ids)
     got, want = step(model, ids, full), step(eager, ids, full)
     assert_same_step(got, want)
-    cores = {c.last_core for c in attention_cores(model).values()}
-    assert cores == ({"unfused"} if family == "gpt-neo" else {"fused"})
+    assert {c.last_core for c in attention_cores(model).values()} == {"fused"}
     out = model(ids, output_attentions=True)
     ref = eager(ids, output_attentions=True)
     assert {c.last_core for c in attention_cores(model).values()} == {"unfused"}

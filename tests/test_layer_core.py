@@ -1,0 +1,154 @@
+"""The layer's and the PyTorch module's choice of the attention product between the projections:
+the fused core (attention/fused.py) where it applies, equal to the unfused sites within rounding,
+forward and backward, faults at the projections and inside the fused core corrected, and which
+product ran said by ``last_core``."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from abftgemm.faults import Fault
+from attention import CheckingPlan, MultiHeadAttention
+
+TOL = {"float32": dict(rtol=2e-4, atol=2e-5), "float64": dict(rtol=1e-10, atol=1e-12)}
+
+
+def _inputs(rng, batch, seq_q, seq_k, d, dtype, cross):
+    x, dy = (rng.standard_normal((batch, seq_q, d)).astype(dtype) for _ in range(2))
+    kv = {}
+    if cross:
+        kv = {n: rng.standard_normal((batch, seq_k, d)).astype(dtype) for n in ("key", "value")}
+    return x, dy, kv
+
+
+def _step(layer, x, dy, **kw):
+    """``(y, dx..., grads...)`` of one forward and backward, flattened, and the core that ran;
+    ``layer.step_sites``: the sites the two reports name."""
+    hook = kw.pop("fault_hook", None)
+    y, cache = layer.forward(x, fault_hook=hook, **kw)
+    ran, sites = layer.last_core, set(layer.last_report.sites)
+    dx, grads = layer.backward(dy, cache, fault_hook=hook)
+    layer.step_sites = sites | set(layer.last_report.sites)
+    dx = dx if isinstance(dx, tuple) else (dx,)
+    return ran, (y, *dx, *(grads[k] for k in sorted(grads)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("causal,cross,masks", [(False, False, "none"), (True, False, "none"),
+                                                (False, True, "float"), (True, False, "bool"),
+                                                (False, False, "keys+float")])
+def test_fused_layer_equals_the_unfused_layer(dtype, causal, cross, masks):
+    rng = np.random.default_rng(0)
+    batch, seq_q, d, heads = 2, 70, 32, 4
+    seq_k = 50 if cross else seq_q
+    x, dy, kv = _inputs(rng, batch, seq_q, seq_k, d, dtype, cross)
+    kw = dict(kv)
+    if "keys" in masks:
+        keys = rng.random((batch, seq_k)) < 0.8
+        keys[1] = False  # a batch item that sees no key: its context 0
+        kw["mask"] = keys
+    if "float" in masks:
+        add = 2 * rng.standard_normal((batch * heads, seq_q, seq_k))
+        add[rng.random(add.shape) < 0.2] = -np.inf
+        add[:, 3] = -np.inf  # a fully masked query row
+        kw["attn_mask"] = add
+    if masks == "bool":
+        kw["attn_mask"] = rng.random((seq_q, seq_k)) < 0.3
+    results = {}
+    for core in ("auto", "unfused"):
+        layer = MultiHeadAttention(d, heads, causal=causal, dtype=dtype, core=core)
+        ran, results[core] = _step(layer, x, dy, **kw)
+        assert ran == ("fused" if core == "auto" else "unfused")
+        assert not layer.last_report.events, layer.last_report.summary()
+    for got, want in zip(results["auto"], results["unfused"]):
+        np.testing.assert_allclose(got, want, **TOL[dtype])
+
+
+def test_auto_falls_back_where_the_fused_core_does_not_apply():
+    rng = np.random.default_rng(1)
+    x, dy, _ = _inputs(rng, 1, 20, 20, 16, "float32", False)
+    layer = MultiHeadAttention(16, 2)
+    cases = [({"need_weights": True}, {}), ({"dropout": 0.2}, {}),
+             ({"fault_hook": lambda site, c: None}, {}),
+             ({}, {"plan": CheckingPlan().with_frequencies({"context": 0.5})}),
+             ({}, {"dtype": "float16"})]
+    for kw, make in cases:
+        layer = MultiHeadAttention(16, 2, **make)
+        _, cache = layer.forward(x.astype(layer.dtype), **kw)
+        assert layer.last_core == cache["core"] == "unfused", (kw, make)
+    bad = x.copy()
+    bad[0, 2, 3] = np.inf  # non-finite Q, K and V: the unfused sites pass them through
+    layer = MultiHeadAttention(16, 2)
+    _, cache = layer.forward(bad)
+    assert layer.last_core == "unfused"
+    _, cache = layer.forward(x)
+    assert layer.last_core == "fused" and cache["probs"] is None
+    y, cache = layer.forward(x, need_weights=True)
+    assert cache["probs"].shape == (2, 20, 20)
+
+
+def test_forcing_the_fused_core_where_it_does_not_apply_raises():
+    x = np.zeros((1, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="dropout"):
+        MultiHeadAttention(8, 2, core="fused").forward(x, dropout=0.5)
+    with pytest.raises(ValueError, match="weights"):
+        MultiHeadAttention(8, 2, core="fused").forward(x, need_weights=True)
+    with pytest.raises(ValueError, match="core must be one of"):
+        MultiHeadAttention(8, 2, core="flash")
+
+
+@pytest.mark.parametrize("site", ["q_proj", "v_proj", "out_proj", "fused:S", "fused:P",
+                                  "fused:O_acc", "fused:dS", "fused:dK_acc", "d_context", "d_x",
+                                  "d_wq"])
+def test_faults_corrected_with_the_fused_core(site):
+    """``core="fused"`` with a fault hook: the hook sees the projections' sites and the fused
+    core's; every fault is corrected."""
+    rng = np.random.default_rng(2)
+    x, dy, _ = _inputs(rng, 2, 70, 70, 32, "float32", False)
+    layer = MultiHeadAttention(32, 4, causal=True, core="fused")
+    _, clean = _step(layer, x, dy)
+    fault = Fault("near-inf", "element", seed=3, sites=site)
+    ran, got = _step(layer, x, dy, fault_hook=fault)
+    assert ran == "fused" and fault.injected
+    assert site in layer.step_sites
+    for g, c in zip(got, clean):
+        np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-6)
+
+
+def test_non_finite_gradient_passes_through_after_the_fused_forward():
+    rng = np.random.default_rng(4)
+    x, dy, _ = _inputs(rng, 1, 24, 24, 16, "float32", False)
+    dy[0, 5, 2] = np.nan
+    want = _step(MultiHeadAttention(16, 2, core="unfused"), x, dy)[1]
+    ran, got = _step(MultiHeadAttention(16, 2), x, dy)
+    assert ran == "fused"
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_torch_module_runs_the_fused_core_and_says_so():
+    torch = pytest.importorskip("torch")
+    from attention.torch import MultiheadAttention
+
+    torch.manual_seed(0)
+    stock = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+    x = torch.randn(2, 40, 32)
+    mask = torch.randn(40, 40)
+    results = {}
+    for core in ("auto", "unfused"):
+        mine = MultiheadAttention.from_torch(stock, core=core)
+        xi = x.clone().requires_grad_(True)
+        y, weights = mine(xi, xi, xi, need_weights=False, attn_mask=mask)
+        assert weights is None
+        assert mine.last_core == ("fused" if core == "auto" else "unfused")
+        y.square().sum().backward()
+        results[core] = (y.detach(), xi.grad, mine.in_proj_weight.grad.clone())
+        mine.zero_grad()
+    for got, want in zip(results["auto"], results["unfused"]):
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5)
+    want = stock(x, x, x, need_weights=False, attn_mask=mask)[0]
+    torch.testing.assert_close(results["auto"][0], want, rtol=1e-4, atol=1e-5)
+    mine = MultiheadAttention.from_torch(stock)
+    mine(x, x, x, need_weights=True)
+    assert mine.last_core == "unfused"
