@@ -33,8 +33,21 @@ __all__ = ["protect_pretrained", "ProtectedGPTNeoSelfAttention", "attention_core
 class ProtectedGPTNeoSelfAttention(GPTNeoSelfAttention):
     """GPT-Neo's self-attention with its attention product on the protected core (unscaled
     scores, the module's causal or local window mask, the model's additive mask, its attention
-    dropout in training). Attention weights are made only where the forward collects them
-    (:func:`attention.hf.weights_wanted`)."""
+    dropout in training). Attention weights are made only where the forward collects them:
+    GPT-Neo's own forward passes ``output_attentions`` down (where transformers' output collector
+    is active, :func:`attention.hf.weights_wanted` decides as well); without them the product may
+    run on the fused core."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                layer_past: Any = None, use_cache: bool = False, output_attentions: bool = False,
+                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """GPTNeoSelfAttention's forward, noting whether this call returns attention weights."""
+        self._abft_weights = bool(output_attentions)
+        try:
+            return super().forward(hidden_states, attention_mask, layer_past, use_cache,
+                                   output_attentions, **kwargs)
+        finally:
+            del self._abft_weights
 
     def _attn(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -48,7 +61,7 @@ class ProtectedGPTNeoSelfAttention(GPTNeoSelfAttention):
             hidden = self.bias[:, :, seq_k - seq_q:seq_k, :seq_k].logical_not()
             mask = hidden if attention_mask is None else \
                 not_allowed(attention_mask).to(torch.float32).masked_fill(hidden, -math.inf)
-        wanted = weights_wanted()
+        wanted = self.__dict__.get("_abft_weights", True) and weights_wanted()
         out, weights = core_of(self)(query, key, value, mask, 1.0, causal, need_weights=wanted,
                                      dropout=self.attn_dropout.p if self.training else 0.0)
         return out.to(dtype), weights.to(dtype) if wanted else None

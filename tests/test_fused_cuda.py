@@ -18,7 +18,7 @@ from abftgemm.checksums import unit_roundoff
 from attention.context import Context
 from attention.fused import fused_backward, fused_forward
 from conftest import BACKENDS
-from test_fused import _data, _reference
+from test_fused import _data, _reference, additive_mask
 
 CUDA = [p for p in BACKENDS if p.id != "numpy"]
 KINDS = [("inf", 0.0), ("nan", 0.0), ("near-inf", 0.0), ("additive", 1e3)]
@@ -116,6 +116,58 @@ def test_key_visible_and_fully_masked_rows(xp):
     for g, w, t in zip(got, want, tol):
         assert np.all(np.abs(g - w) <= t)
     assert all(not g[1].any() for g in got)
+
+
+@pytest.mark.parametrize("xp", CUDA)
+@given(n=st.integers(1, 2), lq=st.integers(1, 70), lk=st.integers(1, 70),
+       d=st.sampled_from([8, 16]), causal=st.booleans(), shared=st.booleans(),
+       dtype=st.sampled_from([np.float32, np.float64]), seed=st.integers(0, 2**31))
+def test_additive_mask_matches_float64_reference(xp, n, lq, lk, d, causal, shared, dtype, seed):
+    """Float masks added to the scaled scores (``-inf`` allowed), per head or shared, with
+    causality; a fully masked query row gets output and gradients 0."""
+    if causal:
+        lk = lq
+    rng = np.random.default_rng(seed)
+    q, k, v, do = _data(rng, n, lq, lk, d, dtype)
+    add = additive_mask(rng, (lq, lk) if shared else (n, lq, lk))
+    add[..., lq // 2, :] = -np.inf
+    ctx = Context()
+    got = _run(xp, q, k, v, do, ctx, causal=causal, attn_mask=xp.asarray(add))
+    assert not ctx.report.events, ctx.report.summary()
+    want, tol = _reference(q, k, v, do, 1 / math.sqrt(d), causal, add=add)
+    for name, g, w, t in zip(("out", "dq", "dk", "dv"), got, want, tol):
+        if dtype == np.float64:
+            np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-11, err_msg=name)
+        else:
+            assert np.all(np.abs(g - w) <= t), (name, np.max(np.abs(g - w) / t))
+    assert not got[0][:, lq // 2].any() and not got[1][:, lq // 2].any()
+
+
+@pytest.mark.parametrize("xp", CUDA)
+@pytest.mark.parametrize("site,phase", [("fused:S", "forward"), ("fused:P", "forward"),
+                                        ("fused:P", "backward"), ("fused:dS", "backward"),
+                                        ("fused:dQ_acc", "backward")])
+def test_fault_under_an_additive_mask_is_corrected(xp, site, phase):
+    rng = np.random.default_rng(12)
+    q, k, v, do = _data(rng, 2, 70, 70, 16)
+    add = xp.asarray(additive_mask(rng, (2, 70, 70)))
+    clean = _run(xp, q, k, v, do, Context(), causal=True, attn_mask=add)
+    fault = _fault(site, "near-inf", 0.0)
+    ctx, quiet = Context(fault_hook=fault), Context()
+    first, second = (ctx, quiet) if phase == "forward" else (quiet, ctx)
+    got = _run(xp, q, k, v, do, first, second, causal=True, attn_mask=add)
+    assert fault.hits == 1 and site in ctx.report.sites, ctx.report.summary()
+    for g, c in zip(got, clean):
+        assert np.array_equal(g, c)
+
+
+@pytest.mark.parametrize("xp", CUDA)
+def test_bad_additive_mask(xp):
+    q, k, v, _ = (xp.asarray(t) for t in _data(np.random.default_rng(0), 2, 8, 6, 8))
+    for bad, match in ((np.zeros((2, 6, 8)), "shape"), (np.full((8, 6), np.nan), "NaN"),
+                       (np.full((8, 6), 1e300), "largest"), (np.zeros((8, 6), bool), "float")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            fused_forward(q, k, v, Context(), attn_mask=xp.asarray(bad))
 
 
 @pytest.mark.parametrize("xp", CUDA)
