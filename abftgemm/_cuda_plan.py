@@ -23,6 +23,7 @@ import numpy
 from cupy_backends.cuda.libs import cublas
 
 from abftgemm import kernels
+from abftgemm.checksums import encoding_of
 from abftgemm.cuda_kernels import PLAIN_MATH, bits, cdiv, matrices, raw_module, strided_batched
 
 if TYPE_CHECKING:
@@ -68,10 +69,8 @@ class CudaWorkspace:
         self._pred = self._zeros((batch, 3, n), numpy.float64)
         self._acc = self._zeros((batch, 3, n), numpy.float64)
         self._bad_count = self._zeros((batch, n), numpy.int32)
-        self._bad_last = self._zeros((batch, n), numpy.int32)
-        self._bad_last.fill(-1)
         self._tile_count = self._zeros((batch, self._tiles), numpy.uint32)
-        self._obs = self._zeros((batch, n, 5), numpy.float64)
+        self._obs = self._zeros((3, batch, n), numpy.float64)
         self._verdict = self._zeros((batch, 2), numpy.uint64)
         self._verdict_host = cupyx.zeros_pinned((batch, 2), numpy.uint64)
         self._verdict_seen = numpy.zeros((batch, 2), numpy.uint64)
@@ -111,15 +110,18 @@ class CudaWorkspace:
                         op.bias is not None)
 
     def encode(self, a: cupy.ndarray) -> None:
-        """Column encoding of the constant ``a`` (batch or 1, m, k) into the workspace now."""
+        """Column encoding of the constant ``a`` (batch or 1, m, k) into the workspace now (its
+        records, then the encoding out of them: a counted copy)."""
         self._counters.launches += 1
-        self._counters.allocations += 1
+        self._counters.allocations += 2
+        self._counters.copies += 1
         full = cupy.empty((a.shape[0], a.shape[2], 5), dtype=numpy.float64)
         self._backend.col_reduce(a, None, full)
-        self._enc_given = full[..., :3]
+        self._enc_given = encoding_of(full)
 
     def set_encoding(self, cols: cupy.ndarray) -> None:
-        """Use the column encoding ``cols`` ``(batch or 1, k, 3)`` handed on from elsewhere."""
+        """Use the column encoding ``cols`` ``(3, batch or 1, k)`` handed on from elsewhere, read
+        in place (its field vectors contiguous)."""
         self._enc_given = cols
 
     def predict(self, op: Any, encode_a: bool) -> None:
@@ -134,10 +136,8 @@ class CudaWorkspace:
         a, b = matrices(op.a), matrices(op.b)
         enc = self._enc_used
         if enc is not None:
-            if enc.strides[2] != 8:
-                enc = cupy.ascontiguousarray(enc)
-            enc_args = (enc, numpy.int64(enc.strides[0] // 8), numpy.int64(enc.strides[1] // 8),
-                        numpy.int32(enc.shape[0]))
+            enc_args = (enc, numpy.int64(enc.strides[1] // 8), numpy.int64(enc.strides[0] // 8),
+                        numpy.int32(enc.shape[1]))
             items, chunks, chunk_rows = self._pred.shape[0], 1, op.m
         else:
             enc_args = (None, numpy.int64(0), numpy.int64(0), numpy.int32(0))
@@ -163,9 +163,10 @@ class CudaWorkspace:
         vector = n % (16 // c.itemsize) == 0 and c.data.ptr % 16 == 0
         self._observe_flag(
             (batch * self._tiles * self._c_chunks,), (_THREADS,),
-            (c, self._bias, self._acc, self._bad_count, self._bad_last, self._tile_count,
+            (c, self._bias, self._acc, self._bad_count, self._tile_count,
              self._pred, c_obs, c_pred, floor, c_mag, numpy.float64(self._safe), self._obs,
-             self._verdict, numpy.int32(m), numpy.int32(n), numpy.int32(self._tiles),
+             self._verdict, numpy.int32(batch), numpy.int32(m), numpy.int32(n),
+             numpy.int32(self._tiles),
              numpy.int32(self._c_chunks), numpy.int32(self._c_chunk_rows), numpy.int32(vector)))
 
     def abandon(self) -> None:
@@ -191,13 +192,14 @@ class CudaWorkspace:
         return changed
 
     def a_encoding(self) -> cupy.ndarray | None:
-        """The column encoding of ``a`` the last prediction read, ``(batch or 1, k, 3)``; None
+        """The column encoding of ``a`` the last prediction read, ``(3, batch or 1, k)``; None
         when the predict kernel encoded ``a`` itself (it keeps only partial sums)."""
         return self._enc_used
 
     def observed_cols(self) -> cupy.ndarray:
-        """Observed column encoding of the last product, ``(batch, n, 3)`` (a workspace view)."""
-        return self._obs[..., :3]
+        """Observed column encoding of the last product, ``(3, batch, n)``, as the observation
+        wrote it (the workspace)."""
+        return self._obs
 
 
 def _chunks(blocks: int, rows: int, sms: int) -> tuple[int, int]:

@@ -20,7 +20,8 @@ batch dimension is either the full batch or 1 (broadcast):
 ``col_reduce(x, coef, out)`` / ``row_reduce(x, coef, out)``
     One pass over ``x`` producing, per column (resp. row) vector ``v`` of length ``L``, five float64
     numbers ``[sum(c0*v), sum(c1*v), sum(c2*|v|), count(!isfinite(v)), last non-finite index or -1]``.
-    ``coef`` has shape ``(batch or 1, L, 3)`` float64, or is None for the defaults ``c0=1,
+    ``coef`` is an encoding (:mod:`abftgemm.checksums`), float64 ``(3, batch or 1, L)`` whose
+    field vectors are contiguous (last axis), read in place; or None for the defaults ``c0=1,
     c1=(index+1)/L, c2=1``.
     ``out`` has shape ``(batch, vectors, 5)`` float64.
 ``both_reduce(x, col_coef, row_coef, out_col, out_row)``
@@ -72,7 +73,8 @@ class Workspace(Protocol):
         """Column encoding of ``a`` now, kept for every later prediction (a constant ``a``)."""
 
     def set_encoding(self, cols: Any) -> None:
-        """Use the column encoding ``cols`` ``(batch or 1, k, 3)`` in the next prediction."""
+        """Use the column encoding ``cols`` ``(3, batch or 1, k)`` in the next prediction, read in
+        place."""
 
     def predict(self, op: Any, encode_a: bool) -> None:
         """Launch 1: the predicted column checksums of the product (``encode_a``: from ``op.a``
@@ -92,11 +94,12 @@ class Workspace(Protocol):
         """Forget the verdict of an execute that will not be settled."""
 
     def a_encoding(self) -> Any | None:
-        """The column encoding of ``a`` the last prediction used, ``(batch or 1, k, 3)``, or None
+        """The column encoding of ``a`` the last prediction used, ``(3, batch or 1, k)``, or None
         where the backend keeps none whole."""
 
     def observed_cols(self) -> Any:
-        """The observed column encoding of the last product, ``(batch, n, 3)`` (a view)."""
+        """The observed column encoding of the last product, ``(3, batch, n)``, as the
+        observation wrote it."""
 
     def release(self) -> None:
         """Free what the workspace holds beyond its arrays."""

@@ -42,8 +42,10 @@ class ConsumerRows:
         The plan's counted allocation of a zeroed array.
     """
 
-    def __init__(self, be: Backend, op: Operands, out_triangle: str | None, alloc: Allocate):
+    def __init__(self, be: Backend, op: Operands, out_triangle: str | None, alloc: Allocate,
+                 counters: Any):
         self._be = be
+        self._counters = counters
         self._coefficients = threshold_coefficients(op.k, op.n, op.dtype, False)
         self._safe = safe_magnitude(op.k, op.dtype)
         #: How many leading columns of each row are computed, observed and verified, ``(m,)``;
@@ -51,8 +53,8 @@ class ConsumerRows:
         self.row_limits = None if out_triangle is None else be.row_limits(op.m, op.n, op.dtype)
         if self.row_limits is None:
             self._b_rows = alloc((op.b.shape[0], op.k, 5))
-            # the row encoding of b, contiguous, as the reduction kernels take coefficients
-            self._b_coef = alloc((op.b.shape[0], op.k, 3))
+            # the row encoding of b out of those records, when none is handed on
+            self._b_enc = alloc((3, op.b.shape[0], op.k))
         else:  # the encoding of b's leading columns, grown by the prediction
             self._enc = alloc((3, op.k))
         self._pred = alloc((op.batch, op.m, 5))
@@ -69,20 +71,22 @@ class ConsumerRows:
         self._be.gemm(op.a, op.b, c, None, out_triangle="lower")
 
     def predict(self, op: Operands, b_rows: Any | None) -> int:
-        """Predicted row checksums of the product; returns the launches it took: a read of
-        ``b`` for its row encoding unless ``b_rows`` ``(1 or b's batch, k, 3)`` hands it on, its
-        copy into the coefficients the reductions read, and the prediction (2 or 3); with
-        :attr:`row_limits`, one prediction that encodes ``b``'s leading columns as it goes."""
+        """Predicted row checksums of the product; returns the launches it took: the prediction,
+        which reads ``b_rows`` ``(3, 1 or b's batch, k)`` in place when it is handed on (1);
+        else first a read of ``b`` for its row records and their copy into an encoding (3,
+        the copy counted); with :attr:`row_limits`, one prediction that encodes ``b``'s leading
+        columns as it goes."""
         if self.row_limits is not None:
             self._be.predict_lower_rows(op.a, op.b, self.row_limits, self._enc, self._pred)
             return 1
-        launches = 2
+        launches = 1
         if b_rows is None:
-            launches += 1
+            launches += 2
             self._be.row_reduce(op.b, None, self._b_rows)
-            b_rows = self._b_rows[..., :3]
-        self._b_coef[...] = b_rows  # the reduction kernels read contiguous coefficients
-        self._be.row_reduce(op.a, self._b_coef, self._pred)
+            self._b_enc[...] = self._b_rows[..., :3].transpose(2, 0, 1)
+            self._counters.copies += 1
+            b_rows = self._b_enc
+        self._be.row_reduce(op.a, b_rows, self._pred)
         return launches
 
     def judge(self) -> None:
