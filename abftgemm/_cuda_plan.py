@@ -176,13 +176,15 @@ class CudaWorkspace:
         self._verdict.data.memset_async(0, self._verdict.nbytes)
         self._verdict_seen[...] = 0
 
-    def fetch_verdict(self) -> None:
+    def fetch_verdict(self) -> int:
         """Queue the copy of the cumulative verdict into pinned host memory on the current
-        stream (no wait); when the execute ran on another stream, the copy waits for it."""
+        stream (no wait; one transfer); when the execute ran on another stream, the copy waits
+        for it."""
         current = cupy.cuda.get_current_stream()
         if current.ptr != self._stream.ptr:
             current.wait_event(self._stream.record())
         self._verdict.get(stream=current, out=self._verdict_host, blocking=False)
+        return 1
 
     def verdict_flagged(self) -> bool:
         """After :meth:`fetch_verdict` and a synchronization: True when a column was flagged or

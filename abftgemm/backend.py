@@ -83,8 +83,9 @@ class Workspace(Protocol):
     def observe_flag(self, c: Any) -> None:
         """Launch 2: observe the product's column checksums and judge every column."""
 
-    def fetch_verdict(self) -> None:
-        """Queue the copy of the verdict to the host (no wait)."""
+    def fetch_verdict(self) -> int:
+        """Queue the copy of the verdict to the host (no wait); returns the device-to-host
+        transfers queued (0 where the verdict is host memory already)."""
 
     def verdict_flagged(self) -> bool:
         """After :meth:`fetch_verdict` and a synchronization: whether a column flagged or was

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from abftgemm.backend import Backend, to_host
+from abftgemm.backend import Backend, is_cupy_array, to_host
 from abftgemm.encode import predict_rows
 from abftgemm.locate import verify_rows
 from abftgemm.operands import Operands
@@ -96,7 +96,10 @@ class ConsumerRows:
                       out=self._judged)
 
     def flagged(self) -> bool:
-        """Whether the judged rows flagged; read after the caller's synchronization."""
+        """Whether the judged rows flagged; read after the caller's synchronization (a
+        device-to-host transfer on the GPU, counted)."""
+        if is_cupy_array(self._verdict):
+            self._counters.host_reads += 1
         return bool(to_host(self._verdict).any())
 
     def rare_path(self, op: Operands, c: Any, check: str, name: str, report: Report) -> None:

@@ -74,9 +74,12 @@ class Counters:
         plan reads ``b`` for, the rare path's); an encoding kept beyond the workspace that holds
         it. Handed-on encodings in the one layout are read where they were written: none.
     host_reads : int
-        Device-to-host transfers of verdicts (one per settle of a column plan on the GPU, one per
-        consumer-rows settle, ...). Zero on the CPU, where every verdict is already host memory
-        (a kernel returns it, or writes a NumPy array): nothing is transferred.
+        Device-to-host transfers of verdicts: on the GPU one per settle of a column plan (its
+        verdict copied into pinned memory) and one per settle of a consumer-rows plan (its
+        counts); what else shares these counters adds its own (the attention softmax checks:
+        one per invariant verdict read, two when it failed). Zero on the CPU, where every
+        verdict is host memory already (a kernel returns it, or writes a NumPy array):
+        nothing is transferred.
     """
 
     launches: int = 0
@@ -341,7 +344,7 @@ class ProtectedMatmul:
         if self._pending is None:
             raise RuntimeError(f"{self.name}: settle() without an execute")
         if self._verify_columns:
-            self._work.fetch_verdict()
+            self.counters.host_reads += self._work.fetch_verdict()
 
     def _finish_settle(self, checksums: bool) -> Report | tuple[Report, Checksums]:
         """With the verdict on the host: report, run the rare path if it flagged anything, and

@@ -33,8 +33,8 @@ class DeviceVerdict:
     of each failing row (written by failing rows only).
     """
 
-    def __init__(self, worst: cupy.ndarray, details: cupy.ndarray):
-        self.worst, self.details = worst, details
+    def __init__(self, worst: cupy.ndarray, details: cupy.ndarray, counters: Any):
+        self.worst, self.details, self.counters = worst, details, counters
 
     def reset(self) -> None:
         """Clear the verdict before a launch (an asynchronous memset, no kernel)."""
@@ -42,10 +42,13 @@ class DeviceVerdict:
 
     def read(self) -> tuple[bool, float, float]:
         """``(ok, worst error, its tolerance)``; a host read (after the pass's settle it waits for
-        nothing)."""
+        nothing), two when the check failed (its details), counted in ``counters.host_reads``
+        (:class:`abftgemm.plan.Counters`)."""
+        self.counters.host_reads += 1
         key = int(self.worst.get()[0])
         if key == 0:
             return True, 0.0, 0.0
+        self.counters.host_reads += 1
         err, tol = (float(v) for v in self.details[key & _UINT32_MAX].get())
         return False, err, tol
 

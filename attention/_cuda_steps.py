@@ -27,7 +27,8 @@ from attention.softmax import (LOG_CHECK_FLOOR, BackwardStep, ForwardStep, Verdi
 def _device_verdict(ws: Any, name: str, rows: int) -> _cuda_softmax.DeviceVerdict:
     """The reusable device verdict of one check."""
     return _cuda_softmax.DeviceVerdict(ws.buffer(name + "_worst", cupy, (1,), np.uint64),
-                                       ws.buffer(name + "_details", cupy, (rows, 2), np.float64))
+                                       ws.buffer(name + "_details", cupy, (rows, 2), np.float64),
+                                       ws.counters)
 
 
 class GpuForwardStep(ForwardStep):
