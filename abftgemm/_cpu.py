@@ -248,9 +248,10 @@ class CpuBackend:
     def synchronize(self) -> None:
         """Nothing runs asynchronously on the CPU."""
 
-    def plan_workspace(self, op: Any, counters: Any,
-                       thresholds: ColumnThresholds | None) -> CpuWorkspace:
-        """Workspaces and launches of a planned product (:mod:`abftgemm._cpu_plan`)."""
+    def plan_workspace(self, op: Any, counters: Any, thresholds: ColumnThresholds | None,
+                       verdicts: Any) -> CpuWorkspace:
+        """Workspaces and launches of a planned product (:mod:`abftgemm._cpu_plan`; its verdict
+        is the kernel's return value, host memory: no ledger slot)."""
         return CpuWorkspace(self, op, counters, thresholds)
 
     def col_reduce(self, x: np.ndarray, coef: np.ndarray | None, out: np.ndarray) -> None:

@@ -263,9 +263,8 @@ class CpuWorkspace:
     def abandon(self) -> None:
         """Nothing to forget: each observation overwrites the verdict."""
 
-    def fetch_verdict(self) -> int:
-        """The verdict is already in host memory: no transfer."""
-        return 0
+    def ready_verdict(self) -> None:
+        """The verdict is already in host memory."""
 
     def verdict_flagged(self) -> bool:
         """True when the last observation flagged a column or found one unverifiable."""

@@ -168,10 +168,10 @@ class CupyBackend:
         """Wait for the current stream (where every launch of this backend goes)."""
         cupy.cuda.get_current_stream().synchronize()
 
-    def plan_workspace(self, op: Any, counters: Any,
-                       thresholds: ColumnThresholds | None) -> CudaWorkspace:
+    def plan_workspace(self, op: Any, counters: Any, thresholds: ColumnThresholds | None,
+                       verdicts: Any) -> CudaWorkspace:
         """Workspaces and launches of a planned product (:mod:`abftgemm._cuda_plan`)."""
-        return CudaWorkspace(self, op, counters, thresholds)
+        return CudaWorkspace(self, op, counters, thresholds, verdicts)
 
     def col_reduce(self, x: cupy.ndarray, coef: cupy.ndarray | None, out: cupy.ndarray) -> None:
         """Checksums of every column of ``x`` ``(batch or 1, r, c)`` into ``out`` ``(batch, c, 5)``.

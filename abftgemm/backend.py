@@ -37,8 +37,10 @@ batch dimension is either the full batch or 1 (broadcast):
     ``(batch, vectors)`` arrays to write, for callers that must not allocate.
 ``synchronize()``
     Wait until every launch queued so far has finished (nothing to wait for on the CPU).
-``plan_workspace(op, counters, thresholds)``
-    The :class:`Workspace` of a planned product (:class:`abftgemm.plan.ProtectedMatmul`).
+``plan_workspace(op, counters, thresholds, verdicts)``
+    The :class:`Workspace` of a planned product (:class:`abftgemm.plan.ProtectedMatmul`), its
+    verdict in a slot of the ledger ``verdicts`` (:mod:`abftgemm.verdicts`) where it has one on
+    the device.
 
 On top of these, array-module generic and written once: the checksum passes
 (:mod:`abftgemm.encode`), verdicts and location (:mod:`abftgemm.locate`), the rare path of
@@ -83,13 +85,13 @@ class Workspace(Protocol):
     def observe_flag(self, c: Any) -> None:
         """Launch 2: observe the product's column checksums and judge every column."""
 
-    def fetch_verdict(self) -> int:
-        """Queue the copy of the verdict to the host (no wait); returns the device-to-host
-        transfers queued (0 where the verdict is host memory already)."""
+    def ready_verdict(self) -> None:
+        """Make the copy of the verdict ledger to the host (queued next on the current stream)
+        wait for this workspace's launches."""
 
     def verdict_flagged(self) -> bool:
-        """After :meth:`fetch_verdict` and a synchronization: whether a column flagged or was
-        unverifiable."""
+        """After the ledger's fetch and a synchronization: whether a column flagged or was
+        unverifiable since the last read."""
 
     def abandon(self) -> None:
         """Forget the verdict of an execute that will not be settled."""
@@ -130,8 +132,8 @@ class Backend(Protocol):
 
     def synchronize(self) -> None: ...
 
-    def plan_workspace(self, op: Any, counters: Any,
-                       thresholds: ColumnThresholds | None) -> Workspace: ...
+    def plan_workspace(self, op: Any, counters: Any, thresholds: ColumnThresholds | None,
+                       verdicts: Any) -> Workspace: ...
 
 
 class RowPrefixes(Protocol):

@@ -15,13 +15,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from abftgemm.backend import Backend, is_cupy_array, to_host
+from abftgemm.backend import Backend
 from abftgemm.encode import predict_rows
 from abftgemm.locate import verify_rows
 from abftgemm.operands import Operands
 from abftgemm.rare_path import settle
 from abftgemm.report import Report
 from abftgemm.thresholds import safe_magnitude, threshold_coefficients
+from abftgemm.verdicts import Slot
 
 Allocate = Callable[..., Any]
 
@@ -43,9 +44,10 @@ class ConsumerRows:
     """
 
     def __init__(self, be: Backend, op: Operands, out_triangle: str | None, alloc: Allocate,
-                 counters: Any):
+                 counters: Any, verdict: Slot):
         self._be = be
         self._counters = counters
+        self._slot = verdict
         self._coefficients = threshold_coefficients(op.k, op.n, op.dtype, False)
         self._safe = safe_magnitude(op.k, op.dtype)
         #: How many leading columns of each row are computed, observed and verified, ``(m,)``;
@@ -61,7 +63,8 @@ class ConsumerRows:
         #: The consumer writes the observed row checksums of the product here, ``(batch, m, 5)``
         #: (of each row's first ``row_limits[i]`` entries when :attr:`row_limits` is set).
         self.observed = alloc((op.batch, op.m, 5))
-        self._verdict = alloc((2,), np.int64)
+        # the flagged and unverifiable rows, counted in the ledger slot (int64 on the CPU)
+        self._verdict = verdict.device if be.xp is not np else verdict.device.view(np.int64)
         # The judge's per-row threshold, flag and verifiability (written, never read here).
         rows = (op.batch, op.m)
         self._judged = (alloc(rows), alloc(rows, bool), alloc(rows, bool))
@@ -91,16 +94,14 @@ class ConsumerRows:
 
     def judge(self) -> None:
         """Count the flagged and unverifiable rows of :attr:`observed` (on the device)."""
-        self._verdict[...] = 0
+        self._slot.clear()
         self._be.flag(self._pred, self.observed, self._coefficients, self._safe, self._verdict,
                       out=self._judged)
 
     def flagged(self) -> bool:
-        """Whether the judged rows flagged; read after the caller's synchronization (a
-        device-to-host transfer on the GPU, counted)."""
-        if is_cupy_array(self._verdict):
-            self._counters.host_reads += 1
-        return bool(to_host(self._verdict).any())
+        """Whether the judged rows flagged: the slot as the ledger's last fetch copied it (the
+        plan's settle fetched it)."""
+        return bool(self._slot.host.any())
 
     def rare_path(self, op: Operands, c: Any, check: str, name: str, report: Report) -> None:
         """Verify whole rows from a fresh prediction and repair ``c`` in place (or raise, as

@@ -36,6 +36,7 @@ from abftgemm.operands import Operands
 from abftgemm.rare_path import protect
 from abftgemm.report import Report
 from abftgemm.thresholds import safe_magnitude, threshold_coefficients
+from abftgemm.verdicts import Ledger
 
 FaultHook = Callable[[str, Any], None]
 DIRECTIONS = ("columns", "both")
@@ -74,12 +75,11 @@ class Counters:
         plan reads ``b`` for, the rare path's); an encoding kept beyond the workspace that holds
         it. Handed-on encodings in the one layout are read where they were written: none.
     host_reads : int
-        Device-to-host transfers of verdicts: on the GPU one per settle of a column plan (its
-        verdict copied into pinned memory) and one per settle of a consumer-rows plan (its
-        counts); what else shares these counters adds its own (the attention softmax checks:
-        one per invariant verdict read, two when it failed). Zero on the CPU, where every
-        verdict is host memory already (a kernel returns it, or writes a NumPy array):
-        nothing is transferred.
+        Device-to-host transfers of verdicts: one per fetch of a verdict ledger page
+        (:mod:`abftgemm.verdicts`; plans that share a ledger, and the checks that reserve slots
+        in it, are read in one: one per :func:`settle_all` of an attention pass), and the
+        details of a failed check that others read (the attention softmax checks). Zero on the
+        CPU, where every verdict is host memory already: nothing is transferred.
     """
 
     launches: int = 0
@@ -129,6 +129,10 @@ class ProtectedMatmul:
     counters : Counters, optional
         Counters to add to (several plans may share one, e.g. the sites of a layer); default a
         new one, :attr:`counters`.
+    verdicts : Ledger, optional
+        Where the plan's verdict counts live (:mod:`abftgemm.verdicts`): plans that share one
+        are read from the device together, one transfer for all of them at
+        :func:`settle_all`; default a ledger of the plan's own.
 
     Attributes
     ----------
@@ -150,7 +154,7 @@ class ProtectedMatmul:
     def __init__(self, a: Any, b: Any, *, bias: Any | None = None, check: str = "correct",
                  directions: str = "columns", name: str = "matmul", constant_a: bool = False,
                  a_triangle: str | None = None, out_triangle: str | None = None,
-                 counters: Counters | None = None):
+                 counters: Counters | None = None, verdicts: Ledger | None = None):
         if check not in ("correct", "detect"):
             raise ValueError(f"check must be 'correct' or 'detect' for a plan, got {check!r} "
                              "(check='off' needs no plan: use abftgemm.matmul)")
@@ -171,16 +175,18 @@ class ProtectedMatmul:
         self._signature = signature_of(op)
         self._layout = _Layout.of(a, b, bias, op)
         self._be: Backend = get_backend(op.xp)
+        self._ledger = Ledger(op.xp, self.counters) if verdicts is None else verdicts
         self._constant_a = constant_a
         self._a_triangle = a_triangle
         self._verify_columns = directions == "columns"
         thresholds = (threshold_coefficients(op.k, op.m, op.dtype, op.bias is not None),
                       safe_magnitude(op.k, op.dtype)) if self._verify_columns else None
-        self._work: Workspace = self._be.plan_workspace(op, self.counters, thresholds)
+        self._work: Workspace = self._be.plan_workspace(op, self.counters, thresholds,
+                                                        self._ledger)
         if self._verify_columns and constant_a:
             self._work.encode(op.a)
-        self._rows = ConsumerRows(self._be, op, out_triangle, self._zeros,
-                                   self.counters) if consumer else None
+        self._rows = ConsumerRows(self._be, op, out_triangle, self._zeros, self.counters,
+                                  self._ledger.reserve(2)) if consumer else None
         self.observed = None if self._rows is None else self._rows.observed
         self.row_limits = None if self._rows is None else self._rows.row_limits
         self._pending: _Pending | None = None
@@ -250,6 +256,7 @@ class ProtectedMatmul:
             _check_encoding(op.b, op.k, b_rows.rows, name, "b_rows.rows", "the row encoding of b")
             b_rows = Checksums(rows=self._readable(b_rows.rows))
         c = op.buffer()
+        self._ledger.stale = True
         if gemm is not None or self.row_limits is not None:  # else the workspace counts it
             self.counters.launches += 1 + (op.bias is not None)
         if gemm is not None:
@@ -281,6 +288,7 @@ class ProtectedMatmul:
             raise RuntimeError(f"{self.name}: judge() needs an executed plan with directions="
                                f"{CONSUMER_ROWS!r}")
         self.counters.launches += 1
+        self._ledger.stale = True
         self._rows.judge()
 
     def signature(self) -> tuple:
@@ -335,16 +343,17 @@ class ProtectedMatmul:
             When ``check="correct"`` and no verified result could be delivered.
         """
         self._start_settle()
+        self._ledger.fetch()
         self.counters.syncs += 1
         self._be.synchronize()
         return self._finish_settle(checksums)
 
     def _start_settle(self) -> None:
-        """Queue the copy of the verdict to the host (nothing to queue on the CPU)."""
+        """Make the copy of the verdicts to the host wait for this plan's launches."""
         if self._pending is None:
             raise RuntimeError(f"{self.name}: settle() without an execute")
         if self._verify_columns:
-            self.counters.host_reads += self._work.fetch_verdict()
+            self._work.ready_verdict()
 
     def _finish_settle(self, checksums: bool) -> Report | tuple[Report, Checksums]:
         """With the verdict on the host: report, run the rare path if it flagged anything, and
@@ -471,9 +480,10 @@ class _Layout:
 def settle_all(plans: list[ProtectedMatmul]) -> list[Report]:
     """Settle several executed plans with one host synchronization.
 
-    The verdict copies of every plan are queued, the host waits once, and each plan then reports
-    (running its rare path if flagged), in order. Each distinct :class:`Counters` among the plans
-    (plans may share one) counts one sync.
+    The verdict copies of every plan are queued, one per distinct :class:`Ledger` among the plans
+    (plans that share one are read in one transfer), the host waits once, and each plan then
+    reports (running its rare path if flagged), in order. Each distinct :class:`Counters` among
+    the plans (plans may share one) counts one sync.
 
     Returns
     -------
@@ -482,6 +492,8 @@ def settle_all(plans: list[ProtectedMatmul]) -> list[Report]:
     """
     for plan in plans:
         plan._start_settle()
+    for ledger in {id(p._ledger): p._ledger for p in plans}.values():
+        ledger.fetch()
     for counters in {id(p.counters): p.counters for p in plans}.values():
         counters.syncs += 1
     if plans:

@@ -10,8 +10,8 @@
 // accumulators with atomics, and the last block to finish a piece of work (a "last block" counter
 // per piece, fenced) finishes it and puts the accumulators and counters back to zero, so the
 // workspaces are clean for the next execute without a memset. The verdict is two cumulative
-// counts per batch item (flagged, unverifiable) that the host reads at settle and compares with
-// the previous read.
+// counts (flagged, unverifiable) that the host reads at settle and compares with the previous
+// read.
 //
 // checksum_acc.cuh (prepended by abftgemm.kernels.source) provides to_double and not_finite.
 
@@ -190,9 +190,9 @@ __global__ void abft_plan_predict(
 //     flagged = verifiable && !(|pred[0]-obs[0]| <= tau && |pred[1]-obs[1]| <= tau
 //                               && observed finite)
 // (the rule of abft_flag in reduce.cu), writes the observed column encoding obs (3, batch, n),
-// field-major as every encoding (handed on as it is), adds the flagged and
-// unverifiable columns to verdict (batch, 2, cumulative), and zeroes acc, bad_count, pred and
-// the tile counter.
+// field-major as every encoding (handed on as it is), adds the flagged and unverifiable columns
+// of every batch item to verdict (2, cumulative), and zeroes acc, bad_count, pred and the tile
+// counter.
 template <typename T>
 __global__ void abft_plan_observe_flag(
     const T* __restrict__ c, const T* __restrict__ bias, double* __restrict__ acc,
@@ -304,7 +304,7 @@ __global__ void abft_plan_observe_flag(
         pt[j] = 0.0; pt[n + j] = 0.0; pt[2LL * n + j] = 0.0;
         bad_count[t * n + j] = 0;
     }
-    if (n_bad) atomicAdd(verdict + 2 * t, n_bad);
-    if (n_unverifiable) atomicAdd(verdict + 2 * t + 1, n_unverifiable);
+    if (n_bad) atomicAdd(verdict, n_bad);
+    if (n_unverifiable) atomicAdd(verdict + 1, n_unverifiable);
     if (threadIdx.x == 0) tile_count[t * tiles + tile] = 0u;
 }
