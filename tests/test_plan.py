@@ -528,3 +528,35 @@ def test_a_caller_gemm_is_verified_like_the_plans_own(xp):
     assert plan.counters.launches == launches + LAUNCHES + 1  # the caller's GEMM counts as one
     with pytest.raises(ValueError, match="needs out"):
         plan.execute(a, b, bias=bias, gemm=wrong_gemm)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_plans_sharing_a_verdict_ledger_are_read_in_one_host_read(xp):
+    """Column plans and a consumer-rows plan that share a verdict ledger are settled with one
+    device-to-host transfer on the GPU (none on the CPU, whose verdicts are host memory), and
+    each still reads its own verdict from it: a fault in one product repairs that one only.
+    Each with a ledger of its own, the GPU reads once per plan."""
+    from abftgemm.plan import CONSUMER_ROWS, Counters, settle_all
+    from abftgemm.verdicts import Ledger
+
+    a, b, _ = _operands(xp, np.float32)
+    gpu = xp is not np
+    for shared, reads in ((True, int(gpu)), (False, 3 * gpu)):
+        counters = Counters()
+        ledger = Ledger(xp, counters) if shared else None
+        plans = [ProtectedMatmul(a, b, counters=counters, verdicts=ledger) for _ in range(2)]
+        rows = ProtectedMatmul(a, b, directions=CONSUMER_ROWS, counters=counters, verdicts=ledger)
+        out = [xp.empty((3, 32, 20), np.float32) for _ in range(3)]
+        for _ in range(2):  # the second settle reads the cumulative counts against the first
+            plans[0].execute(a, b, out=out[0])
+            plans[1].execute(a, b, out=out[1], fault_hook=lambda site, c: c.__setitem__(
+                (1, 4, 7), c[1, 4, 7] + 64))
+            rows.execute(a, b, out=out[2])
+            abftgemm.backend.get_backend(xp).row_reduce(out[2], None, rows.observed)
+            rows.judge()
+            before = counters.host_reads
+            reports = settle_all(plans + [rows])
+            assert counters.host_reads - before == reads
+            assert [r.corrected for r in reports] == [0, 1, 0]
+            for o in out:
+                np.testing.assert_array_equal(_host(o), _host(a) @ _host(b))

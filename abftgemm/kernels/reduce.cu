@@ -64,8 +64,7 @@ __global__ void abft_row_reduce(const T* __restrict__ x, long long batch_stride,
             #pragma unroll
             for (int j = 0; j < V; ++j) a.add(to_double(vals[j]), l0 + j, c, coef_fstride);
         }
-        for (int l = head + chunks * V + lane; l < len; l += 32)
-            a.add(to_double(row[l]), l, c, coef_fstride);
+        for (int l = head + chunks * V + lane; l < len; l += 32) a.add(to_double(row[l]), l, c, coef_fstride);
         warp_allreduce(a);
         if (lane == 0) a.store(out + 5 * w);
     }
