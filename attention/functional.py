@@ -100,6 +100,9 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
     inputs.why_not = None if core == "unfused" else static_reason(
         inputs.xp, inputs.dtype, inputs.attn_add, ctx, dropout, dropout_keep, core == "fused",
         need_weights)
+    if inputs.why_not is None and core != "unfused" and causal and \
+            inputs.key.shape[1] != x.shape[1]:
+        inputs.why_not = "causal=True with seq_q != seq_k (the fused core's causal mask is square)"
     if core == "fused" and inputs.why_not is not None:
         raise ValueError(f"the fused attention core does not apply here: {inputs.why_not}")
     batch, seq_q = x.shape[:2]
