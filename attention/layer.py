@@ -3,7 +3,8 @@
 Three layers, as in flash-attention: the softmax kernels and planned products, the functional
 core (:mod:`attention.functional`, explicit state in a :class:`~attention.context.Context`), and
 this thin stateful class: parameters, a workspace of plans and buffers per shape, and
-``last_report`` as a convenience.
+``last_report`` as a convenience (the findings of the last pass, forward and backward, as in
+:class:`attention.torch.MultiheadAttention`).
 """
 from __future__ import annotations
 
@@ -58,7 +59,10 @@ class MultiHeadAttention:
         ``"wq","wk","wv","wo"`` ``(d_model, d_model)`` applied as ``x @ w``; ``"bq","bk","bv","bo"``
         ``(d_model,)``.
     last_report : Report
-        Findings of the most recent ``forward`` or ``backward`` call.
+        The findings of the last pass: those of the last ``forward``, extended by its
+        ``backward`` once that runs (the backward of an earlier forward's cache makes that
+        forward's report the last one). The same meaning as
+        :attr:`attention.torch.MultiheadAttention.last_report`.
 
     Notes
     -----
@@ -118,7 +122,8 @@ class MultiHeadAttention:
         -------
         y : array (batch, seq, d_model)
         cache : dict
-            What ``backward`` needs (``cache["probs"]``: the attention probabilities).
+            What ``backward`` needs (``cache["probs"]``: the attention probabilities;
+            ``cache["report"]``: this call's findings, which its backward extends).
         """
         ctx = self._context(fault_hook, check)
         y, saved = attention_forward(self.params, x, ctx, n_heads=self.n_heads,
@@ -126,7 +131,7 @@ class MultiHeadAttention:
                                      attn_mask=attn_mask, dropout=dropout,
                                      dropout_keep=dropout_keep, rng=rng,
                                      workspace=self._workspace)
-        self.last_report = ctx.report
+        self.last_report = saved["report"] = ctx.report
         return y, saved
 
     # ------------------------------------------------------------------ backward
@@ -148,13 +153,15 @@ class MultiHeadAttention:
         grads : dict
             Same keys and shapes as ``params``.
         """
-        ctx = self._context(fault_hook, check)
+        ctx = self._context(fault_hook, check, cache.get("report"))
         dx, grads = attention_backward(cache, dy, ctx, workspace=self._workspace)
         self.last_report = ctx.report
         return dx, grads
 
-    def _context(self, fault_hook: FaultHook | None, check: str | None) -> Context:
-        return Context(self.check if check is None else check, self.plan, fault_hook)
+    def _context(self, fault_hook: FaultHook | None, check: str | None,
+                 report: Report | None = None) -> Context:
+        return Context(self.check if check is None else check, self.plan, fault_hook,
+                       Report() if report is None else report)
 
     @property
     def counters(self) -> Counters:

@@ -242,9 +242,8 @@ def test_a_fault_behind_softmax_made_encodings_is_repaired(monkeypatch, site):
 
     monkeypatch.setattr(ProtectedMatmul, "execute", faulty_execute)
     y, cache = layer.forward(x)
-    events = list(layer.last_report.events)
     dx, g = layer.backward(dy, cache)
-    events += layer.last_report.events
+    events = layer.last_report.events  # the forward's and the backward's
     assert handed == [True]  # the product took the softmax kernel's encoding
     assert any(e.site == site and e.action == "corrected" for e in events), events
     assert (y == y0).all() and (dx == dx0).all()
@@ -381,9 +380,8 @@ def _step_matches(layer, x, dy, clean, hook):
     """One forward and backward step under ``hook``: assert it delivers the fault-free results
     (to float64 rounding) and return the events of both passes."""
     y, cache = layer.forward(x, fault_hook=hook)
-    events = list(layer.last_report.events)
     dx, g = layer.backward(dy, cache, fault_hook=hook)
-    events += layer.last_report.events
+    events = layer.last_report.events  # the forward's and the backward's
     y0, dx0, g0 = clean
     for got, want in [(y, y0), (dx, dx0)] + [(g[k], g0[k]) for k in g0]:
         np.testing.assert_allclose(got, want, rtol=0, atol=TOL64 * np.abs(want).max())
