@@ -6,9 +6,9 @@ a ``register_fake`` shape function) run the functional core on the tensors' memo
 trace into NumPy.
 
 Every argument is explicit: tensors, plain values, and the
-:class:`attention._torch_state.Protection` the call runs under, named by its ``id``. What the backward needs that is not a tensor (the core's
-saved arrays and checksums, the forward's report) travels in the forward's token
-(:func:`attention._torch_state.token_of`).
+:class:`attention._torch_state.Protection` the call runs under, named by its ``id``. What the
+backward needs that is not a tensor (the core's saved arrays and checksums, the forward's report)
+travels in the forward's token (:func:`attention._torch_state.token_of`).
 """
 from typing import Any, Optional
 

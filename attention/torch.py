@@ -7,8 +7,9 @@ model (``nn.TransformerEncoderLayer(...).self_attn``). Its forward and backward 
 core (:func:`attention.attention_forward`, :func:`attention.attention_backward`) on the memory of
 the tensors (no copies: CPU tensors as NumPy arrays, CUDA tensors as CuPy arrays), through
 :func:`attention.torch_functional.multi_head_attention` under the module's
-:class:`~attention.torch_functional.Protection`. :func:`protect` swaps every ``nn.MultiheadAttention`` of a model
-in place, keeping its Parameter objects (an optimizer built before still holds them).
+:class:`~attention.torch_functional.Protection`. :func:`protect` swaps every
+``nn.MultiheadAttention`` of a model in place, keeping its Parameter objects (an optimizer built
+before still holds them).
 
 Supported: self- and cross-attention (``key is value`` or not), boolean and float ``attn_mask``
 (``(L, S)`` or ``(N * num_heads, L, S)``, True = not allowed), boolean and float

@@ -368,7 +368,8 @@ def test_adaptive_frequencies_extremes():
 def test_last_report_is_the_last_pass_forward_and_backward(xp):
     """``last_report`` holds the last forward's findings, extended by its backward; the backward of
     an earlier forward's cache extends that forward's report, which becomes the last one again.
-    The meaning :class:`attention.torch.MultiheadAttention` shares (tests/test_torch_attention.py)."""
+    The meaning :class:`attention.torch.MultiheadAttention` shares
+    (tests/test_torch_attention.py)."""
     layer = MultiHeadAttention(8, 2, dtype="float64", xp=xp)
     rng = np.random.default_rng(3)
     x, dy = (xp.asarray(rng.standard_normal((2, 5, 8))) for _ in range(2))
