@@ -34,7 +34,8 @@ import numpy as np
 from numba.core import types
 from numba.extending import overload
 
-from abftgemm.cpu_kernels import FAST, ROWS_PER_UPDATE, row_sums, sum_column_prefix, sum_row
+from abftgemm.cpu_kernels import (FAST, ROWS_PER_UPDATE, fields, row_sums, sum_column_prefix,
+                                  sum_row)
 from attention._cpu_checks import _worse, backward_row
 from attention._cpu_vmath import exp_like, from_ordered_key, like, log_like, ordered_key
 
@@ -77,10 +78,10 @@ class ForwardCheck(NamedTuple):
     """(3,) float64: ``[worst row-sum error, worst log-identity spread, largest |z| + |log P|
     used]`` are folded into it (start from zeros)."""
     cols: Any
-    """(n, 3, seq_k) float64: the column encoding of the output, as a planned product reading it
-    would compute it (:func:`_fold_columns`)."""
+    """(3, n, seq_k) float64: the column encoding of the output (:mod:`abftgemm.checksums`), as
+    a planned product reading it would compute it (:func:`_fold_columns`)."""
     rows: Any
-    """(n, seq_q, 3) float64: that of its transpose (``abftgemm.cpu_kernels.row_sums``)."""
+    """(3, n, seq_q) float64: that of its transpose (``abftgemm.cpu_kernels.row_sums``)."""
 
 
 class BackwardCheck(NamedTuple):
@@ -140,8 +141,8 @@ def forward(scores: Any, scale: Any, probs: Any, masks: Masks, observe: Observe 
                 # the row's sums as stored: the column encoding of P^T (entries past `visible`
                 # are exact zeros, hidden by causality: nothing to add)
                 rows = check.rows
-                rows[t, i, 0], rows[t, i, 1], rows[t, i, 2] = row_sums(out[:visible], weights)
-                _fold_columns(probs[t], row_weights, i, check.cols[t], masks.causal)
+                rows[0, t, i], rows[1, t, i], rows[2, t, i] = row_sums(out[:visible], weights)
+                _fold_columns(probs[t], row_weights, i, fields(check.cols, t), masks.causal)
 
 
 @numba.njit(cache=True, fastmath=FAST)
@@ -215,7 +216,7 @@ def _location_weights(sk: int) -> Any:
 @numba.njit(cache=True, inline="always")
 def _fold_columns(x: Any, row_weights: Any, i: int, col: Any, causal: bool) -> None:
     """Row ``i`` of ``x`` ``(n_rows, L)`` is final: fold each completed block of eight rows (and
-    the last rows) into its column encoding ``col`` ``(3, L)`` (plain, weighted by
+    the last rows) into its column encoding ``col`` (three ``(L,)`` field vectors: plain, weighted by
     ``row_weights``, absolute; zeroed first), as a planned product reading ``x`` would make it
     (``abftgemm.cpu_kernels.sum_columns``, which updates ``col`` once per eight rows, while they are
     still in cache). ``causal``: rows up to ``i`` are zero past column ``i``, which is skipped."""
@@ -223,7 +224,9 @@ def _fold_columns(x: Any, row_weights: Any, i: int, col: Any, causal: bool) -> N
         return
     start = i - i % ROWS_PER_UPDATE
     if start == 0:
-        col[...] = 0.0
+        col[0][:] = 0.0
+        col[1][:] = 0.0
+        col[2][:] = 0.0
     n = min(i + 1, x.shape[1]) if causal else x.shape[1]
     sum_column_prefix(x, row_weights, start, i + 1, col, n)
 
@@ -372,5 +375,5 @@ def backward(dp: Any, p: Any, scale: Any, causal: bool, ds: Any, observe: Observ
                 out[j] = out[j] * scale
             out[v:] = 0
             rows = check.rows
-            rows[t, i, 0], rows[t, i, 1], rows[t, i, 2] = row_sums(out[:v], weights)
-            _fold_columns(ds[t], row_weights, i, check.cols[t], causal)
+            rows[0, t, i], rows[1, t, i], rows[2, t, i] = row_sums(out[:v], weights)
+            _fold_columns(ds[t], row_weights, i, fields(check.cols, t), causal)

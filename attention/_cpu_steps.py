@@ -63,7 +63,7 @@ class CpuForwardStep(ForwardStep):
         if check is None:
             self.encodings = None
             return None
-        self.encodings = check.cols.transpose(0, 2, 1), check.rows
+        self.encodings = check.cols, check.rows
         return check.errors
 
     def _masks(self) -> Masks:
@@ -106,7 +106,7 @@ class CpuBackwardStep(BackwardStep):
                               *_encoding_buffers(self.ws, "d_scores", self.ds.shape))
         _cpu_softmax.backward(self.dp, self.p, self.dp.dtype.type(self.scale), self.causal,
                               self.ds, _observe(self.plan), check, self._dropout())
-        self.encodings = check.cols.transpose(0, 2, 1), check.rows
+        self.encodings = check.cols, check.rows
         result = check.result
         self.verdict = _known((result[0] <= 1, float(result[1]), float(result[2]) or tiny))
 
@@ -148,8 +148,8 @@ def _observe(plan: Any | None) -> Observe | None:
 
 
 def _encoding_buffers(ws: Any, name: str, shape: tuple[int, int, int]) -> tuple[Any, Any]:
-    """Workspace buffers for the column encodings of a ``(n, rows, cols)`` matrix, ``(n, 3,
-    cols)``, and of its transpose, ``(n, rows, 3)``."""
+    """Workspace buffers for the column encodings of a ``(n, rows, cols)`` matrix, ``(3, n,
+    cols)``, and of its transpose, ``(3, n, rows)`` (:mod:`abftgemm.checksums`)."""
     n, rows, cols = shape
-    return (ws.buffer(name + "_cols", np, (n, 3, cols), np.float64),
-            ws.buffer(name + "_rows", np, (n, rows, 3), np.float64))
+    return (ws.buffer(name + "_cols", np, (3, n, cols), np.float64),
+            ws.buffer(name + "_rows", np, (3, n, rows), np.float64))

@@ -33,7 +33,7 @@ from attention.softmax import LOG_CHECK_FLOOR, backward_tolerance
 
 def encodings(rows: int, seq: int) -> tuple[np.ndarray, np.ndarray]:
     """Buffers for the encodings the checked kernels make on their write (as the layer uses)."""
-    return np.zeros((rows, 3, seq)), np.zeros((rows, seq, 3))
+    return np.zeros((3, rows, seq)), np.zeros((3, rows, seq))  # field-major (abftgemm.checksums)
 
 #: (batch*heads, seq) of bench/attention.py's CPU cases
 SHAPES = {"small": (16, 128), "medium": (16, 256)}
