@@ -8,8 +8,8 @@ row, it observes dP's row checksums (the deferred check of ``d_probs``), compute
 and scales dS. The visibility of a key is recomputed from the key-padding mask, causality and the
 additive attention mask: no ``(batch*heads, seq_q, seq_k)`` mask is materialized.
 
-The loops are written for LLVM's vectorizer: one compiled row per mask combination (no flag
-tested per element), float32 ``exp``/``log`` inlined from :mod:`attention._cpu_vmath`, counts
+The loops are written for LLVM's vectorizer: one compiled kernel per mask combination (no flag
+tested per element; see below), float32 ``exp``/``log`` inlined from :mod:`attention._cpu_vmath`, counts
 instead of boolean flags, and maxima of the check taken as integer maxima of bit patterns.
 
 The kernels' arguments come in groups (named tuples): the masks (:class:`Masks`), the row
