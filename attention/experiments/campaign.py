@@ -8,6 +8,8 @@ forward and one backward pass of a :class:`attention.MultiHeadAttention` (or one
 single :class:`abftgemm.faults.Fault` at that site.  Every trial is compared with the fault-free,
 unprotected run of the same layer on the same inputs: output ``y``, ``dx`` and every gradient
 (for ``"gemm"``: the product).  ``clean_trials`` runs without a fault measure false positives.
+``core="fused"`` (``--core fused``) runs the same trials on the fused attention core's internal
+sites instead (:mod:`attention.experiments.fused_campaign`).
 
 Outcome of a trial: each trial counts in exactly one of these five (see :data:`OUTCOMES`)::
 
