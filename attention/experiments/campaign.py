@@ -58,9 +58,9 @@ from abftgemm.faults import PATTERNS, Fault, bit_layout, chain
 from attention import INVARIANT_SITES, SITES, MultiHeadAttention, reference
 from attention.experiments import fused_campaign
 from attention.experiments.flags import option
+from attention.experiments.hf_models import FAMILIES
 from attention.experiments.outcomes import (NOISE_FACTOR, TOLERANCES, Trial,
                                             absolute_tolerances, compare)
-from attention.experiments.hf_models import FAMILIES
 from attention.fused_rules import FUSED_SITES
 
 GEMM_SITE = "gemm"
@@ -353,7 +353,9 @@ def run_campaign(config: CampaignConfig, xp: Any, progress: bool = True) -> list
     problem = backend_problem(config, xp)
     if problem:
         raise ValueError(problem)
-    dtype = config.dtype if config.core == "unfused" else fused_campaign.site_dtype(config.dtype, xp)
+    dtype = config.dtype
+    if config.core == "fused":
+        dtype = fused_campaign.site_dtype(config.dtype, xp)
     kinds = fault_kinds(dtype, config.additive)
     faulty = {(site, kind, pattern, protected): Record(site, kind, pattern, protected,
                                                        dict(kinds[kind]))
@@ -398,8 +400,8 @@ def testbed(config: CampaignConfig, xp: Any, trial: int) -> Any:
     if config.core == "unfused":
         return _Testbed(config, xp, trial)
     c = config
-    return fused_campaign.FusedTestbed(c.dtype, (c.batch * c.n_heads, c.seq, c.d_model // c.n_heads),
-                                       c.seed, xp, trial)
+    shape = (c.batch * c.n_heads, c.seq, c.d_model // c.n_heads)
+    return fused_campaign.FusedTestbed(c.dtype, shape, c.seed, xp, trial)
 
 
 # ----------------------------------------------------------------------------- propagation

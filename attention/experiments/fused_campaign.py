@@ -91,7 +91,7 @@ class FusedTestbed:
         """The trial's fault at ``site`` (module docstring): a :class:`Fault` on NumPy, its
         :class:`attention._cuda_fused.DeviceFault` on CuPy."""
         if self.xp is np:
-            skip = int(np.random.default_rng(seed).integers(self.calls[site]))
+            skip = int(np.random.default_rng([seed, 1]).integers(self.calls[site]))
             return Fault(pattern=pattern, seed=seed, sites=site, skip=skip, **kind)
         from attention._cuda_fused import device_fault
 
