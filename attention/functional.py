@@ -202,8 +202,8 @@ class _Pass:
             _plain(self.xp, a, b, bias, target, site, self.ctx.fault_hook, triangle)
             return out
         plan = self.ws.product(site, a, b, bias, mode, triangle)
-        if a_sums is not None:  # (batch or 1, k, 3); an empty operand needs none
-            a_sums = Checksums(cols=a_sums.reshape(-1, a.shape[-1], 3)) if a.size else None
+        if a_sums is not None:  # (3, batch or 1, k), a view; an empty operand needs none
+            a_sums = Checksums(cols=a_sums.reshape(3, -1, a.shape[-1])) if a.size else None
         plan.execute(a, b, bias=bias, out=target, fault_hook=self.ctx.fault_hook,
                      a_checksums=a_sums)
         if a_sums is None and target is out:  # encoded a: later sites of the same a take it
@@ -219,6 +219,15 @@ class _Pass:
         if target is out:
             self.sums[route.out] = sums.cols
         return out
+
+    def kept(self, name: str) -> Any | None:
+        """A copy of ``name``'s encoding, kept beyond the workspace that holds it (for the
+        backward pass; counted), or None."""
+        enc = self.sums.get(name)
+        if enc is None:
+            return None
+        self.ws.counters.copies += 1
+        return enc.copy()
 
     def mode(self, site: str) -> str:
         """``site``'s check mode in this step (each site runs once per pass): drawn from the
@@ -247,7 +256,7 @@ class _Pass:
         plan = self.ws.product(site, a, b, None, mode, directions=CONSUMER_ROWS,
                                out_triangle=triangle)
         rows = self.sums.get(route.b_rows)
-        rows = None if rows is None else Checksums(rows=rows.reshape(-1, b.shape[-2], 3))
+        rows = None if rows is None else Checksums(rows=rows.reshape(3, -1, b.shape[-2]))
         plan.execute(a, b, out=out, fault_hook=self.ctx.fault_hook, b_rows=rows)
         return plan
 
@@ -445,11 +454,9 @@ def _forward(p: _Pass, inp: _Inputs) -> tuple[Any, dict[str, Any]]:
     p.gemm("context", ws.buffer("context_h", xp, (batch * h, seq_q, hd), dt))
     p.env["context"] = _merge(xp, p.env["context_h"], h)
     y = p.gemm("out_proj", xp.empty((batch, seq_q, d), dt))
-    v_sums, p_sums = p.sums.get("vh"), p.sums.get("probs^T")
     saved = {"inputs": inp, "qh": p.env["qh"], "kh": p.env["kh"], "vh": p.env["vh"],
              "probs": probs, "probs_dropped": dropped, "context": p.env["context"],
-             "v_sums": None if v_sums is None else v_sums.copy(),
-             "probs_t_sums": None if p_sums is None else p_sums.copy()}
+             "v_sums": p.kept("vh"), "probs_t_sums": p.kept("probs^T")}
     return y, saved
 
 
@@ -564,7 +571,7 @@ def _backward(p: _Pass, saved: dict[str, Any], dy: Any,
     parts = [p.sums.get(n) for n in (("d_qh",) if inp.cross else ("d_qh", "d_kh", "d_vh"))]
     if batch and all(e is not None for e in parts):  # d_x's a, [dQ dK dV] (dQ in cross-attn.)
         p.sums["d_qkv"] = _stacked_encoding(xp, parts, batch,
-                                            ws.buffer("d_qkv_sums", xp, (1, len(parts) * d, 3),
+                                            ws.buffer("d_qkv_sums", xp, (3, 1, len(parts) * d),
                                                       np.float64))
     _column_sum(dy.reshape(flat), grads["bo"])
     for name in "qkv":
@@ -597,9 +604,9 @@ def _read_probs(saved: dict[str, Any]) -> Any:
 
 
 def _stacked_encoding(xp: Any, parts: list[Any], batch: int, out: Any) -> Any:
-    """Column encoding ``out`` ``(1, width, 3)`` of a ``(batch * seq, width)`` matrix from the
+    """Column encoding ``out`` ``(3, 1, width)`` of a ``(batch * seq, width)`` matrix from the
     column encodings of its head blocks over each batch item's ``seq`` rows (``parts``, side by
-    side, each ``(batch * heads, head_dim, 3)``, as the per-head products observe them). Plain
+    side, each ``(3, batch * heads, head_dim)``, as the per-head products observe them). Plain
     and absolute sums add up over the items; the location weight of row ``s`` of item ``b``,
     ``(b * seq + s + 1) / (batch * seq)``, is ``b / batch`` plus the item's own ``(s + 1) /
     seq`` over ``batch`` (numba on the CPU: :func:`attention._cpu_encodings.stack`)."""
@@ -608,13 +615,13 @@ def _stacked_encoding(xp: Any, parts: list[Any], batch: int, out: Any) -> Any:
 
         _cpu_encodings.stack(tuple(parts), batch, out)
         return out
-    e = xp.concatenate([x.reshape(batch, -1, 3) for x in parts], axis=1)  # (batch, width, 3)
+    e = xp.concatenate([x.reshape(3, batch, -1) for x in parts], axis=2)  # (3, batch, width)
     item = (xp.arange(batch, dtype=np.float64) / batch)[:, None]
-    weighted = e[..., 1] / batch
-    weighted[1:] += item[1:] * e[1:, :, 0]  # item 0's weight is 0: no 0 * inf = NaN
-    e[..., 0].sum(axis=0, out=out[0, :, 0])
-    weighted.sum(axis=0, out=out[0, :, 1])
-    e[..., 2].sum(axis=0, out=out[0, :, 2])
+    weighted = e[1] / batch
+    weighted[1:] += item[1:] * e[0, 1:]  # item 0's weight is 0: no 0 * inf = NaN
+    e[0].sum(axis=0, out=out[0, 0])
+    weighted.sum(axis=0, out=out[1, 0])
+    e[2].sum(axis=0, out=out[2, 0])
     return out
 
 
