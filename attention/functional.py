@@ -109,8 +109,9 @@ def attention_backward(saved: dict[str, Any], dy: Any, ctx: Context, *,
     workspace : Workspace, optional
     grads_out : dict, optional
         Arrays (any strides; keys of ``params``, all or some) to write those gradients into, for
-        example transposed views of a PyTorch module's gradient buffers: a weight gradient
-        given as the transpose of a C-contiguous array is computed in that layout, with no copy.
+        example transposed views of a PyTorch module's gradient buffers: weight gradients given
+        as transposes of C-contiguous arrays (all that are given: one layout) are computed in
+        that layout, with no copy (:data:`attention.passes.Variant` ``w_layout``).
 
     Returns
     -------
@@ -123,9 +124,8 @@ def attention_backward(saved: dict[str, Any], dy: Any, ctx: Context, *,
     if dy.shape != inp.x.shape or dy.dtype != inp.dtype:
         raise ValueError(f"dy must have shape {inp.x.shape} and dtype {inp.dtype}, "
                          f"got {dy.shape} {dy.dtype}")
-    given = grads_out or {}
-    w_layout = any(_transposed_2d(g) for k, g in given.items() if k in _WEIGHTS)
-    grads = _gradient_buffers(given, inp, w_layout)
+    grads = _gradient_buffers(grads_out or {}, inp)
+    w_layout = _transposed_2d(grads["wq"])
 
     def env() -> dict[str, Any]:
         flat = {k: t.reshape(-1, inp.d_model) for k, t in (
@@ -569,13 +569,18 @@ def _additive(xp: Any, mask: Any | None, rows: int, seq_q: int, seq_k: int) -> A
     return xp.ascontiguousarray(add.reshape((-1, seq_q, seq_k)))
 
 
-def _gradient_buffers(given: dict[str, Any], inp: "_Inputs", w_layout: bool) -> dict[str, Any]:
-    """Validated ``grads_out``, completed with new arrays for the gradients not given (weight
-    gradients in the ``W`` layout, transposed, with ``w_layout``)."""
+def _gradient_buffers(given: dict[str, Any], inp: "_Inputs") -> dict[str, Any]:
+    """Validated ``grads_out``, completed with new arrays for the gradients not given; the
+    weight gradients all in one layout (``x @ w``, or all transposed: PyTorch's ``W``)."""
     unknown = set(given) - set(PARAM_KEYS)
     if unknown:
         raise ValueError(f"grads_out has unknown keys {sorted(unknown)}; expected {PARAM_KEYS}")
     xp, par = inp.xp, inp.params
+    layouts = {_transposed_2d(g) for k, g in given.items() if k in _WEIGHTS}
+    if len(layouts) > 1:
+        raise ValueError("grads_out: give the weight gradients in one layout, every one "
+                         "C-contiguous or every one the transpose of a C-contiguous array")
+    w_layout = layouts == {True}
     out = {}
     for k in PARAM_KEYS:
         g = given.get(k)

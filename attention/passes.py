@@ -177,6 +177,16 @@ BACKWARD = (
 )
 
 
+def with_core(table: tuple[Step, ...], core: tuple[Step, ...],
+              replacement: tuple[Step, ...]) -> tuple[Step, ...]:
+    """``table`` with its part ``core`` (:data:`CORE_FORWARD` or :data:`CORE_BACKWARD`, a
+    contiguous run of its steps) replaced by ``replacement``, such as one fused step."""
+    at = table.index(core[0])
+    if table[at:at + len(core)] != core:
+        raise ValueError("the core is not a contiguous part of the table")
+    return table[:at] + replacement + table[at + len(core):]
+
+
 @dataclass(frozen=True)
 class Variant:
     """What one call's steps depend on.

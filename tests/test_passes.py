@@ -11,7 +11,8 @@ from abftgemm.backend import to_host
 from attention import (BACKWARD, FORWARD, PARAM_KEYS, CheckingPlan, Context, MultiHeadAttention,
                        Variant, attention_backward, attention_forward)
 from attention.core import core_backward, core_forward
-from attention.passes import CORE_BACKWARD, CORE_FORWARD, carried, checksums, describe, steps
+from attention.passes import (CORE_BACKWARD, CORE_FORWARD, Step, carried, checksums, describe,
+                              steps, with_core)
 from attention.plan import VARIANTS, plan_markdown, table_rows
 from conftest import BACKENDS
 
@@ -76,18 +77,31 @@ def test_w_layout_writes_the_same_gradients_and_encodes_its_own_operand(xp):
     weight_steps = {s.site: (s.transposed, t) for s, t in trace if s.weight}
     assert weight_steps == {f"d_{k}": (True, None) for k in WEIGHTS}
     rows = {s.site: d for _, s, d in table_rows(Variant(w_layout=True)) if s.weight}
-    assert all(d.startswith("encoded: the W-layout buffer") for d in rows.values())
+    assert all(d.startswith("encoded: written transposed") for d in rows.values())
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_weight_gradients_in_two_layouts_are_refused(xp):
+    layer = MultiHeadAttention(8, 2, dtype="float64", xp=xp)
+    x = xp.asarray(np.random.default_rng(0).standard_normal((1, 3, 8)))
+    _, saved = attention_forward(layer.params, x, Context(), n_heads=2)
+    grads = {"wq": xp.zeros((8, 8)).T, "wk": xp.zeros((8, 8))}
+    with pytest.raises(ValueError, match="one layout"):
+        attention_backward(saved, x, Context(), grads_out=grads)
+    assert not to_host(grads["wq"]).any() and not to_host(grads["wk"]).any()
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
 def test_the_core_runs_the_core_steps_of_the_layer(xp):
     """attention.core runs CORE_FORWARD and CORE_BACKWARD, the contiguous part of the layer's
     tables between the head split and merge, with the same executor."""
-    fwd, bwd = steps(FORWARD, Variant()), steps(BACKWARD, Variant())
-    for core, table in ((CORE_FORWARD, fwd), (CORE_BACKWARD, bwd)):
-        part = steps(core, Variant())
-        at = table.index(part[0])
-        assert table[at:at + len(part)] == part
+    for core, table in ((CORE_FORWARD, FORWARD), (CORE_BACKWARD, BACKWARD)):
+        one = (Step("fused", "out", ("qh",)),)
+        assert with_core(table, core, one) == table[:table.index(core[0])] + one + \
+            table[table.index(core[-1]) + 1:]
+        assert len(with_core(table, core, one)) == len(table) - len(core) + 1
+    with pytest.raises(ValueError):
+        with_core(FORWARD, CORE_FORWARD[::-1], ())
     rng = np.random.default_rng(0)
     q, k, v, d_out = (xp.asarray(rng.standard_normal((4, 6, 4))) for _ in range(4))
     ctx = Context(trace=[])
@@ -121,3 +135,24 @@ def test_docs_table_is_the_generated_one():
     shown = re.search(r"<!-- BEGIN checking plan table -->\n(.*?)\n<!-- END checking plan table",
                       doc, re.DOTALL).group(1)
     assert shown == plan_markdown()
+
+
+def test_pytorch_runs_the_w_layout_table(monkeypatch):
+    """attention.torch hands the backward PyTorch's gradient buffers: the pass it runs is the
+    table's W-layout variant, step for step."""
+    torch = pytest.importorskip("torch")
+    from attention.torch import MultiheadAttention
+
+    traces = []
+
+    def tracing(*args, **kwargs):
+        traces.append([])
+        return Context(*args, **kwargs, trace=traces[-1])
+
+    monkeypatch.setattr("attention._torch_mha.Context", tracing)
+    module = MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    module(x, x, x, need_weights=False)[0].sum().backward()
+    ran = [s for trace in traces for s, _ in trace]
+    variant = Variant(w_layout=True)
+    assert ran == [s for _, s, _ in table_rows(variant)]
