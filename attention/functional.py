@@ -205,10 +205,9 @@ def _run(table: tuple[Step, ...], inp: Any, env: Callable[[], dict[str, Any]],
 
 
 class _Pass:
-    """One run of a pass table: named tensors, handed-on encodings, pending verdicts. Each op of
-    :data:`attention.passes.OPS` is the method of its name; it returns what it took or made of
-    the encodings (:func:`attention.passes.checksums` says the same of the table), recorded with
-    the step in :attr:`trace`."""
+    """One run of a pass table: named tensors, handed-on encodings, pending verdicts. Each
+    ``Step.op`` is the method of its name; it returns what it took or made of the encodings
+    (:func:`attention.passes.checksums` says the same of the table), recorded in :attr:`trace`."""
 
     def __init__(self, ctx: Context, ws: Workspace, inp: Any, env: dict[str, Any],
                  keep: frozenset[str], sums: dict[str, Any] | None, flat: bool, per_site: bool,
@@ -261,9 +260,8 @@ class _Pass:
     # ---------------------------------------------------------------- the ops
 
     def gemm(self, step: Step) -> str | None:
-        """``a @ b (+ bias)`` verified by its column checksums. A ``transposed`` step writes
-        ``b^T a^T`` into the transpose of its buffer (PyTorch's ``W`` layout), no copy; that
-        product's ``a`` is ``b^T``, which it encodes, and it hands nothing on."""
+        """A ``transposed`` step writes ``b^T a^T`` into the transpose of its buffer (PyTorch's
+        ``W`` layout: no copy); that product's ``a``, ``b^T``, is encoded; nothing handed on."""
         a, b = (self.tensor(n) for n in step.ins)
         bias = self.tensor(step.bias)
         out = self.target(step, a.shape[:-1] + b.shape[-1:])
@@ -294,7 +292,6 @@ class _Pass:
         return None if a_sums is None else step.sums
 
     def gemm_rows(self, step: Step) -> str | None:
-        """``a @ b`` verified by its row checksums, which the next softmax step observes."""
         a, b = (self.tensor(n) for n in step.ins)
         out = self.target(step, a.shape[:-1] + b.shape[-1:])
         mode, rows = self.mode(step.site), self.sums.get(step.rows)
@@ -384,7 +381,8 @@ class _Pass:
         encs = [self.sums.get(n) for n in step.ins]
         if any(e is None for e in encs):
             return None
-        self.sums[step.out] = self.xp.concatenate(encs, axis=1)
+        self.sums[step.out] = self.xp.concatenate(encs, axis=1, out=self.ws.buffer(
+            step.out + "^sums", self.xp, (1, out.shape[1], 3), np.float64))
         return " ".join(step.ins)
 
     def column_sum(self, step: Step) -> None:

@@ -1,15 +1,13 @@
 """The attention pass as data: every step of a forward and a backward pass, in the order it runs.
 
-:data:`FORWARD` and :data:`BACKWARD` are the layer's two passes. The attention core inside them
-(:data:`CORE_FORWARD`: scores, softmax, dropout, context; :data:`CORE_BACKWARD`: their gradients)
-is one contiguous part of each, what :mod:`attention.core` runs alone on Q, K and V split into
-heads, and the part a fused core replaces as a whole. One executor
-(:class:`attention.functional._Pass`) runs a table; :func:`steps` resolves it for one call
-(:class:`Variant`: self- or cross-attention, causal, dropout, the weight gradients' layout) and
-:func:`checksums` follows it with the executor's own rules to say where each step's checksums come
-from. ``CheckingPlan().table()``, docs/checking_plan.md and the counted costs of
-:mod:`attention.experiments.check_costs` are printed from these; a pass records what it ran
-(``Context.trace``) in the same words.
+:data:`FORWARD` and :data:`BACKWARD` are the layer's passes. The attention core inside them
+(:data:`CORE_FORWARD`, :data:`CORE_BACKWARD`) is one contiguous part of each: what
+:mod:`attention.core` runs alone, and what a fused core replaces (:func:`with_core`). One
+executor (:class:`attention.functional._Pass`) runs a table that :func:`steps` resolved for one
+call (:class:`Variant`); :func:`checksums` follows it with the executor's rules to say where each
+step's checksums come from. ``CheckingPlan().table()``, docs/checking_plan.md and the counted
+costs of :mod:`attention.experiments.check_costs` are printed from these; a pass records what it
+ran (``Context.trace``) in the same words.
 
 Tensor names: ``x`` (query input), ``key``, ``value`` (``x`` in self-attention), the parameters
 (``wq`` ... ``bo``), their gradients (``d_wq`` ... ``d_bo``), ``qh``-like names for tensors split
@@ -24,28 +22,6 @@ from functools import lru_cache
 
 from attention.dropout import DROPOUT_SITE
 
-#: What a step does (``Step.op``):
-OPS = {
-    "gemm": "a planned product, verified by its column checksums; hands on the column encoding "
-            "it observed of its product and, on the CPU, the one it made of its a",
-    "gemm rows": "a planned product verified by its row checksums only, observed by the next "
-                 "softmax step on its one read of the product",
-    "split": "heads as the leading axis; hands on the column encoding per batch item of its "
-             "input (its ``sums``), column blocks of which are the heads' (the backward's "
-             "(batch*seq, d_model) tensors have none per item: its split takes none)",
-    "merge": "heads back into (batch, seq, d_model); hands on the heads' column encodings (its "
-             "``sums``) as those of the batch items, composed in the backward into the encoding "
-             "of the (batch*seq, d_model) matrix",
-    "softmax": "the checked softmax; observes the scores' row checksums; on the CPU makes the "
-               "column encodings of P and P^T as it writes P",
-    "dropout": "P_d = P * keep / (1 - p), recomputed and compared bit for bit",
-    "softmax backward": "the checked softmax gradient (scaled); observes dP's row checksums; on "
-                        "the CPU makes the column encodings of dS and dS^T as it writes dS",
-    "stack": "columns side by side; hands on the encodings side by side when every part has one",
-    "column sum": "a bias gradient: column sums (not checked)",
-}
-
-
 @dataclass(frozen=True)
 class Step:
     """One step of a pass.
@@ -53,7 +29,21 @@ class Step:
     Attributes
     ----------
     op : str
-        A key of :data:`OPS`.
+        What the step does (the executor's method of that name, spaces as ``_``):
+
+        - ``"gemm"``: a planned product verified by its column checksums; hands on the column
+          encoding it observed of its product and, on the CPU, the one it made of its ``a``;
+        - ``"gemm rows"``: a planned product verified by its row checksums only, which the next
+          softmax step observes on its one read of the product;
+        - ``"split"``, ``"merge"``: heads to and from the leading axis; hand on the encoding
+          named ``sums`` (per batch item; a backward merge composes it over the items of the
+          ``(batch*seq, d_model)`` matrix);
+        - ``"softmax"``, ``"softmax backward"``: the checked softmax steps (invariants); they
+          observe the row checksums of the product they read and, on the CPU, make the column
+          encodings of what they write and of its transpose;
+        - ``"dropout"``: ``P * keep / (1 - p)``, recomputed and compared bit for bit;
+        - ``"stack"``: columns side by side, with their encodings when every part has one;
+        - ``"column sum"``: a bias gradient (not checked).
     out : str
         Name of what the step makes.
     ins : tuple of str
@@ -63,8 +53,8 @@ class Step:
     bias : str or None
         A GEMM's bias, added inside the protection.
     sums : str or None
-        A GEMM: the name whose column encoding is ``a``'s (an earlier step hands it on); when no
-        step did, ``a`` is encoded. A split or merge: the name whose encoding it hands on.
+        The name whose column encoding is ``a``'s (an earlier step hands it on; when none did,
+        ``a`` is encoded); a split's or merge's: the one it hands on.
     rows : str or None
         A ``"gemm rows"``: the name whose column encoding is the row encoding of ``b`` (``b``
         is that name transposed); without it ``b`` is read for it.
@@ -79,9 +69,8 @@ class Step:
     weight : bool
         A weight gradient: in the ``W`` layout (:attr:`Variant.w_layout`) it is ``transposed``.
     transposed : bool
-        (Resolved) the caller's buffer is the transpose of a C-contiguous array: the product is
-        written as ``b^T a^T`` into that array, whose ``a`` is ``b^T``: no step hands on its
-        encoding, so it is encoded (and the encoding of ``a`` handed on here does not apply).
+        (Resolved) the product is written as ``b^T a^T`` into the transpose of the caller's
+        buffer; that product's ``a``, ``b^T``, is encoded (no step hands its encoding on).
     """
 
     op: str
@@ -103,18 +92,15 @@ class Step:
         if self.op in ("gemm", "gemm rows"):
             if self.transposed:
                 return f"{self.out} = ({transpose(b)} {transpose(a)})^T"
-            told = (f" ({a} {self.a_triangle} triangular)" if self.a_triangle else "") + \
+            return f"{self.out} = {a} {b}" + (f" + {self.bias}" if self.bias else "") + \
+                (f" ({a} {self.a_triangle} triangular)" if self.a_triangle else "") + \
                 (f" ({self.out_triangle} triangle only)" if self.out_triangle else "")
-            return f"{self.out} = {a} {b}" + (f" + {self.bias}" if self.bias else "") + told
-        if self.op == "softmax backward":
-            return f"{self.out} = softmax_backward({a}, {b})"
-        if self.op == "stack":
-            return f"{self.out} = [{' '.join(self.ins)}]"
-        if self.op == "column sum":
-            return f"{self.out} = column sums of {a}"
-        if self.op == "dropout":
-            return f"{self.out} = {a} * keep / (1 - p)"
-        return f"{self.out} = {self.op}({a})"
+        return self.out + " = " + _FORMULAS.get(self.op, self.op + "({a})").format(
+            a=a, b=b, ins=" ".join(self.ins))
+
+
+_FORMULAS = {"softmax backward": "softmax_backward({a}, {b})", "stack": "[{ins}]",
+             "column sum": "column sums of {a}", "dropout": "{a} * keep / (1 - p)"}
 
 
 def transpose(name: str) -> str:
@@ -250,7 +236,7 @@ INVARIANT_SITES = {
 def checksums(table: tuple[Step, ...], gpu: bool = False,
               given: frozenset[str] = frozenset()) -> list[str | None]:
     """Per resolved step, what it takes or makes of the encodings (the executor records the same
-    in ``Context.trace``), following the executor's rules (:data:`OPS`) on names, every site
+    in ``Context.trace``), following the executor's rules (``Step.op``) on names, every site
     checked, float32 or float64, no fault hook: a GEMM, split or merge: the name whose encoding
     it takes (its ``rows`` for a ``"gemm rows"``, else its ``sums``) when an earlier step handed
     it on, else None; a stack: its inputs when each has one; a softmax step: its output, whose
