@@ -228,7 +228,7 @@ class _Pass:
 
     def run(self, table: tuple[Step, ...]) -> None:
         for step in table:
-            self.trace.append((step, getattr(self, step.op.replace(" ", "_"))(step)))
+            self.trace.append((step, _OPS[step.op](self, step)))
 
     def tensor(self, name: str | None) -> Any:
         if name is None:
@@ -262,7 +262,7 @@ class _Pass:
     def gemm(self, step: Step) -> str | None:
         """A ``transposed`` step writes ``b^T a^T`` into the transpose of its buffer (PyTorch's
         ``W`` layout: no copy); that product's ``a``, ``b^T``, is encoded; nothing handed on."""
-        a, b = (self.tensor(n) for n in step.ins)
+        a, b = self.tensor(step.ins[0]), self.tensor(step.ins[1])
         bias = self.tensor(step.bias)
         out = self.target(step, a.shape[:-1] + b.shape[-1:])
         target, mode = out, self.mode(step.site)
@@ -292,7 +292,7 @@ class _Pass:
         return None if a_sums is None else step.sums
 
     def gemm_rows(self, step: Step) -> str | None:
-        a, b = (self.tensor(n) for n in step.ins)
+        a, b = self.tensor(step.ins[0]), self.tensor(step.ins[1])
         out = self.target(step, a.shape[:-1] + b.shape[-1:])
         mode, rows = self.mode(step.site), self.sums.get(step.rows)
         if mode == "off":
@@ -454,6 +454,12 @@ class _Pass:
                 origin = found
         self._pending = []
         return origin
+
+
+#: The executor's method of each ``Step.op``.
+_OPS = {op: getattr(_Pass, op.replace(" ", "_")) for op in (
+    "gemm", "gemm rows", "split", "merge", "softmax", "softmax backward", "dropout", "stack",
+    "column sum")}
 
 
 def _invariant_finding(report: Report, site: str, worst: float, tol: float, action: str,

@@ -18,7 +18,8 @@ tensor as ``(batch*seq, d_model)``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import wraps
+from typing import Any, Callable
 
 from attention.dropout import DROPOUT_SITE
 
@@ -163,6 +164,22 @@ BACKWARD = (
 )
 
 
+def _by_identity(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` memoized on its arguments, tables by identity (hashing a table of steps costs tens
+    of microseconds a call; the tables are constants)."""
+    memo: dict[tuple, tuple[tuple, Any]] = {}
+
+    @wraps(fn)
+    def cached(*args: Any) -> Any:
+        key = tuple([id(a) if type(a) is tuple else a for a in args])
+        hit = memo.get(key)
+        if hit is None or not all([h is a or type(a) is not tuple for h, a in zip(hit[0], args)]):
+            hit = memo[key] = (args, fn(*args))  # the arguments kept: their ids stay theirs
+        return hit[1]
+
+    return cached
+
+
 def with_core(table: tuple[Step, ...], core: tuple[Step, ...],
               replacement: tuple[Step, ...]) -> tuple[Step, ...]:
     """``table`` with its part ``core`` (:data:`CORE_FORWARD` or :data:`CORE_BACKWARD`, a
@@ -200,7 +217,7 @@ class Variant:
     gpu: bool = False
 
 
-@lru_cache(maxsize=None)
+@_by_identity
 def steps(table: tuple[Step, ...], variant: Variant) -> tuple[Step, ...]:
     """The steps of ``table`` that run in ``variant``, with its names and attributes."""
     names = {} if variant.dropout else {"probs_dropped": "probs"}
@@ -265,7 +282,7 @@ def describe(step: Step, taken: str | None) -> str:
     return "not checked"
 
 
-@lru_cache(maxsize=None)
+@_by_identity
 def carried(forward: tuple[Step, ...], backward: tuple[Step, ...],
             gpu: bool = False) -> tuple[frozenset[str], frozenset[str]]:
     """What a forward keeps for its backward: the tensors it makes that the backward reads, and
