@@ -1,4 +1,4 @@
-"""The attention pass as data (attention.passes): what the plan's table prints is what a pass runs."""
+"""The attention pass as data (attention.passes): the printed table is what a pass runs."""
 from __future__ import annotations
 
 import re
