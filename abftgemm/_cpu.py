@@ -17,8 +17,8 @@ from numba.extending import overload
 from abftgemm._cpu_plan import CpuWorkspace
 from abftgemm._cpu_triangles import complete_lower, lower_product, row_limits, triangular_matmul
 from abftgemm.checksums import location_weights
-from abftgemm.cpu_kernels import (FAST, as_float32, judge, row_sums, rows_first, store_columns,
-                                  sum_columns, sum_row, sum_rows)
+from abftgemm.cpu_kernels import (FAST, as_float32, fields, judge, row_sums, rows_first,
+                                  store_columns, sum_columns, sum_row, sum_rows)
 
 if TYPE_CHECKING:
     from abftgemm.backend import ColumnThresholds
@@ -27,7 +27,8 @@ _ROW_BLOCK = 64  # rows per cache-resident block of _both_reduce
 
 
 def _batch_item(coef: Any, b: int) -> Any:
-    """``coef[b]`` (``coef[0]`` when it broadcasts); the default weights ``(L,)`` as they are."""
+    """Batch item ``b`` of coefficients ``(3, batch or 1, L)`` as :func:`fields` gives it; the
+    default weights ``(L,)`` as they are."""
     raise NotImplementedError("only callable from numba-compiled code")
 
 
@@ -35,7 +36,7 @@ def _batch_item(coef: Any, b: int) -> Any:
 def _batch_item_impl(coef, b):  # noqa: ANN001 (numba compares signatures)
     if coef.ndim == 1:
         return lambda coef, b: coef
-    return lambda coef, b: coef[min(b, coef.shape[0] - 1)]
+    return lambda coef, b: fields(coef, b)
 
 
 @numba.njit(cache=True, fastmath=FAST)
@@ -70,8 +71,8 @@ def _row_reduce(x: Any, coef: Any, out: Any) -> None:
 def _both_reduce(x: Any, ccoef: Any, rcoef: Any, out_col: Any, out_row: Any) -> None:
     """Column and row reductions of every batch item in one read of it from memory.
 
-    ``ccoef``/``rcoef`` are ``(batch or 1, 3, L)`` (coefficient-major, so the inner loops read
-    them contiguously) or the default location weights ``(L,)``. The rows go through in blocks of
+    ``ccoef``/``rcoef`` are encodings ``(3, batch or 1, L)`` (field-major, so the inner loops
+    read them contiguously) or the default location weights ``(L,)``. The rows go through in blocks of
     64 that stay in cache for their second use. With default row coefficients a block's row sums
     stream it in one row at a time, then its column sums re-read it; with coefficient vectors the
     column sums stream it in, then its row sums re-read it four rows at a time, each coefficient
@@ -117,13 +118,11 @@ def _flag(pred: Any, obs: Any, c_obs: float, c_pred: float, floor: float, c_mag:
     counts[1] += n_unverifiable
 
 
-def _coef_major(coef: np.ndarray | None, length: int) -> np.ndarray:
-    """Coefficients ``(batch or 1, length, 3)`` as a contiguous ``(batch or 1, 3, length)`` array,
-    so the kernels' inner loops read each weight vector contiguously; None (the defaults) as the
-    location weights alone, ``(length,)``."""
-    if coef is None:
-        return _default_weights(length)
-    return np.ascontiguousarray(coef.transpose(0, 2, 1))
+def _coefficients(coef: np.ndarray | None, length: int) -> np.ndarray:
+    """Coefficients as the kernels take them: an encoding ``(3, batch or 1, length)`` as it is
+    (read in place, each field vector contiguously when it is C-contiguous); None (the
+    defaults) as the location weights alone, ``(length,)``."""
+    return _default_weights(length) if coef is None else coef
 
 
 @lru_cache(maxsize=64)
@@ -249,21 +248,22 @@ class CpuBackend:
     def synchronize(self) -> None:
         """Nothing runs asynchronously on the CPU."""
 
-    def plan_workspace(self, op: Any, counters: Any,
-                       thresholds: ColumnThresholds | None) -> CpuWorkspace:
-        """Workspaces and launches of a planned product (:mod:`abftgemm._cpu_plan`)."""
+    def plan_workspace(self, op: Any, counters: Any, thresholds: ColumnThresholds | None,
+                       verdicts: Any) -> CpuWorkspace:
+        """Workspaces and launches of a planned product (:mod:`abftgemm._cpu_plan`; its verdict
+        is the kernel's return value, host memory: no ledger slot)."""
         return CpuWorkspace(self, op, counters, thresholds)
 
     def col_reduce(self, x: np.ndarray, coef: np.ndarray | None, out: np.ndarray) -> None:
-        _col_reduce(_kernel_view(x), _coef_major(coef, x.shape[1]), out)
+        _col_reduce(_kernel_view(x), _coefficients(coef, x.shape[1]), out)
 
     def row_reduce(self, x: np.ndarray, coef: np.ndarray | None, out: np.ndarray) -> None:
-        _row_reduce(_kernel_view(x), _coef_major(coef, x.shape[2]), out)
+        _row_reduce(_kernel_view(x), _coefficients(coef, x.shape[2]), out)
 
     def both_reduce(self, x: np.ndarray, col_coef: np.ndarray | None,
                     row_coef: np.ndarray | None, out_col: np.ndarray, out_row: np.ndarray) -> None:
-        _both_reduce(_kernel_view(x), _coef_major(col_coef, x.shape[1]),
-                     _coef_major(row_coef, x.shape[2]), out_col, out_row)
+        _both_reduce(_kernel_view(x), _coefficients(col_coef, x.shape[1]),
+                     _coefficients(row_coef, x.shape[2]), out_col, out_row)
 
 
 @lru_cache(maxsize=1)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numba
 import numpy as np
 
-from abftgemm.cpu_kernels import (FAST, as_float32, bits_table, judge, rows_first, store_columns,
+from abftgemm.cpu_kernels import (FAST, as_float32, bits_table, fields, judge, rows_first,
                                   sum_columns, sum_rows)
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def predict_cols(a: Any, a_transposed: bool, b: Any, b_transposed: bool, bias: A
     encode_a : bool
         Compute ``enc`` from ``a`` (False: ``enc`` holds an encoding handed in or kept constant).
     weights_m : (m,) float64 location weights
-    enc : (batch or 1, 3, k) float64 workspace: the column encoding of ``a``
+    enc : (3, batch or 1, k) float64: the column encoding of ``a`` (written with ``encode_a``)
     p : (3, n) float64 workspace
     rows : (max(n, k), 5) float64 workspace (used with ``a_transposed``, ``b_transposed``)
     pred : (batch, 3, n) float64 output: ``[plain, weighted, sum |A||B|]`` per column
@@ -59,7 +59,7 @@ def predict_cols(a: Any, a_transposed: bool, b: Any, b_transposed: bool, bias: A
     mean_weight = (m + 1) / 2 / max(m, 1)
     for t in range(pred.shape[0]):
         p[:] = 0.0
-        bt, et = b[min(t, b.shape[0] - 1)], enc[min(t, enc.shape[0] - 1)]
+        bt, et = b[min(t, b.shape[0] - 1)], fields(enc, t)
         if b_transposed:
             _row_sums_as_columns(bt, et, rows, p)
         else:
@@ -74,39 +74,49 @@ def predict_cols(a: Any, a_transposed: bool, b: Any, b_transposed: bool, bias: A
 
 @numba.njit(cache=True, fastmath=FAST)
 def encode_cols(a: Any, a_transposed: bool, weights_m: Any, rows: Any, enc: Any) -> None:
-    """Column encoding ``enc`` (batch, 3, k) of ``a`` (batch, m, k): plain, location-weighted
+    """Column encoding ``enc`` (3, batch, k) of ``a`` (batch, m, k): plain, location-weighted
     and absolute column sums (with ``a_transposed``, ``a`` is given as its transpose
     (batch, k, m), and each column is a row dot product; ``rows`` is a (k, 5) workspace)."""
-    for i in range(enc.shape[0]):
+    for i in range(enc.shape[1]):
+        e = fields(enc, i)
         if a_transposed:
-            _row_sums_as_columns(a[i], weights_m, rows, enc[i])
+            _row_sums_as_columns(a[i], weights_m, rows, e)
         else:
-            enc[i] = 0.0
-            sum_columns(a[i], weights_m, 0, a.shape[1], enc[i])
+            e[0][:] = 0.0
+            e[1][:] = 0.0
+            e[2][:] = 0.0
+            sum_columns(a[i], weights_m, 0, a.shape[1], e)
 
 
 @numba.njit(cache=True, fastmath=FAST)
 def observe_flag_cols(c: Any, weights_m: Any, pred: Any, c_obs: float, c_pred: float,
-                      floor: float, c_mag: float, safe: float, p: Any, obs: Any) -> int:
+                      floor: float, c_mag: float, safe: float, counts: Any, obs: Any) -> int:
     """Observe the column checksums of a float32/float64 product and judge every column.
 
-    ``c`` (batch, m, n); ``pred`` (batch, 3, n) from :func:`predict_cols`; ``p`` (3, n)
-    workspace; ``obs`` (batch, n, 5) output (the observed column
-    checksums, as the backends' ``col_reduce`` gives them). Returns the number of flagged or
-    unverifiable columns (the verdict; host memory, so no array holds it).
+    ``c`` (batch, m, n); ``pred`` (batch, 3, n) from :func:`predict_cols`; ``counts`` (n,)
+    workspace; ``obs`` (3, batch, n) output: the observed column encoding of the product, to
+    hand on as it is. Returns the number of flagged or unverifiable columns (the verdict; host
+    memory, so no array holds it).
     """
     total = 0
     for t in range(c.shape[0]):
-        p[:] = 0.0
-        sum_columns(c[t], weights_m, 0, c.shape[1], p)
-        store_columns(c[t], p, obs[t])
-        total += _judge_columns(pred[t], obs[t], c_obs, c_pred, floor, c_mag, safe)
+        o = fields(obs, t)
+        o[0][:] = 0.0
+        o[1][:] = 0.0
+        o[2][:] = 0.0
+        sum_columns(c[t], weights_m, 0, c.shape[1], o)
+        for j in range(counts.shape[0]):
+            counts[j] = 0.0
+            if not (np.isfinite(o[0][j]) and np.isfinite(o[1][j]) and np.isfinite(o[2][j])):
+                for i in range(c.shape[1]):
+                    counts[j] += not np.isfinite(c[t, i, j])
+        total += _judge_columns(pred[t], o, counts, c_obs, c_pred, floor, c_mag, safe)
     return total
 
 
 @numba.njit(cache=True, fastmath=FAST)
 def observe_flag_cols_bits(bits: Any, table: Any, weights_m: Any, pred: Any, c_obs: float,
-                           c_pred: float, floor: float, c_mag: float, safe: float, p: Any,
+                           c_pred: float, floor: float, c_mag: float, safe: float, counts: Any,
                            scratch: Any, obs: Any) -> int:
     """:func:`observe_flag_cols` for a 16-bit product given as its bit patterns ``bits``
     (uint16) and ``table`` (the float32 value of each pattern); ``scratch`` is a float32
@@ -115,46 +125,48 @@ def observe_flag_cols_bits(bits: Any, table: Any, weights_m: Any, pred: Any, c_o
     block = scratch.shape[0]
     total = 0
     for t in range(bits.shape[0]):
-        p[:] = 0.0
+        o = fields(obs, t)
+        o[0][:] = 0.0
+        o[1][:] = 0.0
+        o[2][:] = 0.0
         for i0 in range(0, m, block):
             rows = min(block, m - i0)
             for i in range(rows):
                 src, dst = bits[t, i0 + i], scratch[i]
                 for j in range(src.shape[0]):
                     dst[j] = table[src[j]]
-            sum_columns(scratch, weights_m[i0:i0 + rows], 0, rows, p)
-        for j in range(p.shape[1]):
-            o = obs[t, j]
-            o[0], o[1], o[2], o[3], o[4] = p[0, j], p[1, j], p[2, j], 0.0, -1.0
-            if not (np.isfinite(p[0, j]) and np.isfinite(p[1, j]) and np.isfinite(p[2, j])):
-                count, last = 0, -1
+            sum_columns(scratch, weights_m[i0:i0 + rows], 0, rows, o)
+        for j in range(counts.shape[0]):
+            counts[j] = 0.0
+            if not (np.isfinite(o[0][j]) and np.isfinite(o[1][j]) and np.isfinite(o[2][j])):
                 for i in range(m):
-                    if not np.isfinite(table[bits[t, i, j]]):
-                        count += 1
-                        last = i
-                o[3], o[4] = count, last
-        total += _judge_columns(pred[t], obs[t], c_obs, c_pred, floor, c_mag, safe)
+                    counts[j] += not np.isfinite(table[bits[t, i, j]])
+        total += _judge_columns(pred[t], o, counts, c_obs, c_pred, floor, c_mag, safe)
     return total
 
 
 @numba.njit(cache=True, fastmath=FAST, inline="always")
-def _row_sums_as_columns(xt: Any, c: Any, rows: Any, fields: Any) -> None:
+def _row_sums_as_columns(xt: Any, c: Any, rows: Any, fields_out: Any) -> None:
     """The column sums of the matrix whose transpose is ``xt`` (``(L, r)``, C-contiguous), read
-    along ``xt``'s rows: ``fields[f, j]`` (``(3, L)``) gets row ``j``'s sum with coefficients
-    ``c`` (see ``sum_rows``); ``rows`` is an ``(>= L, 5)`` workspace."""
+    along ``xt``'s rows: ``fields_out[f][j]`` (``(3, L)`` or three ``(L,)`` arrays) gets row
+    ``j``'s sum with coefficients ``c`` (see ``sum_rows``); ``rows`` is an ``(>= L, 5)``
+    workspace."""
     sum_rows(xt, c, 0, xt.shape[0], rows)
+    f0, f1, f2 = fields_out[0], fields_out[1], fields_out[2]
     for j in range(xt.shape[0]):
-        fields[0, j], fields[1, j], fields[2, j] = rows[j, 0], rows[j, 1], rows[j, 2]
+        f0[j], f1[j], f2[j] = rows[j, 0], rows[j, 1], rows[j, 2]
 
 
 @numba.njit(cache=True, inline="always")
-def _judge_columns(pred: Any, obs: Any, c_obs: float, c_pred: float, floor: float,
+def _judge_columns(pred: Any, obs: Any, counts: Any, c_obs: float, c_pred: float, floor: float,
                    c_mag: float, safe: float) -> int:
-    """The number of flagged or unverifiable columns of one batch item."""
+    """The number of flagged or unverifiable columns of one batch item (``obs``: its three
+    observed field vectors; ``counts``: its non-finite elements per column)."""
     n = 0
-    for j in range(obs.shape[0]):
-        _, flagged, ok = judge(pred[0, j], pred[1, j], pred[2, j], obs[j, 0], obs[j, 1],
-                               obs[j, 2], obs[j, 3], c_obs, c_pred, floor, c_mag, safe)
+    o0, o1, o2 = obs[0], obs[1], obs[2]
+    for j in range(counts.shape[0]):
+        _, flagged, ok = judge(pred[0, j], pred[1, j], pred[2, j], o0[j], o1[j], o2[j],
+                               counts[j], c_obs, c_pred, floor, c_mag, safe)
         n += flagged or not ok
     return n
 
@@ -184,12 +196,14 @@ class CpuWorkspace:
         self._weights = self._alloc((m,), np.float64)
         self._weights[:] = np.arange(1, m + 1) / m
         self._bias64 = self._alloc((n if op.bias is not None else 0,), np.float64)
-        self._enc = self._alloc((max(op.a.shape[0], 1), 3, k), np.float64)
-        self._enc_rows = op.a.shape[0]
+        self._enc = self._alloc((3, op.a.shape[0], k), np.float64)
+        self._used = self._enc  # the encoding of a the last prediction read
+        self._given: np.ndarray | None = None  # handed on for the next prediction
         self._p = self._alloc((3, n), np.float64)
         self._rows = self._alloc((max(n, k), 5), np.float64)
         self._pred = self._alloc((batch, 3, n), np.float64)
-        self._obs = self._alloc((batch, n, 5), np.float64)
+        self._obs = self._alloc((3, batch, n), np.float64)
+        self._counts = self._alloc((n,), np.float64)
         self._flagged = 0  # the verdict of the last observation, as its kernel returned it
         if self._wide:
             self._scratch = self._alloc((min(_BITS_BLOCK, max(m, 1)), n), np.float32)
@@ -211,30 +225,26 @@ class CpuWorkspace:
         self._counters.launches += 1
         if self._wide:
             a = as_float32(a, self._a32)
-        self._enc_rows = a.shape[0]
         a, a_transposed = rows_first(a)
-        encode_cols(a, a_transposed, self._weights, self._rows, self._enc[:self._enc_rows])
+        encode_cols(a, a_transposed, self._weights, self._rows, self._enc)
 
     def set_encoding(self, cols: np.ndarray) -> None:
-        """Use the column encoding ``cols`` ``(batch or 1, k, 3)`` handed on from elsewhere in the
-        next prediction, copied into the workspace as three rows of ``k``: handed-on encodings
-        interleave their fields (a view of observed checksums), and a prediction that reads
-        ``b`` transposed walks the encoding along ``k``; read in place, several times slower
-        (bench/NOTES.md)."""
-        self._enc_rows = cols.shape[0]
-        np.copyto(self._enc[:self._enc_rows], cols.transpose(0, 2, 1))
+        """Use the column encoding ``cols`` ``(3, batch or 1, k)`` handed on from elsewhere in
+        the next prediction, read in place (no copy: each field vector is contiguous, as the
+        prediction walks it along ``k``)."""
+        self._given = cols
 
     def predict(self, op: Any, encode_a: bool) -> None:
         """Predicted column checksums of the product of ``op`` (launch 1)."""
         self._counters.launches += 1
         if op.bias is not None:
             np.copyto(self._bias64, op.bias, casting="unsafe")
-        if encode_a:
-            self._enc_rows = op.a.shape[0]
+        given, self._given = self._given, None
+        self._used = self._enc if encode_a or given is None else given
         a, a_transposed = rows_first(self._a32 if self._wide else op.a)
         b, b_transposed = rows_first(self._b32 if self._wide else op.b)
         predict_cols(a, a_transposed, b, b_transposed, self._bias64, encode_a, self._weights,
-                     self._encoding(), self._p, self._rows, self._pred)
+                     self._used, self._p, self._rows, self._pred)
 
     def observe_flag(self, c: np.ndarray) -> None:
         """Observe and judge the product's columns (launch 2)."""
@@ -242,10 +252,10 @@ class CpuWorkspace:
         if self._wide:
             self._flagged = observe_flag_cols_bits(
                 c.view(np.uint16), self._table, self._weights, self._pred, *self._coefficients,
-                self._safe, self._p, self._scratch, self._obs)
+                self._safe, self._counts, self._scratch, self._obs)
         else:
             self._flagged = observe_flag_cols(c, self._weights, self._pred, *self._coefficients,
-                                              self._safe, self._p, self._obs)
+                                              self._safe, self._counts, self._obs)
 
     def release(self) -> None:
         """Nothing to free beyond the arrays, which go with the workspace object."""
@@ -253,7 +263,7 @@ class CpuWorkspace:
     def abandon(self) -> None:
         """Nothing to forget: each observation overwrites the verdict."""
 
-    def fetch_verdict(self) -> None:
+    def ready_verdict(self) -> None:
         """The verdict is already in host memory."""
 
     def verdict_flagged(self) -> bool:
@@ -261,13 +271,10 @@ class CpuWorkspace:
         return self._flagged > 0
 
     def a_encoding(self) -> np.ndarray:
-        """Column encoding of ``a`` the last prediction used, ``(batch or 1, k, 3)`` (a view)."""
-        return self._encoding().transpose(0, 2, 1)
-
-    def _encoding(self) -> np.ndarray:
-        """The column encoding of ``a`` that predictions read, ``(batch or 1, 3, k)``."""
-        return self._enc[:self._enc_rows]
+        """Column encoding of ``a`` the last prediction used, ``(3, batch or 1, k)`` (the
+        workspace, or the encoding handed on)."""
+        return self._used
 
     def observed_cols(self) -> np.ndarray:
-        """Observed column encoding of the last product, ``(batch, n, 3)`` (a workspace view)."""
-        return self._obs[..., :3]
+        """Observed column encoding of the last product, ``(3, batch, n)`` (the workspace)."""
+        return self._obs

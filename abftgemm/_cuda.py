@@ -81,19 +81,20 @@ def _check_reduce(
     if max(batch, vectors, length) > INT32_MAX:
         raise ValueError("reduction dimensions must fit in int32")
     if coef is not None:
-        if coef.dtype != numpy.float64 or coef.ndim != 3 or coef.shape[1:] != (length, 3):
-            raise ValueError(f"coef must be float64 of shape (batch or 1, {length}, 3)")
-        _check_batch("coef", coef.shape[0], batch)
+        if (coef.dtype != numpy.float64 or coef.ndim != 3 or coef.shape[0] != 3
+                or coef.shape[2] != length):
+            raise ValueError(f"coef must be float64 of shape (3, batch or 1, {length})")
+        if length > 1 and coef.strides[2] != 8:
+            raise ValueError("coef must be an encoding whose field vectors are contiguous")
+        _check_batch("coef", coef.shape[1], batch)
 
 
-def _coef(coef: cupy.ndarray | None) -> tuple[cupy.ndarray | None, int]:
-    """Coefficients as (array with C-order (L, 3) matrices, batch stride in elements)."""
+def _coef(coef: cupy.ndarray | None) -> tuple[cupy.ndarray | None, int, int]:
+    """Coefficients, an encoding ``(3, batch or 1, L)`` with contiguous field vectors, as
+    (array, batch stride, field stride), strides in elements; read in place."""
     if coef is None:
-        return None, 0
-    m = matrices(coef)
-    if m.transposed or m.ld != 3:
-        m = matrices(cupy.ascontiguousarray(coef))
-    return m.array, m.batch_stride
+        return None, 0, 0
+    return coef, 0 if coef.shape[1] == 1 else coef.strides[1] // 8, coef.strides[0] // 8
 
 
 class CupyBackend:
@@ -167,22 +168,22 @@ class CupyBackend:
         """Wait for the current stream (where every launch of this backend goes)."""
         cupy.cuda.get_current_stream().synchronize()
 
-    def plan_workspace(self, op: Any, counters: Any,
-                       thresholds: ColumnThresholds | None) -> CudaWorkspace:
+    def plan_workspace(self, op: Any, counters: Any, thresholds: ColumnThresholds | None,
+                       verdicts: Any) -> CudaWorkspace:
         """Workspaces and launches of a planned product (:mod:`abftgemm._cuda_plan`)."""
-        return CudaWorkspace(self, op, counters, thresholds)
+        return CudaWorkspace(self, op, counters, thresholds, verdicts)
 
     def col_reduce(self, x: cupy.ndarray, coef: cupy.ndarray | None, out: cupy.ndarray) -> None:
         """Checksums of every column of ``x`` ``(batch or 1, r, c)`` into ``out`` ``(batch, c, 5)``.
 
-        See :mod:`abftgemm.backend` for the five fields and ``coef`` ``(batch or 1, r, 3)``.
+        See :mod:`abftgemm.backend` for the five fields and ``coef`` ``(3, batch or 1, r)``.
         """
         self._reduce(x, coef, out, along_rows=False)
 
     def row_reduce(self, x: cupy.ndarray, coef: cupy.ndarray | None, out: cupy.ndarray) -> None:
         """Checksums of every row of ``x`` ``(batch or 1, r, c)`` into ``out`` ``(batch, r, 5)``.
 
-        See :mod:`abftgemm.backend` for the five fields and ``coef`` ``(batch or 1, c, 3)``.
+        See :mod:`abftgemm.backend` for the five fields and ``coef`` ``(3, batch or 1, c)``.
         """
         self._reduce(x, coef, out, along_rows=True)
 
@@ -232,9 +233,9 @@ class CupyBackend:
         if out.size == 0:
             return
         mats = matrices(x)
-        coef_array, coef_stride = _coef(coef)
+        coef_array, coef_stride, coef_fstride = _coef(coef)
         args = (mats.array, numpy.int64(mats.batch_stride), numpy.int64(mats.ld),
-                coef_array, numpy.int64(coef_stride), out)
+                coef_array, numpy.int64(coef_stride), numpy.int64(coef_fstride), out)
         if along_rows != mats.transposed:
             self._row_kernel(x.dtype.name, args, out.shape[0], vectors, length)
         else:

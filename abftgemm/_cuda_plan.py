@@ -2,11 +2,12 @@
 
 Everything is allocated when the plan is made: the accumulators and counters of the two
 verification kernels (which leave them zeroed for the next execute), the observed checksums, the
-cumulative verdict on the device and a pinned host copy of it, and a cuBLAS handle of the plan's
+cumulative verdict in a slot of the plan's verdict ledger (:mod:`abftgemm.verdicts`: on the
+device, with a pinned host copy), and a cuBLAS handle of the plan's
 own in host pointer mode without TF32 and without reduced-precision reductions, so that no shared handle state is read or changed per call.
 An execute is the GEMM (one cuBLAS call; a bias adds one broadcast copy before it) and two kernel
-launches, with no allocation and no synchronization; settle copies the verdict into pinned memory
-asynchronously and waits for that copy only.
+launches, with no allocation and no synchronization; settle copies the ledger (the verdicts of
+every plan that shares it) into pinned memory asynchronously and waits for that copy only.
 
 Operands are used in place when cuBLAS can read them (row-major or transposed matrices, any
 leading dimension); other layouts are copied (an allocation per execute, as for an unplanned
@@ -18,11 +19,11 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import cupy
-import cupyx
 import numpy
 from cupy_backends.cuda.libs import cublas
 
 from abftgemm import kernels
+from abftgemm.checksums import encoding_of
 from abftgemm.cuda_kernels import PLAIN_MATH, bits, cdiv, matrices, raw_module, strided_batched
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ class CudaWorkspace:
     """Device workspaces, kernels and cuBLAS handle of one planned product."""
 
     def __init__(self, backend: CupyBackend, op: Any, counters: Any,
-                 thresholds: ColumnThresholds | None):
+                 thresholds: ColumnThresholds | None, verdicts: Any):
         self._backend = backend
         self._counters = counters
         self._dtype = op.dtype.name
@@ -68,14 +69,10 @@ class CudaWorkspace:
         self._pred = self._zeros((batch, 3, n), numpy.float64)
         self._acc = self._zeros((batch, 3, n), numpy.float64)
         self._bad_count = self._zeros((batch, n), numpy.int32)
-        self._bad_last = self._zeros((batch, n), numpy.int32)
-        self._bad_last.fill(-1)
         self._tile_count = self._zeros((batch, self._tiles), numpy.uint32)
-        self._obs = self._zeros((batch, n, 5), numpy.float64)
-        self._verdict = self._zeros((batch, 2), numpy.uint64)
-        self._verdict_host = cupyx.zeros_pinned((batch, 2), numpy.uint64)
-        self._verdict_seen = numpy.zeros((batch, 2), numpy.uint64)
-        self._counters.allocations += 1
+        self._obs = self._zeros((3, batch, n), numpy.float64)
+        self._verdict = verdicts.reserve(2)  # cumulative (flagged, unverifiable) columns
+        self._verdict_seen = numpy.zeros(2, numpy.uint64)
         self._enc_given: cupy.ndarray | None = None
         self._enc_used: cupy.ndarray | None = None  # the whole encoding the last predict read
         self._bias: cupy.ndarray | None = None
@@ -111,15 +108,18 @@ class CudaWorkspace:
                         op.bias is not None)
 
     def encode(self, a: cupy.ndarray) -> None:
-        """Column encoding of the constant ``a`` (batch or 1, m, k) into the workspace now."""
+        """Column encoding of the constant ``a`` (batch or 1, m, k) into the workspace now (its
+        records, then the encoding out of them: a counted copy)."""
         self._counters.launches += 1
-        self._counters.allocations += 1
+        self._counters.allocations += 2
+        self._counters.copies += 1
         full = cupy.empty((a.shape[0], a.shape[2], 5), dtype=numpy.float64)
         self._backend.col_reduce(a, None, full)
-        self._enc_given = full[..., :3]
+        self._enc_given = encoding_of(full)
 
     def set_encoding(self, cols: cupy.ndarray) -> None:
-        """Use the column encoding ``cols`` ``(batch or 1, k, 3)`` handed on from elsewhere."""
+        """Use the column encoding ``cols`` ``(3, batch or 1, k)`` handed on from elsewhere, read
+        in place (its field vectors contiguous)."""
         self._enc_given = cols
 
     def predict(self, op: Any, encode_a: bool) -> None:
@@ -134,10 +134,8 @@ class CudaWorkspace:
         a, b = matrices(op.a), matrices(op.b)
         enc = self._enc_used
         if enc is not None:
-            if enc.strides[2] != 8:
-                enc = cupy.ascontiguousarray(enc)
-            enc_args = (enc, numpy.int64(enc.strides[0] // 8), numpy.int64(enc.strides[1] // 8),
-                        numpy.int32(enc.shape[0]))
+            enc_args = (enc, numpy.int64(enc.strides[1] // 8), numpy.int64(enc.strides[0] // 8),
+                        numpy.int32(enc.shape[1]))
             items, chunks, chunk_rows = self._pred.shape[0], 1, op.m
         else:
             enc_args = (None, numpy.int64(0), numpy.int64(0), numpy.int32(0))
@@ -163,41 +161,43 @@ class CudaWorkspace:
         vector = n % (16 // c.itemsize) == 0 and c.data.ptr % 16 == 0
         self._observe_flag(
             (batch * self._tiles * self._c_chunks,), (_THREADS,),
-            (c, self._bias, self._acc, self._bad_count, self._bad_last, self._tile_count,
+            (c, self._bias, self._acc, self._bad_count, self._tile_count,
              self._pred, c_obs, c_pred, floor, c_mag, numpy.float64(self._safe), self._obs,
-             self._verdict, numpy.int32(m), numpy.int32(n), numpy.int32(self._tiles),
+             self._verdict.device, numpy.int32(batch), numpy.int32(m), numpy.int32(n),
+             numpy.int32(self._tiles),
              numpy.int32(self._c_chunks), numpy.int32(self._c_chunk_rows), numpy.int32(vector)))
 
     def abandon(self) -> None:
         """Forget the last execute's verdict: the cumulative counts restart from zero (an
         asynchronous memset on the current stream, after the abandoned execute's kernels), so a
         flag raised by an execute that is never settled does not flag the next settle."""
-        self._verdict.data.memset_async(0, self._verdict.nbytes)
+        self._verdict.clear()
         self._verdict_seen[...] = 0
 
-    def fetch_verdict(self) -> None:
-        """Queue the copy of the cumulative verdict into pinned host memory on the current
-        stream (no wait); when the execute ran on another stream, the copy waits for it."""
+    def ready_verdict(self) -> None:
+        """When the execute ran on another stream than the current one, make the current stream
+        (where the ledger's copy to the host is queued next) wait for it."""
         current = cupy.cuda.get_current_stream()
         if current.ptr != self._stream.ptr:
             current.wait_event(self._stream.record())
-        self._verdict.get(stream=current, out=self._verdict_host, blocking=False)
 
     def verdict_flagged(self) -> bool:
-        """After :meth:`fetch_verdict` and a synchronization: True when a column was flagged or
+        """After the ledger's fetch and a synchronization: True when a column was flagged or
         found unverifiable since the previous read of the cumulative verdict."""
-        changed = bool((self._verdict_host != self._verdict_seen).any())
-        self._verdict_seen[...] = self._verdict_host
+        host = self._verdict.host
+        changed = bool((host != self._verdict_seen).any())
+        self._verdict_seen[...] = host
         return changed
 
     def a_encoding(self) -> cupy.ndarray | None:
-        """The column encoding of ``a`` the last prediction read, ``(batch or 1, k, 3)``; None
+        """The column encoding of ``a`` the last prediction read, ``(3, batch or 1, k)``; None
         when the predict kernel encoded ``a`` itself (it keeps only partial sums)."""
         return self._enc_used
 
     def observed_cols(self) -> cupy.ndarray:
-        """Observed column encoding of the last product, ``(batch, n, 3)`` (a workspace view)."""
-        return self._obs[..., :3]
+        """Observed column encoding of the last product, ``(3, batch, n)``, as the observation
+        wrote it (the workspace)."""
+        return self._obs
 
 
 def _chunks(blocks: int, rows: int, sms: int) -> tuple[int, int]:

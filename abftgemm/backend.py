@@ -20,7 +20,8 @@ batch dimension is either the full batch or 1 (broadcast):
 ``col_reduce(x, coef, out)`` / ``row_reduce(x, coef, out)``
     One pass over ``x`` producing, per column (resp. row) vector ``v`` of length ``L``, five float64
     numbers ``[sum(c0*v), sum(c1*v), sum(c2*|v|), count(!isfinite(v)), last non-finite index or -1]``.
-    ``coef`` has shape ``(batch or 1, L, 3)`` float64, or is None for the defaults ``c0=1,
+    ``coef`` is an encoding (:mod:`abftgemm.checksums`), float64 ``(3, batch or 1, L)`` whose
+    field vectors are contiguous (last axis), read in place; or None for the defaults ``c0=1,
     c1=(index+1)/L, c2=1``.
     ``out`` has shape ``(batch, vectors, 5)`` float64.
 ``both_reduce(x, col_coef, row_coef, out_col, out_row)``
@@ -36,8 +37,10 @@ batch dimension is either the full batch or 1 (broadcast):
     ``(batch, vectors)`` arrays to write, for callers that must not allocate.
 ``synchronize()``
     Wait until every launch queued so far has finished (nothing to wait for on the CPU).
-``plan_workspace(op, counters, thresholds)``
-    The :class:`Workspace` of a planned product (:class:`abftgemm.plan.ProtectedMatmul`).
+``plan_workspace(op, counters, thresholds, verdicts)``
+    The :class:`Workspace` of a planned product (:class:`abftgemm.plan.ProtectedMatmul`), its
+    verdict in a slot of the ledger ``verdicts`` (:mod:`abftgemm.verdicts`) where it has one on
+    the device.
 
 On top of these, array-module generic and written once: the checksum passes
 (:mod:`abftgemm.encode`), verdicts and location (:mod:`abftgemm.locate`), the rare path of
@@ -72,7 +75,8 @@ class Workspace(Protocol):
         """Column encoding of ``a`` now, kept for every later prediction (a constant ``a``)."""
 
     def set_encoding(self, cols: Any) -> None:
-        """Use the column encoding ``cols`` ``(batch or 1, k, 3)`` in the next prediction."""
+        """Use the column encoding ``cols`` ``(3, batch or 1, k)`` in the next prediction, read in
+        place."""
 
     def predict(self, op: Any, encode_a: bool) -> None:
         """Launch 1: the predicted column checksums of the product (``encode_a``: from ``op.a``
@@ -81,22 +85,24 @@ class Workspace(Protocol):
     def observe_flag(self, c: Any) -> None:
         """Launch 2: observe the product's column checksums and judge every column."""
 
-    def fetch_verdict(self) -> None:
-        """Queue the copy of the verdict to the host (no wait)."""
+    def ready_verdict(self) -> None:
+        """Make the copy of the verdict ledger to the host (queued next on the current stream)
+        wait for this workspace's launches."""
 
     def verdict_flagged(self) -> bool:
-        """After :meth:`fetch_verdict` and a synchronization: whether a column flagged or was
-        unverifiable."""
+        """After the ledger's fetch and a synchronization: whether a column flagged or was
+        unverifiable since the last read."""
 
     def abandon(self) -> None:
         """Forget the verdict of an execute that will not be settled."""
 
     def a_encoding(self) -> Any | None:
-        """The column encoding of ``a`` the last prediction used, ``(batch or 1, k, 3)``, or None
+        """The column encoding of ``a`` the last prediction used, ``(3, batch or 1, k)``, or None
         where the backend keeps none whole."""
 
     def observed_cols(self) -> Any:
-        """The observed column encoding of the last product, ``(batch, n, 3)`` (a view)."""
+        """The observed column encoding of the last product, ``(3, batch, n)``, as the
+        observation wrote it."""
 
     def release(self) -> None:
         """Free what the workspace holds beyond its arrays."""
@@ -126,8 +132,8 @@ class Backend(Protocol):
 
     def synchronize(self) -> None: ...
 
-    def plan_workspace(self, op: Any, counters: Any,
-                       thresholds: ColumnThresholds | None) -> Workspace: ...
+    def plan_workspace(self, op: Any, counters: Any, thresholds: ColumnThresholds | None,
+                       verdicts: Any) -> Workspace: ...
 
 
 class RowPrefixes(Protocol):

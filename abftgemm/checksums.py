@@ -4,9 +4,16 @@ A batched matrix ``X`` of shape ``(batch, r, c)`` has two encodings, each with t
 per vector (location weights ``w_l = (l+1)/L`` for a vector of length ``L``; the absolute sum
 scales the threshold):
 
-- column encoding ``cols``, shape ``(batch, c, 3)``: per column ``[sum_i X_ic, sum_i w_i X_ic,
+- column encoding ``cols``, shape ``(3, batch, c)``: per column ``[sum_i X_ic, sum_i w_i X_ic,
   sum_i |X_ic|]`` -- that is ``E^T X`` with ``E = [1 | w]``, plus ``1^T |X|``;
-- row encoding ``rows``, shape ``(batch, r, 3)``: the same over each row.
+- row encoding ``rows``, shape ``(3, batch, r)``: the same over each row.
+
+One layout for every producer and consumer: field-major, the field outermost. Each field's
+vector is contiguous, so the reductions that take an encoding as their coefficients read it
+contiguously (the CPU's inner loops vectorize, the GPU's lanes coalesce), and an encoding of
+``(batch, seq, d)`` is, as a view, the encoding of its ``(batch * heads, seq, d / heads)`` head
+split (``cols.reshape(3, batch * heads, d / heads)``). What a kernel observes it writes in this
+layout, so an encoding is handed on as it was written, never copied.
 
 For ``C = A @ B`` the column encoding of ``A`` predicts the column checksums of ``C``
 (``(E^T A) B``) and the row encoding of ``B`` predicts its row checksums (``A (B E)``). A product
@@ -47,9 +54,9 @@ class Checksums:
     Attributes
     ----------
     cols : array or None
-        ``(batch or 1, c, 3)`` float64 column encoding, same array module as the matrix.
+        ``(3, batch or 1, c)`` float64 column encoding, same array module as the matrix.
     rows : array or None
-        ``(batch or 1, r, 3)`` float64 row encoding.
+        ``(3, batch or 1, r)`` float64 row encoding.
     """
 
     cols: Any | None = None
@@ -59,6 +66,13 @@ class Checksums:
     def T(self) -> "Checksums":
         """Encodings of the transposed matrix (columns and rows swap)."""
         return Checksums(cols=self.rows, rows=self.cols)
+
+
+def encoding_of(records: Any) -> Any:
+    """The encoding ``(3, batch, L)`` in the first three fields of a reduction's records
+    ``(batch, L, 5)`` (:mod:`abftgemm.backend`): a new C-contiguous array (a copy, made where an
+    encoding comes from the general reductions: unplanned products, the rare path)."""
+    return records[..., :3].transpose(2, 0, 1).copy()
 
 
 def accumulation_dtype(dtype: np.dtype) -> np.dtype:

@@ -15,13 +15,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from abftgemm.backend import Backend, to_host
+from abftgemm.backend import Backend
 from abftgemm.encode import predict_rows
 from abftgemm.locate import verify_rows
 from abftgemm.operands import Operands
 from abftgemm.rare_path import settle
 from abftgemm.report import Report
 from abftgemm.thresholds import safe_magnitude, threshold_coefficients
+from abftgemm.verdicts import Slot
 
 Allocate = Callable[..., Any]
 
@@ -42,8 +43,11 @@ class ConsumerRows:
         The plan's counted allocation of a zeroed array.
     """
 
-    def __init__(self, be: Backend, op: Operands, out_triangle: str | None, alloc: Allocate):
+    def __init__(self, be: Backend, op: Operands, out_triangle: str | None, alloc: Allocate,
+                 counters: Any, verdict: Slot):
         self._be = be
+        self._counters = counters
+        self._slot = verdict
         self._coefficients = threshold_coefficients(op.k, op.n, op.dtype, False)
         self._safe = safe_magnitude(op.k, op.dtype)
         #: How many leading columns of each row are computed, observed and verified, ``(m,)``;
@@ -51,15 +55,16 @@ class ConsumerRows:
         self.row_limits = None if out_triangle is None else be.row_limits(op.m, op.n, op.dtype)
         if self.row_limits is None:
             self._b_rows = alloc((op.b.shape[0], op.k, 5))
-            # the row encoding of b, contiguous, as the reduction kernels take coefficients
-            self._b_coef = alloc((op.b.shape[0], op.k, 3))
+            # the row encoding of b out of those records, when none is handed on
+            self._b_enc = alloc((3, op.b.shape[0], op.k))
         else:  # the encoding of b's leading columns, grown by the prediction
             self._enc = alloc((3, op.k))
         self._pred = alloc((op.batch, op.m, 5))
         #: The consumer writes the observed row checksums of the product here, ``(batch, m, 5)``
         #: (of each row's first ``row_limits[i]`` entries when :attr:`row_limits` is set).
         self.observed = alloc((op.batch, op.m, 5))
-        self._verdict = alloc((2,), np.int64)
+        # the flagged and unverifiable rows, counted in the ledger slot (int64 on the CPU)
+        self._verdict = verdict.device if be.xp is not np else verdict.device.view(np.int64)
         # The judge's per-row threshold, flag and verifiability (written, never read here).
         rows = (op.batch, op.m)
         self._judged = (alloc(rows), alloc(rows, bool), alloc(rows, bool))
@@ -69,31 +74,34 @@ class ConsumerRows:
         self._be.gemm(op.a, op.b, c, None, out_triangle="lower")
 
     def predict(self, op: Operands, b_rows: Any | None) -> int:
-        """Predicted row checksums of the product; returns the launches it took: a read of
-        ``b`` for its row encoding unless ``b_rows`` ``(1 or b's batch, k, 3)`` hands it on, its
-        copy into the coefficients the reductions read, and the prediction (2 or 3); with
-        :attr:`row_limits`, one prediction that encodes ``b``'s leading columns as it goes."""
+        """Predicted row checksums of the product; returns the launches it took: the prediction,
+        which reads ``b_rows`` ``(3, 1 or b's batch, k)`` in place when it is handed on (1);
+        else first a read of ``b`` for its row records and their copy into an encoding (3,
+        the copy counted); with :attr:`row_limits`, one prediction that encodes ``b``'s leading
+        columns as it goes."""
         if self.row_limits is not None:
             self._be.predict_lower_rows(op.a, op.b, self.row_limits, self._enc, self._pred)
             return 1
-        launches = 2
+        launches = 1
         if b_rows is None:
-            launches += 1
+            launches += 2
             self._be.row_reduce(op.b, None, self._b_rows)
-            b_rows = self._b_rows[..., :3]
-        self._b_coef[...] = b_rows  # the reduction kernels read contiguous coefficients
-        self._be.row_reduce(op.a, self._b_coef, self._pred)
+            self._b_enc[...] = self._b_rows[..., :3].transpose(2, 0, 1)
+            self._counters.copies += 1
+            b_rows = self._b_enc
+        self._be.row_reduce(op.a, b_rows, self._pred)
         return launches
 
     def judge(self) -> None:
         """Count the flagged and unverifiable rows of :attr:`observed` (on the device)."""
-        self._verdict[...] = 0
+        self._slot.clear()
         self._be.flag(self._pred, self.observed, self._coefficients, self._safe, self._verdict,
                       out=self._judged)
 
     def flagged(self) -> bool:
-        """Whether the judged rows flagged; read after the caller's synchronization."""
-        return bool(to_host(self._verdict).any())
+        """Whether the judged rows flagged: the slot as the ledger's last fetch copied it (the
+        plan's settle fetched it)."""
+        return bool(self._slot.host.any())
 
     def rare_path(self, op: Operands, c: Any, check: str, name: str, report: Report) -> None:
         """Verify whole rows from a fresh prediction and repair ``c`` in place (or raise, as

@@ -16,6 +16,7 @@ from typing import Any
 
 import numba
 import numpy as np
+from numba.core import types
 from numba.extending import overload
 
 
@@ -52,24 +53,37 @@ _ROW_STEP = 4  # rows per row-sum step, each coefficient loaded once per step (w
 
 
 def _vector_coefficients(c: Any, l: int) -> tuple[float, float, float]:
-    """Coefficients ``(plain, weighted, absolute)`` of position ``l``: ``c[:, l]`` for a
-    ``(3, L)`` array, ``(1, c[l], 1)`` for the default location weights ``c`` ``(L,)`` (compiled
+    """Coefficients ``(plain, weighted, absolute)`` of position ``l``: ``c[f][l]`` for a ``(3,
+    L)`` array or a tuple of three ``(L,)`` arrays (one batch item of an encoding, see
+    :func:`fields`), ``(1, c[l], 1)`` for the default location weights ``c`` ``(L,)`` (compiled
     per case by the overload below; the constant ones cost no loads)."""
     raise NotImplementedError("only callable from numba-compiled code")
 
 
 @overload(_vector_coefficients, inline="always")
 def _vector_coefficients_impl(c, l):  # noqa: ANN001 (numba compares signatures)
+    if isinstance(c, types.BaseTuple):
+        return lambda c, l: (c[0][l], c[1][l], c[2][l])
     if c.ndim == 1:
         return lambda c, l: (1.0, c[l], 1.0)
     return lambda c, l: (c[0, l], c[1, l], c[2, l])
 
 
+@numba.njit(cache=True, inline="always")
+def fields(enc: Any, t: int) -> tuple[Any, Any, Any]:
+    """Batch item ``t`` (the last one when ``enc`` broadcasts) of an encoding ``enc`` ``(3, batch
+    or 1, L)``: its three field vectors, each contiguous when ``enc`` is C-contiguous (numba
+    then reads them as such; ``enc[:, t]`` would be typed non-contiguous)."""
+    u = min(t, enc.shape[1] - 1)
+    return enc[0, u], enc[1, u], enc[2, u]
+
+
 @numba.njit(cache=True, fastmath=FAST, inline="always")
 def sum_columns(x: Any, c: Any, i0: int, i1: int, p: Any) -> None:
-    """``p[f, j] += sum over rows i0..i1 of c[f, i] * x[i, j]`` (``|x|`` for f = 2), every
-    product and sum in float64, ``p`` ``(3, ncols)`` updated once per eight rows."""
-    sum_column_prefix(x, c, i0, i1, p, p.shape[1])
+    """``p[f][j] += sum over rows i0..i1 of c[f][i] * x[i, j]`` (``|x|`` for f = 2), every
+    product and sum in float64, ``p`` ``(3, ncols)`` (or three ``(ncols,)`` arrays) updated
+    once per eight rows."""
+    sum_column_prefix(x, c, i0, i1, p, p[0].shape[0])
 
 
 @numba.njit(cache=True, fastmath=FAST, inline="always")

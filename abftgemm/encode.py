@@ -7,7 +7,7 @@ from typing import Any, Callable
 import numpy as np
 
 from abftgemm.backend import Backend, array_module, get_backend
-from abftgemm.checksums import Checksums, location_weights
+from abftgemm.checksums import Checksums, encoding_of, location_weights
 from abftgemm.operands import Operands
 
 
@@ -22,14 +22,14 @@ def predict(be: Backend, op: Operands, a_checksums: Checksums | None) -> tuple[A
     b_rows = _row_encoding_of_b(be, op)
     a_cols = None if a_checksums is None else a_checksums.cols
     if a_cols is None:
-        batch = max(op.a.shape[0], b_rows.shape[0])
+        batch = max(op.a.shape[0], b_rows.shape[1])
         enc_a = xp.empty((batch, op.k, 5), dtype=np.float64)
         pred_row = xp.empty((batch, op.m, 5), dtype=np.float64)
         be.both_reduce(op.a, None, b_rows, enc_a, pred_row)
-        a_cols = enc_a[..., :3]
+        a_cols = encoding_of(enc_a)
     else:
         pred_row = _reduce(be.row_reduce, op.a, b_rows, op.batch, op.m)
-    pred_col = _reduce(be.col_reduce, op.b, xp.ascontiguousarray(a_cols), op.batch, op.n)
+    pred_col = _reduce(be.col_reduce, op.b, a_cols, op.batch, op.n)
     if op.bias is not None:
         _add_bias_to_cols(op, pred_col)
         _add_bias_to_rows(op, pred_row)
@@ -45,8 +45,8 @@ def predict_rows(be: Backend, op: Operands) -> Any:
 
 
 def _row_encoding_of_b(be: Backend, op: Operands) -> Any:
-    """``b``'s row encoding ``(batch or 1, k, 3)``, contiguous: one pass over ``b``."""
-    return op.xp.ascontiguousarray(_reduce(be.row_reduce, op.b, None, op.b.shape[0], op.k)[..., :3])
+    """``b``'s row encoding ``(3, batch or 1, k)``, contiguous: one pass over ``b``."""
+    return encoding_of(_reduce(be.row_reduce, op.b, None, op.b.shape[0], op.k))
 
 
 def _add_bias_to_cols(op: Operands, pred_col: Any) -> None:
@@ -78,7 +78,7 @@ def observe(be: Backend, out: Any) -> tuple[Any, Any]:
 def _reduce(fn: Callable, x: Any, coef: Any, batch: int, vectors: int) -> Any:
     xp = array_module(x)
     if coef is not None:
-        batch = max(batch, x.shape[0], coef.shape[0])
+        batch = max(batch, x.shape[0], coef.shape[1])
     out = xp.empty((batch, vectors, 5), dtype=np.float64)
     fn(x, coef, out)
     return out
@@ -100,6 +100,6 @@ def checksums_of(x: Any, rows: bool = True) -> Checksums:
     if not rows:
         cols = xp.empty((x3.shape[0], c, 5), dtype=np.float64)
         be.col_reduce(x3, None, cols)
-        return Checksums(cols=cols[..., :3])
+        return Checksums(cols=encoding_of(cols))
     cols, row_sums = observe(be, x3)
-    return Checksums(cols=cols[..., :3], rows=row_sums[..., :3])
+    return Checksums(cols=encoding_of(cols), rows=encoding_of(row_sums))

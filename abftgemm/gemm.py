@@ -81,7 +81,7 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
         Also return the :class:`Report`.
     a_checksums : Checksums, optional
         Encoding handed on from an earlier product: ``a_checksums.cols`` (column encoding of
-        ``a``, batch dimensions flattened: shape ``(batch or 1, k, 3)``) replaces the read of
+        ``a``, batch dimensions flattened: shape ``(3, batch or 1, k)``) replaces the read of
         ``a``.
     return_checksums : bool
         Also return the :class:`Checksums` of the delivered product (flattened batch), ready to

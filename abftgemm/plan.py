@@ -36,6 +36,7 @@ from abftgemm.operands import Operands
 from abftgemm.rare_path import protect
 from abftgemm.report import Report
 from abftgemm.thresholds import safe_magnitude, threshold_coefficients
+from abftgemm.verdicts import Ledger
 
 FaultHook = Callable[[str, Any], None]
 DIRECTIONS = ("columns", "both")
@@ -67,6 +68,18 @@ class Counters:
     plans : int
         Plans made with these counters (a workspace whose plans are reused makes none in steady
         state).
+    copies : int
+        Checksum encodings copied (:mod:`abftgemm.checksums`): a handed-on encoding whose field
+        vectors are not contiguous, copied before a kernel reads it; an encoding made out of a
+        reduction's records (a constant ``a`` on the GPU, ``b``'s row encoding a consumer-rows
+        plan reads ``b`` for, the rare path's); an encoding kept beyond the workspace that holds
+        it. Handed-on encodings in the one layout are read where they were written: none.
+    host_reads : int
+        Device-to-host transfers of verdicts: one per fetch of a verdict ledger page
+        (:mod:`abftgemm.verdicts`; plans that share a ledger, and the checks that reserve slots
+        in it, are read in one: one per :func:`settle_all` of an attention pass), and the
+        details of a failed check that others read (the attention softmax checks). Zero on the
+        CPU, where every verdict is host memory already: nothing is transferred.
     """
 
     launches: int = 0
@@ -74,6 +87,8 @@ class Counters:
     syncs: int = 0
     rare_paths: int = 0
     plans: int = 0
+    copies: int = 0
+    host_reads: int = 0
 
 
 class ProtectedMatmul:
@@ -114,6 +129,10 @@ class ProtectedMatmul:
     counters : Counters, optional
         Counters to add to (several plans may share one, e.g. the sites of a layer); default a
         new one, :attr:`counters`.
+    verdicts : Ledger, optional
+        Where the plan's verdict counts live (:mod:`abftgemm.verdicts`): plans that share one
+        are read from the device together, one transfer for all of them at
+        :func:`settle_all`; default a ledger of the plan's own.
 
     Attributes
     ----------
@@ -135,7 +154,7 @@ class ProtectedMatmul:
     def __init__(self, a: Any, b: Any, *, bias: Any | None = None, check: str = "correct",
                  directions: str = "columns", name: str = "matmul", constant_a: bool = False,
                  a_triangle: str | None = None, out_triangle: str | None = None,
-                 counters: Counters | None = None):
+                 counters: Counters | None = None, verdicts: Ledger | None = None):
         if check not in ("correct", "detect"):
             raise ValueError(f"check must be 'correct' or 'detect' for a plan, got {check!r} "
                              "(check='off' needs no plan: use abftgemm.matmul)")
@@ -156,15 +175,18 @@ class ProtectedMatmul:
         self._signature = signature_of(op)
         self._layout = _Layout.of(a, b, bias, op)
         self._be: Backend = get_backend(op.xp)
+        self._ledger = Ledger(op.xp, self.counters) if verdicts is None else verdicts
         self._constant_a = constant_a
         self._a_triangle = a_triangle
         self._verify_columns = directions == "columns"
         thresholds = (threshold_coefficients(op.k, op.m, op.dtype, op.bias is not None),
                       safe_magnitude(op.k, op.dtype)) if self._verify_columns else None
-        self._work: Workspace = self._be.plan_workspace(op, self.counters, thresholds)
+        self._work: Workspace = self._be.plan_workspace(op, self.counters, thresholds,
+                                                        self._ledger)
         if self._verify_columns and constant_a:
             self._work.encode(op.a)
-        self._rows = ConsumerRows(self._be, op, out_triangle, self._zeros) if consumer else None
+        self._rows = ConsumerRows(self._be, op, out_triangle, self._zeros, self.counters,
+                                  self._ledger.reserve(2)) if consumer else None
         self.observed = None if self._rows is None else self._rows.observed
         self.row_limits = None if self._rows is None else self._rows.row_limits
         self._pending: _Pending | None = None
@@ -193,12 +215,14 @@ class ProtectedMatmul:
         fault_hook : callable ``(site, c)``, optional
             Sees the raw product before verification (fault injection).
         a_checksums : Checksums, optional
-            Column encoding of ``a`` handed on from an earlier product (``a_checksums.cols``):
-            skips the read of ``a``.
+            Column encoding of ``a`` ``(3, 1 or a's batch, k)`` handed on from an earlier product
+            (``a_checksums.cols``): skips the read of ``a``. Read in place when its last axis is
+            contiguous (else copied once, counted in :attr:`Counters.copies`).
         b_rows : Checksums, optional
             With ``"rows by consumer"``: ``b_rows.rows``, the row encoding of ``b``
-            ``(1 or b's batch, k, 3)`` handed on from an earlier product; without it ``b`` is
-            read once more (not used with :attr:`row_limits`).
+            ``(3, 1 or b's batch, k)`` handed on from an earlier product, read in place as
+            ``a_checksums``; without it ``b`` is read once more (not used with
+            :attr:`row_limits`).
         gemm : callable, optional
             Writes ``a @ b (+ bias)`` into ``out`` (which it needs, written directly), in place
             of the plan's own GEMM: for example the framework's GEMM on the tensors behind the
@@ -225,8 +249,14 @@ class ProtectedMatmul:
         if a_checksums is not None and self._constant_a:
             raise ValueError(f"{name}: a_checksums given to a plan with a constant a")
         if a_checksums is not None and a_checksums.cols is not None:
-            _check_column_encoding(op, a_checksums.cols, name)
+            _check_encoding(op.a, op.k, a_checksums.cols, name, "a_checksums.cols",
+                            "the column encoding of a")
+            a_checksums = Checksums(cols=self._readable(a_checksums.cols))
+        if b_rows is not None and b_rows.rows is not None:
+            _check_encoding(op.b, op.k, b_rows.rows, name, "b_rows.rows", "the row encoding of b")
+            b_rows = Checksums(rows=self._readable(b_rows.rows))
         c = op.buffer()
+        self._ledger.stale = True
         if gemm is not None or self.row_limits is not None:  # else the workspace counts it
             self.counters.launches += 1 + (op.bias is not None)
         if gemm is not None:
@@ -258,6 +288,7 @@ class ProtectedMatmul:
             raise RuntimeError(f"{self.name}: judge() needs an executed plan with directions="
                                f"{CONSUMER_ROWS!r}")
         self.counters.launches += 1
+        self._ledger.stale = True
         self._rows.judge()
 
     def signature(self) -> tuple:
@@ -265,7 +296,7 @@ class ProtectedMatmul:
         return self._signature
 
     def observed_checksums(self) -> Checksums:
-        """Column encoding ``(batch, n, 3)`` of the last executed product, as its verification
+        """Column encoding ``(3, batch, n)`` of the last executed product, as its verification
         launch observed it: what :meth:`settle` hands on, available before it (to chain products
         whose settles are batched; trusted only once the settle is clean). A workspace view,
         valid until the next execute; ``directions="columns"`` plans only."""
@@ -274,7 +305,7 @@ class ProtectedMatmul:
         return Checksums(cols=self._work.observed_cols())
 
     def a_encoding(self) -> Checksums | None:
-        """Column encoding ``(batch or 1, k, 3)`` of ``a`` as the last execute's prediction used
+        """Column encoding ``(3, batch or 1, k)`` of ``a`` as the last execute's prediction used
         it (made from ``a``, handed on, or constant), to hand on to another product of the same
         ``a`` as its ``a_checksums``: a workspace view, valid until the next execute. None where
         the backend keeps no whole encoding (the GPU, of an ``a`` its kernel encoded: it keeps
@@ -312,16 +343,17 @@ class ProtectedMatmul:
             When ``check="correct"`` and no verified result could be delivered.
         """
         self._start_settle()
+        self._ledger.fetch()
         self.counters.syncs += 1
         self._be.synchronize()
         return self._finish_settle(checksums)
 
     def _start_settle(self) -> None:
-        """Queue the copy of the verdict to the host (nothing to queue on the CPU)."""
+        """Make the copy of the verdicts to the host wait for this plan's launches."""
         if self._pending is None:
             raise RuntimeError(f"{self.name}: settle() without an execute")
         if self._verify_columns:
-            self._work.fetch_verdict()
+            self._work.ready_verdict()
 
     def _finish_settle(self, checksums: bool) -> Report | tuple[Report, Checksums]:
         """With the verdict on the host: report, run the rare path if it flagged anything, and
@@ -339,6 +371,7 @@ class ProtectedMatmul:
             self.counters.rare_paths += 1
             sums = protect(self._be, op, c, self.check, pending.name, report,
                            pending.a_checksums)
+            self.counters.copies += 2  # its encodings, out of the observed records
             if self._verify_columns:  # the fast path hands on column encodings only
                 sums = Checksums(cols=sums.cols)
         report.checked[pending.name] = op.batch
@@ -369,6 +402,14 @@ class ProtectedMatmul:
         self.release()
 
     # ----------------------------------------------------------------- private
+
+    def _readable(self, enc: Any) -> Any:
+        """A handed-on encoding as the kernels read it: itself when each field vector is
+        contiguous, else a contiguous copy (counted)."""
+        if enc.shape[2] < 2 or enc.strides[2] == enc.itemsize:
+            return enc
+        self.counters.copies += 1
+        return self._be.xp.ascontiguousarray(enc)
 
     def _planned(self, a: Any, b: Any, bias: Any | None, out: Any | None = None) -> Operands:
         if self._signature is None:
@@ -439,9 +480,10 @@ class _Layout:
 def settle_all(plans: list[ProtectedMatmul]) -> list[Report]:
     """Settle several executed plans with one host synchronization.
 
-    The verdict copies of every plan are queued, the host waits once, and each plan then reports
-    (running its rare path if flagged), in order. Each distinct :class:`Counters` among the plans
-    (plans may share one) counts one sync.
+    The verdict copies of every plan are queued, one per distinct :class:`Ledger` among the plans
+    (plans that share one are read in one transfer), the host waits once, and each plan then
+    reports (running its rare path if flagged), in order. Each distinct :class:`Counters` among
+    the plans (plans may share one) counts one sync.
 
     Returns
     -------
@@ -450,6 +492,8 @@ def settle_all(plans: list[ProtectedMatmul]) -> list[Report]:
     """
     for plan in plans:
         plan._start_settle()
+    for ledger in {id(p._ledger): p._ledger for p in plans}.values():
+        ledger.fetch()
     for counters in {id(p.counters): p.counters for p in plans}.values():
         counters.syncs += 1
     if plans:
@@ -465,17 +509,17 @@ class _Pending:
     name: str  # the site of this execute
 
 
-def _check_column_encoding(op: Operands, cols: Any, name: str) -> None:
-    """A handed-on column encoding of ``a`` must be float64 ``(1 or a's batch, k, 3)`` on the
-    operands' array module (the GPU kernel reads it by those strides, unchecked)."""
-    rows = op.a.shape[0]
-    shape = getattr(cols, "shape", None)
-    if (type(cols) is not type(op.a) or cols.dtype != np.float64 or len(shape) != 3
-            or shape[1:] != (op.k, 3) or shape[0] not in (1, rows)):
-        got = (f"{type(cols).__name__} {getattr(cols, 'dtype', '')} of shape {shape}"
-               if shape is not None else type(cols).__name__)
-        raise ValueError(f"{name}: a_checksums.cols must be a float64 {op.xp.__name__} array of "
-                         f"shape (1 or {rows}, {op.k}, 3), the column encoding of a; got {got}")
+def _check_encoding(x: Any, k: int, enc: Any, name: str, what: str, of: str) -> None:
+    """A handed-on encoding of operand ``x`` must be float64 ``(3, 1 or x's batch, k)`` on the
+    operands' array module (the GPU kernels read it by its strides, unchecked)."""
+    rows = x.shape[0]
+    shape = getattr(enc, "shape", None)
+    if (type(enc) is not type(x) or enc.dtype != np.float64 or len(shape) != 3
+            or shape[0] != 3 or shape[2] != k or shape[1] not in (1, rows)):
+        got = (f"{type(enc).__name__} {getattr(enc, 'dtype', '')} of shape {shape}"
+               if shape is not None else type(enc).__name__)
+        raise ValueError(f"{name}: {what} must be a float64 {type(x).__module__.split('.')[0]} "
+                         f"array of shape (3, 1 or {rows}, {k}), {of}; got {got}")
 
 
 def signature_of(op: Operands) -> tuple:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from abftgemm.backend import Backend
-from abftgemm.checksums import Checksums
+from abftgemm.checksums import Checksums, encoding_of
 from abftgemm.encode import observe, predict
 from abftgemm.locate import Verdict, diagnose, verify, verify_rows
 from abftgemm.nonfinite import settle_unverifiable
@@ -28,14 +28,15 @@ _LEFT = "nothing: left in place (check='detect')"
 
 def protect(be: Backend, op: Operands, out: Any, check: str, name: str, report: Report,
             a_checksums: Checksums | None) -> Checksums:
-    """Verify ``out`` (and repair it when ``check == "correct"``); return its encodings."""
+    """Verify ``out`` (and repair it when ``check == "correct"``); return its encodings (new
+    arrays, two copies out of the observed records: see :func:`abftgemm.checksums.encoding_of`)."""
     with np.errstate(all="ignore"):  # non-finite data is judged and reported, not warned about
         obs_col, obs_row = observe(be, out)  # first: the product is freshest in cache
         pred_col, pred_row = predict(be, op, a_checksums)
         verdict = verify(be, op, pred_col, pred_row, obs_col, obs_row)
         for b in settle(be, op, out, verdict, check, name, report):
             obs_col[b], obs_row[b] = (o[0] for o in observe(be, out[b:b + 1]))
-    return Checksums(cols=obs_col[..., :3], rows=obs_row[..., :3])
+    return Checksums(cols=encoding_of(obs_col), rows=encoding_of(obs_row))
 
 
 def settle(be: Backend, op: Operands, out: Any, verdict: Verdict, check: str, name: str,

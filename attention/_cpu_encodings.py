@@ -13,24 +13,24 @@ import numba
 
 @numba.njit(cache=True)
 def stack(parts: Any, batch: int, out: Any) -> None:
-    """Column encoding ``out`` ``(1, width, 3)`` of a ``(batch * seq, width)`` matrix from the
+    """Column encoding ``out`` ``(3, 1, width)`` of a ``(batch * seq, width)`` matrix from the
     column encodings of its head blocks over each batch item's ``seq`` rows: ``parts``, a tuple
-    of ``(batch * heads, head_dim, >= 3)`` float64 arrays side by side. Plain and absolute sums
+    of ``(3, batch * heads, head_dim)`` float64 encodings side by side. Plain and absolute sums
     add up over the items; the location weight of row ``s`` of item ``b``, ``(b * seq + s + 1)
     / (batch * seq)``, is ``b / batch`` plus the item's own ``(s + 1) / seq`` over ``batch``
     (item 0 adds no ``0 * inf``)."""
     col = 0
     for x in parts:
-        heads, width = x.shape[0] // batch, x.shape[1]
+        heads, width = x.shape[1] // batch, x.shape[2]
         for h in range(heads):
             for c in range(width):
                 plain = weighted = absolute = 0.0
                 for b in range(batch):
-                    e = x[b * heads + h, c]
-                    plain += e[0]
-                    weighted += e[1] / batch
+                    t = b * heads + h
+                    plain += x[0, t, c]
+                    weighted += x[1, t, c] / batch
                     if b:
-                        weighted += b / batch * e[0]
-                    absolute += e[2]
-                out[0, col, 0], out[0, col, 1], out[0, col, 2] = plain, weighted, absolute
+                        weighted += b / batch * x[0, t, c]
+                    absolute += x[2, t, c]
+                out[0, 0, col], out[1, 0, col], out[2, 0, col] = plain, weighted, absolute
                 col += 1

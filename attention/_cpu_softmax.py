@@ -25,7 +25,8 @@ from typing import Any
 import numba
 import numpy as np
 
-from abftgemm.cpu_kernels import FAST, ROWS_PER_UPDATE, row_sums, sum_column_prefix, sum_row
+from abftgemm.cpu_kernels import (FAST, ROWS_PER_UPDATE, fields, row_sums, sum_column_prefix,
+                                  sum_row)
 from attention._cpu_checks import _worse, backward_row
 from attention._cpu_vmath import exp_like, from_ordered_key, like, log_like, ordered_key
 
@@ -58,14 +59,14 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
         array for whole rows
     errors : (3,) float64: ``[worst row-sum error, worst log-identity spread, largest
         |z| + |log P| used]`` are folded into it (start from zeros)
-    cols, rows : (batch*heads, 3, seq_k) and (batch*heads, seq_q, 3) float64, or empty arrays
-        (first dimension 0) for none: the column encodings of ``probs`` and of its transpose, as
-        a planned product of either would compute them (``abftgemm.cpu_kernels.row_sums``,
-        :func:`_fold_columns`)
+    cols, rows : (3, batch*heads, seq_k) and (3, batch*heads, seq_q) float64, or empty arrays
+        (second dimension 0) for none: the column encodings of ``probs`` and of its transpose
+        (:mod:`abftgemm.checksums`), as a planned product of either would compute them
+        (``abftgemm.cpu_kernels.row_sums``, :func:`_fold_columns`)
     """
     bh, sq, sk = scores.shape
     weights, row_weights = _location_weights(sk), _location_weights(sq)
-    encode = cols.shape[0] == bh
+    encode = cols.shape[1] == bh
     observe = stats.shape[0] == bh
     for t in range(bh):
         am = attn_add[min(t, attn_add.shape[0] - 1)]
@@ -92,8 +93,8 @@ def forward(scores: Any, scale: Any, key_visible: Any, has_keys: bool, attn_add:
             if encode:
                 # the row's sums as stored: the column encoding of P^T (entries past `visible`
                 # are exact zeros, hidden by causality: nothing to add)
-                rows[t, i, 0], rows[t, i, 1], rows[t, i, 2] = row_sums(out[:visible], weights)
-                _fold_columns(probs[t], row_weights, i, cols[t], causal)
+                rows[0, t, i], rows[1, t, i], rows[2, t, i] = row_sums(out[:visible], weights)
+                _fold_columns(probs[t], row_weights, i, fields(cols, t), causal)
 
 
 @numba.njit(cache=True, fastmath=FAST)
@@ -121,7 +122,7 @@ def _location_weights(sk: int) -> Any:
 @numba.njit(cache=True, inline="always")
 def _fold_columns(x: Any, row_weights: Any, i: int, col: Any, causal: bool) -> None:
     """Row ``i`` of ``x`` ``(n_rows, L)`` is final: fold each completed block of eight rows (and
-    the last rows) into its column encoding ``col`` ``(3, L)`` (plain, weighted by
+    the last rows) into its column encoding ``col`` (three ``(L,)`` field vectors: plain, weighted by
     ``row_weights``, absolute; zeroed first), as a planned product reading ``x`` would make it
     (``abftgemm.cpu_kernels.sum_columns``, which updates ``col`` once per eight rows, while they are
     still in cache). ``causal``: rows up to ``i`` are zero past column ``i``, which is skipped."""
@@ -129,7 +130,9 @@ def _fold_columns(x: Any, row_weights: Any, i: int, col: Any, causal: bool) -> N
         return
     start = i - i % ROWS_PER_UPDATE
     if start == 0:
-        col[...] = 0.0
+        col[0][:] = 0.0
+        col[1][:] = 0.0
+        col[2][:] = 0.0
     n = min(i + 1, x.shape[1]) if causal else x.shape[1]
     sum_column_prefix(x, row_weights, start, i + 1, col, n)
 
@@ -281,7 +284,7 @@ def backward(dp: Any, p: Any, scale: Any, causal: bool, check: bool, u: float, t
     sc = scale[0]
     n, sq, sk = dp.shape
     weights, row_weights = _location_weights(sk), _location_weights(sq)
-    encode = check and cols.shape[0] == n
+    encode = check and cols.shape[1] == n
     observe = stats.shape[0] == n
     dropping = keep.shape[0] == n
     undropped = np.empty(sk if dropping else 0, dp.dtype)
@@ -312,5 +315,5 @@ def backward(dp: Any, p: Any, scale: Any, causal: bool, check: bool, u: float, t
                 out[j] = out[j] * sc
             out[v:] = 0
             if encode:
-                rows[t, i, 0], rows[t, i, 1], rows[t, i, 2] = row_sums(out[:v], weights)
-                _fold_columns(ds[t], row_weights, i, cols[t], causal)
+                rows[0, t, i], rows[1, t, i], rows[2, t, i] = row_sums(out[:v], weights)
+                _fold_columns(ds[t], row_weights, i, fields(cols, t), causal)

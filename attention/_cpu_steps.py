@@ -22,7 +22,7 @@ from attention.softmax import (LOG_CHECK_FLOOR, BackwardStep, ForwardStep, Verdi
                                backward_tolerance, check_backward, forward_verdict)
 
 #: Empty encoding buffers: the kernels then make no encodings.
-_NONE = (np.zeros((0, 3, 0)), np.zeros((0, 0, 3)))
+_NONE = (np.zeros((3, 0, 0)), np.zeros((3, 0, 0)))
 #: Empty dropout mask: the backward kernel then applies none.
 _NO_KEEP = np.zeros((0, 0, 0), bool)
 #: Empty row-checksum buffer: the kernels then observe nothing.
@@ -71,7 +71,7 @@ class CpuForwardStep(ForwardStep):
                              _row_limits(self.plan), errors, cols, rows)
         if wide:
             self.probs[...] = out
-        self.encodings = (cols.transpose(0, 2, 1), rows) if fused else None
+        self.encodings = (cols, rows) if fused else None
         return errors if fused else None
 
     def _masks(self) -> tuple[Any, bool, Any, bool]:
@@ -119,7 +119,7 @@ class CpuBackwardStep(BackwardStep):
         _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype),
                               self.causal, True, u, tiny, self.ds, _observed_rows(self.plan),
                               _row_limits(self.plan), result, cols, rows, *self._keep())
-        self.encodings = cols.transpose(0, 2, 1), rows
+        self.encodings = cols, rows
         self.verdict = _known((result[0] <= 1, float(result[1]), float(result[2]) or tiny))
 
     def recompute(self) -> Verdict:
@@ -167,8 +167,8 @@ def _row_limits(plan: Any | None) -> Any:
 
 
 def _encoding_buffers(ws: Any, name: str, shape: tuple[int, int, int]) -> tuple[Any, Any]:
-    """Workspace buffers for the column encodings of a ``(n, rows, cols)`` matrix, ``(n, 3,
-    cols)``, and of its transpose, ``(n, rows, 3)``."""
+    """Workspace buffers for the column encodings of a ``(n, rows, cols)`` matrix, ``(3, n,
+    cols)``, and of its transpose, ``(3, n, rows)`` (:mod:`abftgemm.checksums`)."""
     n, rows, cols = shape
-    return (ws.buffer(name + "_cols", np, (n, 3, cols), np.float64),
-            ws.buffer(name + "_rows", np, (n, rows, 3), np.float64))
+    return (ws.buffer(name + "_cols", np, (3, n, cols), np.float64),
+            ws.buffer(name + "_rows", np, (3, n, rows), np.float64))

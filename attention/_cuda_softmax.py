@@ -19,6 +19,7 @@ import cupy
 import numpy
 
 from abftgemm.cuda_kernels import INT32_MAX, cdiv
+from abftgemm.verdicts import Slot
 from attention import kernels
 
 _BLOCK = 256  # 8 warps per block, one warp per row
@@ -28,24 +29,28 @@ _UINT32_MAX = 2**32 - 1  # the verdict packs a row index into 32 bits
 class DeviceVerdict:
     """The verdict of one invariant check, on the device until :meth:`read`.
 
-    ``worst`` (one uint64) is 0 when every row passed, else ``(ratio rounded up to float32) << 32
-    | row`` of the worst failing row; ``details`` ``(rows, 2)`` float64 holds ``(error, tolerance)``
-    of each failing row (written by failing rows only).
+    ``slot`` (one uint64 of a verdict ledger, :mod:`abftgemm.verdicts`) is 0 when every row
+    passed, else ``(ratio rounded up to float32) << 32 | row`` of the worst failing row;
+    ``details`` ``(rows, 2)`` float64 holds ``(error, tolerance)`` of each failing row (written
+    by failing rows only).
     """
 
-    def __init__(self, worst: cupy.ndarray, details: cupy.ndarray):
-        self.worst, self.details = worst, details
+    def __init__(self, slot: Slot, details: cupy.ndarray):
+        self.slot, self.details = slot, details
+        self.worst = slot.device  # what the kernels write
 
     def reset(self) -> None:
         """Clear the verdict before a launch (an asynchronous memset, no kernel)."""
-        self.worst.data.memset_async(0, self.worst.nbytes)
+        self.slot.clear()
 
     def read(self) -> tuple[bool, float, float]:
-        """``(ok, worst error, its tolerance)``; a host read (after the pass's settle it waits for
-        nothing)."""
-        key = int(self.worst.get()[0])
+        """``(ok, worst error, its tolerance)``: the slot as the ledger's last fetch copied it
+        (the pass's settle), or fetched now when a launch came after it; the details of a failed
+        check are one more host read (counted in the ledger's ``counters.host_reads``)."""
+        key = int(self.slot.read()[0])
         if key == 0:
             return True, 0.0, 0.0
+        self.slot.ledger.counters.host_reads += 1
         err, tol = (float(v) for v in self.details[key & _UINT32_MAX].get())
         return False, err, tol
 

@@ -26,7 +26,7 @@ from attention.softmax import (LOG_CHECK_FLOOR, BackwardStep, ForwardStep, Verdi
 
 def _device_verdict(ws: Any, name: str, rows: int) -> _cuda_softmax.DeviceVerdict:
     """The reusable device verdict of one check."""
-    return _cuda_softmax.DeviceVerdict(ws.buffer(name + "_worst", cupy, (1,), np.uint64),
+    return _cuda_softmax.DeviceVerdict(ws.slot(name + "_worst", cupy, 1),
                                        ws.buffer(name + "_details", cupy, (rows, 2), np.float64))
 
 

@@ -154,9 +154,10 @@ def forward_pass(forward: tuple[Step, ...], backward: tuple[Step, ...], variant:
     fwd, bwd = steps(forward, variant), steps(backward, variant)
     tensors, sums = carried(fwd, bwd, variant.gpu)
     p = _run(fwd, inp, env, tensors | {out}, ctx, workspace)
+    kept = {n: p.sums[n].copy() for n in sums if n in p.sums}  # beyond the workspace
+    p.ws.counters.copies += len(kept)
     saved = {"inputs": inp, "variant": variant, "probs_dropped": None, "tensors": tensors,
-             **{n: p.env[n] for n in tensors},
-             "sums": {n: p.sums[n].copy() for n in sums if n in p.sums}}
+             **{n: p.env[n] for n in tensors}, "sums": kept}
     return p.env[out], saved
 
 
@@ -225,6 +226,7 @@ class _Pass:
         self.trace: list[tuple[Step, str | None]] = []
         self._pending: list[tuple[str, str, Any]] = []
         self._consumers: dict[str, tuple[str, Any]] = {}  # "gemm rows": (site, plan) to observe
+        self._heads: dict[str, Any] = {}  # a backward merge's heads' encodings
 
     def run(self, table: tuple[Step, ...]) -> None:
         for step in table:
@@ -273,8 +275,8 @@ class _Pass:
             _plain(self.xp, a, b, bias, target, step.site, self.ctx.fault_hook, step.a_triangle)
             return None
         plan = self.ws.product(step.site, a, b, bias, mode, step.a_triangle)
-        if a_sums is not None:  # (batch or 1, k, 3); an empty operand needs none
-            a_sums = Checksums(cols=a_sums.reshape(-1, a.shape[-1], 3)) if a.size else None
+        if a_sums is not None:  # (3, batch or 1, k), a view; an empty operand needs none
+            a_sums = Checksums(cols=a_sums.reshape(3, -1, a.shape[-1])) if a.size else None
         plan.execute(a, b, bias=bias, out=target, fault_hook=self.ctx.fault_hook,
                      a_checksums=a_sums)
         if a_sums is None and not step.transposed:  # encoded a: later steps of that a take it
@@ -302,7 +304,7 @@ class _Pass:
             return None
         plan = self.ws.product(step.site, a, b, None, mode, directions=CONSUMER_ROWS,
                                out_triangle=step.out_triangle)
-        given = None if rows is None else Checksums(rows=rows.reshape(-1, b.shape[-2], 3))
+        given = None if rows is None else Checksums(rows=rows.reshape(3, -1, b.shape[-2]))
         plan.execute(a, b, out=out, fault_hook=self.ctx.fault_hook, b_rows=given)
         self._consumers[step.out] = (step.site, plan)
         return None if rows is None else step.rows
@@ -361,9 +363,10 @@ class _Pass:
         if enc is None or self.flat and (step.op == "split" or not self.inp.batch):
             return None
         if self.flat:
+            self._heads[step.out] = enc
             enc = _stacked_encoding(self.xp, [enc], self.inp.batch,
                                     self.ws.buffer(step.out + "^sums", self.xp,
-                                                   (1, self.inp.d_model, 3), np.float64))
+                                                   (3, 1, self.inp.d_model), np.float64))
         self.sums[step.out] = enc
         return step.sums
 
@@ -378,11 +381,11 @@ class _Pass:
         for t in parts:
             out[:, at:at + t.shape[1]] = t
             at += t.shape[1]
-        encs = [self.sums.get(n) for n in step.ins]
-        if any(e is None for e in encs):
+        heads = [self._heads.get(n) for n in step.ins]  # composed again side by side: no copy
+        if any(e is None for e in heads):
             return None
-        self.sums[step.out] = self.xp.concatenate(encs, axis=1, out=self.ws.buffer(
-            step.out + "^sums", self.xp, (1, out.shape[1], 3), np.float64))
+        self.sums[step.out] = _stacked_encoding(self.xp, heads, self.inp.batch, self.ws.buffer(
+            step.out + "^sums", self.xp, (3, 1, out.shape[1]), np.float64))
         return " ".join(step.ins)
 
     def column_sum(self, step: Step) -> None:
@@ -599,9 +602,9 @@ def _gradient_buffers(given: dict[str, Any], inp: "_Inputs") -> dict[str, Any]:
 
 
 def _stacked_encoding(xp: Any, parts: list[Any], batch: int, out: Any) -> Any:
-    """Column encoding ``out`` ``(1, width, 3)`` of a ``(batch * seq, width)`` matrix from the
+    """Column encoding ``out`` ``(3, 1, width)`` of a ``(batch * seq, width)`` matrix from the
     column encodings of its head blocks over each batch item's ``seq`` rows (``parts``, side by
-    side, each ``(batch * heads, head_dim, 3)``, as the per-head products observe them). Plain
+    side, each ``(3, batch * heads, head_dim)``, as the per-head products observe them). Plain
     and absolute sums add up over the items; the location weight of row ``s`` of item ``b``,
     ``(b * seq + s + 1) / (batch * seq)``, is ``b / batch`` plus the item's own ``(s + 1) /
     seq`` over ``batch`` (numba on the CPU: :func:`attention._cpu_encodings.stack`)."""
@@ -610,6 +613,14 @@ def _stacked_encoding(xp: Any, parts: list[Any], batch: int, out: Any) -> Any:
 
         _cpu_encodings.stack(tuple(parts), batch, out)
         return out
+    e = xp.concatenate([x.reshape(3, batch, -1) for x in parts], axis=2)  # (3, batch, width)
+    item = (xp.arange(batch, dtype=np.float64) / batch)[:, None]
+    weighted = e[1] / batch
+    weighted[1:] += item[1:] * e[0, 1:]  # item 0's weight is 0: no 0 * inf = NaN
+    e[0].sum(axis=0, out=out[0, 0])
+    weighted.sum(axis=0, out=out[1, 0])
+    e[2].sum(axis=0, out=out[2, 0])
+    return out
     e = xp.concatenate([x.reshape(batch, -1, 3) for x in parts], axis=1)  # (batch, width, 3)
     item = (xp.arange(batch, dtype=np.float64) / batch)[:, None]
     weighted = e[..., 1] / batch

@@ -123,7 +123,7 @@ class Step:
     verdict : Verdict or None
         The invariant check's outcome (None with ``check="off"``).
     encodings : tuple or None
-        ``(column encoding of the output, of its transpose)``, each ``(batch*heads, L, 3)``,
+        ``(column encoding of the output, of its transpose)``, each ``(3, batch*heads, L)``,
         when the kernel made them on its write (the CPU's fused kernels), else None.
     """
 

@@ -6,9 +6,8 @@ Usage::
 
 A planned product predicts its column checksums from the column encoding of ``a``: made from
 ``a`` (one read of it), or handed on by an earlier product as ``a_checksums``, the way the
-attention layer passes encodings between its sites. A handed-on encoding is often a view of
-another product's observed checksums, whose fields are interleaved (``(batch, k, 5)[..., :3]``);
-this script hands on exactly such a view. Cases are the CPU attention layer's projections at its
+attention layer passes encodings between its sites, in the one layout every producer writes
+(``(3, batch, k)``, field-major, :mod:`abftgemm.checksums`), read in place. Cases are the CPU attention layer's projections at its
 medium shape: ``b`` read as given (``x @ W``) and ``b`` the transpose of a C-contiguous array (a
 weight in PyTorch's layout; the layer's ``d_context`` and ``d_x``, which multiplies
 ``[dQ dK dV]`` by the stacked weights). Medians of interleaved rounds (ms): the plain
@@ -40,13 +39,11 @@ def time_case(m: int, k: int, n: int, b_transposed: bool, repeats: int) -> dict[
     b = (rng.standard_normal((n, k), dtype=np.float32).T if b_transposed
          else rng.standard_normal((k, n), dtype=np.float32))
     out = np.empty((m, n), np.float32)
-    observed = np.zeros((1, k, 5))  # as a product's observed checksums hold them
     encoded = ProtectedMatmul(a, b)
     encoded.execute(a, b, out=out)
-    observed[..., :3] = encoded.a_encoding().cols
+    handed_on = Checksums(cols=encoded.a_encoding().cols.copy())  # as an earlier product made it
     encoded.settle()
     given = ProtectedMatmul(a, b)
-    handed_on = Checksums(cols=observed[..., :3])
 
     def run(plan: ProtectedMatmul, checksums: Checksums | None) -> None:
         plan.execute(a, b, out=out, a_checksums=checksums)

@@ -174,6 +174,20 @@ def test_clean_step_syncs_twice_and_allocates_nothing_new(xp):
     step()
     assert layer.counters.syncs - before[0] <= 2  # one settle per pass
     assert layer.counters.allocations == before[1]
+    # Encodings handed on within a pass are read where they were written: the only copies are
+    # the two the forward pass keeps for the backward one (V's and P^T's; on the GPU, whose
+    # softmax makes no encodings, V's only). Host reads: none on the CPU (its verdicts are host
+    # memory); on the GPU one per pass: every verdict of the pass (its products', the scores' and
+    # dP's rows', the softmax checks') in one ledger page, fetched once at the settle.
+    counters = layer.counters
+    copies, reads = counters.copies, counters.host_reads
+    y, cache = layer.forward(x)
+    forward = counters.copies - copies, counters.host_reads - reads
+    layer.backward(dy, cache)
+    backward = counters.copies - copies - forward[0], counters.host_reads - reads - forward[1]
+    gpu = xp is not np
+    assert forward == (1 if gpu else 2, int(gpu))
+    assert backward == (0, int(gpu))
     if xp is np:  # independent check: what one more step leaves allocated beyond its results
         tracemalloc.start()
         snap = tracemalloc.take_snapshot()
@@ -258,11 +272,11 @@ def test_composed_encoding_is_the_stacked_matrix_encoding_on_both_code_paths():
 
     def encoding(m):  # columns of an (rows, cols) matrix
         w = ((np.arange(m.shape[0]) + 1) / m.shape[0])[:, None]
-        return np.stack([m.sum(0), (w * m).sum(0), np.abs(m).sum(0)], -1)
+        return np.stack([m.sum(0), (w * m).sum(0), np.abs(m).sum(0)])
 
     stacked = np.concatenate([ref.merge_heads(b.reshape(batch, heads, seq, hd))
                               .reshape(batch * seq, heads * hd) for b in blocks], axis=1)
-    parts = [np.stack([encoding(item) for item in b]) for b in blocks]
+    parts = [np.stack([encoding(item) for item in b], 1) for b in blocks]  # (3, items, width)
     want = encoding(stacked)
 
     class ArrayModule:  # the array-module branch, run on NumPy
@@ -270,8 +284,8 @@ def test_composed_encoding_is_the_stacked_matrix_encoding_on_both_code_paths():
             return getattr(np, name)
 
     for xp in (np, ArrayModule()):
-        got = _stacked_encoding(xp, parts, batch, np.empty((1, stacked.shape[1], 3)))
-        np.testing.assert_allclose(got[0], want, rtol=1e-13, atol=1e-13)
+        got = _stacked_encoding(xp, parts, batch, np.empty((3, 1, stacked.shape[1])))
+        np.testing.assert_allclose(got[:, 0], want, rtol=1e-13, atol=1e-13)
 
 
 @pytest.mark.parametrize("check", ["off", "correct"])

@@ -70,6 +70,11 @@ def cases(draw):
     return x, coef_batch, seed
 
 
+def _encoding(xp, coef: np.ndarray | None):
+    """Coefficients ``(batch, L, 3)`` as the backends take them: an encoding ``(3, batch, L)``."""
+    return None if coef is None else xp.asarray(np.ascontiguousarray(coef.transpose(2, 0, 1)))
+
+
 def _coef(batch: int, length: int, seed: int) -> np.ndarray | None:
     if batch == 0:
         return None
@@ -88,7 +93,7 @@ def test_row_and_column_reductions_match_reference(xp, along_rows, case):
     out = xp.full((batch, vectors, 5), np.nan)
     be = get_backend(xp)
     reduce = be.row_reduce if along_rows else be.col_reduce
-    reduce(xp.asarray(x), None if coef is None else xp.asarray(coef), out)
+    reduce(xp.asarray(x), _encoding(xp, coef), out)
     assert_fields_match(to_host(out), reference(x, coef, along_rows), x, coef, along_rows)
 
 
@@ -101,8 +106,8 @@ def test_both_directions_in_one_pass_match_reference(xp, case, row_coef):
     batch = max(x.shape[0], coef_batch, 0 if rcoef is None else rcoef.shape[0])
     out_col = xp.full((batch, x.shape[2], 5), np.nan)
     out_row = xp.full((batch, x.shape[1], 5), np.nan)
-    get_backend(xp).both_reduce(xp.asarray(x), None if ccoef is None else xp.asarray(ccoef),
-                                None if rcoef is None else xp.asarray(rcoef), out_col, out_row)
+    get_backend(xp).both_reduce(xp.asarray(x), _encoding(xp, ccoef), _encoding(xp, rcoef),
+                                out_col, out_row)
     assert_fields_match(to_host(out_col), reference(x, ccoef, False, batch), x, ccoef, False)
     assert_fields_match(to_host(out_row), reference(x, rcoef, True, batch), x, rcoef, True)
 

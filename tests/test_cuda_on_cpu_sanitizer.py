@@ -376,7 +376,8 @@ def test_ci_subset_launches_every_kernel_of_every_dtype_on_every_launch_path():
             cols = cupy.zeros((2, 40, 5))
             be.col_reduce(a, None, cols)  # a's column encoding, handed on below
             nxt = ProtectedMatmul(a, odd)
-            nxt.execute(a, odd, a_checksums=abftgemm.Checksums(cols=cols[..., :3]))
+            enc = cupy.ascontiguousarray(cols[..., :3].transpose(2, 0, 1))
+            nxt.execute(a, odd, a_checksums=abftgemm.Checksums(cols=enc))
             assert not nxt.settle().detected
             assert handed is not None
             long_host = rng.integers(-3, 4, (1, 1024, 8)).astype(dtype)

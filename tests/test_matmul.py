@@ -249,11 +249,11 @@ def test_checksum_passing_chains_products_without_encoding(xp):
     x, w1, w2 = to(xp, x, w1, w2)
     h, sums = abftgemm.matmul(x, w1, return_checksums=True)
     ref_cols = np.stack([to_host(h).sum(1), (np.arange(1, 17)[:, None] / 16 * to_host(h)).sum(1),
-                         np.abs(to_host(h)).sum(1)], axis=-1)
+                         np.abs(to_host(h)).sum(1)])
     np.testing.assert_array_equal(to_host(sums.cols), ref_cols)
     encoded = abftgemm.checksums_of(h, rows=False)
     np.testing.assert_allclose(to_host(encoded.cols), ref_cols, rtol=1e-12)
-    assert encoded.rows is None and abftgemm.checksums_of(h).rows.shape == (3, 16, 3)
+    assert encoded.rows is None and abftgemm.checksums_of(h).rows.shape == (3, 3, 16)
     fault = Fault("bitflip", "element", seed=1, bit=62)
     y, report = abftgemm.matmul(h, w2, a_checksums=sums, fault_hook=fault, return_report=True)
     np.testing.assert_array_equal(to_host(y), to_host(h) @ to_host(w2))
@@ -266,7 +266,7 @@ def test_corrupted_passed_checksum_is_recomputed_not_corrected_into_data(xp):
     a, b = to(xp, rng.integers(-2, 3, (12, 8)).astype(np.float32), rng.integers(-2, 3, (8, 10)).astype(np.float32))
     _, sums = abftgemm.matmul(a, xp.eye(8, dtype=np.float32), return_checksums=True)
     bad_cols = sums.cols.copy()
-    bad_cols[0, 3, 0] += 50.0  # column 3 of a: its checksum no longer matches the data
+    bad_cols[0, 0, 3] += 50.0  # column 3 of a: its checksum no longer matches the data
     c, report = abftgemm.matmul(a, b, a_checksums=abftgemm.Checksums(cols=bad_cols),
                                 return_report=True)
     np.testing.assert_array_equal(to_host(c), to_host(a) @ to_host(b))

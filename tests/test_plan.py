@@ -231,10 +231,10 @@ def test_empty_dimensions_execute_and_settle(xp, a_shape, b_shape):
 def test_a_handed_on_encoding_of_the_wrong_shape_or_dtype_is_refused(xp):
     a, b, _ = _operands(xp, np.float32)
     plan = ProtectedMatmul(a, b)
-    good = abftgemm.checksums_of(a, rows=False).cols  # (3, 24, 3) float64
+    good = abftgemm.checksums_of(a, rows=False).cols  # (3 fields, 3 items, 24) float64
     out = xp.full((3, 32, 20), 7.0, dtype=np.float32)
-    for bad in (good[:, :5], good[:2], good[..., :2], good.astype(np.float32), _host(good)
-                if xp is not np else [[0.0]]):
+    for bad in (good[..., :5], good[:2], good[:, :2], good.transpose(2, 1, 0),
+                good.astype(np.float32), _host(good) if xp is not np else [[0.0]]):
         with pytest.raises(ValueError, match=r"a_checksums.cols must be a float64"):
             plan.execute(a, b, out=out, a_checksums=abftgemm.Checksums(cols=bad))
         assert (_host(out) == 7).all()  # nothing written
@@ -243,7 +243,7 @@ def test_a_handed_on_encoding_of_the_wrong_shape_or_dtype_is_refused(xp):
     np.testing.assert_array_equal(_host(out), _host(a) @ _host(b))
     # One encoding for every batch item is a valid shape (a broadcast a); here it describes
     # item 0 only, so the other items are flagged and recomputed, never accepted wrong.
-    plan.execute(a, b, out=out, a_checksums=abftgemm.Checksums(cols=good[:1]))
+    plan.execute(a, b, out=out, a_checksums=abftgemm.Checksums(cols=good[:, :1]))
     assert plan.settle().events
     np.testing.assert_array_equal(_host(out), _host(a) @ _host(b))
 
@@ -345,7 +345,7 @@ def test_a_encoding_is_the_column_encoding_the_prediction_used(xp):
     b = xp.asarray(rng.standard_normal((3, 5, 4)))
     a_host = to_host(a)
     weights = ((np.arange(6) + 1) / 6)[None, :, None]
-    expected = np.stack([a_host.sum(1), (weights * a_host).sum(1), np.abs(a_host).sum(1)], -1)
+    expected = np.stack([a_host.sum(1), (weights * a_host).sum(1), np.abs(a_host).sum(1)])
     plan = ProtectedMatmul(a, b)
     plan.execute(a, b)
     made = plan.a_encoding()
@@ -365,27 +365,33 @@ def test_a_encoding_is_the_column_encoding_the_prediction_used(xp):
 @pytest.mark.parametrize("xp", BACKENDS)
 @pytest.mark.parametrize("b_layout", ["rows", "transposed"])
 def test_a_handed_on_encoding_is_used_whatever_its_memory_layout(xp, b_layout):
-    """An encoding handed on as a view with interleaved fields (as observed checksums hold
-    them), or as what the plan says it read (``a_encoding``: on the CPU a view of its own
-    workspace), predicts a clean verdict; the same view with one field changed is flagged (so it
-    is what the prediction reads), for ``b`` read as given or as the transpose of a C-contiguous
-    array."""
+    """An encoding handed on as a view inside a larger array (its field vectors contiguous: read
+    in place, no copy), as a view whose field vectors are strided (copied once, counted), or as
+    what the plan says it read (``a_encoding``), predicts a clean verdict; the same view with
+    one field changed is flagged (so it is what the prediction reads), for ``b`` read as given
+    or as the transpose of a C-contiguous array."""
     a, b, _ = _operands(xp, np.float32)
     if b_layout == "transposed":
         b = xp.ascontiguousarray(b.T).T
-    observed = xp.zeros((3, 24, 5))
-    observed[..., :3] = abftgemm.checksums_of(a, rows=False).cols
+    cols = abftgemm.checksums_of(a, rows=False).cols
+    inside = xp.zeros((5, 3, 30))
+    inside[1:4, :, 2:26] = cols
+    strided = xp.zeros((3, 3, 24, 2))
+    strided[..., 0] = cols
     plan = ProtectedMatmul(a, b)
     out = xp.empty((3, 32, 20), dtype=np.float32)
-    plan.execute(a, b, out=out, a_checksums=abftgemm.Checksums(cols=observed[..., :3]))
-    read = plan.a_encoding()
-    assert not plan.settle().events
-    plan.execute(a, b, out=out, a_checksums=read)
-    assert not plan.settle().events
-    observed[1, 7, 0] += 8.0
-    plan.execute(a, b, out=out, a_checksums=abftgemm.Checksums(cols=observed[..., :3]))
-    assert plan.settle().events
-    np.testing.assert_array_equal(_host(out), _host(a) @ _host(b))
+    for view, copies in ((inside[1:4, :, 2:26], 0), (strided[..., 0], 1)):
+        before = plan.counters.copies
+        plan.execute(a, b, out=out, a_checksums=abftgemm.Checksums(cols=view))
+        assert plan.counters.copies - before == copies
+        read = plan.a_encoding()
+        assert not plan.settle().events
+        plan.execute(a, b, out=out, a_checksums=read)
+        assert not plan.settle().events
+        view[0, 1, 7] += 8.0
+        plan.execute(a, b, out=out, a_checksums=abftgemm.Checksums(cols=view))
+        assert plan.settle().events
+        np.testing.assert_array_equal(_host(out), _host(a) @ _host(b))
 
 
 def _triangular(xp, triangle, shape, seed=0):
@@ -522,3 +528,35 @@ def test_a_caller_gemm_is_verified_like_the_plans_own(xp):
     assert plan.counters.launches == launches + LAUNCHES + 1  # the caller's GEMM counts as one
     with pytest.raises(ValueError, match="needs out"):
         plan.execute(a, b, bias=bias, gemm=wrong_gemm)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_plans_sharing_a_verdict_ledger_are_read_in_one_host_read(xp):
+    """Column plans and a consumer-rows plan that share a verdict ledger are settled with one
+    device-to-host transfer on the GPU (none on the CPU, whose verdicts are host memory), and
+    each still reads its own verdict from it: a fault in one product repairs that one only.
+    Each with a ledger of its own, the GPU reads once per plan."""
+    from abftgemm.plan import CONSUMER_ROWS, Counters, settle_all
+    from abftgemm.verdicts import Ledger
+
+    a, b, _ = _operands(xp, np.float32)
+    gpu = xp is not np
+    for shared, reads in ((True, int(gpu)), (False, 3 * gpu)):
+        counters = Counters()
+        ledger = Ledger(xp, counters) if shared else None
+        plans = [ProtectedMatmul(a, b, counters=counters, verdicts=ledger) for _ in range(2)]
+        rows = ProtectedMatmul(a, b, directions=CONSUMER_ROWS, counters=counters, verdicts=ledger)
+        out = [xp.empty((3, 32, 20), np.float32) for _ in range(3)]
+        for _ in range(2):  # the second settle reads the cumulative counts against the first
+            plans[0].execute(a, b, out=out[0])
+            plans[1].execute(a, b, out=out[1], fault_hook=lambda site, c: c.__setitem__(
+                (1, 4, 7), c[1, 4, 7] + 64))
+            rows.execute(a, b, out=out[2])
+            abftgemm.backend.get_backend(xp).row_reduce(out[2], None, rows.observed)
+            rows.judge()
+            before = counters.host_reads
+            reports = settle_all(plans + [rows])
+            assert counters.host_reads - before == reads
+            assert [r.corrected for r in reports] == [0, 1, 0]
+            for o in out:
+                np.testing.assert_array_equal(_host(o), _host(a) @ _host(b))

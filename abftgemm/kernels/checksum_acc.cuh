@@ -5,7 +5,7 @@
 // Per vector v of length L the accumulator produces five float64 numbers
 //     [sum c0[l]*v[l], sum c1[l]*v[l], sum c2[l]*|v[l]|, #non-finite, last non-finite index or -1]
 // with c0 = 1, c1 = (l + 1) / L, c2 = 1 when no coefficient array is given (coef == nullptr), else
-// c_j[l] = coef[3*l + j]. Non-finite elements still enter the sums, as plain arithmetic would.
+// c_j[l] = coef[j*fstride + l] (an encoding, field-major: each field's vector contiguous). Non-finite elements still enter the sums, as plain arithmetic would.
 // NVRTC has no host headers, so no INFINITY / <cmath>: finiteness is a bit test on the double.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -55,15 +55,17 @@ struct Acc {
     }
 
     // Element l (0-based) of the vector with the default coefficients (1, (l + 1) / L, 1).
-    __device__ __forceinline__ void add(double v, int l) { add(v, l, nullptr); }
+    __device__ __forceinline__ void add(double v, int l) { add(v, l, nullptr, 0); }
 
-    // Element l (0-based) of the vector; coef is this batch's (L, 3) coefficients or null.
-    __device__ __forceinline__ void add(double v, int l, const double* __restrict__ coef) {
+    // Element l (0-based) of the vector; coef is this batch's coefficients, field j's vector at
+    // coef + j*fstride, or null.
+    __device__ __forceinline__ void add(double v, int l, const double* __restrict__ coef,
+                                        long long fstride) {
         double c0 = 1.0, c1 = static_cast<double>(l + 1) * weight_scale, c2 = 1.0;
         if (coef != nullptr) {
-            c0 = coef[3LL * l];
-            c1 = coef[3LL * l + 1];
-            c2 = coef[3LL * l + 2];
+            c0 = coef[l];
+            c1 = coef[fstride + l];
+            c2 = coef[2LL * fstride + l];
         }
         s0 += c0 * v;
         s1 += c1 * v;

@@ -10,8 +10,8 @@
 // accumulators with atomics, and the last block to finish a piece of work (a "last block" counter
 // per piece, fenced) finishes it and puts the accumulators and counters back to zero, so the
 // workspaces are clean for the next execute without a memset. The verdict is two cumulative
-// counts per batch item (flagged, unverifiable) that the host reads at settle and compares with
-// the previous read.
+// counts (flagged, unverifiable) that the host reads at settle and compares with the previous
+// read.
 //
 // checksum_acc.cuh (prepended by abftgemm.kernels.source) provides to_double and not_finite.
 
@@ -40,8 +40,9 @@ __device__ __forceinline__ double warp_total(double v) {
 // Grid: batch (or 1) * slabs * chunks blocks (flat); block (t, slab, chunk) sums the SLAB columns
 // c0 = slab*SLAB.. of A's rows [chunk*chunk_rows, ...) into enc_acc (atomics); the last chunk of
 // a slab to finish multiplies the slab's encoding with rows c0.. of B into pred (atomics), then
-// zeroes enc_acc and the slab counter. With enc_in (the column encoding handed in, element
-// (t, c, f) at enc_in[t*enc_bstride + c*enc_cstride + f], t clamped to enc_batches - 1), A is not
+// zeroes enc_acc and the slab counter. With enc_in (the column encoding handed in, field-major:
+// element (f, t, c) at enc_in[f*enc_fstride + t*enc_bstride + c], t clamped to
+// enc_batches - 1, so a warp's reads of one field are consecutive), A is not
 // read and chunks must be 1. A single A that every batch item shares (a_batches == 1, no enc_in)
 // is encoded once: the grid is then slabs * chunks blocks (t = 0), and each slab's B pass runs
 // for all `batch` items.
@@ -50,7 +51,7 @@ template <typename T>
 __global__ void abft_plan_predict(
     const T* __restrict__ a, long long a_bstride, long long lda, int a_transposed, int a_batches,
     const T* __restrict__ b, long long b_bstride, long long ldb, int b_transposed, int b_batches,
-    const double* __restrict__ enc_in, long long enc_bstride, long long enc_cstride,
+    const double* __restrict__ enc_in, long long enc_bstride, long long enc_fstride,
     int enc_batches, double* __restrict__ enc_acc, unsigned int* __restrict__ slab_count,
     double* __restrict__ pred, int m, int k, int n, int slabs, int chunks, int chunk_rows,
     int batch) {
@@ -138,7 +139,7 @@ __global__ void abft_plan_predict(
     } else if (threadIdx.x < 3 * SLAB) {
         const int f = threadIdx.x / SLAB, l = threadIdx.x % SLAB;
         const long long te = enc_batches == 1 ? 0 : t;
-        enc[f][l] = c0 + l < k ? enc_in[te * enc_bstride + (c0 + l) * enc_cstride + f] : 0.0;
+        enc[f][l] = c0 + l < k ? enc_in[f * enc_fstride + te * enc_bstride + c0 + l] : 0.0;
     }
     __syncthreads();
 
@@ -181,24 +182,25 @@ __global__ void abft_plan_predict(
 // Grid: batch * tiles * chunks blocks (flat). A tile is 32*V columns (V = 16 / sizeof(T):
 // each lane reads 16 bytes of a row when `vector` is set, i.e. n % V == 0 and C 16-byte aligned);
 // a chunk is chunk_rows rows, interleaved over the block's warps. Partial column sums go to acc
-// (batch, 3, n), non-finite counts to bad_count and the last non-finite row to bad_last
-// (batch, n; -1 when none). The last chunk of a tile judges its columns:
+// (batch, 3, n), non-finite counts to bad_count (batch, n). The last chunk of a tile judges its
+// columns:
 //     pred += bias terms (m*bias, (m+1)/2*bias, m*|bias|)
 //     tau = c_obs * obs[2] + c_pred * pred[2] + floor_abs
 //     verifiable = pred finite && (pred[2] < safe || observed finite)
 //     flagged = verifiable && !(|pred[0]-obs[0]| <= tau && |pred[1]-obs[1]| <= tau
 //                               && observed finite)
-// (the rule of abft_flag in reduce.cu), writes obs (batch, n, 5), adds the flagged and
-// unverifiable columns to verdict (batch, 2, cumulative), and zeroes acc, bad_count, pred and
-// the tile counter (bad_last back to -1).
+// (the rule of abft_flag in reduce.cu), writes the observed column encoding obs (3, batch, n),
+// field-major as every encoding (handed on as it is), adds the flagged and unverifiable columns
+// of every batch item to verdict (2, cumulative), and zeroes acc, bad_count, pred and the tile
+// counter.
 template <typename T>
 __global__ void abft_plan_observe_flag(
     const T* __restrict__ c, const T* __restrict__ bias, double* __restrict__ acc,
-    int* __restrict__ bad_count, int* __restrict__ bad_last, unsigned int* __restrict__ tile_count,
+    int* __restrict__ bad_count, unsigned int* __restrict__ tile_count,
     double* __restrict__ pred, double c_obs, double c_pred, double floor_abs, double c_mag,
     double safe,
-    double* __restrict__ obs, unsigned long long* __restrict__ verdict, int m, int n, int tiles,
-    int chunks, int chunk_rows, int vector) {
+    double* __restrict__ obs, unsigned long long* __restrict__ verdict, int batch, int m, int n,
+    int tiles, int chunks, int chunk_rows, int vector) {
     constexpr int V = 16 / sizeof(T);
     constexpr int TILE = 32 * V;
     // Column x of a warp's partial sums at x + x / V: one pad double after each lane's V, so the
@@ -219,9 +221,9 @@ __global__ void abft_plan_observe_flag(
     const double inv_m = 1.0 / static_cast<double>(m > 0 ? m : 1);
 
     double s0[V], s1[V], s2[V];
-    int count[V], last[V];
+    int count[V];
     #pragma unroll
-    for (int e = 0; e < V; ++e) { s0[e] = 0.0; s1[e] = 0.0; s2[e] = 0.0; count[e] = 0; last[e] = -1; }
+    for (int e = 0; e < V; ++e) { s0[e] = 0.0; s1[e] = 0.0; s2[e] = 0.0; count[e] = 0; }
     const int i1 = min(m, (chunk + 1) * chunk_rows);
     for (int i = chunk * chunk_rows + warp; i < i1; i += PLAN_WARPS) {
         const double w = static_cast<double>(i + 1) * inv_m;
@@ -243,7 +245,7 @@ __global__ void abft_plan_observe_flag(
             s0[e] += v;
             s1[e] += w * v;
             s2[e] += fabs(v);
-            if (not_finite(v)) { ++count[e]; last[e] = i; }
+            if (not_finite(v)) ++count[e];
         }
     }
     // Combine the warps' partial sums one field at a time through shared memory.
@@ -263,10 +265,7 @@ __global__ void abft_plan_observe_flag(
     }
     #pragma unroll
     for (int e = 0; e < V; ++e) {
-        if (count[e] > 0 && j0 + e < n) {
-            atomicAdd(bad_count + t * n + j0 + e, count[e]);
-            atomicMax(bad_last + t * n + j0 + e, last[e]);
-        }
+        if (count[e] > 0 && j0 + e < n) atomicAdd(bad_count + t * n + j0 + e, count[e]);
     }
     __threadfence();
     __syncthreads();
@@ -283,7 +282,7 @@ __global__ void abft_plan_observe_flag(
         if (j >= n) continue;
         const double o0 = __ldcg(tile_acc + j), o1 = __ldcg(tile_acc + n + j),
                      o2 = __ldcg(tile_acc + 2LL * n + j);
-        const int cnt = __ldcg(bad_count + t * n + j), lst = __ldcg(bad_last + t * n + j);
+        const int cnt = __ldcg(bad_count + t * n + j);
         double p0 = __ldcg(pt + j), p1 = __ldcg(pt + n + j), p2 = __ldcg(pt + 2LL * n + j);
         if (bias != nullptr) {
             const double bm = to_double(bias[j]) * static_cast<double>(m);
@@ -298,15 +297,14 @@ __global__ void abft_plan_observe_flag(
                                    floor_abs, c_mag, safe, &tau, &ok);
         n_bad += flagged;
         n_unverifiable += !ok;
-        double* o = obs + (t * n + j) * 5LL;
-        o[0] = o0; o[1] = o1; o[2] = o2; o[3] = static_cast<double>(cnt);
-        o[4] = static_cast<double>(lst);
+        const long long fstride = static_cast<long long>(batch) * n;
+        double* o = obs + t * n + j;
+        o[0] = o0; o[fstride] = o1; o[2 * fstride] = o2;
         tile_acc[j] = 0.0; tile_acc[n + j] = 0.0; tile_acc[2LL * n + j] = 0.0;
         pt[j] = 0.0; pt[n + j] = 0.0; pt[2LL * n + j] = 0.0;
         bad_count[t * n + j] = 0;
-        bad_last[t * n + j] = -1;
     }
-    if (n_bad) atomicAdd(verdict + 2 * t, n_bad);
-    if (n_unverifiable) atomicAdd(verdict + 2 * t + 1, n_unverifiable);
+    if (n_bad) atomicAdd(verdict, n_bad);
+    if (n_unverifiable) atomicAdd(verdict + 1, n_unverifiable);
     if (threadIdx.x == 0) tile_count[t * tiles + tile] = 0u;
 }

@@ -32,10 +32,12 @@ extern "C" __global__ void abft_reduce_init(double* __restrict__ out, long long 
 
 // Reduces contiguous vectors: vector r of batch b starts at x + b*batch_stride + r*ld and has len
 // elements. One warp per vector; the aligned middle of each vector is read with 16-byte loads, the
-// unaligned head and the tail element by element. out is (batch, nvec, 5).
+// unaligned head and the tail element by element. out is (batch, nvec, 5). coef (or null): batch
+// b's coefficient field j at coef + b*coef_stride + j*coef_fstride, contiguous.
 template <typename T>
 __global__ void abft_row_reduce(const T* __restrict__ x, long long batch_stride, long long ld,
                                 const double* __restrict__ coef, long long coef_stride,
+                                long long coef_fstride,
                                 double* __restrict__ out, int batch, int nvec, int len) {
     constexpr int V = 16 / sizeof(T);
     const int lane = threadIdx.x & 31;
@@ -52,7 +54,7 @@ __global__ void abft_row_reduce(const T* __restrict__ x, long long batch_stride,
         // Elements before the first 16-byte boundary (fewer than V <= 8, so one per lane at most).
         const int head = min(len, static_cast<int>(
             ((16 - (reinterpret_cast<unsigned long long>(row) & 15)) & 15) / sizeof(T)));
-        if (lane < head) a.add(to_double(row[lane]), lane, c);
+        if (lane < head) a.add(to_double(row[lane]), lane, c, coef_fstride);
         const int chunks = (len - head) / V;
         const uint4* body = reinterpret_cast<const uint4*>(row + head);
         for (int i = lane; i < chunks; i += 32) {
@@ -60,9 +62,9 @@ __global__ void abft_row_reduce(const T* __restrict__ x, long long batch_stride,
             const T* vals = reinterpret_cast<const T*>(&bits);
             const int l0 = head + i * V;
             #pragma unroll
-            for (int j = 0; j < V; ++j) a.add(to_double(vals[j]), l0 + j, c);
+            for (int j = 0; j < V; ++j) a.add(to_double(vals[j]), l0 + j, c, coef_fstride);
         }
-        for (int l = head + chunks * V + lane; l < len; l += 32) a.add(to_double(row[l]), l, c);
+        for (int l = head + chunks * V + lane; l < len; l += 32) a.add(to_double(row[l]), l, c, coef_fstride);
         warp_allreduce(a);
         if (lane == 0) a.store(out + 5 * w);
     }
@@ -76,6 +78,7 @@ __global__ void abft_row_reduce(const T* __restrict__ x, long long batch_stride,
 template <typename T>
 __global__ void abft_col_reduce(const T* __restrict__ x, long long batch_stride, long long ld,
                                 const double* __restrict__ coef, long long coef_stride,
+                                long long coef_fstride,
                                 double* __restrict__ out, int nvec, int len, int col_blocks,
                                 int chunks, int chunk_rows) {
     constexpr int ROWS = 8;  // must match blockDim.y (COL_BLOCK in abftgemm/_cuda.py)
@@ -100,7 +103,7 @@ __global__ void abft_col_reduce(const T* __restrict__ x, long long batch_stride,
     a.init(len);
     if (col < nvec) {
         #pragma unroll 4
-        for (int i = row_begin + ty; i < row_end; i += ROWS) a.add(to_double(base[i * ld]), i, c);
+        for (int i = row_begin + ty; i < row_end; i += ROWS) a.add(to_double(base[i * ld]), i, c, coef_fstride);
     }
     sh_s[0][ty][tx] = a.s0;
     sh_s[1][ty][tx] = a.s1;

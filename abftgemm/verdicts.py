@@ -1,0 +1,105 @@
+"""One buffer for the verdicts of several checks, read from the device once.
+
+A pass of several checked steps (the planned products of an attention layer, its softmax checks)
+leaves one verdict per check on the device. Read one by one they cost one device-to-host
+transfer each; a :class:`Ledger` gives every check a :class:`Slot` of one shared page of
+``uint64`` counts at planning, the kernels add into their slots, and :meth:`Ledger.fetch` copies
+the page to pinned host memory in one transfer, from which every check then reads its own
+verdict. On the CPU the page is host memory and a fetch transfers nothing.
+
+A page holds :data:`PAGE_SLOTS` counts; a ledger whose checks need more opens another page (one
+more transfer per fetch). The fetch is counted in ``counters.host_reads``
+(:class:`abftgemm.plan.Counters`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: Counts per page (4 KiB): the checks of an attention layer's two passes need a few dozen.
+PAGE_SLOTS = 512
+
+
+@dataclass(frozen=True)
+class Slot:
+    """``n`` consecutive counts of a ledger page: ``device`` where kernels add into them,
+    ``host`` where they are read after a :meth:`Ledger.fetch` (the same array on the CPU)."""
+
+    ledger: "Ledger"
+    device: Any
+    host: np.ndarray
+
+    def clear(self) -> None:
+        """Zero the counts on the device (an asynchronous memset on the GPU) and mark the
+        ledger's host copy stale."""
+        if isinstance(self.device, np.ndarray):
+            self.device[...] = 0
+        else:
+            self.device.data.memset_async(0, self.device.nbytes)
+        self.ledger.stale = True
+
+    def read(self) -> np.ndarray:
+        """The counts on the host: fetched first (with a synchronization) when a launch may have
+        changed them since the ledger's last fetch."""
+        if self.ledger.stale:
+            self.ledger.fetch()
+            self.ledger.synchronize()
+        return self.host
+
+
+class Ledger:
+    """Pages of ``uint64`` verdict counts on one array module, shared by the checks that
+    reserve slots in it.
+
+    Parameters
+    ----------
+    xp : module
+        ``numpy`` or ``cupy``.
+    counters : Counters
+        Where page allocations (``allocations``) and fetches (``host_reads``) are counted.
+    """
+
+    def __init__(self, xp: Any, counters: Any):
+        self.xp, self.counters = xp, counters
+        self._pages: list[tuple[Any, np.ndarray]] = []
+        self._used = PAGE_SLOTS  # of the last page: none yet
+        #: True when a launch may have changed a count since the last :meth:`fetch`.
+        self.stale = True
+
+    def reserve(self, n: int) -> Slot:
+        """``n`` consecutive zeroed counts for one check (``n <= PAGE_SLOTS``)."""
+        if not 0 < n <= PAGE_SLOTS:
+            raise ValueError(f"a slot holds 1 to {PAGE_SLOTS} counts, not {n}")
+        if self._used + n > PAGE_SLOTS:
+            self.counters.allocations += 1
+            device = self.xp.zeros(PAGE_SLOTS, np.uint64)
+            host = device if self.xp is np else _pinned(PAGE_SLOTS)
+            self._pages.append((device, host))
+            self._used = 0
+        device, host = self._pages[-1]
+        lo, self._used = self._used, self._used + n
+        return Slot(self, device[lo:self._used], host[lo:self._used])
+
+    def fetch(self) -> None:
+        """Queue the copy of every page into host memory on the current stream (no wait; one
+        transfer per page, counted); nothing to copy on the CPU."""
+        self.stale = False
+        if self.xp is np:
+            return
+        stream = self.xp.cuda.get_current_stream()
+        for device, host in self._pages:
+            self.counters.host_reads += 1
+            device.get(stream=stream, out=host, blocking=False)
+
+    def synchronize(self) -> None:
+        """Wait for the fetch (the current stream); nothing to wait for on the CPU."""
+        if self.xp is not np:
+            self.xp.cuda.get_current_stream().synchronize()
+
+
+def _pinned(n: int) -> np.ndarray:
+    import cupyx  # only reached with CuPy arrays in play
+
+    return cupyx.zeros_pinned((n,), np.uint64)
