@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from abftgemm.backend import to_host
 from abftgemm.faults import Fault, Recorder, bit_layout
 from attention import (FORWARD_SITES, INVARIANT_SITES, SITES, CheckingPlan, MultiHeadAttention,
-                       adaptive_frequencies)
+                       SitePlan, adaptive_frequencies)
 from attention import reference as ref
 from conftest import BACKENDS
 
@@ -283,8 +283,7 @@ def test_bad_input_raises_clearly(xp):
 
 
 def test_plan_frequencies_and_adaptive_model():
-    plan = CheckingPlan({"scores": CheckingPlan().sites["scores"].__class__(
-        "S", "passed", every=3)})
+    plan = CheckingPlan({"scores": SitePlan(every=3)})
     assert [plan.should_check("scores") for _ in range(6)] == [True, False, False] * 2
     freq = adaptive_frequencies(0.1, {"a": 0.6, "b": 0.3, "c": 0.1}, {"a": 1.0, "b": 3.0, "c": 1.0},
                                 target=0.02)
@@ -319,9 +318,7 @@ def _repaired_step(xp, plan):
 
 @pytest.mark.parametrize("xp", BACKENDS)
 def test_a_replayed_step_advances_an_every_n_schedule_once(xp):
-    site_plan = CheckingPlan().sites["q_proj"]
-    plan = RecordingPlan({"q_proj": type(site_plan)(site_plan.product, site_plan.checksums,
-                                                    every=2)})
+    plan = RecordingPlan({"q_proj": SitePlan(every=2)})
     _repaired_step(xp, plan)
     assert [d for d in plan.drawn if d[0] == "q_proj"] == [("q_proj", True)]
     assert [plan.should_check("q_proj") for _ in range(2)] == [False, True]  # calls 2 and 3
