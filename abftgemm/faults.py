@@ -190,6 +190,9 @@ class Fault:
     times
         Number of calls to inject into (default 1), after which the fault stays quiet; None means
         every matching call.  Calls on empty matrices do not count.
+    skip
+        Matching calls to let pass untouched before the first injection (default 0).  Where a
+        hook is called once per tile (the fused attention core's sites), this picks the tile.
     batch
         Batch index (flat int, or tuple over the batch dimensions); drawn when None.
     row, col
@@ -220,6 +223,7 @@ class Fault:
     _: KW_ONLY
     sites: str | Collection[str] | None = None
     times: int | None = 1
+    skip: int = 0
     batch: int | tuple[int, ...] | None = None
     row: int | None = None
     col: int | None = None
@@ -246,6 +250,9 @@ class Fault:
                 raise ValueError(f"'bits' must be distinct and non-empty, got {self.bits}")
         if self.times is not None and self.times < 0:
             raise ValueError(f"'times' must be >= 0 or None, got {self.times}")
+        if self.skip < 0:
+            raise ValueError(f"'skip' must be >= 0, got {self.skip}")
+        self._skipped = 0
         if min(self.tile) < 1:
             raise ValueError(f"'tile' must be positive, got {self.tile}")
         if isinstance(self.sites, str):
@@ -257,6 +264,9 @@ class Fault:
     def __call__(self, site: str, c: Any) -> None:
         """Inject into ``c`` (shape ``(..., m, n)``) in place if ``site`` and ``times`` allow."""
         if not self._active(site) or c.size == 0:
+            return
+        if self._skipped < self.skip:
+            self._skipped += 1
             return
         batch, rows, cols = self._region(c.shape)
         bits = self._bits(c.dtype)

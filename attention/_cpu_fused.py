@@ -616,6 +616,7 @@ def _forward_block(q: Any, k: Any, v: Any, ve: Any, visible: Any, add: Any, b: i
             if st < 0:
                 return -1
             _sum_rows(p, alpha, l)
+            _HOOK(L_, l.reshape((rows, 1)))
             _accumulate(p, v[b, j0:j1], alpha, tmp[:rows], acc)
             if check:
                 _carry(p, ve[b], j0, alpha, oc, False)

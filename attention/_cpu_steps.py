@@ -18,20 +18,9 @@ import numpy as np
 
 from abftgemm.checksums import accumulation_dtype, smallest_normal
 from attention import _cpu_softmax
+from attention._cpu_softmax import BackwardCheck, Dropout, ForwardCheck, Masks, Observe
 from attention.softmax import (LOG_CHECK_FLOOR, BackwardStep, ForwardStep, Verdict,
                                backward_tolerance, check_backward, forward_verdict)
-
-#: Empty encoding buffers: the kernels then make no encodings.
-_NONE = (np.zeros((3, 0, 0)), np.zeros((3, 0, 0)))
-#: Empty dropout mask: the backward kernel then applies none.
-_NO_KEEP = np.zeros((0, 0, 0), bool)
-#: Empty row-checksum buffer: the kernels then observe nothing.
-_NO_STATS = np.zeros((0, 0, 5))
-#: Empty row limits: the kernels then observe whole rows.
-_WHOLE_ROWS = np.zeros(0, np.int64)
-#: Placeholder masks for the forward kernel's "no key-padding mask" / "no additive mask"
-#: (flagged off by its arguments, never read).
-_NO_KEYS, _NO_ADD = np.ones((1, 1), bool), np.zeros((1, 1, 1))
 
 
 def _known(outcome: tuple[bool, float, float]) -> Verdict:
@@ -62,23 +51,24 @@ class CpuForwardStep(ForwardStep):
         wide = scores.dtype.itemsize == 2
         s = scores.astype(np.float32) if wide else scores
         out = self.ws.buffer("probs32", np, scores.shape, np.float32) if wide else self.probs
-        errors = np.zeros(3)
         fused = fused and not wide
-        cols, rows = _encoding_buffers(self.ws, "probs", scores.shape) if fused else _NONE
-        _cpu_softmax.forward(s, np.array([scale], s.dtype), *self._masks(), inp.causal,
-                             inp.n_heads, fused, LOG_CHECK_FLOOR,
-                             smallest_normal(self.probs.dtype), out, _observed_rows(self.plan),
-                             _row_limits(self.plan), errors, cols, rows)
+        check = None
+        if fused:
+            check = ForwardCheck(LOG_CHECK_FLOOR, smallest_normal(self.probs.dtype), np.zeros(3),
+                                 *_encoding_buffers(self.ws, "probs", scores.shape))
+        _cpu_softmax.forward(s, s.dtype.type(scale), out, self._masks(), _observe(self.plan),
+                             check)
         if wide:
             self.probs[...] = out
-        self.encodings = (cols, rows) if fused else None
-        return errors if fused else None
+        if check is None:
+            self.encodings = None
+            return None
+        self.encodings = check.cols, check.rows
+        return check.errors
 
-    def _masks(self) -> tuple[Any, bool, Any, bool]:
+    def _masks(self) -> Masks:
         inp = self.inp
-        keys = inp.key_visible if inp.key_visible is not None else _NO_KEYS
-        add = inp.attn_add if inp.attn_add is not None else _NO_ADD
-        return keys, inp.key_visible is not None, add, inp.attn_add is not None
+        return Masks(inp.key_visible, inp.attn_add, inp.causal, inp.n_heads)
 
     def _verdict(self, errors: Any | None) -> tuple[bool, float, float]:
         probs, scores = self.probs, self.scores
@@ -86,9 +76,9 @@ class CpuForwardStep(ForwardStep):
         if errors is None:
             errors = np.zeros(3)
             _cpu_softmax.check_forward(probs.astype(acc), scores.astype(acc),
-                                       np.array([1 / math.sqrt(self.inp.head_dim)], acc),
-                                       *self._masks(), self.inp.causal, self.inp.n_heads,
-                                       LOG_CHECK_FLOOR, smallest_normal(probs.dtype), errors)
+                                       acc.type(1 / math.sqrt(self.inp.head_dim)),
+                                       self._masks(), LOG_CHECK_FLOOR,
+                                       smallest_normal(probs.dtype), errors)
         return forward_verdict(tuple(float(e) for e in errors), probs.dtype, scores.shape[-1])
 
 
@@ -100,10 +90,8 @@ class CpuBackwardStep(BackwardStep):
         check, hook = self.ctx.check != "off", self.ctx.fault_hook
         wide = self.dp.dtype.itemsize == 2
         if not (check or wide or hook is not None):  # straight into d_scores, scaled
-            _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype),
-                                  self.causal, False, 0.0, 0.0, self.ds,
-                                  _observed_rows(self.plan), _row_limits(self.plan),
-                                  np.zeros(3), *_NONE, *self._keep())
+            _cpu_softmax.backward(self.dp, self.p, self.dp.dtype.type(self.scale), self.causal,
+                                  self.ds, _observe(self.plan), None, self._dropout())
             return
         if wide or hook is not None:
             ds = self._unscaled()
@@ -114,12 +102,12 @@ class CpuBackwardStep(BackwardStep):
             self.ds[...] = ds * ds.dtype.type(self.scale)
             return
         u, tiny = backward_tolerance(self.ds.dtype, self.ds.shape[-1])
-        result = np.array([-1.0, 0.0, 0.0])
-        cols, rows = _encoding_buffers(self.ws, "d_scores", self.ds.shape)
-        _cpu_softmax.backward(self.dp, self.p, np.array([self.scale], self.dp.dtype),
-                              self.causal, True, u, tiny, self.ds, _observed_rows(self.plan),
-                              _row_limits(self.plan), result, cols, rows, *self._keep())
-        self.encodings = cols, rows
+        check = BackwardCheck(u, tiny, np.array([-1.0, 0.0, 0.0]),
+                              *_encoding_buffers(self.ws, "d_scores", self.ds.shape))
+        _cpu_softmax.backward(self.dp, self.p, self.dp.dtype.type(self.scale), self.causal,
+                              self.ds, _observe(self.plan), check, self._dropout())
+        self.encodings = check.cols, check.rows
+        result = check.result
         self.verdict = _known((result[0] <= 1, float(result[1]), float(result[2]) or tiny))
 
     def recompute(self) -> Verdict:
@@ -133,9 +121,9 @@ class CpuBackwardStep(BackwardStep):
         acc = accumulation_dtype(x.dtype)
         return x if x.dtype == acc else x.astype(acc)
 
-    def _keep(self) -> tuple[Any, float]:
-        """The backward kernel's dropout arguments (an empty mask for none)."""
-        return (_NO_KEEP if self.keep is None else self.keep), self.keep_scale
+    def _dropout(self) -> Dropout | None:
+        """The backward kernel's dropout group (None for none)."""
+        return None if self.keep is None else Dropout(self.keep, self.keep_scale)
 
     def _checked(self, ds: Any) -> Verdict:
         """The invariant verdict of the unscaled ``ds`` (a hook may have changed it)."""
@@ -148,22 +136,15 @@ class CpuBackwardStep(BackwardStep):
         """Unscaled ``dS`` in the accumulation dtype, and dP's row checksums."""
         dp, p = self._acc(self.dp), self._acc(self.p)
         ds = self.ws.buffer("ds_unscaled", np, dp.shape, dp.dtype)
-        _cpu_softmax.backward(dp, p, np.ones(1, dp.dtype), self.causal, False, 0.0, 0.0, ds,
-                              _observed_rows(self.plan), _row_limits(self.plan), np.zeros(3),
-                              *_NONE, *self._keep())
+        _cpu_softmax.backward(dp, p, dp.dtype.type(1), self.causal, ds, _observe(self.plan),
+                              None, self._dropout())
         return ds
 
 
-def _observed_rows(plan: Any | None) -> Any:
-    """Where a kernel puts the row checksums it observes: the buffer of the deferred plan that
-    reads them, or none."""
-    return _NO_STATS if plan is None else plan.observed
-
-
-def _row_limits(plan: Any | None) -> Any:
-    """How far a kernel observes each row: the deferred plan's limits, or whole rows (an empty
-    array)."""
-    return _WHOLE_ROWS if plan is None or plan.row_limits is None else plan.row_limits
+def _observe(plan: Any | None) -> Observe | None:
+    """The row checksums a kernel observes: into the buffer of the deferred plan that reads
+    them, as far as it computed each row; None without such a plan."""
+    return None if plan is None else Observe(plan.observed, plan.row_limits)
 
 
 def _encoding_buffers(ws: Any, name: str, shape: tuple[int, int, int]) -> tuple[Any, Any]:

@@ -12,7 +12,8 @@ arithmetic in float32 (float64 for float64), the 16-bit tile products S and dP o
 where CUDA's headers allow (``FUSED_WMMA`` in the source).
 
 Faults are injected by the kernels, at the element a :class:`DeviceFault` names (``ctx.fault_hook``
-must be one, or None): a Python hook cannot see the tiles of a kernel.
+must be one, or None): a Python hook cannot see the tiles of a kernel. :func:`device_fault` turns
+a toolkit :class:`abftgemm.faults.Fault` into one (the campaign's ``--core fused`` on CuPy).
 
 Imports CuPy at the top: import it only once CuPy arrays are in play.
 """
@@ -27,7 +28,7 @@ import cupy
 import numpy
 
 from abftgemm.cuda_kernels import INT32_MAX, cdiv
-from abftgemm.faults import near_inf_value
+from abftgemm.faults import Fault, near_inf_value
 from attention import _cpu_fused as K
 from attention import kernels
 from attention.context import Context
@@ -41,7 +42,9 @@ MAX_HEAD_DIM = 128  # FDMAX
 _THREADS = 128  # FNT
 _ENCODE_BLOCK = 256
 _KINDS = {"inf": (1, math.inf), "-inf": (1, -math.inf), "nan": (1, math.nan), "near-inf": (2, None),
-          "additive": (3, None), "scale": (4, None)}
+          "additive": (3, None), "scale": (4, None), "bitflip": (5, None)}
+#: Sites whose element is one of an accumulator (hit after a tile ``step`` of its sweep).
+_ACCUMULATORS = ("fused:O_acc", "fused:rowsum", "fused:dQ_acc", "fused:dK_acc", "fused:dV_acc")
 #: Bit patterns of an all-ones exponent (INF or NaN), by item size and dtype name.
 _EXPONENT = {"float16": 0x7C00, "bfloat16": 0x7F80, "float32": 0x7F800000,
              "float64": 0x7FF0000000000000}
@@ -70,9 +73,14 @@ class DeviceFault:
     kind : str
         ``"inf"``, ``"-inf"``, ``"nan"``, ``"near-inf"`` (the magnitude of
         :func:`abftgemm.faults.near_inf_value` of the tile arithmetic's dtype, the element's
-        sign), ``"additive"`` (adds ``value``) or ``"scale"`` (multiplies by ``value``).
+        sign), ``"additive"`` (adds ``value``), ``"scale"`` (multiplies by ``value``) or
+        ``"bitflip"`` (flips bit ``bit`` of the element as the tile holds it: float32 for
+        16-bit and float32 data, float64 for float64).
     value : float
         Magnitude of ``"additive"``, factor of ``"scale"``.
+    bit : int, optional
+        ``"bitflip"``: the bit (0 is the least significant mantissa bit, as
+        :func:`abftgemm.faults.bit_name` numbers them); required for that kind only.
     persistent : bool
         Also corrupt every recomputation (default: the first computation only, in the first call
         that has the site).
@@ -87,6 +95,7 @@ class DeviceFault:
     step: int = 0
     kind: str = "inf"
     value: float = 0.0
+    bit: int | None = None
     persistent: bool = False
     hits: int = 0
     old: float = math.nan
@@ -98,13 +107,20 @@ class DeviceFault:
             raise ValueError(f"kind must be one of {tuple(_KINDS)}, got {self.kind!r}")
         if min(self.row, self.col, self.head, self.step) < 0:
             raise ValueError("row, col, head and step must be >= 0")
+        if (self.bit is None) == (self.kind == "bitflip"):
+            raise ValueError("'bit' is required for kind 'bitflip' and applies to it alone")
 
     def descriptor(self, sites: tuple[str, ...], arith: numpy.dtype) -> cupy.ndarray | None:
         """The kernel's descriptor (``F_*`` of fused.cu) when this call should inject, else None."""
         if self.site not in sites or (self.hits and not self.persistent):
             return None
         code, value = _KINDS[self.kind]
-        if value is None:
+        if code == 5:
+            if not 0 <= self.bit < 8 * arith.itemsize:
+                raise ValueError(f"bit {self.bit} is outside [0, {8 * arith.itemsize}) of the "
+                                 f"tile arithmetic's {arith.name}")
+            value = self.bit
+        elif value is None:
             value = near_inf_value(arith) if code == 2 else self.value
         return cupy.asarray(numpy.array(
             [K.SITES.index(self.site), self.head, self.row, self.col, self.step, code,
@@ -118,6 +134,106 @@ class DeviceFault:
         self.hits += int(got[8])
         if got[8]:
             self.old = float(got[9])
+
+
+def device_fault(fault: Fault, q_shape: tuple[int, int, int], seq_k: int, dtype: Any, *,
+                 causal: bool = False, step: int | None = None) -> DeviceFault:
+    """The :class:`DeviceFault` of a toolkit :class:`abftgemm.faults.Fault`: the element it names
+    in one fused site's matrix of one head, what it does to it.
+
+    The kernels inject one element per fault, so ``fault`` must name one site of
+    :data:`attention._cpu_fused.SITES` (``sites``), have pattern ``"element"``, a kind other than
+    ``"multibit"``, ``times`` 1 (the first computation) or None (persistent), and ``skip`` 0 (it
+    counts the CPU hook's tile calls; a CUDA accumulator's tile is ``step``). Its ``batch`` (the
+    head), ``row`` and ``col`` index the site's whole matrix of one head (as :class:`DeviceFault`
+    says, not one tile); what it leaves None is drawn from its seed, among the elements the
+    kernels compute: with ``causal``, a tile-site element at or below the diagonal's tile, and an
+    accumulator's ``step`` among the tiles its block sweeps. A ``"bitflip"`` without ``bit`` draws
+    one of the tile arithmetic's bits (float32 below float64).
+
+    Parameters
+    ----------
+    fault : Fault
+    q_shape : tuple of int
+        ``(n, seq_q, d)`` of the call's queries (``n`` = batch * heads).
+    seq_k : int
+        Keys per head.
+    dtype : dtype
+        The data's dtype.
+    causal : bool
+    step : int, optional
+        Accumulator sites: the tile after which it is hit (drawn when None); tile sites take none.
+
+    Raises
+    ------
+    ValueError
+        On a fault the kernels cannot inject, named.
+    IndexError
+        On a position or step outside the site's matrix or sweep.
+    """
+    sites = tuple(fault.sites or ())
+    if len(sites) != 1 or sites[0] not in K.SITES:
+        raise ValueError(f"the fault must name one site of {K.SITES}, got {fault.sites}")
+    site = sites[0]
+    if fault.pattern != "element":
+        raise ValueError(f"the fused CUDA kernels inject one element per fault; pattern "
+                         f"{fault.pattern!r} is not 'element'")
+    if fault.kind == "multibit":
+        raise ValueError("the fused CUDA kernels flip one bit per fault ('bitflip'), not several")
+    if fault.times not in (1, None):
+        raise ValueError(f"times must be 1 (the first computation) or None (persistent), got "
+                         f"{fault.times}")
+    if fault.skip:
+        raise ValueError("skip counts the CPU hook's tile calls; name a CUDA accumulator's tile "
+                         "with step")
+    n, lq, d = q_shape
+    arith = _arith(numpy.dtype(dtype))
+    rng = numpy.random.default_rng(fault.seed)
+    head = fault.batch[0] if isinstance(fault.batch, tuple) and len(fault.batch) == 1 \
+        else fault.batch
+    head = _position(rng, head, n, "batch (head)")
+    if site in ("fused:dK_acc", "fused:dV_acc"):
+        rows, cols = seq_k, d
+    else:
+        rows, cols = lq, (1 if site == "fused:rowsum" else d if site in _ACCUMULATORS else seq_k)
+    row = _position(rng, fault.row, rows, "row")
+    reach = cols
+    if causal and site not in _ACCUMULATORS:  # the tiles at or below the diagonal's
+        reach = min(cols, (row // BR + 1) * BR)
+    col = _position(rng, fault.col, reach, "col")
+    if site in _ACCUMULATORS:
+        steps = _sweep(site, row, lq, seq_k, causal)
+        step = _position(rng, step, steps, "step")
+    elif step:
+        raise ValueError(f"{site} is a tile site: it takes no step")
+    extra: dict[str, Any] = {}
+    if fault.kind == "bitflip":
+        extra["bit"] = fault.bit if fault.bit is not None else int(
+            rng.integers(8 * arith.itemsize))
+    elif fault.kind in ("additive", "scale"):
+        extra["value"] = fault.magnitude if fault.kind == "additive" else fault.factor
+    return DeviceFault(site, row, col, head=head, step=step or 0, kind=fault.kind,
+                       persistent=fault.times is None, **extra)
+
+
+def _position(rng: numpy.random.Generator, given: int | None, size: int, what: str) -> int:
+    """``given``, checked against ``size``, or one drawn from ``rng``."""
+    if given is None:
+        if size < 1:
+            raise IndexError(f"no {what} to draw from: the sweep or matrix is empty")
+        return int(rng.integers(size))
+    if not 0 <= given < size:
+        raise IndexError(f"{what} {given} is out of range for size {size}")
+    return int(given)
+
+
+def _sweep(site: str, row: int, lq: int, lk: int, causal: bool) -> int:
+    """Tiles the kernels accumulate accumulator ``site``'s row ``row`` over (its steps)."""
+    if site in ("fused:dK_acc", "fused:dV_acc"):  # key row: the query blocks from its own
+        first = (row // BC) * BC if causal else 0
+        return cdiv(max(lq - first, 0), BR)
+    end = min(lk, (row // BR + 1) * BR) if causal else lk
+    return cdiv(end, BC)
 
 
 def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = None,
@@ -215,7 +331,8 @@ def _fault(ctx: Context) -> DeviceFault | None:
     hook = ctx.fault_hook
     if hook is not None and not isinstance(hook, DeviceFault):
         raise TypeError("the fused CUDA core injects faults in its kernels: ctx.fault_hook must be "
-                        f"an attention._cuda_fused.DeviceFault or None, got {type(hook).__name__}")
+                        f"an attention._cuda_fused.DeviceFault or None, got {type(hook).__name__}"
+                        " (attention._cuda_fused.device_fault converts an abftgemm.faults.Fault)")
     return hook
 
 

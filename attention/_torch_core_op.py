@@ -2,14 +2,14 @@
 
 ``abftgemm::attention_core`` and ``abftgemm::attention_core_backward`` (``torch.library.custom_op``
 with ``register_fake`` and ``register_autograd``), so ``torch.compile`` keeps the product one
-opaque node. The backward's state travels in a token tensor and the owner of a call is named by
-an ``op_id``, as for ``abftgemm::mha_forward`` (:mod:`attention._torch_op`, whose registry and
-tokens this module shares). The backward reads ``query``, ``key`` and ``value`` from autograd's
-saved tensors, never from the forward's views of them (a compiler may reuse their memory). The
-operators' bodies (:func:`run_core_forward`, :func:`run_core_backward`) run the core on the
-tensors' memory for the :class:`attention.torch_core.ProtectedCore` their ``op_id`` names.
+opaque node. As for ``abftgemm::mha_forward`` (:mod:`attention._torch_op`), every argument is
+explicit: the :class:`attention._torch_state.Protection` a call runs under is named by its ``id``,
+and the backward's state travels in a token tensor (:func:`attention._torch_state.token_of`). The
+backward reads ``query``, ``key`` and ``value`` from autograd's saved tensors, never from the
+forward's views of them (a compiler may reuse their memory). The operators' bodies
+(:func:`run_core_forward`, :func:`run_core_backward`) run the core on the tensors' memory.
 
-:func:`apply_core` is what :class:`attention.torch_core.ProtectedCore` calls: outside
+:func:`apply_core` is what :func:`attention.torch_functional.attention_core` calls: outside
 ``torch.compile`` and tracing, on plain tensors, the same bodies run under a
 ``torch.autograd.Function`` (:class:`_EagerCore`, the backward's state kept on its context), which
 skips the dispatch of two custom operators and the token.
@@ -23,29 +23,31 @@ from abftgemm.report import Report
 from torch.autograd.function import once_differentiable
 
 from attention._torch_arrays import array, eager, threads
-from attention._torch_op import _module, _state, _token
-from attention.context import Context
+from attention._torch_state import Protection, registered, saved_state, token_of
 from attention.core import core_backward, core_forward
 from attention.workspace import Workspace
 
 
 @torch.library.custom_op("abftgemm::attention_core", mutates_args=())
-def attention_core(op_id: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def attention_core(protection: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attn_mask: Optional[torch.Tensor], scale: float, is_causal: bool,
                    need_weights: bool, dropout_keep: Optional[torch.Tensor],
-                   dropout: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   dropout: float, core: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, weights, token)`` of contiguous ``query`` ``(n, L, D)``, ``key`` and ``value``
     ``(n, S, D)``; ``attn_mask`` ``(L, S)`` or ``(n, L, S)``, bool (True = not allowed) or float
     (added); ``weights`` ``(n, L, S)``, or empty unless ``need_weights``; with ``dropout`` > 0,
-    ``dropout_keep`` ``(n, L, S)`` is its mask (True = kept)."""
-    out, weights, state = run_core_forward(_module(op_id), query, key, value, attn_mask, scale,
-                                           is_causal, need_weights, dropout_keep, dropout)
-    return out, weights, _token(state)
+    ``dropout_keep`` ``(n, L, S)`` is its mask (True = kept); ``core`` one of
+    :data:`attention.core.CORES`; ``protection`` the ``id`` of the
+    :class:`attention._torch_state.Protection` the call runs under."""
+    out, weights, state = run_core_forward(registered(protection), query, key, value, attn_mask,
+                                           scale, is_causal, need_weights, dropout_keep, dropout,
+                                           core)
+    return out, weights, token_of(state)
 
 
 @attention_core.register_fake
-def _(op_id, query, key, value, attn_mask, scale, is_causal, need_weights, dropout_keep,
-      dropout):
+def _(protection, query, key, value, attn_mask, scale, is_causal, need_weights, dropout_keep,
+      dropout, core):
     n, seq_q, _ = query.shape
     shape = (n, seq_q, key.shape[1]) if need_weights else (0,)
     return (query.new_empty(query.shape), query.new_empty(shape),
@@ -57,7 +59,7 @@ def attention_core_backward(token: torch.Tensor, d_out: torch.Tensor, query: tor
                             key: torch.Tensor, value: torch.Tensor
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d_query, d_key, d_value)`` of one :func:`attention_core` call."""
-    return run_core_backward(_state(token), d_out, query, key, value)
+    return run_core_backward(saved_state(token), d_out, query, key, value)
 
 
 @attention_core_backward.register_fake
@@ -75,24 +77,24 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 def _backward(ctx: Any, d_out: torch.Tensor, d_weights: Any, d_token: Any) -> tuple:
     token, query, key, value = ctx.saved_tensors
     dq, dk, dv = attention_core_backward(token, d_out.contiguous(), query, key, value)
-    return None, dq, dk, dv, None, None, None, None, None, None
+    return None, dq, dk, dv, None, None, None, None, None, None, None
 
 
 attention_core.register_autograd(_backward, setup_context=_setup_context)
 
 
-def apply_core(op_id: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attn_mask: Optional[torch.Tensor], scale: float, is_causal: bool,
-               need_weights: bool, dropout_keep: Optional[torch.Tensor],
-               dropout: float) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_core(protection: Protection, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, attn_mask: Optional[torch.Tensor], scale: float,
+               is_causal: bool, need_weights: bool, dropout_keep: Optional[torch.Tensor],
+               dropout: float, core: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, weights)`` of :func:`attention_core`, differentiable in ``query``, ``key`` and
     ``value``: the custom operator where a compiler or tracer may see it, else
     :class:`_EagerCore` on the same bodies."""
-    args = (op_id, query, key, value, attn_mask, scale, is_causal, need_weights, dropout_keep,
-            dropout)
+    args = (query, key, value, attn_mask, scale, is_causal, need_weights, dropout_keep, dropout,
+            core)
     if eager(query, key, value, attn_mask, dropout_keep):
-        return _EagerCore.apply(*args)
-    out, weights, _ = attention_core(*args)
+        return _EagerCore.apply(protection, *args)
+    out, weights, _ = attention_core(protection.id, *args)
     return out, weights
 
 
@@ -100,13 +102,13 @@ class _EagerCore(torch.autograd.Function):
     """:func:`attention_core` and its backward without custom operators' dispatch."""
 
     @staticmethod
-    def forward(ctx: Any, op_id: int, query: torch.Tensor, key: torch.Tensor,
+    def forward(ctx: Any, protection: Protection, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, attn_mask: Optional[torch.Tensor], scale: float,
                 is_causal: bool, need_weights: bool, dropout_keep: Optional[torch.Tensor],
-                dropout: float) -> tuple[torch.Tensor, torch.Tensor]:
-        out, weights, state = run_core_forward(_module(op_id), query, key, value, attn_mask,
-                                               scale, is_causal, need_weights, dropout_keep,
-                                               dropout)
+                dropout: float, core: str) -> tuple[torch.Tensor, torch.Tensor]:
+        out, weights, state = run_core_forward(protection, query, key, value, attn_mask, scale,
+                                               is_causal, need_weights, dropout_keep, dropout,
+                                               core)
         ctx.mark_non_differentiable(weights)
         ctx.save_for_backward(query, key, value)
         ctx.state = state
@@ -117,7 +119,7 @@ class _EagerCore(torch.autograd.Function):
     def backward(ctx: Any, d_out: torch.Tensor, d_weights: Any) -> tuple:
         query, key, value = ctx.saved_tensors
         dq, dk, dv = run_core_backward(ctx.state, d_out.contiguous(), query, key, value)
-        return None, dq, dk, dv, None, None, None, None, None, None
+        return None, dq, dk, dv, None, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------ the operators' bodies
@@ -126,18 +128,21 @@ class _EagerCore(torch.autograd.Function):
 class _CoreSaved:
     """What one forward leaves for its backward (carried by the operators' token)."""
 
-    def __init__(self, core: Any, saved: dict[str, Any], report: Report,
+    def __init__(self, protection: Protection, saved: dict[str, Any], report: Report,
                  workspace: Workspace):
-        self.core, self.saved, self.report, self.workspace = core, saved, report, workspace
+        self.protection, self.saved, self.report = protection, saved, report
+        self.workspace = workspace
 
 
-def run_core_forward(core: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def run_core_forward(protection: Protection, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor | None, scale: float, is_causal: bool,
-                     need_weights: bool, keep: torch.Tensor | None = None,
-                     dropout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, _CoreSaved]:
-    """The body of ``abftgemm::attention_core``."""
-    workspace = core._workspace_for(q.device)
-    context = Context(core.check, core.plan, core.fault_hook)
+                     need_weights: bool, keep: torch.Tensor | None, dropout: float,
+                     core: str) -> tuple[torch.Tensor, torch.Tensor, _CoreSaved]:
+    """The body of ``abftgemm::attention_core``: its findings become
+    ``protection.last_report``, the implementation it ran ``protection.last_core``."""
+    workspace = protection.workspace(q.device)
+    report = Report()
+    context = protection.context(report)
     with device_scope(q), threads(q):
         out, saved = core_forward(array(q), array(k), array(v), context, scale=scale,
                                   causal=is_causal,
@@ -145,25 +150,25 @@ def run_core_forward(core: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                   dropout=dropout,
                                   dropout_keep=None if keep is None else array(keep),
                                   workspace=workspace,
-                                  core="unfused" if need_weights else core.core)
+                                  core="unfused" if need_weights else core)
         dropped = saved["probs_dropped"]
         probs = saved["probs"] if dropped is None else dropped
         weights = to_tensor(probs).clone() if need_weights else q.new_empty(0)
         out = to_tensor(out)
-    core.last_report, core.last_core = context.report, saved["core"]
-    return out, weights, _CoreSaved(core, saved, context.report, workspace)
+    protection.last_report, protection.last_core = report, saved["core"]
+    return out, weights, _CoreSaved(protection, saved, report, workspace)
 
 
 def run_core_backward(state: _CoreSaved, d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The body of ``abftgemm::attention_core_backward``: the inputs are read from the tensors
-    given here (those autograd kept)."""
-    core = state.core
+    given here (those autograd kept). The findings extend the forward's report, which becomes
+    ``protection.last_report`` again."""
     inputs = state.saved["inputs"]
     inputs.q, inputs.k, inputs.v = array(q), array(k), array(v)
-    context = Context(core.check, core.plan, core.fault_hook, state.report)
+    context = state.protection.context(state.report)
     with device_scope(d_out), threads(d_out):
         grads = core_backward(state.saved, array(d_out), context, workspace=state.workspace)
         result = tuple(to_tensor(g) for g in grads)
-    core.last_report = state.report
+    state.protection.last_report = state.report
     return result

@@ -3,8 +3,8 @@
 ``abftgemm::linear`` and ``abftgemm::linear_backward`` (``torch.library.custom_op`` with
 ``register_fake`` and ``register_autograd``), so ``torch.compile`` keeps each one opaque node. The
 owner of a call (check mode, hook, plans, the weight's encodings) is named by its ``op_id``, from
-the registry of :mod:`attention._torch_op`. The backward needs no state from the forward: it reads
-the input and the weight from autograd's saved tensors.
+the registry of :mod:`attention._torch_state`. The backward needs no state from the forward: it
+reads the input and the weight from autograd's saved tensors.
 
 :func:`apply_linear` is what the layer calls: outside ``torch.compile`` and tracing, on plain
 tensors, the same bodies run under a ``torch.autograd.Function`` (:class:`_EagerLinear`), which
@@ -17,7 +17,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from attention._torch_arrays import eager
-from attention._torch_op import _module
+from attention._torch_state import registered as _module
 
 
 def weight_on_left(n_in: int, n_out: int) -> bool:

@@ -1,8 +1,9 @@
 """The bodies of the custom operators ``abftgemm::mha_forward`` and ``abftgemm::mha_backward``
-(:mod:`attention._torch_op`): one forward or backward of an
-:class:`attention.torch.MultiheadAttention` on batch-first tensors, through the functional core
-on their memory (no copies), and the masks in the core's layout. The module arrives as an argument (named by the operator's ``op_id``), so
-nothing here imports :mod:`attention.torch`.
+(:mod:`attention._torch_op`): one forward or backward of multi-head attention on batch-first
+tensors, through the functional core on their memory (no copies), and the masks in the core's
+layout. Everything a call runs under arrives as an argument: the
+:class:`attention._torch_state.Protection` (check mode, plan, fault hook, workspaces, report) and
+the number of heads; nothing here knows a module.
 """
 from __future__ import annotations
 
@@ -14,50 +15,54 @@ import torch
 from abftgemm._torch import device_scope, to_tensor
 from abftgemm.report import Report
 from attention._torch_arrays import array, threads
-from attention.context import Context
+from attention._torch_state import Protection
 from attention.functional import attention_backward, attention_forward
 from attention.workspace import Workspace
-
 
 
 class _Saved:
     """What one forward leaves for its backward (carried by the operators' token)."""
 
-    def __init__(self, call: "_Call", saved: dict[str, Any], report: Report,
-                 workspace: Workspace):
-        self.call, self.saved, self.report, self.workspace = call, saved, report, workspace
+    def __init__(self, protection: Protection, call: "_Call", saved: dict[str, Any],
+                 report: Report, workspace: Workspace):
+        self.protection, self.call, self.saved = protection, call, saved
+        self.report, self.workspace = report, workspace
 
 
-def run_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
+def run_forward(protection: Protection, heads: int, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, in_w: torch.Tensor, in_b: torch.Tensor | None,
                 out_w: torch.Tensor, out_b: torch.Tensor | None,
                 key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None,
                 self_attention: bool, is_causal: bool, need_weights: bool, average: bool,
                 dropout_keep: torch.Tensor | None = None,
-                dropout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, _Saved]:
+                dropout: float = 0.0, core: str = "auto"
+                ) -> tuple[torch.Tensor, torch.Tensor, _Saved]:
     """``(y, weights or an empty tensor, saved state)`` of one forward, batch-first; with
-    ``dropout``, ``dropout_keep`` is its mask ``(N * heads, L, S)``, True = kept."""
-    call = _Call.of(module, query, key, value, key_padding_mask, attn_mask, is_causal,
+    ``dropout``, ``dropout_keep`` is its mask ``(N * heads, L, S)``, True = kept; ``core`` as
+    :func:`attention.attention_forward` takes it. The call's findings become
+    ``protection.last_report``, the core that ran ``protection.last_core``."""
+    call = _Call.of(heads, query, key, value, key_padding_mask, attn_mask, is_causal,
                     self_attention)
-    workspace = module._workspace_for(query.device)
+    workspace = protection.workspace(query.device)
+    report = Report()
     with device_scope(query), threads(query):
-        params = module._param_views(in_w, in_b, out_w, out_b)
+        params = _param_views(protection, in_w, in_b, out_w, out_b)
         x = array(query)
         cross = {} if self_attention else {"key": array(key), "value": array(value)}
-        context = Context(module.check, module.plan, module.fault_hook)
-        y, saved = attention_forward(params, x, context, n_heads=module.num_heads,
+        context = protection.context(report)
+        y, saved = attention_forward(params, x, context, n_heads=heads,
                                      causal=call.causal, key_visible=call.key_visible,
                                      attn_mask=call.attn_mask, dropout=dropout,
                                      dropout_keep=None if dropout_keep is None else
                                      array(dropout_keep), workspace=workspace,
-                                     need_weights=need_weights, core=module.core, **cross)
+                                     need_weights=need_weights, core=core, **cross)
         y = to_tensor(y)
         # torch returns the weights after dropout
         dropped = saved["probs_dropped"]
         call.probs = saved["probs"] if dropped is None else dropped
         weights = call.weights(average) if need_weights else query.new_empty(0)
-    module.last_report, module.last_core = context.report, saved["core"]
-    return y, weights, _Saved(call, saved, context.report, workspace)
+    protection.last_report, protection.last_core = report, saved["core"]
+    return y, weights, _Saved(protection, call, saved, report, workspace)
 
 
 def run_backward(state: _Saved, dy: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
@@ -65,14 +70,14 @@ def run_backward(state: _Saved, dy: torch.Tensor, query: torch.Tensor, key: torc
                  out_w: torch.Tensor, out_b: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """``(d_query, d_key, d_value, d_in_w, d_in_b, d_out_w, d_out_b)``; ``d_key`` and ``d_value``
     empty in self-attention. The inputs and parameters are read from the tensors given here
-    (those of the forward, which autograd kept)."""
-    module = state.call.module
+    (those of the forward, which autograd kept). The findings extend the forward's report, which
+    becomes ``protection.last_report`` again."""
     inputs = state.saved["inputs"]
     inputs.x = array(query)
     inputs.key, inputs.value = (inputs.x, inputs.x) if state.call.self_attention else \
         (array(key), array(value))
     inputs.params = params_of(in_w, in_b, out_w, out_b)
-    context = Context(module.check, module.plan, module.fault_hook, state.report)
+    context = state.protection.context(state.report)
     # The core writes the parameter gradients straight into torch's layout (transposed views
     # of these buffers: no copies, no concatenation).
     d_in_w, d_out_w = torch.empty_like(in_w), torch.empty_like(out_w)
@@ -88,8 +93,18 @@ def run_backward(state: _Saved, dy: torch.Tensor, query: torch.Tensor, key: torc
             d_inputs = (to_tensor(dx), empty, empty.clone())
         else:
             d_inputs = tuple(to_tensor(d) for d in dx)
-    module.last_report = state.report
+    state.protection.last_report = state.report
     return (*d_inputs, d_in_w, d_in_b, d_out_w, d_out_b)
+
+
+def _param_views(protection: Protection, in_w: torch.Tensor, in_b: torch.Tensor | None,
+                 out_w: torch.Tensor, out_b: torch.Tensor | None) -> dict[str, Any]:
+    """:func:`params_of` of these tensors, kept by ``protection`` while none of them moved to
+    other memory or changed layout (optimizer steps update them in place, which the views
+    see)."""
+    key = tuple(None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
+                for t in (in_w, in_b, out_w, out_b))
+    return protection.memo(key, lambda: params_of(in_w, in_b, out_w, out_b))
 
 
 def params_of(in_w: torch.Tensor, in_b: torch.Tensor | None, out_w: torch.Tensor,
@@ -119,14 +134,14 @@ class _Call:
         self.probs: Any = None
 
     @classmethod
-    def of(cls, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def of(cls, heads: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None,
            is_causal: bool, self_attention: bool) -> "_Call":
         """Batch-first ``q``, ``k``, ``v`` (N, L|S, E) and the masks as the core takes them."""
         n, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
         key_visible, float_padding = _padding(key_padding_mask, n, seq_k)
-        mask = _attn_mask(attn_mask, float_padding, module.num_heads, n, seq_q, seq_k, q.dtype)
-        return cls(module=module, self_attention=self_attention, key_visible=key_visible,
+        mask = _attn_mask(attn_mask, float_padding, heads, n, seq_q, seq_k, q.dtype)
+        return cls(self_attention=self_attention, key_visible=key_visible,
                    attn_mask=mask, causal=bool(is_causal) and attn_mask is None,
                    shape=(n, seq_q, seq_k))
 

@@ -1,96 +1,52 @@
-"""The protected attention core as PyTorch custom operators, so ``torch.compile`` keeps it opaque.
+"""Multi-head attention as PyTorch custom operators, so ``torch.compile`` keeps it opaque.
 
 ``abftgemm::mha_forward`` and ``abftgemm::mha_backward`` (``torch.library.custom_op``, each with
 a ``register_fake`` shape function) run the functional core on the tensors' memory;
 ``register_autograd`` ties them together. Dynamo and AOTAutograd see two opaque nodes and never
 trace into NumPy.
 
-What the backward needs that is not a tensor (the core's saved arrays and checksums, the forward's
-report) travels in a *token*: a 1-element int64 CPU tensor returned by the forward and saved for
-backward by autograd, whose memory belongs to a holder object that carries the state. The state
-lives exactly as long as the token tensor does: autograd frees it after the backward, or at once
-when nothing needs a backward. The module a call belongs to is named by its ``op_id`` (an int
-attribute, a constant for the compiler).
+Every argument is explicit: tensors, plain values, and the
+:class:`attention._torch_state.Protection` the call runs under, named by its ``id``. What the
+backward needs that is not a tensor (the core's saved arrays and checksums, the forward's report)
+travels in the forward's token (:func:`attention._torch_state.token_of`).
 """
-import itertools
-import weakref
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
-_MODULES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-_IDS = itertools.count()
-_STATES: "weakref.WeakValueDictionary[int, _Holder]" = weakref.WeakValueDictionary()
-_KEYS = itertools.count(1)
-
-
-def register(module: Any) -> int:
-    """A new ``op_id`` naming ``module`` in the operators' calls (held weakly)."""
-    op_id = next(_IDS)
-    _MODULES[op_id] = module
-    return op_id
-
-
-class _Holder(bytearray):
-    """The memory of a token tensor, carrying the state of one forward call."""
-
-    state: Any
-
-
-def _token(state: Any) -> torch.Tensor:
-    """A 1-element int64 tensor whose memory keeps ``state`` alive, and that names it."""
-    holder = _Holder(8)
-    holder.state = state
-    key = next(_KEYS)
-    _STATES[key] = holder
-    array = np.frombuffer(holder, dtype=np.int64)
-    array[0] = key
-    return torch.from_numpy(array)
-
-
-def _state(token: torch.Tensor) -> Any:
-    holder = _STATES.get(int(token[0]))
-    if holder is None:
-        raise RuntimeError("abftgemm::mha_backward: the forward's saved state is gone (was the "
-                           "token tensor copied, or backward run twice?)")
-    return holder.state
-
-
-def _module(op_id: int) -> Any:
-    module = _MODULES.get(op_id)
-    if module is None:
-        raise RuntimeError(f"abftgemm::mha_forward: no live attention module with op_id {op_id}")
-    return module
+from attention._torch_state import registered, saved_state, token_of
 
 
 # ------------------------------------------------------------------------------- forward
 
 
 @torch.library.custom_op("abftgemm::mha_forward", mutates_args=())
-def mha_forward(op_id: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def mha_forward(protection: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 in_w: torch.Tensor, in_b: Optional[torch.Tensor], out_w: torch.Tensor,
                 out_b: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor],
                 attn_mask: Optional[torch.Tensor], num_heads: int, self_attention: bool,
                 is_causal: bool, need_weights: bool, average_attn_weights: bool,
-                dropout_keep: Optional[torch.Tensor],
-                dropout: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                dropout_keep: Optional[torch.Tensor], dropout: float,
+                core: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, weights, token)`` of batch-first ``query``, ``key``, ``value`` ``(N, L|S, E)``;
     ``weights`` is empty unless ``need_weights`` (then ``(N, L, S)``, or ``(N, H, L, S)``
     without averaging). With ``dropout`` > 0, ``dropout_keep`` is its mask ``(N * H, L, S)``
-    (True = kept), drawn by the caller with PyTorch's generator."""
+    (True = kept), drawn by the caller with PyTorch's generator. ``core`` is
+    :func:`attention.attention_forward`'s. ``protection`` is the ``id`` of the
+    :class:`attention._torch_state.Protection` the call runs under."""
     from attention._torch_mha import run_forward
 
-    y, weights, state = run_forward(_module(op_id), query, key, value, in_w, in_b, out_w, out_b,
-                                    key_padding_mask, attn_mask, self_attention, is_causal,
-                                    need_weights, average_attn_weights, dropout_keep, dropout)
-    return y, weights, _token(state)
+    y, weights, state = run_forward(registered(protection), num_heads, query, key, value, in_w,
+                                    in_b, out_w, out_b, key_padding_mask, attn_mask,
+                                    self_attention, is_causal, need_weights,
+                                    average_attn_weights, dropout_keep, dropout, core)
+    return y, weights, token_of(state)
 
 
 @mha_forward.register_fake
-def _(op_id, query, key, value, in_w, in_b, out_w, out_b, key_padding_mask, attn_mask,
+def _(protection, query, key, value, in_w, in_b, out_w, out_b, key_padding_mask, attn_mask,
       num_heads, self_attention, is_causal, need_weights, average_attn_weights, dropout_keep,
-      dropout):
+      dropout, core):
     n, seq_q, _ = query.shape
     seq_k = key.shape[1]
     shape = ((n, seq_q, seq_k) if average_attn_weights else (n, num_heads, seq_q, seq_k)) \
@@ -116,7 +72,7 @@ def mha_backward(token: torch.Tensor, dy: torch.Tensor, query: torch.Tensor, key
     memory once the forward is done) keeps them as they were."""
     from attention._torch_mha import run_backward
 
-    return run_backward(_state(token), dy, query, key, value, in_w, in_b, out_w, out_b)
+    return run_backward(saved_state(token), dy, query, key, value, in_w, in_b, out_w, out_b)
 
 
 @mha_backward.register_fake
@@ -133,7 +89,7 @@ def _(token, dy, query, key, value, in_w, in_b, out_w, out_b, self_attention):
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     (_, query, key, value, in_w, in_b, out_w, out_b, _, _, _, self_attention, _, _, _, _,
-     _) = inputs
+     _, _) = inputs
     _, weights, token = output
     ctx.mark_non_differentiable(weights, token)
     ctx.save_for_backward(token, query, key, value, in_w, in_b, out_w, out_b)
@@ -148,7 +104,7 @@ def _backward(ctx: Any, dy: torch.Tensor, d_weights: Any, d_token: Any) -> tuple
         dk = dv = None
     return (None, dq, dk, dv, d_in_w, d_in_b if ctx.bias[0] else None, d_out_w,
             d_out_b if ctx.bias[1] else None, None, None, None, None, None, None, None, None,
-            None)
+            None, None)
 
 
 mha_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -26,12 +26,17 @@ class Context:
         Sees every site's raw output before verification (fault injection).
     report : Report
         Receives the findings of the call.
+    trace : list, optional
+        Receives ``(step, taken)`` for every step a pass ran, in order (the pass that delivered:
+        a replay's): :class:`attention.passes.Step` and what it took or made of the encodings,
+        as :func:`attention.passes.checksums` says of the table.
     """
 
     check: str = "correct"
     plan: CheckingPlan = field(default_factory=CheckingPlan)
     fault_hook: FaultHook | None = None
     report: Report = field(default_factory=Report)
+    trace: list | None = None
 
     def __post_init__(self) -> None:
         if self.check not in CHECK_MODES:

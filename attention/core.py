@@ -2,11 +2,11 @@
 
 Where a model computes its own projections (Hugging Face transformers models hand their attention
 function Q, K and V split into heads), only the attention product is left to protect:
-:func:`core_forward` and :func:`core_backward` run the sites ``scores``, ``softmax`` and
-``context`` forward and ``d_probs``, ``d_v``, ``softmax_backward``, ``d_q`` and ``d_k`` backward,
-with the routes, checked softmax steps, one settle per pass and replay on a repair of the whole
-layer (:mod:`attention.functional`). Heads are the leading batch axis: ``(batch * heads, seq,
-head_dim)``.
+:func:`core_forward` and :func:`core_backward` run the steps
+:data:`attention.passes.CORE_FORWARD` and :data:`attention.passes.CORE_BACKWARD` (sites
+``scores``, ``softmax``, ``context``; ``d_probs``, ``d_v``, ``softmax_backward``, ``d_q``,
+``d_k``): the layer's own core, run by its executor (one settle per pass, replay on a repair).
+Heads are the leading batch axis: ``(batch * heads, seq, head_dim)``.
 
 Two implementations: the fused core (:mod:`attention.fused`: tiles, O(L) extra memory, every
 tile checked; its fault-hook sites are :data:`attention.fused.FUSED_SITES`) and the unfused one
@@ -24,19 +24,19 @@ import numpy as np
 
 from abftgemm.backend import array_module
 from abftgemm.checksums import SUPPORTED_DTYPES
-from attention import softmax_steps
 from attention.context import Context
 from attention.dropout import Dropout
 from attention.fused import fused_backward, fused_forward
 from attention.fused_choice import (CORE_SITES, CORES, check_core,  # noqa: F401
                                      finite_reason, static_reason)
-from attention.functional import _additive, _dropout, _Pass, _read_probs, _run, \
-    _scores_and_softmax
+from attention.functional import _additive, backward_pass, forward_pass
+from attention.passes import CORE_BACKWARD, CORE_FORWARD, Variant
 from attention.workspace import Workspace
 
 #: The GEMM sites the attention product runs (forward, then backward:
 #: :data:`attention.fused_choice.CORE_SITES`), and its invariant sites.
-CORE_INVARIANT_SITES = ("softmax", "softmax_backward")
+CORE_INVARIANT_SITES = tuple(s.site for s in CORE_FORWARD + CORE_BACKWARD
+                             if s.op.startswith("softmax"))
 
 
 class _CoreInputs:
@@ -107,8 +107,9 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
             raise ValueError(f"the fused attention core does not apply here: {why_not}")
     inp.dropout = Dropout.of(inp.xp, dropout, dropout_keep,
                              (q.shape[0], q.shape[1], k.shape[1]), rng)
-    ws = workspace or Workspace()
-    out, saved = _run(lambda p: _forward(p, inp), ctx, ws, inp.xp)
+    variant = Variant(causal=inp.causal, dropout=inp.dropout is not None, gpu=inp.xp is not np)
+    out, saved = forward_pass(CORE_FORWARD, CORE_BACKWARD, variant, inp,
+                              lambda: {"qh": q, "kh": k, "vh": v}, "context_h", ctx, workspace)
     saved["core"] = "unfused"
     return out, saved
 
@@ -143,8 +144,10 @@ def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
         mask = inp.attn_add if inp.attn_add is None or len(inp.attn_add) > 1 else inp.attn_add[0]
         _, saved = core_forward(inp.q, inp.k, inp.v, ctx, scale=inp.scale, causal=inp.causal,
                                 attn_mask=mask, workspace=workspace, core="unfused")
-    ws = workspace or Workspace()
-    return _run(lambda p: _backward(p, saved, d_out), ctx, ws, inp.xp)
+    env = lambda: {"qh": inp.q, "kh": inp.k, "vh": inp.v, "d_context_h": d_out}  # noqa: E731
+    p = backward_pass(CORE_BACKWARD, saved["variant"], saved, env, ("d_qh", "d_kh", "d_vh"), ctx,
+                      workspace)
+    return p.env["d_qh"], p.env["d_kh"], p.env["d_vh"]
 
 
 def _inputs(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
@@ -170,42 +173,3 @@ def _inputs(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
         raise ValueError(f"scale must be a positive finite number, got {scale}")
     add = _additive(xp, attn_mask, q.shape[0], q.shape[1], k.shape[1])
     return _CoreInputs(q, k, v, scale, bool(causal), add)
-
-
-def _forward(p: _Pass, inp: _CoreInputs) -> tuple[Any, dict[str, Any]]:
-    xp, dt = p.xp, inp.dtype
-    n, seq_q, d = inp.q.shape
-    seq_k = inp.k.shape[1]
-    p.env.update(qh=inp.q, kh=inp.k, vh=inp.v)
-    p.causal = inp.causal
-    probs = _scores_and_softmax(p, inp, (n, seq_q, seq_k))
-    dropped = _dropout(p, inp, probs)
-    out = p.gemm("context", xp.empty((n, seq_q, d), dt))
-    p_sums = p.sums.get("probs^T")
-    return out, {"inputs": inp, "probs": probs, "probs_dropped": dropped,
-                 "probs_t_sums": None if p_sums is None else p_sums.copy()}
-
-
-def _backward(p: _Pass, saved: dict[str, Any], d_out: Any) -> tuple[Any, Any, Any]:
-    inp: _CoreInputs = saved["inputs"]
-    xp, ws, dt = p.xp, p.ws, inp.dtype
-    n, seq_q, d = inp.q.shape
-    seq_k = inp.k.shape[1]
-    p.env.update(qh=inp.q, kh=inp.k, vh=inp.v, probs=_read_probs(saved), d_context_h=d_out)
-    p.causal = inp.causal
-    if saved["probs_t_sums"] is not None:
-        p.sums["probs^T"] = saved["probs_t_sums"]
-    d_probs = ws.buffer("d_probs", xp, (n, seq_q, seq_k), dt)
-    plan = p.gemm_deferred("d_probs", d_probs)
-    dv = p.gemm("d_v", xp.empty((n, seq_k, d), dt))
-    d_scores = ws.buffer("d_scores", xp, (n, seq_q, seq_k), dt)
-    step = softmax_steps.backward_step(d_probs, saved["probs"], d_scores, inp.scale, p.ctx, ws,
-                                       plan, causal=inp.causal, dropout=inp.dropout)
-    p.consumed("d_probs", plan, step.run)
-    p.invariant("softmax_backward", step.verdict, step.recompute)
-    p.env["d_scores"] = d_scores
-    if step.encodings is not None:  # made by the softmax kernel on its write of dS
-        p.sums["d_scores"], p.sums["d_scores^T"] = step.encodings
-    dq = p.gemm("d_q", xp.empty((n, seq_q, d), dt))
-    dk = p.gemm("d_k", xp.empty((n, seq_k, d), dt))
-    return dq, dk, dv

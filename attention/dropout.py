@@ -25,9 +25,6 @@ from abftgemm.backend import array_module
 
 #: The site of the dropout step (fault hook and report), present when dropout is active.
 DROPOUT_SITE = "dropout"
-#: The step and its check, as the checking plan's table shows them.
-DROPOUT_CHECK = ("P_d = P * keep / (1 - p) (training) | recomputed from P and the mask, compared "
-                 "bit for bit; with it, `context` and `d_v` encode P_d and P_d^T themselves")
 
 
 @dataclass(frozen=True)

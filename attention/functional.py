@@ -1,17 +1,20 @@
-"""The functional attention core: forward and backward over the table of routes.
+"""The functional attention core: the pass tables of :mod:`attention.passes`, run.
 
 ``attention_forward(params, x, ctx, ...) -> (y, saved)`` and
-``attention_backward(saved, dy, ctx) -> (dx, grads)`` execute every GEMM site as the route table
-(:data:`attention.plan.ROUTES`) says, on planned products (:class:`attention.workspace.Workspace`).
-On the clean path a pass executes its sites back to back and settles them all with one host
-synchronization at its end. When that settle finds something in ``check="correct"`` mode, the
-pass is replayed with every site settled as soon as it runs, so that a repair happens at the
-source (Q, K and V are corrected before they are saved or used) as in an unplanned layer.
+``attention_backward(saved, dy, ctx) -> (dx, grads)`` resolve the layer's table
+(:data:`attention.passes.FORWARD`, :data:`attention.passes.BACKWARD`) for the call and run it with
+one executor, :class:`_Pass`, step by step, every GEMM a planned product
+(:class:`attention.workspace.Workspace`). On the clean path a pass runs its steps back to back and
+settles them all with one host synchronization at its end. When that settle finds something in
+``check="correct"`` mode, the pass is replayed with every step settled as soon as it runs, so
+that a repair happens at the source (Q, K and V are corrected before they are saved or used) as
+in an unplanned layer.
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import replace
+from typing import Any, Callable
 
 import numpy as np
 
@@ -22,13 +25,14 @@ from abftgemm.report import Event, Report, UncorrectableError, announce
 from abftgemm.threads import blas_scope
 from attention import softmax, softmax_steps
 from attention.context import Context
-from attention.dropout import DROPOUT_SITE, Dropout, DropoutStep
+from attention.dropout import Dropout, DropoutStep
 from attention.fused import fused_backward, fused_forward
 from attention.fused_choice import check_core, finite_reason, static_reason
-from attention.plan import ROUTES
+from attention.passes import CORE_BACKWARD, CORE_FORWARD, Step, Variant, carried, layer, steps
 from attention.workspace import Workspace
 
 PARAM_KEYS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
+_WEIGHTS = ("wq", "wk", "wv", "wo")
 _REPAIRS = ("corrected", "recomputed", "checksum-recomputed")
 
 
@@ -95,21 +99,26 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
         ``"unfused"``, and ``saved["probs"]`` is None after the fused core.
     """
     check_core(core)
-    inputs = _Inputs.of(params, x, key, value, key_visible, attn_mask, n_heads, causal)
-    inputs.core = core
-    inputs.why_not = None if core == "unfused" else static_reason(
-        inputs.xp, inputs.dtype, inputs.attn_add, ctx, dropout, dropout_keep, core == "fused",
+    inp = _Inputs.of(params, x, key, value, key_visible, attn_mask, n_heads, causal)
+    why_not = "core='unfused'" if core == "unfused" else static_reason(
+        inp.xp, inp.dtype, inp.attn_add, ctx, dropout, dropout_keep, core == "fused",
         need_weights)
-    if inputs.why_not is None and core != "unfused" and causal and \
-            inputs.key.shape[1] != x.shape[1]:
-        inputs.why_not = "causal=True with seq_q != seq_k (the fused core's causal mask is square)"
-    if core == "fused" and inputs.why_not is not None:
-        raise ValueError(f"the fused attention core does not apply here: {inputs.why_not}")
+    if why_not is None and causal and inp.key.shape[1] != x.shape[1]:
+        why_not = "causal=True with seq_q != seq_k (the fused core's causal mask is square)"
+    if core == "fused" and why_not is not None:
+        raise ValueError(f"the fused attention core does not apply here: {why_not}")
+    inp.core = core
     batch, seq_q = x.shape[:2]
-    inputs.dropout = Dropout.of(inputs.xp, dropout, dropout_keep,
-                                (batch * n_heads, seq_q, inputs.key.shape[1]), rng)
-    ws = workspace or Workspace()
-    return _run(lambda p: _forward(p, inputs), ctx, ws, inputs.xp)
+    inp.dropout = Dropout.of(inp.xp, dropout, dropout_keep,
+                             (batch * n_heads, seq_q, inp.key.shape[1]), rng)
+    variant = Variant(inp.cross, inp.causal, inp.dropout is not None, gpu=inp.xp is not np,
+                      fused=why_not is None)
+    env = lambda: {**inp.params, "x": x, "key": inp.key, "value": inp.value}  # noqa: E731
+    y, saved = forward_pass(*layer(variant), variant, inp, env, "y", ctx, workspace)
+    # "auto" runs the unfused core in place of the fused one on non-finite Q, K or V
+    saved["core"] = "fused" if saved.get("lse") is not None else "unfused"
+    saved.setdefault("probs", None)
+    return y, saved
 
 
 def attention_backward(saved: dict[str, Any], dy: Any, ctx: Context, *,
@@ -127,8 +136,9 @@ def attention_backward(saved: dict[str, Any], dy: Any, ctx: Context, *,
     workspace : Workspace, optional
     grads_out : dict, optional
         Arrays (any strides; keys of ``params``, all or some) to write those gradients into, for
-        example transposed views of a PyTorch module's gradient buffers: a weight gradient
-        given as the transpose of a C-contiguous array is computed in that layout, with no copy.
+        example transposed views of a PyTorch module's gradient buffers: weight gradients given
+        as transposes of C-contiguous arrays (all that are given: one layout) are computed in
+        that layout, with no copy (:data:`attention.passes.Variant` ``w_layout``).
 
     Returns
     -------
@@ -137,120 +147,137 @@ def attention_backward(saved: dict[str, Any], dy: Any, ctx: Context, *,
     grads : dict
         Same keys and shapes as ``params`` (the arrays of ``grads_out`` where given).
     """
-    inputs: _Inputs = saved["inputs"]
-    if dy.shape != inputs.x.shape or dy.dtype != inputs.dtype:
-        raise ValueError(f"dy must have shape {inputs.x.shape} and dtype {inputs.dtype}, "
+    inp: _Inputs = saved["inputs"]
+    if dy.shape != inp.x.shape or dy.dtype != inp.dtype:
+        raise ValueError(f"dy must have shape {inp.x.shape} and dtype {inp.dtype}, "
                          f"got {dy.shape} {dy.dtype}")
-    ws = workspace or Workspace()
-    out = _gradient_buffers(grads_out or {}, inputs)
-    return _run(lambda p: _backward(p, saved, dy, out), ctx, ws, inputs.xp)
+    grads = _gradient_buffers(grads_out or {}, inp)
+    w_layout = _transposed_2d(grads["wq"])
+
+    def env() -> dict[str, Any]:
+        flat = {k: t.reshape(-1, inp.d_model) for k, t in (
+            ("x", inp.x), ("key", inp.key), ("value", inp.value), ("dy", dy),
+            ("context", saved["context"]))}
+        return {**inp.params, **{"d_" + k: g for k, g in grads.items()}, **flat}
+
+    variant = replace(saved["variant"], w_layout=w_layout)
+    p = backward_pass(layer(variant)[1], variant, saved, env,
+                      ("dx", "d_key", "d_value"), ctx, workspace, flat=True)
+    dx = p.env["dx"].reshape(inp.x.shape)
+    if inp.cross:
+        dx = (dx, p.env["d_key"].reshape(inp.key.shape), p.env["d_value"].reshape(inp.key.shape))
+    return dx, grads
 
 
 # ---------------------------------------------------------------------------------- passes
 
 
-def _run(body: Any, ctx: Context, ws: Workspace, xp: Any) -> Any:
-    """Run a pass with one settle; replay it site by site when the settle repaired something."""
+def forward_pass(forward: tuple[Step, ...], backward: tuple[Step, ...], variant: Variant,
+                 inp: Any, env: Callable[[], dict[str, Any]], out: str, ctx: Context,
+                 workspace: Workspace | None) -> tuple[Any, dict[str, Any]]:
+    """Run the table ``forward`` in ``variant`` on the tensors ``env()`` binds; returns the
+    tensor named ``out`` and what ``backward`` needs: the tensors it reads (kept as new arrays)
+    and the encodings it takes, under ``saved["sums"]``; ``saved["probs_dropped"]`` is None
+    without dropout."""
+    fwd, bwd = steps(forward, variant), steps(backward, variant)
+    tensors, sums = carried(fwd, bwd, variant.gpu)
+    p = _run(fwd, inp, env, tensors | {out}, ctx, workspace)
+    kept = {n: p.sums[n].copy() for n in sums if n in p.sums}  # beyond the workspace
+    p.ws.counters.copies += len(kept)
+    saved = {"inputs": inp, "variant": variant, "probs_dropped": None, "tensors": tensors,
+             **{n: p.env[n] for n in tensors}, "sums": kept}
+    return p.env[out], saved
+
+
+def backward_pass(backward: tuple[Step, ...], variant: Variant, saved: dict[str, Any],
+                  env: Callable[[], dict[str, Any]], outputs: tuple[str, ...], ctx: Context,
+                  workspace: Workspace | None, flat: bool = False) -> "_Pass":
+    """Run the table ``backward`` in ``variant`` on ``env()`` and what :func:`forward_pass`
+    saved; ``outputs`` are new arrays. Returns the pass (its ``env`` holds the results)."""
+    bind = lambda: {**{n: saved[n] for n in saved["tensors"]}, **env()}  # noqa: E731
+    return _run(steps(backward, variant), saved["inputs"], bind, frozenset(outputs), ctx,
+                workspace, saved["sums"], flat)
+
+
+def _run(table: tuple[Step, ...], inp: Any, env: Callable[[], dict[str, Any]],
+         keep: frozenset[str], ctx: Context, workspace: Workspace | None,
+         sums: dict[str, Any] | None = None, flat: bool = False) -> "_Pass":
+    """Run a table with one settle; replay it step by step when the settle repaired something.
+    Returns the pass that delivered."""
+    ws = workspace or Workspace()
     # One thread count for the whole pass (abftgemm.threads); no NumPy floating-point warnings
     # from a fault's INF/NaN, which the checks judge and report.
     with blas_scope(), np.errstate(all="ignore"):
-        return _run_passes(body, ctx, ws, xp)
-
-
-def _run_passes(body: Any, ctx: Context, ws: Workspace, xp: Any) -> Any:
-    first = _Pass(ctx, ws, xp, per_site=False)
-    try:
-        result = body(first)
-        origin = first.settle()
-    except UncorrectableError:
-        ws.abandon()
-        origin = Report()  # something downstream of a fault; the replay settles at the source
-    except BaseException:
-        ws.abandon()
-        raise
-    if origin is None:
-        ctx.report.extend(first.report)
-        return result
-    replay = _Pass(ctx, ws, xp, per_site=True, modes=first.modes)  # the first pass's draws
-    result = body(replay)
-    seen = replay.report.sites
-    origin.events = [e for e in origin.events if e.site not in seen]
-    ctx.report.extend(origin)
-    ctx.report.extend(replay.report)
-    return result
+        first = _Pass(ctx, ws, inp, env(), keep, sums, flat, per_site=False)
+        try:
+            first.run(table)
+            origin = first.settle()
+        except UncorrectableError:
+            ws.abandon()
+            origin = Report()  # something downstream of a fault; the replay settles at the source
+        except BaseException:
+            ws.abandon()
+            raise
+        if origin is None:
+            ctx.report.extend(first.report)
+            done = first
+        else:  # the first pass's check decisions
+            done = _Pass(ctx, ws, inp, env(), keep, sums, flat, per_site=True, modes=first.modes)
+            done.run(table)
+            seen = done.report.sites
+            origin.events = [e for e in origin.events if e.site not in seen]
+            ctx.report.extend(origin)
+            ctx.report.extend(done.report)
+    if ctx.trace is not None:
+        ctx.trace.extend(done.trace)
+    return done
 
 
 class _Pass:
-    """One forward or backward pass: named tensors, passed checksums, pending verdicts."""
+    """One run of a pass table: named tensors, handed-on encodings, pending verdicts. Each
+    ``Step.op`` is the method of its name; it returns what it took or made of the encodings
+    (:func:`attention.passes.checksums` says the same of the table), recorded in :attr:`trace`."""
 
-    def __init__(self, ctx: Context, ws: Workspace, xp: Any, per_site: bool,
+    def __init__(self, ctx: Context, ws: Workspace, inp: Any, env: dict[str, Any],
+                 keep: frozenset[str], sums: dict[str, Any] | None, flat: bool, per_site: bool,
                  modes: dict[str, str] | None = None):
-        self.ctx, self.ws, self.xp, self.per_site = ctx, ws, xp, per_site
+        self.ctx, self.ws, self.inp, self.xp, self.env = ctx, ws, inp, inp.xp, env
+        #: Names made as new arrays (returned or saved); the others are workspace buffers.
+        self.keep = keep
+        #: The backward binds (batch, seq, d_model) tensors as (batch*seq, d_model).
+        self.flat = flat
+        self.per_site = per_site
         #: Site -> its check mode in this step, drawn from the plan once (a replay reuses them).
         self.modes = {} if modes is None else modes
-        #: Causal layer: the routes' ``a_triangle`` and ``out_triangle`` promises hold.
-        self.causal = False
-        self.env: dict[str, Any] = {}
-        self.sums: dict[str, Any] = {}
-        #: Other names of one tensor (in self-attention ``key`` and ``value`` are ``x``).
-        self.aliases: dict[str, str] = {}
+        self.sums: dict[str, Any] = dict(sums or {})
         self.report = Report()
+        self.trace: list[tuple[Step, str | None]] = []
         self._pending: list[tuple[str, str, Any]] = []
+        self._consumers: dict[str, tuple[str, Any]] = {}  # "gemm rows": (site, plan) to observe
+        self._heads: dict[str, Any] = {}  # a backward merge's heads' encodings
+
+    def run(self, table: tuple[Step, ...]) -> None:
+        for step in table:
+            self.trace.append((step, _OPS[step.op](self, step)))
 
     def tensor(self, name: str | None) -> Any:
         if name is None:
             return None
+        t = self.env[name.removesuffix("^T")]
         if name.endswith("^T"):
-            t = self.env[name[:-2]]
             return t.T if t.ndim == 2 else t.transpose(0, 2, 1)
-        return self.env[name]
+        return t
 
-    def gemm(self, site: str, out: Any) -> Any:
-        """Run ``site`` as its route says into ``out``; the product is also ``env[route.out]``.
-
-        A 2-D ``out`` that is the transpose of a C-contiguous array (a caller's gradient buffer
-        in PyTorch's ``W`` layout) gets the transposed product ``b^T a^T`` written into that
-        memory, with no copy (the sites that get one, weight gradients, hand on no checksums;
-        the swapped product encodes its own ``a``)."""
-        route = ROUTES[site]
-        a, b, bias = self.tensor(route.a), self.tensor(route.b), self.tensor(route.bias)
-        mode = self.mode(site)
-        self.env[route.out] = out
-        target = out
-        a_sums = None if route.a_sums is None else self.sums.get(self._named(route.a_sums))
-        triangle = route.a_triangle if self.causal else None
-        if _transposed_2d(out) and bias is None:
-            a, b, target, a_sums, triangle = b.T, a.T, out.T, None, None
-        if mode == "off":
-            _plain(self.xp, a, b, bias, target, site, self.ctx.fault_hook, triangle)
-            return out
-        plan = self.ws.product(site, a, b, bias, mode, triangle)
-        if a_sums is not None:  # (3, batch or 1, k), a view; an empty operand needs none
-            a_sums = Checksums(cols=a_sums.reshape(3, -1, a.shape[-1])) if a.size else None
-        plan.execute(a, b, bias=bias, out=target, fault_hook=self.ctx.fault_hook,
-                     a_checksums=a_sums)
-        if a_sums is None and target is out:  # encoded a: later sites of the same a take it
-            made = plan.a_encoding()
-            if made is not None:
-                self.sums.setdefault(self._named(route.a), made.cols)
-        if self.per_site:
-            report, sums = plan.settle(checksums=True)
-            self.report.extend(report)
-        else:
-            sums = plan.observed_checksums()
-            self._pending.append(("plan", site, plan))
-        if target is out:
-            self.sums[route.out] = sums.cols
+    def target(self, step: Step, shape: tuple[int, ...], dtype: Any = None) -> Any:
+        """Where ``step.out`` goes: the caller's array (a gradient buffer), a new array (a
+        result, or saved for the backward), or a workspace buffer reused by every call."""
+        out = self.env.get(step.out)
+        if out is None:
+            dtype = self.inp.dtype if dtype is None else dtype
+            out = self.xp.empty(shape, dtype) if step.out in self.keep else \
+                self.ws.buffer(step.out, self.xp, shape, dtype)
+            self.env[step.out] = out
         return out
-
-    def kept(self, name: str) -> Any | None:
-        """A copy of ``name``'s encoding, kept beyond the workspace that holds it (for the
-        backward pass; counted), or None."""
-        enc = self.sums.get(name)
-        if enc is None:
-            return None
-        self.ws.counters.copies += 1
-        return enc.copy()
 
     def mode(self, site: str) -> str:
         """``site``'s check mode in this step (each site runs once per pass): drawn from the
@@ -260,28 +287,180 @@ class _Pass:
             self.modes[site] = self.ctx.mode(site)
         return self.modes[site]
 
-    def _named(self, name: str) -> str:
-        """``name`` (with any ``^T``) under the name its tensor's checksums are kept by."""
-        base = name.removesuffix("^T")
-        return self.aliases.get(base, base) + name[len(base):]
+    # ---------------------------------------------------------------- the ops
 
-    def gemm_deferred(self, site: str, out: Any) -> Any | None:
-        """Run a "rows by consumer" site; returns its plan (None when unchecked) for the
-        consumer to fill ``observed`` and :meth:`consumed`."""
-        route = ROUTES[site]
-        a, b = self.tensor(route.a), self.tensor(route.b)
-        mode = self.mode(site)
-        self.env[route.out] = out
-        triangle = route.out_triangle if self.causal else None
+    def gemm(self, step: Step) -> str | None:
+        """A ``transposed`` step writes ``b^T a^T`` into the transpose of its buffer (PyTorch's
+        ``W`` layout: no copy); that product's ``a``, ``b^T``, is encoded; nothing handed on."""
+        a, b = self.tensor(step.ins[0]), self.tensor(step.ins[1])
+        bias = self.tensor(step.bias)
+        out = self.target(step, a.shape[:-1] + b.shape[-1:])
+        target, mode = out, self.mode(step.site)
+        a_sums = self.sums.get(step.sums) if step.sums else None
+        if step.transposed:
+            a, b, target, a_sums = b.T, a.T, out.T, None
         if mode == "off":
-            _plain(self.xp, a, b, None, out, site, self.ctx.fault_hook, out_triangle=triangle)
+            _plain(self.xp, a, b, bias, target, step.site, self.ctx.fault_hook, step.a_triangle)
             return None
-        plan = self.ws.product(site, a, b, None, mode, directions=CONSUMER_ROWS,
-                               out_triangle=triangle)
-        rows = self.sums.get(route.b_rows)
-        rows = None if rows is None else Checksums(rows=rows.reshape(3, -1, b.shape[-2]))
-        plan.execute(a, b, out=out, fault_hook=self.ctx.fault_hook, b_rows=rows)
-        return plan
+        plan = self.ws.product(step.site, a, b, bias, mode, step.a_triangle)
+        if a_sums is not None:  # (3, batch or 1, k), a view; an empty operand needs none
+            a_sums = Checksums(cols=a_sums.reshape(3, -1, a.shape[-1])) if a.size else None
+        plan.execute(a, b, bias=bias, out=target, fault_hook=self.ctx.fault_hook,
+                     a_checksums=a_sums)
+        if a_sums is None and not step.transposed:  # encoded a: later steps of that a take it
+            made = plan.a_encoding()
+            if made is not None:
+                self.sums.setdefault(step.ins[0], made.cols)
+        if self.per_site:
+            report, sums = plan.settle(checksums=True)
+            self.report.extend(report)
+        else:
+            sums = plan.observed_checksums()
+            self._pending.append(("plan", step.site, plan))
+        if not step.transposed:
+            self.sums[step.out] = sums.cols
+        return None if a_sums is None else step.sums
+
+    def gemm_rows(self, step: Step) -> str | None:
+        a, b = self.tensor(step.ins[0]), self.tensor(step.ins[1])
+        out = self.target(step, a.shape[:-1] + b.shape[-1:])
+        mode, rows = self.mode(step.site), self.sums.get(step.rows)
+        if mode == "off":
+            _plain(self.xp, a, b, None, out, step.site, self.ctx.fault_hook,
+                   out_triangle=step.out_triangle)
+            self._consumers[step.out] = (step.site, None)
+            return None
+        plan = self.ws.product(step.site, a, b, None, mode, directions=CONSUMER_ROWS,
+                               out_triangle=step.out_triangle)
+        given = None if rows is None else Checksums(rows=rows.reshape(3, -1, b.shape[-2]))
+        plan.execute(a, b, out=out, fault_hook=self.ctx.fault_hook, b_rows=given)
+        self._consumers[step.out] = (step.site, plan)
+        return None if rows is None else step.rows
+
+    def softmax(self, step: Step) -> str | None:
+        scores = self.env[step.ins[0]]
+        probs = self.target(step, scores.shape)
+        site, plan = self._consumers.pop(step.ins[0])
+        run = softmax_steps.forward_step(self.inp, scores, probs, self.ctx, self.ws, plan)
+        return self._softmax_checked(step, site, plan, run)
+
+    def softmax_backward(self, step: Step) -> str | None:
+        d_probs, probs = (self.env[n] for n in step.ins)
+        d_scores = self.target(step, d_probs.shape)
+        site, plan = self._consumers.pop(step.ins[0])
+        run = softmax_steps.backward_step(d_probs, probs, d_scores, self.inp.scale, self.ctx,
+                                          self.ws, plan, causal=self.inp.causal,
+                                          dropout=self.inp.dropout)
+        return self._softmax_checked(step, site, plan, run)
+
+    def _softmax_checked(self, step: Step, site: str, plan: Any, run: Any) -> str | None:
+        self.consumed(site, plan, run.run)
+        self.invariant(step.site, run.verdict, run.recompute)
+        if run.encodings is None:
+            return None
+        self.sums[step.out], self.sums[step.out + "^T"] = run.encodings  # made on its write
+        return step.out
+
+    def fused_core(self, step: Step) -> None:
+        """The fused core (:mod:`attention.fused`): ``context_h`` and the rows' log-sum-exp
+        ``lse``, every tile checked (its own sites; its findings go to this pass's report).
+        ``core="auto"`` on non-finite Q, K or V: the unfused core's steps instead (``lse`` None)."""
+        inp, (q, k, v) = self.inp, (self.env[n] for n in step.ins)
+        if inp.core == "auto" and finite_reason(q=q, k=k, v=v) is not None:
+            self.env["lse"] = None
+            self.run(steps(CORE_FORWARD, Variant(causal=inp.causal)))
+            return
+        visible = inp.key_visible
+        if visible is not None:  # (batch, seq_k) -> (batch * heads, seq_k)
+            visible = np.repeat(visible, inp.n_heads, axis=0)
+        out, state = fused_forward(q, k, v, self._fused_context(), scale=inp.scale,
+                                   causal=inp.causal, key_visible=visible, attn_mask=inp.attn_add)
+        self.env.update(zip(step.out.split(", "), (out, state["lse"])))
+        inp.fused = {n: state[n] for n in ("scale", "causal", "visible", "add")}
+
+    def fused_core_backward(self, step: Step) -> None:
+        """The fused core's backward after its forward where the gradient is finite; else (as
+        the unfused core passes non-finite gradients through, and where the forward ran the
+        unfused steps) the unfused scores and softmax again, then the unfused backward."""
+        d_out, q, k, v, out, lse = (self.env[n] for n in step.ins)
+        if lse is not None and np.isfinite(d_out).all():
+            state = {**self.inp.fused, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+            self.env.update(zip(step.out.split(", "),
+                                fused_backward(state, d_out, self._fused_context())))
+            return
+        unfused = Variant(causal=self.inp.causal)
+        self.run(steps(_RECOMPUTED_CORE, unfused))
+
+    def _fused_context(self) -> Context:
+        """The fused core's context: its findings go to this pass's report (a replay replaces
+        them as it replaces the sites')."""
+        return Context(self.ctx.check, self.ctx.plan, self.ctx.fault_hook, self.report)
+
+    def dropout(self, step: Step) -> None:
+        probs = self.env[step.ins[0]]
+        run = DropoutStep(probs, self.inp.dropout, self.target(step, probs.shape), self.ctx)
+        self.invariant(step.site, run.verdict, run.recompute)
+
+    def split(self, step: Step) -> str | None:
+        t, h = self.env[step.ins[0]], self.inp.n_heads
+        if t.ndim == 2:  # the backward's (batch*seq_q, d_model)
+            t = t.reshape(self.inp.x.shape)
+        b, s, d = t.shape
+        self.target(step, (b * h, s, d // h)).reshape(b, h, s, d // h)[...] = \
+            t.reshape(b, s, h, d // h).transpose(0, 2, 1, 3)
+        return self._hand_on(step)
+
+    def merge(self, step: Step) -> str | None:
+        t, h = self.env[step.ins[0]], self.inp.n_heads
+        bh, s, hd = t.shape
+        out = self.target(step, (bh // h, s, h * hd))
+        out.reshape(bh // h, s, h, hd)[...] = t.reshape(bh // h, h, s, hd).transpose(0, 2, 1, 3)
+        if self.flat:
+            self.env[step.out] = out.reshape(-1, h * hd)
+        return self._hand_on(step)
+
+    def _hand_on(self, step: Step) -> str | None:
+        """A split's or merge's encoding: its input's (composed over the batch items in a flat
+        pass, whose splits take none)."""
+        enc = self.sums.get(step.sums) if step.sums else None
+        if enc is None or self.flat and (step.op == "split" or not self.inp.batch):
+            return None
+        if self.flat:
+            self._heads[step.out] = enc
+            enc = _stacked_encoding(self.xp, [enc], self.inp.batch,
+                                    self.ws.buffer(step.out + "^sums", self.xp,
+                                                   (3, 1, self.inp.d_model), np.float64))
+        self.sums[step.out] = enc
+        return step.sums
+
+    def stack(self, step: Step) -> str | None:
+        """Columns side by side (nothing to do where the caller bound the result: the memory of
+        the parts side by side, such as PyTorch's ``in_proj_weight``)."""
+        if step.out in self.env:
+            return None
+        parts = [self.env[n] for n in step.ins]
+        out = self.target(step, (parts[0].shape[0], sum(t.shape[1] for t in parts)))
+        at = 0
+        for t in parts:
+            out[:, at:at + t.shape[1]] = t
+            at += t.shape[1]
+        heads = [self._heads.get(n) for n in step.ins]  # composed again side by side: no copy
+        if any(e is None for e in heads):
+            return None
+        self.sums[step.out] = _stacked_encoding(self.xp, heads, self.inp.batch, self.ws.buffer(
+            step.out + "^sums", self.xp, (3, 1, out.shape[1]), np.float64))
+        return " ".join(step.ins)
+
+    def column_sum(self, step: Step) -> None:
+        """A bias gradient into its buffer: column sums accumulated in float32/float64."""
+        t, out = self.env[step.ins[0]], self.env[step.out]
+        acc = accumulation_dtype(t.dtype)
+        if acc == t.dtype:
+            t.sum(axis=0, out=out)
+        else:
+            out[...] = t.sum(axis=0, dtype=acc)
+
+    # ---------------------------------------------------------------- verdicts
 
     def consumed(self, site: str, plan: Any | None, redo: Any) -> None:
         """The consumer observed ``plan``'s rows: judge them; settle now (replay) or later.
@@ -341,6 +520,14 @@ class _Pass:
                 origin = found
         self._pending = []
         return origin
+
+
+#: The unfused core's backward after a fused forward: the scores and softmax again first.
+_RECOMPUTED_CORE = CORE_FORWARD[:2] + CORE_BACKWARD
+#: The executor's method of each ``Step.op``.
+_OPS = {op: getattr(_Pass, op.replace(" ", "_")) for op in (
+    "gemm", "gemm rows", "split", "merge", "softmax", "softmax backward", "dropout", "stack",
+    "column sum", "fused core", "fused core backward")}
 
 
 def _invariant_finding(report: Report, site: str, worst: float, tol: float, action: str,
@@ -431,7 +618,8 @@ class _Inputs:
         return cls(xp=xp, x=x, key=key if cross else x, value=value if cross else x,
                    cross=cross, key_visible=key_visible, attn_add=add, n_heads=n_heads,
                    head_dim=d_model // n_heads, d_model=d_model, causal=causal,
-                   dtype=x.dtype, params=params)
+                   dtype=x.dtype, params=params, batch=batch,
+                   scale=1 / math.sqrt(d_model // n_heads))
 
 
 def _additive(xp: Any, mask: Any | None, rows: int, seq_q: int, seq_k: int) -> Any | None:
@@ -453,224 +641,29 @@ def _additive(xp: Any, mask: Any | None, rows: int, seq_q: int, seq_k: int) -> A
     return xp.ascontiguousarray(add.reshape((-1, seq_q, seq_k)))
 
 
-# ---------------------------------------------------------------------------------- forward
-
-
-def _forward(p: _Pass, inp: _Inputs) -> tuple[Any, dict[str, Any]]:
-    xp, ws, dt = p.xp, p.ws, inp.dtype
-    batch, seq_q, d = inp.x.shape
-    seq_k = inp.key.shape[1]
-    h, hd = inp.n_heads, inp.head_dim
-    p.env.update(inp.params, x=inp.x, key=inp.key, value=inp.value)
-    p.causal = inp.causal
-    if not inp.cross:
-        p.aliases.update(key="x", value="x")
-    p.gemm("q_proj", ws.buffer("q", xp, (batch, seq_q, d), dt))
-    p.gemm("k_proj", ws.buffer("k", xp, (batch, seq_k, d), dt))
-    p.gemm("v_proj", ws.buffer("v", xp, (batch, seq_k, d), dt))
-    for name in "qkv":
-        p.env[name + "h"] = _split(xp, p.env[name], h)
-        if name in p.sums:
-            p.sums[name + "h"] = p.sums[name]
-    product = _product_forward(p, inp, (batch * h, seq_q, seq_k))
-    p.env["context"] = _merge(xp, p.env["context_h"], h)
-    y = p.gemm("out_proj", xp.empty((batch, seq_q, d), dt))
-    saved = {"inputs": inp, "qh": p.env["qh"], "kh": p.env["kh"], "vh": p.env["vh"],
-             "context": p.env["context"], **product,
-             "v_sums": p.kept("vh"), "probs_t_sums": p.kept("probs^T")}
-    return y, saved
-
-
-def _product_forward(p: _Pass, inp: _Inputs, shape: tuple[int, int, int]) -> dict[str, Any]:
-    """The attention product between the projections, ``context_h`` from ``qh``, ``kh``,
-    ``vh``: the fused core where ``inp.core`` and the operands allow, else the unfused sites.
-    Returns the entries of ``saved`` it adds (``core``, ``probs``, ``probs_dropped``,
-    ``fused``)."""
-    if inp.core != "unfused" and inp.why_not is None and (
-            inp.core == "fused" or finite_reason(q=p.env["qh"], k=p.env["kh"],
-                                                 v=p.env["vh"]) is None):
-        visible = inp.key_visible
-        if visible is not None:  # (batch, seq_k) -> (batch * heads, seq_k)
-            visible = np.repeat(visible, inp.n_heads, axis=0)
-        out, fused = fused_forward(p.env["qh"], p.env["kh"], p.env["vh"], _fused_context(p),
-                                   scale=1 / math.sqrt(inp.head_dim), causal=inp.causal,
-                                   key_visible=visible, attn_mask=inp.attn_add)
-        p.env["context_h"] = out
-        return {"core": "fused", "fused": fused, "probs": None, "probs_dropped": None}
-    probs = _scores_and_softmax(p, inp, shape)
-    dropped = _dropout(p, inp, probs)
-    p.gemm("context", p.ws.buffer("context_h", p.xp, shape[:2] + (inp.head_dim,), inp.dtype))
-    return {"core": "unfused", "probs": probs, "probs_dropped": dropped}
-
-
-def _fused_context(p: _Pass) -> Context:
-    """The fused core's context in a pass: its findings go to the pass's report (a replay
-    replaces them as it replaces the sites')."""
-    return Context(p.ctx.check, p.ctx.plan, p.ctx.fault_hook, p.report)
-
-
-def _scores_and_softmax(p: _Pass, inp: Any, shape: tuple[int, int, int]) -> Any:
-    """The ``scores`` product (``qh @ kh^T``, rows checked by the softmax kernel) and the checked
-    softmax into ``p.env["probs"]``, which is returned; the encodings of P the kernel makes on its
-    write go to ``p.sums``."""
-    scores = p.ws.buffer("scores", p.xp, shape, inp.dtype)
-    plan = p.gemm_deferred("scores", scores)
-    probs = p.xp.empty_like(scores)
-    p.env["probs"] = probs
-    step = softmax_steps.forward_step(inp, scores, probs, p.ctx, p.ws, plan)
-    p.consumed("scores", plan, step.run)
-    p.invariant("softmax", step.verdict, step.recompute)
-    if step.encodings is not None:  # made by the softmax kernel on its write of P
-        p.sums["probs"], p.sums["probs^T"] = step.encodings
-    return probs
-
-
-def _dropout(p: _Pass, inp: Any, probs: Any) -> Any | None:
-    """With attention dropout: the dropped probabilities (a new array), checked on the site
-    ``"dropout"``, become what the products read as ``probs``; returns them (None without
-    dropout). The encodings the softmax kernel made describe ``P``, not them: they are not
-    handed on (the products encode what they read)."""
-    if inp.dropout is None:
-        return None
-    for name in ("probs", "probs^T"):
-        p.sums.pop(name, None)
-    step = DropoutStep(probs, inp.dropout, p.xp.empty_like(probs), p.ctx)
-    p.invariant(DROPOUT_SITE, step.verdict, step.recompute)
-    p.env["probs"] = step.out
-    return step.out
-
-
-def _split(xp: Any, t: Any, heads: int) -> Any:
-    """(batch, seq, d_model) -> new contiguous (batch*heads, seq, head_dim)."""
-    b, s, d = t.shape
-    out = xp.empty((b, heads, s, d // heads), t.dtype)
-    out[...] = t.reshape(b, s, heads, d // heads).transpose(0, 2, 1, 3)
-    return out.reshape(b * heads, s, d // heads)
-
-
-def _merge(xp: Any, t: Any, heads: int, out: Any | None = None) -> Any:
-    """(batch*heads, seq, head_dim) -> contiguous (batch, seq, d_model)."""
-    bh, s, hd = t.shape
-    b = bh // heads
-    out = xp.empty((b, s, heads * hd), t.dtype) if out is None else out
-    out.reshape(b, s, heads, hd)[...] = t.reshape(b, heads, s, hd).transpose(0, 2, 1, 3)
-    return out
-
-
-# ---------------------------------------------------------------------------------- backward
-
-
 def _gradient_buffers(given: dict[str, Any], inp: "_Inputs") -> dict[str, Any]:
-    """Validated ``grads_out``, completed with new arrays for the gradients not given."""
+    """Validated ``grads_out``, completed with new arrays for the gradients not given; the
+    weight gradients all in one layout (``x @ w``, or all transposed: PyTorch's ``W``)."""
     unknown = set(given) - set(PARAM_KEYS)
     if unknown:
         raise ValueError(f"grads_out has unknown keys {sorted(unknown)}; expected {PARAM_KEYS}")
     xp, par = inp.xp, inp.params
+    layouts = {_transposed_2d(g) for k, g in given.items() if k in _WEIGHTS}
+    if len(layouts) > 1:
+        raise ValueError("grads_out: give the weight gradients in one layout, every one "
+                         "C-contiguous or every one the transpose of a C-contiguous array")
+    w_layout = layouts == {True}
     out = {}
     for k in PARAM_KEYS:
         g = given.get(k)
         if g is None:
-            g = xp.empty(par[k].shape, inp.dtype)
+            g = xp.empty(par[k].shape[::-1], inp.dtype).T if w_layout and k in _WEIGHTS else \
+                xp.empty(par[k].shape, inp.dtype)
         elif array_module(g) is not xp or g.shape != par[k].shape or g.dtype != inp.dtype:
             raise ValueError(f"grads_out[{k!r}] must be a {xp.__name__} {inp.dtype} array of "
                              f"shape {par[k].shape}")
         out[k] = g
     return out
-
-
-def _backward(p: _Pass, saved: dict[str, Any], dy: Any,
-              grads: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    inp: _Inputs = saved["inputs"]
-    xp, ws, dt = p.xp, p.ws, inp.dtype
-    batch, seq_q, d = inp.x.shape
-    seq_k = inp.key.shape[1]
-    h, hd = inp.n_heads, inp.head_dim
-    flat = (-1, d)
-    par = inp.params
-    p.env.update(par, x=inp.x.reshape(flat), key=inp.key.reshape(flat),
-                 value=inp.value.reshape(flat), dy=dy.reshape(flat), context=saved["context"].reshape(flat),
-                 qh=saved["qh"], kh=saved["kh"], vh=saved["vh"], probs=_read_probs(saved))
-    p.causal = inp.causal
-    if not inp.cross:
-        p.aliases.update(key="x", value="x")
-    for name, key in (("vh", "v_sums"), ("probs^T", "probs_t_sums")):
-        if saved[key] is not None:
-            p.sums[name] = saved[key]
-    p.gemm("d_wo", grads["wo"])
-    p.env["dy"] = dy
-    d_ctx = p.gemm("d_context", ws.buffer("d_context", xp, (batch, seq_q, d), dt))
-    p.env["d_context_h"] = _split(xp, d_ctx, h)
-    _product_backward(p, saved, (batch * h, seq_q, seq_k))
-    dq = _merge(xp, p.env["d_qh"], h, ws.buffer("dq", xp, (batch, seq_q, d), dt)).reshape(flat)
-    dk = _merge(xp, p.env["d_kh"], h, ws.buffer("dk", xp, (batch, seq_k, d), dt)).reshape(flat)
-    dv = _merge(xp, p.env["d_vh"], h, ws.buffer("dv", xp, (batch, seq_k, d), dt)).reshape(flat)
-    p.env.update(dq=dq, dk=dk, dv=dv)
-    parts = [p.sums.get(n) for n in (("d_qh",) if inp.cross else ("d_qh", "d_kh", "d_vh"))]
-    if batch and all(e is not None for e in parts):  # d_x's a, [dQ dK dV] (dQ in cross-attn.)
-        p.sums["d_qkv"] = _stacked_encoding(xp, parts, batch,
-                                            ws.buffer("d_qkv_sums", xp, (3, 1, len(parts) * d),
-                                                      np.float64))
-    _column_sum(dy.reshape(flat), grads["bo"])
-    for name in "qkv":
-        p.gemm(f"d_w{name}", grads["w" + name])
-        _column_sum(p.env["d" + name], grads["b" + name])
-    if inp.cross:
-        p.env.update(d_qkv=dq, w_qkv=par["wq"])
-        d_query = p.gemm("d_x", xp.empty((batch * seq_q, d), dt)).reshape(inp.x.shape)
-        d_key = p.gemm("d_key", xp.empty((batch * seq_k, d), dt)).reshape(inp.key.shape)
-        d_value = p.gemm("d_value", xp.empty((batch * seq_k, d), dt)).reshape(inp.value.shape)
-        dx: Any = (d_query, d_key, d_value)
-    else:
-        d_qkv = ws.buffer("d_qkv", xp, (batch * seq_q, 3 * d), dt)
-        w_qkv = par.get("w_qkv")
-        if w_qkv is None:
-            w_qkv = ws.buffer("w_qkv", xp, (d, 3 * d), dt)
-            for i, w in enumerate(("wq", "wk", "wv")):
-                w_qkv[:, i * d:(i + 1) * d] = par[w]
-        for i, g in enumerate((dq, dk, dv)):
-            d_qkv[:, i * d:(i + 1) * d] = g
-        p.env.update(d_qkv=d_qkv, w_qkv=w_qkv)
-        dx = p.gemm("d_x", xp.empty((batch * seq_q, d), dt)).reshape(inp.x.shape)
-    return dx, {k: grads[k] for k in PARAM_KEYS}
-
-
-def _product_backward(p: _Pass, saved: dict[str, Any], shape: tuple[int, int, int]) -> None:
-    """``d_qh``, ``d_kh``, ``d_vh`` from ``d_context_h``: the fused core's backward after its
-    forward (where the gradient is finite: else the unfused product again, as the unfused core
-    passes non-finite gradients through), else the unfused sites."""
-    inp: _Inputs = saved["inputs"]
-    xp, ws, dt = p.xp, p.ws, inp.dtype
-    hd = inp.head_dim
-    n, seq_q, seq_k = shape
-    if saved["core"] == "fused":
-        d_out = p.env["d_context_h"]
-        if np.isfinite(d_out).all():
-            p.env["d_qh"], p.env["d_kh"], p.env["d_vh"] = fused_backward(
-                saved["fused"], d_out, _fused_context(p))
-            return
-        p.env["probs"] = _scores_and_softmax(p, inp, shape)
-        probs = p.env["probs"]
-    else:
-        probs = saved["probs"]
-    d_probs = ws.buffer("d_probs", xp, shape, dt)
-    plan = p.gemm_deferred("d_probs", d_probs)
-    p.gemm("d_v", ws.buffer("d_vh", xp, (n, seq_k, hd), dt))
-    d_scores = ws.buffer("d_scores", xp, shape, dt)
-    step = softmax_steps.backward_step(d_probs, probs, d_scores, 1 / math.sqrt(hd),
-                                       p.ctx, ws, plan, causal=inp.causal, dropout=inp.dropout)
-    p.consumed("d_probs", plan, step.run)
-    p.invariant("softmax_backward", step.verdict, step.recompute)
-    p.env["d_scores"] = d_scores
-    if step.encodings is not None:  # made by the softmax kernel on its write of dS
-        p.sums["d_scores"], p.sums["d_scores^T"] = step.encodings
-    p.gemm("d_q", ws.buffer("d_qh", xp, (n, seq_q, hd), dt))
-    p.gemm("d_k", ws.buffer("d_kh", xp, (n, seq_k, hd), dt))
-
-
-def _read_probs(saved: dict[str, Any]) -> Any:
-    """The probabilities the backward products read: after dropout when there was one."""
-    dropped = saved.get("probs_dropped")
-    return saved["probs"] if dropped is None else dropped
 
 
 def _stacked_encoding(xp: Any, parts: list[Any], batch: int, out: Any) -> Any:
@@ -693,12 +686,11 @@ def _stacked_encoding(xp: Any, parts: list[Any], batch: int, out: Any) -> Any:
     weighted.sum(axis=0, out=out[1, 0])
     e[2].sum(axis=0, out=out[2, 0])
     return out
-
-
-def _column_sum(t: Any, out: Any) -> None:
-    """Bias gradient into ``out``: column sums of ``t`` accumulated in float32/float64."""
-    acc = accumulation_dtype(t.dtype)
-    if acc == t.dtype:
-        t.sum(axis=0, out=out)
-    else:
-        out[...] = t.sum(axis=0, dtype=acc)
+    e = xp.concatenate([x.reshape(batch, -1, 3) for x in parts], axis=1)  # (batch, width, 3)
+    item = (xp.arange(batch, dtype=np.float64) / batch)[:, None]
+    weighted = e[..., 1] / batch
+    weighted[1:] += item[1:] * e[1:, :, 0]  # item 0's weight is 0: no 0 * inf = NaN
+    e[..., 0].sum(axis=0, out=out[0, :, 0])
+    weighted.sum(axis=0, out=out[0, :, 1])
+    e[..., 2].sum(axis=0, out=out[0, :, 2])
+    return out

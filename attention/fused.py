@@ -43,7 +43,8 @@ each tile array as computed and before it is checked):
     checksums are then compared with the prediction.
 ``fused:rowsum``
     The softmax denominators: the running ``l`` (tile row sums rescaled in the data's dtype)
-    against ``sum P`` carried in float64 beside the output's checksums.
+    against ``sum P`` carried in float64 beside the output's checksums (the hook sees ``l`` after
+    each tile as a ``(rows, 1)`` column).
 ``fused:dP``
     ``dP = dO_blk V_blk^T``, row checksums predicted as ``dO_blk (V_blk^T E)``, ``E^T V_blk``
     encoded once per key block.

@@ -11,11 +11,12 @@ import numpy as np
 from attention.context import Context
 from attention.fused import SUPPORTED as FUSED_DTYPES
 from attention.fused_rules import additive_ok
+from attention.passes import CORE_BACKWARD, CORE_FORWARD
 
 #: The ``core`` choices: ``"auto"`` the fused core where it applies, else the unfused one.
 CORES = ("auto", "fused", "unfused")
 #: The GEMM sites of the unfused attention product (forward, then backward).
-CORE_SITES = ("scores", "context", "d_probs", "d_v", "d_q", "d_k")
+CORE_SITES = tuple(s.site for s in CORE_FORWARD + CORE_BACKWARD if s.op.startswith("gemm"))
 
 
 def check_core(core: str) -> None:

@@ -3,7 +3,8 @@
 Three layers, as in flash-attention: the softmax kernels and planned products, the functional
 core (:mod:`attention.functional`, explicit state in a :class:`~attention.context.Context`), and
 this thin stateful class: parameters, a workspace of plans and buffers per shape, and
-``last_report`` as a convenience.
+``last_report`` as a convenience (the findings of the last pass, forward and backward, as in
+:class:`attention.torch.MultiheadAttention`).
 """
 from __future__ import annotations
 
@@ -64,7 +65,10 @@ class MultiHeadAttention:
         ``"wq","wk","wv","wo"`` ``(d_model, d_model)`` applied as ``x @ w``; ``"bq","bk","bv","bo"``
         ``(d_model,)``.
     last_report : Report
-        Findings of the most recent ``forward`` or ``backward`` call.
+        The findings of the last pass: those of the last ``forward``, extended by its
+        ``backward`` once that runs (the backward of an earlier forward's cache makes that
+        forward's report the last one). The same meaning as
+        :attr:`attention.torch.MultiheadAttention.last_report`.
     last_core : str or None
         ``"fused"`` or ``"unfused"``: the attention product the last ``forward`` ran.
 
@@ -133,7 +137,8 @@ class MultiHeadAttention:
         cache : dict
             What ``backward`` needs; ``cache["core"]`` says which product ran (also
             ``last_core``), ``cache["probs"]`` holds the attention probabilities after the
-            unfused one, None after the fused core.
+            unfused one, None after the fused core; ``cache["report"]``: this call's findings,
+            which its backward extends.
         """
         ctx = self._context(fault_hook, check)
         y, saved = attention_forward(self.params, x, ctx, n_heads=self.n_heads,
@@ -142,7 +147,8 @@ class MultiHeadAttention:
                                      dropout_keep=dropout_keep, rng=rng,
                                      workspace=self._workspace, need_weights=need_weights,
                                      core=self.core)
-        self.last_report, self.last_core = ctx.report, saved["core"]
+        self.last_report = saved["report"] = ctx.report
+        self.last_core = saved["core"]
         return y, saved
 
     # ------------------------------------------------------------------ backward
@@ -164,13 +170,15 @@ class MultiHeadAttention:
         grads : dict
             Same keys and shapes as ``params``.
         """
-        ctx = self._context(fault_hook, check)
+        ctx = self._context(fault_hook, check, cache.get("report"))
         dx, grads = attention_backward(cache, dy, ctx, workspace=self._workspace)
         self.last_report = ctx.report
         return dx, grads
 
-    def _context(self, fault_hook: FaultHook | None, check: str | None) -> Context:
-        return Context(self.check if check is None else check, self.plan, fault_hook)
+    def _context(self, fault_hook: FaultHook | None, check: str | None,
+                 report: Report | None = None) -> Context:
+        return Context(self.check if check is None else check, self.plan, fault_hook,
+                       Report() if report is None else report)
 
     @property
     def counters(self) -> Counters:

@@ -1,19 +1,12 @@
-"""The checking plan: per site, what is checked, where its checksums come from, and how often.
+"""The checking plan: how often each site is checked, and the table of what every step does.
 
-:data:`ROUTES` is the table the functional core (:mod:`attention.functional`) executes: per GEMM
-site, its operands, its bias, where the checksums come from and how it is verified. Sites are
-planned products (:class:`abftgemm.ProtectedMatmul`) verified by their column checksums; the row
-direction is computed on the rare path, when a column flags. The scores and ``dP`` are the
-exception: reading them only to verify them costs a large part of their GEMM on a GPU (their
-inner dimension, the head dimension, is short, so the GEMM is bound by writing them), so the softmax
-kernels (forward and backward) observe their row checksums on the read they make anyway
-(:class:`abftgemm.ProtectedMatmul`'s ``directions="rows by consumer"``). Checksums "passed" cost
-no encoding pass: they are the column encodings an earlier product's verification observed (or
-composed from such encodings of its parts), the encoding an earlier site made of the same operand (``X`` is encoded once per pass
-for ``Q``, ``K`` and ``V``, and ``X^T`` once for their weight gradients), or, for ``P``, ``dS``
-and their transposes, the encodings the CPU softmax kernels make as they write them (the GPU
-kernels do not yet: there those products read their operand; nor does a GPU plan keep a whole
-encoding it made itself, so there ``K`` and ``V`` read ``X`` again).
+Every step of a pass, with its site, what it computes and where its checksums come from, is the
+data of :mod:`attention.passes`, which the functional core runs; :meth:`CheckingPlan.table`
+prints it (resolved for one :class:`attention.passes.Variant`) with how often each site is
+checked, and :func:`plan_markdown` is docs/checking_plan.md's table (``python
+scripts/checking_plan_table.py`` writes it there). Sites are the GEMMs (planned products verified
+by their column checksums, or by their row checksums observed by the softmax that reads them),
+the two softmax steps and dropout (checked by invariants).
 
 How often is a trade-off: :func:`adaptive_frequencies` picks, from a fault rate and per-site cost
 and vulnerability, the cheapest per-site checking probabilities that keep the expected number of
@@ -27,141 +20,54 @@ from typing import Mapping
 
 import numpy as np
 
-from attention.dropout import DROPOUT_CHECK, DROPOUT_SITE
+from attention.passes import (BACKWARD, FORWARD, INVARIANT_SITES, Step, Variant, carried,
+                              checksums, describe, layer, steps)
 
 
 @dataclass(frozen=True)
 class SitePlan:
-    """How one site is protected.
+    """How often one site is checked.
 
     Attributes
     ----------
-    product : str
-        The product, in the layer's notation.
-    checksums : str
-        Where the operands' encodings come from ("passed: ..." costs no encoding pass).
     every : int
         Check every ``every``-th call (1 = always).
     probability : float
         Check a call with this probability (applied after ``every``; 1 = always).
     """
 
-    product: str
-    checksums: str
     every: int = 1
     probability: float = 1.0
 
 
-@dataclass(frozen=True)
-class Route:
-    """Where a site's operands and checksums come from: the table the functional core executes.
-
-    Tensor names are those of :mod:`attention.functional` (``"x"``: the query input; ``"key"``,
-    ``"value"``: the key and value inputs, ``"x"`` again in self-attention; ``"qh"``: Q split
-    into heads, ...); a trailing ``"^T"`` transposes the last two axes.
-
-    Attributes
-    ----------
-    out : str
-        Name of the product.
-    a, b : str
-        Names of the operands.
-    bias : str or None
-        Name of the bias added inside the protection.
-    a_sums : str or None
-        "Passed": the tensor whose column encoding is the column encoding of ``a``, known
-        without reading ``a``: observed by the product that made it, made by the softmax kernel
-        that wrote it (``probs``, ``d_scores`` and their transposes, on the CPU), made by an
-        earlier site of the pass that encoded the same tensor (every site that encodes its
-        ``a`` hands the encoding on under ``a``'s name; in self-attention ``key`` and ``value``
-        are ``x``), or composed from the observed encodings of its parts (``d_qkv`` from the
-        head products ``d_qh``, ``d_kh``, ``d_vh``). None, or when the pass has no such
-        encoding: encoded from ``a``.
-    verify : {"columns", "rows by consumer"}
-        ``"columns"``: a planned product verified by its own two launches. ``"rows by consumer"``:
-        the next kernel that reads the product observes its row checksums on that read.
-    b_rows : str or None
-        For ``"rows by consumer"``: the tensor whose column encoding is the row encoding of ``b``
-        (``b`` is that tensor transposed).
-    a_triangle : {None, "lower", "upper"}
-        In a causal layer, ``a`` is zero outside this triangle (``P`` and ``dS`` are lower
-        triangular, their transposes upper): the product multiplies only the blocks it can
-        hold (:class:`abftgemm.ProtectedMatmul`'s ``a_triangle``).
-    out_triangle : {None, "lower"}
-        In a causal layer, only this triangle of the product is read (the scores and ``dP``:
-        the softmax sees keys ``j <= i``): row blocks are computed and verified up to their
-        last column (:class:`abftgemm.ProtectedMatmul`'s ``out_triangle``).
-    """
-
-    out: str
-    a: str
-    b: str
-    bias: str | None = None
-    a_sums: str | None = None
-    verify: str = "columns"
-    b_rows: str | None = None
-    a_triangle: str | None = None
-    out_triangle: str | None = None
-
-    def describe(self) -> str:
-        """The checksum route in words (the ``checksums`` column of the plan's table)."""
-        if self.verify == "rows by consumer":
-            return (f"passed: column encoding of {self.b_rows} as the row encoding of {self.b}; "
-                    "row checksums only, observed by the softmax kernel on its one read")
-        return f"passed: column encoding of {self.a_sums}" if self.a_sums else "encoded"
+def _gemm_sites(table: tuple[Step, ...], variant: Variant) -> tuple[str, ...]:
+    return tuple(s.site for s in steps(table, variant) if s.op.startswith("gemm"))
 
 
-#: Every GEMM site's route (self-attention; cross-attention reads ``key``/``value`` where the
-#: table says so and adds the sites of :data:`CROSS_SITES`).
-ROUTES: dict[str, Route] = {
-    "q_proj": Route("q", "x", "wq", "bq"),
-    "k_proj": Route("k", "key", "wk", "bk", a_sums="key"),
-    "v_proj": Route("v", "value", "wv", "bv", a_sums="value"),
-    "scores": Route("scores", "qh", "kh^T", verify="rows by consumer", b_rows="kh",
-                    out_triangle="lower"),
-    "context": Route("context_h", "probs", "vh", a_sums="probs", a_triangle="lower"),
-    "out_proj": Route("y", "context", "wo", "bo", a_sums="context_h"),
-    "d_wo": Route("d_wo", "context^T", "dy"),
-    "d_context": Route("d_context", "dy", "wo^T"),
-    "d_probs": Route("d_probs", "d_context_h", "vh^T", verify="rows by consumer", b_rows="vh",
-                     out_triangle="lower"),
-    "d_v": Route("d_vh", "probs^T", "d_context_h", a_sums="probs^T", a_triangle="upper"),
-    "d_q": Route("d_qh", "d_scores", "kh", a_sums="d_scores", a_triangle="lower"),
-    "d_k": Route("d_kh", "d_scores^T", "qh", a_sums="d_scores^T", a_triangle="upper"),
-    "d_wq": Route("d_wq", "x^T", "dq"),
-    "d_wk": Route("d_wk", "key^T", "dk", a_sums="key^T"),
-    "d_wv": Route("d_wv", "value^T", "dv", a_sums="value^T"),
-    "d_x": Route("dx", "d_qkv", "w_qkv^T", a_sums="d_qkv"),
-    "d_key": Route("d_key", "dk", "wk^T"),
-    "d_value": Route("d_value", "dv", "wv^T"),
-}
-
-_PRODUCTS = {
-    "q_proj": "Q = X Wq + bq", "k_proj": "K = X_k Wk + bk", "v_proj": "V = X_v Wv + bv",
-    "scores": "S_h = Q_h K_h^T", "context": "CL_h = P_h V_h", "out_proj": "O = CL Wo + bo",
-    "d_wo": "dWo = CL^T dO", "d_context": "dCL = dO Wo^T", "d_probs": "dP_h = dCL_h V_h^T",
-    "d_v": "dV_h = P_h^T dCL_h", "d_q": "dQ_h = dS_h K_h", "d_k": "dK_h = dS_h^T Q_h",
-    "d_wq": "dWq = X^T dQ", "d_wk": "dWk = X_k^T dK", "d_wv": "dWv = X_v^T dV",
-    "d_x": "dX = [dQ dK dV] [Wq Wk Wv]^T (self-attention; cross-attention: dQ Wq^T)",
-    "d_key": "dX_k = dK Wk^T (cross-attention only)",
-    "d_value": "dX_v = dV Wv^T (cross-attention only)",
-}
-
-_SITES: dict[str, SitePlan] = {s: SitePlan(_PRODUCTS[s], r.describe()) for s, r in ROUTES.items()}
-
-#: Non-GEMM steps checked by invariants (they receive ``fault_hook`` calls too).
-INVARIANT_SITES = {
-    "softmax": "rows of P sum to 1; log P_ij - z_ij is the same for every visible j",
-    "softmax_backward": "rows of dS sum to 0; their dP-weighted sums equal sum P dP^2 - r^2",
-}
-
-FORWARD_SITES = ("q_proj", "k_proj", "v_proj", "scores", "context", "out_proj")
-BACKWARD_SITES = ("d_wo", "d_context", "d_probs", "d_v", "d_q", "d_k", "d_wq", "d_wk", "d_wv",
-                  "d_x")
+FORWARD_SITES = _gemm_sites(FORWARD, Variant())
+BACKWARD_SITES = _gemm_sites(BACKWARD, Variant())
 SITES = FORWARD_SITES + BACKWARD_SITES
 #: Sites only cross-attention runs (the gradients of the separate key and value inputs).
-CROSS_SITES = ("d_key", "d_value")
+CROSS_SITES = tuple(s for s in _gemm_sites(BACKWARD, Variant(cross=True)) if s not in SITES)
 ALL_SITES = SITES + CROSS_SITES
+#: The variants docs/checking_plan.md shows beside the default (self-attention, NumPy, weight
+#: gradients in the ``x @ w`` layout).
+VARIANTS = {"cross-attention": Variant(cross=True), "causal": Variant(causal=True),
+            "attention dropout": Variant(dropout=True),
+            "PyTorch (weight gradients in the W layout)": Variant(w_layout=True),
+            "CuPy": Variant(gpu=True), "fused core": Variant(fused=True)}
+
+
+def table_rows(variant: Variant = Variant()) -> list[tuple[str, Step, str]]:
+    """``(pass, step, checksums)`` for every step of a forward and a backward pass in
+    ``variant``, as :mod:`attention.passes` says they run (every site checked, float32 or
+    float64, no fault hook)."""
+    forward, backward = layer(variant)
+    fwd, bwd = steps(forward, variant), steps(backward, variant)
+    given = carried(fwd, bwd, variant.gpu)[1]
+    return [(name, s, describe(s, t)) for name, table, start in
+            (("forward", fwd, frozenset()), ("backward", bwd, given))
+            for s, t in zip(table, checksums(table, variant.gpu, start))]
 
 
 @dataclass
@@ -176,14 +82,14 @@ class CheckingPlan:
         Seed of the stream that draws probabilistic checks.
     """
 
-    sites: dict[str, SitePlan] = field(default_factory=lambda: dict(_SITES))
+    sites: dict[str, SitePlan] = field(default_factory=dict)
     seed: int = 0
 
     def __post_init__(self) -> None:
         unknown = set(self.sites) - set(ALL_SITES)
         if unknown:
             raise ValueError(f"unknown sites in plan: {sorted(unknown)}; sites are {ALL_SITES}")
-        self.sites = {**_SITES, **self.sites}
+        self.sites = {**{s: SitePlan() for s in ALL_SITES}, **self.sites}
         self._calls = {s: 0 for s in ALL_SITES}
         self._rng = np.random.default_rng(self.seed)
 
@@ -201,18 +107,38 @@ class CheckingPlan:
             return False
         return plan.probability >= 1 or bool(self._rng.random() < plan.probability)
 
-    def table(self) -> str:
-        """The plan as a markdown table."""
-        lines = ["| site | product | checksums | checked |", "|---|---|---|---|"]
-        for s in ALL_SITES:
-            p = self.sites[s]
-            how = "every call" if p.every == 1 and p.probability >= 1 else \
-                f"every {p.every}, p={p.probability:.3g}"
-            lines.append(f"| {s} | {p.product} | {p.checksums} | {how} |")
-        for s, inv in INVARIANT_SITES.items():
-            lines.append(f"| {s} | softmax | invariant: {inv} | every call |")
-        lines.append(f"| {DROPOUT_SITE} | {DROPOUT_CHECK} | every call with dropout |")
+    def table(self, variant: Variant = Variant()) -> str:
+        """Every step of a forward and a backward pass in ``variant`` as a markdown table, with
+        how often this plan checks it."""
+        lines = ["| pass | step | site | computes | checksums | checked |",
+                 "|---|---|---|---|---|---|"]
+        for name, s, sums in table_rows(variant):
+            lines.append(f"| {name} | {s.op} | {s.site or ''} | `{s.computes()}` | {sums} | "
+                         f"{self._checked(s)} |")
         return "\n".join(lines)
+
+    def _checked(self, s: Step) -> str:
+        if s.site in INVARIANT_SITES or s.op in ("dropout", "fused core", "fused core backward"):
+            return "every call"
+        if s.site is None:
+            return "-"
+        p = self.sites[s.site]
+        return "every call" if p.every == 1 and p.probability >= 1 else \
+            f"every {p.every}, p={p.probability:.3g}"
+
+
+def plan_markdown() -> str:
+    """docs/checking_plan.md's table: the default plan's, then per :data:`VARIANTS` the rows
+    that differ from it."""
+    plan = CheckingPlan()
+    out = [plan.table()]
+    default = plan.table().splitlines()
+    for name, variant in VARIANTS.items():
+        rows = [r for r in plan.table(variant).splitlines() if r not in default]
+        flags = ", ".join(f"{k}=True" for k, v in vars(variant).items() if v)
+        out.append(f"\n**{name}** (`Variant({flags})`), the rows that differ:\n\n" +
+                   "\n".join(default[:2] + rows))
+    return "\n".join(out)
 
 
 def adaptive_frequencies(fault_rate: float, vulnerability: Mapping[str, float],

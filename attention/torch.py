@@ -5,9 +5,11 @@
 forward signature and return values, so it loads the same weights and swaps into an existing
 model (``nn.TransformerEncoderLayer(...).self_attn``). Its forward and backward run the functional
 core (:func:`attention.attention_forward`, :func:`attention.attention_backward`) on the memory of
-the tensors (no copies: CPU tensors as NumPy arrays, CUDA tensors as CuPy arrays) inside
-one ``torch.autograd.Function``. :func:`protect` swaps every ``nn.MultiheadAttention`` of a model
-in place, keeping its Parameter objects (an optimizer built before still holds them).
+the tensors (no copies: CPU tensors as NumPy arrays, CUDA tensors as CuPy arrays), through
+:func:`attention.torch_functional.multi_head_attention` under the module's
+:class:`~attention.torch_functional.Protection`. :func:`protect` swaps every
+``nn.MultiheadAttention`` of a model in place, keeping its Parameter objects (an optimizer built
+before still holds them).
 
 Supported: self- and cross-attention (``key is value`` or not), boolean and float ``attn_mask``
 (``(L, S)`` or ``(N * num_heads, L, S)``, True = not allowed), boolean and float
@@ -35,13 +37,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-import abftgemm
-from abftgemm.report import Report, register_library_package
-from attention._torch_mha import params_of
+from abftgemm.report import register_library_package
+from attention._torch_state import Protection, ProtectionAttribute
 from attention.fused_choice import check_core
 from attention.plan import CheckingPlan
-from attention.workspace import Workspace
-from attention import _torch_op
+from attention.torch_functional import multi_head_attention
 
 register_library_package("attention")  # fault warnings point at the caller of the module
 
@@ -71,16 +71,26 @@ device, dtype
 
     Attributes
     ----------
+    protection : attention.torch_functional.Protection
+        What its calls run under; ``check``, ``plan``, ``fault_hook``, ``last_report`` and
+        ``last_core`` are its attributes, read and set through the module.
     fault_hook : callable ``(site, c)`` or None
         Called with every site's raw product (a NumPy or CuPy array sharing the GEMM output)
         before verification, forward and backward; the sites are ``attention.SITES`` (plus
         ``attention.CROSS_SITES`` in cross-attention), ``attention.INVARIANT_SITES`` and, with
         dropout in training, ``"dropout"``.
     last_report : abftgemm.Report
-        Findings of the last forward, extended by its backward.
+        The findings of the last pass: the last forward's, extended by its backward.
     last_core : str or None
-        ``"fused"`` or ``"unfused"``: the attention product the last forward ran.
+        ``"fused"`` or ``"unfused"``: the attention product the last forward ran (the
+        protection's).
     """
+
+    check = ProtectionAttribute()
+    plan = ProtectionAttribute()
+    fault_hook = ProtectionAttribute()
+    last_report = ProtectionAttribute()
+    last_core = ProtectionAttribute()
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
@@ -88,20 +98,11 @@ device, dtype
                  dtype: Any = None, *, check: str = "correct", plan: CheckingPlan | None = None,
                  core: str = "auto"):
         _refuse_unsupported(embed_dim, dropout, add_bias_kv, add_zero_attn, kdim, vdim)
-        if check not in abftgemm.CHECK_MODES:
-            raise ValueError(f"check must be one of {abftgemm.CHECK_MODES}, got {check!r}")
+        check_core(core)
+        protection = Protection(check, plan)
         super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias,
                          batch_first=batch_first, device=device, dtype=dtype)
-        check_core(core)
-        self.check, self.core = check, core
-        self.last_core: str | None = None
-        self.plan = plan or CheckingPlan()
-        self.fault_hook: FaultHook | None = None
-        self.last_report = Report()
-        self._workspaces: dict[torch.device, Workspace] = {}  # plans and buffers, per device
-        self._views: tuple[tuple, dict[str, Any]] = ((), {})
-        #: Names this module in the custom operators' calls (attention/_torch_op.py).
-        self.op_id = _torch_op.register(self)
+        self.protection, self.core = protection, core
         # nn.TransformerEncoderLayer's inference fast path reads self_attn's weights and never
         # calls its forward (it would run unprotected); it is skipped for any module with hooks.
         self.register_forward_pre_hook(_keep_off_fused_paths)
@@ -158,51 +159,17 @@ device, dtype
             k = v = q
         if key_padding_mask is not None and not batched:
             key_padding_mask = key_padding_mask.unsqueeze(0)
-        p = self.dropout if self.training else 0.0
-        keep = None if p == 0 else \
-            torch.rand((q.shape[0] * self.num_heads, q.shape[1], k.shape[1]),
-                       device=q.device) >= p
-        y, weights, _ = _torch_op.mha_forward(
-            self.op_id, q, k, v, self.in_proj_weight, self.in_proj_bias, self.out_proj.weight,
-            self.out_proj.bias, key_padding_mask, attn_mask, self.num_heads, self_attention,
-            bool(is_causal), need_weights, average_attn_weights, keep, float(p))
+        y, weights = multi_head_attention(
+            q, k, v, self.num_heads, self.in_proj_weight, self.in_proj_bias,
+            self.out_proj.weight, self.out_proj.bias, protection=self.protection,
+            key_padding_mask=key_padding_mask, attn_mask=attn_mask, need_weights=need_weights,
+            average_attn_weights=average_attn_weights, is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0, core=self.core)
         if not batched:
             y, weights = y.squeeze(0), weights.squeeze(0) if need_weights else weights
         elif not self.batch_first:
             y = y.transpose(0, 1)
-        return y, (weights if need_weights else None)
-
-    def __getstate__(self) -> dict[str, Any]:
-        """The module without its caches (plans, buffers, parameter views), which hold
-        array modules and memory no copy should share: ``copy.deepcopy``, ``torch.save`` and
-        ``pickle`` work after a forward, and a copy builds its own caches on first use."""
-        state = self.__dict__.copy()
-        state["_workspaces"], state["_views"] = {}, ((), {})
-        del state["op_id"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__({"core": "auto", "last_core": None, **state})
-        self.op_id = _torch_op.register(self)
-
-    def _workspace_for(self, device: torch.device) -> Workspace:
-        """The plans and buffers of the calls on ``device`` (a module moved to another device,
-        or replicated over several, keeps one workspace per device)."""
-        ws = self._workspaces.get(device)
-        if ws is None:
-            ws = self._workspaces[device] = Workspace()
-        return ws
-
-    def _param_views(self, in_w: torch.Tensor, in_b: torch.Tensor | None, out_w: torch.Tensor,
-                     out_b: torch.Tensor | None) -> dict[str, Any]:
-        """:func:`attention._torch_mha.params_of` of these tensors, kept while none of them moved
-        to other memory or changed layout (optimizer steps update them in place, which the views
-        see)."""
-        key = tuple(None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
-                    for t in (in_w, in_b, out_w, out_b))
-        if self._views[0] != key:
-            self._views = key, params_of(in_w, in_b, out_w, out_b)
-        return self._views[1]
+        return y, weights
 
 
 def protect(model: nn.Module, *, check: str = "correct", mlp: bool = False,

@@ -45,7 +45,7 @@ import abftgemm
 from abftgemm._torch import device_scope
 from abftgemm.plan import ProtectedMatmul, settle_all
 from abftgemm.report import Report
-from attention import _torch_op, _torch_linear_op
+from attention import _torch_linear_op, _torch_state
 from attention._torch_linear_op import weight_on_left
 from attention._torch_arrays import array, threads
 from attention.workspace import Workspace
@@ -84,7 +84,7 @@ class ProtectedLinearCore:
         #: What each constant-``a`` plan's encoding was made from (by ``id`` of the plan).
         self._encoded: dict[int, tuple] = {}
         self._ones: dict[tuple, torch.Tensor] = {}
-        self.op_id = _torch_op.register(self)
+        self.op_id = _torch_state.register(self)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  weight_in_out: bool) -> torch.Tensor:
@@ -131,7 +131,7 @@ class ProtectedLinearCore:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.op_id = _torch_op.register(self)
+        self.op_id = _torch_state.register(self)
 
     # ------------------------------------------------------------------ passes
 

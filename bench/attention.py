@@ -90,9 +90,8 @@ def site_costs(case: Case, repeats: int, warmup: int, gpu: bool) -> dict[str, fl
     base_plan = layer.plan
 
     def only(site: str | None) -> CheckingPlan:
-        return CheckingPlan({s: SitePlan(p.product, p.checksums,
-                                         probability=1.0 if s == site else 0.0)
-                             for s, p in base_plan.sites.items()})
+        return CheckingPlan({s: SitePlan(probability=1.0 if s == site else 0.0)
+                             for s in base_plan.sites})
 
     def run(plan: CheckingPlan, check: str) -> Callable[[], object]:
         def call() -> object:

@@ -4,11 +4,11 @@ Usage::
 
     python bench/causal_triangles.py [--repeats N] [--cases small,medium,long]
 
-A causal layer's ``P`` and ``dS`` are lower triangular (their transposes upper), and the route
-table marks the four products that read them as ``a`` (``Route.a_triangle``): ``P V``, ``dS K``,
+A causal layer's ``P`` and ``dS`` are lower triangular (their transposes upper), and the pass
+tables mark the four products that read them as ``a`` (``Step.a_triangle``): ``P V``, ``dS K``,
 ``P^T dC`` and ``dS^T Q`` multiply only the row blocks' columns their triangle can hold
 (:func:`abftgemm._cpu_triangles.triangular_matmul`). Only the lower triangle of the scores and of
-``dP`` is read (``Route.out_triangle``): their row blocks are computed up to their last column
+``dP`` is read (``Step.out_triangle``): their row blocks are computed up to their last column
 (:func:`abftgemm._cpu_triangles.lower_product`). This script times, interleaved in one process:
 
 - ``pair``: one lower and one upper product of the case's ``(batch*heads, seq, seq) x (..., seq,
@@ -62,13 +62,12 @@ def layer_times(shape: tuple[int, int, int, int], repeats: int) -> dict[str, flo
     layer = MultiHeadAttention(h * hd, h, causal=True, dtype="float32", seed=0)
     rng = np.random.default_rng(0)
     x, dy = (rng.standard_normal((b, s, h * hd)).astype(np.float32) for _ in range(2))
-    table = dict(functional.ROUTES)
-    whole = {k: dataclasses.replace(r, a_triangle=None, out_triangle=None)
-             for k, r in table.items()}
+    table = (functional.FORWARD, functional.BACKWARD)
+    whole = tuple(tuple(dataclasses.replace(s, a_triangle=None, out_triangle=None) for s in t)
+                  for t in table)
 
-    def step(check: str, routes: dict) -> None:
-        functional.ROUTES.clear()
-        functional.ROUTES.update(routes)
+    def step(check: str, tables: tuple) -> None:
+        functional.FORWARD, functional.BACKWARD = tables
         layer.check = check
         _, cache = layer.forward(x)
         layer.backward(dy, cache)
@@ -80,8 +79,7 @@ def layer_times(shape: tuple[int, int, int, int], repeats: int) -> dict[str, flo
                                                                    ("whole", whole))},
             repeats, 2, gpu=False)
     finally:
-        functional.ROUTES.clear()
-        functional.ROUTES.update(table)
+        functional.FORWARD, functional.BACKWARD = table
 
 
 def main(argv: list[str] | None = None) -> int:

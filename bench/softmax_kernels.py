@@ -27,17 +27,13 @@ import numpy as np
 
 from abftgemm.checksums import smallest_normal
 from attention import _cpu_softmax
+from attention._cpu_softmax import BackwardCheck, ForwardCheck, Masks, Observe
 from attention.softmax import LOG_CHECK_FLOOR, backward_tolerance
-
-NO_ENCODINGS = (np.zeros((0, 3, 0)), np.zeros((0, 0, 3)))
-NO_DROPOUT = (np.zeros((0, 0, 0), bool), 1.0)
-#: Observe whole rows (no row limits).
-WHOLE = np.zeros(0, np.int64)
 
 
 def encodings(rows: int, seq: int) -> tuple[np.ndarray, np.ndarray]:
     """Buffers for the encodings the checked kernels make on their write (as the layer uses)."""
-    return np.zeros((rows, 3, seq)), np.zeros((rows, seq, 3))
+    return np.zeros((3, rows, seq)), np.zeros((3, rows, seq))  # field-major (abftgemm.checksums)
 
 #: (batch*heads, seq) of bench/attention.py's CPU cases
 SHAPES = {"small": (16, 128), "medium": (16, 256)}
@@ -52,18 +48,16 @@ def forward_times(rows: int, seq: int, repeats: int) -> dict[str, float]:
     rng = np.random.default_rng(0)
     scores = (rng.standard_normal((rows, seq, seq)) * 8).astype(np.float32)
     probs, stats, errors = np.empty_like(scores), np.zeros((rows, seq, 5)), np.zeros(3)
-    scale = np.array([0.125], np.float32)
-    keys, add = np.ones((1, 1), bool), np.zeros((1, 1, 1))
+    scale = np.float32(0.125)
+    masks, observe = Masks(None, None, True, 1), Observe(stats, None)
 
     def kernel(check: bool) -> object:
-        enc = encodings(rows, seq) if check else NO_ENCODINGS
-        return lambda: _cpu_softmax.forward(scores, scale, keys, False, add, False, True, 1,
-                                            check, LOG_CHECK_FLOOR,
-                                            smallest_normal(probs.dtype), probs, stats,
-                                            WHOLE, errors, *enc)
+        checked = ForwardCheck(LOG_CHECK_FLOOR, smallest_normal(probs.dtype), errors,
+                               *encodings(rows, seq)) if check else None
+        return lambda: _cpu_softmax.forward(scores, scale, probs, masks, observe, checked)
 
     def plain() -> None:
-        z = scores * scale[0]
+        z = scores * scale
         z -= z.max(axis=-1, keepdims=True)
         np.exp(z, out=z)
         z /= z.sum(axis=-1, keepdims=True)
@@ -81,10 +75,10 @@ def backward_times(rows: int, seq: int, repeats: int) -> dict[str, float]:
     u, tiny = backward_tolerance(np.dtype(np.float32), seq)
 
     def kernel(check: bool) -> object:
-        scale = np.array([0.125 if check else 1.0], np.float32)
-        enc = encodings(rows, seq) if check else NO_ENCODINGS
-        return lambda: _cpu_softmax.backward(dp, p, scale, True, check, u, tiny, ds, stats,
-                                             WHOLE, result, *enc, *NO_DROPOUT)
+        scale = np.float32(0.125 if check else 1.0)
+        checked = BackwardCheck(u, tiny, result, *encodings(rows, seq)) if check else None
+        return lambda: _cpu_softmax.backward(dp, p, scale, True, ds, Observe(stats, None),
+                                             checked, None)
 
     def plain() -> None:
         np.multiply(p, dp - (p * dp).sum(axis=-1, keepdims=True), out=ds)

@@ -6,11 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import abftgemm
 from abftgemm.backend import to_host
 from abftgemm.faults import Fault, Recorder, bit_layout
 from attention import (FORWARD_SITES, INVARIANT_SITES, SITES, CheckingPlan, MultiHeadAttention,
-                       adaptive_frequencies)
+                       SitePlan, adaptive_frequencies)
 from attention import reference as ref
 from conftest import BACKENDS
 
@@ -128,12 +127,8 @@ def outputs(y, dx, grads):
 
 def run(layer, x, mask, dy, hook=None):
     y, cache = layer.forward(x, mask, fault_hook=hook)
-    forward_report = layer.last_report
     dx, grads = layer.backward(dy, cache, fault_hook=hook)
-    report = abftgemm.Report()
-    report.extend(forward_report)
-    report.extend(layer.last_report)
-    return y, dx, grads, report
+    return y, dx, grads, layer.last_report  # the forward's findings and the backward's
 
 
 def problem(xp, dtype, batch=2, seq=6, d_model=8, heads=2, causal=False, masked=False, seed=0):
@@ -288,8 +283,7 @@ def test_bad_input_raises_clearly(xp):
 
 
 def test_plan_frequencies_and_adaptive_model():
-    plan = CheckingPlan({"scores": CheckingPlan().sites["scores"].__class__(
-        "S", "passed", every=3)})
+    plan = CheckingPlan({"scores": SitePlan(every=3)})
     assert [plan.should_check("scores") for _ in range(6)] == [True, False, False] * 2
     freq = adaptive_frequencies(0.1, {"a": 0.6, "b": 0.3, "c": 0.1}, {"a": 1.0, "b": 3.0, "c": 1.0},
                                 target=0.02)
@@ -324,9 +318,7 @@ def _repaired_step(xp, plan):
 
 @pytest.mark.parametrize("xp", BACKENDS)
 def test_a_replayed_step_advances_an_every_n_schedule_once(xp):
-    site_plan = CheckingPlan().sites["q_proj"]
-    plan = RecordingPlan({"q_proj": type(site_plan)(site_plan.product, site_plan.checksums,
-                                                    every=2)})
+    plan = RecordingPlan({"q_proj": SitePlan(every=2)})
     _repaired_step(xp, plan)
     assert [d for d in plan.drawn if d[0] == "q_proj"] == [("q_proj", True)]
     assert [plan.should_check("q_proj") for _ in range(2)] == [False, True]  # calls 2 and 3
@@ -367,3 +359,25 @@ def test_adaptive_frequencies_extremes():
     assert adaptive_frequencies(1e-3, vulnerability, cost, target=0.0) == {"a": 1.0, "b": 1.0}
     with pytest.raises(ValueError):
         adaptive_frequencies(-1.0, vulnerability, cost, target=0.0)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_last_report_is_the_last_pass_forward_and_backward(xp):
+    """``last_report`` holds the last forward's findings, extended by its backward; the backward of
+    an earlier forward's cache extends that forward's report, which becomes the last one again.
+    The meaning :class:`attention.torch.MultiheadAttention` shares
+    (tests/test_torch_attention.py)."""
+    layer = MultiHeadAttention(8, 2, dtype="float64", xp=xp)
+    rng = np.random.default_rng(3)
+    x, dy = (xp.asarray(rng.standard_normal((2, 5, 8))) for _ in range(2))
+    fault = Fault("additive", "element", seed=2, magnitude=1e3, sites={"q_proj"})
+    _, first = layer.forward(x, fault_hook=fault)
+    faulty = layer.last_report
+    assert faulty.sites == {"q_proj"} and "d_x" not in faulty.checked
+    forward_checks = dict(faulty.checked)
+    _, second = layer.forward(x)
+    assert layer.last_report is not faulty and not layer.last_report.events
+    layer.backward(dy, first)
+    assert layer.last_report is faulty and faulty.sites == {"q_proj"}
+    assert faulty.checked["d_x"] == 1  # extended by the backward's checks ...
+    assert all(faulty.checked[s] == n for s, n in forward_checks.items())  # ... the forward's once

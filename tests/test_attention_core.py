@@ -1,4 +1,4 @@
-"""The functional attention core: routes as data, one settle per pass, counted structure,
+"""The functional attention core: the pass tables run, one settle per pass, counted structure,
 cross-attention and masks against float64 math written here from the definitions. The layers
 whose unfused sites a test watches run the unfused product (``core="unfused"``; the fused one:
 tests/test_layer_core.py)."""
@@ -11,7 +11,7 @@ import pytest
 
 from abftgemm.backend import to_host
 from abftgemm.faults import Fault, Recorder
-from attention import (ALL_SITES, CROSS_SITES, INVARIANT_SITES, ROUTES, SITES, Context,
+from attention import (ALL_SITES, CROSS_SITES, INVARIANT_SITES, SITES, Context,
                        MultiHeadAttention, attention_backward, attention_forward)
 from attention import reference as ref
 from attention.core import CORE_SITES
@@ -99,9 +99,9 @@ def test_cross_attention_with_masks_matches_float64(xp, mask_kind, causal):
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
-def test_every_route_is_used_and_every_use_is_in_the_table(xp):
+def test_every_gemm_step_runs_and_every_product_is_a_step(xp):
     """Self-attention runs the SITES, cross-attention adds CROSS_SITES; every product the core
-    runs reaches the hook under a site name of the route table, and every route runs."""
+    runs reaches the hook under a site name of the pass tables, and every GEMM step runs."""
     layer, x, key, value, dy, keys, _ = _data(xp)
     seen = set()
     for kv in ({}, {"key": xp.asarray(key), "value": xp.asarray(value)}):
@@ -109,12 +109,9 @@ def test_every_route_is_used_and_every_use_is_in_the_table(xp):
         y, cache = layer.forward(xp.asarray(x), fault_hook=recorder, **kv)
         layer.backward(xp.asarray(dy), cache, fault_hook=recorder)
         gemms = recorder.sites - set(INVARIANT_SITES)
-        assert gemms <= set(ROUTES)
+        assert gemms <= set(ALL_SITES)
         seen |= gemms
-    assert seen == set(ROUTES) == set(SITES) | set(CROSS_SITES)
-    for route in ROUTES.values():  # the table names only tensors the core defines
-        for name in (route.a, route.b, route.bias, route.a_sums, route.b_rows):
-            assert name is None or name.removesuffix("^T") in _TENSORS, name
+    assert seen == set(ALL_SITES) == set(SITES) | set(CROSS_SITES)
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
@@ -122,7 +119,8 @@ def test_an_encoding_is_made_once_per_pass_and_handed_on(xp, monkeypatch):
     """In self-attention q_proj's encoding of X serves k_proj and v_proj, d_wq's of X^T serves
     d_wk and d_wv, and d_x's is composed from d_q, d_k and d_v's (on the GPU, whose plans keep
     no whole encoding they made, only the composed one); cross-attention's key and value are
-    other tensors, encoded by their own sites. Every case matches the unprotected layer."""
+    other tensors, encoded by their own sites, and d_key's and d_value's encodings are composed
+    from d_k's and d_v's. Every case matches the unprotected layer."""
     from abftgemm.plan import ProtectedMatmul
 
     handed: dict[str, bool] = {}
@@ -135,7 +133,8 @@ def test_an_encoding_is_made_once_per_pass_and_handed_on(xp, monkeypatch):
     monkeypatch.setattr(ProtectedMatmul, "execute", spy)
     layer, x, key, value, dy, _, _ = _data(xp)
     shared = {"k_proj", "v_proj", "d_wk", "d_wv"} if xp is np else set()
-    for kv, expect in (({}, shared | {"d_x"}), ({"key": key, "value": value}, {"d_x"})):
+    composed = {"d_x", "d_key", "d_value"}
+    for kv, expect in (({}, shared | {"d_x"}), ({"key": key, "value": value}, composed)):
         kv = {k: xp.asarray(t) for k, t in kv.items()}
         handed.clear()
         outs = {}
@@ -143,7 +142,8 @@ def test_an_encoding_is_made_once_per_pass_and_handed_on(xp, monkeypatch):
             layer.check = check
             y, cache = layer.forward(xp.asarray(x), **kv)
             outs[check] = (y, *layer.backward(xp.asarray(dy), cache))
-        assert {s for s in ("k_proj", "v_proj", "d_wk", "d_wv", "d_x") if handed[s]} == expect
+        assert {s for s in ("k_proj", "v_proj", "d_wk", "d_wv") + tuple(composed)
+                if handed.get(s)} == expect
         assert not handed["q_proj"] and not handed["d_wq"]
         assert not layer.last_report.detected, layer.last_report.summary()
         assert np.array_equal(to_host(outs["correct"][0]), to_host(outs["off"][0]))
@@ -165,12 +165,6 @@ def test_empty_batches_and_sequences_run_both_passes(xp, shape):
     for k, g in grads.items():
         assert not to_host(g).any(), k
     assert not layer.last_report.detected, layer.last_report.summary()
-
-
-#: The tensor names of attention.functional's passes (written out here, not read from it).
-_TENSORS = {"x", "key", "value", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q", "k", "v",
-            "qh", "kh", "vh", "scores", "probs", "context_h", "context", "dy", "d_context",
-            "d_context_h", "d_probs", "d_scores", "dq", "dk", "dv", "d_qkv", "w_qkv"}
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
@@ -265,9 +259,8 @@ def test_a_fault_behind_softmax_made_encodings_is_repaired(monkeypatch, site):
 
     monkeypatch.setattr(ProtectedMatmul, "execute", faulty_execute)
     y, cache = layer.forward(x)
-    events = list(layer.last_report.events)
     dx, g = layer.backward(dy, cache)
-    events += layer.last_report.events
+    events = layer.last_report.events  # the forward's and the backward's
     assert handed == [True]  # the product took the softmax kernel's encoding
     assert any(e.site == site and e.action == "corrected" for e in events), events
     assert (y == y0).all() and (dx == dx0).all()
@@ -329,7 +322,7 @@ def test_causal_products_multiply_only_their_triangles(monkeypatch, check, causa
     layer.backward(x, cache, fault_hook=hook)
     want = {"context": ("lower", None), "d_q": ("lower", None), "d_v": ("upper", None),
             "d_k": ("upper", None), "scores": (None, "lower"), "d_probs": (None, "lower")}
-    got = {site: seen.get(key) for site, key in outputs.items() if site in ROUTES}
+    got = {site: seen.get(key) for site, key in outputs.items() if site in ALL_SITES}
     assert set(got) == set(SITES)
     assert got == {s: want.get(s, (None, None)) if causal else (None, None) for s in SITES}
 
@@ -405,9 +398,8 @@ def _step_matches(layer, x, dy, clean, hook):
     """One forward and backward step under ``hook``: assert it delivers the fault-free results
     (to float64 rounding) and return the events of both passes."""
     y, cache = layer.forward(x, fault_hook=hook)
-    events = list(layer.last_report.events)
     dx, g = layer.backward(dy, cache, fault_hook=hook)
-    events += layer.last_report.events
+    events = layer.last_report.events  # the forward's and the backward's
     y0, dx0, g0 = clean
     for got, want in [(y, y0), (dx, dx0)] + [(g[k], g0[k]) for k in g0]:
         np.testing.assert_allclose(got, want, rtol=0, atol=TOL64 * np.abs(want).max())

@@ -140,3 +140,33 @@ def test_measuring_emits_no_warning():
         warnings.simplefilter("error")
         rows = bt.measure_dtype(np, np.dtype(np.float32), SIZE, 1.0, 2, seed=5)
     assert sum(sum(r.ours_detect) for r in rows) > 0  # flagged trials were there to announce
+
+
+def test_fused_core_flips():
+    """--core fused: every bit of float32 at two sites (a tile and an accumulator), one flip
+    each: the flips that make INF/NaN or change by more than 1000x are all flagged and repaired,
+    and no flip is silent (not flagged, beyond the campaign's bound)."""
+    rows = bt.measure_fused(np, np.dtype(np.float32), (1, 70, 8), 1, seed=2,
+                            sites=("fused:S", "fused:dV_acc"))
+    assert [r.bit for r in rows] == list(range(31, -1, -1))
+    for r in rows:
+        assert set(r.counts) == {"fused:S", "fused:dV_acc"}
+        assert r.total("trials") == 2 and r.total("silent") == r.total("miscorrected") == 0
+        assert r.total("detected") + r.total("harmless") == 2
+        assert r.total("corrected") == r.total("detected")
+    top = rows[1]  # exponent 7: INF, NaN or a huge value from any value below 2
+    assert top.name == "exponent 7" and top.total("detected") == 2
+    assert sum(r.total("detected") for r in rows) > sum(r.total("harmless") for r in rows[:9])
+    table = bt.fused_bit_table(rows)
+    assert table.count("\n") == 33 and "| 30 | exponent 7 |" in table
+    assert "| `S` | `dV_acc` |" in bt.fused_site_table(rows)
+
+
+def test_fused_block_sits_beside_the_gemm_block(tmp_path):
+    out = tmp_path / "d.md"
+    out.write_text("# Title\n\n" + bt.BEGIN + "\ngemm\n" + bt.END + "\n\nanalysis\n")
+    bt.write_out(out, "fused one", bt.FUSED_BEGIN, bt.FUSED_END)
+    bt.write_out(out, "fused two", bt.FUSED_BEGIN, bt.FUSED_END)
+    text = out.read_text()
+    assert "gemm" in text and "analysis" in text and "fused two" in text
+    assert "fused one" not in text and text.count(bt.FUSED_BEGIN) == 1

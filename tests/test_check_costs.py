@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from attention import SITES
+from attention import SITES, Variant
 from attention.experiments.check_costs import CheckCost, check_costs, model_ms
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,10 +19,10 @@ def test_counts_by_hand() -> None:
     # element a pass reads (or sums) costs 3 multiply-adds = 6 FLOPs; every checked vector
     # (column, or row for the consumer-verified sites) 48 bytes of checksums (3 x 2 x float64).
     costs = check_costs(1, 1, 2, 2)
-    # q_proj: columns, X encoded (ROUTES passes nothing): encode A 4 + predict (reads B) 4
+    # q_proj: columns, X encoded (no step hands its encoding on): encode A 4 + predict (reads B) 4
     # + observe C 4 = 12 elements read, 12 * 6 = 72 FLOPs; 2 columns checked.
     assert costs["q_proj"] == CheckCost(bytes=12 * 4 + 2 * 48, flops=72)
-    # k_proj and v_proj take q_proj's encoding of X (ROUTES passes it): reads B 4 + C 4 = 8
+    # k_proj and v_proj take q_proj's encoding of X (the table hands it on): reads B 4 + C 4 = 8
     assert costs["k_proj"] == costs["v_proj"] == CheckCost(bytes=8 * 4 + 2 * 48, flops=48)
     # d_wq encodes X^T, which d_wk and d_wv then take; d_x takes [dQ dK dV]'s, composed
     assert costs["d_wq"] == costs["q_proj"]
@@ -36,6 +36,10 @@ def test_counts_by_hand() -> None:
     assert costs["scores"] == CheckCost(bytes=4 * 4 + 2 * 48, flops=48)
     assert costs["d_probs"] == costs["scores"]
     assert set(costs) == set(SITES)
+    # PyTorch's W layout: the weight gradients are written transposed, each encoding its own A
+    w_layout = check_costs(1, 1, 2, 2, variant=Variant(w_layout=True))
+    assert w_layout["d_wk"] == w_layout["d_wv"] == costs["d_wq"] == w_layout["d_wq"]
+    assert {s: c for s, c in w_layout.items() if c != costs[s]}.keys() == {"d_wk", "d_wv"}
 
 
 def test_per_head_sites_scale_with_batch_times_heads() -> None:

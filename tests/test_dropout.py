@@ -28,9 +28,8 @@ def keep_mask(rng, shape, p):
 
 def run(layer, x, mask, dy, p, keep, hook=None):
     y, cache = layer.forward(x, mask, fault_hook=hook, dropout=p, dropout_keep=keep)
-    report = layer.last_report
     dx, grads = layer.backward(dy, cache, fault_hook=hook)
-    report.extend(layer.last_report)
+    report = layer.last_report  # the forward's findings and the backward's
     return {"y": y, "dx": dx, **grads}, report, cache
 
 

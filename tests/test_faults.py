@@ -260,6 +260,23 @@ def test_times_counts_only_matching_sites():
     assert np.isinf(c).any() and len(fault.injected) == 1
 
 
+@pytest.mark.parametrize("skip", [0, 2, 5])
+def test_skip_lets_matching_calls_pass_first(skip):
+    """The calls are numbered by their own value: the one injected into is call ``skip`` of the
+    matching site (other sites and empty matrices do not count)."""
+    fault = Fault("nan", "element", sites="dq", skip=skip, times=2)
+    hit = []
+    for call in range(5):
+        fault("scores", np.ones((2, 2), np.float32))
+        fault("dq", np.ones((0, 2), np.float32))
+        c = np.full((2, 2), call, np.float32)
+        fault("dq", c)
+        if np.isnan(c).any():
+            hit.append(call)
+    assert hit == [call for call in (skip, skip + 1) if call < 5]
+    assert [inj.old[0] for inj in fault.injected] == hit
+
+
 @pytest.mark.parametrize("shape", [(0, 5), (5, 0), (0, 0), (2, 0, 3), (0, 3, 3)])
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_empty_matrices_are_left_alone(shape, pattern):
@@ -315,6 +332,7 @@ def test_bit_layout_and_names(dtype, layout, names):
         {"kind": "bitflip", "bits": (1, 2)},
         {"kind": "multibit", "bits": (1, 1)},
         {"times": -1},
+        {"skip": -1},
         {"tile": (0, 4)},
     ],
 )

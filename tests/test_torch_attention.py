@@ -397,3 +397,35 @@ def test_cuda_module_on_a_side_stream_matches_the_cpu():
                **{f"d_input{i}": t.grad for i, t in enumerate((qc, kc, vc))}}
         got = {key: None if t is None else t.cpu() for key, t in got.items()}
     compare(got, want, torch.float64, terms=N * S)
+
+
+def test_last_report_is_the_last_pass_forward_and_backward():
+    """``last_report`` holds the last forward's findings, extended by its backward when autograd
+    runs it; the backward of an earlier forward extends that forward's report, which becomes the
+    last one again: the meaning of :attr:`attention.MultiHeadAttention.last_report`
+    (tests/test_attention.py). The functional entry point reports to the Protection it is
+    given."""
+    from attention.torch_functional import Protection, multi_head_attention
+
+    gen = torch.Generator().manual_seed(4)
+    mine = MultiheadAttention(E, HEADS, batch_first=True, dtype=torch.float64)
+    x = torch.randn(N, L, E, dtype=torch.float64, generator=gen, requires_grad=True)
+    mine.fault_hook = Fault("additive", "element", seed=2, magnitude=1e3, sites={"q_proj"})
+    first, _ = mine(x, x, x, need_weights=False)
+    faulty = mine.last_report
+    assert faulty.sites == {"q_proj"} and "d_x" not in faulty.checked
+    forward_checks = dict(faulty.checked)
+    mine.fault_hook = None
+    second, _ = mine(x, x, x, need_weights=False)
+    assert mine.last_report is not faulty and not mine.last_report.events
+    first.sum().backward()
+    assert mine.last_report is faulty and faulty.sites == {"q_proj"}
+    assert faulty.checked["d_x"] == 1
+    assert all(faulty.checked[s] == n for s, n in forward_checks.items())
+
+    protection = Protection()
+    y, _ = multi_head_attention(x, x, x, HEADS, mine.in_proj_weight, mine.in_proj_bias,
+                                mine.out_proj.weight, mine.out_proj.bias, protection=protection)
+    y.sum().backward()
+    assert protection.last_report.checked["d_x"] == 1 and not protection.last_report.events
+    assert torch.equal(y, second)

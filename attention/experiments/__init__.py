@@ -8,6 +8,9 @@ their public API.
 :mod:`~attention.experiments.flags`        one definition per run's configuration: dataclass
                                            fields that are also command-line flags
 :mod:`~attention.experiments.campaign`     fault-injection campaign over sites, kinds, patterns
+:mod:`~attention.experiments.fused_campaign`  the campaign's trials on the fused core's
+                                           internal sites (``--core fused``)
+:mod:`~attention.experiments.outcomes`     a trial's outcome and the campaign's "differs" bound
 :mod:`~attention.experiments.model`        a small GPT on the protected layer, manual backward
 :mod:`~attention.experiments.train`        training under faults: unprotected, protected,
                                            checkpoint/restore

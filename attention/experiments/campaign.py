@@ -8,6 +8,8 @@ forward and one backward pass of a :class:`attention.MultiHeadAttention` (or one
 single :class:`abftgemm.faults.Fault` at that site.  Every trial is compared with the fault-free,
 unprotected run of the same layer on the same inputs: output ``y``, ``dx`` and every gradient
 (for ``"gemm"``: the product).  ``clean_trials`` runs without a fault measure false positives.
+``core="fused"`` (``--core fused``) runs the same trials on the fused attention core's internal
+sites instead (:mod:`attention.experiments.fused_campaign`).
 
 Outcome of a trial: each trial counts in exactly one of these five (see :data:`OUTCOMES`)::
 
@@ -54,19 +56,18 @@ from abftgemm import Report, UncorrectableError
 from abftgemm.backend import to_host
 from abftgemm.faults import PATTERNS, Fault, bit_layout, chain
 from attention import INVARIANT_SITES, SITES, MultiHeadAttention, reference
+from attention.experiments import fused_campaign
 from attention.experiments.flags import option
 from attention.experiments.hf_models import FAMILIES
+from attention.experiments.outcomes import (NOISE_FACTOR, TOLERANCES, Trial,
+                                            absolute_tolerances, compare)
+from attention.fused_rules import FUSED_SITES
 
 GEMM_SITE = "gemm"
 #: Sites of a campaign by default: the layer's GEMM and invariant sites, then a standalone GEMM.
 DEFAULT_SITES: tuple[str, ...] = SITES + tuple(INVARIANT_SITES) + (GEMM_SITE,)
-#: ``dtype name -> (rtol, atol_scale)`` of the "differs" test (see the module docstring).
-TOLERANCES: dict[str, tuple[float, float]] = {
-    "float64": (1e-9, 1e-9), "float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2),
-    "bfloat16": (5e-2, 5e-2),
-}
-#: Multiple of the fault-free run's own rounding error that still counts as equal.
-NOISE_FACTOR = 10.0
+#: The cores a campaign faults: the layer (its unfused attention core) or the fused core alone.
+CORES: tuple[str, ...] = ("unfused", "fused")
 #: The outcomes of the module docstring: every trial counts in exactly one.
 OUTCOMES: tuple[str, ...] = ("detected", "silent", "silent_within_bound", "masked")
 COUNTS: tuple[str, ...] = (
@@ -115,7 +116,14 @@ class CampaignConfig:
     additive : float
         Magnitude of the ``"additive"`` kind (finite, non-zero).
     sites, kinds, patterns : tuple of str
-        Subsets to run (defaults: everything), each non-empty and known.
+        Subsets to run (defaults: everything), each non-empty and known; ``sites`` of the
+        ``core``: :data:`DEFAULT_SITES`, or :data:`attention.fused.FUSED_SITES` (all of them
+        when ``sites`` is left at :data:`DEFAULT_SITES`).
+    core : str
+        ``"unfused"``: the layer's sites and a standalone GEMM (the module docstring).
+        ``"fused"``: the fused attention core's internal sites
+        (:mod:`attention.experiments.fused_campaign`), on ``batch * n_heads`` heads of ``seq``
+        x ``d_model / n_heads``, causal; ``gemm`` does not apply.
     seed : int
     model : str
         ``"layer"``: this module's campaign of the attention layer. A transformers family
@@ -142,7 +150,9 @@ class CampaignConfig:
                                         nargs=3, metavar=("M", "K", "N"))
     dtype: str = option("float32", "layer and product dtype", choices=tuple(TOLERANCES))
     additive: float = option(1.0, "magnitude of 'additive' faults")
-    sites: tuple[str, ...] = option(DEFAULT_SITES, "sites to fault", choices=DEFAULT_SITES)
+    sites: tuple[str, ...] = option(DEFAULT_SITES, "sites to fault (the fused:* sites with "
+                                    "--core fused, all of them by default)",
+                                    choices=DEFAULT_SITES + FUSED_SITES)
     kinds: tuple[str, ...] = option(KINDS, "fault kinds", choices=KINDS)
     patterns: tuple[str, ...] = option(PATTERNS, "fault patterns", choices=PATTERNS)
     seed: int = option(0, "seed of everything random")
@@ -151,6 +161,8 @@ class CampaignConfig:
                         choices=("layer",) + FAMILIES)
     layers: int = option(2, "transformer blocks of a --model family")
     steps: int = option(6, "training steps per run of a --model family (the fault in step 1)")
+    core: str = option("unfused", "attention core to fault: the layer's (unfused) sites, or the "
+                       "fused core's internal tile sites", choices=CORES)
 
     def __post_init__(self) -> None:
         at_least = {"--trials": (self.trials, 1), "--clean-trials": (self.clean_trials, 0),
@@ -173,7 +185,14 @@ class CampaignConfig:
         if self.model not in ("layer",) + FAMILIES:
             raise ValueError(f"--model must be layer or one of {', '.join(FAMILIES)}, got "
                              f"{self.model}")
-        for flag, chosen, known in (("--sites", self.sites, DEFAULT_SITES),
+        if self.core not in CORES:
+            raise ValueError(f"--core must be one of {', '.join(CORES)}, got {self.core}")
+        if self.core == "fused" and self.model != "layer":
+            raise ValueError("--core fused faults the fused attention core alone: --model layer")
+        if self.core == "fused" and self.sites == DEFAULT_SITES:
+            object.__setattr__(self, "sites", FUSED_SITES)
+        site_choices = FUSED_SITES if self.core == "fused" else DEFAULT_SITES
+        for flag, chosen, known in (("--sites", self.sites, site_choices),
                                     ("--kinds", self.kinds, KINDS),
                                     ("--patterns", self.patterns, PATTERNS)):
             unknown = [c for c in chosen if c not in known]
@@ -198,16 +217,6 @@ class Record:
         """Flat JSON-ready dict: the identifying fields, ``trials``, then every count."""
         out = asdict(self)
         return {**{k: v for k, v in out.items() if k != "counts"}, **self.counts}
-
-
-@dataclass
-class _Trial:
-    """The outcome of one run."""
-
-    report: Report
-    uncorrectable: bool
-    results: dict[str, Any] | None
-    injected: bool
 
 
 class _Testbed:
@@ -236,17 +245,14 @@ class _Testbed:
         y, cache = reference.forward(host["x"], host, n_heads)
         dx, grads = reference.backward(host["dy"], cache, host, n_heads)
         exact = {"layer": {"y": y, "dx": dx, **grads}, GEMM_SITE: {"c": host["a"] @ host["b"]}}
-        _, scale = TOLERANCES[np.dtype(self.layer.dtype).name]
-        atol: dict[str, dict[str, float]] = {}
-        for target, results in self.reference.items():
-            atol[target] = {}
-            for key, r in results.items():
-                r = to_host(r).astype(np.float64)
-                noise = float(np.abs(r - exact[target][key]).max())
-                atol[target][key] = max(scale * float(np.abs(r).max()), NOISE_FACTOR * noise)
-        return atol
+        return {target: absolute_tolerances(results, exact[target], self.config.dtype)
+                for target, results in self.reference.items()}
 
-    def run(self, site: str, check: str, hook: Callable | None) -> _Trial:
+    def fault(self, site: str, kind: dict[str, Any], pattern: str, seed: int) -> Fault:
+        """The trial's fault: ``kind`` (keyword arguments of :class:`Fault`) at ``site``."""
+        return Fault(pattern=pattern, seed=seed, sites=site, **kind)
+
+    def run(self, site: str, check: str, hook: Callable | None) -> Trial:
         """One forward+backward (or one product for ``site == "gemm"``) with ``hook``."""
         report = Report()
         try:
@@ -259,39 +265,29 @@ class _Testbed:
                 self.layer.check = check
                 y, cache = self.layer.forward(self.x, fault_hook=hook)
                 report.extend(self.layer.last_report)
-                dx, grads = self.layer.backward(self.dy, cache, fault_hook=hook)
+                # the backward's findings alone (the forward's are in already)
+                dx, grads = self.layer.backward(self.dy, {**cache, "report": Report()},
+                                                fault_hook=hook)
                 report.extend(self.layer.last_report)
                 results = {"y": y, "dx": dx, **grads}
         except UncorrectableError as exc:
             report.extend(exc.report)
-            return _Trial(report, True, None, bool(getattr(hook, "injected", False)))
-        return _Trial(report, False, results, bool(getattr(hook, "injected", False)))
+            return Trial(report, True, None, bool(getattr(hook, "injected", False)))
+        return Trial(report, False, results, bool(getattr(hook, "injected", False)))
 
     def compare(self, site: str, results: dict[str, Any]) -> str:
         """``"equal"`` (bit-identical to the fault-free run), ``"within"`` (differs, within the
         tolerance of the module docstring) or ``"beyond"``."""
         target = GEMM_SITE if site == GEMM_SITE else "layer"
-        rtol, _ = TOLERANCES[np.dtype(self.layer.dtype).name]
-        xp = self.xp
-        verdict = "equal"
-        for key, r in results.items():
-            reference = self.reference[target][key]
-            if bool(xp.array_equal(r, reference)):
-                continue
-            expected = reference.astype(np.float64)
-            atol = self.atol[target][key]
-            ok = xp.abs(r.astype(np.float64) - expected) <= rtol * xp.abs(expected) + atol
-            if not bool(ok.all()):
-                return "beyond"
-            verdict = "within"
-        return verdict
+        return compare(self.xp, results, self.reference[target], self.atol[target],
+                       self.config.dtype)
 
 
 def _nonfinite(results: dict[str, Any] | None, xp: Any) -> bool:
     return results is not None and not all(bool(xp.isfinite(r).all()) for r in results.values())
 
 
-def _tally(record: Record, bench: _Testbed, trial: _Trial) -> None:
+def _tally(record: Record, bench: Any, trial: Trial) -> None:
     """Add one trial's outcome to ``record``."""
     n = record.counts
     report = trial.report
@@ -348,14 +344,26 @@ def run_campaign(config: CampaignConfig, xp: Any, progress: bool = True) -> list
         One record per (site, kind, pattern, protected) with ``site``, ``kind``, ``pattern``,
         ``protected``, ``fault`` (the :class:`Fault` arguments), ``trials`` and the counts of
         :data:`COUNTS`; then the clean records (``kind == pattern == "none"``, protected only, site
-        ``"layer"`` for a whole forward+backward or ``"gemm"``), whose ``false_positives`` count
-        clean trials flagged anywhere.
+        ``"layer"`` for a whole forward+backward or ``"gemm"``; ``"fused"`` for the fused core's),
+        whose ``false_positives`` count clean trials flagged anywhere.
+
+    Raises
+    ------
+    ValueError
+        Where :func:`backend_problem` names one.
     """
-    kinds = fault_kinds(config.dtype, config.additive)
+    problem = backend_problem(config, xp)
+    if problem:
+        raise ValueError(problem)
+    dtype = config.dtype
+    if config.core == "fused":
+        dtype = fused_campaign.site_dtype(config.dtype, xp)
+    kinds = fault_kinds(dtype, config.additive)
     faulty = {(site, kind, pattern, protected): Record(site, kind, pattern, protected,
                                                        dict(kinds[kind]))
               for site, kind, pattern in _cells(config) for _, protected in MODES}
-    clean = {target: Record(target, "none", "none", True, {}) for target in CLEAN_TARGETS}
+    targets = CLEAN_TARGETS if config.core == "unfused" else (fused_campaign.CLEAN_TARGET,)
+    clean = {target: Record(target, "none", "none", True, {}) for target in targets}
     total = config.trials * len(faulty) + config.clean_trials * len(clean)
     bar = tqdm(total=total, desc="campaign", leave=False, disable=None if progress else True)
     with np.errstate(all="ignore"):  # the faults overflow and poison on purpose
@@ -368,16 +376,34 @@ def _trials(config: CampaignConfig, xp: Any, kinds: dict[str, dict[str, Any]],
             faulty: dict[tuple, Record], clean: dict[tuple, Record], bar: tqdm) -> None:
     """Run every trial, tallying into ``faulty`` and ``clean``."""
     for t in range(max(config.trials, config.clean_trials)):
-        bench = _Testbed(config, xp, t)
-        for target in CLEAN_TARGETS if t < config.clean_trials else ():
+        bench = testbed(config, xp, t)
+        for target in clean if t < config.clean_trials else ():
             _tally(clean[target], bench, bench.run(target, "correct", None))
             bar.update()
         for site, kind, pattern in _cells(config) if t < config.trials else ():
             for check, protected in MODES:
                 seed = _fault_seed(config.seed, site, kind, pattern, t)
-                fault = Fault(pattern=pattern, seed=seed, sites=site, **kinds[kind])
+                fault = bench.fault(site, kinds[kind], pattern, seed)
                 _tally(faulty[site, kind, pattern, protected], bench, bench.run(site, check, fault))
                 bar.update()
+
+
+def backend_problem(config: CampaignConfig, xp: Any) -> str | None:
+    """Why ``config`` cannot run on the array module ``xp``, or None (``--core fused``: the CPU
+    core takes float32 and float64, the CUDA kernels inject single elements)."""
+    if config.core == "unfused":
+        return None
+    return fused_campaign.backend_problem(config.dtype, config.patterns, xp)
+
+
+def testbed(config: CampaignConfig, xp: Any, trial: int) -> Any:
+    """The inputs and fault-free references of trial ``trial``: of the layer and a standalone
+    GEMM, or of the fused core (:class:`attention.experiments.fused_campaign.FusedTestbed`)."""
+    if config.core == "unfused":
+        return _Testbed(config, xp, trial)
+    c = config
+    shape = (c.batch * c.n_heads, c.seq, c.d_model // c.n_heads)
+    return fused_campaign.FusedTestbed(c.dtype, shape, c.seed, xp, trial)
 
 
 # ----------------------------------------------------------------------------- propagation
@@ -524,27 +550,37 @@ unchanged, `0D` one element, `row (c/n cols)` one row, `column (r/n rows)` one c
 every element, `2D (r x c)` a block of rows and columns."""
 
 
-def markdown(records: list[dict[str, Any]], prop: dict[str, dict[str, np.ndarray]],
+def markdown(records: list[dict[str, Any]], prop: dict[str, dict[str, np.ndarray]] | None,
              config: CampaignConfig, backend: str) -> str:
-    """The whole campaign summary (``campaign.md``)."""
+    """The whole campaign summary (``campaign.md``); ``prop`` None (``--core fused``) leaves the
+    propagation section out."""
     rtol, scale = TOLERANCES[config.dtype]
-    return "\n\n".join([
+    if config.core == "fused":
+        what = (f"fused attention core (causal), {config.batch * config.n_heads} heads of seq="
+                f"{config.seq} x head_dim={config.d_model // config.n_heads}")
+        results = "out, dq, dk, dv"
+    else:
+        what = (f"layer batch={config.batch} seq={config.seq} d_model={config.d_model} heads="
+                f"{config.n_heads}, standalone GEMM (m, k, n)={config.gemm}")
+        results = "y, dx, every gradient; the product for `gemm`"
+    parts = [
         "# Fault-injection campaign",
-        f"Backend {backend}, dtype {config.dtype}, layer batch={config.batch} seq={config.seq} "
-        f"d_model={config.d_model} heads={config.n_heads}, standalone GEMM (m, k, n)="
-        f"{config.gemm}; {config.trials} trial(s) per (site, kind, pattern, mode), "
-        f"{config.clean_trials} clean protected trial(s) per target; seed {config.seed}.",
+        f"Backend {backend}, dtype {config.dtype}, {what}; {config.trials} trial(s) per (site, "
+        f"kind, pattern, mode), {config.clean_trials} clean protected trial(s) per target; seed "
+        f"{config.seed}.",
         GLOSSARY,
-        f"The bound: a trial's results (y, dx, every gradient; the product for `gemm`) differ "
+        f"The bound: a trial's results ({results}) differ "
         f"beyond it when |r - r_ref| > {rtol:g}·|r_ref| + atol for some element, atol = "
         f"max({scale:g}·max|r_ref|, {NOISE_FACTOR:g}·(rounding error of the fault-free run "
         "against float64)), r_ref the unprotected fault-free run.",
         "## Outcomes per site (summed over kinds and patterns)", site_table(records),
         "## Protected coverage: detected / trials", coverage_table(records),
         "## Clean runs", clean_table(records),
-        "## Propagation of one unprotected element fault (batch 0, head 0)", STAGE_LEGEND,
-        propagation_table(prop),
-    ]) + "\n"
+    ]
+    if prop is not None:
+        parts += ["## Propagation of one unprotected element fault (batch 0, head 0)",
+                  STAGE_LEGEND, propagation_table(prop)]
+    return "\n\n".join(parts) + "\n"
 
 
 def _sum(records: list[dict[str, Any]], site: str, protected: bool,

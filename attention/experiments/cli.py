@@ -175,11 +175,14 @@ def _run_campaign(config: Any, args: argparse.Namespace) -> int:
         return _run_model_campaign(config, args)
 
     xp = array_module(args.backend)
-    print(f"campaign: backend {args.backend}, {config.trials} trial(s) per cell, "
-          f"{len(config.sites)} sites x {len(config.kinds)} kinds x {len(config.patterns)} "
-          f"patterns x 2 modes", flush=True)
+    problem = campaign.backend_problem(config, xp)
+    if problem:
+        raise _BadFlags(problem)
+    print(f"campaign: {config.core} core, backend {args.backend}, {config.trials} trial(s) per "
+          f"cell, {len(config.sites)} sites x {len(config.kinds)} kinds x "
+          f"{len(config.patterns)} patterns x 2 modes", flush=True)
     records = campaign.run_campaign(config, xp, progress=not args.no_progress)
-    prop = campaign.propagation(config, xp)
+    prop = campaign.propagation(config, xp) if config.core == "unfused" else None
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "campaign.json").write_text(json.dumps(records, indent=1))
@@ -188,10 +191,14 @@ def _run_campaign(config: Any, args: argparse.Namespace) -> int:
     plots = _plots()
     if plots is not None:
         plots.coverage_bars(records, out / "coverage.png")
-        plots.propagation_grid(prop, out / "propagation.png")
-        written += ["coverage.png", "propagation.png"]
-    print(campaign.site_table(records), campaign.clean_table(records),
-          campaign.propagation_table(prop), sep="\n\n")
+        written.append("coverage.png")
+        if prop is not None:
+            plots.propagation_grid(prop, out / "propagation.png")
+            written.append("propagation.png")
+    tables = [campaign.site_table(records), campaign.clean_table(records)]
+    if prop is not None:
+        tables.append(campaign.propagation_table(prop))
+    print(*tables, sep="\n\n")
     print(f"\nwrote {out}/" + ", ".join(written))
     return 0
 

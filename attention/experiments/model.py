@@ -262,7 +262,9 @@ class Block:
         d_x1_ln, grads["ln2.g"], grads["ln2.b"] = layer_norm_backward(d_h2, cache["ln2"])
         d_x1 = dy + d_x1_ln
         self.attn.check = gemm.check
-        d_h1, attn_grads = self.attn.backward(d_x1, cache["attn"], fault_hook=gemm.fault_hook)
+        # the backward's findings alone (the forward's went in with the forward)
+        d_h1, attn_grads = self.attn.backward(d_x1, {**cache["attn"], "report": Report()},
+                                              fault_hook=gemm.fault_hook)
         gemm.report.extend(self.attn.last_report)
         grads.update({f"attn.{k}": v for k, v in attn_grads.items()})
         d_x_ln, grads["ln1.g"], grads["ln1.b"] = layer_norm_backward(d_h1, cache["ln1"])

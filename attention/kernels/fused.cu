@@ -22,8 +22,9 @@
 // site, head, row and column of the element in the site's matrix (S, P: query x key; O_acc: query
 // x head dim; rowsum: query, column 0), the tile step of the sweep after which an accumulator is
 // hit (0 for tile sites), the kind (1 set, 2 set the magnitude keeping the sign, 3 add, 4
-// multiply), whether it persists through recomputations, the value; the kernel counts its hits
-// and stores the last old value.
+// multiply, 5 flip the bit numbered by the value in the element as the tile holds it, Arith<T>),
+// whether it persists through recomputations, the value; the kernel counts its hits and stores the
+// last old value.
 // Tensor cores through CUDA's mma.h, which includes crt/mma.h: a header set without the latter
 // (the pip wheel nvidia-cuda-runtime 13.5 ships mma.h alone) cannot use them, and the 16-bit tile
 // products then run on FMAs (tile_product). FUSED_WMMA says which.
@@ -167,6 +168,15 @@ __device__ __forceinline__ FaultAt load_fault(double* f) {
     return a;
 }
 
+// x with bit `bit` (0: the least significant mantissa bit) flipped.
+__device__ __forceinline__ float flip_bit(float x, int bit) {
+    return __uint_as_float(__float_as_uint(x) ^ (1u << bit));
+}
+__device__ __forceinline__ double flip_bit(double x, int bit) {
+    const unsigned long long bits = static_cast<unsigned long long>(__double_as_longlong(x));
+    return __longlong_as_double(static_cast<long long>(bits ^ (1ULL << bit)));
+}
+
 // x, or x corrupted when the descriptor names this element (first: the first computation of it,
 // not a recomputation).
 template <typename A>
@@ -176,12 +186,13 @@ __device__ __forceinline__ A inject(const FaultAt& ft, int site, int head, int r
         !(first || ft.persist))
         return x;
     const double old = to_double(x);
+    ft.f[F_HITS] += 1.0;
+    ft.f[F_OLD] = old;
+    if (ft.kind == 5) return flip_bit(x, static_cast<int>(ft.value));
     double y = ft.value;
     if (ft.kind == 2) y = copysign(ft.value, old);
     if (ft.kind == 3) y = old + ft.value;
     if (ft.kind == 4) y = old * ft.value;
-    ft.f[F_HITS] += 1.0;
-    ft.f[F_OLD] = old;
     return static_cast<A>(y);
 }
 

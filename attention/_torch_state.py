@@ -1,0 +1,157 @@
+"""The explicit state of protected PyTorch calls, and how the custom operators name it.
+
+A custom operator takes tensors and plain values only. What a protected call runs under that is
+neither (checking plan, fault hook, plans and buffers per device, the report its findings go to)
+lives in a :class:`Protection`, which the operators' calls name by its ``id`` (an int, a constant
+for the compiler). What a forward leaves for its backward travels in a *token*: a 1-element int64
+CPU tensor returned by the forward and saved for backward by autograd, whose memory belongs to a
+holder object that carries the state; the state lives exactly as long as the token tensor does.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+import abftgemm
+from abftgemm.report import Report
+from attention.context import Context
+from attention.plan import CheckingPlan
+from attention.workspace import Workspace
+
+FaultHook = Callable[[str, Any], None]
+
+_REGISTERED: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_IDS = itertools.count()
+_STATES: "weakref.WeakValueDictionary[int, _Holder]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count(1)
+
+
+class Protection:
+    """What protected PyTorch calls run under, and where their findings go.
+
+    One object serves any number of calls (a module holds one); the functional entry points
+    (:mod:`attention.torch_functional`) take it as their ``protection`` argument.
+
+    Parameters
+    ----------
+    check : {"correct", "detect", "off"}
+        As in :func:`abftgemm.matmul`, for every site.
+    plan : attention.CheckingPlan, optional
+        How often each site is checked (default: every call).
+    fault_hook : callable ``(site, c)``, optional
+        Sees every site's raw product (a NumPy or CuPy array sharing the GEMM output) before
+        verification, forward and backward.
+
+    Attributes
+    ----------
+    last_report : abftgemm.Report
+        The findings of the last pass: those of the last forward, extended by its backward once
+        autograd runs it (the backward of an earlier forward makes that forward's report the last
+        one). The same meaning as :attr:`attention.MultiHeadAttention.last_report`.
+    last_core : str or None
+        ``"fused"`` or ``"unfused"``: the implementation the last attention product ran
+        (:func:`attention.torch_functional.attention_core`); None before any.
+    id : int
+        Names this object in the custom operators' calls.
+    """
+
+    def __init__(self, check: str = "correct", plan: CheckingPlan | None = None,
+                 fault_hook: FaultHook | None = None):
+        if check not in abftgemm.CHECK_MODES:
+            raise ValueError(f"check must be one of {abftgemm.CHECK_MODES}, got {check!r}")
+        self.check, self.plan, self.fault_hook = check, plan or CheckingPlan(), fault_hook
+        self.last_report = Report()
+        self.last_core: str | None = None
+        self._workspaces: dict[torch.device, Workspace] = {}
+        self._memo: tuple[Any, Any] = (None, None)
+        self.id = register(self)
+
+    def workspace(self, device: torch.device) -> Workspace:
+        """The plans and buffers of the calls on ``device`` (one workspace per device)."""
+        ws = self._workspaces.get(device)
+        if ws is None:
+            ws = self._workspaces[device] = Workspace()
+        return ws
+
+    def context(self, report: Report) -> Context:
+        """The context of one call whose findings go to ``report``."""
+        return Context(self.check, self.plan, self.fault_hook, report)
+
+    def memo(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, kept while ``key`` stays the same (one entry)."""
+        if self._memo[0] != key:
+            self._memo = key, make()
+        return self._memo[1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Without its plans, buffers and memo, which hold array modules and memory no copy
+        should share (``copy.deepcopy``, ``torch.save`` and ``pickle`` work after a call; a copy
+        builds its own on first use and gets a new ``id``)."""
+        state = self.__dict__.copy()
+        state["_workspaces"], state["_memo"] = {}, (None, None)
+        del state["id"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.id = register(self)
+
+
+def register(owner: Any) -> int:
+    """A new id naming ``owner`` (a :class:`Protection`, or the state object of a protected
+    linear layer) in the custom operators' calls; held weakly."""
+    op_id = next(_IDS)
+    _REGISTERED[op_id] = owner
+    return op_id
+
+
+def registered(op_id: int) -> Any:
+    """The live object that ``op_id`` names."""
+    owner = _REGISTERED.get(op_id)
+    if owner is None:
+        raise RuntimeError(f"abftgemm: no live Protection or layer with id {op_id}")
+    return owner
+
+
+class _Holder(bytearray):
+    """The memory of a token tensor, carrying the state of one forward call."""
+
+    state: Any
+
+
+def token_of(state: Any) -> torch.Tensor:
+    """A 1-element int64 tensor whose memory keeps ``state`` alive, and that names it."""
+    holder = _Holder(8)
+    holder.state = state
+    key = next(_KEYS)
+    _STATES[key] = holder
+    array = np.frombuffer(holder, dtype=np.int64)
+    array[0] = key
+    return torch.from_numpy(array)
+
+
+def saved_state(tok: torch.Tensor) -> Any:
+    """The state a forward's :func:`token` carries."""
+    holder = _STATES.get(int(tok[0]))
+    if holder is None:
+        raise RuntimeError("abftgemm: the forward's saved state is gone (was the token tensor "
+                           "copied, or backward run twice?)")
+    return holder.state
+
+
+class ProtectionAttribute:
+    """An attribute of a module that is its ``protection``'s (``check``, ``plan``,
+    ``fault_hook``, ``last_report``, ...), read and set through it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.protection, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj.protection, self.name, value)

@@ -1,0 +1,138 @@
+"""The campaign of the fused attention core (``abft campaign --core fused``): faults at its
+internal sites, :data:`attention.fused.FUSED_SITES` (the score tiles ``S``, the probabilities
+``P``, the output accumulator, the softmax denominators, ``dP``, ``dS`` and the ``dQ``, ``dK``,
+``dV`` accumulators; :mod:`attention.fused` says what checks each).
+
+A trial runs one forward and one backward of the fused core (:func:`attention.fused.fused_forward`,
+:func:`attention.fused.fused_backward`, causal) on queries, keys, values and an output gradient
+of shape ``(batch * heads, seq, d_model / heads)``, standard normal, seeded per trial; its results
+``out``, ``dq``, ``dk``, ``dv`` are compared with the unprotected fault-free run by the tolerance
+of :mod:`attention.experiments.campaign` (the noise term against a float64 reference).
+
+Where a fault lands, "site, tile, element":
+
+- NumPy: the core's fault hook sees every tile (or accumulator, after each tile) of a site as
+  computed. The trial's fault is a toolkit :class:`abftgemm.faults.Fault` with ``sites=site`` and
+  ``skip`` drawn uniformly among the site's calls in a fault-free run, so the tile is any head,
+  block and step, forward or backward; its pattern places the element(s) in that tile.
+- CuPy: the kernels inject (:func:`attention._cuda_fused.device_fault` converts the same Fault):
+  one element (pattern ``"element"`` only) of the site's matrix of one head, the head, row, column
+  and accumulator step drawn from the fault's seed; bit flips hit the element as the tiles hold
+  it (float32 for 16-bit data).
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from abftgemm import UncorrectableError
+from abftgemm.checksums import SUPPORTED_DTYPES
+from abftgemm.faults import Fault, Recorder
+from attention.context import Context
+from attention.experiments.outcomes import Trial, absolute_tolerances, compare
+from attention.fused import SUPPORTED as CPU_DTYPES, fused_backward, fused_forward
+
+#: The clean (fault-free, protected) record's site name.
+CLEAN_TARGET = "fused"
+_DTYPES = {d.name: d for d in SUPPORTED_DTYPES}
+
+
+def site_dtype(dtype: str, xp: Any) -> np.dtype:
+    """The dtype of the elements a fault hits: the data's on NumPy; on CuPy the tile
+    arithmetic's (float64 for float64 data, float32 otherwise)."""
+    if xp is np or dtype == "float64":
+        return _DTYPES[dtype]
+    return np.dtype(np.float32)
+
+
+def backend_problem(dtype: str, patterns: tuple[str, ...], xp: Any) -> str | None:
+    """Why the fused core's campaign cannot run on ``xp`` with these flags, or None."""
+    if xp is np and _DTYPES[dtype] not in CPU_DTYPES:
+        return f"--core fused on numpy takes --dtype float32 or float64, got {dtype}"
+    if xp is not np and tuple(patterns) != ("element",):
+        return ("--core fused on cupy injects in the CUDA kernels, one element per fault: "
+                "--patterns element")
+    return None
+
+
+class FusedTestbed:
+    """The fused core's inputs and fault-free references for one trial seed (the interface of the
+    layer's testbed in :mod:`attention.experiments.campaign`: ``fault``, ``run``, ``compare``).
+
+    Parameters
+    ----------
+    dtype : str
+    shape : tuple of int
+        ``(n, seq, head_dim)``.
+    seed : int
+        With ``trial``, seeds the inputs.
+    xp : module
+        numpy or cupy.
+    trial : int
+    """
+
+    def __init__(self, dtype: str, shape: tuple[int, int, int], seed: int, xp: Any, trial: int):
+        self.dtype, self.xp = dtype, xp
+        rng = np.random.default_rng([seed, 7, trial])
+        host = [rng.standard_normal(shape).astype(_DTYPES[dtype]) for _ in range(4)]
+        self.q, self.k, self.v, self.do = (xp.asarray(x) for x in host)
+        self.reference = self.run(CLEAN_TARGET, "off", None).results
+        self.atol = absolute_tolerances(self.reference, exact(*host), dtype)
+        self.calls: Counter[str] = Counter()
+        if xp is np:  # the hook's calls per site, for the tile a fault picks
+            recorder = Recorder()
+            self.run(CLEAN_TARGET, "correct", recorder)
+            self.calls.update(call.site for call in recorder.calls)
+
+    def fault(self, site: str, kind: dict[str, Any], pattern: str, seed: int) -> Any:
+        """The trial's fault at ``site`` (module docstring): a :class:`Fault` on NumPy, its
+        :class:`attention._cuda_fused.DeviceFault` on CuPy."""
+        if self.xp is np:
+            skip = int(np.random.default_rng([seed, 1]).integers(self.calls[site]))
+            return Fault(pattern=pattern, seed=seed, sites=site, skip=skip, **kind)
+        from attention._cuda_fused import device_fault
+
+        return device_fault(Fault(pattern=pattern, seed=seed, sites=site, **kind), self.q.shape,
+                            self.k.shape[1], self.q.dtype, causal=True)
+
+    def run(self, site: str, check: str, hook: Any) -> Trial:
+        """One forward and backward of the fused core with ``hook`` (``site`` names the record
+        only: the fault knows its site)."""
+        ctx = Context(check=check, fault_hook=hook)
+        try:
+            out, saved = fused_forward(self.q, self.k, self.v, ctx, causal=True)
+            dq, dk, dv = fused_backward(saved, self.do, ctx)
+        except UncorrectableError:
+            return Trial(ctx.report, True, None, _injected(hook))
+        return Trial(ctx.report, False, {"out": out, "dq": dq, "dk": dk, "dv": dv},
+                     _injected(hook))
+
+    def compare(self, site: str, results: dict[str, Any]) -> str:
+        """``"equal"``, ``"within"`` or ``"beyond"`` the tolerance, against the fault-free run."""
+        return compare(self.xp, results, self.reference, self.atol, self.dtype)
+
+
+def _injected(hook: Any) -> bool:
+    """Whether ``hook`` (a Fault, a DeviceFault or None) changed anything."""
+    if hook is None:
+        return False
+    if isinstance(hook, Fault):
+        return bool(hook.injected)
+    return bool(getattr(hook, "hits", 0))
+
+
+def exact(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray) -> dict[str, np.ndarray]:
+    """Causal attention forward and gradients in float64 (host arrays ``(n, L, d)``)."""
+    q, k, v, do = (x.astype(np.float64) for x in (q, k, v, do))
+    scale = 1 / math.sqrt(q.shape[2])
+    s = scale * q @ k.transpose(0, 2, 1)
+    s = np.where(np.tril(np.ones(s.shape[1:], bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = p @ v
+    ds = p * (do @ v.transpose(0, 2, 1) - (do * out).sum(-1, keepdims=True))
+    return {"out": out, "dq": scale * ds @ k, "dk": scale * ds.transpose(0, 2, 1) @ q,
+            "dv": p.transpose(0, 2, 1) @ do}

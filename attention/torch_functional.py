@@ -1,0 +1,193 @@
+"""Protected attention on PyTorch tensors as functions: every argument explicit, no module.
+
+Layered as flash-attention's interface: the bodies on the tensors' memory
+(:mod:`attention._torch_mha`, :mod:`attention._torch_core_op`), the custom operators that make
+them differentiable and opaque to ``torch.compile`` (:mod:`attention._torch_op`,
+:mod:`attention._torch_core_op`), these functions, and the modules on top
+(:class:`attention.torch.MultiheadAttention`, :class:`attention.torch_core.ProtectedCore`), which
+hold parameters and one :class:`Protection` and call them.
+
+What a call runs under (check mode, checking plan, fault hook, plans and buffers per device) and
+where its findings go (``Protection.last_report``: the last forward's, extended by its backward)
+is the :class:`Protection` passed as ``protection``::
+
+    protection = Protection(check="correct")
+    out, _ = attention_core(q, k, v, protection=protection, is_causal=True)
+    out.sum().backward()
+    protection.last_report.summary()
+"""
+from __future__ import annotations
+
+import torch
+
+from attention import _torch_core_op, _torch_op
+from attention._torch_state import Protection
+from attention.fused_choice import check_core
+
+__all__ = ["Protection", "multi_head_attention", "attention_core"]
+
+
+def multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         num_heads: int, in_proj_weight: torch.Tensor,
+                         in_proj_bias: torch.Tensor | None, out_proj_weight: torch.Tensor,
+                         out_proj_bias: torch.Tensor | None, *, protection: Protection,
+                         key_padding_mask: torch.Tensor | None = None,
+                         attn_mask: torch.Tensor | None = None, need_weights: bool = False,
+                         average_attn_weights: bool = True, is_causal: bool = False,
+                         dropout_p: float = 0.0, core: str = "auto"
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Multi-head attention with every GEMM of its forward and backward checksum-protected.
+
+    The computation of ``torch.nn.functional.multi_head_attention_forward`` on batch-first
+    tensors, with PyTorch's parameter layout (``x @ W.T + b``); differentiable in the inputs and
+    parameters.
+
+    Parameters
+    ----------
+    query : tensor (N, L, E)
+    key, value : tensor (N, S, E)
+        Self-attention when ``query``, ``key`` and ``value`` are one tensor object.
+    num_heads : int
+        Divides ``E``.
+    in_proj_weight : tensor (3 E, E)
+        The query, key and value projections, stacked.
+    in_proj_bias : tensor (3 E,) or None
+    out_proj_weight : tensor (E, E)
+    out_proj_bias : tensor (E,) or None
+    protection : Protection
+        What the call runs under; its ``last_report`` receives the findings.
+    key_padding_mask : bool or float tensor (N, S), optional
+        True (or the float added) for keys to ignore.
+    attn_mask : bool or float tensor (L, S) or (N * num_heads, L, S), optional
+        True = not allowed; a float mask is added to the scaled scores.
+    need_weights : bool
+        Also return the attention weights (after dropout; no gradient).
+    average_attn_weights : bool
+        Average the weights over heads.
+    is_causal : bool
+        Query ``i`` sees keys ``j <= i`` only, when ``attn_mask`` is None.
+    dropout_p : float
+        Attention dropout probability; the mask is drawn with PyTorch's generator on the
+        tensors' device (:mod:`attention.dropout`).
+    core : {"auto", "fused", "unfused"}
+        The attention product between the projections (:func:`attention.attention_forward`'s
+        ``core``): ``"auto"`` runs the fused core (:mod:`attention.fused`) where it applies
+        (CPU, float32/float64, ``need_weights=False``, no dropout, no fault hook, every call
+        checked), else the unfused sites; the others force one. ``protection.last_core`` names
+        the one that ran.
+
+    Returns
+    -------
+    out : tensor (N, L, E)
+    weights : tensor (N, L, S) or (N, num_heads, L, S), or None unless ``need_weights``
+    """
+    _check_projection(query, key, value, num_heads, in_proj_weight, out_proj_weight)
+    check_core(core)
+    if not 0 <= dropout_p <= 1:
+        raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p}")
+    self_attention = query is key and key is value
+    keep = None if dropout_p == 0 else \
+        torch.rand((query.shape[0] * num_heads, query.shape[1], key.shape[1]),
+                   device=query.device) >= dropout_p
+    y, weights, _ = _torch_op.mha_forward(
+        protection.id, query, key, value, in_proj_weight, in_proj_bias, out_proj_weight,
+        out_proj_bias, key_padding_mask, attn_mask, num_heads, self_attention, bool(is_causal),
+        need_weights, average_attn_weights, keep, float(dropout_p), core)
+    return y, (weights if need_weights else None)
+
+
+def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                   protection: Protection, attn_mask: torch.Tensor | None = None,
+                   scale: float | None = None, is_causal: bool = False,
+                   need_weights: bool = False, dropout_p: float = 0.0,
+                   core: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(out, weights)`` of ``softmax(scale query key^T + attn_mask) value`` with its products
+    checksum-protected, differentiable in ``query``, ``key`` and ``value``.
+
+    Parameters
+    ----------
+    query : tensor (..., L, D)
+    key, value : tensor (..., S, D)
+        Same leading dimensions and dtype as ``query``.
+    protection : Protection
+        What the call runs under; its ``last_report`` receives the findings and its
+        ``last_core`` names the implementation that ran.
+    attn_mask : tensor, optional
+        Broadcastable to ``(..., L, S)``: bool, True = NOT allowed, or float, added to the
+        scaled scores.
+    scale : float, optional
+        Default ``1 / sqrt(D)``.
+    is_causal : bool
+        Query ``i`` sees keys ``j <= i`` only (``L == S``).
+    need_weights : bool
+        Also return the probabilities ``(..., L, S)`` (a new tensor without gradient; after
+        dropout, as PyTorch's attention functions return them).
+    dropout_p : float
+        Attention dropout probability (:mod:`attention.dropout`); the mask is drawn with
+        PyTorch's generator on the tensors' device.
+    core : {"auto", "fused", "unfused"}
+        Which implementation of :mod:`attention.core` runs: ``"auto"`` the fused core where it
+        applies (CPU, float32/float64, causal or no mask, no dropout, no fault hook, every call
+        checked, ``need_weights=False``), else the unfused one; the others force one.
+
+    Returns
+    -------
+    out : tensor (..., L, D)
+    weights : tensor (..., L, S) or None
+    """
+    lead, (seq_q, d), seq_k = query.shape[:-2], query.shape[-2:], key.shape[-2]
+    if key.shape[:-2] != lead or value.shape != key.shape or key.shape[-1] != d:
+        raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                         f"{tuple(value.shape)} must be (..., L, D), (..., S, D), (..., S, D)")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(f"query, key and value must have one dtype, got {query.dtype}, "
+                        f"{key.dtype}, {value.dtype}")
+    check_core(core)
+    if not 0 <= dropout_p <= 1:
+        raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p}")
+    n = 1
+    for size in lead:
+        n *= size
+    q, k, v = (t.reshape(n, -1, d).contiguous() for t in (query, key, value))
+    mask = _flat_mask(attn_mask, lead, n, seq_q, seq_k)
+    keep = torch.rand((n, seq_q, seq_k), device=q.device) >= dropout_p if dropout_p else None
+    out, weights = _torch_core_op.apply_core(
+        protection, q, k, v, mask, 1 / d ** 0.5 if scale is None else float(scale),
+        bool(is_causal), need_weights, keep, float(dropout_p), core)
+    out = out.view(*lead, seq_q, d)
+    return out, (weights.view(*lead, seq_q, seq_k) if need_weights else None)
+
+
+def _check_projection(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      heads: int, in_w: torch.Tensor, out_w: torch.Tensor) -> None:
+    """A clear error for inputs and projection weights of mismatched shapes."""
+    if query.dim() != 3 or key.dim() != 3 or value.shape != key.shape:
+        raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                         f"{tuple(value.shape)} must be (N, L, E), (N, S, E), (N, S, E)")
+    e = query.shape[2]
+    if key.shape[0] != query.shape[0] or key.shape[2] != e:
+        raise ValueError(f"key {tuple(key.shape)} must be (N, S, E) with query's N and E "
+                         f"{(query.shape[0], e)}")
+    if heads <= 0 or e % heads:
+        raise ValueError(f"num_heads ({heads}) must divide the embedding dimension ({e})")
+    if tuple(in_w.shape) != (3 * e, e) or tuple(out_w.shape) != (e, e):
+        raise ValueError(f"in_proj_weight {tuple(in_w.shape)} and out_proj_weight "
+                         f"{tuple(out_w.shape)} must be {(3 * e, e)} and {(e, e)}")
+
+
+def _flat_mask(mask: torch.Tensor | None, lead: torch.Size, n: int, seq_q: int,
+               seq_k: int) -> torch.Tensor | None:
+    """``mask`` as the core takes it: ``(L, S)`` when shared by every batch item and head, else
+    ``(n, L, S)``."""
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"attn_mask must be bool or float, got {mask.dtype}")
+    try:
+        full = mask.expand(*lead, seq_q, seq_k)
+    except RuntimeError:
+        raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to "
+                         f"{(*lead, seq_q, seq_k)}") from None
+    if all(s == 1 for s in mask.shape[:-2]) and mask.shape[-2:] == (seq_q, seq_k):
+        return mask.reshape(seq_q, seq_k).contiguous()
+    return full.reshape(n, seq_q, seq_k).contiguous()

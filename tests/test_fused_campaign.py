@@ -1,0 +1,162 @@
+"""The campaign of the fused attention core (``abft campaign --core fused``) and the conversion of a
+toolkit Fault into the CUDA kernels' DeviceFault: every extreme fault at every internal site is
+detected and repaired, on NumPy and on CuPy (cupy-on-cpu without a GPU)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from abftgemm.faults import Fault
+from attention.context import Context
+from attention.experiments.campaign import CampaignConfig, OUTCOMES, run_campaign
+from attention.experiments.cli import main
+from attention.experiments.fused_campaign import FusedTestbed
+from attention.fused import FUSED_SITES
+from conftest import BACKENDS
+from test_fused_cuda import _fault, _faulted_run, _run
+from test_fused import _data
+
+CUDA = [p for p in BACKENDS if p.id != "numpy"]
+#: The extreme kinds: INF, NaN, near-INF and the top exponent bit flipped.
+EXTREME = ("inf", "-inf", "nan", "near-inf", "bitflip-exp")
+
+
+def _assert_all_repaired(records: list[dict], trials: int) -> None:
+    """Every protected faulty trial injected, detected at its site and repaired (recomputed, the
+    results within the bound); the unprotected ones flag nothing; no clean false positive."""
+    assert {r["site"] for r in records if r["kind"] != "none"} == set(FUSED_SITES)
+    for r in records:
+        assert sum(r[k] for k in OUTCOMES) == r["trials"]
+        if r["kind"] == "none":
+            assert r["site"] == "fused" and r["false_positives"] == 0, r
+            assert r["masked"] == r["trials"]  # protected clean = unprotected clean, bit for bit
+            continue
+        assert r["trials"] == trials and r["injected"] == trials, r
+        if r["protected"]:
+            assert r["detected"] == r["detected_at_site"] == r["recomputed"] == trials, r
+            assert r["silent"] == r["miscorrected"] == r["uncorrectable"] == 0, r
+        else:
+            assert r["detected"] == 0
+
+
+def test_numpy_campaign_repairs_every_extreme_fault_at_every_site():
+    """Three query blocks and key tiles of 64 (seq 150): the faults land in any tile, forward or
+    backward, at an element, a row or a 4x4 block of it."""
+    config = CampaignConfig(trials=1, clean_trials=1, batch=1, seq=150, d_model=32, n_heads=2,
+                            kinds=EXTREME, patterns=("element", "row", "tile"), core="fused")
+    assert config.sites == FUSED_SITES
+    _assert_all_repaired(run_campaign(config, np, progress=False), 1)
+
+
+def test_numpy_faults_pick_tiles_across_the_run():
+    """The hook's calls per site are counted on the clean run; ``skip`` picks among all of
+    them (different seeds, different tiles)."""
+    bench = FusedTestbed("float32", (2, 150, 16), 0, np, 0)
+    # causal, 3 query blocks: 6 (block, tile) pairs per head forward, 6 backward
+    assert bench.calls["fused:S"] == bench.calls["fused:P"] == 2 * (6 + 6)
+    assert bench.calls["fused:O_acc"] == bench.calls["fused:rowsum"] == 2 * 6
+    assert set(bench.calls) == set(FUSED_SITES)
+    skips = {bench.fault("fused:S", {"kind": "inf"}, "element", seed).skip for seed in range(40)}
+    assert len(skips) > 10 and max(skips) < bench.calls["fused:S"]
+
+
+def test_cli_core_fused(tmp_path: Path):
+    out = tmp_path / "camp"
+    status = main(["campaign", "--backend", "numpy", "--core", "fused", "--out", str(out),
+                   "--no-progress", "--trials", "1", "--clean-trials", "1", "--seq", "70",
+                   "--d-model", "16", "--heads", "2", "--batch", "1", "--sites", "fused:P",
+                   "fused:dK_acc", "--kinds", "nan", "bitflip-exp", "--patterns", "element"])
+    assert status == 0
+    records = json.loads((out / "campaign.json").read_text())
+    assert {r["site"] for r in records} == {"fused:P", "fused:dK_acc", "fused"}
+    text = (out / "campaign.md").read_text()
+    assert "fused attention core (causal), 2 heads of seq=70 x head_dim=8" in text
+    assert "Propagation" not in text
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--core", "fused", "--sites", "scores"], "--sites: unknown scores"),
+    (["--core", "fused", "--model", "gpt2"], "--model layer"),
+    (["--core", "fused", "--dtype", "float16"], "float32 or float64"),
+    (["--sites", "fused:S"], "--sites: unknown fused:S"),
+])
+def test_cli_refuses_bad_core_flags(flags, message, tmp_path, capsys):
+    assert main(["campaign", "--backend", "numpy", "--out", str(tmp_path / "x"), *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("xp", CUDA)
+def test_cupy_campaign_repairs_every_extreme_fault_at_every_site(xp):
+    """The same campaign on the CUDA kernels (32 x 32 tiles: seq 40 makes two blocks), each
+    toolkit Fault converted by device_fault."""
+    config = CampaignConfig(trials=1, clean_trials=1, batch=1, seq=40, d_model=16, n_heads=2,
+                            kinds=EXTREME, patterns=("element",), core="fused")
+    _assert_all_repaired(run_campaign(config, xp, progress=False), 1)
+    with pytest.raises(ValueError, match="--patterns element"):
+        run_campaign(CampaignConfig(core="fused", patterns=("row",)), xp, progress=False)
+
+
+@pytest.mark.parametrize("xp", CUDA)
+def test_device_fault_converts_the_toolkit_fault(xp):
+    from attention._cuda_fused import BR, DeviceFault, device_fault
+
+    shape = (3, 70, 16)
+    got = device_fault(Fault("additive", sites="fused:O_acc", batch=2, row=45, col=3,
+                             magnitude=7.0), shape, 70, np.float32, causal=True, step=1)
+    assert got == DeviceFault("fused:O_acc", 45, 3, head=2, step=1, kind="additive", value=7.0)
+    got = device_fault(Fault("scale", sites="fused:dS", factor=-3.0, times=None, seed=4), shape,
+                       70, np.float32)
+    assert (got.kind, got.value, got.persistent, got.step) == ("scale", -3.0, True, 0)
+    assert got.head < 3 and got.row < 70 and got.col < 70
+    # 16-bit data: the tiles hold float32, whose 32 bits a drawn flip picks from
+    bits = {device_fault(Fault("bitflip", sites="fused:S", seed=s), shape, 70, np.float16).bit
+            for s in range(60)}
+    assert max(bits) > 16 and bits <= set(range(32))
+    # drawn positions are computed ones: causal tiles at or below the diagonal's; steps of the
+    # block's sweep (key rows of the last block: one query block to sweep)
+    for seed in range(30):
+        f = device_fault(Fault("nan", sites="fused:P", seed=seed), shape, 70, np.float32,
+                         causal=True)
+        assert f.col < (f.row // BR + 1) * BR
+        f = device_fault(Fault("nan", sites="fused:dK_acc", row=69, seed=seed), shape, 70,
+                         np.float32, causal=True)
+        assert f.step == 0 and f.col < 16
+        f = device_fault(Fault("nan", sites="fused:rowsum", seed=seed), shape, 70, np.float32)
+        assert f.col == 0 and f.step < 3
+    for fault, error in [(Fault("nan", "row", sites="fused:S"), "pattern"),
+                         (Fault("multibit", sites="fused:S"), "one bit"),
+                         (Fault("nan", sites="fused:S", skip=2), "skip"),
+                         (Fault("nan", sites=("fused:S", "fused:P")), "one site"),
+                         (Fault("nan", sites="scores"), "one site"),
+                         (Fault("nan", sites="fused:S", times=2), "times")]:
+        with pytest.raises(ValueError, match=error):
+            device_fault(fault, shape, 70, np.float32)
+    with pytest.raises(IndexError, match="step"):
+        device_fault(Fault("nan", sites="fused:dQ_acc", row=10), shape, 70, np.float32,
+                     causal=True, step=1)
+    with pytest.raises(ValueError, match="tile site"):
+        device_fault(Fault("nan", sites="fused:S"), shape, 70, np.float32, step=1)
+
+
+@pytest.mark.parametrize("xp", CUDA)
+@pytest.mark.parametrize("dtype,bit", [(np.float32, 30), (np.float64, 62), (np.float64, 63)])
+def test_kernels_flip_a_bit(xp, dtype, bit):
+    """Kind "bitflip" in the kernels (float32 and float64 tiles, the top exponent and the sign
+    bit): it changes the results unprotected, and the flipped S element is repaired."""
+    q, k, v, do = _data(np.random.default_rng(2), 2, 70, 70, 16, dtype)
+    clean = _run(xp, q, k, v, do, Context(), causal=True)
+    fault = _fault("fused:S", "inf", 0.0)
+    fault.kind, fault.bit = "bitflip", bit
+    off, _ = _faulted_run(xp, q, k, v, do, "fused:S", "forward", fault, check="off")
+    assert fault.hits == 1 and np.isfinite(fault.old)
+    assert any(not np.array_equal(g, c) for g, c in zip(off, clean))
+    fault = _fault("fused:S", "inf", 0.0)
+    fault.kind, fault.bit = "bitflip", bit
+    got, ctx = _faulted_run(xp, q, k, v, do, "fused:S", "forward", fault)
+    assert "fused:S" in ctx.report.sites
+    for g, c in zip(got, clean):
+        assert np.array_equal(g, c)
