@@ -11,11 +11,11 @@ goes hits each alike); the median of ``--repeats`` rounds is printed with the ra
 ``/proc/loadavg`` (other work on the machine shows there). Protected variants, each against
 "sdpa": ``attention`` (the attention products only: ``protect(model, projections=False)``),
 ``projections`` (those and the Q, K, V and output projections: ``protect(model)``) and ``mlp``
-(the feed-forward layers too: ``protect(model, mlp=True)``). ``--cpu-time`` runs PyTorch on one thread
-and times the CPU time of that thread (``time.thread_time``): the work a step does, which other
-load on the machine inflates far less than wall time, but without what a second thread gains.
-``--json`` also writes the settings,
-the CPU, the load before and after, every round's time and the medians to a file.
+(the feed-forward layers too: ``protect(model, mlp=True)``). ``--cpu-time`` runs PyTorch and the
+library on one thread (``abftgemm.set_threads(1)``) and times the CPU time of that thread
+(``time.thread_time``): the work a step does, which other load on the machine inflates far less
+than wall time, but without what a second thread gains. ``--json`` also writes the settings, the
+CPU, the load before and after, every round's time and the medians to a file.
 """
 from __future__ import annotations
 
@@ -64,6 +64,8 @@ def _models(family: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     import torch
 
+    import abftgemm
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, default in (("layers", 4), ("width", 256), ("heads", 4), ("seq", 128),
                           ("batch", 8), ("repeats", 5)):
@@ -72,8 +74,9 @@ def main() -> None:
                    help="one PyTorch thread, timed by its CPU time (time.thread_time)")
     p.add_argument("--json", type=Path, help="also write the results to this file")
     args = p.parse_args()
-    if args.cpu_time:
+    if args.cpu_time:  # every thread's work on the timed one: PyTorch's and the library's
         torch.set_num_threads(1)
+        abftgemm.set_threads(1)
     clock = time.thread_time if args.cpu_time else time.perf_counter
     torch.manual_seed(0)
     ids = torch.randint(3, 1000, (args.batch, args.seq))

@@ -14,10 +14,12 @@ if not hasattr(transformers, "AttentionInterface"):
 
 from attention.core import CORE_INVARIANT_SITES, CORE_SITES  # noqa: E402
 from attention.hf import abft_attention_forward  # noqa: E402
+from attention.hf_linear import projection_cores  # noqa: E402
 from attention.hf_protect import ProtectedGPTNeoSelfAttention, attention_cores  # noqa: E402
 from attention.torch import fault_hook, protect  # noqa: E402
-from hf_models import (FAMILIES, HEADS, RTOL_BF16, VOCAB, WIDTH, OncePerSite,  # noqa: E402,F401
-                       assert_close, assert_same_step, batch, build, eager_runs, layer0, step)
+from hf_models import (ATOL_16, FAMILIES, HEADS, RTOL_16, VOCAB, WIDTH,  # noqa: E402,F401
+                       OncePerSite, assert_close, assert_same_step, batch, build, eager_runs,
+                       layer0, step)
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_equals_eager_with_padding_in_train_mode(family, eager_runs):
@@ -187,22 +189,30 @@ def test_torch_compile_equals_eager(eager_runs):
     assert_same_step(step(compiled, *batch()), want)
 
 
-@pytest.mark.parametrize("family", ("bert", "gpt2"))
-def test_bfloat16_autocast_equals_eager(family):
-    """Under CPU autocast the projections hand the attention bfloat16 Q, K and V; the protected
-    product runs in bfloat16 like eager's."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_16bit_autocast_equals_eager(family, dtype):
+    """Under CPU autocast the protected projections and feed-forward layers cast input, weight
+    and bias to the 16-bit dtype as nn.Linear does, hand the attention 16-bit Q, K and V, and
+    every protected product runs in that dtype like eager's; the gradients keep the
+    Parameters' float32."""
     runs = []
-    for model in (build(family), protect(build(family))):
+    for model in (build(family), protect(build(family), mlp=True)):
         ids, mask = batch()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=dtype):
+            if not torch.is_autocast_enabled("cpu"):
+                pytest.skip(f"this PyTorch has no CPU autocast to {dtype}")
             logits = model(ids, attention_mask=mask).logits
-        assert logits.dtype == torch.bfloat16
+        assert logits.dtype == dtype
         keep = mask.bool()
         logits[keep].float().pow(2).mean().backward()
         runs.append((logits[keep].float().detach(),
                      {n: p.grad.clone() for n, p in model.named_parameters()}))
-    assert_same_step(runs[1], runs[0], rtol=RTOL_BF16)
-    assert any(c.last_report.checked for c in attention_cores(model).values())
+    assert all(g.dtype == torch.float32 for g in runs[1][1].values())
+    assert_same_step(runs[1], runs[0], rtol=RTOL_16[dtype], atol=ATOL_16[dtype])
+    assert all(c.last_report.checked for c in attention_cores(model).values())
+    assert all(core.last_report.checked.get("d_weight") == 1
+               for core in projection_cores(model).values())
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -154,7 +154,7 @@ def test_pytorch_runs_the_w_layout_table(monkeypatch):
         traces.append([])
         return Context(*args, **kwargs, trace=traces[-1])
 
-    monkeypatch.setattr("attention._torch_mha.Context", tracing)
+    monkeypatch.setattr("attention._torch_state.Context", tracing)
     module = MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
     x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
     module(x, x, x, need_weights=False)[0].sum().backward()
