@@ -142,9 +142,10 @@ def test_docs_table_is_the_generated_one():
     assert shown == plan_markdown()
 
 
-def test_pytorch_runs_the_w_layout_table(monkeypatch):
+@pytest.mark.parametrize("core", ["unfused", "auto"])
+def test_pytorch_runs_the_w_layout_table(monkeypatch, core):
     """attention.torch hands the backward PyTorch's gradient buffers: the pass it runs is the
-    table's W-layout variant, step for step."""
+    table's W-layout variant, step for step (with the fused core where ``"auto"`` runs it)."""
     torch = pytest.importorskip("torch")
     from attention.torch import MultiheadAttention
 
@@ -155,9 +156,10 @@ def test_pytorch_runs_the_w_layout_table(monkeypatch):
         return Context(*args, **kwargs, trace=traces[-1])
 
     monkeypatch.setattr("attention._torch_state.Context", tracing)
-    module = MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+    module = MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64, core=core)
     x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
     module(x, x, x, need_weights=False)[0].sum().backward()
     ran = [s for trace in traces for s, _ in trace]
-    variant = Variant(w_layout=True)
+    assert module.last_core == ("fused" if core == "auto" else "unfused")
+    variant = Variant(w_layout=True, fused=core == "auto")
     assert ran == [s for _, s, _ in table_rows(variant)]
