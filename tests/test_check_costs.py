@@ -66,3 +66,9 @@ def test_worked_example_reproduces() -> None:
     done = subprocess.run([sys.executable, *command.split()], cwd=ROOT, capture_output=True,
                           text=True, check=True)
     assert done.stdout.rstrip("\n") == shown
+
+
+def test_the_fused_variant_is_refused() -> None:
+    """The fused core has no per-site GEMMs to count: a clear error, not unfused figures."""
+    with pytest.raises(ValueError, match="fused"):
+        check_costs(2, 2, 16, 8, variant=Variant(fused=True))

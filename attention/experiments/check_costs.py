@@ -91,7 +91,11 @@ class CheckCost:
 def site_gemms(batch: int, heads: int, seq: int, head_dim: int,
                variant: Variant = Variant()) -> dict[str, SiteGemm]:
     """The product of every site of :data:`attention.SITES` for one forward+backward
-    (self-attention), with what its checks do as the pass tables say in ``variant``."""
+    (self-attention), with what its checks do as the pass tables say in ``variant`` (not
+    ``fused``: the fused core checks inside its kernel, not per site)."""
+    if variant.fused:
+        raise ValueError("check_costs counts the unfused sites; Variant(fused=True) runs the "
+                         "fused core, which checks every tile inside its kernel")
     t, d, bh = batch * seq, heads * head_dim, batch * heads
     proj, weight_grad = (1, t, d, d), (1, d, t, d)
     qk, pv = (bh, seq, head_dim, seq), (bh, seq, seq, head_dim)  # like Q K^T, like P V
