@@ -131,8 +131,10 @@ def run(layer, x, mask, dy, hook=None):
     return y, dx, grads, layer.last_report  # the forward's findings and the backward's
 
 
-def problem(xp, dtype, batch=2, seq=6, d_model=8, heads=2, causal=False, masked=False, seed=0):
-    layer = MultiHeadAttention(d_model, heads, causal=causal, dtype=dtype, xp=xp, seed=seed)
+def problem(xp, dtype, batch=2, seq=6, d_model=8, heads=2, causal=False, masked=False, seed=0,
+            core="auto"):
+    layer = MultiHeadAttention(d_model, heads, causal=causal, dtype=dtype, xp=xp, seed=seed,
+                               core=core)
     rng = np.random.default_rng(seed + 1)
     x = xp.asarray(rng.standard_normal((batch, seq, d_model)).astype(layer.dtype))
     dy = xp.asarray(rng.standard_normal((batch, seq, d_model)).astype(layer.dtype))
@@ -151,7 +153,12 @@ def problem(xp, dtype, batch=2, seq=6, d_model=8, heads=2, causal=False, masked=
        seed=st.integers(0, 1000))
 def test_layer_matches_float64_reference(xp, dtype, batch, seq, heads, head_dim, causal, masked,
                                          seed):
-    layer, x, mask, dy = problem(xp, dtype, batch, seq, heads * head_dim, heads, causal, masked, seed)
+    """The unfused layer: the oracle's plain low-precision computation is its algorithm. The
+    fused core rounds in another order (P from the log-sum-exp, online rescaling); it is held to
+    float64 by its own derived tolerance in tests/test_fused.py and to this layer in
+    tests/test_layer_core.py."""
+    layer, x, mask, dy = problem(xp, dtype, batch, seq, heads * head_dim, heads, causal, masked, seed,
+                                 core="unfused")
     y, dx, grads, report = run(layer, x, mask, dy)
     assert not report.detected, report.summary()
     Oracle(layer, x, mask, dy).assert_accurate(outputs(y, dx, grads))
