@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from abftgemm._cpu_triangles import lower_product, triangular_matmul  # noqa: E402
 from attention import MultiHeadAttention  # noqa: E402
-from attention import functional  # noqa: E402
+from attention import passes  # noqa: E402
 from bench import timing  # noqa: E402
 
 CASES = {"small": (4, 4, 128, 32), "medium": (2, 8, 256, 64), "long": (1, 8, 1024, 64)}
@@ -59,15 +59,15 @@ def pair_times(shape: tuple[int, int, int, int], repeats: int) -> dict[str, floa
 
 def layer_times(shape: tuple[int, int, int, int], repeats: int) -> dict[str, float]:
     b, h, s, hd = shape
-    layer = MultiHeadAttention(h * hd, h, causal=True, dtype="float32", seed=0)
+    layer = MultiHeadAttention(h * hd, h, causal=True, dtype="float32", seed=0, core="unfused")
     rng = np.random.default_rng(0)
     x, dy = (rng.standard_normal((b, s, h * hd)).astype(np.float32) for _ in range(2))
-    table = (functional.FORWARD, functional.BACKWARD)
+    table = (passes.FORWARD, passes.BACKWARD)
     whole = tuple(tuple(dataclasses.replace(s, a_triangle=None, out_triangle=None) for s in t)
                   for t in table)
 
     def step(check: str, tables: tuple) -> None:
-        functional.FORWARD, functional.BACKWARD = tables
+        passes.FORWARD, passes.BACKWARD = tables
         layer.check = check
         _, cache = layer.forward(x)
         layer.backward(dy, cache)
@@ -79,7 +79,7 @@ def layer_times(shape: tuple[int, int, int, int], repeats: int) -> dict[str, flo
                                                                    ("whole", whole))},
             repeats, 2, gpu=False)
     finally:
-        functional.FORWARD, functional.BACKWARD = table
+        passes.FORWARD, passes.BACKWARD = table
 
 
 def main(argv: list[str] | None = None) -> int:
