@@ -43,6 +43,7 @@ def gradients(check: str, faulty: bool, rank: int, device: torch.device) -> dict
     layer = nn.TransformerEncoderLayer(D_MODEL, HEADS, FFN, dropout=0.0, batch_first=True,
                                        dtype=torch.float64, device=device)
     protect(layer, check=check)
+    layer.self_attn.core = "unfused"  # the faulted sites are its; the fault-free run the same core
     if faulty:
         layer.self_attn.fault_hook = chain(*(Fault("near-inf", "row", seed=1, sites=site)
                                              for site in FAULT_SITES))
