@@ -108,12 +108,28 @@ def test_another_running_process_is_counted_and_our_own_threads_are_not():
         burner.wait()
 
 
-def test_numba_never_starts_its_thread_pool():
+def test_numba_never_starts_its_thread_pool_outside_the_fused_core():
     code = ("import numpy as np, numba.np.ufunc.parallel as par\n"
             "from attention import MultiHeadAttention\n"
+            "layer = MultiHeadAttention(32, 4, causal=True, dtype='float32', xp=np, seed=0,\n"
+            "                           core='unfused')\n"
+            "x = np.ones((2, 8, 32), np.float32)\n"
+            "y, cache = layer.forward(x)\n"
+            "layer.backward(np.ones_like(y), cache)\n"
+            "assert layer.last_core == 'unfused', layer.last_core\n"
+            "assert not par._is_initialized, 'numba started its thread pool'\n")
+    run_python("-c", code)
+
+
+def test_the_fused_core_runs_numba_at_the_policys_thread_count():
+    code = ("import numpy as np, numba, numba.np.ufunc.parallel as par, abftgemm\n"
+            "from attention import MultiHeadAttention\n"
+            "abftgemm.set_threads(1)\n"
             "layer = MultiHeadAttention(32, 4, causal=True, dtype='float32', xp=np, seed=0)\n"
             "x = np.ones((2, 8, 32), np.float32)\n"
             "y, cache = layer.forward(x)\n"
             "layer.backward(np.ones_like(y), cache)\n"
-            "assert not par._is_initialized, 'numba started its thread pool'\n")
+            "assert layer.last_core == 'fused', layer.last_core\n"
+            "assert par._is_initialized, 'the fused core did not run in numba pool'\n"
+            "assert numba.get_num_threads() == 1, numba.get_num_threads()\n")
     run_python("-c", code)
