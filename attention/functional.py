@@ -686,11 +686,3 @@ def _stacked_encoding(xp: Any, parts: list[Any], batch: int, out: Any) -> Any:
     weighted.sum(axis=0, out=out[1, 0])
     e[2].sum(axis=0, out=out[2, 0])
     return out
-    e = xp.concatenate([x.reshape(batch, -1, 3) for x in parts], axis=1)  # (batch, width, 3)
-    item = (xp.arange(batch, dtype=np.float64) / batch)[:, None]
-    weighted = e[..., 1] / batch
-    weighted[1:] += item[1:] * e[1:, :, 0]  # item 0's weight is 0: no 0 * inf = NaN
-    e[..., 0].sum(axis=0, out=out[0, :, 0])
-    weighted.sum(axis=0, out=out[0, :, 1])
-    e[..., 2].sum(axis=0, out=out[0, :, 2])
-    return out
