@@ -23,6 +23,7 @@ import numba
 import numpy as np
 
 from attention._cpu_vmath import exp_like, frexp_like, like, log_like
+from attention.dropout_hash import GAMMA, MIX1, MIX2, SHIFT
 
 #: Query rows and keys per tile.
 BR = 64
@@ -31,6 +32,10 @@ BC = 64
 SITES = ("fused:S", "fused:P", "fused:O_acc", "fused:rowsum", "fused:dP", "fused:dS",
          "fused:dQ_acc", "fused:dK_acc", "fused:dV_acc")
 S_, P_, O_, L_, DP_, DS_, DQ_, DK_, DV_ = range(len(SITES))
+#: The fault hook's sites: the checked ones, and the dropped probabilities ``P * keep / (1 - p)``
+#: (forward and backward), which the ``O_acc`` and ``dV_acc`` checks cover (:mod:`attention.fused`).
+HOOK_SITES = SITES + ("fused:dropout",)
+DROP_ = len(SITES)
 FLAGS, FAILED, RATIO, MAG, TAU, ROW, COL, AFTER = range(8)
 FIELDS = 8
 
@@ -102,24 +107,36 @@ def _accumulate_t(a: Any, b: Any, tmp: Any, acc: Any) -> None:
 
 
 @numba.njit(cache=True, fastmath=_FAST)
-def _carry(a: Any, enc: Any, off: int, alpha: Any, acc: Any, transpose: bool) -> None:
-    """The checksum columns beside a product, float64: ``acc = alpha * acc + a @ E`` with ``E =
+def _carry(a: Any, keep: Any, ks: Any, enc: Any, off: int, alpha: Any, acc: Any,
+           transpose: bool) -> None:
+    """The checksum columns beside a product, float64: ``acc = alpha * acc + a_d @ E`` with ``E =
     enc[:, off:off + cols]^T`` (``acc`` rows x 3; a fourth column, if any, also receives the row
-    sums of ``a``: the forward's independent ``sum p``), or with ``transpose`` ``acc^T += a^T @
+    sums of ``a``: the forward's independent ``sum p``), or with ``transpose`` ``acc^T += a_d^T @
     E``, ``E = enc[:, off:off + rows]^T`` (``acc`` 3 x at least cols). ``enc`` ``(3, L)``: row
     encodings of the other operand, one contiguous row per checksum, so the loops over ``a``'s
-    rows vectorize."""
+    rows vectorize. ``a_d`` is ``a``, or with dropout (``keep`` a non-empty 0/1 tile of ``a``'s
+    shape) ``fl(a ks) keep``, made here from ``a`` and ``keep`` entry by entry exactly as
+    :func:`_drop` makes the tile the product reads, never read from that tile."""
     rows, cols = a.shape
+    drop = keep.shape[0] > 0
     if transpose:
         a0, a1, a2 = acc[0], acc[1], acc[2]
         for r in range(rows):
             e0, e1, e2 = enc[0, off + r], enc[1, off + r], enc[2, off + r]
             ar = a[r]
-            for j in range(cols):
-                x = np.float64(ar[j])
-                a0[j] += x * e0
-                a1[j] += x * e1
-                a2[j] += abs(x) * e2
+            if drop:
+                kr = keep[r]
+                for j in range(cols):
+                    x = np.float64(ar[j] * ks) * np.float64(kr[j])
+                    a0[j] += x * e0
+                    a1[j] += x * e1
+                    a2[j] += abs(x) * e2
+            else:
+                for j in range(cols):
+                    x = np.float64(ar[j])
+                    a0[j] += x * e0
+                    a1[j] += x * e1
+                    a2[j] += abs(x) * e2
         return
     width = acc.shape[1]
     e0, e1, e2 = enc[0, off:off + cols], enc[1, off:off + cols], enc[2, off:off + cols]
@@ -130,12 +147,21 @@ def _carry(a: Any, enc: Any, off: int, alpha: Any, acc: Any, transpose: bool) ->
                 acc[r, f] *= s
         t0 = t1 = t2 = t3 = 0.0
         ar = a[r]
-        for j in range(cols):
-            x = np.float64(ar[j])
-            t0 += x * e0[j]
-            t1 += x * e1[j]
-            t2 += abs(x) * e2[j]
-            t3 += x
+        if drop:
+            kr = keep[r]
+            for j in range(cols):
+                y = np.float64(ar[j] * ks) * np.float64(kr[j])
+                t0 += y * e0[j]
+                t1 += y * e1[j]
+                t2 += abs(y) * e2[j]
+                t3 += np.float64(ar[j])
+        else:
+            for j in range(cols):
+                x = np.float64(ar[j])
+                t0 += x * e0[j]
+                t1 += x * e1[j]
+                t2 += abs(x) * e2[j]
+                t3 += x
         acc[r, 0] += t0
         acc[r, 1] += t1
         acc[r, 2] += t2
@@ -399,12 +425,16 @@ def _probs_locate(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
 
 
 @numba.njit(cache=True, fastmath=_FAST)
-def _dscores_ratio(ds: Any, p: Any, dp: Any, dd: Any, tol: Any, info: Any) -> float:
+def _dscores_ratio(ds: Any, p: Any, dp: Any, dd: Any, keep: Any, ks: Any, tol: Any,
+                   info: Any) -> float:
     """The softmax-backward invariants of a tile: with ``r1 = sum_j p dP``, ``r2 = sum_j p`` and
     ``v = sum_j p dP^2`` (float64, from ``p`` and ``dP``, not from ``dS``), each row satisfies
     ``sum_j dS = r1 - D r2`` and ``sum_j dS dP = v - D r1`` within ``tol[0]`` times its
-    magnitude plus ``tol[1]``. Returns the worst ratio; ``info`` as :func:`_judge`."""
+    magnitude plus ``tol[1]``. With dropout (``keep`` non-empty) ``dP`` is the gradient of the
+    probabilities before dropout, ``fl(dP' ks) keep`` of the product ``dP' = dO V^T`` (made here
+    as :func:`_dscores` makes it). Returns the worst ratio; ``info`` as :func:`_judge`."""
     rows, cols = ds.shape
+    drop = keep.shape[0] > 0
     worst = 0.0
     info[0], info[3], info[4] = 0.0, -1.0, -1.0
     for r in range(rows):
@@ -412,7 +442,8 @@ def _dscores_ratio(ds: Any, p: Any, dp: Any, dd: Any, tol: Any, info: Any) -> fl
         r1 = r2 = v = s = sw = mag = magw = 0.0
         for j in range(cols):
             pj = np.float64(p[r, j])
-            g = np.float64(dp[r, j])
+            g = np.float64(dp[r, j] * ks) * np.float64(keep[r, j]) if drop \
+                else np.float64(dp[r, j])
             x = np.float64(ds[r, j])
             r1 += pj * g
             r2 += pj
@@ -517,12 +548,50 @@ def _finish(acc: Any, oc: Any, m: Any, l: Any, out: Any, lse: Any) -> None:
 
 
 @numba.njit(cache=True, fastmath=_FAST)
-def _dscores(p: Any, dp: Any, dd: Any, ds: Any) -> None:
-    """``dS = P (dP - D[:, None])`` (unscaled)."""
+def _dscores(p: Any, dp: Any, dd: Any, keep: Any, ks: Any, ds: Any) -> None:
+    """``dS = P (dP - D[:, None])`` (unscaled); with dropout (``keep`` non-empty) ``dP`` is
+    ``fl(dP' ks) keep`` of the product ``dP'``, made entry by entry, never stored."""
+    if keep.shape[0] > 0:
+        for r in range(p.shape[0]):
+            x = dd[r]
+            for j in range(p.shape[1]):
+                g = dp[r, j] * ks * like(ks, keep[r, j])
+                ds[r, j] = p[r, j] * (g - x)
+        return
     for r in range(p.shape[0]):
         x = dd[r]
         for j in range(p.shape[1]):
             ds[r, j] = p[r, j] * (dp[r, j] - x)
+
+
+@numba.njit(cache=True, inline="always")
+def _mix64(z: Any) -> Any:
+    """SplitMix64's finalizer (:func:`attention.dropout_hash.mix64`), wrapping ``uint64``."""
+    z = (z ^ (z >> np.uint64(30))) * MIX1
+    z = (z ^ (z >> np.uint64(27))) * MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+@numba.njit(cache=True)
+def _keep_tile(seed: Any, b: int, i0: int, j0: int, lq: int, lk: int, thr: Any,
+               keep: Any) -> None:
+    """``keep`` (rows x cols, uint8) = the dropout decisions of the elements ``(b, i0 + r, j0 +
+    c)`` of an ``(n, lq, lk)`` product (:mod:`attention.dropout_hash`: 1 = kept)."""
+    rows, cols = keep.shape
+    for r in range(rows):
+        base = np.uint64((b * lq + i0 + r) * lk + j0 + 1)
+        for c in range(cols):
+            h = _mix64(seed + (base + np.uint64(c)) * GAMMA)
+            keep[r, c] = np.uint8((h >> SHIFT) >= thr)
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _drop(p: Any, keep: Any, ks: Any, out: Any) -> None:
+    """``out = fl(p ks) keep``: the dropped, rescaled probabilities the products read (as
+    :class:`attention.dropout.DropoutStep` makes them: ``p * scale`` where kept, else 0)."""
+    for r in range(p.shape[0]):
+        for j in range(p.shape[1]):
+            out[r, j] = p[r, j] * ks * like(ks, keep[r, j])
 
 
 @numba.njit(cache=True)
@@ -553,10 +622,13 @@ def _settle(rec: Any, site: int, attempt: int, ratio: float, correct: bool, info
 
 def _forward_block(q: Any, k: Any, v: Any, ve: Any, visible: Any, add: Any, b: int, i0: int,
                    scale: Any, causal: bool, check: bool, correct: bool, c_s: Any, c_o: Any,
-                   c_l: Any, tol_p: Any, out: Any, lse: Any, rec: Any) -> int:
+                   c_l: Any, tol_p: Any, seed: Any, thr: Any, ks: Any, out: Any, lse: Any,
+                   rec: Any) -> int:
     """One query block ``[i0, i0 + BR)`` of head ``b``: online softmax over the key tiles with
-    every check; writes ``out[b, block]`` and ``lse[b, block]``. Returns 0, or -1 when a
-    recomputation did not verify."""
+    every check; writes ``out[b, block]`` and ``lse[b, block]``. Dropout when ``thr`` > 0
+    (:func:`_keep_tile`'s ``seed`` and ``thr``, ``ks = 1 / (1 - p)`` in the data's dtype): the
+    product reads the dropped tile, the softmax denominator the tile before dropout. Returns 0,
+    or -1 when a recomputation did not verify."""
     lq, d = q.shape[1], q.shape[2]
     lk = k.shape[1]
     i1 = min(i0 + BR, lq)
@@ -570,6 +642,10 @@ def _forward_block(q: Any, k: Any, v: Any, ve: Any, visible: Any, add: Any, b: i
         _encode_cols(qb, qenc)
     sbuf = np.empty(rows * BC, dt)
     pbuf = np.empty(rows * BC, dt)
+    drop = thr > 0
+    dbuf = np.empty(rows * BC if drop else 0, dt)
+    kbuf = np.empty(rows * BC if drop else 0, np.uint8)
+    nokeep = np.empty((0, 0), np.uint8)
     acc = np.empty((rows, d), dt)
     tmp = np.empty((rows, d), dt)
     oc = np.empty((rows, 4))
@@ -617,9 +693,18 @@ def _forward_block(q: Any, k: Any, v: Any, ve: Any, visible: Any, add: Any, b: i
                 return -1
             _sum_rows(p, alpha, l)
             _HOOK(L_, l.reshape((rows, 1)))
-            _accumulate(p, v[b, j0:j1], alpha, tmp[:rows], acc)
+            if drop:
+                keep = kbuf[:rows * cols].reshape(rows, cols)
+                pd = dbuf[:rows * cols].reshape(rows, cols)
+                _keep_tile(seed, b, i0, j0, lq, lk, thr, keep)
+                _drop(p, keep, ks, pd)
+                _HOOK(DROP_, pd)
+                _accumulate(pd, v[b, j0:j1], alpha, tmp[:rows], acc)
+            else:
+                keep = nokeep
+                _accumulate(p, v[b, j0:j1], alpha, tmp[:rows], acc)
             if check:
-                _carry(p, ve[b], j0, alpha, oc, False)
+                _carry(p, keep, ks, ve[b], j0, alpha, oc, False)
             _HOOK(O_, acc)
         ob = out[b, i0:i1]
         st = _settle(rec, L_, attempt, _rowsum_ratio(oc, l, c_l, info) if check else 0.0,
@@ -647,14 +732,15 @@ def _backward_tile(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any, qe: Any,
                    ke: Any, doe: Any, vis: Any, addh: Any, b: int, i0: int, j0: int, j1: int,
                    kenc: Any,
                    venc: Any, scale: Any, causal: bool, check: bool, correct: bool, c_s: Any,
-                   tol_p: Any, tol_ds: Any, bufs: Any, dkb: Any, dvb: Any, dkc: Any, dvc: Any,
-                   dq: Any, dqc: Any, do_kv: bool, do_q: bool, rec: Any, info: Any, pred: Any,
-                   obs: Any) -> int:
+                   tol_p: Any, tol_ds: Any, seed: Any, thr: Any, ks: Any, bufs: Any, kbuf: Any,
+                   dkb: Any, dvb: Any, dkc: Any, dvc: Any, dq: Any, dqc: Any, do_kv: bool,
+                   do_q: bool, rec: Any, info: Any, pred: Any, obs: Any) -> int:
     """One tile (query block ``i0``, keys ``[j0, j1)``) of head ``b``: ``S`` and ``P``
     recomputed and checked, then ``dV += P^T dO``, ``dP = dO V^T``, ``dS = P (dP - D)``,
     ``dK += dS^T Q`` (``do_kv``) and ``dQ += dS K`` (``do_q``), unscaled, each accumulator with
-    its checksum columns carried beside it. Returns 0, or -1 when a recomputation did not
-    verify."""
+    its checksum columns carried beside it. With dropout (``thr`` > 0; ``kbuf`` a buffer of the
+    tile's keep decisions) FlashAttention-2's: ``dV += (P keep ks)^T dO`` and ``dS = P (dP keep
+    ks - D)``. Returns 0, or -1 when a recomputation did not verify."""
     i1 = min(i0 + BR, q.shape[1])
     rows, cols = i1 - i0, j1 - j0
     qi, doi, lse_i, dd_i = q[b, i0:i1], do[b, i0:i1], lse[b, i0:i1], dd[b, i0:i1]
@@ -664,6 +750,10 @@ def _backward_tile(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any, qe: Any,
     ds = bufs[3, :rows * cols].reshape(rows, cols)
     tmp = np.empty((max(rows, cols), q.shape[2]), q.dtype)
     none = np.empty(0, q.dtype)
+    drop = thr > 0
+    keep = kbuf[:rows * cols].reshape(rows, cols) if drop else kbuf[:0].reshape(0, 0)
+    if drop:
+        _keep_tile(seed, b, i0, j0, q.shape[1], k.shape[1], thr, keep)
     info[5] = cols
     for a in range(2):
         _dot(qi, k[b, j0:j1].T, s)
@@ -689,9 +779,15 @@ def _backward_tile(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any, qe: Any,
     if st < 0:
         return -1
     if do_kv:
-        _accumulate_t(p, doi, tmp[:cols], dvb)
+        if drop:
+            pd = bufs[4, :rows * cols].reshape(rows, cols)
+            _drop(p, keep, ks, pd)
+            _HOOK(DROP_, pd)
+            _accumulate_t(pd, doi, tmp[:cols], dvb)
+        else:
+            _accumulate_t(p, doi, tmp[:cols], dvb)
         if check:
-            _carry(p, doe[b], i0, none, dvc, True)
+            _carry(p, keep, ks, doe[b], i0, none, dvc, True)
         _HOOK(DV_, dvb)
     info[5] = cols
     for a in range(2):
@@ -708,9 +804,9 @@ def _backward_tile(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any, qe: Any,
     if st < 0:
         return -1
     for a in range(2):
-        _dscores(p, dp, dd_i, ds)
+        _dscores(p, dp, dd_i, keep, ks, ds)
         _HOOK(DS_, ds)
-        ratio = _dscores_ratio(ds, p, dp, dd_i, tol_ds, info) if check else 0.0
+        ratio = _dscores_ratio(ds, p, dp, dd_i, keep, ks, tol_ds, info) if check else 0.0
         st = _settle(rec, DS_, a, ratio, correct, info, i0, j0, True)
         if st != 1:
             break
@@ -719,13 +815,13 @@ def _backward_tile(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any, qe: Any,
     if do_kv:
         _accumulate_t(ds, qi, tmp[:cols], dkb)
         if check:
-            _carry(ds, qe[b], i0, none, dkc, True)
+            _carry(ds, keep[:0], ks, qe[b], i0, none, dkc, True)
         _HOOK(DK_, dkb)
     if do_q:
         dqi = dq[b, i0:i1]
         _accumulate(ds, k[b, j0:j1], none, tmp[:rows], dqi)
         if check:
-            _carry(ds, ke[b], j0, none, dqc[b, i0:i1], False)
+            _carry(ds, keep[:0], ks, ke[b], j0, none, dqc[b, i0:i1], False)
         _HOOK(DQ_, dqi)
     return 0
 
@@ -734,7 +830,8 @@ def _backward_head(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any,
                    qe: Any, ke: Any, doe: Any, visible: Any, add: Any, b: int, scale: Any,
                    causal: bool,
                    check: bool, correct: bool, c_s: Any, c_kv: Any, c_q: Any, tol_p: Any,
-                   tol_ds: Any, dq: Any, dk: Any, dv: Any, dqc: Any, rec: Any) -> int:
+                   tol_ds: Any, seed: Any, thr: Any, ks: Any, dq: Any, dk: Any, dv: Any, dqc: Any,
+                   rec: Any) -> int:
     """Head ``b``, FlashAttention-2 order: key blocks outside, query blocks inside; ``dK`` and
     ``dV`` of a key block accumulate in the block, ``dQ`` in ``dq[b]`` (this head's alone, so
     heads run in parallel without races). A flagged ``dK``/``dV`` block is recomputed (its
@@ -746,7 +843,8 @@ def _backward_head(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any,
     vis = visible[b] if visible.shape[1] else visible[0]
     addh = add[b] if add.shape[0] > 1 else add[0]
     kenc, venc = np.zeros((3, d)), np.zeros((3, d))
-    bufs = np.empty((4, BR * BC), dt)
+    bufs = np.empty((5, BR * BC), dt)
+    kbuf = np.empty(BR * BC, np.uint8)
     dkb, dvb = np.empty((BC, d), dt), np.empty((BC, d), dt)
     dkc, dvc = np.empty((3, BC)), np.empty((3, BC))
     pred, obs = np.empty((max(BR, BC), 3)), np.empty((max(BR, BC), 3))
@@ -767,8 +865,8 @@ def _backward_head(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any,
             dvc[:] = 0.0
             for i0 in range(first, lq, BR):
                 if _TILE(q, k, v, do, dd, lse, qe, ke, doe, vis, addh, b, i0, j0, j1, kenc, venc,
-                        scale, causal, check, correct, c_s, tol_p, tol_ds, bufs, dkb[:cols],
-                        dvb[:cols], dkc, dvc, dq, dqc, True, attempt == 0, rec,
+                        scale, causal, check, correct, c_s, tol_p, tol_ds, seed, thr, ks, bufs,
+                        kbuf, dkb[:cols], dvb[:cols], dkc, dvc, dq, dqc, True, attempt == 0, rec,
                         info, pred, obs) < 0:
                     return -1
             st = 0
@@ -799,8 +897,8 @@ def _backward_head(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any,
                     _encode_cols(k[b, j0:j1], kenc)
                     _encode_cols(v[b, j0:j1], venc)
                     if _TILE(q, k, v, do, dd, lse, qe, ke, doe, vis, addh, b, i0, j0, j1, kenc,
-                            venc, scale, causal, check, correct, c_s, tol_p, tol_ds, bufs,
-                            dkb[:j1 - j0], dvb[:j1 - j0], dkc, dvc, dq, dqc,
+                            venc, scale, causal, check, correct, c_s, tol_p, tol_ds, seed, thr,
+                            ks, bufs, kbuf, dkb[:j1 - j0], dvb[:j1 - j0], dkc, dvc, dq, dqc,
                             False, True, rec, info, pred, obs) < 0:
                         return -1
             if not check:
@@ -838,26 +936,27 @@ def python_drivers(hook: Any) -> tuple[Any, Any]:
 
 @numba.njit(cache=True, parallel=True)
 def forward(q: Any, k: Any, v: Any, ve: Any, visible: Any, add: Any, scale: Any, causal: bool,
-            check: bool, correct: bool, c_s: Any, c_o: Any, c_l: Any, tol_p: Any, out: Any,
-            lse: Any, rec: Any, status: Any) -> None:
+            check: bool, correct: bool, c_s: Any, c_o: Any, c_l: Any, tol_p: Any, seed: Any,
+            thr: Any, ks: Any, out: Any, lse: Any, rec: Any, status: Any) -> None:
     """Every (head, query block) in parallel (:func:`_forward_block`)."""
     nqb = (q.shape[1] + BR - 1) // BR
     for t in numba.prange(q.shape[0] * nqb):
         status[t] = _forward_block_jit(q, k, v, ve, visible, add, t // nqb, (t % nqb) * BR, scale,
-                                       causal, check, correct, c_s, c_o, c_l, tol_p, out, lse,
-                                       rec[t])
+                                       causal, check, correct, c_s, c_o, c_l, tol_p, seed, thr,
+                                       ks, out, lse, rec[t])
 
 
 @numba.njit(cache=True, parallel=True)
 def backward(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any, qe: Any,
              ke: Any, doe: Any, visible: Any, add: Any, scale: Any, causal: bool, check: bool,
-             correct: bool, c_s: Any, c_kv: Any, c_q: Any, tol_p: Any, tol_ds: Any, dq: Any,
-             dk: Any, dv: Any, dqc: Any, rec: Any, status: Any) -> None:
+             correct: bool, c_s: Any, c_kv: Any, c_q: Any, tol_p: Any, tol_ds: Any, seed: Any,
+             thr: Any, ks: Any, dq: Any, dk: Any, dv: Any, dqc: Any, rec: Any,
+             status: Any) -> None:
     """Every head in parallel (:func:`_backward_head`)."""
     for b in numba.prange(q.shape[0]):
         status[b] = _backward_head_jit(q, k, v, do, dd, lse, qe, ke, doe, visible, add, b,
                                        scale, causal, check, correct, c_s, c_kv, c_q, tol_p,
-                                       tol_ds, dq, dk, dv, dqc, rec[b])
+                                       tol_ds, seed, thr, ks, dq, dk, dv, dqc, rec[b])
 
 
 @numba.njit(cache=True, parallel=True, fastmath=_FAST)

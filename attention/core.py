@@ -25,7 +25,7 @@ import numpy as np
 from abftgemm.backend import array_module
 from abftgemm.checksums import SUPPORTED_DTYPES
 from attention.context import Context
-from attention.dropout import Dropout
+from attention.dropout import Dropout, for_core
 from attention.fused import fused_backward, fused_forward
 from attention.fused_choice import (CORE_SITES, CORES, check_core,  # noqa: F401
                                      finite_reason, static_reason)
@@ -57,8 +57,8 @@ class _CoreInputs:
 def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = None,
                  causal: bool = False, attn_mask: Any | None = None, dropout: float = 0.0,
                  dropout_keep: Any | None = None, rng: Any | None = None,
-                 workspace: Workspace | None = None, core: str = "auto"
-                 ) -> tuple[Any, dict[str, Any]]:
+                 workspace: Workspace | None = None, core: str = "auto",
+                 dropout_seed: int | None = None) -> tuple[Any, dict[str, Any]]:
     """``softmax(scale q k^T + mask) v`` with every product and the softmax checked.
 
     Parameters
@@ -76,9 +76,10 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
         Query ``i`` sees keys ``j <= i`` only (``seq_q`` must equal ``seq_k``).
     attn_mask : array (seq_q, seq_k) or (n, seq_q, seq_k), optional
         Boolean, True = NOT allowed, or float, added to the scaled scores.
-    dropout, dropout_keep, rng
+    dropout, dropout_keep, rng, dropout_seed
         Attention dropout, as :func:`attention.attention_forward` takes it (the mask is
-        ``(n, seq_q, seq_k)``; site ``"dropout"``).
+        ``(n, seq_q, seq_k)``; site ``"dropout"`` on the unfused core). A given
+        ``dropout_keep`` runs the unfused core.
     workspace : Workspace, optional
         Plans and buffers to reuse across calls (unfused core).
     core : {"auto", "fused", "unfused"}
@@ -96,17 +97,20 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
     """
     check_core(core)
     inp = _inputs(q, k, v, scale, causal, attn_mask)
+    shape = (q.shape[0], q.shape[1], k.shape[1])
     if core != "unfused":
-        why_not = fused_unsupported(inp, ctx, dropout, dropout_keep, forced=core == "fused")
+        why_not = fused_unsupported(inp, ctx, dropout_keep, forced=core == "fused")
         if why_not is None:
+            _, drop = for_core(np, dropout, None, dropout_seed, shape, rng, fused=True)
             out, saved = fused_forward(q, k, v, ctx, scale=inp.scale, causal=inp.causal,
-                                       attn_mask=inp.attn_add)
+                                       attn_mask=inp.attn_add, dropout=drop[0] if drop else 0.0,
+                                       dropout_seed=drop[1] if drop else None)
             return out, {"inputs": inp, "core": "fused", "fused": saved, "probs": None,
                          "probs_dropped": None}
         if core == "fused":
             raise ValueError(f"the fused attention core does not apply here: {why_not}")
-    inp.dropout = Dropout.of(inp.xp, dropout, dropout_keep,
-                             (q.shape[0], q.shape[1], k.shape[1]), rng)
+    inp.dropout, _ = for_core(inp.xp, dropout, dropout_keep, dropout_seed, shape, rng,
+                              fused=False)
     variant = Variant(causal=inp.causal, dropout=inp.dropout is not None, gpu=inp.xp is not np)
     out, saved = forward_pass(CORE_FORWARD, CORE_BACKWARD, variant, inp,
                               lambda: {"qh": q, "kh": k, "vh": v}, "context_h", ctx, workspace)
@@ -114,14 +118,15 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
     return out, saved
 
 
-def fused_unsupported(inp: _CoreInputs, ctx: Context, dropout: float = 0.0,
-                      dropout_keep: Any | None = None, forced: bool = False) -> str | None:
+def fused_unsupported(inp: _CoreInputs, ctx: Context, dropout_keep: Any | None = None,
+                      forced: bool = False) -> str | None:
     """Why the fused core cannot run this product (None when it can): it takes NumPy float32 or
     float64 data, finite, a causal mask, a boolean or additive ``attn_mask``
-    (:func:`attention.fused_rules.additive_ok`) or none, no dropout, and checks every tile on
-    every call. ``forced`` (``core="fused"``): a fault hook and a plan that checks the core's
-    sites less often do not count (the hook then sees the fused sites)."""
-    return static_reason(inp.xp, inp.dtype, inp.attn_add, ctx, dropout, dropout_keep, forced) \
+    (:func:`attention.fused_rules.additive_ok`) or none, dropout drawn from a seed (not a given
+    ``dropout_keep``), and checks every tile on every call. ``forced`` (``core="fused"``): a
+    fault hook and a plan that checks the core's sites less often do not count (the hook then
+    sees the fused sites)."""
+    return static_reason(inp.xp, inp.dtype, inp.attn_add, ctx, dropout_keep, forced) \
         or finite_reason(q=inp.q, k=inp.k, v=inp.v)
 
 
@@ -142,8 +147,10 @@ def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
         # The unfused core passes non-finite gradients through: its forward again, then its
         # backward.
         mask = inp.attn_add if inp.attn_add is None or len(inp.attn_add) > 1 else inp.attn_add[0]
+        drop = saved["fused"]["dropout"] or (0.0, None)  # the same keep decisions, materialized
         _, saved = core_forward(inp.q, inp.k, inp.v, ctx, scale=inp.scale, causal=inp.causal,
-                                attn_mask=mask, workspace=workspace, core="unfused")
+                                attn_mask=mask, workspace=workspace, core="unfused",
+                                dropout=drop[0], dropout_seed=drop[1])
     env = lambda: {"qh": inp.q, "kh": inp.k, "vh": inp.v, "d_context_h": d_out}  # noqa: E731
     p = backward_pass(CORE_BACKWARD, saved["variant"], saved, env, ("d_qh", "d_kh", "d_vh"), ctx,
                       workspace)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from abftgemm.backend import array_module
+from attention.dropout_hash import check_seed, draw_seed, keep_mask
 
 #: The site of the dropout step (fault hook and report), present when dropout is active.
 DROPOUT_SITE = "dropout"
@@ -56,9 +57,7 @@ class Dropout:
         generator); otherwise it is drawn from ``rng`` (a ``numpy.random.Generator``, or
         CuPy's for CuPy arrays; a new unseeded one when None).
         """
-        p = float(p)
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"dropout must be a probability in [0, 1], got {p}")
+        p = _probability(p)
         if p == 0.0:
             if keep is not None:
                 raise ValueError("dropout_keep was given with dropout=0; give the dropout "
@@ -72,6 +71,42 @@ class Dropout:
             raise ValueError(f"dropout_keep must be a boolean array of shape {shape} "
                              f"(batch*heads, seq_q, seq_k), got {keep.dtype} {keep.shape}")
         return cls(p, xp.ascontiguousarray(keep))
+
+
+def for_core(xp: Any, p: float, keep: Any | None, seed: int | None,
+             shape: tuple[int, int, int], rng: Any | None, fused: bool
+             ) -> tuple[Dropout | None, tuple[float, int] | None]:
+    """The dropout of a call, for the core that runs it: ``(Dropout or None, None)`` for the
+    unfused core, ``(None, (p, seed) or None)`` for the fused core (:mod:`attention.fused`), which
+    regenerates its keep decisions from a seed (:mod:`attention.dropout_hash`).
+
+    ``seed`` given: the decisions of that seed, on either core (the unfused core's mask is
+    materialized with :func:`attention.dropout_hash.keep_mask`). Otherwise the fused core draws
+    its seed from ``rng`` (a ``numpy.random.Generator``; a new unseeded one when None) and the
+    unfused core its mask (:meth:`Dropout.of`). ``keep`` and ``seed`` exclude each other; the
+    fused core never takes ``keep`` (:func:`attention.fused_choice.static_reason`).
+    """
+    p = _probability(p)
+    if seed is not None:
+        if keep is not None:
+            raise ValueError("give dropout_keep or dropout_seed, not both")
+        if p == 0.0:
+            raise ValueError("dropout_seed was given with dropout=0; give the dropout "
+                             "probability")
+        seed = int(check_seed(seed))
+    if fused:
+        return None, (None if p == 0.0 else (p, draw_seed(rng) if seed is None else seed))
+    if seed is not None:
+        keep = xp.asarray(keep_mask(seed, p, shape))
+    return Dropout.of(xp, p, keep, shape, rng), None
+
+
+def _probability(p: float) -> float:
+    """``p`` as a float, which must be in ``[0, 1]``."""
+    p = float(p)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout must be a probability in [0, 1], got {p}")
+    return p
 
 
 def _draw(xp: Any, p: float, shape: tuple[int, int, int], rng: Any | None) -> Any:

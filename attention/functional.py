@@ -25,7 +25,8 @@ from abftgemm.report import Event, Report, UncorrectableError, announce
 from abftgemm.threads import blas_scope
 from attention import softmax, softmax_steps
 from attention.context import Context
-from attention.dropout import Dropout, DropoutStep
+from attention.dropout import Dropout, DropoutStep, for_core
+from attention.dropout_hash import keep_mask
 from attention.fused import fused_backward, fused_forward
 from attention.fused_choice import check_core, finite_reason, static_reason
 from attention.passes import CORE_BACKWARD, CORE_FORWARD, Step, Variant, carried, layer, steps
@@ -41,8 +42,8 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
                       key_visible: Any | None = None, attn_mask: Any | None = None,
                       need_weights: bool = False, dropout: float = 0.0,
                       dropout_keep: Any | None = None, rng: Any | None = None,
-                      workspace: Workspace | None = None, core: str = "auto"
-                      ) -> tuple[Any, dict[str, Any]]:
+                      workspace: Workspace | None = None, core: str = "auto",
+                      dropout_seed: int | None = None) -> tuple[Any, dict[str, Any]]:
     """Multi-head attention output, every GEMM protected.
 
     Parameters
@@ -72,24 +73,32 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
         seq_k)``: the unfused product runs (the fused core makes none).
     dropout : float
         Attention dropout probability (0: none): the probabilities the context multiplies are
-        ``P * keep / (1 - dropout)`` (:mod:`attention.dropout`), kept as
-        ``saved["probs_dropped"]``; checked on the site ``"dropout"``.
+        ``P * keep / (1 - dropout)`` (:mod:`attention.dropout`). The unfused core keeps them as
+        ``saved["probs_dropped"]`` and checks them on the site ``"dropout"``; the fused core
+        regenerates its keep decisions per tile from a seed (:mod:`attention.dropout_hash`) and
+        checks the dropped tiles through its accumulators (:mod:`attention.fused`).
     dropout_keep : bool array (batch*heads, seq_q, seq_k), optional
-        The dropout mask, True = kept; drawn from ``rng`` when not given.
+        The dropout mask, True = kept (the unfused core runs). Without it (and without
+        ``dropout_seed``) the unfused core draws its mask from ``rng``, the fused core its seed.
     rng : numpy.random.Generator, optional
-        Draws the dropout mask (CuPy's generator for CuPy arrays; a new unseeded one if None).
+        Draws the dropout mask or seed (CuPy's generator for CuPy arrays; a new unseeded one if
+        None).
     workspace : Workspace, optional
         Plans and buffers to reuse across calls (a new one otherwise).
     core : {"auto", "fused", "unfused"}
         The attention product between the projections: ``"auto"`` runs the fused core
         (:mod:`attention.fused`: tiles, O(L) memory, every tile checked, its own fault-hook
         sites) where it applies (:mod:`attention.fused_choice`: NumPy float32/float64, no
-        dropout, no ``need_weights``, no fault hook, every call of the product's sites checked,
+        ``dropout_keep``, no ``need_weights``, no fault hook, every call of the product's sites checked,
         finite Q, K and V), else the unfused sites ``scores``, ``softmax``, ``context`` (and
         backward ``d_probs``, ``d_v``, ``softmax_backward``, ``d_q``, ``d_k``); ``"fused"`` and
         ``"unfused"`` force one (``"fused"`` raises ``ValueError`` where it does not apply). The
         fused core encodes its operands itself: the projections' output checksums are not
         handed on to it.
+    dropout_seed : int, optional
+        The seed of the keep decisions (:func:`attention.dropout_hash.keep_mask`), in ``[0,
+        2^64)``, on either core (the unfused core materializes the mask); excludes
+        ``dropout_keep``.
 
     Returns
     -------
@@ -101,16 +110,16 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
     check_core(core)
     inp = _Inputs.of(params, x, key, value, key_visible, attn_mask, n_heads, causal)
     why_not = "core='unfused'" if core == "unfused" else static_reason(
-        inp.xp, inp.dtype, inp.attn_add, ctx, dropout, dropout_keep, core == "fused",
-        need_weights)
+        inp.xp, inp.dtype, inp.attn_add, ctx, dropout_keep, core == "fused", need_weights)
     if why_not is None and causal and inp.key.shape[1] != x.shape[1]:
         why_not = "causal=True with seq_q != seq_k (the fused core's causal mask is square)"
     if core == "fused" and why_not is not None:
         raise ValueError(f"the fused attention core does not apply here: {why_not}")
     inp.core = core
     batch, seq_q = x.shape[:2]
-    inp.dropout = Dropout.of(inp.xp, dropout, dropout_keep,
-                             (batch * n_heads, seq_q, inp.key.shape[1]), rng)
+    inp.shape = (batch * n_heads, seq_q, inp.key.shape[1])
+    inp.dropout, inp.fused_dropout = for_core(inp.xp, dropout, dropout_keep, dropout_seed,
+                                              inp.shape, rng, fused=why_not is None)
     variant = Variant(inp.cross, inp.causal, inp.dropout is not None, gpu=inp.xp is not np,
                       fused=why_not is None)
     env = lambda: {**inp.params, "x": x, "key": inp.key, "value": inp.value}  # noqa: E731
@@ -368,15 +377,17 @@ class _Pass:
         inp, (q, k, v) = self.inp, (self.env[n] for n in step.ins)
         if inp.core == "auto" and finite_reason(q=q, k=k, v=v) is not None:
             self.env["lse"] = None
-            self.run(steps(CORE_FORWARD, Variant(causal=inp.causal)))
+            self.run(steps(CORE_FORWARD, self._unfused_variant()))
             return
         visible = inp.key_visible
         if visible is not None:  # (batch, seq_k) -> (batch * heads, seq_k)
             visible = np.repeat(visible, inp.n_heads, axis=0)
+        p, seed = inp.fused_dropout or (0.0, None)
         out, state = fused_forward(q, k, v, self._fused_context(), scale=inp.scale,
-                                   causal=inp.causal, key_visible=visible, attn_mask=inp.attn_add)
+                                   causal=inp.causal, key_visible=visible, attn_mask=inp.attn_add,
+                                   dropout=p, dropout_seed=seed)
         self.env.update(zip(step.out.split(", "), (out, state["lse"])))
-        inp.fused = {n: state[n] for n in ("scale", "causal", "visible", "add")}
+        inp.fused = {n: state[n] for n in ("scale", "causal", "visible", "add", "dropout")}
 
     def fused_core_backward(self, step: Step) -> None:
         """The fused core's backward after its forward where the gradient is finite; else (as
@@ -388,8 +399,16 @@ class _Pass:
             self.env.update(zip(step.out.split(", "),
                                 fused_backward(state, d_out, self._fused_context())))
             return
-        unfused = Variant(causal=self.inp.causal)
-        self.run(steps(_RECOMPUTED_CORE, unfused))
+        self.run(steps(_RECOMPUTED_CORE, self._unfused_variant()))
+
+    def _unfused_variant(self) -> Variant:
+        """The unfused core's steps in place of the fused core's: with the fused core's dropout,
+        its keep decisions materialized (:func:`attention.dropout_hash.keep_mask`)."""
+        inp = self.inp
+        if inp.fused_dropout is not None and inp.dropout is None:
+            p, seed = inp.fused_dropout
+            inp.dropout = Dropout(p, keep_mask(seed, p, inp.shape))
+        return Variant(causal=inp.causal, dropout=inp.dropout is not None)
 
     def _fused_context(self) -> Context:
         """The fused core's context: its findings go to this pass's report (a replay replaces
@@ -522,8 +541,9 @@ class _Pass:
         return origin
 
 
-#: The unfused core's backward after a fused forward: the scores and softmax again first.
-_RECOMPUTED_CORE = CORE_FORWARD[:2] + CORE_BACKWARD
+#: The unfused core's backward after a fused forward: the scores, softmax (and dropout) again
+#: first.
+_RECOMPUTED_CORE = CORE_FORWARD[:3] + CORE_BACKWARD
 #: The executor's method of each ``Step.op``.
 _OPS = {op: getattr(_Pass, op.replace(" ", "_")) for op in (
     "gemm", "gemm rows", "split", "merge", "softmax", "softmax backward", "dropout", "stack",

@@ -101,19 +101,24 @@ from abftgemm.backend import is_cupy_array
 from abftgemm.threads import current_policy
 from attention import _cpu_fused as K
 from attention.context import Context
+from attention.dropout_hash import check_seed, draw_seed, threshold
 from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, FUSED_SITES,  # noqa: F401
                                    coefficients, dscores_tolerance, probs_tolerance)
 from attention.fused_rules import book as _book
 from attention.fused_rules import additive_of, check_gradient, check_inputs, key_visible_of
 
 SUPPORTED = (np.dtype(np.float32), np.dtype(np.float64))
+#: The fault hook's site of the dropped probabilities (forward and backward), covered by the
+#: ``fused:O_acc`` and ``fused:dV_acc`` checks (module docstring).
+DROPOUT_HOOK_SITE = K.HOOK_SITES[K.DROP_]
 #: The kernels' "no additive mask": an empty (1, 0, 0) float64 array.
 _NO_ADD = np.zeros((1, 0, 0))
 
 
 def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = None,
                   causal: bool = False, key_visible: Any | None = None,
-                  attn_mask: Any | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+                  attn_mask: Any | None = None, dropout: float = 0.0,
+                  dropout_seed: int | None = None) -> tuple[np.ndarray, dict[str, Any]]:
     """``softmax(scale q k^T + mask) v`` in tiles, every tile checked (module docstring).
 
     Parameters
@@ -136,6 +141,14 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         NaN and ``+inf`` are refused). Added in float64, the sum rounded to the data's dtype.
         The softmax invariant is judged on these masked scores (module docstring). Combines
         with ``causal`` and ``key_visible``.
+    dropout : float
+        Attention dropout probability in ``[0, 1]`` (0: none; the CPU only): the output is
+        ``(P * keep / (1 - p)) v``, ``keep`` regenerated per tile from ``dropout_seed``
+        (:func:`attention.dropout_hash.keep_mask` materializes it); ``p = 1`` drops every
+        entry (output 0), as :mod:`attention.dropout` does.
+    dropout_seed : int, optional
+        Seed of the keep decisions, in ``[0, 2^64)``; drawn from a new unseeded generator when
+        None (with ``dropout`` > 0).
 
     Returns
     -------
@@ -143,7 +156,8 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         A new array.
     saved : dict
         What :func:`fused_backward` needs: the inputs (not copied), ``out`` and ``lse``, the row
-        log-sum-exp ``(n, seq_q)`` (``-inf`` for a row that sees no key).
+        log-sum-exp ``(n, seq_q)`` (``-inf`` for a row that sees no key), and ``dropout``, ``(p,
+        seed)`` or None.
 
     Raises
     ------
@@ -151,10 +165,14 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         A flagged tile or block still failed its check after recomputation.
     """
     if is_cupy_array(q):  # the CUDA kernels: attention/_cuda_fused.py
+        if dropout:
+            raise ValueError("the CUDA fused core has no attention dropout (the unfused core "
+                             "runs it on the GPU)")
         from attention import _cuda_fused
         return _cuda_fused.fused_forward(q, k, v, ctx, scale=scale, causal=causal,
                                          key_visible=key_visible, attn_mask=attn_mask)
     scale, visible = _validate(q, k, v, scale, causal, key_visible)
+    drop = _dropout_of(dropout, dropout_seed)
     add = _NO_ADD if attn_mask is None else additive_of(np, attn_mask, q, k)
     n, lq, d = q.shape
     lk, dt = k.shape[1], q.dtype
@@ -169,7 +187,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     args = (q, k, v, ve, visible, add)
     rest = (dt.type(scale), causal, check, correct, coefficients(d, K.BR, dt),
             coefficients(lk, d, dt, 2 * tiles), coefficients(lk, 1, dt, 2 * tiles),
-            probs_tolerance(dt), out, lse)
+            probs_tolerance(dt), *_kernel_dropout(drop, dt), out, lse)
     if ctx.fault_hook is None:
         _threads()
         K.forward(*args, *rest, rec, status)
@@ -179,7 +197,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
             status[t] = block(*args, t // nqb, (t % nqb) * K.BR, *rest, rec[t])
     _book(ctx, rec, status, lambda t: t // nqb, FORWARD_SITES, check)
     return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "scale": scale,
-                 "causal": causal, "visible": visible, "add": add}
+                 "causal": causal, "visible": visible, "add": add, "dropout": drop}
 
 
 def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
@@ -212,7 +230,8 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
     args = (q, k, v, d_out, dd, lse, qe, ke, doe, saved["visible"], saved["add"])
     rest = (dt.type(saved["scale"]), saved["causal"], check, correct, coefficients(d, K.BC, dt),
             coefficients(lq, d, dt, -(-lq // K.BR)), coefficients(lk, d, dt, -(-lk // K.BC)),
-            probs_tolerance(dt), dscores_tolerance(dt), dq, dk, dv, dqc)
+            probs_tolerance(dt), dscores_tolerance(dt),
+            *_kernel_dropout(saved.get("dropout"), dt), dq, dk, dv, dqc)
     if ctx.fault_hook is None:
         _threads()
         K.backward(*args, *rest, rec, status)
@@ -240,6 +259,25 @@ def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
     return scale, key_visible_of(np, key_visible, q, k)
 
 
+def _dropout_of(p: float, seed: int | None) -> tuple[float, int] | None:
+    """``(p, seed)`` of a call's dropout, checked (None for ``p == 0``)."""
+    p = float(p)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout must be a probability in [0, 1], got {p}")
+    if p == 0.0:
+        return None
+    return p, int(check_seed(draw_seed(None) if seed is None else seed))
+
+
+def _kernel_dropout(drop: tuple[float, int] | None, dt: np.dtype) -> tuple[Any, Any, Any]:
+    """The kernels' ``(seed, thr, ks)``: ``thr`` 0 for no dropout; ``ks = 1 / (1 - p)`` in the
+    data's dtype (0 for ``p == 1``), as :class:`attention.dropout.Dropout` scales."""
+    if drop is None:
+        return np.uint64(0), np.uint64(0), dt.type(1)
+    p, seed = drop
+    return np.uint64(seed), threshold(p), dt.type(0.0 if p == 1 else 1.0 / (1.0 - p))
+
+
 def _row_encodings(x: np.ndarray, check: bool) -> np.ndarray:
     """``(n, 3, L)`` row encodings of ``x`` over its last axis, or an empty ``(n, 3, 0)``."""
     if not check:
@@ -258,4 +296,4 @@ def _threads() -> None:
 def _site_hook(ctx: Context) -> Any:
     """The Python drivers' hook: site index -> ``ctx.fault_hook(name, tile)``."""
     user = ctx.fault_hook
-    return lambda site, tile: user(K.SITES[site], tile)
+    return lambda site, tile: user(K.HOOK_SITES[site], tile)

@@ -56,7 +56,7 @@ class MultiHeadAttention:
     core : {"auto", "fused", "unfused"}
         The attention product between the projections (``core`` of
         :func:`attention.functional.attention_forward`): ``"auto"`` runs the fused core
-        (:mod:`attention.fused`) where it applies (CPU, float32/float64, no dropout, no
+        (:mod:`attention.fused`) where it applies (CPU, float32/float64, no dropout mask given, no
         ``need_weights``, no fault hook, every call checked), else the unfused sites.
 
     Attributes
@@ -106,8 +106,8 @@ class MultiHeadAttention:
     def forward(self, x: Any, mask: Any | None = None, fault_hook: FaultHook | None = None, *,
                 key: Any | None = None, value: Any | None = None, attn_mask: Any | None = None,
                 check: str | None = None, dropout: float = 0.0, dropout_keep: Any | None = None,
-                rng: Any | None = None, need_weights: bool = False
-                ) -> tuple[Any, dict[str, Any]]:
+                rng: Any | None = None, need_weights: bool = False,
+                dropout_seed: int | None = None) -> tuple[Any, dict[str, Any]]:
         """Attention output for ``x`` (see :func:`attention.functional.attention_forward`).
 
         Parameters
@@ -124,10 +124,11 @@ class MultiHeadAttention:
             Boolean (True = not allowed) or additive float.
         check : {"correct", "detect", "off"}, optional
             This call's check mode (default: the layer's ``check``).
-        dropout, dropout_keep, rng
+        dropout, dropout_keep, rng, dropout_seed
             Attention dropout of this call (a training step): probability, optional mask
-            ``(batch*heads, seq, seq_k)`` (True = kept) and the generator that draws it
-            otherwise (:func:`attention.functional.attention_forward`).
+            ``(batch*heads, seq, seq_k)`` (True = kept; the unfused product runs) or seed of the
+            keep decisions, and the generator that draws the mask (unfused product) or the seed
+            (fused core) otherwise (:func:`attention.functional.attention_forward`).
         need_weights : bool
             Keep the attention probabilities in ``cache["probs"]`` (the unfused product runs).
 
@@ -146,7 +147,7 @@ class MultiHeadAttention:
                                      attn_mask=attn_mask, dropout=dropout,
                                      dropout_keep=dropout_keep, rng=rng,
                                      workspace=self._workspace, need_weights=need_weights,
-                                     core=self.core)
+                                     core=self.core, dropout_seed=dropout_seed)
         self.last_report = saved["report"] = ctx.report
         self.last_core = saved["core"]
         return y, saved
