@@ -135,7 +135,7 @@ def test_layer_runs_dropout_on_the_fused_core(dtype, causal):
     results = {}
     for core in ("auto", "unfused"):
         layer = MultiHeadAttention(d_model, heads, dtype=dtype, causal=causal, core=core,
-                                   rng=np.random.default_rng(0))
+                                   seed=0)
         if core == "auto":
             y, cache = layer.forward(x, mask, dropout=p, rng=np.random.default_rng(9))
         else:
@@ -146,18 +146,19 @@ def test_layer_runs_dropout_on_the_fused_core(dtype, causal):
         assert not layer.last_report.events, layer.last_report.summary()
         results[core] = (y, dx, *grads.values())
     tol = TOL[np.dtype(dtype).type]
-    for g, w in zip(results["auto"], results["unfused"]):
-        np.testing.assert_allclose(g, w, rtol=tol["rtol"], atol=tol["atol"] * np.abs(w).max())
+    for g, w in zip(results["auto"], results["unfused"]):  # d_bq is 0 up to rounding
+        np.testing.assert_allclose(g, w, rtol=tol["rtol"],
+                                   atol=tol["atol"] * max(np.abs(w).max(), 1.0))
 
 
 def test_layer_non_finite_input_runs_the_unfused_core_on_the_same_decisions():
     rng = np.random.default_rng(5)
     x = rng.standard_normal((1, 20, 16)).astype(np.float32)
     x[0, 3, 2] = np.inf
-    layer = MultiHeadAttention(16, 2, rng=np.random.default_rng(0))
+    layer = MultiHeadAttention(16, 2, seed=0)
     y, cache = layer.forward(x, dropout=0.5, dropout_seed=77)
     assert layer.last_core == "unfused"
-    ref = MultiHeadAttention(16, 2, rng=np.random.default_rng(0), core="unfused")
+    ref = MultiHeadAttention(16, 2, seed=0, core="unfused")
     y_ref, _ = ref.forward(x, dropout=0.5, dropout_keep=keep_mask(77, 0.5, (2, 20, 20)))
     assert np.array_equal(np.isnan(y), np.isnan(y_ref))
     np.testing.assert_array_equal(y[np.isfinite(y)], y_ref[np.isfinite(y)])
