@@ -24,6 +24,17 @@ def array(t: torch.Tensor) -> Any:
     return to_array(t.detach(), "attention input")
 
 
+def dropout_arrays(drawn: torch.Tensor | None) -> tuple[Any, int | None]:
+    """``(dropout_keep, dropout_seed)`` of the operators' dropout argument (as
+    :func:`attention.torch_functional._dropout_draw` draws it): a bool mask becomes the array
+    ``dropout_keep``, an int64 tensor ``(1,)`` the seed of the fused core's keep decisions."""
+    if drawn is None:
+        return None, None
+    if drawn.dtype == torch.int64 and tuple(drawn.shape) == (1,):
+        return None, int(drawn.item())
+    return array(drawn), None
+
+
 def eager(*tensors: torch.Tensor | None) -> bool:
     """Whether a call on ``tensors`` may skip its custom operator's dispatch and run the
     operator's bodies under a ``torch.autograd.Function``: not while ``torch.compile`` or a

@@ -22,7 +22,7 @@ from abftgemm._torch import device_scope, to_tensor
 from abftgemm.report import Report
 from torch.autograd.function import once_differentiable
 
-from attention._torch_arrays import array, eager, threads
+from attention._torch_arrays import array, dropout_arrays, eager, threads
 from attention._torch_state import Protection, registered, saved_state, token_of
 from attention.core import core_backward, core_forward
 from attention.workspace import Workspace
@@ -36,7 +36,8 @@ def attention_core(protection: int, query: torch.Tensor, key: torch.Tensor, valu
     """``(out, weights, token)`` of contiguous ``query`` ``(n, L, D)``, ``key`` and ``value``
     ``(n, S, D)``; ``attn_mask`` ``(L, S)`` or ``(n, L, S)``, bool (True = not allowed) or float
     (added); ``weights`` ``(n, L, S)``, or empty unless ``need_weights``; with ``dropout`` > 0,
-    ``dropout_keep`` ``(n, L, S)`` is its mask (True = kept); ``core`` one of
+    ``dropout_keep`` ``(n, L, S)`` is its mask (True = kept), or an int64 ``(1,)`` the seed of the
+    fused core's keep decisions (:func:`attention._torch_arrays.dropout_arrays`); ``core`` one of
     :data:`attention.core.CORES`; ``protection`` the ``id`` of the
     :class:`attention._torch_state.Protection` the call runs under."""
     out, weights, state = run_core_forward(registered(protection), query, key, value, attn_mask,
@@ -143,12 +144,13 @@ def run_core_forward(protection: Protection, q: torch.Tensor, k: torch.Tensor, v
     workspace = protection.workspace(q.device)
     report = Report()
     context = protection.context(report)
+    keep_array, seed = dropout_arrays(keep)
     with device_scope(q), threads(q):
         out, saved = core_forward(array(q), array(k), array(v), context, scale=scale,
                                   causal=is_causal,
                                   attn_mask=None if mask is None else array(mask),
-                                  dropout=dropout,
-                                  dropout_keep=None if keep is None else array(keep),
+                                  dropout=dropout, dropout_keep=keep_array,
+                                  dropout_seed=seed,
                                   workspace=workspace,
                                   core="unfused" if need_weights else core)
         dropped = saved["probs_dropped"]

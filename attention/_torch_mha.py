@@ -14,7 +14,7 @@ import torch
 
 from abftgemm._torch import device_scope, to_tensor
 from abftgemm.report import Report
-from attention._torch_arrays import array, threads
+from attention._torch_arrays import array, dropout_arrays, threads
 from attention._torch_state import Protection
 from attention.functional import attention_backward, attention_forward
 from attention.workspace import Workspace
@@ -38,7 +38,8 @@ def run_forward(protection: Protection, heads: int, query: torch.Tensor, key: to
                 dropout: float = 0.0, core: str = "auto"
                 ) -> tuple[torch.Tensor, torch.Tensor, _Saved]:
     """``(y, weights or an empty tensor, saved state)`` of one forward, batch-first; with
-    ``dropout``, ``dropout_keep`` is its mask ``(N * heads, L, S)``, True = kept; ``core`` as
+    ``dropout``, ``dropout_keep`` is its mask ``(N * heads, L, S)``, True = kept, or the seed of
+    the fused core's keep decisions (:func:`attention._torch_arrays.dropout_arrays`); ``core`` as
     :func:`attention.attention_forward` takes it. The call's findings become
     ``protection.last_report``, the core that ran ``protection.last_core``."""
     call = _Call.of(heads, query, key, value, key_padding_mask, attn_mask, is_causal,
@@ -50,11 +51,11 @@ def run_forward(protection: Protection, heads: int, query: torch.Tensor, key: to
         x = array(query)
         cross = {} if self_attention else {"key": array(key), "value": array(value)}
         context = protection.context(report)
+        keep, seed = dropout_arrays(dropout_keep)
         y, saved = attention_forward(params, x, context, n_heads=heads,
                                      causal=call.causal, key_visible=call.key_visible,
                                      attn_mask=call.attn_mask, dropout=dropout,
-                                     dropout_keep=None if dropout_keep is None else
-                                     array(dropout_keep), workspace=workspace,
+                                     dropout_keep=keep, dropout_seed=seed, workspace=workspace,
                                      need_weights=need_weights, core=core, **cross)
         y = to_tensor(y)
         # torch returns the weights after dropout

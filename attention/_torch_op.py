@@ -31,7 +31,9 @@ def mha_forward(protection: int, query: torch.Tensor, key: torch.Tensor, value: 
     """``(y, weights, token)`` of batch-first ``query``, ``key``, ``value`` ``(N, L|S, E)``;
     ``weights`` is empty unless ``need_weights`` (then ``(N, L, S)``, or ``(N, H, L, S)``
     without averaging). With ``dropout`` > 0, ``dropout_keep`` is its mask ``(N * H, L, S)``
-    (True = kept), drawn by the caller with PyTorch's generator. ``core`` is
+    (True = kept) or an int64 ``(1,)``, the seed of the fused core's keep decisions
+    (:func:`attention._torch_arrays.dropout_arrays`), drawn by the caller with PyTorch's
+    generator. ``core`` is
     :func:`attention.attention_forward`'s. ``protection`` is the ``id`` of the
     :class:`attention._torch_state.Protection` the call runs under."""
     from attention._torch_mha import run_forward

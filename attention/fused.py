@@ -13,8 +13,28 @@ CuPy arrays run the same algorithm and checks in CUDA kernels (:mod:`attention._
 (and the PyTorch :class:`attention.torch_core.ProtectedCore` through it), and so do the layers
 between their projections (:func:`attention.functional.attention_forward`, so
 :class:`attention.MultiHeadAttention` and :class:`attention.torch.MultiheadAttention`); the
-unfused core stays the reference and the path for what this one does not support (dropout,
-16-bit data on the CPU, the attention weights).
+unfused core stays the reference and the path for what this one does not support (an explicit
+dropout mask, 16-bit data on the CPU, the attention weights, and dropout on the GPU: the CUDA
+kernels have none, and the layers run GPU data unfused).
+
+Attention dropout (CPU, ``dropout=p``), FlashAttention style, no ``L x L`` mask: the keep
+decision of element ``(b, i, j)`` comes from a counter-based hash of ``(seed, b, i, j)``
+(:mod:`attention.dropout_hash`; :func:`attention.dropout_hash.keep_mask` materializes the same
+decisions), regenerated per tile forward and again backward; a kept entry is scaled by ``ks =
+1 / (1 - p)`` in the data's dtype (0 for ``p = 1``, as :mod:`attention.dropout`). Forward: the
+``P`` check and the denominator ``l`` read ``P`` before dropout; the product reads the dropped
+tile ``P_d = fl(P ks) keep`` (hook site ``fused:dropout``). Backward (FlashAttention-2's):
+``dV += P_d^T dO``, ``dP' = dO V^T`` (checked as ``dP``), ``dP = fl(dP' ks) keep``, ``dS = P
+(dP - D)`` with ``D = rowsum(dO O)``.
+
+What replaces the unfused core's ``dropout`` check (a recomputation compared bit for bit): the
+dropped tile is no check site of its own, it is covered by the accumulators that read it. The
+carried checksums of ``O`` (forward) and ``dV`` (backward) are made from ``P`` and the keep tile,
+entry by entry as the dropped tile is made, not read from that tile: a fault in ``P_d`` changes the
+accumulator and not its checksums, and shows at ``fused:O_acc`` or ``fused:dV_acc`` (which
+recompute the block). ``dP`` after dropout is never stored: ``dS`` and its invariant each make it
+from ``dP'`` and the keep tile. The keep decisions themselves, like the unfused core's given mask,
+are an input and not checked; a fault in them would change the draw, not break the algebra.
 
 What is checked, per tile (sites of the fault hook, ``ctx.fault_hook(site, tile)``, which sees
 each tile array as computed and before it is checked):

@@ -32,8 +32,9 @@ def static_reason(xp: Any, dtype: np.dtype, attn_add: Any | None, ctx: Context,
     (None when it can): it takes NumPy float32 or float64 data, an additive mask
     (:func:`attention.fused_rules.additive_ok`) or none, attention dropout with its keep
     decisions drawn from a seed (not a given mask ``dropout_keep``: the unfused core applies
-    that), no attention weights, and checks every tile on every call. ``forced`` (``core="fused"``): a fault hook and a plan that
-    checks the product's sites less often do not count (the hook then sees the fused sites)."""
+    that), no attention weights, and checks every tile on every call. ``forced``
+    (``core="fused"``): a fault hook and a plan that checks the product's sites less often do
+    not count (the hook then sees the fused sites)."""
     if xp is not np:
         return f"the data are {xp.__name__} arrays (the fused core runs on the CPU)"
     if dtype not in FUSED_DTYPES:

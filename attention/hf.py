@@ -17,7 +17,9 @@ masks and custom ones); values at or below half the dtype's lowest finite value 
 
 Differences from ``"eager"``: the returned attention weights carry no gradient; a query row whose
 keys are all masked gets probabilities 0 (eager: uniform over the masked keys); the dropout mask
-is drawn with PyTorch's generator but not from the same stream as eager's. Refused with a clear
+is drawn with PyTorch's generator but not from the same stream as eager's (on the CPU, in float32
+and float64, the seed of the fused core's keep decisions, :mod:`attention.dropout_hash`, so that
+the product runs on the fused core). Refused with a clear
 error: head masks, ``softcap``, sliding windows, attention sinks and position biases.
 """
 from __future__ import annotations

@@ -15,10 +15,11 @@ Supported: self- and cross-attention (``key is value`` or not), boolean and floa
 (``(L, S)`` or ``(N * num_heads, L, S)``, True = not allowed), boolean and float
 ``key_padding_mask`` (True = ignore), batch-first and sequence-first, unbatched inputs, ``bias``,
 ``need_weights`` with ``average_attn_weights``, ``is_causal``, dtypes float16, bfloat16, float32,
-float64, CPU and CUDA tensors, attention ``dropout`` in training mode (the mask drawn with PyTorch's
-generator, so ``torch.manual_seed`` reproduces a run; :mod:`attention.dropout`). Not supported (a
-clear error names the argument): ``add_bias_kv``, ``add_zero_attn``, ``kdim``/``vdim`` other than
-``embed_dim``, nested tensors.
+float64, CPU and CUDA tensors, attention ``dropout`` in training mode (the mask, or on the CPU
+the seed of the fused core's keep decisions, drawn with PyTorch's generator, so
+``torch.manual_seed`` reproduces a run; :mod:`attention.dropout`, :mod:`attention.dropout_hash`).
+Not supported (a clear error names the argument): ``add_bias_kv``, ``add_zero_attn``,
+``kdim``/``vdim`` other than ``embed_dim``, nested tensors.
 
 Differences from PyTorch: the returned attention weights carry no gradient; a query row whose
 keys are all masked gets probabilities 0 (output ``out_proj.bias``), where PyTorch may give NaN;
@@ -66,8 +67,8 @@ device, dtype
     core : {"auto", "fused", "unfused"}
         The attention product between the projections (:func:`attention.attention_forward`'s
         ``core``): ``"auto"`` runs the fused core (:mod:`attention.fused`) where it applies
-        (CPU, float32/float64, ``need_weights=False``, no dropout in training, no fault hook,
-        every call checked), else the unfused sites; the others force one.
+        (CPU, float32/float64, ``need_weights=False``, dropout in training or not, no fault
+        hook, every call checked), else the unfused sites; the others force one.
 
     Attributes
     ----------

@@ -33,7 +33,7 @@ class ProtectedCore:
         How often each site is checked (default: every call).
     core : {"auto", "fused", "unfused"}
         Which implementation of :mod:`attention.core` runs: ``"auto"`` the fused core where it
-        applies (CPU, float32/float64, causal or no mask, no dropout, no fault hook, every call
+        applies (CPU, float32/float64, causal or no mask, dropout or not, no fault hook, every call
         checked, ``need_weights=False``), else the unfused one; the others force one.
 
     Attributes

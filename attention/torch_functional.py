@@ -67,12 +67,12 @@ def multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     is_causal : bool
         Query ``i`` sees keys ``j <= i`` only, when ``attn_mask`` is None.
     dropout_p : float
-        Attention dropout probability; the mask is drawn with PyTorch's generator on the
-        tensors' device (:mod:`attention.dropout`).
+        Attention dropout probability; the mask (or the fused core's seed) is drawn with
+        PyTorch's generator (:func:`_dropout_draw`, :mod:`attention.dropout`).
     core : {"auto", "fused", "unfused"}
         The attention product between the projections (:func:`attention.attention_forward`'s
         ``core``): ``"auto"`` runs the fused core (:mod:`attention.fused`) where it applies
-        (CPU, float32/float64, ``need_weights=False``, no dropout, no fault hook, every call
+        (CPU, float32/float64, ``need_weights=False``, dropout or not, no fault hook, every call
         checked), else the unfused sites; the others force one. ``protection.last_core`` names
         the one that ran.
 
@@ -86,9 +86,8 @@ def multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     if not 0 <= dropout_p <= 1:
         raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p}")
     self_attention = query is key and key is value
-    keep = None if dropout_p == 0 else \
-        torch.rand((query.shape[0] * num_heads, query.shape[1], key.shape[1]),
-                   device=query.device) >= dropout_p
+    keep = _dropout_draw((query.shape[0] * num_heads, query.shape[1], key.shape[1]), query,
+                         float(dropout_p), need_weights, core)
     y, weights, _ = _torch_op.mha_forward(
         protection.id, query, key, value, in_proj_weight, in_proj_bias, out_proj_weight,
         out_proj_bias, key_padding_mask, attn_mask, num_heads, self_attention, bool(is_causal),
@@ -123,11 +122,11 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         Also return the probabilities ``(..., L, S)`` (a new tensor without gradient; after
         dropout, as PyTorch's attention functions return them).
     dropout_p : float
-        Attention dropout probability (:mod:`attention.dropout`); the mask is drawn with
-        PyTorch's generator on the tensors' device.
+        Attention dropout probability (:mod:`attention.dropout`); the mask (or the fused core's
+        seed) is drawn with PyTorch's generator (:func:`_dropout_draw`).
     core : {"auto", "fused", "unfused"}
         Which implementation of :mod:`attention.core` runs: ``"auto"`` the fused core where it
-        applies (CPU, float32/float64, causal or no mask, no dropout, no fault hook, every call
+        applies (CPU, float32/float64, causal or no mask, dropout or not, no fault hook, every call
         checked, ``need_weights=False``), else the unfused one; the others force one.
 
     Returns
@@ -150,12 +149,28 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         n *= size
     q, k, v = (t.reshape(n, -1, d).contiguous() for t in (query, key, value))
     mask = _flat_mask(attn_mask, lead, n, seq_q, seq_k)
-    keep = torch.rand((n, seq_q, seq_k), device=q.device) >= dropout_p if dropout_p else None
+    keep = _dropout_draw((n, seq_q, seq_k), q, float(dropout_p), need_weights, core)
     out, weights = _torch_core_op.apply_core(
         protection, q, k, v, mask, 1 / d ** 0.5 if scale is None else float(scale),
         bool(is_causal), need_weights, keep, float(dropout_p), core)
     out = out.view(*lead, seq_q, d)
     return out, (weights.view(*lead, seq_q, seq_k) if need_weights else None)
+
+
+def _dropout_draw(shape: tuple[int, int, int], query: torch.Tensor, p: float,
+                  need_weights: bool, core: str) -> torch.Tensor | None:
+    """The dropout the operators take (None for ``p == 0``), drawn with PyTorch's generator (so
+    ``torch.manual_seed`` reproduces it): where the fused core may run (CPU float32/float64
+    tensors, ``need_weights=False``, ``core`` not ``"unfused"``) the seed of its keep decisions,
+    an int64 tensor ``(1,)`` (``torch.randint`` on the default generator;
+    :mod:`attention.dropout_hash`), which the unfused core, if it runs, materializes; else the
+    mask ``(n, L, S)``, True = kept (``torch.rand(shape) >= p`` on the tensors' device)."""
+    if p == 0:
+        return None
+    if query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64) \
+            and not need_weights and core != "unfused":
+        return torch.randint(0, 2 ** 62, (1,), dtype=torch.int64)
+    return torch.rand(shape, device=query.device) >= p
 
 
 def _check_projection(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -59,7 +59,9 @@ def test_auto_falls_back_to_the_unfused_core():
     every_other = CheckingPlan().with_frequencies({"scores": 0.5})
     bad = q.copy()
     bad[0, 3, 1] = np.inf
-    cases = [((q, k, v), {"attn_mask": mask}), ((q, k, v), {"dropout": 0.1}),
+    keep = np.random.default_rng(4).random((1, 24, 24)) >= 0.1
+    cases = [((q, k, v), {"attn_mask": mask}),
+             ((q, k, v), {"dropout": 0.1, "dropout_keep": keep}),  # a given mask: unfused
              ((q, k, v), {"ctx": Context(fault_hook=lambda site, c: None)}),
              ((q, k, v), {"ctx": Context(plan=every_other)}),
              ((bad, k, v), {}),
@@ -74,8 +76,11 @@ def test_forcing_the_fused_core_where_it_does_not_apply_raises():
     q, k, v, _ = _data(np.random.default_rng(3), 1, 16, 16, 8)
     with pytest.raises(ValueError, match="attn_mask"):
         core_forward(q, k, v, Context(), attn_mask=np.full((16, 16), np.inf), core="fused")
-    with pytest.raises(ValueError, match="dropout"):
-        core_forward(q, k, v, Context(), dropout=0.5, core="fused")
+    keep = np.ones((1, 16, 16), bool)
+    with pytest.raises(ValueError, match="dropout_keep"):
+        core_forward(q, k, v, Context(), dropout=0.5, dropout_keep=keep, core="fused")
+    _, saved = core_forward(q, k, v, Context(), dropout=0.5, core="fused")  # seeded: fused
+    assert saved["core"] == "fused"
     with pytest.raises(ValueError, match="core must be one of"):
         core_forward(q, k, v, Context(), core="flash")
 

@@ -68,7 +68,8 @@ def test_auto_falls_back_where_the_fused_core_does_not_apply():
     rng = np.random.default_rng(1)
     x, dy, _ = _inputs(rng, 1, 20, 20, 16, "float32", False)
     layer = MultiHeadAttention(16, 2)
-    cases = [({"need_weights": True}, {}), ({"dropout": 0.2}, {}),
+    keep = rng.random((2, 20, 20)) >= 0.2
+    cases = [({"need_weights": True}, {}), ({"dropout": 0.2, "dropout_keep": keep}, {}),
              ({"fault_hook": lambda site, c: None}, {}),
              ({}, {"plan": CheckingPlan().with_frequencies({"context": 0.5})}),
              ({}, {"dtype": "float16"})]
@@ -89,8 +90,9 @@ def test_auto_falls_back_where_the_fused_core_does_not_apply():
 
 def test_forcing_the_fused_core_where_it_does_not_apply_raises():
     x = np.zeros((1, 4, 8), np.float32)
-    with pytest.raises(ValueError, match="dropout"):
-        MultiHeadAttention(8, 2, core="fused").forward(x, dropout=0.5)
+    with pytest.raises(ValueError, match="dropout_keep"):
+        MultiHeadAttention(8, 2, core="fused").forward(x, dropout=0.5,
+                                                       dropout_keep=np.ones((2, 4, 4), bool))
     with pytest.raises(ValueError, match="weights"):
         MultiHeadAttention(8, 2, core="fused").forward(x, need_weights=True)
     with pytest.raises(ValueError, match="core must be one of"):
