@@ -13,6 +13,7 @@ from abftgemm.faults import Fault
 torch = pytest.importorskip("torch", reason="torch is an optional extra (pip install '.[torch]')")
 nn = torch.nn
 
+from attention.dropout_hash import keep_mask  # noqa: E402
 from attention.torch import MultiheadAttention, protect  # noqa: E402
 
 E, HEADS, N, L = 16, 4, 2, 6
@@ -54,13 +55,32 @@ def test_train_mode_matches_float64_math_with_the_mask_torch_drew(p):
     y, _ = mine(x, x, x, attn_mask=mask, need_weights=False)
     g = torch.randn(y.shape, dtype=y.dtype, generator=torch.Generator().manual_seed(1))
     (y * g).sum().backward()
-    torch.manual_seed(5)  # the module draws its mask first thing: the same mask again
-    keep = torch.rand((N * HEADS, L, L)) >= p
+    # the module draws the fused core's seed first thing (CPU float64): the same seed again
+    torch.manual_seed(5)
+    seed = int(torch.randint(0, 2 ** 62, (1,), dtype=torch.int64).item())
+    keep = torch.from_numpy(keep_mask(seed, p, (N * HEADS, L, L)))
     want, x64 = explicit(mine, x, keep, p, mask)
     (want * g).sum().backward()
     assert torch.allclose(y, want, rtol=1e-12, atol=1e-12)
     assert torch.allclose(x.grad, x64.grad, rtol=1e-11, atol=1e-11)
-    assert not mine.last_report.detected and mine.last_report.checked["dropout"] == 1
+    assert mine.last_core == "fused"
+    assert not mine.last_report.detected and mine.last_report.checked["fused:O_acc"] == 1
+
+
+def test_weights_asked_for_run_the_unfused_core_with_torchs_mask():
+    """need_weights: the unfused core, its mask drawn with ``torch.rand`` as before."""
+    p = 0.5
+    _, mine = modules(p)
+    mine.train()
+    x = torch.randn(N, L, E, dtype=torch.float64)
+    mask = torch.zeros(L, L, dtype=torch.bool)
+    torch.manual_seed(6)
+    y, _ = mine(x, x, x, attn_mask=mask, need_weights=True)
+    torch.manual_seed(6)
+    keep = torch.rand((N * HEADS, L, L)) >= p
+    want, _ = explicit(mine, x, keep, p, mask)
+    assert mine.last_core == "unfused" and mine.last_report.checked["dropout"] == 1
+    assert torch.allclose(y, want, rtol=1e-12, atol=1e-12)
 
 
 def test_same_statistics_as_stock_dropout():
@@ -123,8 +143,9 @@ def test_default_transformer_encoder_layer_trains_protected():
         loss.backward()
         opt.step()
         assert math.isfinite(loss.item())
-    attn = model.layers[0].self_attn
-    assert attn.last_report.checked["dropout"] == 1 and not attn.last_report.detected
+    attn = model.layers[0].self_attn  # float32 on the CPU: dropout on the fused core
+    assert attn.last_core == "fused"
+    assert attn.last_report.checked["fused:O_acc"] == 1 and not attn.last_report.detected
 
 
 def test_compiled_model_with_dropout_runs_the_protected_op():
@@ -138,7 +159,7 @@ def test_compiled_model_with_dropout_runs_the_protected_op():
     torch.manual_seed(3)
     y2 = compiled(x)
     assert torch.equal(y1, y2)
-    assert model.layers[1].self_attn.last_report.checked["dropout"] == 1
+    assert model.layers[1].self_attn.last_report.checked["fused:O_acc"] == 1
 
 
 def test_a_fault_with_dropout_on_is_repaired():
@@ -154,7 +175,8 @@ def test_a_fault_with_dropout_on_is_repaired():
         y.sum().backward()
         return y.detach(), x.grad.clone()
 
-    y0, g0 = run()
+    y0, g0 = run()  # the fused core; a fault hook runs the unfused core on the same decisions
+    assert mine.last_core == "fused"
     for site in ("dropout", "context", "d_v", "softmax_backward"):
         y, g = run(Fault("nan", "element", seed=1, sites=site))
         assert site in mine.last_report.sites, mine.last_report.summary()
