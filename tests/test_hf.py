@@ -13,6 +13,7 @@ if not hasattr(transformers, "AttentionInterface"):
                 "(the [hf] extra needs >= 5.17)", allow_module_level=True)
 
 from attention.core import CORE_INVARIANT_SITES, CORE_SITES  # noqa: E402
+from attention.dropout_hash import keep_mask  # noqa: E402
 from attention.hf import abft_attention_forward  # noqa: E402
 from attention.hf_linear import projection_cores  # noqa: E402
 from attention.hf_protect import ProtectedGPTNeoSelfAttention, attention_cores  # noqa: E402
@@ -89,10 +90,17 @@ def test_unprotected_fault_damages_the_model(eager_runs):
 
 def masked_dropout(x, p=0.5, training=True, inplace=False):
     """``torch.nn.functional.dropout`` with its mask drawn as the protected attention draws its
-    own (``torch.rand(shape) >= p``), so that both see the same masks after the same seed."""
+    own on CPU float32 data (the fused core's seed, ``torch.randint`` on the default generator,
+    and its keep decisions, :func:`attention.dropout_hash.keep_mask`, over the attention
+    weights ``(batch, heads, L, S)`` as ``(batch * heads, L, S)``), so that both see the same
+    masks after the same seed."""
     if not training or p == 0:
         return x
-    return x * (torch.rand(x.shape, device=x.device) >= p) / (1 - p)
+    seed = int(torch.randint(0, 2 ** 62, (1,), dtype=torch.int64).item())
+    seq_q, seq_k = x.shape[-2:]
+    keep = keep_mask(seed, p, (x.numel() // (seq_q * seq_k), seq_q, seq_k))
+    keep = torch.from_numpy(keep).reshape(x.shape)
+    return x * keep / (1 - p)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -106,7 +114,8 @@ def test_attention_dropout_equals_eager_with_the_same_masks(family, monkeypatch)
     got = step(model, *batch())
     assert_same_step(got, want)
     for core in attention_cores(model).values():
-        assert core.last_report.checked["dropout"] == 1 and not core.last_report.detected
+        assert core.last_core == "fused"  # float32 on the CPU: dropout on the fused core
+        assert core.last_report.checked["fused:O_acc"] == 1 and not core.last_report.detected
     model.eval()  # no dropout outside training
     with torch.no_grad():
         model(batch()[0])
