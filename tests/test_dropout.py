@@ -13,6 +13,7 @@ from attention import INVARIANT_SITES, SITES, Context
 from attention import reference as ref
 from attention.core import core_backward, core_forward
 from attention.dropout import DROPOUT_SITE
+from attention.dropout_hash import keep_mask as seeded_keep_mask
 from conftest import BACKENDS
 from test_attention import problem as layer_problem
 
@@ -149,12 +150,22 @@ def test_attention_product_with_dropout_matches_float64_math(xp):
         np.testing.assert_allclose(to_host(got), want, rtol=1e-11, atol=1e-12)
 
 
-def test_drawn_masks_keep_the_expected_share_and_follow_the_generator():
+@pytest.mark.parametrize("core", ["unfused", "auto"])
+def test_drawn_masks_keep_the_expected_share_and_follow_the_generator(core):
+    """The unfused core draws its mask from ``rng``; the fused core (``"auto"`` here) the seed of
+    its keep decisions, materialized by :func:`attention.dropout_hash.keep_mask`."""
     layer, x, _, dy, _ = problem(np, "float64", 0.25, batch=4, seq=32)
+    layer.core = core
     _, c1 = layer.forward(x, dropout=0.25, rng=np.random.default_rng(7))
     _, c2 = layer.forward(x, dropout=0.25, rng=np.random.default_rng(7))
-    keep = c1["inputs"].dropout.keep
-    assert np.array_equal(keep, c2["inputs"].dropout.keep)
+    assert c1["core"] == ("fused" if core == "auto" else "unfused")
+    if core == "unfused":
+        keep = c1["inputs"].dropout.keep
+        assert np.array_equal(keep, c2["inputs"].dropout.keep)
+    else:
+        p, seed = c1["inputs"].fused_dropout
+        assert (p, seed) == c2["inputs"].fused_dropout
+        keep = seeded_keep_mask(seed, p, (4 * layer.n_heads, 32, 32))
     # 8192 Bernoulli(0.75) draws: the share kept is 0.75 +- 5 standard deviations
     assert abs(keep.mean() - 0.75) < 5 * np.sqrt(0.75 * 0.25 / keep.size)
 
