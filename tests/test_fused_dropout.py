@@ -9,12 +9,14 @@ import math
 import numpy as np
 import pytest
 
+from abftgemm.backend import to_host
+from abftgemm.faults import Fault
 from attention import MultiHeadAttention
 from attention.context import Context
 from attention.core import core_backward, core_forward
 from attention.dropout_hash import draw_seed, keep_mask
 from attention.fused import DROPOUT_HOOK_SITE, fused_backward, fused_forward
-from abftgemm.faults import Fault
+from conftest import BACKENDS
 
 SITES = ("fused:S", "fused:P", "fused:O_acc", "fused:rowsum", "fused:dP", "fused:dS",
          "fused:dQ_acc", "fused:dK_acc", "fused:dV_acc", DROPOUT_HOOK_SITE)
@@ -216,3 +218,21 @@ def test_bad_dropout_arguments():
         fused_forward(q, k, v, Context(), dropout=1.5)
     with pytest.raises(ValueError, match="2\\*\\*64"):
         fused_forward(q, k, v, Context(), dropout=0.5, dropout_seed=2 ** 64)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_gpu_data_run_the_unfused_core_on_the_seeds_decisions(xp):
+    """Device arrays (CuPy, or its CPU stand-in) run dropout on the unfused core: the seed's keep
+    decisions materialized, the same output as the fused core on the host; the CUDA fused kernels
+    have no dropout and say so."""
+    q, k, v, _ = _data(np.random.default_rng(9), 2, 20, 20, 8, np.float64)
+    want, saved = core_forward(q, k, v, Context(), dropout=0.4, dropout_seed=3)
+    assert saved["core"] == "fused"
+    if xp is np:
+        return
+    dev = tuple(xp.asarray(t) for t in (q, k, v))
+    got, saved = core_forward(*dev, Context(), dropout=0.4, dropout_seed=3)
+    assert saved["core"] == "unfused"
+    np.testing.assert_allclose(to_host(got), want, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="no attention dropout"):
+        fused_forward(*dev, Context(), dropout=0.4, dropout_seed=3)
