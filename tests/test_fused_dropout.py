@@ -236,3 +236,16 @@ def test_gpu_data_run_the_unfused_core_on_the_seeds_decisions(xp):
     np.testing.assert_allclose(to_host(got), want, rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="no attention dropout"):
         fused_forward(*dev, Context(), dropout=0.4, dropout_seed=3)
+
+
+def test_core_backward_of_a_non_finite_gradient_keeps_the_decisions():
+    q, k, v, do = _data(np.random.default_rng(10), 2, 30, 30, 8, np.float64)
+    do[1, 4, 3] = np.nan
+    _, saved = core_forward(q, k, v, Context(), dropout=0.5, dropout_seed=6)
+    assert saved["core"] == "fused"
+    got = core_backward(saved, do, Context())
+    _, ref = core_forward(q, k, v, Context(), dropout=0.5,
+                          dropout_keep=keep_mask(6, 0.5, (2, 30, 30)))
+    for g, w in zip(got, core_backward(ref, do, Context())):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)

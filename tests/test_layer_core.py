@@ -9,6 +9,7 @@ import pytest
 
 from abftgemm.faults import Fault
 from attention import CheckingPlan, MultiHeadAttention
+from attention.dropout_hash import keep_mask
 
 TOL = {"float32": dict(rtol=2e-4, atol=2e-5), "float64": dict(rtol=1e-10, atol=1e-12)}
 
@@ -117,12 +118,47 @@ def test_faults_corrected_with_the_fused_core(site):
         np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("site,seen_at", [("fused:dropout", ("fused:O_acc", "fused:dV_acc")),
+                                          ("fused:P", ("fused:P",)), ("fused:dS", ("fused:dS",)),
+                                          ("fused:dV_acc", ("fused:dV_acc",))])
+def test_faults_corrected_with_dropout_on_the_fused_core(site, seen_at):
+    """Dropout (seeded) on the fused core with a fault hook: the dropped tile's fault shows at
+    the accumulators that read it; every fault is corrected, the step as without the fault."""
+    rng = np.random.default_rng(3)
+    x, dy, _ = _inputs(rng, 2, 70, 70, 32, "float32", False)
+    layer = MultiHeadAttention(32, 4, causal=True, core="fused")
+    kw = {"dropout": 0.3, "dropout_seed": 12}
+    _, clean = _step(layer, x, dy, **kw)
+    fault = Fault("near-inf", "element", seed=3, sites=site)
+    ran, got = _step(layer, x, dy, fault_hook=fault, **kw)
+    assert ran == "fused" and fault.injected
+    assert layer.step_sites & set(seen_at), layer.step_sites
+    for g, c in zip(got, clean):
+        np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-6)
+
+
 def test_non_finite_gradient_passes_through_after_the_fused_forward():
     rng = np.random.default_rng(4)
     x, dy, _ = _inputs(rng, 1, 24, 24, 16, "float32", False)
     dy[0, 5, 2] = np.nan
     want = _step(MultiHeadAttention(16, 2, core="unfused"), x, dy)[1]
     ran, got = _step(MultiHeadAttention(16, 2), x, dy)
+    assert ran == "fused"
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_non_finite_gradient_after_a_fused_forward_with_dropout_keeps_its_decisions():
+    """The unfused backward that takes a non-finite gradient drops what the fused forward
+    dropped (the seed's keep decisions, materialized)."""
+    rng = np.random.default_rng(5)
+    x, dy, _ = _inputs(rng, 1, 24, 24, 16, "float32", False)
+    dy[0, 5, 2] = np.nan
+    keep = keep_mask(21, 0.4, (2, 24, 24))
+    want = _step(MultiHeadAttention(16, 2, core="unfused"), x, dy, dropout=0.4,
+                 dropout_keep=keep)[1]
+    ran, got = _step(MultiHeadAttention(16, 2), x, dy, dropout=0.4, dropout_seed=21)
     assert ran == "fused"
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
