@@ -91,10 +91,10 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
         sites) where it applies (:mod:`attention.fused_choice`: NumPy float32/float64, no
         ``dropout_keep``, no ``need_weights``, no fault hook, every call of the product's sites
         checked, finite Q, K and V), else the unfused sites ``scores``, ``softmax``,
-        ``context`` (and backward ``d_probs``, ``d_v``, ``softmax_backward``, ``d_q``, ``d_k``); ``"fused"`` and
-        ``"unfused"`` force one (``"fused"`` raises ``ValueError`` where it does not apply). The
-        fused core encodes its operands itself: the projections' output checksums are not
-        handed on to it.
+        ``context`` (and backward ``d_probs``, ``d_v``, ``softmax_backward``, ``d_q``, ``d_k``);
+        ``"fused"`` and ``"unfused"`` force one (``"fused"`` raises ``ValueError`` where it
+        does not apply). The fused core encodes its operands itself: the projections' output
+        checksums are not handed on to it.
     dropout_seed : int, optional
         The seed of the keep decisions (:func:`attention.dropout_hash.keep_mask`), in ``[0,
         2^64)``, on either core (the unfused core materializes the mask); excludes
