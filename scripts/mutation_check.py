@@ -140,6 +140,18 @@ MUTATIONS: tuple[Mutation, ...] = (
 )
 
 
+def stale(mutations: list[Mutation]) -> list[str]:
+    """One line per edit whose ``old`` text does not occur exactly once in the working tree."""
+    lines = []
+    for mutation in mutations:
+        text = (ROOT / mutation.path).read_text()
+        for old, _ in mutation.edits:
+            if text.count(old) != 1:
+                lines.append(f"{mutation.name}: {old!r} occurs {text.count(old)} times in "
+                             f"{mutation.path}")
+    return lines
+
+
 def prepare(scratch: Path, mutation: Mutation) -> Path:
     """A fresh copy of the sources under ``scratch/repo`` with ``mutation`` applied."""
     repo = scratch / "repo"
@@ -197,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise SystemExit(f"unknown mutations {sorted(unknown)}; known: "
                              f"{[m.name for m in MUTATIONS]}")
+    problems = stale(chosen)
+    if problems:
+        raise SystemExit("mutations that no longer apply (update scripts/mutation_check.py):\n  "
+                         + "\n  ".join(problems))
     scratch = Path(tempfile.gettempdir()) / "abftgemm-mutants"
     rows, failed_required = [], []
     started = time.time()
