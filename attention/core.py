@@ -27,6 +27,7 @@ from abftgemm.checksums import SUPPORTED_DTYPES
 from attention.context import Context
 from attention.dropout import Dropout
 from attention.fused import fused_backward, fused_forward
+from attention.fused_final import verify_grads, verify_output
 from attention.fused_choice import (CORE_SITES, CORES, check_core,  # noqa: F401
                                      finite_reason, static_reason)
 from attention.functional import _additive, backward_pass, forward_pass
@@ -99,8 +100,9 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
     if core != "unfused":
         why_not = fused_unsupported(inp, ctx, dropout, dropout_keep, forced=core == "fused")
         if why_not is None:
-            out, saved = fused_forward(q, k, v, ctx, scale=inp.scale, causal=inp.causal,
-                                       attn_mask=inp.attn_add)
+            out, saved = verify_output(*fused_forward(q, k, v, ctx, scale=inp.scale,
+                                                      causal=inp.causal, attn_mask=inp.attn_add),
+                                       ctx)
             return out, {"inputs": inp, "core": "fused", "fused": saved, "probs": None,
                          "probs_dropped": None}
         if core == "fused":
@@ -138,7 +140,8 @@ def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
     if saved["core"] == "fused":  # the inputs as given now (a caller may hand them on anew)
         saved["fused"].update(q=inp.q, k=inp.k, v=inp.v)
         if np.isfinite(d_out).all():
-            return fused_backward(saved["fused"], d_out, ctx)
+            return verify_grads(saved["fused"], d_out, fused_backward(saved["fused"], d_out, ctx),
+                                ctx)
         # The unfused core passes non-finite gradients through: its forward again, then its
         # backward.
         mask = inp.attn_add if inp.attn_add is None or len(inp.attn_add) > 1 else inp.attn_add[0]

@@ -27,6 +27,7 @@ from attention import softmax, softmax_steps
 from attention.context import Context
 from attention.dropout import Dropout, DropoutStep
 from attention.fused import fused_backward, fused_forward
+from attention.fused_final import OUTPUT_SITE, verify_grads, verify_output
 from attention.fused_choice import check_core, finite_reason, static_reason
 from attention.passes import CORE_BACKWARD, CORE_FORWARD, Step, Variant, carried, layer, steps
 from attention.workspace import Workspace
@@ -255,6 +256,7 @@ class _Pass:
         self._pending: list[tuple[str, str, Any]] = []
         self._consumers: dict[str, tuple[str, Any]] = {}  # "gemm rows": (site, plan) to observe
         self._heads: dict[str, Any] = {}  # a backward merge's heads' encodings
+        self._fused_state: dict[str, Any] | None = None  # the fused core's, for its final check
 
     def run(self, table: tuple[Step, ...]) -> None:
         for step in table:
@@ -377,6 +379,23 @@ class _Pass:
                                    causal=inp.causal, key_visible=visible, attn_mask=inp.attn_add)
         self.env.update(zip(step.out.split(", "), (out, state["lse"])))
         inp.fused = {n: state[n] for n in ("scale", "causal", "visible", "add")}
+        self._fused_state = state
+
+    def fused_check(self, step: Step) -> None:
+        """The fused core's final check (:mod:`attention.fused_final`): forward, the output rows
+        against the row checksums the kernel carried; backward, ``dV``'s column sums against
+        ``dO``'s. A repair recomputes the core's pass. Nothing where the unfused steps ran."""
+        state = self._fused_state
+        if state is None:
+            return
+        ctx = self._fused_context()
+        if step.site == OUTPUT_SITE:
+            out, state = verify_output(self.env[step.ins[0]], state, ctx)
+            self.env.update(zip(step.out.split(", "), (out, state["lse"])))
+            return
+        grads = tuple(self.env[n] for n in step.out.split(", "))
+        self.env.update(zip(step.out.split(", "),
+                            verify_grads(state, self.env[step.ins[-1]], grads, ctx)))
 
     def fused_core_backward(self, step: Step) -> None:
         """The fused core's backward after its forward where the gradient is finite; else (as
@@ -387,6 +406,7 @@ class _Pass:
             state = {**self.inp.fused, "q": q, "k": k, "v": v, "out": out, "lse": lse}
             self.env.update(zip(step.out.split(", "),
                                 fused_backward(state, d_out, self._fused_context())))
+            self._fused_state = state
             return
         unfused = Variant(causal=self.inp.causal)
         self.run(steps(_RECOMPUTED_CORE, unfused))
@@ -527,7 +547,7 @@ _RECOMPUTED_CORE = CORE_FORWARD[:2] + CORE_BACKWARD
 #: The executor's method of each ``Step.op``.
 _OPS = {op: getattr(_Pass, op.replace(" ", "_")) for op in (
     "gemm", "gemm rows", "split", "merge", "softmax", "softmax backward", "dropout", "stack",
-    "column sum", "fused core", "fused core backward")}
+    "column sum", "fused core", "fused core backward", "fused check")}
 
 
 def _invariant_finding(report: Report, site: str, worst: float, tol: float, action: str,

@@ -16,9 +16,11 @@ from abftgemm.faults import Fault
 from abftgemm.thresholds import KAPPA
 from attention.context import Context
 from attention.fused import BACKWARD_SITES, FORWARD_SITES, fused_backward, fused_forward
+from attention.fused_final import FINAL_SITES, verify_grads, verify_output
 
-HOOK_SITES = ("fused:S", "fused:P", "fused:O_acc", "fused:rowsum", "fused:dP", "fused:dS",
-              "fused:dQ_acc", "fused:dK_acc", "fused:dV_acc")
+KERNEL_SITES = ("fused:S", "fused:P", "fused:O_acc", "fused:rowsum", "fused:dP", "fused:dS",
+                "fused:dQ_acc", "fused:dK_acc", "fused:dV_acc")
+HOOK_SITES = KERNEL_SITES + ("fused:out", "fused:dV_out")
 KINDS = [("inf", {}), ("nan", {}), ("near-inf", {}), ("additive", {"magnitude": 1e3})]
 
 
@@ -73,8 +75,9 @@ def _data(rng, n, lq, lk, d, dtype=np.float32, spread=1.0):
 
 
 def _run(q, k, v, do, ctx, **kw):
-    out, saved = fused_forward(q, k, v, ctx, **kw)
-    return (out,) + fused_backward(saved, do, ctx)
+    """Forward and backward, each followed by its final check (attention/fused_final.py)."""
+    out, saved = verify_output(*fused_forward(q, k, v, ctx, **kw), ctx)
+    return (out,) + verify_grads(saved, do, fused_backward(saved, do, ctx), ctx)
 
 
 @given(n=st.integers(1, 3), lq=st.integers(1, 150), lk=st.integers(1, 150),
@@ -288,6 +291,8 @@ def test_bad_input():
     q, k, v, _ = _data(np.random.default_rng(0), 1, 8, 8, 8)
     with pytest.raises(TypeError, match="float32 or float64"):
         fused_forward(q.astype(np.float16), k, v, Context())
+    with pytest.raises(TypeError, match="float32 or float64"):
+        fused_forward(q.astype(np.int32), k.astype(np.int32), v.astype(np.int32), Context())
     with pytest.raises(ValueError, match="causal"):
         fused_forward(q, k[:, :4].copy(), v[:, :4].copy(), Context(), causal=True)
     with pytest.raises(ValueError, match="C-contiguous"):
@@ -304,7 +309,8 @@ def test_bad_input():
 
 
 def test_site_lists():
-    assert set(FORWARD_SITES) | set(BACKWARD_SITES) == set(HOOK_SITES)
+    assert set(FORWARD_SITES) | set(BACKWARD_SITES) == set(KERNEL_SITES)
+    assert set(FINAL_SITES) | set(KERNEL_SITES) == set(HOOK_SITES)
 
 
 def test_head_dim_128_cuts_the_blas_products():
