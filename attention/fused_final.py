@@ -9,8 +9,8 @@ head.
     (:mod:`attention.fused`, ``fused:O_acc``): the kernel's own check judges its float32 or
     float64 output before it leaves the kernel, this one what the caller gets (the rounding to
     float16 or bfloat16 included, and whatever happened to ``O`` after the kernel wrote it).
-    Threshold: ``fused:O_acc``'s, plus ``1.01 u_out`` times the observed ``sum |O|`` for the
-    rounding to a 16-bit dtype (and the magnitude bound ``sum |O| <= c_mag sum P |V|1`` times
+    Threshold: ``fused:O_acc``'s, plus ``1.01 u_out`` times the observed ``sum |O|`` and ``d
+    u_out tiny_out`` (subnormal results) for the rounding to a 16-bit dtype (and the magnitude bound ``sum |O| <= c_mag sum P |V|1`` times
     ``1 + 1.01 u_out``).
 ``fused:dV_out`` (backward)
     ``dV = P^T dO`` and the rows of ``P`` sum to 1 (0 for a query that sees no key), so the
@@ -21,8 +21,8 @@ head.
     roundoff of the tiles' dtype, ``T`` key tiles): ``sum_i |dO_ic| (2u (L_k + 2T + |lse_i| +
     log L_k + 8) + 1.01 u (L_q + 2 T_q))`` (the rows of the recomputed ``P`` sum to 1 within
     the first term: the float32 log-sum-exp's error and the exponential's, ``sum_j P_ij |log
-    P_ij| <= log L_k``; the second is the accumulation's) plus ``1.01 u_out sum_j |dV_jc|`` for
-    the rounding to a 16-bit dtype. It has no weighted sum: it detects, by column, and does not
+    P_ij| <= log L_k``; the second is the accumulation's) plus ``1.01 u_out sum_j |dV_jc| + L_k
+    u_out tiny_out`` for the rounding to a 16-bit dtype. It has no weighted sum: it detects, by column, and does not
     locate the row.
 
 A flag in ``check="correct"`` recomputes the whole forward (or backward) and checks again
@@ -137,9 +137,11 @@ def _output_ratio(out: np.ndarray, saved: dict[str, Any]
     lk = saved["k"].shape[1]
     wt = work_dtype(out.dtype)
     coef = coefficients(lk, d, wt, 2 * -(-lk // K.BC))
-    if out.dtype != wt:  # the rounding to the output's dtype: in sum |O| and in the bound on it
-        coef[0] += 1.01 * unit_roundoff(out.dtype)
-        coef[3] *= 1 + 1.01 * unit_roundoff(out.dtype)
+    if out.dtype != wt:  # the rounding to the output's dtype (subnormals: absolute, u * tiny)
+        u_out = unit_roundoff(out.dtype)
+        coef[0] += 1.01 * u_out
+        coef[2] += d * u_out * smallest_normal(out.dtype)
+        coef[3] *= 1 + 1.01 * u_out
     o = out.astype(np.float64).reshape(n * lq, d)
     w = np.arange(1, d + 1) / d
     obs = np.ascontiguousarray(np.stack([o.sum(1), o @ w, np.abs(o).sum(1)], axis=1))
@@ -168,7 +170,8 @@ def _grad_ratio(saved: dict[str, Any], d_out: np.ndarray, dv: np.ndarray
     g = dv.astype(np.float64)
     tau = np.einsum("nid,ni->nd", np.abs(do), eps) + lk * smallest_normal(wt)
     if dv.dtype != wt:
-        tau += 1.01 * unit_roundoff(dv.dtype) * np.abs(g).sum(1)
+        u_out = unit_roundoff(dv.dtype)
+        tau += 1.01 * u_out * np.abs(g).sum(1) + lk * u_out * smallest_normal(dv.dtype)
     diff = np.abs(do.sum(1) - g.sum(1))
     ratio = np.where(np.isfinite(diff), diff / tau, np.inf)
     at = int(np.argmax(ratio))

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from abftgemm.checksums import unit_roundoff
+from abftgemm.checksums import smallest_normal, unit_roundoff
 from abftgemm.faults import Fault
 from attention.context import Context
 from attention.core import core_backward, core_forward
@@ -29,7 +29,8 @@ def _probs(q, k, scale, causal):
 
 def _tolerances(q, k, v, do, causal):
     """The float64 results and their tolerances for 16-bit data: the float32 tiles' (test_fused)
-    plus the roundings to the data's dtype: of each result (1.01 u |x|) and of the stored O that
+    plus the roundings to the data's dtype: of each result (1.01 u |x|, and u times the smallest
+    normal number for subnormal results) and of the stored O that
     ``D = rowsum(dO O)`` reads (u times ``P (|dO| |O|) 1`` through dS into dQ and dK)."""
     scale = 1 / math.sqrt(q.shape[2])
     want, tol = _reference(q, k, v, do, scale, causal)
@@ -39,10 +40,11 @@ def _tolerances(q, k, v, do, causal):
     ds = p * dd * 1.01 * u
     extra = (0.0, scale * ds @ np.abs(k.astype(np.float64)),
              scale * ds.transpose(0, 2, 1) @ np.abs(q.astype(np.float64)), 0.0)
-    ours = [t + 1.01 * u * np.abs(w) + 2 * e for t, w, e in zip(tol, want, extra)]
+    tiny = u * smallest_normal(q.dtype)
+    ours = [t + 1.01 * u * np.abs(w) + tiny + 2 * e for t, w, e in zip(tol, want, extra)]
     # the unfused core rounds S, P, dP, dS and every product to the 16-bit dtype: the same
     # rounding model with the 16-bit unit roundoff
-    return want, ours, [t * (u / unit_roundoff(np.float32)) for t in tol]
+    return want, ours, [t * (u / unit_roundoff(np.float32)) + tiny for t in tol]
 
 
 @pytest.mark.parametrize("causal", [False, True])
