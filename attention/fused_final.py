@@ -18,12 +18,12 @@ head.
     see a key: ``1^T dV = (P 1)^T dO``. The prediction reads only ``dO`` and the saved
     log-sum-exp (which rows see a key); the kernel's ``fused:dV_acc`` check reads ``P`` and the
     accumulator, this one the returned ``dV``. Threshold per column ``c`` (``u`` the unit
-    roundoff of the tiles' dtype, ``T`` key tiles): ``sum_i |dO_ic| (2u (L_k + 2T + |lse_i| +
-    log L_k + 8) + 1.01 u (L_q + 2 T_q))`` (the rows of the recomputed ``P`` sum to 1 within
-    the first term: the float32 log-sum-exp's error and the exponential's, ``sum_j P_ij |log
-    P_ij| <= log L_k``; the second is the accumulation's) plus ``1.01 u_out sum_j |dV_jc| + L_k
-    u_out tiny_out`` for the rounding to a 16-bit dtype. It has no weighted sum: it detects, by column, and does not
-    locate the row.
+    roundoff of the tiles' dtype, ``T`` key tiles): ``sum_i |dO_ic|`` times ``max_i (2u (L_k +
+    2T + |lse_i| + log L_k + 8) + 1.01 u (L_q + 2 T_q))`` (the rows of the recomputed ``P`` sum
+    to 1 within the first term: the float32 log-sum-exp's error and the exponential's, ``sum_j
+    P_ij |log P_ij| <= log L_k``; the second is the accumulation's) plus ``1.01 u_out sum_j
+    |dV_jc| + L_k u_out tiny_out`` for the rounding to a 16-bit dtype. It has no weighted sum:
+    it detects, by column, and does not locate the row.
 
 A flag in ``check="correct"`` recomputes the whole forward (or backward) and checks again
 (:class:`abftgemm.UncorrectableError` if that fails too); ``check="detect"`` reports and warns;
@@ -142,9 +142,7 @@ def _output_ratio(out: np.ndarray, saved: dict[str, Any]
         coef[0] += 1.01 * u_out
         coef[2] += d * u_out * smallest_normal(out.dtype)
         coef[3] *= 1 + 1.01 * u_out
-    o = out.astype(np.float64).reshape(n * lq, d)
-    w = np.arange(1, d + 1) / d
-    obs = np.ascontiguousarray(np.stack([o.sum(1), o @ w, np.abs(o).sum(1)], axis=1))
+    obs = _row_checksums(out.reshape(n * lq, d))
     pred = np.ascontiguousarray(saved["sums"].reshape(n * lq, 3))
     info = np.zeros(6)
     info[5] = d
@@ -157,23 +155,44 @@ def _output_ratio(out: np.ndarray, saved: dict[str, Any]
 
 def _grad_ratio(saved: dict[str, Any], d_out: np.ndarray, dv: np.ndarray
                 ) -> tuple[float, int, tuple, tuple, float, float]:
-    """``(worst |d|/tau, head, (), (column,), |d|, tau)`` of the heads' ``dV`` column sums."""
+    """``(worst |d|/tau, head, (), (column,), |d|, tau)`` of the heads' ``dV`` column sums
+    (float64 sums of the data as stored, no float64 copy of it)."""
     lse = saved["lse"].astype(np.float64)
     n, lq = lse.shape
     lk = dv.shape[1]
     wt = work_dtype(dv.dtype)
     u = unit_roundoff(wt)
     sees = np.isfinite(lse)  # a row that sees no key has lse -inf and a zero P row
-    do = np.where(sees[:, :, None], d_out.astype(np.float64), 0.0)
     eps = 2 * u * (lk + 2 * -(-lk // K.BC) + np.abs(np.where(sees, lse, 0.0)) + math.log(lk)
                    + 8) + 1.01 * u * (lq + 2 * -(-lq // K.BR))
-    g = dv.astype(np.float64)
-    tau = np.einsum("nid,ni->nd", np.abs(do), eps) + lk * smallest_normal(wt)
+    tau = np.empty((n, dv.shape[2]))
+    for b in range(n):  # one head's |dO| at a time, in its dtype; the worst row's eps
+        tau[b] = eps[b].max(initial=0.0) * np.abs(d_out[b]).sum(0, dtype=np.float64)
+    tau += lk * smallest_normal(wt)
     if dv.dtype != wt:
         u_out = unit_roundoff(dv.dtype)
-        tau += 1.01 * u_out * np.abs(g).sum(1) + lk * u_out * smallest_normal(dv.dtype)
-    diff = np.abs(do.sum(1) - g.sum(1))
+        tau += lk * u_out * smallest_normal(dv.dtype)
+        for b in range(n):
+            tau[b] += 1.01 * u_out * np.abs(dv[b]).sum(0, dtype=np.float64)
+    pred = d_out.sum(1, dtype=np.float64)
+    if not sees.all():
+        pred -= np.where(sees[:, :, None], 0.0, d_out).sum(1, dtype=np.float64)
+    diff = np.abs(pred - dv.sum(1, dtype=np.float64))
     ratio = np.where(np.isfinite(diff), diff / tau, np.inf)
     at = int(np.argmax(ratio))
     head, col = divmod(at, ratio.shape[1])
     return float(ratio.flat[at]), head, (), (col,), float(diff.flat[at]), float(tau.flat[at])
+
+
+def _row_checksums(x: np.ndarray, chunk: int = 1024) -> np.ndarray:
+    """``(rows, 3)`` float64 ``(x 1, x w, |x| 1)``, ``w = (j + 1) / d`` as the kernels weigh,
+    ``chunk`` rows at a time (no float64 copy of ``x``)."""
+    rows, d = x.shape
+    w = np.arange(1, d + 1) / d
+    out = np.empty((rows, 3))
+    for r0 in range(0, rows, chunk):
+        xc = x[r0:r0 + chunk].astype(np.float64)
+        out[r0:r0 + chunk, 0] = xc.sum(1)
+        out[r0:r0 + chunk, 1] = xc @ w
+        out[r0:r0 + chunk, 2] = np.abs(xc).sum(1)
+    return out
