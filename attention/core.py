@@ -118,8 +118,8 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
 
 def fused_unsupported(inp: _CoreInputs, ctx: Context, dropout: float = 0.0,
                       dropout_keep: Any | None = None, forced: bool = False) -> str | None:
-    """Why the fused core cannot run this product (None when it can): it takes NumPy float32 or
-    float64 data, finite, a causal mask, a boolean or additive ``attn_mask``
+    """Why the fused core cannot run this product (None when it can): it takes NumPy float16,
+    bfloat16, float32 or float64 data, finite, a causal mask, a boolean or additive ``attn_mask``
     (:func:`attention.fused_rules.additive_ok`) or none, no dropout, and checks every tile on
     every call. ``forced`` (``core="fused"``): a fault hook and a plan that checks the core's
     sites less often do not count (the hook then sees the fused sites)."""

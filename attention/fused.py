@@ -61,6 +61,10 @@ each tile array as computed and before it is checked):
     (``dO E``, ``Q E``, ``K E``, over the head dimension, made once per call) are carried through
     the same products in float64 and compared with the accumulated rows at the end of the block.
 
+After the kernels, :mod:`attention.fused_final` checks what they return (``fused:out``: O's row
+checksums against those the forward carried, ``saved["sums"]``; ``fused:dV_out``: dV's column
+sums against dO's); :mod:`attention.core` and the layers run it.
+
 A flag recomputes: the S, P, dP or dS tile (once), the query block forward (``O_acc``,
 ``rowsum``), the key block's dK and dV or the query block's dQ backward. If the recomputation
 does not verify, :class:`abftgemm.UncorrectableError` is raised with the report. Findings go to

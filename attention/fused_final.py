@@ -10,8 +10,8 @@ head.
     float64 output before it leaves the kernel, this one what the caller gets (the rounding to
     float16 or bfloat16 included, and whatever happened to ``O`` after the kernel wrote it).
     Threshold: ``fused:O_acc``'s, plus ``1.01 u_out`` times the observed ``sum |O|`` and ``d
-    u_out tiny_out`` (subnormal results) for the rounding to a 16-bit dtype (and the magnitude bound ``sum |O| <= c_mag sum P |V|1`` times
-    ``1 + 1.01 u_out``).
+    u_out tiny_out`` (subnormal results) for the rounding to a 16-bit dtype (and the magnitude
+    bound ``sum |O| <= c_mag sum P |V|1`` times ``1 + 1.01 u_out``).
 ``fused:dV_out`` (backward)
     ``dV = P^T dO`` and the rows of ``P`` sum to 1 (0 for a query that sees no key), so the
     column sums of each head's ``dV`` over the keys equal those of ``dO`` over the queries that
