@@ -85,9 +85,8 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
         The attention product between the projections: ``"auto"`` runs the fused core
         (:mod:`attention.fused`: tiles, O(L) memory, every tile checked, its own fault-hook
         sites) where it applies (:mod:`attention.fused_choice`: NumPy float16, bfloat16,
-        float32 or float64, no
-        dropout, no ``need_weights``, no fault hook, every call of the product's sites checked,
-        finite Q, K and V), else the unfused sites ``scores``, ``softmax``, ``context`` (and
+        float32 or float64, no dropout, no ``need_weights``, no fault hook, every call of the
+        product's sites checked, finite Q, K and V), else the unfused sites ``scores``, ``softmax``, ``context`` (and
         backward ``d_probs``, ``d_v``, ``softmax_backward``, ``d_q``, ``d_k``); ``"fused"`` and
         ``"unfused"`` force one (``"fused"`` raises ``ValueError`` where it does not apply). The
         fused core encodes its operands itself: the projections' output checksums are not
