@@ -101,9 +101,28 @@ class Protection:
         self.id = register(self)
 
 
+class LinearProtection(Protection):
+    """A :class:`Protection` for a linear layer's products, which also keeps what they reuse
+    between calls: the record of each constant-``a`` plan's encoding (what it was made from) and
+    the rows of ones of the bias gradient. The layer checks every product (its ``plan`` is not
+    consulted)."""
+
+    def __init__(self, check: str = "correct"):
+        super().__init__(check)
+        #: What each constant-``a`` plan's encoding was made from (by ``id`` of the plan).
+        self.encoded: dict[int, tuple] = {}
+        #: A row of ones per (device, dtype, length).
+        self.ones: dict[tuple, torch.Tensor] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["encoded"], state["ones"] = {}, {}
+        return state
+
+
 def register(owner: Any) -> int:
-    """A new id naming ``owner`` (a :class:`Protection`, or the state object of a protected
-    linear layer) in the custom operators' calls; held weakly."""
+    """A new id naming ``owner`` (a :class:`Protection`) in the custom operators' calls; held
+    weakly."""
     op_id = next(_IDS)
     _REGISTERED[op_id] = owner
     return op_id
@@ -113,7 +132,7 @@ def registered(op_id: int) -> Any:
     """The live object that ``op_id`` names."""
     owner = _REGISTERED.get(op_id)
     if owner is None:
-        raise RuntimeError(f"abftgemm: no live Protection or layer with id {op_id}")
+        raise RuntimeError(f"abftgemm: no live Protection with id {op_id}")
     return owner
 
 

@@ -61,6 +61,8 @@ def verify_output(out: np.ndarray, saved: dict[str, Any], ctx: Context
     abftgemm.UncorrectableError
         The recomputed output failed the check too.
     """
+    _numpy(out)
+
     def redo() -> tuple[np.ndarray, dict[str, Any]]:
         visible = saved["visible"] if saved["visible"].shape[1] else None
         add = saved["add"] if saved["add"].shape[1] else None
@@ -82,9 +84,18 @@ def verify_grads(saved: dict[str, Any], d_out: np.ndarray, grads: tuple[np.ndarr
     abftgemm.UncorrectableError
         The recomputed gradients failed the check too.
     """
+    _numpy(grads[2])
     return _verified(ctx, GRAD_SITE, grads, lambda g: g[2],
                      lambda g: _grad_ratio(saved, d_out, g[2]),
                      lambda: fused_backward(saved, d_out, ctx))
+
+
+def _numpy(x: Any) -> None:
+    """The final checks take the CPU core's NumPy results (the CUDA kernels carry no output
+    checksums out)."""
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"the fused core's final checks take NumPy arrays, got "
+                        f"{type(x).__name__}")
 
 
 def _verified(ctx: Context, site: str, result: Any, checked: Callable[[Any], np.ndarray],

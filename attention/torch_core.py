@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from attention._torch_state import Protection, ProtectionAttribute
-from attention.core import CORES
+from attention.fused_choice import check_core
 from attention.plan import CheckingPlan
 from attention.torch_functional import attention_core
 
@@ -27,10 +27,8 @@ class ProtectedCore:
 
     Parameters
     ----------
-    check : {"correct", "detect", "off"}
-        As in :func:`abftgemm.matmul`, for every site.
-    plan : attention.CheckingPlan, optional
-        How often each site is checked (default: every call).
+    check, plan
+        As in :class:`attention.torch_functional.Protection`.
     core : {"auto", "fused", "unfused"}
         Which implementation of :mod:`attention.core` runs: ``"auto"`` the fused core where it
         applies (CPU, float32/float64, causal or no mask, no dropout, no fault hook, every call
@@ -59,8 +57,7 @@ class ProtectedCore:
 
     def __init__(self, check: str = "correct", plan: CheckingPlan | None = None,
                  core: str = "auto"):
-        if core not in CORES:
-            raise ValueError(f"core must be one of {CORES}, got {core!r}")
+        check_core(core)
         self.protection = Protection(check, plan)
         self.core = core
 

@@ -9,6 +9,9 @@ other work in it is safe), the edit is applied there, and the selected tests run
 ``mutation -> killed/survived`` and exits non-zero if a REQUIRED mutation survived; OPTIONAL ones
 are reported (a survivor there is a known, accepted weakness of the tests, see its note).
 
+Each selection of tests first runs on the unmutated copy and must pass (``--no-baseline`` skips
+that), so that a kill is the mutation's doing.
+
 Run: ``python scripts/mutation_check.py [--only NAME ...] [--tests PATH ...]`` or ``make mutations``.
 Numba caches (``NUMBA_CACHE_DIR``) are kept in the scratch directory so only the first mutant
 compiles the CPU kernels.
@@ -140,8 +143,20 @@ MUTATIONS: tuple[Mutation, ...] = (
 )
 
 
-def prepare(scratch: Path, mutation: Mutation) -> Path:
-    """A fresh copy of the sources under ``scratch/repo`` with ``mutation`` applied."""
+def stale(mutations: list[Mutation]) -> list[str]:
+    """One line per edit whose ``old`` text does not occur exactly once in the working tree."""
+    lines = []
+    for mutation in mutations:
+        text = (ROOT / mutation.path).read_text()
+        for old, _ in mutation.edits:
+            if text.count(old) != 1:
+                lines.append(f"{mutation.name}: {old!r} occurs {text.count(old)} times in "
+                             f"{mutation.path}")
+    return lines
+
+
+def prepare(scratch: Path, mutation: Mutation | None) -> Path:
+    """A fresh copy of the sources under ``scratch/repo`` with ``mutation`` (if any) applied."""
     repo = scratch / "repo"
     if repo.exists():
         shutil.rmtree(repo)
@@ -153,6 +168,8 @@ def prepare(scratch: Path, mutation: Mutation) -> Path:
             shutil.copytree(src, repo / name, ignore=ignore)  # copy2: mtimes kept (numba cache)
         elif src.exists():
             shutil.copy2(src, repo / name)
+    if mutation is None:
+        return repo
     target = repo / mutation.path
     text = target.read_text()
     for old, new in mutation.edits:
@@ -189,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tests", nargs="*", default=list(DEFAULT_TESTS),
                         help="test files or node ids to run against each mutant")
     parser.add_argument("--required-only", action="store_true", help="skip OPTIONAL mutations")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the run of each selection of tests on the unmutated copy")
     args = parser.parse_args(argv)
     chosen = [m for m in MUTATIONS if (args.only is None or m.name in args.only)
               and (m.required or not args.required_only)]
@@ -197,9 +216,21 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise SystemExit(f"unknown mutations {sorted(unknown)}; known: "
                              f"{[m.name for m in MUTATIONS]}")
+    problems = stale(chosen)
+    if problems:
+        raise SystemExit("mutations that no longer apply (update scripts/mutation_check.py):\n  "
+                         + "\n  ".join(problems))
     scratch = Path(tempfile.gettempdir()) / "abftgemm-mutants"
     rows, failed_required = [], []
     started = time.time()
+    if not args.no_baseline:  # a kill means something only where the unmutated tests pass
+        for tests in dict.fromkeys(tuple(m.tests or args.tests) for m in chosen):
+            t0 = time.time()
+            passed, tail = run_tests(prepare(scratch, None), scratch, list(tests))
+            print(f"{'(unmutated)':36s} {'passed' if passed else 'FAILED':9s} "
+                  f"{time.time() - t0:6.0f} s  {' '.join(tests)}", flush=True)
+            if not passed:
+                raise SystemExit(f"the unmutated tests fail ({tail}): fix them first")
     for mutation in chosen:
         t0 = time.time()
         passed, tail = run_tests(prepare(scratch, mutation), scratch,

@@ -11,12 +11,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from abftgemm import UncorrectableError
+from abftgemm.backend import to_host
 from abftgemm.checksums import unit_roundoff
 from abftgemm.faults import Fault
 from abftgemm.thresholds import KAPPA
 from attention.context import Context
 from attention.fused import BACKWARD_SITES, FORWARD_SITES, fused_backward, fused_forward
 from attention.fused_final import FINAL_SITES, verify_grads, verify_output
+from conftest import BACKENDS
 
 KERNEL_SITES = ("fused:S", "fused:P", "fused:O_acc", "fused:rowsum", "fused:dP", "fused:dS",
                 "fused:dQ_acc", "fused:dK_acc", "fused:dV_acc")
@@ -75,8 +77,12 @@ def _data(rng, n, lq, lk, d, dtype=np.float32, spread=1.0):
 
 
 def _run(q, k, v, do, ctx, **kw):
-    """Forward and backward, each followed by its final check (attention/fused_final.py)."""
-    out, saved = verify_output(*fused_forward(q, k, v, ctx, **kw), ctx)
+    """Forward and backward, on NumPy each followed by its final check (attention/fused_final.py;
+    the CUDA kernels have none)."""
+    out, saved = fused_forward(q, k, v, ctx, **kw)
+    if not isinstance(q, np.ndarray):
+        return (out,) + fused_backward(saved, do, ctx)
+    out, saved = verify_output(out, saved, ctx)
     return (out,) + verify_grads(saved, do, fused_backward(saved, do, ctx), ctx)
 
 
@@ -116,20 +122,26 @@ def additive_mask(rng, shape, spread=3.0, hidden=0.3):
     return add
 
 
-@given(n=st.integers(1, 3), lq=st.integers(1, 150), lk=st.integers(1, 150),
-       d=st.sampled_from([8, 16, 64]), causal=st.booleans(), shared=st.booleans(),
+@pytest.mark.parametrize("xp", BACKENDS)
+@given(data=st.data(), causal=st.booleans(), shared=st.booleans(),
        dtype=st.sampled_from([np.float32, np.float64]), seed=st.integers(0, 2**31))
-def test_additive_mask_matches_float64_reference(n, lq, lk, d, causal, shared, dtype, seed):
+def test_additive_mask_matches_float64_reference(xp, data, causal, shared, dtype, seed):
     """Float masks added to the scaled scores, ``-inf`` allowed, one per head or shared (2-D),
-    with causality; a fully masked query row gets output and gradients 0."""
-    if causal:
-        lk = lq
+    with causality; a fully masked query row gets output and gradients 0. The CUDA kernels
+    (CuPy, or cupy-on-cpu, which runs every CUDA thread on the CPU) get smaller shapes."""
+    small = xp is not np
+    n = data.draw(st.integers(1, 2 if small else 3), label="n")
+    lq = data.draw(st.integers(1, 70 if small else 150), label="lq")
+    lk = lq if causal else data.draw(st.integers(1, 70 if small else 150), label="lk")
+    d = data.draw(st.sampled_from([8, 16] if small else [8, 16, 64]), label="d")
     rng = np.random.default_rng(seed)
     q, k, v, do = _data(rng, n, lq, lk, d, dtype)
     add = additive_mask(rng, (lq, lk) if shared else (n, lq, lk))
     add[..., lq // 2, :] = -np.inf  # a query row that sees no key
     ctx = Context()
-    got = _run(q, k, v, do, ctx, causal=causal, attn_mask=add)
+    got = _run(*(xp.asarray(t) for t in (q, k, v, do)), ctx, causal=causal,
+               attn_mask=xp.asarray(add))
+    got = [to_host(g) for g in got]
     assert not ctx.report.events, ctx.report.summary()
     want, tol = _reference(q, k, v, do, 1 / math.sqrt(d), causal, add=add)
     for name, g, w, t in zip(("out", "dq", "dk", "dv"), got, want, tol):

@@ -17,8 +17,8 @@ from abftgemm.plan import ProtectedMatmul  # noqa: E402
 from abftgemm.report import FaultDetectedWarning  # noqa: E402
 from attention.hf_linear import ProtectedConv1D, ProtectedLinear, projection_cores  # noqa: E402
 from attention.torch import fault_hook, protect  # noqa: E402
-from attention.torch_linear import (LINEAR_SITES, ProtectedLinearCore,  # noqa: E402
-                                    weight_on_left)
+from attention._torch_linear_op import weight_on_left  # noqa: E402
+from attention.torch_linear import LINEAR_SITES, ProtectedLinearCore  # noqa: E402
 from hf_models import (FAMILIES, OncePerSite, assert_close,  # noqa: E402,F401
                        assert_same_step, batch, build, eager_runs, step)
 
@@ -159,7 +159,7 @@ def test_optimizer_step_remakes_the_weight_encoding(monkeypatch):
     layer, twin = _protected_linear()
     resets = _counting_resets(monkeypatch)
     x = torch.randn(5, 16)
-    counters = lambda: layer.abft_linear._workspace_for(x.device).counters  # noqa: E731
+    counters = lambda: layer.abft_linear.protection.workspace(x.device).counters  # noqa: E731
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
     _linear_step(layer, x)
     assert resets.count("d_input") == 1  # made once
@@ -188,7 +188,7 @@ def test_stale_encoding_cannot_pass_wrong_data(monkeypatch):
     assert layer.weight._version == version  # the version counter did not see it
     twin.load_state_dict(layer.state_dict())
     want = _linear_step(twin, x)
-    counters = layer.abft_linear._workspace_for(x.device).counters
+    counters = layer.abft_linear.protection.workspace(x.device).counters
     rare = counters.rare_paths
     with fault_hook_of(layer, OncePerSite("d_input")):
         got = _linear_step(layer, x)
