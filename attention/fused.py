@@ -155,7 +155,10 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         A new array.
     saved : dict
         What :func:`fused_backward` needs: the inputs (not copied), ``out`` and ``lse``, the row
-        log-sum-exp ``(n, seq_q)`` (``-inf`` for a row that sees no key).
+        log-sum-exp ``(n, seq_q)`` (``-inf`` for a row that sees no key; float32 for 16-bit
+        data), and ``sums``, the output rows' checksums ``(n, seq_q, 3)`` the kernel carried
+        (float64; None with ``check="off"``), which :func:`attention.fused_final.verify_output`
+        checks the returned ``out`` against.
 
     Raises
     ------
