@@ -623,12 +623,13 @@ def _settle(rec: Any, site: int, attempt: int, ratio: float, correct: bool, info
 def _forward_block(q: Any, k: Any, v: Any, ve: Any, visible: Any, add: Any, b: int, i0: int,
                    scale: Any, causal: bool, check: bool, correct: bool, c_s: Any, c_o: Any,
                    c_l: Any, tol_p: Any, seed: Any, thr: Any, ks: Any, out: Any, lse: Any,
-                   rec: Any) -> int:
+                   sums: Any, rec: Any) -> int:
     """One query block ``[i0, i0 + BR)`` of head ``b``: online softmax over the key tiles with
-    every check; writes ``out[b, block]`` and ``lse[b, block]``. Dropout when ``thr`` > 0
-    (:func:`_keep_tile`'s ``seed`` and ``thr``, ``ks = 1 / (1 - p)`` in the data's dtype): the
-    product reads the dropped tile, the softmax denominator the tile before dropout. Returns 0,
-    or -1 when a recomputation did not verify."""
+    every check; writes ``out[b, block]``, ``lse[b, block]`` and (when checking) the output rows'
+    carried checksums ``sums[b, block]`` (``P [V1, Vw, |V|1] / l``, float64, of the product's
+    probabilities). Dropout when ``thr`` > 0 (:func:`_keep_tile`'s ``seed`` and ``thr``,
+    ``ks = 1 / (1 - p)`` in the data's dtype): the product reads the dropped tile, the softmax
+    denominator the tile before dropout. Returns 0, or -1 when a recomputation did not verify."""
     lq, d = q.shape[1], q.shape[2]
     lk = k.shape[1]
     i1 = min(i0 + BR, lq)
@@ -719,6 +720,7 @@ def _forward_block(q: Any, k: Any, v: Any, ve: Any, visible: Any, add: Any, b: i
             _observe_rows(ob, obs)
             info[5] = d
             ratio = _judge(oc, obs, rows, c_o, info)
+            sums[b, i0:i1] = oc[:, :3]
         st = _settle(rec, O_, attempt, ratio, correct, info, i0, 0, True)
         if st != 1:
             return st
@@ -937,13 +939,13 @@ def python_drivers(hook: Any) -> tuple[Any, Any]:
 @numba.njit(cache=True, parallel=True)
 def forward(q: Any, k: Any, v: Any, ve: Any, visible: Any, add: Any, scale: Any, causal: bool,
             check: bool, correct: bool, c_s: Any, c_o: Any, c_l: Any, tol_p: Any, seed: Any,
-            thr: Any, ks: Any, out: Any, lse: Any, rec: Any, status: Any) -> None:
+            thr: Any, ks: Any, out: Any, lse: Any, sums: Any, rec: Any, status: Any) -> None:
     """Every (head, query block) in parallel (:func:`_forward_block`)."""
     nqb = (q.shape[1] + BR - 1) // BR
     for t in numba.prange(q.shape[0] * nqb):
         status[t] = _forward_block_jit(q, k, v, ve, visible, add, t // nqb, (t % nqb) * BR, scale,
                                        causal, check, correct, c_s, c_o, c_l, tol_p, seed, thr,
-                                       ks, out, lse, rec[t])
+                                       ks, out, lse, sums, rec[t])
 
 
 @numba.njit(cache=True, parallel=True)

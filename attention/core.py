@@ -27,6 +27,7 @@ from abftgemm.checksums import SUPPORTED_DTYPES
 from attention.context import Context
 from attention.dropout import Dropout, for_core
 from attention.fused import fused_backward, fused_forward
+from attention.fused_final import verify_grads, verify_output
 from attention.fused_choice import (CORE_SITES, CORES, check_core,  # noqa: F401
                                      finite_reason, static_reason)
 from attention.functional import _additive, backward_pass, forward_pass
@@ -102,9 +103,9 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
         why_not = fused_unsupported(inp, ctx, dropout_keep, forced=core == "fused")
         if why_not is None:
             _, drop = for_core(np, dropout, None, dropout_seed, shape, rng, fused=True)
-            out, saved = fused_forward(q, k, v, ctx, scale=inp.scale, causal=inp.causal,
-                                       attn_mask=inp.attn_add, dropout=drop[0] if drop else 0.0,
-                                       dropout_seed=drop[1] if drop else None)
+            out, saved = verify_output(*fused_forward(
+                q, k, v, ctx, scale=inp.scale, causal=inp.causal, attn_mask=inp.attn_add,
+                dropout=drop[0] if drop else 0.0, dropout_seed=drop[1] if drop else None), ctx)
             return out, {"inputs": inp, "core": "fused", "fused": saved, "probs": None,
                          "probs_dropped": None}
         if core == "fused":
@@ -120,12 +121,12 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
 
 def fused_unsupported(inp: _CoreInputs, ctx: Context, dropout_keep: Any | None = None,
                       forced: bool = False) -> str | None:
-    """Why the fused core cannot run this product (None when it can): it takes NumPy float32 or
-    float64 data, finite, a causal mask, a boolean or additive ``attn_mask``
-    (:func:`attention.fused_rules.additive_ok`) or none, dropout drawn from a seed (not a given
-    ``dropout_keep``), and checks every tile on every call. ``forced`` (``core="fused"``): a
-    fault hook and a plan that checks the core's sites less often do not count (the hook then
-    sees the fused sites)."""
+    """Why the fused core cannot run this product (None when it can): it takes NumPy float16,
+    bfloat16, float32 or float64 data, finite, a causal mask, a boolean or additive
+    ``attn_mask`` (:func:`attention.fused_rules.additive_ok`) or none, dropout drawn from a seed
+    (not a given ``dropout_keep``), and checks every tile on every call. ``forced``
+    (``core="fused"``): a fault hook and a plan that checks the core's sites less often do not
+    count (the hook then sees the fused sites)."""
     return static_reason(inp.xp, inp.dtype, inp.attn_add, ctx, dropout_keep, forced) \
         or finite_reason(q=inp.q, k=inp.k, v=inp.v)
 
@@ -143,7 +144,8 @@ def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
     if saved["core"] == "fused":  # the inputs as given now (a caller may hand them on anew)
         saved["fused"].update(q=inp.q, k=inp.k, v=inp.v)
         if np.isfinite(d_out).all():
-            return fused_backward(saved["fused"], d_out, ctx)
+            return verify_grads(saved["fused"], d_out, fused_backward(saved["fused"], d_out, ctx),
+                                ctx)
         # The unfused core passes non-finite gradients through: its forward again, then its
         # backward.
         mask = inp.attn_add if inp.attn_add is None or len(inp.attn_add) > 1 else inp.attn_add[0]

@@ -28,6 +28,7 @@ from attention.context import Context
 from attention.dropout import Dropout, DropoutStep, for_core
 from attention.dropout_hash import keep_mask
 from attention.fused import fused_backward, fused_forward
+from attention.fused_final import OUTPUT_SITE, verify_grads, verify_output
 from attention.fused_choice import check_core, finite_reason, static_reason
 from attention.passes import CORE_BACKWARD, CORE_FORWARD, Step, Variant, carried, layer, steps
 from attention.workspace import Workspace
@@ -88,13 +89,14 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
     core : {"auto", "fused", "unfused"}
         The attention product between the projections: ``"auto"`` runs the fused core
         (:mod:`attention.fused`: tiles, O(L) memory, every tile checked, its own fault-hook
-        sites) where it applies (:mod:`attention.fused_choice`: NumPy float32/float64, no
-        ``dropout_keep``, no ``need_weights``, no fault hook, every call of the product's sites
-        checked, finite Q, K and V), else the unfused sites ``scores``, ``softmax``,
-        ``context`` (and backward ``d_probs``, ``d_v``, ``softmax_backward``, ``d_q``, ``d_k``);
-        ``"fused"`` and ``"unfused"`` force one (``"fused"`` raises ``ValueError`` where it
-        does not apply). The fused core encodes its operands itself: the projections' output
-        checksums are not handed on to it.
+        sites) where it applies (:mod:`attention.fused_choice`: NumPy float16, bfloat16,
+        float32 or float64, no ``dropout_keep``, no ``need_weights``, no fault hook, every call
+        of the product's sites checked, finite Q, K and V), else the unfused sites ``scores``,
+        ``softmax``, ``context`` (and backward ``d_probs``, ``d_v``, ``softmax_backward``,
+        ``d_q``, ``d_k``); ``"fused"`` and ``"unfused"`` force one (``"fused"`` raises
+        ``ValueError`` where it does not apply). The fused core encodes its operands itself: the
+        projections' output checksums are not handed on to it; its outputs get final checks
+        after it (:mod:`attention.fused_final`, sites ``fused:out`` and ``fused:dV_out``).
     dropout_seed : int, optional
         The seed of the keep decisions (:func:`attention.dropout_hash.keep_mask`), in ``[0,
         2^64)``, on either core (the unfused core materializes the mask); excludes
@@ -264,6 +266,7 @@ class _Pass:
         self._pending: list[tuple[str, str, Any]] = []
         self._consumers: dict[str, tuple[str, Any]] = {}  # "gemm rows": (site, plan) to observe
         self._heads: dict[str, Any] = {}  # a backward merge's heads' encodings
+        self._fused_state: dict[str, Any] | None = None  # the fused core's, for its final check
 
     def run(self, table: tuple[Step, ...]) -> None:
         for step in table:
@@ -388,6 +391,24 @@ class _Pass:
                                    dropout=p, dropout_seed=seed)
         self.env.update(zip(step.out.split(", "), (out, state["lse"])))
         inp.fused = {n: state[n] for n in ("scale", "causal", "visible", "add", "dropout")}
+        self._fused_state = state
+
+    def fused_check(self, step: Step) -> None:
+        """The fused core's final check (:mod:`attention.fused_final`): forward, the output rows
+        against the row checksums the kernel carried; backward, ``dV``'s column sums against
+        ``dO``'s (not with dropout). A repair recomputes the core's pass. Nothing where the
+        unfused steps ran."""
+        state = self._fused_state
+        if state is None:
+            return
+        ctx = self._fused_context()
+        if step.site == OUTPUT_SITE:
+            out, state = verify_output(self.env[step.ins[0]], state, ctx)
+            self.env.update(zip(step.out.split(", "), (out, state["lse"])))
+            return
+        grads = tuple(self.env[n] for n in step.out.split(", "))
+        self.env.update(zip(step.out.split(", "),
+                            verify_grads(state, self.env[step.ins[-1]], grads, ctx)))
 
     def fused_core_backward(self, step: Step) -> None:
         """The fused core's backward after its forward where the gradient is finite; else (as
@@ -398,6 +419,7 @@ class _Pass:
             state = {**self.inp.fused, "q": q, "k": k, "v": v, "out": out, "lse": lse}
             self.env.update(zip(step.out.split(", "),
                                 fused_backward(state, d_out, self._fused_context())))
+            self._fused_state = state
             return
         self.run(steps(_RECOMPUTED_CORE, self._unfused_variant()))
 
@@ -547,7 +569,7 @@ _RECOMPUTED_CORE = CORE_FORWARD[:3] + CORE_BACKWARD
 #: The executor's method of each ``Step.op``.
 _OPS = {op: getattr(_Pass, op.replace(" ", "_")) for op in (
     "gemm", "gemm rows", "split", "merge", "softmax", "softmax backward", "dropout", "stack",
-    "column sum", "fused core", "fused core backward")}
+    "column sum", "fused core", "fused core backward", "fused check")}
 
 
 def _invariant_finding(report: Report, site: str, worst: float, tol: float, action: str,

@@ -14,8 +14,12 @@ CuPy arrays run the same algorithm and checks in CUDA kernels (:mod:`attention._
 between their projections (:func:`attention.functional.attention_forward`, so
 :class:`attention.MultiHeadAttention` and :class:`attention.torch.MultiheadAttention`); the
 unfused core stays the reference and the path for what this one does not support (an explicit
-dropout mask, 16-bit data on the CPU, the attention weights, and dropout on the GPU: the CUDA
-kernels have none, and the layers run GPU data unfused).
+dropout mask, the attention weights, and dropout on the GPU: the CUDA kernels have none, and
+the layers run GPU data unfused). float16 and bfloat16 data (``ml_dtypes.bfloat16``, as
+:func:`abftgemm._torch.to_array` hands PyTorch's bfloat16 over) are converted to float32 at the
+entry (Q, K, V, and backward dO and O: O(L d) per head, exact), every tile is computed,
+accumulated and checked in float32 with float32's thresholds, and the results are rounded to the
+data's dtype on the way out.
 
 Attention dropout (CPU, ``dropout=p``), FlashAttention style, no ``L x L`` mask: the keep
 decision of element ``(b, i, j)`` comes from a counter-based hash of ``(seed, b, i, j)``
@@ -77,6 +81,10 @@ each tile array as computed and before it is checked):
     (``dO E``, ``Q E``, ``K E``, over the head dimension, made once per call) are carried through
     the same products in float64 and compared with the accumulated rows at the end of the block.
 
+After the kernels, :mod:`attention.fused_final` checks what they return (``fused:out``: O's row
+checksums against those the forward carried, ``saved["sums"]``; ``fused:dV_out``: dV's column
+sums against dO's); :mod:`attention.core` and the layers run it.
+
 A flag recomputes: the S, P, dP or dS tile (once), the query block forward (``O_acc``,
 ``rowsum``), the key block's dK and dV or the query block's dQ backward. If the recomputation
 does not verify, :class:`abftgemm.UncorrectableError` is raised with the report. Findings go to
@@ -118,6 +126,7 @@ import numba
 import numpy as np
 
 from abftgemm.backend import is_cupy_array
+from abftgemm.checksums import SUPPORTED_DTYPES
 from abftgemm.threads import current_policy
 from attention import _cpu_fused as K
 from attention.context import Context
@@ -127,7 +136,9 @@ from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, FUSED_SITES,  
 from attention.fused_rules import book as _book
 from attention.fused_rules import additive_of, check_gradient, check_inputs, key_visible_of
 
-SUPPORTED = (np.dtype(np.float32), np.dtype(np.float64))
+#: The data dtypes: float16 and bfloat16 (``ml_dtypes``, as :mod:`abftgemm._torch` hands PyTorch's
+#: bfloat16 over) run their tiles in float32 (:func:`work_dtype`).
+SUPPORTED = SUPPORTED_DTYPES
 #: The fault hook's site of the dropped probabilities (forward and backward), covered by the
 #: ``fused:O_acc`` and ``fused:dV_acc`` checks (module docstring).
 DROPOUT_HOOK_SITE = K.HOOK_SITES[K.DROP_]
@@ -144,7 +155,8 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     Parameters
     ----------
     q : ndarray (n, seq_q, d)
-        Queries, ``n`` = batch * heads; C-contiguous float32 or float64 NumPy array, finite.
+        Queries, ``n`` = batch * heads; C-contiguous float16, bfloat16, float32 or float64 NumPy
+        array, finite (16-bit data computed in float32).
     k, v : ndarray (n, seq_k, d)
         Keys and values, same dtype, C-contiguous, finite.
     ctx : Context
@@ -176,8 +188,10 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         A new array.
     saved : dict
         What :func:`fused_backward` needs: the inputs (not copied), ``out`` and ``lse``, the row
-        log-sum-exp ``(n, seq_q)`` (``-inf`` for a row that sees no key), and ``dropout``, ``(p,
-        seed)`` or None.
+        log-sum-exp ``(n, seq_q)`` (``-inf`` for a row that sees no key; float32 for 16-bit
+        data), ``dropout``, ``(p, seed)`` or None, and ``sums``, the output rows' checksums
+        ``(n, seq_q, 3)`` the kernel carried (float64; None with ``check="off"``), which
+        :func:`attention.fused_final.verify_output` checks the returned ``out`` against.
 
     Raises
     ------
@@ -195,19 +209,21 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     drop = _dropout_of(dropout, dropout_seed)
     add = _NO_ADD if attn_mask is None else additive_of(np, attn_mask, q, k)
     n, lq, d = q.shape
-    lk, dt = k.shape[1], q.dtype
+    lk, dt = k.shape[1], work_dtype(q.dtype)
     check, correct = ctx.check != "off", ctx.check == "correct"
-    ve = _row_encodings(v, check)
-    out = np.empty_like(q)
+    qw, kw, vw = (_in_work_dtype(x) for x in (q, k, v))
+    ve = _row_encodings(vw, check)
+    out = np.empty_like(qw)
     lse = np.empty((n, lq), dt)
+    sums = np.zeros((n, lq, 3))
     nqb = -(-lq // K.BR)
     tiles = -(-lk // K.BC)
     rec = np.zeros((n * nqb, len(K.SITES), K.FIELDS))
     status = np.zeros(n * nqb, np.int64)
-    args = (q, k, v, ve, visible, add)
+    args = (qw, kw, vw, ve, visible, add)
     rest = (dt.type(scale), causal, check, correct, coefficients(d, K.BR, dt),
             coefficients(lk, d, dt, 2 * tiles), coefficients(lk, 1, dt, 2 * tiles),
-            probs_tolerance(dt), *_kernel_dropout(drop, dt), out, lse)
+            probs_tolerance(dt), *_kernel_dropout(drop, dt), out, lse, sums)
     if ctx.fault_hook is None:
         _threads()
         K.forward(*args, *rest, rec, status)
@@ -216,8 +232,10 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         for t in range(n * nqb):
             status[t] = block(*args, t // nqb, (t % nqb) * K.BR, *rest, rec[t])
     _book(ctx, rec, status, lambda t: t // nqb, FORWARD_SITES, check)
+    out = out if out.dtype == q.dtype else out.astype(q.dtype)
     return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "scale": scale,
-                 "causal": causal, "visible": visible, "add": add, "dropout": drop}
+                 "causal": causal, "visible": visible, "add": add, "dropout": drop,
+                 "sums": sums if check else None}
 
 
 def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
@@ -235,8 +253,10 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
     if is_cupy_array(saved["q"]):
         from attention import _cuda_fused
         return _cuda_fused.fused_backward(saved, d_out, ctx)
-    q, k, v, out, lse = (saved[key] for key in ("q", "k", "v", "out", "lse"))
-    check_gradient(np, d_out, q, lambda t: bool(np.isfinite(t).all()))
+    check_gradient(np, d_out, saved["q"], lambda t: bool(np.isfinite(t).all()))
+    q, k, v, out, d_out = (_in_work_dtype(x) for x in (saved["q"], saved["k"], saved["v"],
+                                                       saved["out"], d_out))
+    lse = saved["lse"]
     n, lq, d = q.shape
     lk, dt = k.shape[1], q.dtype
     check, correct = ctx.check != "off", ctx.check == "correct"
@@ -260,7 +280,21 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
         for b in range(n):
             status[b] = head(*args, b, *rest, rec[b])
     _book(ctx, rec, status, lambda t: t, BACKWARD_SITES, check)
-    return dq, dk, dv
+    half = saved["q"].dtype
+    return tuple(g if g.dtype == half else g.astype(half) for g in (dq, dk, dv))
+
+
+def work_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype the tiles of ``dtype`` data are computed, accumulated and checked in: float64
+    for float64, else float32 (float16 and bfloat16 are converted at the kernel's entry, as
+    PyTorch's CPU flash attention computes half types in float32)."""
+    return np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
+
+
+def _in_work_dtype(x: np.ndarray) -> np.ndarray:
+    """``x`` itself in float32 or float64, else a float32 copy (O(L d) per head; exact)."""
+    wt = work_dtype(x.dtype)
+    return x if x.dtype == wt else x.astype(wt)
 
 
 def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
@@ -271,8 +305,8 @@ def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
             raise TypeError(f"{name} must be a NumPy array (the fused core runs on the CPU), "
                             f"got {type(t).__name__}")
         if t.dtype not in SUPPORTED or t.dtype != q.dtype:
-            raise TypeError(f"{name} must be float32 or float64, of q's dtype {q.dtype}; got "
-                            f"{t.dtype}")
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, of q's dtype"
+                            f" {q.dtype}; got {t.dtype}")
     scale = check_inputs(q, k, v, scale, causal, lambda t: bool(np.isfinite(t).all()))
     if key_visible is None:
         return scale, np.ones((1, 0), bool)

@@ -29,16 +29,16 @@ def static_reason(xp: Any, dtype: np.dtype, attn_add: Any | None, ctx: Context,
                   dropout_keep: Any | None = None, forced: bool = False,
                   need_weights: bool = False) -> str | None:
     """Why the fused core cannot run a product, from what is known before its operands exist
-    (None when it can): it takes NumPy float32 or float64 data, an additive mask
-    (:func:`attention.fused_rules.additive_ok`) or none, attention dropout with its keep
-    decisions drawn from a seed (not a given mask ``dropout_keep``: the unfused core applies
-    that), no attention weights, and checks every tile on every call. ``forced``
-    (``core="fused"``): a fault hook and a plan that checks the product's sites less often do
-    not count (the hook then sees the fused sites)."""
+    (None when it can): it takes NumPy float16, bfloat16, float32 or float64 data (16-bit data
+    computed in float32), an additive mask (:func:`attention.fused_rules.additive_ok`) or none,
+    attention dropout with its keep decisions drawn from a seed (not a given mask
+    ``dropout_keep``: the unfused core applies that), no attention weights, and checks every
+    tile on every call. ``forced`` (``core="fused"``): a fault hook and a plan that checks the
+    product's sites less often do not count (the hook then sees the fused sites)."""
     if xp is not np:
         return f"the data are {xp.__name__} arrays (the fused core runs on the CPU)"
     if dtype not in FUSED_DTYPES:
-        return f"dtype {dtype} (the fused core takes float32 and float64)"
+        return f"dtype {dtype} (the fused core takes float16, bfloat16, float32 and float64)"
     if attn_add is not None and not additive_ok(np, attn_add, dtype):
         return "an attn_mask holding NaN, +inf or values that overflow the scores"
     if dropout_keep is not None:

@@ -45,7 +45,7 @@ def coefficients(k: int, length: int, dtype: np.dtype, roundings: int = 0) -> np
     length : int
         Length of the vector the checksums sum over.
     dtype : numpy dtype
-        Data dtype (float32 or float64).
+        The tiles' dtype (float32 or float64: :func:`attention.fused.work_dtype`).
     roundings : int
         Roundings the tiling adds to every element (see the module docstring).
     """

@@ -48,7 +48,11 @@ class Step:
         - ``"fused core"``, ``"fused core backward"``: the fused attention core
           (:mod:`attention.fused`) in place of :data:`CORE_FORWARD` and :data:`CORE_BACKWARD`,
           every tile checked inside it (its own fault-hook sites,
-          :data:`attention.fused.FUSED_SITES`); it encodes its operands itself.
+          :data:`attention.fused.FUSED_SITES`); it encodes its operands itself;
+        - ``"fused check"``: the fused core's final check of what it returned
+          (:mod:`attention.fused_final`: forward, the output rows against the row checksums its
+          kernel carried from V's row encodings; backward, ``dV``'s column sums against
+          ``dO``'s), its site the fault hook's too.
     out : str
         Name of what the step makes (names joined by ``", "`` where it makes several).
     ins : tuple of str
@@ -107,7 +111,8 @@ class Step:
 _FORMULAS = {"softmax backward": "softmax_backward({a}, {b})", "stack": "[{ins}]",
              "column sum": "column sums of {a}", "dropout": "{a} * keep / (1 - p)",
              "fused core": "fused_attention({ins})",
-             "fused core backward": "fused_attention_backward({ins})"}
+             "fused core backward": "fused_attention_backward({ins})",
+             "fused check": "{a}, verified"}
 
 
 def transpose(name: str) -> str:
@@ -135,10 +140,14 @@ CORE_BACKWARD = (
 )
 #: The fused core (:mod:`attention.fused`) in place of :data:`CORE_FORWARD`: ``context_h`` and
 #: the rows' log-sum-exp ``lse``, no ``L x L`` array kept.
-FUSED_FORWARD = (Step("fused core", "context_h, lse", ("qh", "kh", "vh")),)
+FUSED_FORWARD = (Step("fused core", "context_h, lse", ("qh", "kh", "vh")),
+                 Step("fused check", "context_h, lse", ("context_h",),
+                      site="fused:out"))
 #: The fused core's backward in place of :data:`CORE_BACKWARD`.
 FUSED_BACKWARD = (Step("fused core backward", "d_qh, d_kh, d_vh",
-                       ("d_context_h", "qh", "kh", "vh", "context_h", "lse")),)
+                       ("d_context_h", "qh", "kh", "vh", "context_h", "lse")),
+                  Step("fused check", "d_qh, d_kh, d_vh", ("d_vh", "d_context_h"),
+                       site="fused:dV_out"))
 #: The layer's forward: ``x`` (``key``, ``value``) -> ``y``.
 FORWARD = (
     Step("gemm", "q", ("x", "wq"), site="q_proj", bias="bq"),
@@ -276,6 +285,15 @@ INVARIANT_SITES = {
 }
 
 
+#: The fused core's final checks (:mod:`attention.fused_final`), O(L d) a head.
+FUSED_CHECKS = {
+    "fused:out": "final check of O as returned (16-bit rounding included): its row checksums "
+                 "against P [V1, Vw, abs(V)1] / l, carried by the kernel from V's row encodings",
+    "fused:dV_out": "final check of dV as returned: 1^T dV = (P 1)^T dO, the column sums of dO "
+                    "over the rows that see a key (P's rows sum to 1)",
+}
+
+
 def checksums(table: tuple[Step, ...], gpu: bool = False,
               given: frozenset[str] = frozenset()) -> list[str | None]:
     """Per resolved step, what it takes or makes of the encodings (the executor records the same
@@ -307,6 +325,8 @@ def describe(step: Step, taken: str | None) -> str:
         return "recomputed from P and the mask, compared bit for bit"
     if step.op.startswith("fused core"):
         return "every tile checked inside the fused core; it encodes its operands itself"
+    if step.op == "fused check":
+        return FUSED_CHECKS[step.site]
     return "not checked"
 
 

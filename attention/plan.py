@@ -118,7 +118,8 @@ class CheckingPlan:
         return "\n".join(lines)
 
     def _checked(self, s: Step) -> str:
-        if s.site in INVARIANT_SITES or s.op in ("dropout", "fused core", "fused core backward"):
+        if s.site in INVARIANT_SITES or s.op in ("dropout", "fused core", "fused core backward",
+                                                 "fused check"):
             return "every call"
         if s.site is None:
             return "-"

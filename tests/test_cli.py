@@ -215,3 +215,14 @@ def test_out_that_cannot_be_a_folder_is_refused_before_any_work(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--out {out}: a file is in the way" in err
     assert blocker.read_text() == "not a folder"
+
+
+def test_kind_minus_inf_is_a_value_not_a_flag() -> None:
+    # "-inf" starts with "-" like a flag; the campaign reads it as a fault kind, between others
+    args = cli.build_parser().parse_args(["campaign", "--kinds", "inf", "-inf", "nan",
+                                          "--trials", "2"])
+    assert tuple(args.kinds) == ("inf", "-inf", "nan") and args.trials == 2
+    args = cli.build_parser().parse_args(["campaign", "--kinds", "-inf"])
+    assert tuple(args.kinds) == ("-inf",)
+    with pytest.raises(SystemExit):  # other words with a dash stay flags
+        cli.build_parser().parse_args(["campaign", "--kinds", "-nan"])

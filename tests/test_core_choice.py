@@ -64,12 +64,14 @@ def test_auto_falls_back_to_the_unfused_core():
              ((q, k, v), {"dropout": 0.1, "dropout_keep": keep}),  # a given mask: unfused
              ((q, k, v), {"ctx": Context(fault_hook=lambda site, c: None)}),
              ((q, k, v), {"ctx": Context(plan=every_other)}),
-             ((bad, k, v), {}),
-             (tuple(x.astype(np.float16) for x in (q, k, v)), {})]
+             ((bad, k, v), {})]
     for args, kw in cases:
         ctx = kw.pop("ctx", Context())
         _, saved = core_forward(*args, ctx, **kw)
         assert saved["core"] == "unfused", kw
+    # 16-bit data run the fused core (tiles in float32)
+    _, saved = core_forward(*(x.astype(np.float16) for x in (q, k, v)), Context())
+    assert saved["core"] == "fused"
 
 
 def test_forcing_the_fused_core_where_it_does_not_apply_raises():

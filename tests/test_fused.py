@@ -17,10 +17,12 @@ from abftgemm.faults import Fault
 from abftgemm.thresholds import KAPPA
 from attention.context import Context
 from attention.fused import BACKWARD_SITES, FORWARD_SITES, fused_backward, fused_forward
+from attention.fused_final import FINAL_SITES, verify_grads, verify_output
 from conftest import BACKENDS
 
-HOOK_SITES = ("fused:S", "fused:P", "fused:O_acc", "fused:rowsum", "fused:dP", "fused:dS",
-              "fused:dQ_acc", "fused:dK_acc", "fused:dV_acc")
+KERNEL_SITES = ("fused:S", "fused:P", "fused:O_acc", "fused:rowsum", "fused:dP", "fused:dS",
+                "fused:dQ_acc", "fused:dK_acc", "fused:dV_acc")
+HOOK_SITES = KERNEL_SITES + ("fused:out", "fused:dV_out")
 KINDS = [("inf", {}), ("nan", {}), ("near-inf", {}), ("additive", {"magnitude": 1e3})]
 
 
@@ -75,8 +77,13 @@ def _data(rng, n, lq, lk, d, dtype=np.float32, spread=1.0):
 
 
 def _run(q, k, v, do, ctx, **kw):
+    """Forward and backward, on NumPy each followed by its final check (attention/fused_final.py;
+    the CUDA kernels have none)."""
     out, saved = fused_forward(q, k, v, ctx, **kw)
-    return (out,) + fused_backward(saved, do, ctx)
+    if not isinstance(q, np.ndarray):
+        return (out,) + fused_backward(saved, do, ctx)
+    out, saved = verify_output(out, saved, ctx)
+    return (out,) + verify_grads(saved, do, fused_backward(saved, do, ctx), ctx)
 
 
 @given(n=st.integers(1, 3), lq=st.integers(1, 150), lk=st.integers(1, 150),
@@ -220,7 +227,9 @@ def test_detect_mode_reports_and_leaves_the_fault():
                                                    sites="fused:O_acc"))
     with pytest.warns(Warning, match="fused:O_acc"):
         got = _run(q, k, v, do, ctx)
-    assert [e.action for e in ctx.report.events] == ["reported"]
+    # the output left in place fails the final check too
+    assert [(e.site, e.action) for e in ctx.report.events] == [("fused:O_acc", "reported"),
+                                                               ("fused:out", "reported")]
     assert not np.array_equal(got[0], clean[0])
 
 
@@ -296,6 +305,8 @@ def test_bad_input():
     q, k, v, _ = _data(np.random.default_rng(0), 1, 8, 8, 8)
     with pytest.raises(TypeError, match="float32 or float64"):
         fused_forward(q.astype(np.float16), k, v, Context())
+    with pytest.raises(TypeError, match="float32 or float64"):
+        fused_forward(q.astype(np.int32), k.astype(np.int32), v.astype(np.int32), Context())
     with pytest.raises(ValueError, match="causal"):
         fused_forward(q, k[:, :4].copy(), v[:, :4].copy(), Context(), causal=True)
     with pytest.raises(ValueError, match="C-contiguous"):
@@ -312,7 +323,8 @@ def test_bad_input():
 
 
 def test_site_lists():
-    assert set(FORWARD_SITES) | set(BACKWARD_SITES) == set(HOOK_SITES)
+    assert set(FORWARD_SITES) | set(BACKWARD_SITES) == set(KERNEL_SITES)
+    assert set(FINAL_SITES) | set(KERNEL_SITES) == set(HOOK_SITES)
 
 
 def test_head_dim_128_cuts_the_blas_products():

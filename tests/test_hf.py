@@ -220,6 +220,7 @@ def test_16bit_autocast_equals_eager(family, dtype):
     assert all(g.dtype == torch.float32 for g in runs[1][1].values())
     assert_same_step(runs[1], runs[0], rtol=RTOL_16[dtype], atol=ATOL_16[dtype])
     assert all(c.last_report.checked for c in attention_cores(model).values())
+    assert {c.last_core for c in attention_cores(model).values()} == {"fused"}
     assert all(core.last_report.checked.get("d_weight") == 1
                for core in projection_cores(model).values())
 

@@ -65,6 +65,39 @@ def test_fused_layer_equals_the_unfused_layer(dtype, causal, cross, masks):
         np.testing.assert_allclose(got, want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16bit_layer_runs_the_fused_core(dtype):
+    """16-bit data run the fused core (tiles in float32), its final checks included, within the
+    16-bit rounding of the unfused layer."""
+    rng = np.random.default_rng(3)
+    x, dy, _ = _inputs(rng, 2, 40, 40, 32, "float32", False)
+    results = {}
+    for core in ("auto", "unfused"):
+        layer = MultiHeadAttention(32, 4, causal=True, dtype=dtype, core=core)
+        ran, results[core] = _step(layer, x.astype(layer.dtype), dy.astype(layer.dtype))
+        assert ran == ("fused" if core == "auto" else "unfused")
+        assert not layer.last_report.events, layer.last_report.summary()
+        if core == "auto":
+            assert {"fused:out", "fused:dV_out"} <= layer.step_sites | set(
+                layer.last_report.checked)
+    for got, want in zip(results["auto"], results["unfused"]):
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=5e-2,
+                                   atol=5e-2)
+
+
+@pytest.mark.parametrize("site", ["fused:out", "fused:dV_out"])
+def test_fault_after_the_fused_kernels_in_the_layer_is_corrected(site):
+    rng = np.random.default_rng(4)
+    x, dy, _ = _inputs(rng, 2, 40, 40, 32, "float16", False)
+    layer = MultiHeadAttention(32, 4, dtype="float16", core="fused")
+    _, clean = _step(layer, x, dy)
+    fault = Fault("additive", "element", seed=2, sites=site, magnitude=10.0)
+    _, got = _step(layer, x, dy, fault_hook=fault)
+    assert fault.injected and site in layer.step_sites
+    for g, c in zip(got, clean):
+        assert np.array_equal(g, c)
+
+
 def test_auto_falls_back_where_the_fused_core_does_not_apply():
     rng = np.random.default_rng(1)
     x, dy, _ = _inputs(rng, 1, 20, 20, 16, "float32", False)
@@ -72,8 +105,7 @@ def test_auto_falls_back_where_the_fused_core_does_not_apply():
     keep = rng.random((2, 20, 20)) >= 0.2
     cases = [({"need_weights": True}, {}), ({"dropout": 0.2, "dropout_keep": keep}, {}),
              ({"fault_hook": lambda site, c: None}, {}),
-             ({}, {"plan": CheckingPlan().with_frequencies({"context": 0.5})}),
-             ({}, {"dtype": "float16"})]
+             ({}, {"plan": CheckingPlan().with_frequencies({"context": 0.5})})]
     for kw, make in cases:
         layer = MultiHeadAttention(16, 2, **make)
         _, cache = layer.forward(x.astype(layer.dtype), **kw)

@@ -347,9 +347,10 @@ def test_bad_inputs_raise_clearly():
         mine(nested, nested, nested)
 
 
+@pytest.mark.parametrize("weights", [True, False], ids=["unfused", "fused"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("mask", ["float-2d", "float-padding+float-2d", "bool-padding"])
-def test_16_bit_modules_take_masks_of_their_dtype(dtype, mask):
+def test_16_bit_modules_take_masks_of_their_dtype(dtype, mask, weights):
     """PyTorch wants float masks in the query's dtype; in 16 bits they must be taken (they were
     refused for bfloat16 once), and the outputs and gradients agree with float64 math on the
     same (rounded) weights, inputs and masks within the 16-bit rounding of a few steps."""
@@ -361,12 +362,17 @@ def test_16_bit_modules_take_masks_of_their_dtype(dtype, mask):
     g = torch.randn((N, L, E), generator=gen, dtype=torch.float64)
 
     def run(module, q, k, v, attn_mask):
-        y, _ = module(q, k, v, attn_mask=attn_mask, key_padding_mask=padding)
+        # need_weights=False: the fused core (16-bit data computed in float32)
+        y, _ = module(q, k, v, attn_mask=attn_mask, key_padding_mask=padding,
+                      need_weights=weights)
         (y * g.to(y.dtype)).sum().backward()
         return [y.detach(), q.grad, k.grad, v.grad, *(p.grad for p in module.parameters())]
 
     got = run(mine, q, k, v, attn_mask)
     assert not mine.last_report.detected, mine.last_report.summary()
+    assert mine.last_core == ("unfused" if weights else "fused")
+    if not weights:  # 16-bit data: tiles in float32, the final checks included
+        assert {"fused:out", "fused:dV_out"} <= set(mine.last_report.checked)
     want = run(reference, *(t.detach().double().requires_grad_() for t in (q, k, v)),
                None if attn_mask is None else attn_mask.double())
     u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11

@@ -58,8 +58,19 @@ def array_module(backend: str) -> ModuleType:
     return numpy
 
 
+#: Values that start with ``-`` and are no flag: the fault kind ``-inf`` (``--kinds inf -inf``).
+_DASH_VALUES = frozenset({"-inf"})
+
+
 class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line on stderr and exit status 2."""
+    """An argument parser whose errors are one line on stderr and exit status 2, and which reads
+    :data:`_DASH_VALUES` as values."""
+
+    def _parse_optional(self, arg_string: str) -> Any:
+        # argparse takes a word that starts with "-" for a flag unless it looks like a number
+        if arg_string in _DASH_VALUES:
+            return None
+        return super()._parse_optional(arg_string)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

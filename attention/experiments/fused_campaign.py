@@ -33,11 +33,14 @@ from abftgemm.checksums import SUPPORTED_DTYPES
 from abftgemm.faults import Fault, Recorder
 from attention.context import Context
 from attention.experiments.outcomes import Trial, absolute_tolerances, compare
-from attention.fused import SUPPORTED as CPU_DTYPES, fused_backward, fused_forward
+from attention.fused import fused_backward, fused_forward
 
 #: The clean (fault-free, protected) record's site name.
 CLEAN_TARGET = "fused"
 _DTYPES = {d.name: d for d in SUPPORTED_DTYPES}
+#: The data dtypes of a campaign on NumPy: those whose tiles are the data's dtype (16-bit data run
+#: float32 tiles on the CPU, for which this campaign's outcome tolerances are not derived).
+CPU_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def site_dtype(dtype: str, xp: Any) -> np.dtype:
