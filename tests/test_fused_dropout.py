@@ -16,6 +16,7 @@ from attention.context import Context
 from attention.core import core_backward, core_forward
 from attention.dropout_hash import draw_seed, keep_mask
 from attention.fused import DROPOUT_HOOK_SITE, fused_backward, fused_forward
+from attention.fused_final import GRAD_SITE, OUTPUT_SITE, verify_grads, verify_output
 from conftest import BACKENDS
 
 SITES = ("fused:S", "fused:P", "fused:O_acc", "fused:rowsum", "fused:dP", "fused:dS",
@@ -182,6 +183,23 @@ def test_fault_with_dropout_on_is_detected_and_corrected(site):
     assert all(e.action == "recomputed" for e in ctx.report.events)
     for g, c in zip(got, clean):
         assert np.array_equal(g, c)
+
+
+def test_final_output_check_recomputes_with_the_same_dropout():
+    """A fault in O after the kernels (fused:out) is repaired by a recomputation that keeps the
+    call's dropout; the backward has no dV_out check with dropout (fused_final docstring)."""
+    q, k, v, do = _data(np.random.default_rng(9), 2, 90, 90, 16)
+    kw = {"causal": True, "dropout": 0.3, "dropout_seed": 12}
+    out_clean, saved_clean = fused_forward(q, k, v, Context(), **kw)
+    fault = Fault("near-inf", "element", seed=1, sites=OUTPUT_SITE)
+    ctx = Context(fault_hook=fault)
+    out, saved = verify_output(*fused_forward(q, k, v, ctx, **kw), ctx)
+    assert fault.injected
+    assert [(e.site, e.action) for e in ctx.report.events] == [(OUTPUT_SITE, "recomputed")]
+    assert np.array_equal(out, out_clean)
+    grads = fused_backward(saved, do, ctx)
+    assert verify_grads(saved, do, grads, ctx) is grads
+    assert GRAD_SITE not in ctx.report.checked
 
 
 @pytest.mark.parametrize("skip", [0, 1, 2, 3])
