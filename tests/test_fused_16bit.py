@@ -14,7 +14,7 @@ from attention.context import Context
 from attention.core import core_backward, core_forward
 from attention.fused import fused_backward, fused_forward
 from attention.fused_final import verify_grads, verify_output
-from test_fused import HOOK_SITES, _data, _reference, _run
+from test_fused import HOOK_SITES, _data, _reference, _run, assert_corrected
 
 HALF = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
 
@@ -79,15 +79,8 @@ def test_core_runs_the_fused_core_on_16bit_data(dtype):
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_fault_in_16bit_data_is_detected_and_corrected(dtype, site):
     q, k, v, do = _data(np.random.default_rng(13), 2, 130, 130, 32, dtype)
-    clean = _run(q, k, v, do, Context(), causal=True)
-    fault = Fault("additive", "element", seed=3, sites=site, magnitude=100.0)
-    ctx = Context(fault_hook=fault)
-    got = _run(q, k, v, do, ctx, causal=True)
-    assert fault.injected and any(fault.injected[0].changed)
-    assert site in ctx.report.sites, ctx.report.summary()
-    assert all(e.action == "recomputed" for e in ctx.report.events)
-    for g, c in zip(got, clean):
-        assert np.array_equal(g, c)
+    assert_corrected(q, k, v, do, Fault("additive", "element", seed=3, sites=site,
+                                        magnitude=100.0), site)
 
 
 @pytest.mark.parametrize("site", ["fused:out", "fused:dV_out"])
