@@ -270,6 +270,7 @@ def attention_case(xp, dtype, what, check, causal):
 @pytest.mark.parametrize("what", ["nan-x", "nan-dy", "inf-dy", "x*1e19"])
 @pytest.mark.parametrize("mode", ["correct", "detect"])
 def test_attention_passes_the_users_nonfinite_data_through(xp, dtype, what, mode):
+    met = 0
     for causal in (False, True):
         y, dx, grads, report = attention_case(xp, dtype, what, mode, causal)
         y0, dx0, grads0, _ = attention_case(xp, dtype, what, "off", causal)
@@ -278,8 +279,12 @@ def test_attention_passes_the_users_nonfinite_data_through(xp, dtype, what, mode
         for key in grads0:
             same(grads[key], grads0[key])
         only_passed_through(report)
-        if not (what == "x*1e19" and dtype == "float64"):  # scores ~1e38 overflow below float64
-            assert report.events  # the case is real: some product met INF/NaN
+        met += len(report.events)
+    # the case is real: some product met INF/NaN (x*1e19: the scores ~1e38 overflow below
+    # float64; on the CPU's fused core bfloat16 tiles run in float32, where only the non-causal
+    # layer's weight gradients overflow)
+    if not (what == "x*1e19" and dtype == "float64"):
+        assert met
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
