@@ -297,13 +297,14 @@ template <typename A> __device__ double probs_bad(A pv, A x, const double* t) {
 }
 
 // The masked, scaled score z of one entry: -inf where hidden (causality, key_visible), else
-// sc * s plus the additive mask's entry add_row[j] (add_row null: no mask), added in double and
-// rounded to A, as attention/_cpu_fused._mask. The S check has already judged s.
+// sc * s plus the additive mask's entry add_row[j] (add_row null: no mask), added in double (z
+// widened through its bits: -ftz would flush a subnormal z) and rounded to A, as
+// attention/_cpu_fused._mask. The S check has already judged s.
 template <typename A>
 __device__ __forceinline__ A masked_score(A s, A sc, bool seen, const double* add_row, int j) {
     if (!seen) return ninf(sc);
     const A z = s * sc;
-    return add_row ? static_cast<A>(static_cast<double>(z) + add_row[j]) : z;
+    return add_row ? static_cast<A>(to_double(z) + add_row[j]) : z;
 }
 
 // The additive mask of head b: add (1 or n, lq, lk) float64, stride 0 or lq * lk; null: none.
