@@ -1,6 +1,7 @@
 """The campaign of the fused attention core (``abft campaign --core fused``) and the conversion of a
-toolkit Fault into the CUDA kernels' DeviceFault: every extreme fault at every internal site is
-detected and repaired, on NumPy and on CuPy (cupy-on-cpu without a GPU)."""
+toolkit Fault into the CUDA kernels' DeviceFault: every extreme fault at every internal site (and
+on NumPy at every final check's site, float16 and bfloat16 data too) is detected and repaired, on
+NumPy and on CuPy (cupy-on-cpu without a GPU)."""
 from __future__ import annotations
 
 import json
@@ -13,8 +14,10 @@ from abftgemm.faults import Fault
 from attention.context import Context
 from attention.experiments.campaign import CampaignConfig, OUTCOMES, run_campaign
 from attention.experiments.cli import main
-from attention.experiments.fused_campaign import FusedTestbed
+from attention.experiments.fused_campaign import (SITES, FusedTestbed, backend_problem,
+                                                  backend_sites, site_dtype)
 from attention.fused import FUSED_SITES
+from attention.fused_final import FINAL_SITES
 from conftest import BACKENDS
 from test_fused_cuda import _fault, _faulted_run, _run
 from test_fused import _data
@@ -24,10 +27,10 @@ CUDA = [p for p in BACKENDS if p.id != "numpy"]
 EXTREME = ("inf", "-inf", "nan", "near-inf", "bitflip-exp")
 
 
-def _assert_all_repaired(records: list[dict], trials: int) -> None:
+def _assert_all_repaired(records: list[dict], trials: int, sites: tuple[str, ...]) -> None:
     """Every protected faulty trial injected, detected at its site and repaired (recomputed, the
     results within the bound); the unprotected ones flag nothing; no clean false positive."""
-    assert {r["site"] for r in records if r["kind"] != "none"} == set(FUSED_SITES)
+    assert {r["site"] for r in records if r["kind"] != "none"} == set(sites)
     for r in records:
         assert sum(r[k] for k in OUTCOMES) == r["trials"]
         if r["kind"] == "none":
@@ -44,11 +47,43 @@ def _assert_all_repaired(records: list[dict], trials: int) -> None:
 
 def test_numpy_campaign_repairs_every_extreme_fault_at_every_site():
     """Three query blocks and key tiles of 64 (seq 150): the faults land in any tile, forward or
-    backward, at an element, a row or a 4x4 block of it."""
+    backward, or in the returned O, dV, dK, at an element, a row or a 4x4 block of it."""
     config = CampaignConfig(trials=1, clean_trials=1, batch=1, seq=150, d_model=32, n_heads=2,
                             kinds=EXTREME, patterns=("element", "row", "tile"), core="fused")
-    assert config.sites == FUSED_SITES
-    _assert_all_repaired(run_campaign(config, np, progress=False), 1)
+    assert config.sites == SITES == FUSED_SITES + FINAL_SITES
+    _assert_all_repaired(run_campaign(config, np, progress=False), 1, SITES)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_numpy_campaign_on_16bit_data(dtype):
+    """16-bit data on NumPy: the faults at internal sites hit the float32 tiles (their kinds are
+    float32's: near-INF is float32's largest number, bit 30 the top exponent bit), those at the
+    final sites the returned 16-bit arrays; every one is detected at its site and repaired."""
+    assert site_dtype(dtype, "fused:S") == np.float32
+    assert site_dtype(dtype, "fused:dK_acc") == np.float32
+    assert all(site_dtype(dtype, s).name == dtype for s in FINAL_SITES)
+    config = CampaignConfig(trials=1, clean_trials=1, batch=1, seq=70, d_model=16, n_heads=2,
+                            kinds=EXTREME, patterns=("element",), core="fused", dtype=dtype)
+    records = run_campaign(config, np, progress=False)
+    _assert_all_repaired(records, 1, SITES)
+    bits = {r["site"]: r["fault"]["bit"] for r in records if r["kind"] == "bitflip-exp"}
+    assert bits["fused:S"] == 30 and bits["fused:out"] == 14  # 16-bit: 5 or 8 exponent bits
+    # unprotected, the final sites' faults reach the results (the campaign can see them)
+    for r in records:
+        if r["site"] in FINAL_SITES and not r["protected"] and r["kind"] != "none":
+            assert r["silent"] + r["silent_within_bound"] == r["trials"], r
+
+
+def test_numpy_final_sites_are_faulted_once_a_pass():
+    """The final checks run in the trial: the hook sees each of them once, on the returned
+    array, and a fault there is reported at that site in check="detect"."""
+    bench = FusedTestbed("float16", (2, 70, 8), 0, np, 0)
+    assert {s: bench.calls[s] for s in FINAL_SITES} == dict.fromkeys(FINAL_SITES, 1)
+    for site in FINAL_SITES:
+        fault = bench.fault(site, {"kind": "nan"}, "element", 3)
+        with pytest.warns(Warning, match=site):
+            trial = bench.run(site, "detect", fault)
+        assert trial.injected and [e.site for e in trial.report.events][:1] == [site]
 
 
 def test_numpy_faults_pick_tiles_across_the_run():
@@ -58,7 +93,7 @@ def test_numpy_faults_pick_tiles_across_the_run():
     # causal, 3 query blocks: 6 (block, tile) pairs per head forward, 6 backward
     assert bench.calls["fused:S"] == bench.calls["fused:P"] == 2 * (6 + 6)
     assert bench.calls["fused:O_acc"] == bench.calls["fused:rowsum"] == 2 * 6
-    assert set(bench.calls) == set(FUSED_SITES)
+    assert set(bench.calls) == set(SITES)
     skips = {bench.fault("fused:S", {"kind": "inf"}, "element", seed).skip for seed in range(40)}
     assert len(skips) > 10 and max(skips) < bench.calls["fused:S"]
 
@@ -80,7 +115,6 @@ def test_cli_core_fused(tmp_path: Path):
 @pytest.mark.parametrize("flags,message", [
     (["--core", "fused", "--sites", "scores"], "--sites: unknown scores"),
     (["--core", "fused", "--model", "gpt2"], "--model layer"),
-    (["--core", "fused", "--dtype", "float16"], "float32 or float64"),
     (["--sites", "fused:S"], "--sites: unknown fused:S"),
 ])
 def test_cli_refuses_bad_core_flags(flags, message, tmp_path, capsys):
@@ -89,15 +123,30 @@ def test_cli_refuses_bad_core_flags(flags, message, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_cupy_campaign_sites():
+    """On CuPy (any array module but NumPy) the default sites are the kernels'; final sites
+    asked for are refused (the CUDA kernels have no final checks)."""
+    gpu = object()
+    assert backend_sites(SITES, gpu) == FUSED_SITES and backend_sites(SITES, np) == SITES
+    assert backend_problem(SITES, ("element",), gpu) is None
+    assert "no final checks, drop fused:out" in backend_problem(("fused:S", "fused:out"),
+                                                                ("element",), gpu)
+    assert "--patterns element" in backend_problem(FUSED_SITES, ("row",), gpu)
+    assert backend_problem(SITES, ("row",), np) is None
+
+
 @pytest.mark.parametrize("xp", CUDA)
 def test_cupy_campaign_repairs_every_extreme_fault_at_every_site(xp):
     """The same campaign on the CUDA kernels (32 x 32 tiles: seq 40 makes two blocks), each
     toolkit Fault converted by device_fault."""
     config = CampaignConfig(trials=1, clean_trials=1, batch=1, seq=40, d_model=16, n_heads=2,
                             kinds=EXTREME, patterns=("element",), core="fused")
-    _assert_all_repaired(run_campaign(config, xp, progress=False), 1)
+    _assert_all_repaired(run_campaign(config, xp, progress=False), 1, FUSED_SITES)
     with pytest.raises(ValueError, match="--patterns element"):
         run_campaign(CampaignConfig(core="fused", patterns=("row",)), xp, progress=False)
+    with pytest.raises(ValueError, match="no final checks"):
+        run_campaign(CampaignConfig(core="fused", patterns=("element",),
+                                    sites=("fused:S", "fused:out")), xp, progress=False)
 
 
 @pytest.mark.parametrize("xp", CUDA)

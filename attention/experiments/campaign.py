@@ -9,7 +9,7 @@ single :class:`abftgemm.faults.Fault` at that site.  Every trial is compared wit
 unprotected run of the same layer on the same inputs: output ``y``, ``dx`` and every gradient
 (for ``"gemm"``: the product).  ``clean_trials`` runs without a fault measure false positives.
 ``core="fused"`` (``--core fused``) runs the same trials on the fused attention core's internal
-sites instead (:mod:`attention.experiments.fused_campaign`).
+sites, and on NumPy its final checks' sites, instead (:mod:`attention.experiments.fused_campaign`).
 
 Outcome of a trial: each trial counts in exactly one of these five (see :data:`OUTCOMES`)::
 
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -61,7 +61,6 @@ from attention.experiments.flags import option
 from attention.experiments.hf_models import FAMILIES
 from attention.experiments.outcomes import (NOISE_FACTOR, TOLERANCES, Trial,
                                             absolute_tolerances, compare)
-from attention.fused_rules import FUSED_SITES
 
 GEMM_SITE = "gemm"
 #: Sites of a campaign by default: the layer's GEMM and invariant sites, then a standalone GEMM.
@@ -117,11 +116,12 @@ class CampaignConfig:
         Magnitude of the ``"additive"`` kind (finite, non-zero).
     sites, kinds, patterns : tuple of str
         Subsets to run (defaults: everything), each non-empty and known; ``sites`` of the
-        ``core``: :data:`DEFAULT_SITES`, or :data:`attention.fused.FUSED_SITES` (all of them
-        when ``sites`` is left at :data:`DEFAULT_SITES`).
+        ``core``: :data:`DEFAULT_SITES`, or :data:`attention.experiments.fused_campaign.SITES`
+        (all of them when ``sites`` is left at :data:`DEFAULT_SITES`; on CuPy those less the
+        final checks' sites).
     core : str
         ``"unfused"``: the layer's sites and a standalone GEMM (the module docstring).
-        ``"fused"``: the fused attention core's internal sites
+        ``"fused"``: the fused attention core's internal and final-check sites
         (:mod:`attention.experiments.fused_campaign`), on ``batch * n_heads`` heads of ``seq``
         x ``d_model / n_heads``, causal; ``gemm`` does not apply.
     seed : int
@@ -152,7 +152,7 @@ class CampaignConfig:
     additive: float = option(1.0, "magnitude of 'additive' faults")
     sites: tuple[str, ...] = option(DEFAULT_SITES, "sites to fault (the fused:* sites with "
                                     "--core fused, all of them by default)",
-                                    choices=DEFAULT_SITES + FUSED_SITES)
+                                    choices=DEFAULT_SITES + fused_campaign.SITES)
     kinds: tuple[str, ...] = option(KINDS, "fault kinds", choices=KINDS)
     patterns: tuple[str, ...] = option(PATTERNS, "fault patterns", choices=PATTERNS)
     seed: int = option(0, "seed of everything random")
@@ -190,8 +190,8 @@ class CampaignConfig:
         if self.core == "fused" and self.model != "layer":
             raise ValueError("--core fused faults the fused attention core alone: --model layer")
         if self.core == "fused" and self.sites == DEFAULT_SITES:
-            object.__setattr__(self, "sites", FUSED_SITES)
-        site_choices = FUSED_SITES if self.core == "fused" else DEFAULT_SITES
+            object.__setattr__(self, "sites", fused_campaign.SITES)
+        site_choices = fused_campaign.SITES if self.core == "fused" else DEFAULT_SITES
         for flag, chosen, known in (("--sites", self.sites, site_choices),
                                     ("--kinds", self.kinds, KINDS),
                                     ("--patterns", self.patterns, PATTERNS)):
@@ -355,12 +355,13 @@ def run_campaign(config: CampaignConfig, xp: Any, progress: bool = True) -> list
     problem = backend_problem(config, xp)
     if problem:
         raise ValueError(problem)
-    dtype = config.dtype
     if config.core == "fused":
-        dtype = fused_campaign.site_dtype(config.dtype, xp)
-    kinds = fault_kinds(dtype, config.additive)
+        config = replace(config, sites=fused_campaign.backend_sites(config.sites, xp))
+    kinds = {site: fault_kinds(config.dtype if config.core == "unfused" else
+                               fused_campaign.site_dtype(config.dtype, site), config.additive)
+             for site in config.sites}
     faulty = {(site, kind, pattern, protected): Record(site, kind, pattern, protected,
-                                                       dict(kinds[kind]))
+                                                       dict(kinds[site][kind]))
               for site, kind, pattern in _cells(config) for _, protected in MODES}
     targets = CLEAN_TARGETS if config.core == "unfused" else (fused_campaign.CLEAN_TARGET,)
     clean = {target: Record(target, "none", "none", True, {}) for target in targets}
@@ -372,9 +373,10 @@ def run_campaign(config: CampaignConfig, xp: Any, progress: bool = True) -> list
     return [r.as_dict() for r in (*faulty.values(), *clean.values())]
 
 
-def _trials(config: CampaignConfig, xp: Any, kinds: dict[str, dict[str, Any]],
+def _trials(config: CampaignConfig, xp: Any, kinds: dict[str, dict[str, dict[str, Any]]],
             faulty: dict[tuple, Record], clean: dict[tuple, Record], bar: tqdm) -> None:
-    """Run every trial, tallying into ``faulty`` and ``clean``."""
+    """Run every trial, tallying into ``faulty`` and ``clean`` (``kinds``: per site, as the
+    elements it hits hold them)."""
     for t in range(max(config.trials, config.clean_trials)):
         bench = testbed(config, xp, t)
         for target in clean if t < config.clean_trials else ():
@@ -383,17 +385,17 @@ def _trials(config: CampaignConfig, xp: Any, kinds: dict[str, dict[str, Any]],
         for site, kind, pattern in _cells(config) if t < config.trials else ():
             for check, protected in MODES:
                 seed = _fault_seed(config.seed, site, kind, pattern, t)
-                fault = bench.fault(site, kinds[kind], pattern, seed)
+                fault = bench.fault(site, kinds[site][kind], pattern, seed)
                 _tally(faulty[site, kind, pattern, protected], bench, bench.run(site, check, fault))
                 bar.update()
 
 
 def backend_problem(config: CampaignConfig, xp: Any) -> str | None:
-    """Why ``config`` cannot run on the array module ``xp``, or None (``--core fused``: the CPU
-    core takes float32 and float64, the CUDA kernels inject single elements)."""
+    """Why ``config`` cannot run on the array module ``xp``, or None (``--core fused`` on CuPy:
+    the CUDA kernels inject single elements and have no final checks)."""
     if config.core == "unfused":
         return None
-    return fused_campaign.backend_problem(config.dtype, config.patterns, xp)
+    return fused_campaign.backend_problem(config.sites, config.patterns, xp)
 
 
 def testbed(config: CampaignConfig, xp: Any, trial: int) -> Any:

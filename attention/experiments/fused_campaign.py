@@ -1,20 +1,28 @@
 """The campaign of the fused attention core (``abft campaign --core fused``): faults at its
 internal sites, :data:`attention.fused.FUSED_SITES` (the score tiles ``S``, the probabilities
 ``P``, the output accumulator, the softmax denominators, ``dP``, ``dS`` and the ``dQ``, ``dK``,
-``dV`` accumulators; :mod:`attention.fused` says what checks each).
+``dV`` accumulators; :mod:`attention.fused` says what checks each), and on NumPy at its final
+checks' sites, :data:`attention.fused_final.FINAL_SITES` (the returned ``O``, ``dV`` and ``dK``;
+:mod:`attention.fused_final`).
 
 A trial runs one forward and one backward of the fused core (:func:`attention.fused.fused_forward`,
-:func:`attention.fused.fused_backward`, causal) on queries, keys, values and an output gradient
-of shape ``(batch * heads, seq, d_model / heads)``, standard normal, seeded per trial; its results
-``out``, ``dq``, ``dk``, ``dv`` are compared with the unprotected fault-free run by the tolerance
-of :mod:`attention.experiments.campaign` (the noise term against a float64 reference).
+:func:`attention.fused.fused_backward`, causal), on NumPy each followed by its final check
+(:func:`attention.fused_final.verify_output`, :func:`attention.fused_final.verify_grads`, as
+:mod:`attention.core` runs them; the CUDA kernels have none), on queries, keys, values and an
+output gradient of shape ``(batch * heads, seq, d_model / heads)``, standard normal, seeded per
+trial, in the data dtype (float16 and bfloat16 too: the core computes their tiles in float32);
+its results ``out``, ``dq``, ``dk``, ``dv`` are compared with the unprotected fault-free run by
+the tolerance of :mod:`attention.experiments.campaign` for the data dtype (the noise term against
+a float64 reference).
 
 Where a fault lands, "site, tile, element":
 
 - NumPy: the core's fault hook sees every tile (or accumulator, after each tile) of a site as
-  computed. The trial's fault is a toolkit :class:`abftgemm.faults.Fault` with ``sites=site`` and
-  ``skip`` drawn uniformly among the site's calls in a fault-free run, so the tile is any head,
-  block and step, forward or backward; its pattern places the element(s) in that tile.
+  computed, and each final check the array it checks (once a pass). The trial's fault is a
+  toolkit :class:`abftgemm.faults.Fault` with ``sites=site`` and ``skip`` drawn uniformly among
+  the site's calls in a fault-free run, so the tile is any head, block and step, forward or
+  backward; its pattern places the element(s) in that tile. Faults at internal sites hit the
+  tiles' dtype (float32 for 16-bit data), at the final sites the data's (:func:`site_dtype`).
 - CuPy: the kernels inject (:func:`attention._cuda_fused.device_fault` converts the same Fault):
   one element (pattern ``"element"`` only) of the site's matrix of one head, the head, row, column
   and accumulator step drawn from the fault's seed; bit flips hit the element as the tiles hold
@@ -33,29 +41,43 @@ from abftgemm.checksums import SUPPORTED_DTYPES
 from abftgemm.faults import Fault, Recorder
 from attention.context import Context
 from attention.experiments.outcomes import Trial, absolute_tolerances, compare
-from attention.fused import fused_backward, fused_forward
+from attention.fused import FUSED_SITES, fused_backward, fused_forward, work_dtype
+from attention.fused_final import FINAL_SITES, verify_grads, verify_output
 
 #: The clean (fault-free, protected) record's site name.
 CLEAN_TARGET = "fused"
+#: The campaign's sites (its default): the kernels' internal sites, then the final checks'
+#: (NumPy only: the CUDA kernels have no final checks).
+SITES: tuple[str, ...] = FUSED_SITES + FINAL_SITES
 _DTYPES = {d.name: d for d in SUPPORTED_DTYPES}
-#: The data dtypes of a campaign on NumPy: those whose tiles are the data's dtype (16-bit data run
-#: float32 tiles on the CPU, for which this campaign's outcome tolerances are not derived).
-CPU_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def site_dtype(dtype: str, xp: Any) -> np.dtype:
-    """The dtype of the elements a fault hits: the data's on NumPy; on CuPy the tile
-    arithmetic's (float64 for float64 data, float32 otherwise)."""
-    if xp is np or dtype == "float64":
+def site_dtype(dtype: str, site: str) -> np.dtype:
+    """The dtype of the elements a fault at ``site`` hits, on either backend: at an internal site
+    the tiles' (float64 for float64 data, float32 otherwise: 16-bit data are computed in float32
+    tiles), at a final site the data's (the returned arrays)."""
+    if site in FINAL_SITES:
         return _DTYPES[dtype]
-    return np.dtype(np.float32)
+    return work_dtype(_DTYPES[dtype])
 
 
-def backend_problem(dtype: str, patterns: tuple[str, ...], xp: Any) -> str | None:
+def backend_sites(sites: tuple[str, ...], xp: Any) -> tuple[str, ...]:
+    """The sites a campaign with ``--sites sites`` faults on ``xp``: on CuPy the default
+    (:data:`SITES`) less the final sites, which the CUDA kernels do not have."""
+    if xp is not np and tuple(sites) == SITES:
+        return FUSED_SITES
+    return tuple(sites)
+
+
+def backend_problem(sites: tuple[str, ...], patterns: tuple[str, ...], xp: Any) -> str | None:
     """Why the fused core's campaign cannot run on ``xp`` with these flags, or None."""
-    if xp is np and _DTYPES[dtype] not in CPU_DTYPES:
-        return f"--core fused on numpy takes --dtype float32 or float64, got {dtype}"
-    if xp is not np and tuple(patterns) != ("element",):
+    if xp is np:
+        return None
+    final = [s for s in backend_sites(sites, xp) if s in FINAL_SITES]
+    if final:
+        return (f"--core fused on cupy: the CUDA kernels have no final checks, drop "
+                f"{', '.join(final)} from --sites")
+    if tuple(patterns) != ("element",):
         return ("--core fused on cupy injects in the CUDA kernels, one element per fault: "
                 "--patterns element")
     return None
@@ -102,12 +124,16 @@ class FusedTestbed:
                             self.k.shape[1], self.q.dtype, causal=True)
 
     def run(self, site: str, check: str, hook: Any) -> Trial:
-        """One forward and backward of the fused core with ``hook`` (``site`` names the record
-        only: the fault knows its site)."""
+        """One forward and backward of the fused core with ``hook``, on NumPy each followed by its
+        final check (``site`` names the record only: the fault knows its site)."""
         ctx = Context(check=check, fault_hook=hook)
         try:
             out, saved = fused_forward(self.q, self.k, self.v, ctx, causal=True)
+            if self.xp is np:
+                out, saved = verify_output(out, saved, ctx)
             dq, dk, dv = fused_backward(saved, self.do, ctx)
+            if self.xp is np:
+                dq, dk, dv = verify_grads(saved, self.do, (dq, dk, dv), ctx)
         except UncorrectableError:
             return Trial(ctx.report, True, None, _injected(hook))
         return Trial(ctx.report, False, {"out": out, "dq": dq, "dk": dk, "dv": dv},
