@@ -96,7 +96,8 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
         ``d_q``, ``d_k``); ``"fused"`` and ``"unfused"`` force one (``"fused"`` raises
         ``ValueError`` where it does not apply). The fused core encodes its operands itself: the
         projections' output checksums are not handed on to it; its outputs get final checks
-        after it (:mod:`attention.fused_final`, sites ``fused:out`` and ``fused:dV_out``).
+        after it (:mod:`attention.fused_final`, sites ``fused:out``, ``fused:dV_out`` and
+        ``fused:dK_out``).
     dropout_seed : int, optional
         The seed of the keep decisions (:func:`attention.dropout_hash.keep_mask`), in ``[0,
         2^64)``, on either core (the unfused core materializes the mask); excludes
@@ -395,9 +396,9 @@ class _Pass:
 
     def fused_check(self, step: Step) -> None:
         """The fused core's final check (:mod:`attention.fused_final`): forward, the output rows
-        against the row checksums the kernel carried; backward, ``dV``'s column sums against
-        ``dO``'s (not with dropout). A repair recomputes the core's pass. Nothing where the
-        unfused steps ran."""
+        against the row checksums the kernel carried; backward, the step's site: ``dV``'s column
+        sums against ``dO``'s (not with dropout) or ``dK``'s against 0. A repair recomputes the
+        core's pass. Nothing where the unfused steps ran."""
         state = self._fused_state
         if state is None:
             return
@@ -408,7 +409,8 @@ class _Pass:
             return
         grads = tuple(self.env[n] for n in step.out.split(", "))
         self.env.update(zip(step.out.split(", "),
-                            verify_grads(state, self.env[step.ins[-1]], grads, ctx)))
+                            verify_grads(state, self.env[step.ins[-1]], grads, ctx,
+                                         sites=(step.site,))))
 
     def fused_core_backward(self, step: Step) -> None:
         """The fused core's backward after its forward where the gradient is finite; else (as

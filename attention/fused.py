@@ -83,7 +83,8 @@ each tile array as computed and before it is checked):
 
 After the kernels, :mod:`attention.fused_final` checks what they return (``fused:out``: O's row
 checksums against those the forward carried, ``saved["sums"]``; ``fused:dV_out``: dV's column
-sums against dO's); :mod:`attention.core` and the layers run it.
+sums against dO's; ``fused:dK_out``: dK's column sums against 0); :mod:`attention.core` and the
+layers run it.
 
 A flag recomputes: the S, P, dP or dS tile (once), the query block forward (``O_acc``,
 ``rowsum``), the key block's dK and dV or the query block's dQ backward. If the recomputation

@@ -27,11 +27,41 @@ head.
     the dropped ``P`` do not sum to 1, and their sums are not carried out of the forward, so a
     backward with dropout has no ``fused:dV_out`` check (its ``dV`` is checked by the kernel's
     ``fused:dV_acc`` alone).
+``fused:dK_out`` (backward)
+    ``dK = scale dS^T Q`` with ``dS = P (dP - D)``, ``D_i = rowsum(dO_i O_i)``, and the rows of
+    ``dS`` sum to 0: ``sum_j P_ij dP_ij = dO_i . sum_j P_ij V_j = dO_i . O_i = D_i`` and ``sum_j
+    P_ij = 1``, so ``sum_j dS_ij = D_i - D_i = 0`` (a row that sees no key: ``P``, ``dS`` 0).
+    Hence ``1^T dK = scale (dS 1)^T Q = 0``: the column sums of each head's ``dK`` over the keys
+    are 0 up to rounding. With dropout it holds too: ``dS = P (dP' keep ks - D)`` with ``P``
+    before dropout (rows summing to 1) and ``O = (P keep ks) V``, so ``sum_j P_ij dP'_ij keep_ij
+    ks = dO_i . O_i = D_i`` (``ks`` the kernels' factor, whatever its rounding). The check reads
+    ``dK``, ``Q``, ``dO``, ``O`` (as the backward read it), ``max_j |V_jc|`` and the log-sum-exp;
+    no product with ``P``. Threshold, derived against ``P* = softmax(z)`` of the scores ``z`` the
+    kernels computed (forward and backward make them alike, as for ``fused:dV_out``), ``O* = (P*
+    keep ks) V``, ``u`` the tiles' unit roundoff, ``T``/``T_q`` the key/query tiles: (i) ``e_i =
+    2u (L_k + 2T + |lse_i| + log L_k + 8) + L_k tiny`` bounds ``sum_j |P_ij - P*_ij|`` for the
+    backward's recomputed ``P`` and the forward's ``P / l`` alike (``fused:dV_out``'s first term:
+    every part of it is a bound on the entries' relative errors weighted by ``P*``); (ii) ``|dP_ij|
+    <= (1 + d u) sum_c |dO_ic| |V_jc|``, so with ``G_i = ks sum_c |dO_ic| max_j |V_jc|`` and ``A_i
+    = sum_c |dO_ic O_ic|`` (``|D_i| <= A_i``): ``sum_j dS_ij = sum_j (P - P*) g + sum_j P* (g -
+    g*) - D (sum_j P - 1) - (D - dO . O) - dO . (O - O*) + (dS's two roundings)``, each term at
+    most ``e_i 1.01 G_i``, ``(d + 2) u G_i`` (``dP``'s product and the dropout factor), ``e_i
+    A_i``, ``(u + d u64) A_i`` (``D``'s float64 sum rounded to the tiles' dtype), ``(e_i + u (L_k
+    + 2T + 2)) G_i + u_out (A_i + tiny_out sum_c |dO_ic|)`` (the forward's output error, its
+    rounding to a 16-bit dtype included) and ``2.01 u (1 + e_i) 1.01 (G_i + A_i)``, all times
+    ``1.01 (1 + 2 e_i)``; (iii) ``sum_j |dS_ij| <= 1.02 (1 + e_i) (G_i + A_i)`` and the
+    accumulation ``dK += dS^T Q`` errs by ``1.01 u (L_q + 2 T_q) sum_i |dS_ij| |Q_ic|``. Per column
+    ``c``: ``scale sum_i |Q_ic| (|sum_j dS_ij| + 1.01 u (L_q + 2 T_q) sum_j |dS_ij|)`` plus
+    ``(1.01 u + 1.01 u_out + L_k u64) sum_j |dK_jc|`` (the multiplication by ``scale``, the rounding
+    to a 16-bit dtype, the float64 column sum) and ``L_k (u tiny + u_out tiny_out)`` for subnormal
+    results. It detects by column and does not locate the row.
 
 A flag in ``check="correct"`` recomputes the whole forward (or backward) and checks again
 (:class:`abftgemm.UncorrectableError` if that fails too); ``check="detect"`` reports and warns;
-``check="off"`` only calls the fault hook. The dQ and dK roundings to a 16-bit dtype are not
-checked after the cast (they are 1 rounding each, outside the kernels' checks).
+``check="off"`` only calls the fault hook. A backward's sites are judged together: a flag at
+either recomputes the backward, whose ``dV`` and ``dK`` are then both checked again. The dQ
+rounding to a 16-bit dtype is not checked after the cast (1 rounding, outside the kernels'
+checks).
 """
 from __future__ import annotations
 
@@ -50,7 +80,10 @@ from attention.fused_rules import coefficients
 #: The final checks' fault-hook and report sites, forward and backward.
 OUTPUT_SITE = "fused:out"
 GRAD_SITE = "fused:dV_out"
-FINAL_SITES = (OUTPUT_SITE, GRAD_SITE)
+DK_SITE = "fused:dK_out"
+#: The backward's final-check sites, in the passes table's order.
+GRAD_SITES = (GRAD_SITE, DK_SITE)
+FINAL_SITES = (OUTPUT_SITE, *GRAD_SITES)
 
 
 def verify_output(out: np.ndarray, saved: dict[str, Any], ctx: Context
@@ -74,30 +107,50 @@ def verify_output(out: np.ndarray, saved: dict[str, Any], ctx: Context
                              causal=saved["causal"], key_visible=visible, attn_mask=add,
                              dropout=p, dropout_seed=seed)
 
-    return _verified(ctx, OUTPUT_SITE, (out, saved), lambda r: r[0],
-                     lambda r: _output_ratio(*r), redo)
+    return _verified(ctx, [(OUTPUT_SITE, lambda r: r[0], lambda r: _output_ratio(*r))],
+                     (out, saved), redo)
 
 
 def verify_grads(saved: dict[str, Any], d_out: np.ndarray, grads: tuple[np.ndarray, ...],
-                 ctx: Context) -> tuple[np.ndarray, ...]:
-    """Check :func:`attention.fused.fused_backward`'s ``dv`` (``grads[2]``) by its column sums
-    against those of ``d_out`` (module docstring; fault-hook site ``"fused:dV_out"``). Returns
-    ``(dq, dk, dv)``, the backward's again after a repair.
+                 ctx: Context, sites: tuple[str, ...] = GRAD_SITES) -> tuple[np.ndarray, ...]:
+    """Check :func:`attention.fused.fused_backward`'s gradients ``(dq, dk, dv)``: ``dv`` by its
+    column sums against those of ``d_out`` (fault-hook site ``"fused:dV_out"``), ``dk`` by its
+    column sums against 0 (``"fused:dK_out"``); module docstring. Returns ``(dq, dk, dv)``, the
+    backward's again after a repair.
 
-    With attention dropout (``saved["dropout"]``) there is no such prediction: the gradients
-    are returned unchecked here (module docstring).
+    Parameters
+    ----------
+    saved : dict
+        :func:`attention.fused.fused_forward`'s, as the backward read it.
+    d_out : ndarray
+        The gradient of the output the backward took.
+    grads : tuple of ndarray
+        The backward's ``(dq, dk, dv)``.
+    ctx : Context
+    sites : tuple of str
+        The checks to run, of :data:`GRAD_SITES` (one passes-table step runs one). With
+        attention dropout (``saved["dropout"]``) ``"fused:dV_out"`` has no prediction and is
+        skipped (module docstring).
 
     Raises
     ------
     abftgemm.UncorrectableError
-        The recomputed gradients failed the check too.
+        The recomputed gradients failed a check too.
+    ValueError
+        ``sites`` names no backward final check.
     """
+    unknown = [s for s in sites if s not in GRAD_SITES]
+    if unknown or not sites:
+        raise ValueError(f"sites must be some of {', '.join(GRAD_SITES)}, got {sites}")
     _numpy(grads[2])
-    if saved.get("dropout") is not None:
+    checks = []
+    if GRAD_SITE in sites and saved.get("dropout") is None:
+        checks.append((GRAD_SITE, lambda g: g[2], lambda g: _grad_ratio(saved, d_out, g[2])))
+    if DK_SITE in sites:
+        checks.append((DK_SITE, lambda g: g[1], lambda g: _dk_ratio(saved, d_out, g[1])))
+    if not checks:
         return grads
-    return _verified(ctx, GRAD_SITE, grads, lambda g: g[2],
-                     lambda g: _grad_ratio(saved, d_out, g[2]),
-                     lambda: fused_backward(saved, d_out, ctx))
+    return _verified(ctx, checks, grads, lambda: fused_backward(saved, d_out, ctx))
 
 
 def _numpy(x: Any) -> None:
@@ -108,34 +161,44 @@ def _numpy(x: Any) -> None:
                         f"{type(x).__name__}")
 
 
-def _verified(ctx: Context, site: str, result: Any, checked: Callable[[Any], np.ndarray],
-              ratio: Callable[[Any], tuple[float, int, tuple, tuple, float, float]],
-              redo: Callable[[], Any]) -> Any:
-    """The hook on ``checked(result)``, the check, and the report: ``result``, or ``redo()``'s
-    once it verifies."""
+#: One final check: its site, the array it checks of a result, and the judgment of a result,
+#: ``(worst |d|/tau, head, rows, cols, |d|, tau)``.
+_Check = tuple[str, Callable[[Any], np.ndarray],
+               Callable[[Any], tuple[float, int, tuple, tuple, float, float]]]
+
+
+def _verified(ctx: Context, checks: list[_Check], result: Any, redo: Callable[[], Any]) -> Any:
+    """The hook on each check's array, the checks, and the report: ``result``, or ``redo()``'s
+    once every check verifies it (a flag at any check recomputes the whole pass)."""
     for attempt in range(2):
         if ctx.fault_hook is not None:
-            ctx.fault_hook(site, checked(result))
+            for site, checked, _ in checks:
+                ctx.fault_hook(site, checked(result))
         if ctx.check == "off":
             return result
         if attempt == 0:
-            ctx.report.checked[site] = ctx.report.checked.get(site, 0) + 1
-        worst, head, rows, cols, mag, tau = ratio(result)
-        if worst <= 1:
-            if attempt:
-                _finding(ctx, site, *first, "recomputed", "recomputed the whole pass and checked "
-                     f"it again: |d|/threshold {worst:.3g}")
+            for site, _, _ in checks:
+                ctx.report.checked[site] = ctx.report.checked.get(site, 0) + 1
+        judged = [(site, ratio(result)) for site, _, ratio in checks]
+        bad = [(site, r) for site, r in judged if r[0] > 1]
+        worst = max(r[0] for _, r in judged)
+        if not bad:
+            for site, r in first if attempt else ():
+                _finding(ctx, site, *r[1:], "recomputed", "recomputed the whole pass and checked "
+                         f"it again: |d|/threshold {worst:.3g}")
             return result
         if ctx.check == "detect":
-            _finding(ctx, site, head, rows, cols, mag, tau, "reported",
-                     "left in place (check='detect')")
+            for site, r in bad:
+                _finding(ctx, site, *r[1:], "reported", "left in place (check='detect')")
             return result
         if attempt:
-            _finding(ctx, site, *first, "reported", "recomputed the whole pass, "
-                     f"which still failed its check: |d|/threshold {worst:.3g}")
-            raise UncorrectableError(f"{site}: the fused core's output still fails its final "
-                                     "check after recomputation", ctx.report)
-        first = (head, rows, cols, mag, tau)
+            for site, r in first:
+                _finding(ctx, site, *r[1:], "reported", "recomputed the whole pass, "
+                         f"which still failed its check: |d|/threshold {worst:.3g}")
+            raise UncorrectableError(f"{', '.join(s for s, _ in bad)}: the fused core's output "
+                                     "still fails its final check after recomputation",
+                                     ctx.report)
+        first = bad
         result = redo()
     return result
 
@@ -203,6 +266,66 @@ def _grad_ratio(saved: dict[str, Any], d_out: np.ndarray, dv: np.ndarray
     at = int(np.argmax(ratio))
     head, col = divmod(at, ratio.shape[1])
     return float(ratio.flat[at]), head, (), (col,), float(diff.flat[at]), float(tau.flat[at])
+
+
+def _dk_ratio(saved: dict[str, Any], d_out: np.ndarray, dk: np.ndarray
+              ) -> tuple[float, int, tuple, tuple, float, float]:
+    """``(worst |d|/tau, head, (), (column,), |d|, tau)`` of the heads' ``dK`` column sums
+    against 0 (module docstring)."""
+    diff, tau = dk_column_sums(saved, d_out, dk)
+    ratio = np.full(diff.shape, np.inf)
+    np.divide(diff, tau, out=ratio, where=np.isfinite(diff))
+    at = int(np.argmax(ratio))
+    head, col = divmod(at, diff.shape[1])
+    return float(ratio.flat[at]), head, (), (col,), float(diff.flat[at]), float(tau.flat[at])
+
+
+def dk_column_sums(saved: dict[str, Any], d_out: np.ndarray, dk: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """``(|1^T dK|, tau)``, each ``(n, d)``: the absolute column sums of each head's ``dk`` over
+    the keys (0 in exact arithmetic) and their thresholds (``fused:dK_out``, module docstring),
+    one head's float64 ``dO``, ``O`` and ``|Q|`` at a time.
+
+    Parameters
+    ----------
+    saved : dict
+        :func:`attention.fused.fused_forward`'s, as the backward read it.
+    d_out : ndarray (n, seq_q, d)
+        The output gradient the backward took.
+    dk : ndarray (n, seq_k, d)
+        The backward's ``dk``.
+    """
+    lse = saved["lse"].astype(np.float64)
+    n, lq = lse.shape
+    lk, d = dk.shape[1], dk.shape[2]
+    wt = work_dtype(dk.dtype)
+    u, u64, tiny = unit_roundoff(wt), unit_roundoff(np.float64), smallest_normal(wt)
+    u_out, tiny_out = 0.0, 0.0
+    if dk.dtype != wt:
+        u_out, tiny_out = unit_roundoff(dk.dtype), smallest_normal(dk.dtype)
+    tk, tq = -(-lk // K.BC), -(-lq // K.BR)
+    p, _ = saved.get("dropout") or (0.0, None)
+    ks = float(wt.type(0.0 if p == 1 else 1.0 / (1.0 - p)))  # the kernels' factor
+    sees = np.isfinite(lse)  # a row that sees no key has a zero dS row
+    eps = np.where(sees, 2 * u * (lk + 2 * tk + np.abs(np.where(sees, lse, 0.0))
+                                  + math.log(lk) + 8) + lk * tiny, 0.0)
+    diff, tau = np.empty((n, d)), np.empty((n, d))
+    for b in range(n):
+        do = d_out[b].astype(np.float64)
+        g = ks * (np.abs(do) @ np.abs(saved["v"][b]).max(0, initial=0).astype(np.float64))
+        a = np.abs(do * saved["out"][b].astype(np.float64)).sum(1)
+        e = eps[b]
+        row = 1.01 * (1 + 2 * e) * (
+            e * 1.01 * g + (d + 2) * u * g + e * a + (u + d * u64) * a
+            + (e + u * (lk + 2 * tk + 2)) * g + u_out * (a + tiny_out * np.abs(do).sum(1))
+            + 2.01 * u * (1 + e) * 1.01 * (g + a) + lk * tiny * (1 + g + a))
+        row += 1.01 * u * (lq + 2 * tq) * 1.02 * (1 + e) * (g + a)
+        tau[b] = saved["scale"] * (np.where(sees[b], row, 0.0) @ np.abs(saved["q"][b]).astype(
+            np.float64))
+        tau[b] += (1.01 * u + 1.01 * u_out + lk * u64) * np.abs(dk[b]).sum(0, dtype=np.float64)
+        diff[b] = np.abs(dk[b].sum(0, dtype=np.float64))
+    tau += lk * (tiny + u_out * tiny_out)  # (u tiny underflows in float64)
+    return diff, tau
 
 
 def _row_checksums(x: np.ndarray, chunk: int = 1024) -> np.ndarray:

@@ -52,7 +52,7 @@ class Step:
         - ``"fused check"``: the fused core's final check of what it returned
           (:mod:`attention.fused_final`: forward, the output rows against the row checksums its
           kernel carried from V's row encodings; backward, ``dV``'s column sums against
-          ``dO``'s), its site the fault hook's too.
+          ``dO``'s, and ``dK``'s against 0), its site the fault hook's too.
     out : str
         Name of what the step makes (names joined by ``", "`` where it makes several).
     ins : tuple of str
@@ -147,7 +147,9 @@ FUSED_FORWARD = (Step("fused core", "context_h, lse", ("qh", "kh", "vh")),
 FUSED_BACKWARD = (Step("fused core backward", "d_qh, d_kh, d_vh",
                        ("d_context_h", "qh", "kh", "vh", "context_h", "lse")),
                   Step("fused check", "d_qh, d_kh, d_vh", ("d_vh", "d_context_h"),
-                       site="fused:dV_out"))
+                       site="fused:dV_out"),
+                  Step("fused check", "d_qh, d_kh, d_vh", ("d_kh", "d_context_h"),
+                       site="fused:dK_out"))
 #: The layer's forward: ``x`` (``key``, ``value``) -> ``y``.
 FORWARD = (
     Step("gemm", "q", ("x", "wq"), site="q_proj", bias="bq"),
@@ -291,6 +293,9 @@ FUSED_CHECKS = {
                  "against P [V1, Vw, abs(V)1] / l, carried by the kernel from V's row encodings",
     "fused:dV_out": "final check of dV as returned: 1^T dV = (P 1)^T dO, the column sums of dO "
                     "over the rows that see a key (P's rows sum to 1)",
+    "fused:dK_out": "final check of dK as returned: 1^T dK = scale (dS 1)^T Q = 0, the column sums "
+                    "of dK are 0 (dS's rows sum to 0: sum_j P_ij dP_ij = rowsum(dO O)_i = D_i), "
+                    "with dropout too",
 }
 
 

@@ -22,7 +22,7 @@ from conftest import BACKENDS
 
 KERNEL_SITES = ("fused:S", "fused:P", "fused:O_acc", "fused:rowsum", "fused:dP", "fused:dS",
                 "fused:dQ_acc", "fused:dK_acc", "fused:dV_acc")
-HOOK_SITES = KERNEL_SITES + ("fused:out", "fused:dV_out")
+HOOK_SITES = KERNEL_SITES + ("fused:out", "fused:dV_out", "fused:dK_out")
 KINDS = [("inf", {}), ("nan", {}), ("near-inf", {}), ("additive", {"magnitude": 1e3})]
 
 
@@ -230,11 +230,14 @@ def test_detect_mode_reports_and_leaves_the_fault():
     clean = _run(q, k, v, do, Context())
     ctx = Context(check="detect", fault_hook=Fault("near-inf", "element", seed=0,
                                                    sites="fused:O_acc"))
-    with pytest.warns(Warning, match="fused:O_acc"), pytest.warns(Warning, match="fused:out"):
+    with pytest.warns(Warning, match="fused:O_acc"), pytest.warns(Warning, match="fused:out"), \
+            pytest.warns(Warning, match="fused:dK_out"):
         got = _run(q, k, v, do, ctx)
-    # the output left in place fails the final check too
+    # the output left in place fails the final check too, and so does dK, whose rows of dS no
+    # longer sum to 0 with D = rowsum(dO O) read from that output
     assert [(e.site, e.action) for e in ctx.report.events] == [("fused:O_acc", "reported"),
-                                                               ("fused:out", "reported")]
+                                                               ("fused:out", "reported"),
+                                                               ("fused:dK_out", "reported")]
     assert not np.array_equal(got[0], clean[0])
 
 

@@ -54,7 +54,7 @@ def test_matches_float64_reference_and_the_unfused_core(dtype, causal):
     ctx = Context()
     got = _run(q, k, v, do, ctx, causal=causal)
     assert not ctx.report.events, ctx.report.summary()
-    assert {"fused:out", "fused:dV_out"} <= set(ctx.report.checked)
+    assert {"fused:out", "fused:dV_out", "fused:dK_out"} <= set(ctx.report.checked)
     assert all(g.dtype == dtype for g in got)
     want, tol, theirs = _tolerances(q, k, v, do, causal)
     for name, g, w, t in zip(("out", "dq", "dk", "dv"), got, want, tol):
@@ -83,7 +83,7 @@ def test_fault_in_16bit_data_is_detected_and_corrected(dtype, site):
                                         magnitude=100.0), site)
 
 
-@pytest.mark.parametrize("site", ["fused:out", "fused:dV_out"])
+@pytest.mark.parametrize("site", ["fused:out", "fused:dV_out", "fused:dK_out"])
 def test_final_check_sees_what_the_kernels_cannot(site):
     """A fault after the kernels returned: their checks pass (no event at a kernel site), the
     final check finds it; in detect mode it is reported and left in place."""

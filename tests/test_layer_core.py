@@ -78,14 +78,14 @@ def test_16bit_layer_runs_the_fused_core(dtype):
         assert ran == ("fused" if core == "auto" else "unfused")
         assert not layer.last_report.events, layer.last_report.summary()
         if core == "auto":
-            assert {"fused:out", "fused:dV_out"} <= layer.step_sites | set(
+            assert {"fused:out", "fused:dV_out", "fused:dK_out"} <= layer.step_sites | set(
                 layer.last_report.checked)
     for got, want in zip(results["auto"], results["unfused"]):
         np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=5e-2,
                                    atol=5e-2)
 
 
-@pytest.mark.parametrize("site", ["fused:out", "fused:dV_out"])
+@pytest.mark.parametrize("site", ["fused:out", "fused:dV_out", "fused:dK_out"])
 def test_fault_after_the_fused_kernels_in_the_layer_is_corrected(site):
     rng = np.random.default_rng(4)
     x, dy, _ = _inputs(rng, 2, 40, 40, 32, "float16", False)

@@ -372,7 +372,7 @@ def test_16_bit_modules_take_masks_of_their_dtype(dtype, mask, weights):
     assert not mine.last_report.detected, mine.last_report.summary()
     assert mine.last_core == ("unfused" if weights else "fused")
     if not weights:  # 16-bit data: tiles in float32, the final checks included
-        assert {"fused:out", "fused:dV_out"} <= set(mine.last_report.checked)
+        assert {"fused:out", "fused:dV_out", "fused:dK_out"} <= set(mine.last_report.checked)
     want = run(reference, *(t.detach().double().requires_grad_() for t in (q, k, v)),
                None if attn_mask is None else attn_mask.double())
     u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11

@@ -1,0 +1,173 @@
+"""The fused core's final check of dK (attention/fused_final.py, site fused:dK_out): the column
+sums of dK over the keys are 0 (the rows of dS sum to 0). Clean data never flag it (adversarial
+data, masks, dropout, 16-bit dtypes), a column changed by more than its threshold is detected,
+repaired in check="correct" and reported in check="detect"."""
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from abftgemm import UncorrectableError
+from abftgemm.faults import Fault
+from attention.context import Context
+from attention.fused import fused_backward, fused_forward
+from attention.fused_final import DK_SITE, GRAD_SITE, GRAD_SITES, dk_column_sums, verify_grads
+from test_fused import _data, _run, additive_mask
+
+DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16),
+          np.dtype(ml_dtypes.bfloat16)]
+
+
+def _backward(q, k, v, do, **kw):
+    """A clean forward and backward (no final check): ``(saved, (dq, dk, dv))``."""
+    ctx = Context()
+    _, saved = fused_forward(q, k, v, ctx, **kw)
+    grads = fused_backward(saved, do, ctx)
+    assert not ctx.report.events
+    return saved, grads
+
+
+def _exact_column_sums(q, k, v, do, causal):
+    """Float64 ``1^T dK`` of the unmasked or causal core: 0 up to float64 rounding."""
+    q, k, v, do = (x.astype(np.float64) for x in (q, k, v, do))
+    s = q @ k.transpose(0, 2, 1) / math.sqrt(q.shape[2])
+    if causal:
+        s = np.where(np.tril(np.ones(s.shape[1:], bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    o = p @ v
+    ds = p * (do @ v.transpose(0, 2, 1) - (do * o).sum(-1, keepdims=True))
+    return (ds.transpose(0, 2, 1) @ q).sum(1) / math.sqrt(q.shape[2])
+
+
+def test_the_column_sums_are_zero_in_exact_arithmetic():
+    """The identity the check rests on, in float64, against the size of the terms."""
+    q, k, v, do = _data(np.random.default_rng(0), 2, 90, 90, 16, np.float64)
+    sums = _exact_column_sums(q, k, v, do, causal=True)
+    _, (_, dk, _) = _backward(q, k, v, do, causal=True)
+    assert np.abs(sums).max() < 1e-12 * np.abs(dk).sum(1).max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_no_false_positive_on_adversarial_clean_data(dtype):
+    """Logits up to near float32's exp overflow, identical keys (flat rows), key padding with a
+    head that sees no key, additive masks with fully masked query rows, causal and not, dropout
+    (p up to 1): 48 calls per dtype, the check never flags and runs on every one."""
+    rng = np.random.default_rng(int(dtype.num))
+    for call in range(48):
+        n, lq, d = 2, int(rng.integers(1, 140)), int(rng.choice([8, 16, 64]))
+        causal = bool(call % 2)
+        lk = lq if causal else int(rng.integers(1, 140))
+        spread = float(10.0 ** rng.uniform(0, 2)) if call % 3 else 1.0  # scores up to ~80
+        q, k, v, do = _data(rng, n, lq, lk, d, dtype, spread=math.sqrt(spread))
+        kw = {"causal": causal}
+        if call % 5 == 0:
+            k[:] = k[:, :1]
+        if call % 4 == 0:
+            visible = rng.random((n, lk)) < 0.3
+            visible[0] = False
+            kw["key_visible"] = visible
+        if call % 3 == 2:
+            add = additive_mask(rng, (n, lq, lk), spread=10.0)
+            add[:, lq // 2] = -np.inf
+            kw["attn_mask"] = add
+        if call % 4 == 1:
+            kw.update(dropout=float(rng.choice([0.1, 0.5, 0.9, 1.0])), dropout_seed=call)
+        ctx = Context()
+        got = _run(q, k, v, do, ctx, **kw)
+        assert not ctx.report.events, (call, ctx.report.summary())
+        assert ctx.report.checked[DK_SITE] == 1
+        assert all(np.isfinite(g.astype(np.float64)).all() for g in got)
+
+
+def test_threshold_is_tight_enough_to_matter():
+    """On standard normal data the threshold is below the dK values it guards: a change of a
+    small fraction of a column's magnitude ``sum_j |dK_jc|`` exceeds it (float32 tiles: about
+    0.6% at L = 130, the worst-case bounds of the module docstring; 16-bit rounding adds)."""
+    for dtype, frac in ((np.float32, 0.01), (np.float16, 0.03), (ml_dtypes.bfloat16, 0.1)):
+        q, k, v, do = _data(np.random.default_rng(1), 2, 130, 130, 32, dtype)
+        saved, (_, dk, _) = _backward(q, k, v, do, causal=True)
+        diff, tau = dk_column_sums(saved, do, dk)
+        assert np.all(diff <= tau)
+        mags = np.abs(dk.astype(np.float64)).sum(1)
+        assert np.all(tau < frac * mags), (dtype, (tau / mags).max())
+
+
+def _column_fault(saved, do, dk, sign=1.0):
+    """A fault that moves one dK column's sum (head 1, column 3) by 1.5 times the column's
+    threshold plus its clean sum, so that the sum ends beyond the threshold, at key 7."""
+    diff, tau = dk_column_sums(saved, do, dk)
+    assert np.all(diff <= tau)
+    magnitude = sign * 1.5 * (tau[1, 3] + diff[1, 3])
+    return Fault("additive", "element", sites=DK_SITE, batch=1, row=7, col=3,
+                 magnitude=magnitude), magnitude, tau[1, 3]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_column_beyond_the_threshold_is_corrected(dtype):
+    q, k, v, do = _data(np.random.default_rng(2), 2, 100, 100, 16, dtype)
+    clean = _run(q, k, v, do, Context(), causal=True)
+    saved, grads = _backward(q, k, v, do, causal=True)
+    fault, magnitude, tau = _column_fault(saved, do, grads[1])
+    assert abs(magnitude) > tau
+    ctx = Context(fault_hook=fault)
+    got = _run(q, k, v, do, ctx, causal=True)
+    assert fault.injected and any(fault.injected[0].changed)
+    assert [(e.site, e.action, e.cols) for e in ctx.report.events] == [(DK_SITE, "recomputed",
+                                                                        (3,))]
+    for g, c in zip(got, clean):
+        assert np.array_equal(g, c)
+
+
+def test_detect_mode_reports_the_column_and_leaves_it():
+    q, k, v, do = _data(np.random.default_rng(3), 2, 100, 100, 16, np.float16)
+    saved, grads = _backward(q, k, v, do, causal=True)
+    clean = [g.copy() for g in grads]
+    fault, _, _ = _column_fault(saved, do, grads[1], sign=-1.0)
+    ctx = Context(check="detect", fault_hook=fault)
+    with pytest.warns(Warning, match=DK_SITE):
+        got = verify_grads(saved, do, grads, ctx)
+    (event,) = ctx.report.events
+    assert (event.site, event.action, event.batch, event.cols) == (DK_SITE, "reported", 1, (3,))
+    assert event.magnitude > event.threshold
+    assert not np.array_equal(got[1], clean[1]) and np.array_equal(got[2], clean[2])
+
+
+def test_with_dropout_the_dk_check_runs_and_repairs():
+    """dS's rows sum to 0 with dropout too: fused:dK_out checks (fused:dV_out does not)."""
+    q, k, v, do = _data(np.random.default_rng(4), 2, 90, 90, 16)
+    kw = {"causal": True, "dropout": 0.3, "dropout_seed": 5}
+    clean = _run(q, k, v, do, Context(), **kw)
+    ctx = Context(fault_hook=Fault("additive", "element", seed=2, sites=DK_SITE, magnitude=1.0))
+    got = _run(q, k, v, do, ctx, **kw)
+    assert DK_SITE in ctx.report.checked and GRAD_SITE not in ctx.report.checked
+    assert [(e.site, e.action) for e in ctx.report.events] == [(DK_SITE, "recomputed")]
+    for g, c in zip(got, clean):
+        assert np.array_equal(g, c)
+
+
+def test_both_backward_checks_judge_the_recomputed_gradients():
+    """A fault at fused:dV_out recomputes the backward; its dK and dV are both checked again
+    (a persistent fault at one site raises, naming it)."""
+    q, k, v, do = _data(np.random.default_rng(5), 1, 80, 80, 16)
+    ctx = Context(fault_hook=Fault("nan", "element", seed=0, sites=GRAD_SITE))
+    _run(q, k, v, do, ctx)
+    assert [(e.site, e.action) for e in ctx.report.events] == [(GRAD_SITE, "recomputed")]
+    assert all(ctx.report.checked[s] == 1 for s in GRAD_SITES)
+    ctx = Context(fault_hook=Fault("inf", "element", seed=0, sites=DK_SITE, times=None))
+    with pytest.raises(UncorrectableError, match=DK_SITE):
+        _run(q, k, v, do, ctx)
+
+
+def test_verify_grads_runs_the_sites_asked_for():
+    q, k, v, do = _data(np.random.default_rng(6), 1, 64, 64, 8)
+    saved, grads = _backward(q, k, v, do)
+    ctx = Context()
+    assert verify_grads(saved, do, grads, ctx, sites=(DK_SITE,)) is grads
+    assert set(ctx.report.checked) == {DK_SITE}
+    for bad in ((), ("fused:out",), ("fused:dQ_out",)):
+        with pytest.raises(ValueError, match="sites must be some of"):
+            verify_grads(saved, do, grads, Context(), sites=bad)
