@@ -74,6 +74,7 @@ from abftgemm.checksums import smallest_normal, unit_roundoff
 from abftgemm.report import Event, UncorrectableError, announce
 from attention import _cpu_fused as K
 from attention.context import Context
+from attention.dropout import keep_scale
 from attention.fused import fused_backward, fused_forward, work_dtype
 from attention.fused_rules import coefficients
 
@@ -284,7 +285,7 @@ def dk_column_sums(saved: dict[str, Any], d_out: np.ndarray, dk: np.ndarray
                    ) -> tuple[np.ndarray, np.ndarray]:
     """``(|1^T dK|, tau)``, each ``(n, d)``: the absolute column sums of each head's ``dk`` over
     the keys (0 in exact arithmetic) and their thresholds (``fused:dK_out``, module docstring),
-    one head's float64 ``dO``, ``O`` and ``|Q|`` at a time.
+    512 rows of a head at a time in float64.
 
     Parameters
     ----------
@@ -305,25 +306,34 @@ def dk_column_sums(saved: dict[str, Any], d_out: np.ndarray, dk: np.ndarray
         u_out, tiny_out = unit_roundoff(dk.dtype), smallest_normal(dk.dtype)
     tk, tq = -(-lk // K.BC), -(-lq // K.BR)
     p, _ = saved.get("dropout") or (0.0, None)
-    ks = float(wt.type(0.0 if p == 1 else 1.0 / (1.0 - p)))  # the kernels' factor
+    ks = float(wt.type(keep_scale(p)))  # the kernels' factor
     sees = np.isfinite(lse)  # a row that sees no key has a zero dS row
     eps = np.where(sees, 2 * u * (lk + 2 * tk + np.abs(np.where(sees, lse, 0.0))
                                   + math.log(lk) + 8) + lk * tiny, 0.0)
-    diff, tau = np.empty((n, d)), np.empty((n, d))
+    diff, tau = np.zeros((n, d)), np.zeros((n, d))
+    step = 512  # rows at a time: no float64 copy of a head's arrays
     for b in range(n):
-        do = d_out[b].astype(np.float64)
-        g = ks * (np.abs(do) @ np.abs(saved["v"][b]).max(0, initial=0).astype(np.float64))
-        a = np.abs(do * saved["out"][b].astype(np.float64)).sum(1)
-        e = eps[b]
-        row = 1.01 * (1 + 2 * e) * (
-            e * 1.01 * g + (d + 2) * u * g + e * a + (u + d * u64) * a
-            + (e + u * (lk + 2 * tk + 2)) * g + u_out * (a + tiny_out * np.abs(do).sum(1))
-            + 2.01 * u * (1 + e) * 1.01 * (g + a) + lk * tiny * (1 + g + a))
-        row += 1.01 * u * (lq + 2 * tq) * 1.02 * (1 + e) * (g + a)
-        tau[b] = saved["scale"] * (np.where(sees[b], row, 0.0) @ np.abs(saved["q"][b]).astype(
-            np.float64))
-        tau[b] += (1.01 * u + 1.01 * u_out + lk * u64) * np.abs(dk[b]).sum(0, dtype=np.float64)
-        diff[b] = np.abs(dk[b].sum(0, dtype=np.float64))
+        vmax = np.zeros(d)
+        for j0 in range(0, lk, step):
+            vmax = np.maximum(vmax, np.abs(saved["v"][b, j0:j0 + step]).max(0))
+            part = dk[b, j0:j0 + step]
+            diff[b] += part.sum(0, dtype=np.float64)
+            tau[b] += np.abs(part).sum(0, dtype=np.float64)
+        diff[b] = np.abs(diff[b])
+        tau[b] *= 1.01 * u + 1.01 * u_out + lk * u64
+        for i0 in range(0, lq, step):
+            do = d_out[b, i0:i0 + step].astype(np.float64)
+            g = ks * (np.abs(do) @ vmax)
+            a = np.abs(do * saved["out"][b, i0:i0 + step]).sum(1)
+            e = eps[b, i0:i0 + step]
+            row = 1.01 * (1 + 2 * e) * (
+                e * 1.01 * g + (d + 2) * u * g + e * a + (u + d * u64) * a
+                + (e + u * (lk + 2 * tk + 2)) * g + u_out * (a + tiny_out * np.abs(do).sum(1))
+                + 2.01 * u * (1 + e) * 1.01 * (g + a) + lk * tiny * (1 + g + a))
+            row += 1.01 * u * (lq + 2 * tq) * 1.02 * (1 + e) * (g + a)
+            row = np.where(sees[b, i0:i0 + step], row, 0.0)
+            tau[b] += saved["scale"] * (row @ np.abs(saved["q"][b, i0:i0 + step]).astype(
+                np.float64))
     tau += lk * (tiny + u_out * tiny_out)  # (u tiny underflows in float64)
     return diff, tau
 
