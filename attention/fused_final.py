@@ -53,7 +53,7 @@ head.
     accumulation ``dK += dS^T Q`` errs by ``1.01 u (L_q + 2 T_q) sum_i |dS_ij| |Q_ic|``. Per column
     ``c``: ``scale sum_i |Q_ic| (|sum_j dS_ij| + 1.01 u (L_q + 2 T_q) sum_j |dS_ij|)`` plus
     ``(1.01 u + 1.01 u_out + L_k u64) sum_j |dK_jc|`` (the multiplication by ``scale``, the rounding
-    to a 16-bit dtype, the float64 column sum) and ``L_k (u tiny + u_out tiny_out)`` for subnormal
+    to a 16-bit dtype, the float64 column sum) and ``L_k (tiny + u_out tiny_out)`` for subnormal
     results. It detects by column and does not locate the row.
 
 A flag in ``check="correct"`` recomputes the whole forward (or backward) and checks again
@@ -138,7 +138,7 @@ def verify_grads(saved: dict[str, Any], d_out: np.ndarray, grads: tuple[np.ndarr
     abftgemm.UncorrectableError
         The recomputed gradients failed a check too.
     ValueError
-        ``sites`` names no backward final check.
+        ``sites`` is empty or names a site outside :data:`GRAD_SITES`.
     """
     unknown = [s for s in sites if s not in GRAD_SITES]
     if unknown or not sites:
