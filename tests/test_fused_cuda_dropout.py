@@ -22,7 +22,7 @@ TOL = {np.float32: {"rtol": 2e-4, "atol": 2e-5}, np.float64: {"rtol": 1e-10, "at
 #: An element of each site in the second query block and second key tile (32 x 32 tiles) of head
 #: 1, causal-visible; accumulators hit after their first tile.
 ELEMENTS = {"fused:S": (40, 35), "fused:P": (41, 33), "fused:O_acc": (45, 3),
-            "fused:rowsum": (50, 0), DROPOUT_HOOK_SITE: (44, 34), "fused:dP": (40, 35),
+            "fused:rowsum": (50, 0), DROPOUT_HOOK_SITE: (40, 34), "fused:dP": (40, 35),
             "fused:dS": (41, 33), "fused:dQ_acc": (45, 3), "fused:dK_acc": (35, 3),
             "fused:dV_acc": (36, 5)}
 #: (site, the call whose kernels take the fault).
@@ -151,3 +151,17 @@ def test_bad_dropout_arguments_on_device_data(xp):
         fused_forward(q, k, v, Context(), dropout=1.5)
     with pytest.raises(ValueError, match="2\\*\\*64"):
         fused_forward(q, k, v, Context(), dropout=0.5, dropout_seed=2 ** 64)
+
+
+@pytest.mark.parametrize("xp", CUDA)
+def test_device_fault_names_the_dropped_tile(xp):
+    from abftgemm.faults import Fault
+    from attention._cuda_fused import device_fault
+
+    fault = Fault("additive", "element", seed=0, sites=DROPOUT_HOOK_SITE, magnitude=1e3,
+                  batch=1, row=40, col=34)
+    got = device_fault(fault, (2, 70, 16), 70, np.float32, causal=True)
+    assert (got.site, got.head, got.row, got.col, got.step) == (DROPOUT_HOOK_SITE, 1, 40, 34, 0)
+    with pytest.raises(ValueError, match="one site of"):
+        device_fault(Fault("additive", "element", sites="fused:nowhere"), (2, 70, 16), 70,
+                     np.float32)
