@@ -45,8 +45,8 @@ class Dropout:
 
     @property
     def scale(self) -> float:
-        """``1 / (1 - p)``; 0 for ``p == 1``, where every entry is dropped."""
-        return 0.0 if self.p == 1 else 1.0 / (1.0 - self.p)
+        """:func:`keep_scale` of ``p``."""
+        return keep_scale(self.p)
 
     @classmethod
     def of(cls, xp: Any, p: float, keep: Any | None, shape: tuple[int, int, int],
@@ -57,7 +57,7 @@ class Dropout:
         generator); otherwise it is drawn from ``rng`` (a ``numpy.random.Generator``, or
         CuPy's for CuPy arrays; a new unseeded one when None).
         """
-        p = _probability(p)
+        p = probability(p)
         if p == 0.0:
             if keep is not None:
                 raise ValueError("dropout_keep was given with dropout=0; give the dropout "
@@ -86,7 +86,7 @@ def for_core(xp: Any, p: float, keep: Any | None, seed: int | None,
     unfused core its mask (:meth:`Dropout.of`). ``keep`` and ``seed`` exclude each other; the
     fused core never takes ``keep`` (:func:`attention.fused_choice.static_reason`).
     """
-    p = _probability(p)
+    p = probability(p)
     if seed is not None:
         if keep is not None:
             raise ValueError("give dropout_keep or dropout_seed, not both")
@@ -101,12 +101,18 @@ def for_core(xp: Any, p: float, keep: Any | None, seed: int | None,
     return Dropout.of(xp, p, keep, shape, rng), None
 
 
-def _probability(p: float) -> float:
-    """``p`` as a float, which must be in ``[0, 1]``."""
+def probability(p: float) -> float:
+    """A dropout probability ``p`` as a float, which must be in ``[0, 1]``."""
     p = float(p)
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout must be a probability in [0, 1], got {p}")
     return p
+
+
+def keep_scale(p: float) -> float:
+    """The factor of a kept entry, ``1 / (1 - p)``; 0 for ``p == 1``, where every entry is
+    dropped."""
+    return 0.0 if p == 1 else 1.0 / (1.0 - p)
 
 
 def _draw(xp: Any, p: float, shape: tuple[int, int, int], rng: Any | None) -> Any:

@@ -130,6 +130,7 @@ from abftgemm.checksums import SUPPORTED_DTYPES
 from abftgemm.threads import current_policy
 from attention import _cpu_fused as K
 from attention.context import Context
+from attention.dropout import keep_scale, probability
 from attention.dropout_hash import check_seed, draw_seed, threshold
 from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, FUSED_SITES,  # noqa: F401
                                    coefficients, dscores_tolerance, probs_tolerance)
@@ -313,21 +314,19 @@ def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
 
 def _dropout_of(p: float, seed: int | None) -> tuple[float, int] | None:
     """``(p, seed)`` of a call's dropout, checked (None for ``p == 0``)."""
-    p = float(p)
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"dropout must be a probability in [0, 1], got {p}")
+    p = probability(p)
     if p == 0.0:
         return None
     return p, int(check_seed(draw_seed(None) if seed is None else seed))
 
 
 def _kernel_dropout(drop: tuple[float, int] | None, dt: np.dtype) -> tuple[Any, Any, Any]:
-    """The kernels' ``(seed, thr, ks)``: ``thr`` 0 for no dropout; ``ks = 1 / (1 - p)`` in the
-    data's dtype (0 for ``p == 1``), as :class:`attention.dropout.Dropout` scales."""
+    """The kernels' ``(seed, thr, ks)``: ``thr`` 0 for no dropout; ``ks`` the
+    :func:`attention.dropout.keep_scale` of ``p`` in the data's dtype."""
     if drop is None:
         return np.uint64(0), np.uint64(0), dt.type(1)
     p, seed = drop
-    return np.uint64(seed), threshold(p), dt.type(0.0 if p == 1 else 1.0 / (1.0 - p))
+    return np.uint64(seed), threshold(p), dt.type(keep_scale(p))
 
 
 def _row_encodings(x: np.ndarray, check: bool) -> np.ndarray:
