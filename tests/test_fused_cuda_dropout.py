@@ -5,9 +5,11 @@ faults at the forward and backward sites (the dropped tile included) with dropou
 small: the emulation runs every CUDA thread on the CPU."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
+from abftgemm.checksums import unit_roundoff
 from attention.context import Context
 from attention.core import core_backward, core_forward
 from attention.dropout_hash import keep_mask
@@ -95,6 +97,24 @@ def test_cuda_equals_the_cpu_core_and_the_unfused_core(xp, dtype, causal):
     plain = _run(xp, q, k, v, do, Context(), causal=causal, key_visible=xp.asarray(visible))
     for g, c in zip(got, plain):  # dropout did something
         assert not np.allclose(g, c)
+
+
+@pytest.mark.parametrize("xp", CUDA)
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_16_bit_data_equal_the_cpu_core(xp, dtype):
+    """Both compute in float32 with ``ks`` in float32; their results, rounded once to the data's
+    dtype, differ by the float32 tiles' summation order: within a few of the data's units."""
+    q, k, v, do = _data(np.random.default_rng(2), 2, 50, 70, 16, dtype)
+    kw = {"dropout": 0.25, "dropout_seed": 77}
+    ctx = Context()
+    got = _run(xp, q, k, v, do, ctx, **kw)
+    assert not ctx.report.events, ctx.report.summary()
+    cpu = _run(np, q, k, v, do, Context(), **kw)
+    u = unit_roundoff(dtype)
+    for name, g, w in zip(NAMES, got, cpu):
+        assert g.dtype == dtype
+        g, w = g.astype(np.float64), w.astype(np.float64)
+        np.testing.assert_allclose(g, w, err_msg=name, rtol=4 * u, atol=4 * u * np.abs(w).max())
 
 
 @pytest.mark.parametrize("xp", CUDA)
