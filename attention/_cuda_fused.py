@@ -11,6 +11,10 @@ block, dQ per query block: no atomics), each recomputing the tiles it needs. Til
 arithmetic in float32 (float64 for float64), the 16-bit tile products S and dP on tensor cores
 where CUDA's headers allow (``FUSED_WMMA`` in the source).
 
+Attention dropout as the CPU core's: the kernels regenerate the keep decisions of
+:mod:`attention.dropout_hash` per tile, bit for bit, from ``(seed, head, query, key)``; the same
+checks and carried checksums cover the dropped tile (:mod:`attention.fused`).
+
 Faults are injected by the kernels, at the element a :class:`DeviceFault` names (``ctx.fault_hook``
 must be one, or None): a Python hook cannot see the tiles of a kernel. :func:`device_fault` turns
 a toolkit :class:`abftgemm.faults.Fault` into one (the campaign's ``--core fused`` on CuPy).
