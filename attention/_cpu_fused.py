@@ -22,7 +22,8 @@ from typing import Any
 import numba
 import numpy as np
 
-from attention._cpu_vmath import exp_like, frexp_like, like, log_like
+from attention._cpu_vmath import (exp_like, frexp_like, from_ordered_key, like, log_like,
+                                   ordered_key)
 from attention.dropout_hash import GAMMA, MIX1, MIX2, SHIFT
 
 #: Query rows and keys per tile.
@@ -494,12 +495,15 @@ def _mask(s: Any, scale: Any, i0: int, j0: int, causal: bool, visible: Any, add:
 @numba.njit(cache=True, fastmath=_FAST)
 def _new_max(z: Any, m: Any, alpha: Any) -> None:
     """Online softmax: ``m = max(m, rowmax z)`` and ``alpha = exp(m_old - m)`` (1 while a row
-    has seen no visible key)."""
+    has seen no visible key). The max is taken over :func:`ordered_key` integers, a reduction
+    LLVM vectorizes (a float max with NaN's rules it does not); a NaN ``z`` (a fault after the
+    scores' check) makes ``m`` NaN, which the probabilities' check then flags."""
     for r in range(z.shape[0]):
-        mx = m[r]
+        top = ordered_key(m[r])
         row = z[r]
         for j in range(z.shape[1]):
-            mx = max(mx, row[j])
+            top = max(top, ordered_key(row[j]))
+        mx = from_ordered_key(top)
         alpha[r] = exp_like(m[r] - mx) if mx > -np.inf else like(mx, 1.0)
         m[r] = mx
 
