@@ -11,6 +11,10 @@ block, dQ per query block: no atomics), each recomputing the tiles it needs. Til
 arithmetic in float32 (float64 for float64), the 16-bit tile products S and dP on tensor cores
 where CUDA's headers allow (``FUSED_WMMA`` in the source).
 
+Attention dropout as the CPU core's: the kernels regenerate the keep decisions of
+:mod:`attention.dropout_hash` per tile, bit for bit, from ``(seed, head, query, key)``; the same
+checks and carried checksums cover the dropped tile (:mod:`attention.fused`).
+
 Faults are injected by the kernels, at the element a :class:`DeviceFault` names (``ctx.fault_hook``
 must be one, or None): a Python hook cannot see the tiles of a kernel. :func:`device_fault` turns
 a toolkit :class:`abftgemm.faults.Fault` into one (the campaign's ``--core fused`` on CuPy).
@@ -32,6 +36,7 @@ from abftgemm.faults import Fault, near_inf_value
 from attention import _cpu_fused as K
 from attention import kernels
 from attention.context import Context
+from attention.fused import _dropout_of, _kernel_dropout
 from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, additive_of, book,
                                    check_gradient, check_inputs, coefficients,
                                    dscores_tolerance, key_visible_of, probs_tolerance)
@@ -58,13 +63,16 @@ class DeviceFault:
     Parameters
     ----------
     site : str
-        One of :data:`attention._cpu_fused.SITES`.
+        One of :data:`attention._cpu_fused.HOOK_SITES`: the checked sites, and
+        ``fused:dropout``, the dropped probabilities (forward and the dK/dV kernel's backward;
+        covered by ``fused:O_acc`` and ``fused:dV_acc``).
     row, col : int
         The element, in the site's matrix of head ``head``: ``fused:S``, ``fused:P``,
-        ``fused:dP``, ``fused:dS``: query x key; ``fused:O_acc``, ``fused:dQ_acc``: query x head
-        dim; ``fused:dK_acc``, ``fused:dV_acc``: key x head dim; ``fused:rowsum``: the query
-        (``col`` 0). ``fused:S`` and ``fused:P`` are hit in the forward (the backward only sees
-        a fault of theirs that the forward did not take).
+        ``fused:dropout``, ``fused:dP``, ``fused:dS``: query x key; ``fused:O_acc``,
+        ``fused:dQ_acc``: query x head dim; ``fused:dK_acc``, ``fused:dV_acc``: key x head dim;
+        ``fused:rowsum``: the query (``col`` 0). ``fused:S``, ``fused:P`` and ``fused:dropout``
+        are hit in the forward (the backward only sees a fault of theirs that the forward did not
+        take).
     head : int
         Index into the leading (batch * heads) axis.
     step : int
@@ -101,8 +109,8 @@ class DeviceFault:
     old: float = math.nan
 
     def __post_init__(self) -> None:
-        if self.site not in K.SITES:
-            raise ValueError(f"site must be one of {K.SITES}, got {self.site!r}")
+        if self.site not in K.HOOK_SITES:
+            raise ValueError(f"site must be one of {K.HOOK_SITES}, got {self.site!r}")
         if self.kind not in _KINDS:
             raise ValueError(f"kind must be one of {tuple(_KINDS)}, got {self.kind!r}")
         if min(self.row, self.col, self.head, self.step) < 0:
@@ -123,7 +131,7 @@ class DeviceFault:
         elif value is None:
             value = near_inf_value(arith) if code == 2 else self.value
         return cupy.asarray(numpy.array(
-            [K.SITES.index(self.site), self.head, self.row, self.col, self.step, code,
+            [K.HOOK_SITES.index(self.site), self.head, self.row, self.col, self.step, code,
              float(self.persistent), value, 0.0, math.nan]))
 
     def record(self, desc: cupy.ndarray | None) -> None:
@@ -142,12 +150,12 @@ def device_fault(fault: Fault, q_shape: tuple[int, int, int], seq_k: int, dtype:
     in one fused site's matrix of one head, what it does to it.
 
     The kernels inject one element per fault, so ``fault`` must name one site of
-    :data:`attention._cpu_fused.SITES` (``sites``), have pattern ``"element"``, a kind other than
-    ``"multibit"``, ``times`` 1 (the first computation) or None (persistent), and ``skip`` 0 (it
-    counts the CPU hook's tile calls; a CUDA accumulator's tile is ``step``). Its ``batch`` (the
+    :data:`attention._cpu_fused.HOOK_SITES` (``sites``), have pattern ``"element"``, a kind other
+    than ``"multibit"``, ``times`` 1 (the first computation) or None (persistent), and ``skip`` 0
+    (it counts the CPU hook's tile calls; a CUDA accumulator's tile is ``step``). Its ``batch`` (the
     head), ``row`` and ``col`` index the site's whole matrix of one head (as :class:`DeviceFault`
-    says, not one tile); what it leaves None is drawn from its seed, among the elements the
-    kernels compute: with ``causal``, a tile-site element at or below the diagonal's tile, and an
+    says, not one tile); what it leaves None is drawn from its seed, among the elements the kernels
+    compute: with ``causal``, a tile-site element at or below the diagonal's tile, and an
     accumulator's ``step`` among the tiles its block sweeps. A ``"bitflip"`` without ``bit`` draws
     one of the tile arithmetic's bits (float32 below float64).
 
@@ -172,8 +180,8 @@ def device_fault(fault: Fault, q_shape: tuple[int, int, int], seq_k: int, dtype:
         On a position or step outside the site's matrix or sweep.
     """
     sites = tuple(fault.sites or ())
-    if len(sites) != 1 or sites[0] not in K.SITES:
-        raise ValueError(f"the fault must name one site of {K.SITES}, got {fault.sites}")
+    if len(sites) != 1 or sites[0] not in K.HOOK_SITES:
+        raise ValueError(f"the fault must name one site of {K.HOOK_SITES}, got {fault.sites}")
     site = sites[0]
     if fault.pattern != "element":
         raise ValueError(f"the fused CUDA kernels inject one element per fault; pattern "
@@ -238,11 +246,15 @@ def _sweep(site: str, row: int, lq: int, lk: int, causal: bool) -> int:
 
 def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = None,
                   causal: bool = False, key_visible: Any | None = None,
-                  attn_mask: Any | None = None) -> tuple[cupy.ndarray, dict[str, Any]]:
+                  attn_mask: Any | None = None, dropout: float = 0.0,
+                  dropout_seed: int | None = None) -> tuple[cupy.ndarray, dict[str, Any]]:
     """:func:`attention.fused.fused_forward` for CuPy arrays (float16, bfloat16, float32 or
-    float64, head dim at most :data:`MAX_HEAD_DIM`); ``saved["lse"]`` is float32 below float64."""
+    float64, head dim at most :data:`MAX_HEAD_DIM`); ``saved["lse"]`` is float32 below float64.
+    Dropout's keep decisions are the CPU core's for the same seed; ``ks = 1 / (1 - p)`` is
+    rounded to the tile arithmetic's dtype."""
     fault = _fault(ctx)
     scale, visible = _validate(q, k, v, scale, causal, key_visible)
+    drop = _dropout_of(dropout, dropout_seed)
     add = None if attn_mask is None else additive_of(cupy, attn_mask, q, k)
     n, lq, d = q.shape
     lk = k.shape[1]
@@ -260,18 +272,19 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     lse = cupy.empty((n, lq), arith)
     rec = cupy.zeros((n * nqb, len(K.SITES), K.FIELDS))
     status = cupy.zeros(n * nqb, numpy.int32)
-    desc = None if fault is None else fault.descriptor(FORWARD_SITES, arith)
+    desc = None if fault is None else fault.descriptor(_with_dropout(FORWARD_SITES, drop), arith)
     with q.device:
         _kernel(q.device.id, kernels.FUSED_FORWARD, q.dtype.name)(
             (n * nqb,), (_THREADS,),
             (q, k, v, ve, visible, add, _stride(add), numpy.int32(lq), numpy.int32(lk),
              numpy.int32(d), numpy.float64(scale), numpy.int32(causal), numpy.int32(check),
-             numpy.int32(correct), params, desc, out, lse, rec, status))
+             numpy.int32(correct), *_dropout_args(drop, arith), params, desc, out, lse, rec,
+             status))
     if fault is not None:
         fault.record(desc)
     book(ctx, rec.get(), status.get(), lambda t: t // nqb, FORWARD_SITES, check)
     return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "scale": scale,
-                 "causal": causal, "visible": visible, "add": add}
+                 "causal": causal, "visible": visible, "add": add, "dropout": drop}
 
 
 def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
@@ -303,13 +316,16 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
     status = cupy.zeros(n * (nkb + nqb), numpy.int32)
     split = n * nkb
     # Tile sites are injected by the dK/dV kernel, dQ_acc by the dQ kernel.
+    drop = saved.get("dropout")
     desc_kv = desc_q = None
     if fault is not None:
-        desc_kv = fault.descriptor(tuple(s for s in BACKWARD_SITES if s != "fused:dQ_acc"), arith)
+        kv_sites = tuple(s for s in BACKWARD_SITES if s != "fused:dQ_acc")
+        desc_kv = fault.descriptor(_with_dropout(kv_sites, drop), arith)
         desc_q = fault.descriptor(("fused:dQ_acc",), arith)
     mask = (saved["add"], _stride(saved["add"]))
     common = (numpy.int32(lq), numpy.int32(lk), numpy.int32(d), numpy.float64(saved["scale"]),
-              numpy.int32(saved["causal"]), numpy.int32(check), numpy.int32(correct), params)
+              numpy.int32(saved["causal"]), numpy.int32(check), numpy.int32(correct),
+              *_dropout_args(drop, arith), params)
     with q.device:
         _kernel(q.device.id, kernels.FUSED_BACKWARD_KV, q.dtype.name)(
             (split,), (_THREADS,),
@@ -334,6 +350,19 @@ def _fault(ctx: Context) -> DeviceFault | None:
                         f"an attention._cuda_fused.DeviceFault or None, got {type(hook).__name__}"
                         " (attention._cuda_fused.device_fault converts an abftgemm.faults.Fault)")
     return hook
+
+
+def _with_dropout(sites: tuple[str, ...], drop: tuple[float, int] | None) -> tuple[str, ...]:
+    """``sites``, and the dropped tile's fault site when the call has dropout."""
+    return sites if drop is None else sites + (K.HOOK_SITES[K.DROP_],)
+
+
+def _dropout_args(drop: tuple[float, int] | None, arith: numpy.dtype
+                  ) -> tuple[numpy.uint64, numpy.uint64, numpy.float64]:
+    """The kernels' ``(seed, thr, ks)`` (:func:`attention.fused._kernel_dropout`; ``thr`` 0: no
+    dropout), ``ks`` rounded to the tile arithmetic's dtype and passed as float64 (exact)."""
+    seed, thr, ks = _kernel_dropout(drop, arith)
+    return numpy.uint64(seed), numpy.uint64(thr), numpy.float64(ks)
 
 
 def _arith(dtype: numpy.dtype) -> numpy.dtype:

@@ -14,22 +14,22 @@ CuPy arrays run the same algorithm and checks in CUDA kernels (:mod:`attention._
 between their projections (:func:`attention.functional.attention_forward`, so
 :class:`attention.MultiHeadAttention` and :class:`attention.torch.MultiheadAttention`); the
 unfused core stays the reference and the path for what this one does not support (an explicit
-dropout mask, the attention weights, and dropout on the GPU: the CUDA kernels have none, and
-the layers run GPU data unfused). float16 and bfloat16 data (``ml_dtypes.bfloat16``, as
-:func:`abftgemm._torch.to_array` hands PyTorch's bfloat16 over) are converted to float32 at the
-entry (Q, K, V, and backward dO and O: O(L d) per head, exact), every tile is computed,
-accumulated and checked in float32 with float32's thresholds, and the results are rounded to the
-data's dtype on the way out.
+dropout mask, the attention weights; and GPU data, which :func:`attention.core.core_forward` and
+the layers run unfused, though the CUDA kernels take dropout too). float16 and bfloat16 data
+(``ml_dtypes.bfloat16``, as :func:`abftgemm._torch.to_array` hands PyTorch's bfloat16 over) are
+converted to float32 at the entry (Q, K, V, and backward dO and O: O(L d) per head, exact),
+every tile is computed, accumulated and checked in float32 with float32's thresholds, and the
+results are rounded to the data's dtype on the way out.
 
-Attention dropout (CPU, ``dropout=p``), FlashAttention style, no ``L x L`` mask: the keep
-decision of element ``(b, i, j)`` comes from a counter-based hash of ``(seed, b, i, j)``
-(:mod:`attention.dropout_hash`; :func:`attention.dropout_hash.keep_mask` materializes the same
-decisions), regenerated per tile forward and again backward; a kept entry is scaled by ``ks =
-1 / (1 - p)`` in the data's dtype (0 for ``p = 1``, as :mod:`attention.dropout`). Forward: the
-``P`` check and the denominator ``l`` read ``P`` before dropout; the product reads the dropped
-tile ``P_d = fl(P ks) keep`` (hook site ``fused:dropout``). Backward (FlashAttention-2's):
-``dV += P_d^T dO``, ``dP' = dO V^T`` (checked as ``dP``), ``dP = fl(dP' ks) keep``, ``dS = P
-(dP - D)`` with ``D = rowsum(dO O)``.
+Attention dropout (``dropout=p``; the CUDA kernels alike, with bit for bit the same keep decisions),
+FlashAttention style, no ``L x L`` mask: the keep decision of element ``(b, i, j)`` comes from a
+counter-based hash of ``(seed, b, i, j)`` (:mod:`attention.dropout_hash`;
+:func:`attention.dropout_hash.keep_mask` materializes the same decisions), regenerated per tile
+forward and again backward; a kept entry is scaled by ``ks = 1 / (1 - p)`` in the data's dtype (0
+for ``p = 1``, as :mod:`attention.dropout`). Forward: the ``P`` check and the denominator ``l`` read
+``P`` before dropout; the product reads the dropped tile ``P_d = fl(P ks) keep`` (hook site
+``fused:dropout``). Backward (FlashAttention-2's): ``dV += P_d^T dO``, ``dP' = dO V^T`` (checked as
+``dP``), ``dP = fl(dP' ks) keep``, ``dS = P (dP - D)`` with ``D = rowsum(dO O)``.
 
 What replaces the unfused core's ``dropout`` check (a recomputation compared bit for bit): the
 dropped tile is no check site of its own, it is covered by the accumulators that read it. The
@@ -176,7 +176,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         The softmax invariant is judged on these masked scores (module docstring). Combines
         with ``causal`` and ``key_visible``.
     dropout : float
-        Attention dropout probability in ``[0, 1]`` (0: none; the CPU only): the output is
+        Attention dropout probability in ``[0, 1]`` (0: none): the output is
         ``(P * keep / (1 - p)) v``, ``keep`` regenerated per tile from ``dropout_seed``
         (:func:`attention.dropout_hash.keep_mask` materializes it); ``p = 1`` drops every
         entry (output 0), as :mod:`attention.dropout` does.
@@ -201,12 +201,10 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         A flagged tile or block still failed its check after recomputation.
     """
     if is_cupy_array(q):  # the CUDA kernels: attention/_cuda_fused.py
-        if dropout:
-            raise ValueError("the CUDA fused core has no attention dropout (the unfused core "
-                             "runs it on the GPU)")
         from attention import _cuda_fused
         return _cuda_fused.fused_forward(q, k, v, ctx, scale=scale, causal=causal,
-                                         key_visible=key_visible, attn_mask=attn_mask)
+                                         key_visible=key_visible, attn_mask=attn_mask,
+                                         dropout=dropout, dropout_seed=dropout_seed)
     scale, visible = _validate(q, k, v, scale, causal, key_visible)
     drop = _dropout_of(dropout, dropout_seed)
     add = _NO_ADD if attn_mask is None else additive_of(np, attn_mask, q, k)

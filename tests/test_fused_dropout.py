@@ -241,8 +241,8 @@ def test_bad_dropout_arguments():
 @pytest.mark.parametrize("xp", BACKENDS)
 def test_gpu_data_run_the_unfused_core_on_the_seeds_decisions(xp):
     """Device arrays (CuPy, or its CPU stand-in) run dropout on the unfused core: the seed's keep
-    decisions materialized, the same output as the fused core on the host; the CUDA fused kernels
-    have no dropout and say so."""
+    decisions materialized, the same output as the fused core on the host; the CUDA fused
+    kernels, called directly, draw the same decisions (tests/test_fused_cuda_dropout.py)."""
     q, k, v, _ = _data(np.random.default_rng(9), 2, 20, 20, 8, np.float64)
     want, saved = core_forward(q, k, v, Context(), dropout=0.4, dropout_seed=3)
     assert saved["core"] == "fused"
@@ -252,8 +252,8 @@ def test_gpu_data_run_the_unfused_core_on_the_seeds_decisions(xp):
     got, saved = core_forward(*dev, Context(), dropout=0.4, dropout_seed=3)
     assert saved["core"] == "unfused"
     np.testing.assert_allclose(to_host(got), want, rtol=1e-10, atol=1e-12)
-    with pytest.raises(ValueError, match="no attention dropout"):
-        fused_forward(*dev, Context(), dropout=0.4, dropout_seed=3)
+    fused, _ = fused_forward(*dev, Context(), dropout=0.4, dropout_seed=3)
+    np.testing.assert_allclose(to_host(fused), want, rtol=1e-10, atol=1e-12)
 
 
 def test_core_backward_of_a_non_finite_gradient_keeps_the_decisions():

@@ -10,7 +10,11 @@
 // by entry on the softmax invariant log P = z - m, z the masked scores as stored (fused:P);
 // l = alpha l + rowsum P (fused:rowsum, against sum P carried in float64); O_acc = alpha O_acc
 // + P V with V's row encodings carried through the same rescaling (fused:O_acc, judged on the
-// stored output). A flagged tile is recomputed once, a flagged block
+// stored output). Attention dropout (thr > 0) as the CPU's: the keep decisions regenerated per
+// tile from (seed, head, query, key) (keep_tile, bit for bit attention/dropout_hash.py), the P
+// check and l reading P before dropout, the product reading the dropped tile P_d = fl(P ks) keep
+// (fault site DROP_), O's carried checksums made from P and keep entry by entry as P_d is, so a
+// fault in P_d shows at O_acc. A flagged tile is recomputed once, a flagged block
 // (rowsum, O_acc) likewise; the decision is block-uniform (thread 0 settles it through shared
 // memory). Tile arithmetic is in Arith<T> (float for half, bfloat16 and float; double for double);
 // the tile products S and dP of half and bfloat16 run on tensor cores (tile_product).
@@ -19,12 +23,12 @@
 // (int, 0 or -1: a recomputation did not verify) are read by the host once per call.
 //
 // Fault injection (tests and campaigns): `fault` is null or a float64 descriptor (F_* fields):
-// site, head, row and column of the element in the site's matrix (S, P: query x key; O_acc: query
-// x head dim; rowsum: query, column 0), the tile step of the sweep after which an accumulator is
-// hit (0 for tile sites), the kind (1 set, 2 set the magnitude keeping the sign, 3 add, 4
-// multiply, 5 flip the bit numbered by the value in the element as the tile holds it, Arith<T>),
-// whether it persists through recomputations, the value; the kernel counts its hits and stores the
-// last old value.
+// site, head, row and column of the element in the site's matrix (S, P, the dropped tile DROP_:
+// query x key; O_acc: query x head dim; rowsum: query, column 0), the tile step of the sweep after
+// which an accumulator is hit (0 for tile sites), the kind (1 set, 2 set the magnitude keeping the
+// sign, 3 add, 4 multiply, 5 flip the bit numbered by the value in the element as the tile holds
+// it, Arith<T>), whether it persists through recomputations, the value; the kernel counts its hits
+// and stores the last old value.
 // Tensor cores through CUDA's mma.h, which includes crt/mma.h: a header set without the latter
 // (the pip wheel nvidia-cuda-runtime 13.5 ships mma.h alone) cannot use them, and the 16-bit tile
 // products then run on FMAs (tile_product). FUSED_WMMA says which.
@@ -44,6 +48,9 @@ constexpr int FDMAX = 128; // largest head dimension
 constexpr int FPER = FBR * FDMAX / FNT;  // accumulator elements per thread
 
 enum Site { S_, P_, O_, L_, DP_, DS_, DQ_, DK_, DV_, NSITES };
+// The fault injector's site of the dropped probabilities (attention._cpu_fused.DROP_): no check
+// of its own, no record; the O_acc and dV_acc checks cover it.
+constexpr int DROP_ = NSITES;
 enum Field { FLAGS, FAILED, RATIO, MAG, TAU, ROW, COL, AFTER, FIELDS };
 enum Param { C_S = 0, C_O = 5, C_L = 10, TOL_P = 15, TOL_DS = 19, C_KV = 21, C_Q = 26 };
 enum FaultField { F_SITE, F_HEAD, F_ROW, F_COL, F_STEP, F_KIND, F_PERSIST, F_VALUE, F_HITS, F_OLD };
@@ -80,6 +87,40 @@ __device__ __forceinline__ float exp_of(float v) { return expf(v); }
 __device__ __forceinline__ double exp_of(double v) { return exp(v); }
 __device__ __forceinline__ float log_of(float v) { return logf(v); }
 __device__ __forceinline__ double log_of(double v) { return log(v); }
+
+// ------------------------------------------------------------------ dropout keep decisions
+
+// attention/dropout_hash.py, bit for bit: element (b, i, j) of an (n, lq, lk) product has the
+// counter c = (b lq + i) lk + j + 1 and the hash mix64(seed + c GAMMA) (SplitMix64, arithmetic
+// modulo 2^64); it is kept (1) when the hash's top 24 bits reach thr = ceil(p 2^24).
+constexpr unsigned long long GAMMA = 0x9E3779B97F4A7C15ULL;
+constexpr unsigned long long MIX1 = 0xBF58476D1CE4E5B9ULL;
+constexpr unsigned long long MIX2 = 0x94D049BB133111EBULL;
+constexpr int KEEP_SHIFT = 64 - 24;
+
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z = (z ^ (z >> 30)) * MIX1;
+    z = (z ^ (z >> 27)) * MIX2;
+    return z ^ (z >> 31);
+}
+
+__device__ __forceinline__ unsigned char kept(unsigned long long seed, unsigned long long thr,
+                                              int b, int i, int j, int lq, int lk) {
+    const unsigned long long c =
+        (static_cast<unsigned long long>(b) * lq + i) * static_cast<unsigned long long>(lk) + j + 1;
+    return (mix64(seed + c * GAMMA) >> KEEP_SHIFT) >= thr ? 1 : 0;
+}
+
+// The keep decisions of the tile (query rows [i0, i0 + rows), keys [j0, j0 + cols)) of head b
+// into keep; every thread of the block calls it (no barrier).
+__device__ void keep_tile(unsigned char (*keep)[FBC], unsigned long long seed,
+                          unsigned long long thr, int b, int i0, int rows, int j0, int cols,
+                          int lq, int lk) {
+    for (int e = threadIdx.x; e < rows * cols; e += FNT) {
+        const int r = e / cols, j = e % cols;
+        keep[r][j] = kept(seed, thr, b, i0 + r, j0 + j, lq, lk);
+    }
+}
 
 // ------------------------------------------------------------------ tile products
 
@@ -321,8 +362,9 @@ __device__ __forceinline__ const double* mask_row(const double* addh, int i, int
 
 template <typename A> struct Forward {
     double qenc[3][FDMAX];
-    alignas(32) A s[FBR][FBC];  // S, then z
+    alignas(32) A s[FBR][FBC];  // S, then z, then (dropout) the dropped tile P_d
     A p[FBR][FBC];
+    unsigned char keep[FBR][FBC];  // dropout: the tile's keep decisions
     A m[FBR], l[FBR], alpha[FBR];
     double oc[FBR][4];
     Votes votes;
@@ -352,9 +394,9 @@ template <typename T>
 __global__ void __launch_bounds__(FNT)
 attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const bool* visible,
                    const double* add, long long add_stride, int lq, int lk, int d, double scale,
-                   int causal, int check, int correct,
-                   const double* params, double* fault, T* out, typename Arith<T>::type* lse,
-                   double* rec, int* status) {
+                   int causal, int check, int correct, unsigned long long seed,
+                   unsigned long long thr, double ks_in, const double* params, double* fault,
+                   T* out, typename Arith<T>::type* lse, double* rec, int* status) {
     typedef typename Arith<T>::type A;
     __shared__ Forward<A> sh;
     const int tid = threadIdx.x;
@@ -370,7 +412,8 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
     const double* addh = head_mask(add, add_stride, b);
     double* rt = rec + task * NSITES * FIELDS;
     const FaultAt ft = load_fault(fault);
-    const A sc = static_cast<A>(scale), zero = static_cast<A>(0);
+    const A sc = static_cast<A>(scale), zero = static_cast<A>(0), ks = static_cast<A>(ks_in);
+    const bool drop = thr > 0;
     if (check)
         for (int c = tid; c < d; c += FNT) {
             double s0 = 0.0, s1 = 0.0, s2 = 0.0;
@@ -476,21 +519,33 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
             }
             if (st < 0) break;
             __syncthreads();
+            if (drop) {  // ---- the dropped tile P_d = fl(P ks) keep, into sh.s (z is done with)
+                keep_tile(sh.keep, seed, thr, b, i0, rows, j0, cols, lq, lk);
+                for (int e = tid; e < rows * cols; e += FNT) {
+                    const int r = e / cols, j = e % cols;
+                    sh.s[r][j] = inject(ft, DROP_, b, i0 + r, j0 + j, 0, attempt == 0,
+                                        sh.p[r][j] * ks * static_cast<A>(sh.keep[r][j]));
+                }
+                __syncthreads();
+            }
             if (tid < rows) {  // ---- l, and the float64 checksums carried beside O
                 const int r = tid;
                 A t = zero;
                 for (int j = 0; j < cols; ++j) t += sh.p[r][j];
                 sh.l[r] = inject(ft, L_, b, i0 + r, 0, step, attempt == 0,
                                  sh.alpha[r] * sh.l[r] + t);
-                if (check) {
+                if (check) {  // with dropout made from P and keep as P_d is, not read from it
                     const double al = to_double(sh.alpha[r]);
                     double t0 = 0.0, t1 = 0.0, t2 = 0.0, t3 = 0.0;
                     for (int j = 0; j < cols; ++j) {
                         const double x = to_double(sh.p[r][j]);
+                        const double y =
+                            drop ? to_double(sh.p[r][j] * ks) * static_cast<double>(sh.keep[r][j])
+                                 : x;
                         const double* e = vb_enc + 3 * (j0 + j);
-                        t0 += x * e[0];
-                        t1 += x * e[1];
-                        t2 += fabs(x) * e[2];
+                        t0 += y * e[0];
+                        t1 += y * e[1];
+                        t2 += fabs(y) * e[2];
                         t3 += x;
                     }
                     sh.oc[r][0] = sh.oc[r][0] * al + t0;
@@ -500,11 +555,12 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
                 }
             }
 #pragma unroll
-            for (int e = 0; e < FPER; ++e) {  // ---- O_acc = alpha O_acc + P V
+            for (int e = 0; e < FPER; ++e) {  // ---- O_acc = alpha O_acc + P V (P_d V)
                 const int idx = tid + e * FNT, r = idx / d, c = idx % d;
                 if (r < rows) {
                     A t = sh.alpha[r] * acc[e];
-                    for (int j = 0; j < cols; ++j) t += sh.p[r][j] * widen(vb[(j0 + j) * d + c]);
+                    const A* pr = drop ? sh.s[r] : sh.p[r];
+                    for (int j = 0; j < cols; ++j) t += pr[j] * widen(vb[(j0 + j) * d + c]);
                     acc[e] = inject(ft, O_, b, i0 + r, c, step, attempt == 0, t);
                 }
             }
@@ -567,12 +623,14 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
 //
 // FlashAttention-2 order in two kernels, so that no accumulator is shared between blocks: one
 // block per (head, key block) sweeps the query blocks for dK and dV (attn_fused_backward_kv), one
-// per (head, query block) sweeps the key tiles for dQ (attn_fused_backward_q); each recomputes S,
-// P = exp(z - lse), dP = dO V^T and dS = P (dP - D) per tile with their checks (backward_tile),
-// and checks its accumulators against the row encodings of the other operand carried beside them
-// (fused:dK_acc, fused:dV_acc, fused:dQ_acc). The unscaled accumulators are judged as the CPU
-// judges them, staged through a workspace of the arithmetic type; the outputs are then scaled and
-// rounded to T. Tile sites are injected by the key-block kernel only.
+// per (head, query block) sweeps the key tiles for dQ (attn_fused_backward_q); each recomputes S, P
+// = exp(z - lse), dP = dO V^T and dS = P (dP - D) per tile with their checks (backward_tile), and
+// checks its accumulators against the row encodings of the other operand carried beside them
+// (fused:dK_acc, fused:dV_acc, fused:dQ_acc). With dropout (FlashAttention-2's): dV += P_d^T dO,
+// P_d = fl(P ks) keep the dropped tile (the dK/dV kernel's fault site DROP_; dV's checksum columns
+// made from P and keep), dS = P (fl(dP ks) keep - D). The unscaled accumulators are judged as the
+// CPU judges them, staged through a workspace of the arithmetic type; the outputs are then scaled
+// and rounded to T. Tile sites are injected by the key-block kernel only.
 
 namespace {
 
@@ -580,7 +638,8 @@ template <typename A> struct Backward {
     double kenc[3][FDMAX], venc[3][FDMAX];
     alignas(32) A s[FBR][FBC];  // S, then z, then dS
     A p[FBR][FBC];
-    alignas(32) A dp[FBR][FBC];
+    alignas(32) A dp[FBR][FBC];  // dP, then (dK/dV kernel, dropout) the dropped tile P_d
+    unsigned char keep[FBR][FBC];  // dropout: the tile's keep decisions
     double acc_enc[FBR > FBC ? FBR : FBC][3];  // the checksum columns beside the accumulator
     Votes votes;
 };
@@ -636,12 +695,16 @@ __device__ void vote_product_row(Votes& votes, A (*tile)[FBC], const T* left,
 // sh.s (dS), sh.p, sh.dp, each checked and recomputed once when flagged. qh, kh, vh, doh, lseh,
 // ddh: head b's rows; addh: head b's additive mask (lq x lk), or null. first: the first
 // computation of the tile in this kernel (faults that do not persist hit it only); tiles: inject
-// at tile sites. Returns 0, or -1 when a recomputation did not verify. Ends with a barrier.
+// at tile sites. Dropout when thr > 0 (seed, thr: keep_tile's; ks = 1 / (1 - p)): the tile's
+// keep decisions into sh.keep, and FlashAttention-2's dS = P (fl(dP ks) keep - D), the dropped
+// dP made entry by entry from sh.dp and sh.keep, never stored. Returns 0, or -1 when a
+// recomputation did not verify. Ends with a barrier.
 template <typename T, typename A>
 __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T* vh,
                              const T* doh, const A* lseh, const A* ddh, const bool* vis,
-                             const double* addh, int lk, int i0, int rows, int j0, int cols,
-                             int d, A sc, bool causal, bool check, bool correct,
+                             const double* addh, int lq, int lk, int i0, int rows, int j0,
+                             int cols, int d, A sc, bool causal, bool check, bool correct,
+                             unsigned long long seed, unsigned long long thr, A ks,
                              const double* params, const FaultAt& ft, bool tiles, bool first,
                              double* rt, int b) {
     const int tid = threadIdx.x;
@@ -650,7 +713,12 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
     const T* doi = doh + static_cast<long long>(i0) * d;
     const FaultAt none = load_fault(nullptr);
     const FaultAt& f = tiles ? ft : none;
+    const bool drop = thr > 0;
     int st = 0;
+    if (drop) {
+        __syncthreads();  // the previous tile's readers are done with sh.keep
+        keep_tile(sh.keep, seed, thr, b, i0, rows, j0, cols, lq, lk);
+    }
     for (int a = 0; a < 2; ++a) {  // ---- S, checked by its row checksums
         __syncthreads();
         tile_product(sh.s, qi, kh + static_cast<long long>(j0) * d, rows, cols, d);
@@ -722,7 +790,8 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
         __syncthreads();
         for (int e = tid; e < rows * cols; e += FNT) {
             const int r = e / cols, j = e % cols;
-            const A x = sh.p[r][j] * (sh.dp[r][j] - ddh[i0 + r]);
+            const A g = drop ? sh.dp[r][j] * ks * static_cast<A>(sh.keep[r][j]) : sh.dp[r][j];
+            const A x = sh.p[r][j] * (g - ddh[i0 + r]);
             sh.s[r][j] = inject(f, DS_, b, i0 + r, j0 + j, 0, a == 0 && first, x);
         }
         if (!check) break;
@@ -732,7 +801,10 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
             const double dr = to_double(ddh[i0 + r]);
             double r1 = 0.0, r2 = 0.0, v = 0.0, s = 0.0, sw = 0.0, mag = 0.0, magw = 0.0;
             for (int j = 0; j < cols; ++j) {
-                const double pj = to_double(sh.p[r][j]), g = to_double(sh.dp[r][j]);
+                const double pj = to_double(sh.p[r][j]);
+                const double g = drop ? to_double(sh.dp[r][j] * ks) *
+                                            static_cast<double>(sh.keep[r][j])
+                                      : to_double(sh.dp[r][j]);
                 const double x = to_double(sh.s[r][j]);
                 r1 += pj * g;
                 r2 += pj;
@@ -796,6 +868,7 @@ attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
                        const double* qe, const double* doe, const bool* visible,
                        const double* add, long long add_stride, int lq, int lk,
                        int d, double scale, int causal, int check, int correct,
+                       unsigned long long seed, unsigned long long thr, double ks_in,
                        const double* params, double* fault, typename Arith<T>::type* ws_k,
                        typename Arith<T>::type* ws_v, T* dk, T* dv, double* rec, int* status) {
     typedef typename Arith<T>::type A;
@@ -819,7 +892,8 @@ attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
     A* wv = ws_v + row0 * d;
     double* rt = rec + task * NSITES * FIELDS;
     const FaultAt ft = load_fault(fault);
-    const A sc = static_cast<A>(scale), zero = static_cast<A>(0);
+    const A sc = static_cast<A>(scale), zero = static_cast<A>(0), ks = static_cast<A>(ks_in);
+    const bool drop = thr > 0;
     if (check) encode_key_block(sh, kh, vh, j0, cols, d);
     const int first_i = causal ? (j0 / FBR) * FBR : 0;
     A kacc[FPER], vacc[FPER];
@@ -831,29 +905,41 @@ attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
         int st = 0;
         for (int i0 = first_i, step = 0; i0 < lq; i0 += FBR, ++step) {
             const int rows = min(FBR, lq - i0);
-            st = backward_tile(sh, qh, kh, vh, doh, lseh, ddh, vis, addh, lk, i0, rows, j0, cols,
-                               d, sc, causal != 0, check != 0, correct != 0, params, ft, true,
-                               attempt == 0, rt, b);
+            st = backward_tile(sh, qh, kh, vh, doh, lseh, ddh, vis, addh, lq, lk, i0, rows, j0,
+                               cols, d, sc, causal != 0, check != 0, correct != 0, seed, thr, ks,
+                               params, ft, true, attempt == 0, rt, b);
             if (st < 0) break;
+            if (drop) {  // ---- the dropped tile P_d = fl(P ks) keep, into sh.dp (dS is made)
+                for (int e = tid; e < rows * cols; e += FNT) {
+                    const int r = e / cols, j = e % cols;
+                    sh.dp[r][j] = inject(ft, DROP_, b, i0 + r, j0 + j, 0, attempt == 0,
+                                         sh.p[r][j] * ks * static_cast<A>(sh.keep[r][j]));
+                }
+                __syncthreads();
+            }
+            A (*pd)[FBC] = drop ? sh.dp : sh.p;
 #pragma unroll
-            for (int e = 0; e < FPER; ++e) {  // ---- dV += P^T dO, dK += dS^T Q
+            for (int e = 0; e < FPER; ++e) {  // ---- dV += P^T dO (P_d^T dO), dK += dS^T Q
                 const int idx = tid + e * FNT, j = idx / d, c = idx % d;
                 if (j < cols) {
                     A tv = vacc[e], tk = kacc[e];
                     for (int r = 0; r < rows; ++r) {
-                        tv += sh.p[r][j] * widen(doh[(i0 + r) * d + c]);
+                        tv += pd[r][j] * widen(doh[(i0 + r) * d + c]);
                         tk += sh.s[r][j] * widen(qh[(i0 + r) * d + c]);
                     }
                     vacc[e] = inject(ft, DV_, b, j0 + j, c, step, attempt == 0, tv);
                     kacc[e] = inject(ft, DK_, b, j0 + j, c, step, attempt == 0, tk);
                 }
             }
-            if (check && tid < cols) {  // ---- their checksum columns, float64
+            if (check && tid < cols) {  // ---- their checksum columns, float64 (dV's from P, keep)
                 const int j = tid;
                 const double* qer = qe + (static_cast<long long>(b) * lq + i0) * 3;
                 const double* der = doe + (static_cast<long long>(b) * lq + i0) * 3;
                 for (int r = 0; r < rows; ++r) {
-                    const double x = to_double(sh.p[r][j]), y = to_double(sh.s[r][j]);
+                    const double x = drop ? to_double(sh.p[r][j] * ks) *
+                                                static_cast<double>(sh.keep[r][j])
+                                          : to_double(sh.p[r][j]);
+                    const double y = to_double(sh.s[r][j]);
                     dv_enc[j][0] += x * der[3 * r];
                     dv_enc[j][1] += x * der[3 * r + 1];
                     dv_enc[j][2] += fabs(x) * der[3 * r + 2];
@@ -904,7 +990,8 @@ attn_fused_backward_q(const T* q, const T* k, const T* v, const T* d_out,
                       const typename Arith<T>::type* lse, const typename Arith<T>::type* dd,
                       const double* ke, const bool* visible, const double* add,
                       long long add_stride, int lq, int lk, int d, double scale,
-                      int causal, int check, int correct, const double* params, double* fault,
+                      int causal, int check, int correct, unsigned long long seed,
+                      unsigned long long thr, double ks_in, const double* params, double* fault,
                       typename Arith<T>::type* ws_q, T* dq, double* rec, int* status) {
     typedef typename Arith<T>::type A;
     __shared__ Backward<A> sh;
@@ -925,7 +1012,7 @@ attn_fused_backward_q(const T* q, const T* k, const T* v, const T* d_out,
     A* wq = ws_q + row0 * d;
     double* rt = rec + task * NSITES * FIELDS;
     const FaultAt ft = load_fault(fault);
-    const A sc = static_cast<A>(scale), zero = static_cast<A>(0);
+    const A sc = static_cast<A>(scale), zero = static_cast<A>(0), ks = static_cast<A>(ks_in);
     const int jend = causal ? min(lk, i1) : lk;
     A acc[FPER];
     for (int attempt = 0; attempt < 2; ++attempt) {
@@ -938,9 +1025,9 @@ attn_fused_backward_q(const T* q, const T* k, const T* v, const T* d_out,
             const int cols = min(FBC, jend - j0);
             __syncthreads();  // the previous tile's checks are done with the encodings
             if (check) encode_key_block(sh, kh, vh, j0, cols, d);
-            st = backward_tile(sh, qh, kh, vh, doh, lseh, ddh, vis, addh, lk, i0, rows, j0, cols,
-                               d, sc, causal != 0, check != 0, correct != 0, params, ft, false,
-                               attempt == 0, rt, b);
+            st = backward_tile(sh, qh, kh, vh, doh, lseh, ddh, vis, addh, lq, lk, i0, rows, j0,
+                               cols, d, sc, causal != 0, check != 0, correct != 0, seed, thr, ks,
+                               params, ft, false, attempt == 0, rt, b);
             if (st < 0) break;
 #pragma unroll
             for (int e = 0; e < FPER; ++e) {  // ---- dQ += dS K
