@@ -211,7 +211,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     n, lq, d = q.shape
     lk, dt = k.shape[1], work_dtype(q.dtype)
     check, correct = ctx.check != "off", ctx.check == "correct"
-    qw, kw, vw = (_in_work_dtype(x) for x in (q, k, v))
+    qw, kw, vw = (in_work_dtype(x) for x in (q, k, v))
     ve = _row_encodings(vw, check)
     out = np.empty_like(qw)
     lse = np.empty((n, lq), dt)
@@ -254,7 +254,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
         from attention import _cuda_fused
         return _cuda_fused.fused_backward(saved, d_out, ctx)
     check_gradient(np, d_out, saved["q"], lambda t: bool(np.isfinite(t).all()))
-    q, k, v, out, d_out = (_in_work_dtype(x) for x in (saved["q"], saved["k"], saved["v"],
+    q, k, v, out, d_out = (in_work_dtype(x) for x in (saved["q"], saved["k"], saved["v"],
                                                        saved["out"], d_out))
     lse = saved["lse"]
     n, lq, d = q.shape
@@ -291,8 +291,9 @@ def work_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
 
 
-def _in_work_dtype(x: np.ndarray) -> np.ndarray:
-    """``x`` itself in float32 or float64, else a float32 copy (O(L d) per head; exact)."""
+def in_work_dtype(x: np.ndarray) -> np.ndarray:
+    """``x`` itself in float32 or float64, else a float32 copy (O(L d) per head; exact): what
+    the numba kernels take of :func:`work_dtype`'s data."""
     wt = work_dtype(x.dtype)
     return x if x.dtype == wt else x.astype(wt)
 

@@ -92,10 +92,11 @@ import numpy as np
 
 from abftgemm.checksums import smallest_normal, unit_roundoff
 from abftgemm.report import Event, UncorrectableError, announce
+from attention import _cpu_final as F
 from attention import _cpu_fused as K
 from attention.context import Context
 from attention.dropout import keep_scale
-from attention.fused import fused_backward, fused_forward, work_dtype
+from attention.fused import fused_backward, fused_forward, in_work_dtype, work_dtype
 from attention.fused_rules import coefficients
 
 #: The final checks' fault-hook and report sites, forward and backward.
@@ -247,7 +248,9 @@ def _output_ratio(out: np.ndarray, saved: dict[str, Any]
         coef[0] += 1.01 * u_out
         coef[2] += d * u_out * smallest_normal(out.dtype)
         coef[3] *= 1 + 1.01 * u_out
-    obs = _row_checksums(out.reshape(n * lq, d))
+    obs = np.empty((n, lq, 3))
+    F.observe_rows(in_work_dtype(out), obs)
+    obs = obs.reshape(n * lq, 3)
     pred = np.ascontiguousarray(saved["sums"].reshape(n * lq, 3))
     info = np.zeros(6)
     info[5] = d
@@ -261,7 +264,7 @@ def _output_ratio(out: np.ndarray, saved: dict[str, Any]
 def _grad_ratio(saved: dict[str, Any], d_out: np.ndarray, dv: np.ndarray
                 ) -> tuple[float, int, tuple, tuple, float, float]:
     """``(worst |d|/tau, head, (), (column,), |d|, tau)`` of the heads' ``dV`` column sums
-    (float64 sums of the data as stored, no float64 copy of it)."""
+    (float64 sums of the data as stored, :mod:`attention._cpu_final`)."""
     lse = saved["lse"].astype(np.float64)
     n, lq = lse.shape
     lk = dv.shape[1]
@@ -270,19 +273,16 @@ def _grad_ratio(saved: dict[str, Any], d_out: np.ndarray, dv: np.ndarray
     sees = np.isfinite(lse)  # a row that sees no key has lse -inf and a zero P row
     eps = 2 * u * (lk + 2 * -(-lk // K.BC) + np.abs(np.where(sees, lse, 0.0)) + math.log(lk)
                    + 8) + 1.01 * u * (lq + 2 * -(-lq // K.BR))
-    tau = np.empty((n, dv.shape[2]))
-    for b in range(n):  # one head's |dO| at a time, in its dtype; the worst row's eps
-        tau[b] = eps[b].max(initial=0.0) * np.abs(d_out[b]).sum(0, dtype=np.float64)
+    d = dv.shape[2]
+    do_sums, dv_sums = np.empty((n, 2, d)), np.empty((n, 2, d))
+    F.column_sums(in_work_dtype(d_out), sees, do_sums)  # over the rows that see a key
+    F.column_sums(in_work_dtype(dv), F.EVERY_ROW, dv_sums)
+    tau = eps.max(1, initial=0.0)[:, None] * do_sums[:, 1]  # the worst row's eps
     tau += lk * smallest_normal(wt)
     if dv.dtype != wt:
         u_out = unit_roundoff(dv.dtype)
-        tau += lk * u_out * smallest_normal(dv.dtype)
-        for b in range(n):
-            tau[b] += 1.01 * u_out * np.abs(dv[b]).sum(0, dtype=np.float64)
-    pred = d_out.sum(1, dtype=np.float64)
-    if not sees.all():
-        pred -= np.where(sees[:, :, None], 0.0, d_out).sum(1, dtype=np.float64)
-    diff = np.abs(pred - dv.sum(1, dtype=np.float64))
+        tau += lk * u_out * smallest_normal(dv.dtype) + 1.01 * u_out * dv_sums[:, 1]
+    diff = np.abs(do_sums[:, 0] - dv_sums[:, 0])
     ratio = np.where(np.isfinite(diff), diff / tau, np.inf)
     at = int(np.argmax(ratio))
     head, col = divmod(at, ratio.shape[1])
@@ -305,7 +305,7 @@ def dk_column_sums(saved: dict[str, Any], d_out: np.ndarray, dk: np.ndarray
                    ) -> tuple[np.ndarray, np.ndarray]:
     """``(|1^T dK|, tau)``, each ``(n, d)``: the absolute column sums of each head's ``dk`` over
     the keys (0 in exact arithmetic) and their thresholds (``fused:dK_out``, module docstring),
-    512 rows of a head at a time in float64.
+    float64 sums of the data as stored (:mod:`attention._cpu_final`).
 
     Parameters
     ----------
@@ -331,49 +331,24 @@ def dk_column_sums(saved: dict[str, Any], d_out: np.ndarray, dk: np.ndarray
     eps = np.where(sees, 2 * u * (lk + 2 * tk + np.abs(np.where(sees, lse, 0.0))
                                   + math.log(lk) + 8) + lk * tiny, 0.0)
     w = 1.02 * u * (2.01 * (tk + 1) + math.log(lk)) + 1.01 * lk * tiny  # forward weights' error
-    diff, tau = np.zeros((n, d)), np.zeros((n, d))
-    loose = np.zeros(n, bool)
-    step = 512  # rows at a time: no float64 copy of a head's arrays
-    for b in range(n):
-        vmax = np.zeros(d)
-        for j0 in range(0, lk, step):
-            vmax = np.maximum(vmax, np.abs(saved["v"][b, j0:j0 + step]).max(0))
-            part = dk[b, j0:j0 + step]
-            diff[b] += part.sum(0, dtype=np.float64)
-            tau[b] += np.abs(part).sum(0, dtype=np.float64)
-        diff[b] = np.abs(diff[b])
-        tau[b] *= 1.01 * u + 1.01 * u_out + lk * u64
-        for i0 in range(0, lq, step):
-            do = d_out[b, i0:i0 + step].astype(np.float64)
-            g = ks * (np.abs(do) @ vmax)
-            a = np.abs(do * saved["out"][b, i0:i0 + step]).sum(1)
-            e = eps[b, i0:i0 + step]
-            loose[b] |= bool((e > 0.5).any())  # lse's error bound past any use
-            c = np.exp(np.minimum(e, 0.5))  # the row's common factor exp(lse* - lse), at most
-            h = 2.01 * u + 1.01 * u * (math.log(lk) + e)
-            forward = (2.02 * w + 1.01 * u * (lk + 2 * tk + 1) * (1 + 2.02 * w)) * g \
-                + (1.02 * u * (lk + 2 * tk + 1) + 1.01 * u_out) * a \
-                + u_out * tiny_out * np.abs(do).sum(1)
-            row = 1.01 * c * ((d + 2) * u * g + (u + d * u64) * a + forward
-                              + 1.02 * (h + 2.01 * u) * (g + a) + lk * tiny * (1 + g + a))
-            row += 1.01 * u * (lq + 2 * tq) * 1.02 * c * (1 + h) * (g + a)
-            row = np.where(sees[b, i0:i0 + step], row, 0.0)
-            tau[b] += saved["scale"] * (row @ np.abs(saved["q"][b, i0:i0 + step]).astype(
-                np.float64))
+    dk_sums, vmax = np.empty((n, 2, d)), np.empty((n, d))
+    F.column_sums(in_work_dtype(dk), F.EVERY_ROW, dk_sums)
+    F.column_abs_max(in_work_dtype(saved["v"]), vmax)
+    diff = np.abs(dk_sums[:, 0])
+    tau = dk_sums[:, 1] * (1.01 * u + 1.01 * u_out + lk * u64)
+    g, a, s = np.empty((n, lq)), np.empty((n, lq)), np.empty((n, lq))
+    F.dk_rows(in_work_dtype(d_out), in_work_dtype(saved["out"]), vmax, g, a, s)
+    g *= ks
+    loose = (eps > 0.5).any(1)  # lse's error bound past any use
+    c = np.exp(np.minimum(eps, 0.5))  # the row's common factor exp(lse* - lse), at most
+    h = 2.01 * u + 1.01 * u * (math.log(lk) + eps)
+    forward = (2.02 * w + 1.01 * u * (lk + 2 * tk + 1) * (1 + 2.02 * w)) * g \
+        + (1.02 * u * (lk + 2 * tk + 1) + 1.01 * u_out) * a + u_out * tiny_out * s
+    row = 1.01 * c * ((d + 2) * u * g + (u + d * u64) * a + forward
+                      + 1.02 * (h + 2.01 * u) * (g + a) + lk * tiny * (1 + g + a))
+    row += 1.01 * u * (lq + 2 * tq) * 1.02 * c * (1 + h) * (g + a)
+    F.add_weighted_abs_columns(in_work_dtype(saved["q"]),
+                               saved["scale"] * np.where(sees, row, 0.0), tau)
     tau += lk * (tiny + u_out * tiny_out)  # (u tiny underflows in float64)
     tau[loose] = np.inf  # only non-finite sums are flagged there
     return diff, tau
-
-
-def _row_checksums(x: np.ndarray, chunk: int = 1024) -> np.ndarray:
-    """``(rows, 3)`` float64 ``(x 1, x w, |x| 1)``, ``w = (j + 1) / d`` as the kernels weigh,
-    ``chunk`` rows at a time (no float64 copy of ``x``)."""
-    rows, d = x.shape
-    w = np.arange(1, d + 1) / d
-    out = np.empty((rows, 3))
-    for r0 in range(0, rows, chunk):
-        xc = x[r0:r0 + chunk].astype(np.float64)
-        out[r0:r0 + chunk, 0] = xc.sum(1)
-        out[r0:r0 + chunk, 1] = xc @ w
-        out[r0:r0 + chunk, 2] = np.abs(xc).sum(1)
-    return out
