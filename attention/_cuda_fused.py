@@ -36,10 +36,10 @@ from abftgemm.faults import Fault, near_inf_value
 from attention import _cpu_fused as K
 from attention import kernels
 from attention.context import Context
-from attention.fused import _dropout_of, _kernel_dropout
 from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, additive_of, book,
-                                   check_gradient, check_inputs, coefficients,
-                                   dscores_tolerance, key_visible_of, probs_tolerance)
+                                   check_gradient, check_inputs, coefficients, dropout_of,
+                                   dscores_tolerance, kernel_dropout, key_visible_of,
+                                   probs_tolerance)
 
 BR = 32  # query rows per block (FBR in fused.cu)
 BC = 32  # keys per tile (FBC)
@@ -254,7 +254,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     rounded to the tile arithmetic's dtype."""
     fault = _fault(ctx)
     scale, visible = _validate(q, k, v, scale, causal, key_visible)
-    drop = _dropout_of(dropout, dropout_seed)
+    drop = dropout_of(dropout, dropout_seed)
     add = None if attn_mask is None else additive_of(cupy, attn_mask, q, k)
     n, lq, d = q.shape
     lk = k.shape[1]
@@ -359,9 +359,9 @@ def _with_dropout(sites: tuple[str, ...], drop: tuple[float, int] | None) -> tup
 
 def _dropout_args(drop: tuple[float, int] | None, arith: numpy.dtype
                   ) -> tuple[numpy.uint64, numpy.uint64, numpy.float64]:
-    """The kernels' ``(seed, thr, ks)`` (:func:`attention.fused._kernel_dropout`; ``thr`` 0: no
+    """The kernels' ``(seed, thr, ks)`` (:func:`attention.fused_rules.kernel_dropout`; ``thr`` 0: no
     dropout), ``ks`` rounded to the tile arithmetic's dtype and passed as float64 (exact)."""
-    seed, thr, ks = _kernel_dropout(drop, arith)
+    seed, thr, ks = kernel_dropout(drop, arith)
     return numpy.uint64(seed), numpy.uint64(thr), numpy.float64(ks)
 
 

@@ -131,12 +131,11 @@ from abftgemm.checksums import SUPPORTED_DTYPES
 from abftgemm.threads import current_policy
 from attention import _cpu_fused as K
 from attention.context import Context
-from attention.dropout import keep_scale, probability
-from attention.dropout_hash import check_seed, draw_seed, threshold
 from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, FUSED_SITES,  # noqa: F401
                                    coefficients, dscores_tolerance, probs_tolerance)
 from attention.fused_rules import book as _book
-from attention.fused_rules import additive_of, check_gradient, check_inputs, key_visible_of
+from attention.fused_rules import (additive_of, check_gradient, check_inputs, dropout_of,
+                                   kernel_dropout, key_visible_of)
 
 #: The data dtypes: float16 and bfloat16 (``ml_dtypes``, as :mod:`abftgemm._torch` hands PyTorch's
 #: bfloat16 over) run their tiles in float32 (:func:`work_dtype`).
@@ -206,7 +205,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
                                          key_visible=key_visible, attn_mask=attn_mask,
                                          dropout=dropout, dropout_seed=dropout_seed)
     scale, visible = _validate(q, k, v, scale, causal, key_visible)
-    drop = _dropout_of(dropout, dropout_seed)
+    drop = dropout_of(dropout, dropout_seed)
     add = _NO_ADD if attn_mask is None else additive_of(np, attn_mask, q, k)
     n, lq, d = q.shape
     lk, dt = k.shape[1], work_dtype(q.dtype)
@@ -223,7 +222,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     args = (qw, kw, vw, ve, visible, add)
     rest = (dt.type(scale), causal, check, correct, coefficients(d, K.BR, dt),
             coefficients(lk, d, dt, 2 * tiles), coefficients(lk, 1, dt, 2 * tiles),
-            probs_tolerance(dt), *_kernel_dropout(drop, dt), out, lse, sums)
+            probs_tolerance(dt), *kernel_dropout(drop, dt), out, lse, sums)
     if ctx.fault_hook is None:
         _threads()
         K.forward(*args, *rest, rec, status)
@@ -271,7 +270,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
     rest = (dt.type(saved["scale"]), saved["causal"], check, correct, coefficients(d, K.BC, dt),
             coefficients(lq, d, dt, -(-lq // K.BR)), coefficients(lk, d, dt, -(-lk // K.BC)),
             probs_tolerance(dt), dscores_tolerance(dt),
-            *_kernel_dropout(saved.get("dropout"), dt), dq, dk, dv, dqc)
+            *kernel_dropout(saved.get("dropout"), dt), dq, dk, dv, dqc)
     if ctx.fault_hook is None:
         _threads()
         K.backward(*args, *rest, rec, status)
@@ -312,23 +311,6 @@ def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
     if key_visible is None:
         return scale, np.ones((1, 0), bool)
     return scale, key_visible_of(np, key_visible, q, k)
-
-
-def _dropout_of(p: float, seed: int | None) -> tuple[float, int] | None:
-    """``(p, seed)`` of a call's dropout, checked (None for ``p == 0``)."""
-    p = probability(p)
-    if p == 0.0:
-        return None
-    return p, int(check_seed(draw_seed(None) if seed is None else seed))
-
-
-def _kernel_dropout(drop: tuple[float, int] | None, dt: np.dtype) -> tuple[Any, Any, Any]:
-    """The kernels' ``(seed, thr, ks)``: ``thr`` 0 for no dropout; ``ks`` the
-    :func:`attention.dropout.keep_scale` of ``p`` in the data's dtype."""
-    if drop is None:
-        return np.uint64(0), np.uint64(0), dt.type(1)
-    p, seed = drop
-    return np.uint64(seed), threshold(p), dt.type(keep_scale(p))
 
 
 def _row_encodings(x: np.ndarray, check: bool) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The fused attention core's rules shared by its backends (:mod:`attention.fused` on the CPU,
 :mod:`attention._cuda_fused` on the GPU): the thresholds of every check (derived in
-:mod:`attention.fused`'s docstring) and the booking of the kernels' per-task records into
-``ctx.report``.
+:mod:`attention.fused`'s docstring), the booking of the kernels' per-task records into
+``ctx.report``, and the dropout arguments the kernels take.
 """
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from abftgemm.thresholds import magnitude_coefficient, safe_magnitude, threshold
 from attention import _cpu_fused as K
 from attention._cpu_vmath import EXP_FLUSH
 from attention.context import Context
+from attention.dropout import keep_scale, probability
+from attention.dropout_hash import check_seed, draw_seed, threshold
 
 _U64 = 2.0 ** -53
 
@@ -186,3 +188,20 @@ def book(ctx: Context, rec: np.ndarray, status: np.ndarray, batch_of: Any,
     if (status < 0).any():
         raise UncorrectableError("the fused attention core could not verify a recomputed tile",
                                  report)
+
+
+def dropout_of(p: float, seed: int | None) -> tuple[float, int] | None:
+    """``(p, seed)`` of a call's dropout, checked (None for ``p == 0``)."""
+    p = probability(p)
+    if p == 0.0:
+        return None
+    return p, int(check_seed(draw_seed(None) if seed is None else seed))
+
+
+def kernel_dropout(drop: tuple[float, int] | None, dt: np.dtype) -> tuple[Any, Any, Any]:
+    """The kernels' ``(seed, thr, ks)``: ``thr`` 0 for no dropout; ``ks`` the
+    :func:`attention.dropout.keep_scale` of ``p`` in the data's dtype."""
+    if drop is None:
+        return np.uint64(0), np.uint64(0), dt.type(1)
+    p, seed = drop
+    return np.uint64(seed), threshold(p), dt.type(keep_scale(p))
