@@ -165,15 +165,6 @@ def test_check_off_shows_a_dropout_site_fault(xp):
 
 
 @pytest.mark.parametrize("xp", CUDA)
-def test_bad_dropout_arguments_on_device_data(xp):
-    q, k, v, _ = (xp.asarray(t) for t in _data(np.random.default_rng(0), 1, 8, 8, 8))
-    with pytest.raises(ValueError, match="probability"):
-        fused_forward(q, k, v, Context(), dropout=1.5)
-    with pytest.raises(ValueError, match="2\\*\\*64"):
-        fused_forward(q, k, v, Context(), dropout=0.5, dropout_seed=2 ** 64)
-
-
-@pytest.mark.parametrize("xp", CUDA)
 def test_device_fault_names_the_dropped_tile(xp):
     from abftgemm.faults import Fault
     from attention._cuda_fused import device_fault

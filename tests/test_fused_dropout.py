@@ -230,8 +230,9 @@ def test_check_off_shows_a_dropout_site_fault():
     assert not np.array_equal(got[0], clean[0])
 
 
-def test_bad_dropout_arguments():
-    q, k, v, _ = _data(np.random.default_rng(0), 1, 8, 8, 8)
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_bad_dropout_arguments(xp):
+    q, k, v, _ = (xp.asarray(t) for t in _data(np.random.default_rng(0), 1, 8, 8, 8))
     with pytest.raises(ValueError, match="probability"):
         fused_forward(q, k, v, Context(), dropout=1.5)
     with pytest.raises(ValueError, match="2\\*\\*64"):
