@@ -21,6 +21,7 @@ import numpy
 from abftgemm.cuda_kernels import INT32_MAX, cdiv
 from abftgemm.verdicts import Slot
 from attention import kernels
+from attention.kernels import softmax_structs as S
 
 _BLOCK = 256  # 8 warps per block, one warp per row
 _UINT32_MAX = 2**32 - 1  # the verdict packs a row index into 32 bits
@@ -102,14 +103,15 @@ def forward(scores: cupy.ndarray, probs: cupy.ndarray, *, scale: float, heads: i
     rows = bh * seq_q
     if rows == 0 or seq_k == 0:
         return
-    row_tol, log_base, log_slope = (numpy.float64(t) for t in tolerances)
+    row_tol, log_base, log_slope = tolerances
+    tol = S.FORWARD_TOLERANCES(floor=floor, p_min=p_min, row_tol=row_tol, log_base=log_base,
+                               log_slope=log_slope)
     with scores.device:
         _kernel(scores.device.id, kernels.SOFTMAX_FORWARD, scores.dtype.name)(
             (_blocks(rows),), (_BLOCK,),
-            (scores, probs, numpy.int64(rows), numpy.int32(seq_q), numpy.int32(seq_k),
-             numpy.int32(heads), numpy.float64(scale), key_visible, attn_add, numpy.int64(stride),
-             numpy.int32(causal), numpy.int32(compute), numpy.int32(check), numpy.float64(floor),
-             numpy.float64(p_min), row_tol, log_base, log_slope, stats, verdict.worst, verdict.details))
+            (scores, probs, key_visible, attn_add, stats, verdict.worst, verdict.details,
+             _rows(scores, causal), S.MASK_INDEX(attn_stride=stride, heads=heads),
+             numpy.float64(scale), S.MODE(compute=compute, check=check), tol))
 
 
 def backward(dp: cupy.ndarray, p: cupy.ndarray, *, scale: float, compute: bool, check: bool,
@@ -169,10 +171,9 @@ def backward(dp: cupy.ndarray, p: cupy.ndarray, *, scale: float, compute: bool, 
     with dp.device:
         _kernel(dp.device.id, kernels.SOFTMAX_BACKWARD, dp.dtype.name)(
             (_blocks(n),), (_BLOCK,),
-            (dp, p, numpy.int64(n), numpy.int32(seq_k), numpy.int32(seq_q), numpy.int32(causal),
-             numpy.float64(scale), numpy.int32(compute), numpy.int32(check), numpy.float64(u),
-             numpy.float64(tiny), ds_acc, ds, stats, verdict.worst, verdict.details, keep,
-             numpy.float64(keep_scale)))
+            (dp, p, keep, ds_acc, ds, stats, verdict.worst, verdict.details, _rows(dp, causal),
+             numpy.float64(scale), numpy.float64(keep_scale), S.MODE(compute=compute, check=check),
+             S.BACKWARD_TOLERANCE(u=u, tiny=tiny)))
 
 
 def _check_rows(x: cupy.ndarray, y: cupy.ndarray, rows: int, length: int,
@@ -189,6 +190,12 @@ def _check_rows(x: cupy.ndarray, y: cupy.ndarray, rows: int, length: int,
         _need(stats, x.shape[:2] + (5,), numpy.dtype(numpy.float64), "stats")
     if rows > _UINT32_MAX or length > INT32_MAX or max(x.shape) > INT32_MAX:
         raise ValueError(f"softmax kernels index rows in 32 bits, got {x.shape}")
+
+
+def _rows(x: cupy.ndarray, causal: bool) -> numpy.ndarray:
+    """The kernels' ``softmax::Rows`` of the ``(matrices, seq_q, seq_k)`` row operand ``x``."""
+    matrices, seq_q, seq_k = x.shape
+    return S.ROWS(n=matrices * seq_q, seq_q=seq_q, len=seq_k, causal=causal)
 
 
 def _need(x: Any, shape: tuple[int, ...], dtype: numpy.dtype, name: str) -> None:

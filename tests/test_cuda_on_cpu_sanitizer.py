@@ -285,6 +285,29 @@ def test_arguments_are_checked_against_the_kernels_parameter_types():
         k((1,), (32,), (x, np.zeros(32, np.float32), np.int32(32)))
 
 
+PAIR = """
+struct Pair { int a; double b; };
+extern "C" __global__ void pair(Pair p, double* y) { y[0] = p.a + p.b; }
+"""
+
+
+def test_a_one_element_numpy_array_passes_by_value_as_a_struct_of_its_size():
+    import cupy
+
+    y = cupy.zeros(1)
+    k = _kernel(PAIR, "pair")
+    arg = np.zeros(1, np.dtype([("a", np.int32), ("b", np.float64)], align=True))
+    arg["a"], arg["b"] = 2, 0.5
+    k((1,), (1,), (arg, y))
+    assert y.get()[0] == 2.5
+    packed = np.zeros(1, np.dtype([("a", np.int32), ("b", np.float64)]))  # no C padding
+    with pytest.raises(_error(), match="argument 0 of pair: the kernel takes 16 bytes, the launch "
+                                       "passed 12"):
+        k((1,), (1,), (packed, y))
+    with pytest.raises(TypeError, match=r"NumPy array is host memory \(shape \(2,\)\)"):
+        k((1,), (1,), (np.zeros(2, arg.dtype), y))
+
+
 def test_launch_configurations_beyond_cudas_limits_are_refused():
     import cupy
 

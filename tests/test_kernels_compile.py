@@ -90,6 +90,21 @@ def test_every_dtype_has_both_softmax_kernels():
         assert attention_kernels.instance(attention_kernels.SOFTMAX_BACKWARD, dtype) in names
 
 
+def test_nvrtc_lays_the_softmax_structs_out_as_numpy(compile_kernels):
+    """The device compiler's layout of the softmax kernels' argument structs is their NumPy
+    dtypes' (tests/struct_layouts.py; tests/test_softmax_structs.py checks the host compiler's)."""
+    from attention.kernels.softmax_structs import ROWS, STRUCTS
+    from struct_layouts import layout_asserts, swapped
+
+    source = attention_kernels.source(attention_kernels.SOFTMAX_FILE)
+    compile_kernels.compile_source(source + layout_asserts(STRUCTS), (), "sm_90",
+                                   "attention/softmax.cu", attention_kernels.NVRTC_OPTIONS)
+    drifted = (swapped(ROWS, "seq_q", "len"),) + STRUCTS[1:]
+    with pytest.raises(RuntimeError, match=r"softmax::Rows::len is not at offset 8"):
+        compile_kernels.compile_source(source + layout_asserts(drifted), (), "sm_90",
+                                       "attention/softmax.cu", attention_kernels.NVRTC_OPTIONS)
+
+
 def test_every_dtype_has_every_fused_kernel():
     names = attention_kernels.MODULES[attention_kernels.FUSED_FILE]
     for dtype in ("float16", "bfloat16", "float32", "float64"):

@@ -42,6 +42,47 @@
 // unaligned head and tail) stay in registers between passes; longer rows, and the forward check's
 // log pass, re-read them (L1/L2). No host headers under NVRTC (no INFINITY): infinities are bit
 // patterns.
+//
+// Arguments: every pointer is a __restrict__ parameter of its own (only then does NVCC turn the
+// kernels' loads into read-only ld.global.nc: one pointer inside a struct parameter, even a const
+// one, loses them all), then the scalars, grouped in the structs below and passed by value.
+// attention/_cuda_softmax.py builds them with the same layouts (abftgemm.cuda_structs;
+// tests/test_softmax_structs.py and tests/test_kernels_compile.py compare the layouts with the
+// compilers').
+namespace softmax {
+
+// `n` rows of `len` elements; row r is query r mod seq_q of matrix t = r / seq_q. With `causal`,
+// query i sees keys l <= i only.
+struct Rows {
+    long long n;
+    int seq_q, len, causal;
+};
+
+// Where the forward's masks hold matrix t's rows: key_visible (batch, len) at batch t / heads,
+// attn_add (1 or batch*heads, seq_q, len) at t * attn_stride (0: one shared matrix).
+struct MaskIndex {
+    long long attn_stride;
+    int heads;
+};
+
+// What a launch does: compute the output, judge the invariants on what it holds (or both).
+struct Mode {
+    int compute, check;
+};
+
+// The forward check's bounds: entries above max(floor * top, p_min) take part in the log identity;
+// the row sum is judged within row_tol, the log spread within log_base + log_slope * size.
+struct ForwardTolerances {
+    double floor, p_min, row_tol, log_base, log_slope;
+};
+
+// The backward check's tolerance: u * (the terms' magnitudes) + tiny.
+struct BackwardTolerance {
+    double u, tiny;
+};
+
+}  // namespace softmax
+
 namespace {
 
 template <typename T> struct Arith {
@@ -177,14 +218,13 @@ __device__ __forceinline__ void record(unsigned long long* worst, double* detail
 
 template <typename T>
 __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict__ probs,
-                                     long long rows, int seq_q, int len, int heads, double scale,
                                      const bool* __restrict__ key_visible,
-                                     const double* __restrict__ attn_add, long long attn_stride,
-                                     int causal, int compute, int check, double floor,
-                                     double p_min, double row_tol, double log_base, double log_slope,
+                                     const double* __restrict__ attn_add,
                                      double* __restrict__ stats,
                                      unsigned long long* __restrict__ worst,
-                                     double* __restrict__ details) {
+                                     double* __restrict__ details, softmax::Rows rows,
+                                     softmax::MaskIndex mask, double scale, softmax::Mode mode,
+                                     softmax::ForwardTolerances tol) {
     typedef typename Arith<T>::type C;
     constexpr int V = Split<T>::V;
     constexpr int CACHE = 4;  // vectors per lane in registers; NVRTC time grows with 4 * V copies
@@ -194,23 +234,24 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
     const C sc = static_cast<C>(scale);
 
     for (long long r = (blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x) >> 5;
-         r < rows; r += warps) {
-        const long long t = r / seq_q;
-        const int i = static_cast<int>(r - t * seq_q);
+         r < rows.n; r += warps) {
+        const long long t = r / rows.seq_q;
+        const int i = static_cast<int>(r - t * rows.seq_q);
         const bool* kv = key_visible == nullptr
                              ? nullptr
-                             : key_visible + (t / heads) * static_cast<long long>(len);
-        const double* add = attn_add == nullptr
-                                ? nullptr
-                                : attn_add + t * attn_stride + static_cast<long long>(i) * len;
-        const T* row = scores + r * static_cast<long long>(len);
-        T* out = probs + r * static_cast<long long>(len);
-        const Split<T> s(row, len, lane);
+                             : key_visible + (t / mask.heads) * static_cast<long long>(rows.len);
+        const double* add =
+            attn_add == nullptr
+                ? nullptr
+                : attn_add + t * mask.attn_stride + static_cast<long long>(i) * rows.len;
+        const T* row = scores + r * static_cast<long long>(rows.len);
+        T* out = probs + r * static_cast<long long>(rows.len);
+        const Split<T> s(row, rows.len, lane);
         const bool wide = agree16(row, out);
         const bool cached = s.chunks <= 32 * CACHE;  // uniform across the warp
 
         auto shown = [&](int l) -> bool {
-            return (kv == nullptr || kv[l]) && (!causal || l <= i);
+            return (kv == nullptr || kv[l]) && (!rows.causal || l <= i);
         };
         // The softmax's z (arithmetic type) and the check's (double, from the raw score).
         auto z_of = [&](T x, int l) -> C {
@@ -278,16 +319,16 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
 
         // ---- pass 1: checksums of the raw row, the maximum, the check's view of visibility
         Acc a;
-        a.init(len);
+        a.init(rows.len);
         C m = neg_inf(C(0));
         bool any_visible = false, finite = true;
         each([&](int l, T x) {
             if (stats != nullptr) a.add(to_double(widen(x)), l);
-            if (compute && shown(l)) {
+            if (mode.compute && shown(l)) {
                 const C z = z_of(x, l);
                 if (z != neg_inf(C(0))) m = max_of(m, z);
             }
-            if (check && shown(l)) {
+            if (mode.check && shown(l)) {
                 const double z = z_check(x, l);
                 if (z != neg_inf(0.0)) {
                     any_visible = true;
@@ -307,7 +348,7 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
             p_sum += v;
             top = worse(top, v);
         };
-        if (compute) {
+        if (mode.compute) {
             m = warp_max(m);
             if (m == neg_inf(C(0))) m = C(0);  // nothing visible: every e is 0
             C total = C(0);
@@ -328,13 +369,13 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
                         const C z = z_of(x[j], l);
                         const C e = shown(l) && z != neg_inf(C(0)) ? exp_of(z - m) : C(0);
                         // past the diagonal of a causal row: 0 even in a NaN row (as on the CPU)
-                        p[j] = causal && l > i ? T(0) : narrow<T>(e * inv);
-                        if (check) fold(to_double(widen(p[j])));
+                        p[j] = rows.causal && l > i ? T(0) : narrow<T>(e * inv);
+                        if (mode.check) fold(to_double(widen(p[j])));
                     }
                 }
                 return o;
             });
-        } else if (check) {
+        } else if (mode.check) {
             auto read = [&](int l) { fold(to_double(widen(out[l]))); };
             if (s.has_head()) read(s.head_l());
             for (int v = lane; v < s.chunks; v += 32) {
@@ -345,7 +386,7 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
             }
             if (s.has_tail()) read(s.tail_l());
         }
-        if (!check) continue;
+        if (!mode.check) continue;
 
         // ---- pass 4: the invariants, on the stored P
         p_sum = warp_sum(p_sum);
@@ -356,7 +397,7 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
         const double row_err = fabs(p_sum - (any_visible ? 1.0 : 0.0));
         double log_err = 0.0, size = 0.0;
         if (top == top) {
-            const double threshold = fmax(floor * top, p_min);
+            const double threshold = fmax(tol.floor * top, tol.p_min);
             double d_hi = neg_inf(0.0), d_lo = neg_inf(0.0);  // the largest d and -d
             auto identity = [&](int l, T x, double v) {
                 if (!(v > threshold) || !shown(l)) return;
@@ -385,10 +426,10 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
             if (d_hi != neg_inf(0.0)) log_err = d_hi + d_lo;  // max d - min d
         }
         if (lane == 0) {
-            const double log_tol = log_base + log_slope * size;
-            const double row_ratio = row_err / row_tol, log_ratio = log_err / log_tol;
+            const double log_tol = tol.log_base + tol.log_slope * size;
+            const double row_ratio = row_err / tol.row_tol, log_ratio = log_err / log_tol;
             if (row_ratio >= log_ratio || row_ratio != row_ratio)
-                record(worst, details, r, row_ratio, row_err, row_tol);
+                record(worst, details, r, row_ratio, row_err, tol.row_tol);
             else
                 record(worst, details, r, log_ratio, log_err, log_tol);
         }
@@ -397,13 +438,13 @@ __global__ void attn_softmax_forward(const T* __restrict__ scores, T* __restrict
 
 template <typename T>
 __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restrict__ p,
-                                      long long rows, int len, int seq_q, int causal,
-                                      double scale, int compute, int check, double u, double tiny,
+                                      const bool* __restrict__ keep,
                                       typename Arith<T>::type* __restrict__ ds_acc,
                                       T* __restrict__ ds, double* __restrict__ stats,
                                       unsigned long long* __restrict__ worst,
-                                      double* __restrict__ details,
-                                      const bool* __restrict__ keep, double keep_scale) {
+                                      double* __restrict__ details, softmax::Rows rows,
+                                      double scale, double keep_scale, softmax::Mode mode,
+                                      softmax::BackwardTolerance tol) {
     typedef typename Arith<T>::type C;
     constexpr int V = Split<T>::V;
     constexpr int CACHE = 4;  // vectors per lane and operand kept in registers
@@ -414,16 +455,16 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
     const C ks = static_cast<C>(keep_scale);
 
     for (long long r = (blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x) >> 5;
-         r < rows; r += warps) {
-        const long long base = r * static_cast<long long>(len);
+         r < rows.n; r += warps) {
+        const long long base = r * static_cast<long long>(rows.len);
         const T* dpr = dp + base;
         const T* pr = p + base;
         // Past the diagonal of a causal row P is 0, and so is dS: computed there as 0 whatever
         // dP holds, and those entries stay out of r. The check takes P and dP there as 0 without
         // reading them, and dS (read back from ds_acc without `compute`) in its plain sums only,
         // so that a fault stored there fails them, as on the CPU.
-        const int i = static_cast<int>(r % seq_q);
-        auto past = [&](int l) { return causal && l > i; };
+        const int i = static_cast<int>(r % rows.seq_q);
+        auto past = [&](int l) { return rows.causal && l > i; };
         // With attention dropout, dp is the gradient of the dropped probabilities (its row
         // checksums are observed as read); dS takes the gradient of those before dropout.
         const bool* kr = keep == nullptr ? nullptr : keep + base;
@@ -432,7 +473,7 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
         };
         T* out = ds == nullptr ? nullptr : ds + base;
         C* acc_out = ds_acc == nullptr ? nullptr : ds_acc + base;
-        const Split<T> s(dpr, len, lane);
+        const Split<T> s(dpr, rows.len, lane);
         const bool wide_p = agree16(dpr, pr);
         const bool wide_out = out != nullptr && agree16(dpr, out);
         const bool cached = s.chunks <= 32 * CACHE;
@@ -479,14 +520,14 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
 
         // ---- pass 1: dP's checksums and r = sum P dP
         Acc a;
-        a.init(len);
+        a.init(rows.len);
         C r_sum = C(0);
         each([&](int l0, int n, const T* d, const T* q, int) {
             #pragma unroll
             for (int j = 0; j < V; ++j) {
                 if (j < n) {
                     if (stats != nullptr) a.add(to_double(widen(d[j])), l0 + j);
-                    if (compute && !past(l0 + j)) r_sum += widen(q[j]) * grad(l0 + j, d[j]);
+                    if (mode.compute && !past(l0 + j)) r_sum += widen(q[j]) * grad(l0 + j, d[j]);
                 }
             }
         });
@@ -506,11 +547,11 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
             for (int j = 0; j < V; ++j) {
                 if (j < n) {
                     const int l = l0 + j;
-                    const C dsj = !compute ? acc_out[l]
+                    const C dsj = !mode.compute ? acc_out[l]
                                   : past(l) ? C(0) : widen(q[j]) * (grad(l, d[j]) - r_sum);
-                    if (compute && acc_out != nullptr) acc_out[l] = dsj;
+                    if (mode.compute && acc_out != nullptr) acc_out[l] = dsj;
                     so[j] = narrow<T>(dsj * sc);
-                    if (!check) continue;
+                    if (!mode.check) continue;
                     const double dsd = to_double(dsj);
                     sum_ds += dsd;
                     abs_ds += fabs(dsd);
@@ -531,7 +572,7 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
             else
                 out[l0] = so[0];
         });
-        if (!check) continue;
+        if (!mode.check) continue;
         rc = warp_sum(rc);
         sum_p = warp_sum(sum_p);
         sum_ds = warp_sum(sum_ds);
@@ -543,9 +584,9 @@ __global__ void attn_softmax_backward(const T* __restrict__ dp, const T* __restr
         if (lane != 0 || not_finite(sum_p) || not_finite(abs_terms) || not_finite(second))
             continue;  // INF/NaN in P or dP: plain math's dS passes through, unjudged
         const double plain_err = fabs(sum_ds - rc * (1.0 - sum_p));
-        const double plain_tol = u * (abs_terms + abs_ds + fabs(rc)) + tiny;
+        const double plain_tol = tol.u * (abs_terms + abs_ds + fabs(rc)) + tol.tiny;
         const double weighted_err = fabs(ds_dp - (second - rc * rc));
-        const double weighted_tol = u * (fabs(second) + rc * rc + abs_ds_dp) + tiny;
+        const double weighted_tol = tol.u * (fabs(second) + rc * rc + abs_ds_dp) + tol.tiny;
         double ratio = worse(plain_err / plain_tol, weighted_err / weighted_tol);
         if (not_finite(ratio)) ratio = pos_inf();
         record(worst, details, r, ratio, plain_err, plain_tol);

@@ -1,7 +1,7 @@
 """``cupy.RawModule`` and ``cupy.RawKernel`` on the CPU, with CuPy's conventions: kernels by name
 expression, launched as ``kernel(grid, block, args)`` with device arrays passed as pointers,
-``None`` as a null pointer and NumPy scalars by value (Python ``int``/``float``/``bool`` as
-int64/double/bool). The entry point checks every argument against the kernel's parameter types
+``None`` as a null pointer, NumPy scalars and one-element NumPy arrays (a struct's bytes) by
+value (Python ``int``/``float``/``bool`` as int64/double/bool). The entry point checks every argument against the kernel's parameter types
 (a GPU would read the wrong bytes) and the launch configuration against CUDA's limits."""
 from __future__ import annotations
 
@@ -87,14 +87,19 @@ def _marshal(arg: Any, i: int, name: str) -> tuple[Any, int, int]:
     if isinstance(arg, np.generic):
         raw = np.array(arg)
         return ctypes.create_string_buffer(raw.tobytes(), raw.itemsize), raw.itemsize, 0
+    if isinstance(arg, np.ndarray):  # CuPy passes a one-element array's bytes by value (a struct)
+        if arg.size != 1:
+            raise TypeError(f"argument {i} of {name}: a NumPy array is host memory (shape "
+                            f"{arg.shape}); pass a device array (a one-element NumPy array passes "
+                            "by value)")
+        return ctypes.create_string_buffer(arg.tobytes(), arg.itemsize), arg.itemsize, 0
     if isinstance(arg, bool):
         return ctypes.c_bool(arg), 1, 0
     if isinstance(arg, int):
         return ctypes.c_int64(arg), 8, 0
     if isinstance(arg, float):
         return ctypes.c_double(arg), 8, 0
-    raise TypeError(f"argument {i} of {name}: unsupported type {type(arg).__name__} (a NumPy array "
-                    "is host memory; pass a device array)")
+    raise TypeError(f"argument {i} of {name}: unsupported type {type(arg).__name__}")
 
 
 class RawKernel:
