@@ -136,10 +136,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     _kernel("row_reduce tail bound off by one", "abftgemm/kernels/reduce.cu",
             "l < len; l += 32) a.add(", "l <= len; l += 32) a.add("),
     _kernel("softmax causal diagonal off by one", "attention/kernels/softmax.cu",
-            "(!causal || l <= i);", "(!causal || l < i);"),
+            "(!rows.causal || l <= i);", "(!rows.causal || l < i);"),
     _kernel("softmax backward causal diagonal off by one", "attention/kernels/softmax.cu",
-            "auto past = [&](int l) { return causal && l > i; };",
-            "auto past = [&](int l) { return causal && l >= i; };"),
+            "auto past = [&](int l) { return rows.causal && l > i; };",
+            "auto past = [&](int l) { return rows.causal && l >= i; };"),
 )
 
 
