@@ -13,6 +13,8 @@ import pytest
 
 from abftgemm import kernels
 from attention import kernels as attention_kernels
+from attention.kernels.softmax_structs import ROWS, STRUCTS
+from struct_layouts import layout_asserts, swapped
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,9 +95,6 @@ def test_every_dtype_has_both_softmax_kernels():
 def test_nvrtc_lays_the_softmax_structs_out_as_numpy(compile_kernels):
     """The device compiler's layout of the softmax kernels' argument structs is their NumPy
     dtypes' (tests/struct_layouts.py; tests/test_softmax_structs.py checks the host compiler's)."""
-    from attention.kernels.softmax_structs import ROWS, STRUCTS
-    from struct_layouts import layout_asserts, swapped
-
     source = attention_kernels.source(attention_kernels.SOFTMAX_FILE)
     compile_kernels.compile_source(source + layout_asserts(STRUCTS), (), "sm_90",
                                    "attention/softmax.cu", attention_kernels.NVRTC_OPTIONS)

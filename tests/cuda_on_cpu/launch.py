@@ -1,8 +1,9 @@
 """``cupy.RawModule`` and ``cupy.RawKernel`` on the CPU, with CuPy's conventions: kernels by name
 expression, launched as ``kernel(grid, block, args)`` with device arrays passed as pointers,
 ``None`` as a null pointer, NumPy scalars and one-element NumPy arrays (a struct's bytes) by
-value (Python ``int``/``float``/``bool`` as int64/double/bool). The entry point checks every argument against the kernel's parameter types
-(a GPU would read the wrong bytes) and the launch configuration against CUDA's limits."""
+value (Python ``int``/``float``/``bool`` as int64/double/bool). The entry point checks every
+argument against the kernel's parameter types (a GPU would read the wrong bytes) and the launch
+configuration against CUDA's limits."""
 from __future__ import annotations
 
 import ctypes
