@@ -28,8 +28,8 @@ from attention._cpu_vmath import (exp_like, frexp_like, from_ordered_key, like, 
 from attention.dropout_hash import GAMMA, MIX1, MIX2, SHIFT
 
 #: Query rows and keys per tile.
-BR = 64
-BC = 64
+BR = 128
+BC = 128
 
 SITES = ("fused:S", "fused:P", "fused:O_acc", "fused:rowsum", "fused:dP", "fused:dS",
          "fused:dQ_acc", "fused:dK_acc", "fused:dV_acc")
@@ -40,6 +40,10 @@ HOOK_SITES = SITES + ("fused:dropout",)
 DROP_ = len(SITES)
 FLAGS, FAILED, RATIO, MAG, TAU, ROW, COL, AFTER = range(8)
 FIELDS = 8
+
+#: Mantissas in [0.5, 1) multiplied per ``log`` in the softmax invariant (:func:`_probs_ratio`):
+#: a product of 64 stays above float32's smallest normal number, 2**-126.
+_MANTISSAS = 64
 
 #: float64's unit roundoff: the rounding of the checks' own float64 sums.
 _U64 = 2.0 ** -53
@@ -59,7 +63,7 @@ def no_hook(site: int, tile: Any) -> None:
 
 #: OpenBLAS runs a product ``m x k`` by ``k x n`` on the calling thread when ``m n k`` is at most
 #: this (its multithreading threshold): the tile products are cut to that size, so the BLAS never
-#: starts threads of its own inside numba's (64 x 64 tiles reach it at ``d = 64``).
+#: starts threads of its own inside numba's (a 128 x 128 tile at ``d = 64`` runs in four pieces).
 BLAS_ONE_THREAD = 1 << 18
 
 
@@ -340,7 +344,7 @@ def _probs_bad(pv: Any, x: Any, t0: Any, t1: Any, t2: Any, tiny: Any) -> Any:
 
 @numba.njit(cache=True, fastmath=_FAST)
 def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
-    """The softmax invariant of a tile, judged on what was stored, one ``log`` per row: ``sum_j
+    """The softmax invariant of a tile, judged on what was stored, one ``log`` per 64 entries of a row: ``sum_j
     log p_ij = sum_j (z_ij - m_i)`` over the row's normal entries (``m`` the running max forward,
     the log-sum-exp backward), within ``sum_j (tol[0] + tol[1] |z_ij - m_i|)``. The left side is
     ``sum_j e_ij log 2 + log prod_j m_ij`` from the entries' exponents and mantissas (bit
@@ -368,24 +372,29 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
                 bad += np.float32(pr[j] != 0)
             continue
         es = count = like(p, 0.0)
-        ms = one
-        for j in range(cols):  # the data's precision alone: eight float32 lanes
-            pv = pr[j]
-            small = (pv if pv >= 0 else -pv) < tiny  # NaN is not small
-            ex, mant = frexp_like(one if small else pv)
-            es += ex
-            ms *= mant
-            count += like(p, not small)
-            bad += np.float32(small) * np.float32(zr[j] - mr >= t2 + 1)
+        lm = lm_abs = 0.0
+        for c0 in range(0, cols, _MANTISSAS):
+            ms = one
+            for j in range(c0, min(c0 + _MANTISSAS, cols)):  # the data's precision: 8 lanes
+                pv = pr[j]
+                small = (pv if pv >= 0 else -pv) < tiny  # NaN is not small
+                ex, mant = frexp_like(one if small else pv)
+                es += ex
+                ms *= mant
+                count += like(p, not small)
+                bad += np.float32(small) * np.float32(zr[j] - mr >= t2 + 1)
+            x = math.log(np.float64(ms))
+            lm += x
+            lm_abs += abs(x)
         xs = 0.0
         for j in range(cols):  # the float64 sum in a loop of its own (four lanes)
             pv = pr[j]
             xs += np.float64(zr[j] - mr) if (pv if pv >= 0 else -pv) >= tiny else 0.0
         xa = abs(xs)  # every z_ij - m_i <= 0: m_i is the row's max, or the log-sum-exp above it
-        le, lm = np.float64(es) * math.log(2.0), math.log(np.float64(ms))
+        le = np.float64(es) * math.log(2.0)
         lhs = le + lm
-        tau = tol[0] * np.float64(count) + (tol[1] + 2 * BC * _U64) * xa + 4 * _U64 * (abs(le) + abs(lm)) \
-            + tol[3]
+        tau = tol[0] * np.float64(count) + (tol[1] + 2 * BC * _U64) * xa \
+            + 4 * _U64 * (abs(le) + lm_abs) + tol[3]
         e = abs(lhs - xs) / tau
         if not e <= worst:
             worst = e if e == e else math.inf
@@ -682,7 +691,7 @@ def _forward_block(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, add: 
         m[:] = -np.inf
         l[:] = 0
         for j0 in range(0, jend, BC):
-            j1 = min(j0 + BC, jend)
+            j1 = min(j0 + BC, lk)  # a whole key block (transpose_blocks' layout); causal masks
             cols = j1 - j0
             s = sbuf[:rows * cols].reshape(rows, cols)
             p = pbuf[:rows * cols].reshape(rows, cols)

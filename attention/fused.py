@@ -5,7 +5,7 @@ forward and backward, with O(L) extra memory and every tile checked.
 recomputes ``P`` tile by tile from them (FlashAttention-2). Heads are the leading axis: ``(n,
 L, d)`` with ``n`` = batch * heads, as :mod:`attention.core` takes them. No ``L x L`` buffer is
 ever made (an additive mask is the caller's, read tile by tile; one not in float64 is converted
-once); the tiles are ``BR x BC`` = 64 x 64 (:mod:`attention._cpu_fused`, numba kernels in
+once); the tiles are ``BR x BC`` = 128 x 128 (:mod:`attention._cpu_fused`, numba kernels in
 parallel over (head, query block) forward and over heads backward, so no two threads write one
 accumulator; the tile products call BLAS, single-threaded, through numba's ``np.dot``).
 CuPy arrays run the same algorithm and checks in CUDA kernels (:mod:`attention._cuda_fused`,

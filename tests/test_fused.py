@@ -336,7 +336,7 @@ def test_site_lists():
 
 
 def test_head_dim_128_cuts_the_blas_products():
-    """d = 128: 64 x 64 x 128 tile products are cut below BLAS's threading threshold
+    """d = 128: 128 x 128 x 128 tile products are cut below BLAS's threading threshold
     (``_cpu_fused.BLAS_ONE_THREAD``); results and a corrected fault as at d = 64."""
     q, k, v, do = _data(np.random.default_rng(10), 1, 100, 100, 128)
     ctx = Context()

@@ -89,10 +89,14 @@ def test_numpy_final_sites_are_faulted_once_a_pass():
 def test_numpy_faults_pick_tiles_across_the_run():
     """The hook's calls per site are counted on the clean run; ``skip`` picks among all of
     them (different seeds, different tiles)."""
+    from attention._cpu_fused import BC, BR
+
+    assert BR == BC
     bench = FusedTestbed("float32", (2, 150, 16), 0, np, 0)
-    # causal, 3 query blocks: 6 (block, tile) pairs per head forward, 6 backward
-    assert bench.calls["fused:S"] == bench.calls["fused:P"] == 2 * (6 + 6)
-    assert bench.calls["fused:O_acc"] == bench.calls["fused:rowsum"] == 2 * 6
+    blocks = -(-150 // BR)
+    pairs = blocks * (blocks + 1) // 2  # causal: (block, tile) pairs per head, each pass
+    assert bench.calls["fused:S"] == bench.calls["fused:P"] == 2 * (pairs + pairs)
+    assert bench.calls["fused:O_acc"] == bench.calls["fused:rowsum"] == 2 * pairs
     assert set(bench.calls) == set(SITES)
     skips = {bench.fault("fused:S", {"kind": "inf"}, "element", seed).skip for seed in range(40)}
     assert len(skips) > 10 and max(skips) < bench.calls["fused:S"]

@@ -15,6 +15,7 @@ from attention import MultiHeadAttention
 from attention.context import Context
 from attention.core import core_backward, core_forward
 from attention.dropout_hash import draw_seed, keep_mask
+from attention._cpu_fused import BC
 from attention.fused import DROPOUT_HOOK_SITE, fused_backward, fused_forward
 from attention.fused_final import GRAD_SITE, OUTPUT_SITE, verify_grads, verify_output
 from conftest import BACKENDS
@@ -204,13 +205,15 @@ def test_final_output_check_recomputes_with_the_same_dropout():
 
 @pytest.mark.parametrize("skip", [0, 1, 2, 3])
 def test_dropout_site_fault_in_any_tile_is_corrected(skip):
-    """Faults in the dropped tile of later calls of the site: forward tiles (skip 0, 1: two
-    query blocks of one head see the site first) and backward tiles."""
+    """Faults in the dropped tile of later calls of the site, a quarter of its calls apart: the
+    forward sees it once per tile (skip 0, 1: tiles of two query blocks), then the
+    backward once per tile (skip 2, 3)."""
     q, k, v, do = _data(np.random.default_rng(7), 1, 130, 130, 16)
     kw = {"dropout": 0.5, "dropout_seed": 8}
     clean = _fused(q, k, v, do, Context(), **kw)
+    blocks = -(-130 // BC)
     fault = Fault("additive", "element", seed=skip, sites=DROPOUT_HOOK_SITE, magnitude=1e3,
-                  skip=4 * skip)
+                  skip=skip * 2 * blocks * blocks // 4)
     ctx = Context(fault_hook=fault)
     got = _fused(q, k, v, do, ctx, **kw)
     assert fault.injected
