@@ -93,7 +93,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from abftgemm.backend import array_module, astype
+from abftgemm.backend import array_module, astype, to_host
 from abftgemm.checksums import smallest_normal, unit_roundoff
 from abftgemm.report import Event, UncorrectableError, announce
 from attention import _cpu_final as F
@@ -256,10 +256,10 @@ def _output_ratio(out: Any, saved: dict[str, Any]
     if isinstance(out, np.ndarray):
         worst = K._judge(np.ascontiguousarray(pred), obs, n * lq, coef, info)
         v = int(info[3])
-    else:  # the worst row on the device, judged again on the host as the CPU judges it
-        v = _worst_row(array_module(out), pred, obs, coef)
+    else:  # the worst row found on the device, judged again on the host as the CPU judges it
+        v, host = _worst_row(array_module(out), pred, obs, coef)
         if v >= 0:
-            K._judge(pred[v:v + 1].get(), obs[v:v + 1].get(), 1, coef, info)
+            K._judge(host[0:1], host[1:2], 1, coef, info)
         worst = info[0]
     c = int(info[4])
     if v < 0:
@@ -267,10 +267,11 @@ def _output_ratio(out: Any, saved: dict[str, Any]
     return worst, v // lq, (v % lq,), ((c,) if c >= 0 else ()), info[1], info[2]
 
 
-def _worst_row(xp: Any, pred: Any, obs: Any, coef: np.ndarray) -> int:
-    """The first row of ``(rows, 3)`` checksums ``pred`` and ``obs`` with the worst ratio, as
-    :func:`attention._cpu_fused._judge` rates them (a NaN ratio counts as INF), or -1 when every
-    ratio is 0."""
+def _worst_row(xp: Any, pred: Any, obs: Any, coef: np.ndarray) -> tuple[int, np.ndarray]:
+    """``(v, host)``: the first row ``v`` of ``(rows, 3)`` checksums ``pred`` and ``obs`` with
+    the worst ratio, as :func:`attention._cpu_fused._judge` rates them (a NaN ratio counts as
+    INF), or -1 when every ratio is 0; ``host`` is ``(pred[v], obs[v])`` on the host, ``(2,
+    3)``, in one transfer."""
     p0, p1, p2 = pred[:, 0], pred[:, 1], pred[:, 2]
     o0, o1, o2 = obs[:, 0], obs[:, 1], obs[:, 2]
     c_obs, c_pred, floor, c_mag, safe = (float(c) for c in coef[:5])
@@ -283,7 +284,8 @@ def _worst_row(xp: Any, pred: Any, obs: Any, coef: np.ndarray) -> int:
     r = xp.where(xp.isfinite(p0) & xp.isfinite(p1) & xp.isfinite(p2), r, 0.0)
     r = xp.where(xp.isnan(r), xp.inf, r)
     at = int(xp.argmax(r))
-    return at if float(r[at]) > 0 else -1
+    host = xp.concatenate([pred[at], obs[at], r[at:at + 1]]).get()
+    return (at if host[6] > 0 else -1), host[:6].reshape(2, 3)
 
 
 def _grad_ratio(saved: dict[str, Any], d_out: Any, dv: Any
@@ -325,11 +327,12 @@ def _dk_ratio(saved: dict[str, Any], d_out: Any, dk: Any
 
 def _worst_column(xp: Any, ratio: Any, diff: Any, tau: Any
                   ) -> tuple[float, int, tuple, tuple, float, float]:
-    """``(ratio, head, (), (column,), |d|, tau)`` of the first worst of ``(n, d)`` ratios."""
+    """``(ratio, head, (), (column,), |d|, tau)`` of the first worst of ``(n, d)`` ratios (one
+    transfer of the three numbers from a device)."""
     at = int(xp.argmax(ratio))
     head, col = divmod(at, ratio.shape[1])
-    return (float(ratio.ravel()[at]), head, (), (col,), float(diff.ravel()[at]),
-            float(tau.ravel()[at]))
+    r, d, t = (float(x) for x in to_host(xp.stack([a.ravel()[at] for a in (ratio, diff, tau)])))
+    return r, head, (), (col,), d, t
 
 
 def dk_column_sums(saved: dict[str, Any], d_out: Any, dk: Any) -> tuple[Any, Any]:
