@@ -442,10 +442,9 @@ def _dk_rows(d_out: Any, out: Any, vmax: Any) -> tuple[Any, Any, Any]:
         g, a, s = (np.empty(d_out.shape[:2]) for _ in range(3))
         F.dk_rows(in_work_dtype(d_out), in_work_dtype(out), vmax, g, a, s)
         return g, a, s
-    xp = array_module(d_out)
-    mag = xp.abs(_wide(d_out))
-    return ((mag * vmax[:, None, :]).sum(2), xp.abs(_wide(d_out) * _wide(out)).sum(2),
-            mag.sum(2))
+    xp, g = array_module(d_out), _wide(d_out)
+    mag = xp.abs(g)
+    return (mag * vmax[:, None, :]).sum(2), xp.abs(g * _wide(out)).sum(2), mag.sum(2)
 
 
 def _add_weighted_abs_columns(x: Any, weight: Any, acc: Any) -> Any:
