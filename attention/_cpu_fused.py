@@ -22,6 +22,7 @@ from typing import Any
 import numba
 import numpy as np
 
+from abftgemm.cpu_kernels import sum_column_prefix, sum_columns
 from attention._cpu_vmath import (exp_like, frexp_like, from_ordered_key, like, log_like,
                                    ordered_key)
 from attention.dropout_hash import GAMMA, MIX1, MIX2, SHIFT
@@ -120,6 +121,10 @@ def _carry(a: Any, keep: Any, ks: Any, enc: Any, off: int, alpha: Any, acc: Any,
     :func:`_drop` makes the tile the product reads, never read from that tile."""
     rows, cols = a.shape
     drop = keep.shape[0] > 0
+    if transpose and not drop:
+        sum_column_prefix(a, (enc[0, off:off + rows], enc[1, off:off + rows],
+                              enc[2, off:off + rows]), 0, rows, acc, cols)
+        return
     if transpose:
         a0, a1, a2 = acc[0], acc[1], acc[2]
         for r in range(rows):
@@ -180,19 +185,46 @@ def encode_rows(x: Any, out: Any) -> None:
         _observe_rows(x[b], out[b].T)
 
 
-@numba.njit(cache=True, fastmath=_FAST)
-def _encode_cols(x: Any, out: Any) -> None:
-    """Column encoding ``(3, d)`` of a block ``x`` (rows x d): plain, weighted by ``(r + 1) /
-    rows``, absolute sums over its rows."""
-    rows, d = x.shape
+@numba.njit(cache=True, parallel=True)
+def transpose_blocks(x: Any, out: Any) -> None:
+    """``out[b, d j0 : d j1]`` = ``x[b, j0:j1]^T`` as a C-contiguous ``(d, j1 - j0)`` block, for
+    every key block ``[j0, j1)`` of :data:`BC` keys of every head of ``x`` ``(n, L, d)`` (``out``
+    ``(n, L d)``): the right operand of ``S = Q K^T`` and ``dP = dO V^T`` in the layout BLAS
+    multiplies fastest (a transposed view runs OpenBLAS's ``NT`` kernels, about 2x slower on
+    these tiles: bench/NOTES.md)."""
+    n, L, d = x.shape
+    for b in numba.prange(n):
+        for j0 in range(0, L, BC):
+            blk = _block_t(out, b, j0, min(j0 + BC, L), d)
+            for j in range(blk.shape[1]):
+                xr = x[b, j0 + j]
+                for c in range(d):
+                    blk[c, j] = xr[c]
+
+
+@numba.njit(cache=True, inline="always")
+def _block_t(xt: Any, b: int, j0: int, j1: int, d: int) -> Any:
+    """The block ``x[b, j0:j1]^T`` of :func:`transpose_blocks`' output ``xt``."""
+    return xt[b, d * j0:d * j1].reshape((d, j1 - j0))
+
+
+@numba.njit(cache=True)
+def _weights(n: int) -> Any:
+    """The location weights ``(r + 1) / n`` of ``n`` vectors."""
+    w = np.empty(n)
+    for r in range(n):
+        w[r] = (r + 1) / n
+    return w
+
+
+@numba.njit(cache=True)
+def _col_sums(x: Any, w: Any, out: Any) -> None:
+    """``out`` ``(3, cols)`` = the column sums of ``x`` (rows x cols) over its rows: plain,
+    weighted by ``w`` (:func:`_weights` of the rows), of ``|x|``, in float64 (the column encoding
+    of an operand block, and the observed column checksums of a tile): the GEMM checks' kernel
+    (:func:`abftgemm.cpu_kernels.sum_columns`, eight rows per update of the sums)."""
     out[:] = 0.0
-    for r in range(rows):
-        w = (r + 1) / rows
-        for c in range(d):
-            v = np.float64(x[r, c])
-            out[0, c] += v
-            out[1, c] += w * v
-            out[2, c] += abs(v)
+    sum_columns(x, w, 0, x.shape[0], out)
 
 
 @numba.njit(cache=True, fastmath=_FAST)
@@ -228,25 +260,6 @@ def _observe_rows(t: Any, out: Any) -> None:
             t1 += v * w[j]
             t2 += abs(v)
         out[r, 0], out[r, 1], out[r, 2] = t0, t1, t2
-
-
-@numba.njit(cache=True, fastmath=_FAST)
-def _observe_cols(t: Any, out: Any) -> None:
-    """``out[j] = (sum_r t_rj, sum_r w_r t_rj, sum_r |t_rj|)``, ``w_r = (r + 1) / rows`` (summed
-    in three contiguous rows, so the loop over ``j`` vectorizes)."""
-    rows, cols = t.shape
-    sums = np.zeros((3, cols))
-    s0, s1, s2 = sums[0], sums[1], sums[2]
-    for r in range(rows):
-        w = (r + 1) / rows
-        tr = t[r]
-        for j in range(cols):
-            v = np.float64(tr[j])
-            s0[j] += v
-            s1[j] += w * v
-            s2[j] += abs(v)
-    for j in range(cols):
-        out[j, 0], out[j, 1], out[j, 2] = s0[j], s1[j], s2[j]
 
 
 # ------------------------------------------------------------------ judging
@@ -624,7 +637,7 @@ def _settle(rec: Any, site: int, attempt: int, ratio: float, correct: bool, info
 # ------------------------------------------------------------------ forward
 
 
-def _forward_block(q: Any, k: Any, v: Any, ve: Any, visible: Any, add: Any, b: int, i0: int,
+def _forward_block(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, add: Any, b: int, i0: int,
                    scale: Any, causal: bool, check: bool, correct: bool, c_s: Any, c_o: Any,
                    c_l: Any, tol_p: Any, seed: Any, thr: Any, ks: Any, out: Any, lse: Any,
                    sums: Any, rec: Any) -> int:
@@ -644,7 +657,7 @@ def _forward_block(q: Any, k: Any, v: Any, ve: Any, visible: Any, add: Any, b: i
     dt = q.dtype
     qenc = np.zeros((3, d))
     if check:
-        _encode_cols(qb, qenc)
+        _col_sums(qb, _weights(rows), qenc)
     sbuf = np.empty(rows * BC, dt)
     pbuf = np.empty(rows * BC, dt)
     drop = thr > 0
@@ -659,6 +672,8 @@ def _forward_block(q: Any, k: Any, v: Any, ve: Any, visible: Any, add: Any, b: i
     alpha = np.empty(rows, dt)
     pred = np.empty((max(rows, BC), 3))
     obs = np.empty((max(rows, BC), 3))
+    obs_cols = np.empty((3, BC))
+    w_rows = _weights(rows)
     info = np.zeros(6)
     jend = min(lk, i1) if causal else lk
     for attempt in range(2):
@@ -672,14 +687,14 @@ def _forward_block(q: Any, k: Any, v: Any, ve: Any, visible: Any, add: Any, b: i
             s = sbuf[:rows * cols].reshape(rows, cols)
             p = pbuf[:rows * cols].reshape(rows, cols)
             for a in range(2):
-                _dot(qb, k[b, j0:j1].T, s)
+                _dot(qb, _block_t(kt, b, j0, j1, d), s)
                 _HOOK(S_, s)
                 ratio = 0.0
                 if check:
                     _predict(k[b, j0:j1], qenc, pred)
-                    _observe_cols(s, obs)
+                    _col_sums(s, w_rows, obs_cols[:, :cols])
                     info[5] = rows
-                    ratio = _judge(pred, obs, cols, c_s, info)
+                    ratio = _judge(pred, obs_cols.T, cols, c_s, info)
                 st = _settle(rec, S_, a, ratio, correct, info, i0, j0, False)
                 if st != 1:
                     break
@@ -734,7 +749,7 @@ def _forward_block(q: Any, k: Any, v: Any, ve: Any, visible: Any, add: Any, b: i
 # ------------------------------------------------------------------ backward
 
 
-def _backward_tile(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any, qe: Any,
+def _backward_tile(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, lse: Any, qe: Any,
                    ke: Any, doe: Any, vis: Any, addh: Any, b: int, i0: int, j0: int, j1: int,
                    kenc: Any,
                    venc: Any, scale: Any, causal: bool, check: bool, correct: bool, c_s: Any,
@@ -762,7 +777,7 @@ def _backward_tile(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any, qe: Any,
         _keep_tile(seed, b, i0, j0, q.shape[1], k.shape[1], thr, keep)
     info[5] = cols
     for a in range(2):
-        _dot(qi, k[b, j0:j1].T, s)
+        _dot(qi, _block_t(kt, b, j0, j1, q.shape[2]), s)
         _HOOK(S_, s)
         ratio = 0.0
         if check:
@@ -797,7 +812,7 @@ def _backward_tile(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any, qe: Any,
         _HOOK(DV_, dvb)
     info[5] = cols
     for a in range(2):
-        _dot(doi, v[b, j0:j1].T, dp)
+        _dot(doi, _block_t(vt, b, j0, j1, q.shape[2]), dp)
         _HOOK(DP_, dp)
         ratio = 0.0
         if check:
@@ -832,7 +847,7 @@ def _backward_tile(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any, qe: Any,
     return 0
 
 
-def _backward_head(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any,
+def _backward_head(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, lse: Any,
                    qe: Any, ke: Any, doe: Any, visible: Any, add: Any, b: int, scale: Any,
                    causal: bool,
                    check: bool, correct: bool, c_s: Any, c_kv: Any, c_q: Any, tol_p: Any,
@@ -861,8 +876,9 @@ def _backward_head(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any,
         j1 = min(j0 + BC, lk)
         cols = j1 - j0
         if check:
-            _encode_cols(k[b, j0:j1], kenc)
-            _encode_cols(v[b, j0:j1], venc)
+            w = _weights(cols)
+            _col_sums(k[b, j0:j1], w, kenc)
+            _col_sums(v[b, j0:j1], w, venc)
         first = (j0 // BR) * BR if causal else 0
         for attempt in range(2):
             dkb[:cols] = 0
@@ -870,7 +886,7 @@ def _backward_head(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any,
             dkc[:] = 0.0
             dvc[:] = 0.0
             for i0 in range(first, lq, BR):
-                if _TILE(q, k, v, do, dd, lse, qe, ke, doe, vis, addh, b, i0, j0, j1, kenc, venc,
+                if _TILE(q, k, kt, v, vt, do, dd, lse, qe, ke, doe, vis, addh, b, i0, j0, j1, kenc, venc,
                         scale, causal, check, correct, c_s, tol_p, tol_ds, seed, thr, ks, bufs,
                         kbuf, dkb[:cols], dvb[:cols], dkc, dvc, dq, dqc, True, attempt == 0, rec,
                         info, pred, obs) < 0:
@@ -900,9 +916,10 @@ def _backward_head(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any,
                 dqc[b, i0:i1, :] = 0.0
                 for j0 in range(0, min(lk, i1) if causal else lk, BC):
                     j1 = min(j0 + BC, lk)
-                    _encode_cols(k[b, j0:j1], kenc)
-                    _encode_cols(v[b, j0:j1], venc)
-                    if _TILE(q, k, v, do, dd, lse, qe, ke, doe, vis, addh, b, i0, j0, j1, kenc,
+                    w = _weights(j1 - j0)
+                    _col_sums(k[b, j0:j1], w, kenc)
+                    _col_sums(v[b, j0:j1], w, venc)
+                    if _TILE(q, k, kt, v, vt, do, dd, lse, qe, ke, doe, vis, addh, b, i0, j0, j1, kenc,
                             venc, scale, causal, check, correct, c_s, tol_p, tol_ds, seed, thr,
                             ks, bufs, kbuf, dkb[:j1 - j0], dvb[:j1 - j0], dkc, dvc, dq, dqc,
                             False, True, rec, info, pred, obs) < 0:
@@ -941,26 +958,26 @@ def python_drivers(hook: Any) -> tuple[Any, Any]:
 
 
 @numba.njit(cache=True, parallel=True)
-def forward(q: Any, k: Any, v: Any, ve: Any, visible: Any, add: Any, scale: Any, causal: bool,
+def forward(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, add: Any, scale: Any, causal: bool,
             check: bool, correct: bool, c_s: Any, c_o: Any, c_l: Any, tol_p: Any, seed: Any,
             thr: Any, ks: Any, out: Any, lse: Any, sums: Any, rec: Any, status: Any) -> None:
     """Every (head, query block) in parallel (:func:`_forward_block`)."""
     nqb = (q.shape[1] + BR - 1) // BR
     for t in numba.prange(q.shape[0] * nqb):
-        status[t] = _forward_block_jit(q, k, v, ve, visible, add, t // nqb, (t % nqb) * BR, scale,
+        status[t] = _forward_block_jit(q, k, kt, v, ve, visible, add, t // nqb, (t % nqb) * BR, scale,
                                        causal, check, correct, c_s, c_o, c_l, tol_p, seed, thr,
                                        ks, out, lse, sums, rec[t])
 
 
 @numba.njit(cache=True, parallel=True)
-def backward(q: Any, k: Any, v: Any, do: Any, dd: Any, lse: Any, qe: Any,
+def backward(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, lse: Any, qe: Any,
              ke: Any, doe: Any, visible: Any, add: Any, scale: Any, causal: bool, check: bool,
              correct: bool, c_s: Any, c_kv: Any, c_q: Any, tol_p: Any, tol_ds: Any, seed: Any,
              thr: Any, ks: Any, dq: Any, dk: Any, dv: Any, dqc: Any, rec: Any,
              status: Any) -> None:
     """Every head in parallel (:func:`_backward_head`)."""
     for b in numba.prange(q.shape[0]):
-        status[b] = _backward_head_jit(q, k, v, do, dd, lse, qe, ke, doe, visible, add, b,
+        status[b] = _backward_head_jit(q, k, kt, v, vt, do, dd, lse, qe, ke, doe, visible, add, b,
                                        scale, causal, check, correct, c_s, c_kv, c_q, tol_p,
                                        tol_ds, seed, thr, ks, dq, dk, dv, dqc, rec[b])
 

@@ -220,7 +220,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     tiles = -(-lk // K.BC)
     rec = np.zeros((n * nqb, len(K.SITES), K.FIELDS))
     status = np.zeros(n * nqb, np.int64)
-    args = (qw, kw, vw, ve, visible, add)
+    args = (qw, kw, _transposed(kw), vw, ve, visible, add)
     rest = (dt.type(scale), causal, check, correct, coefficients(d, K.BR, dt),
             coefficients(lk, d, dt, 2 * tiles), coefficients(lk, 1, dt, 2 * tiles),
             probs_tolerance(dt), *kernel_dropout(drop, dt), out, lse, sums)
@@ -267,7 +267,8 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
     dqc = np.empty((n, lq, 3))
     rec = np.zeros((n, len(K.SITES), K.FIELDS))
     status = np.zeros(n, np.int64)
-    args = (q, k, v, d_out, dd, lse, qe, ke, doe, saved["visible"], saved["add"])
+    args = (q, k, _transposed(k), v, _transposed(v), d_out, dd, lse, qe, ke, doe,
+            saved["visible"], saved["add"])
     rest = (dt.type(saved["scale"]), saved["causal"], check, correct, coefficients(d, K.BC, dt),
             coefficients(lq, d, dt, -(-lq // K.BR)), coefficients(lk, d, dt, -(-lk // K.BC)),
             probs_tolerance(dt), dscores_tolerance(dt),
@@ -320,6 +321,14 @@ def _row_encodings(x: np.ndarray, check: bool) -> np.ndarray:
         return np.zeros((x.shape[0], 3, 0))
     out = np.empty((x.shape[0], 3, x.shape[1]))
     K.encode_rows(x, out)
+    return out
+
+
+def _transposed(x: np.ndarray) -> np.ndarray:
+    """``x`` ``(n, L, d)`` as :func:`attention._cpu_fused.transpose_blocks` lays it out: each
+    key block's transpose, contiguous (O(L d) a head)."""
+    out = np.empty((x.shape[0], x.shape[1] * x.shape[2]), x.dtype)
+    K.transpose_blocks(x, out)
     return out
 
 

@@ -42,11 +42,12 @@ def _run(step: int, calls: int, q: Any, k: Any, s: Any, p: Any, m: Any, alpha: A
          tmp: Any, dd: Any, ds: Any, dp: Any, coef: Any, tol_p: Any, tol_ds: Any, scale: Any,
          one: Any) -> None:
     """``calls`` calls of step ``step`` (:data:`STEPS`) on one tile."""
-    kt = k.T
+    kt = np.ascontiguousarray(k.T)  # the kernels' layout (_cpu_fused.transpose_blocks)
     none = np.empty(0, s.dtype)
     nokeep = np.empty((0, 0), np.uint8)
     visible = np.ones(0, np.bool_)
     add = np.zeros((0, 0))
+    w = K._weights(s.shape[0])
     for _ in range(calls):
         if step == 0 or step == 7:
             K._dot(q, kt, s)
@@ -67,7 +68,7 @@ def _run(step: int, calls: int, q: Any, k: Any, s: Any, p: Any, m: Any, alpha: A
         elif step == 11:
             K._predict(k, enc, pred)
         elif step == 12:
-            K._observe_cols(s, obs)
+            K._col_sums(s, w, cols3)
         elif step == 13:
             K._observe_rows(s, obs)
         elif step == 14:
