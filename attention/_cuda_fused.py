@@ -17,7 +17,11 @@ checks and carried checksums cover the dropped tile (:mod:`attention.fused`).
 
 Faults are injected by the kernels, at the element a :class:`DeviceFault` names (``ctx.fault_hook``
 must be one, or None): a Python hook cannot see the tiles of a kernel. :func:`device_fault` turns
-a toolkit :class:`abftgemm.faults.Fault` into one (the campaign's ``--core fused`` on CuPy).
+a toolkit :class:`abftgemm.faults.Fault` into one (the campaign's ``--core fused`` on CuPy). A
+toolkit Fault that names only sites outside the kernels (the final checks' ``fused:out``,
+``fused:dV_out``, ``fused:dK_out`` of :mod:`attention.fused_final`, which the forward's carried
+output checksums, ``saved["sums"]``, make possible on CuPy too) is taken as well: the kernels
+inject nothing, and it corrupts the returned arrays where the final checks call it.
 
 Imports CuPy at the top: import it only once CuPy arrays are in play.
 """
@@ -249,7 +253,9 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
                   attn_mask: Any | None = None, dropout: float = 0.0,
                   dropout_seed: int | None = None) -> tuple[cupy.ndarray, dict[str, Any]]:
     """:func:`attention.fused.fused_forward` for CuPy arrays (float16, bfloat16, float32 or
-    float64, head dim at most :data:`MAX_HEAD_DIM`); ``saved["lse"]`` is float32 below float64.
+    float64, head dim at most :data:`MAX_HEAD_DIM`); ``saved["lse"]`` is float32 below float64,
+    ``saved["sums"]`` the output rows' carried checksums ``(n, seq_q, 3)`` (float64, as the CPU
+    kernel's; None with ``check="off"``) for :func:`attention.fused_final.verify_output`.
     Dropout's keep decisions are the CPU core's for the same seed; ``ks = 1 / (1 - p)`` is
     rounded to the tile arithmetic's dtype."""
     fault = _fault(ctx)
@@ -270,6 +276,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     ve = _row_encodings(v) if check else None
     out = cupy.empty(q.shape, q.dtype)
     lse = cupy.empty((n, lq), arith)
+    sums = cupy.empty((n, lq, 3)) if check else None
     rec = cupy.zeros((n * nqb, len(K.SITES), K.FIELDS))
     status = cupy.zeros(n * nqb, numpy.int32)
     desc = None if fault is None else fault.descriptor(_with_dropout(FORWARD_SITES, drop), arith)
@@ -278,13 +285,14 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
             (n * nqb,), (_THREADS,),
             (q, k, v, ve, visible, add, _stride(add), numpy.int32(lq), numpy.int32(lk),
              numpy.int32(d), numpy.float64(scale), numpy.int32(causal), numpy.int32(check),
-             numpy.int32(correct), *_dropout_args(drop, arith), params, desc, out, lse, rec,
-             status))
+             numpy.int32(correct), *_dropout_args(drop, arith), params, desc, out, lse, sums,
+             rec, status))
     if fault is not None:
         fault.record(desc)
     book(ctx, rec.get(), status.get(), lambda t: t // nqb, FORWARD_SITES, check)
     return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "scale": scale,
-                 "causal": causal, "visible": visible, "add": add, "dropout": drop}
+                 "causal": causal, "visible": visible, "add": add, "dropout": drop,
+                 "sums": sums}
 
 
 def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
@@ -293,7 +301,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
     gradient ``d_out`` of :func:`fused_forward`'s output (C-contiguous, its dtype, finite)."""
     fault = _fault(ctx)
     q, k, v, out, lse = (saved[key] for key in ("q", "k", "v", "out", "lse"))
-    check_gradient(cupy, d_out, q, _finite)
+    check_gradient(cupy, d_out, q, finite)
     n, lq, d = q.shape
     lk = k.shape[1]
     arith = _arith(q.dtype)
@@ -344,12 +352,19 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
 
 
 def _fault(ctx: Context) -> DeviceFault | None:
+    """The kernels' fault: ``ctx.fault_hook`` when it is a :class:`DeviceFault`; None for none,
+    and for a toolkit :class:`abftgemm.faults.Fault` that names sites, none of them the kernels'
+    (the final checks' sites, :mod:`attention.fused_final`, and the layer's own: it is called on
+    the returned arrays there, as on NumPy)."""
     hook = ctx.fault_hook
-    if hook is not None and not isinstance(hook, DeviceFault):
-        raise TypeError("the fused CUDA core injects faults in its kernels: ctx.fault_hook must be "
-                        f"an attention._cuda_fused.DeviceFault or None, got {type(hook).__name__}"
-                        " (attention._cuda_fused.device_fault converts an abftgemm.faults.Fault)")
-    return hook
+    if hook is None or isinstance(hook, DeviceFault):
+        return hook
+    if isinstance(hook, Fault) and hook.sites is not None and not hook.sites & set(K.HOOK_SITES):
+        return None
+    raise TypeError("the fused CUDA core injects faults in its kernels: ctx.fault_hook must be an "
+                    "attention._cuda_fused.DeviceFault, an abftgemm.faults.Fault that names none of"
+                    f" the kernels' sites {K.HOOK_SITES}, or None, got {type(hook).__name__} "
+                    "(attention._cuda_fused.device_fault converts a Fault for a kernel site)")
 
 
 def _with_dropout(sites: tuple[str, ...], drop: tuple[float, int] | None) -> tuple[str, ...]:
@@ -380,7 +395,7 @@ def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
         if t.dtype.name not in kernels.CUDA_TYPES or t.dtype != q.dtype:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, of q's dtype "
                             f"{q.dtype}; got {t.dtype}")
-    scale = check_inputs(q, k, v, scale, causal, _finite)
+    scale = check_inputs(q, k, v, scale, causal, finite)
     if q.shape[2] > MAX_HEAD_DIM:
         raise ValueError(f"the fused CUDA core takes head dims up to {MAX_HEAD_DIM}, got "
                          f"{q.shape[2]}")
@@ -396,7 +411,7 @@ def _stride(add: cupy.ndarray | None) -> numpy.int64:
     return numpy.int64(0 if add is None or add.shape[0] == 1 else add.shape[1] * add.shape[2])
 
 
-def _finite(x: cupy.ndarray) -> bool:
+def finite(x: cupy.ndarray) -> bool:
     """No INF or NaN in ``x``, from the exponent bits (bfloat16 has no CuPy arithmetic)."""
     bits = _EXPONENT[x.dtype.name]
     return not bool(((x.view(_UINT[x.dtype.itemsize]) & bits) == bits).any())

@@ -28,7 +28,7 @@ from attention.context import Context
 from attention.dropout import Dropout, for_core
 from attention.fused import fused_backward, fused_forward
 from attention.fused_final import verify_grads, verify_output
-from attention.fused_choice import (CORE_SITES, CORES, check_core,  # noqa: F401
+from attention.fused_choice import (CORE_SITES, CORES, all_finite, check_core,  # noqa: F401
                                      finite_reason, static_reason)
 from attention.functional import _additive, backward_pass, forward_pass
 from attention.passes import CORE_BACKWARD, CORE_FORWARD, Variant
@@ -121,12 +121,13 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
 
 def fused_unsupported(inp: _CoreInputs, ctx: Context, dropout_keep: Any | None = None,
                       forced: bool = False) -> str | None:
-    """Why the fused core cannot run this product (None when it can): it takes NumPy float16,
+    """Why the fused core cannot run this product (None when it can): it takes float16,
     bfloat16, float32 or float64 data, finite, a causal mask, a boolean or additive
     ``attn_mask`` (:func:`attention.fused_rules.additive_ok`) or none, dropout drawn from a seed
-    (not a given ``dropout_keep``), and checks every tile on every call. ``forced``
-    (``core="fused"``): a fault hook and a plan that checks the core's sites less often do not
-    count (the hook then sees the fused sites)."""
+    (not a given ``dropout_keep``), and checks every tile on every call; CuPy data only when
+    ``forced`` (:func:`attention.fused_choice.static_reason`). ``forced`` (``core="fused"``): a
+    fault hook and a plan that checks the core's sites less often do not count (the hook then
+    sees the fused sites)."""
     return static_reason(inp.xp, inp.dtype, inp.attn_add, ctx, dropout_keep, forced) \
         or finite_reason(q=inp.q, k=inp.k, v=inp.v)
 
@@ -143,7 +144,7 @@ def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
         raise ValueError("d_out must be C-contiguous")
     if saved["core"] == "fused":  # the inputs as given now (a caller may hand them on anew)
         saved["fused"].update(q=inp.q, k=inp.k, v=inp.v)
-        if np.isfinite(d_out).all():
+        if all_finite(d_out):
             return verify_grads(saved["fused"], d_out, fused_backward(saved["fused"], d_out, ctx),
                                 ctx)
         # The unfused core passes non-finite gradients through: its forward again, then its

@@ -29,7 +29,7 @@ from attention.dropout import Dropout, DropoutStep, for_core
 from attention.dropout_hash import keep_mask
 from attention.fused import fused_backward, fused_forward
 from attention.fused_final import OUTPUT_SITE, verify_grads, verify_output
-from attention.fused_choice import check_core, finite_reason, static_reason
+from attention.fused_choice import all_finite, check_core, finite_reason, static_reason
 from attention.passes import CORE_BACKWARD, CORE_FORWARD, Step, Variant, carried, layer, steps
 from attention.workspace import Workspace
 
@@ -94,7 +94,9 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
         of the product's sites checked, finite Q, K and V), else the unfused sites ``scores``,
         ``softmax``, ``context`` (and backward ``d_probs``, ``d_v``, ``softmax_backward``,
         ``d_q``, ``d_k``); ``"fused"`` and ``"unfused"`` force one (``"fused"`` raises
-        ``ValueError`` where it does not apply). The fused core encodes its operands itself: the
+        ``ValueError`` where it does not apply). CuPy data run the fused core's CUDA kernels
+        with ``"fused"`` only (``"auto"`` keeps them unfused until those kernels have run on a
+        GPU). The fused core encodes its operands itself: the
         projections' output checksums are not handed on to it; its outputs get final checks
         after it (:mod:`attention.fused_final`, sites ``fused:out``, ``fused:dV_out`` and
         ``fused:dK_out``).
@@ -385,7 +387,7 @@ class _Pass:
             return
         visible = inp.key_visible
         if visible is not None:  # (batch, seq_k) -> (batch * heads, seq_k)
-            visible = np.repeat(visible, inp.n_heads, axis=0)
+            visible = inp.xp.repeat(visible, inp.n_heads, axis=0)
         p, seed = inp.fused_dropout or (0.0, None)
         out, state = fused_forward(q, k, v, self._fused_context(), scale=inp.scale,
                                    causal=inp.causal, key_visible=visible, attn_mask=inp.attn_add,
@@ -417,7 +419,7 @@ class _Pass:
         the unfused core passes non-finite gradients through, and where the forward ran the
         unfused steps) the unfused scores and softmax again, then the unfused backward."""
         d_out, q, k, v, out, lse = (self.env[n] for n in step.ins)
-        if lse is not None and np.isfinite(d_out).all():
+        if lse is not None and all_finite(d_out):
             state = {**self.inp.fused, "q": q, "k": k, "v": v, "out": out, "lse": lse}
             self.env.update(zip(step.out.split(", "),
                                 fused_backward(state, d_out, self._fused_context())))

@@ -14,8 +14,9 @@ CuPy arrays run the same algorithm and checks in CUDA kernels (:mod:`attention._
 between their projections (:func:`attention.functional.attention_forward`, so
 :class:`attention.MultiHeadAttention` and :class:`attention.torch.MultiheadAttention`); the
 unfused core stays the reference and the path for what this one does not support (an explicit
-dropout mask, the attention weights; and GPU data, which :func:`attention.core.core_forward` and
-the layers run unfused, though the CUDA kernels take dropout too). float16 and bfloat16 data
+dropout mask, the attention weights), and, under ``core="auto"``, for GPU data: the CUDA kernels
+have not yet run on a GPU, so :func:`attention.core.core_forward` and the layers run CuPy data
+on them, their final checks included, with ``core="fused"`` only. float16 and bfloat16 data
 (``ml_dtypes.bfloat16``, as :func:`abftgemm._torch.to_array` hands PyTorch's bfloat16 over) are
 converted to float32 at the entry (Q, K, V, and backward dO and O: O(L d) per head, exact),
 every tile is computed, accumulated and checked in float32 with float32's thresholds, and the
@@ -82,9 +83,9 @@ each tile array as computed and before it is checked):
     the same products in float64 and compared with the accumulated rows at the end of the block.
 
 After the kernels, :mod:`attention.fused_final` checks what they return (``fused:out``: O's row
-checksums against those the forward carried, ``saved["sums"]``; ``fused:dV_out``: dV's column
-sums against dO's; ``fused:dK_out``: dK's column sums against 0); :mod:`attention.core` and the
-layers run it.
+checksums against those the forward carried, ``saved["sums"]``, which the CUDA kernels carry out
+too; ``fused:dV_out``: dV's column sums against dO's; ``fused:dK_out``: dK's column sums against
+0), on NumPy and CuPy data alike; :mod:`attention.core` and the layers run it.
 
 A flag recomputes: the S, P, dP or dS tile (once), the query block forward (``O_acc``,
 ``rowsum``), the key block's dK and dV or the query block's dQ backward. If the recomputation

@@ -29,17 +29,21 @@ def static_reason(xp: Any, dtype: np.dtype, attn_add: Any | None, ctx: Context,
                   dropout_keep: Any | None = None, forced: bool = False,
                   need_weights: bool = False) -> str | None:
     """Why the fused core cannot run a product, from what is known before its operands exist
-    (None when it can): it takes NumPy float16, bfloat16, float32 or float64 data (16-bit data
+    (None when it can): it takes float16, bfloat16, float32 or float64 data (16-bit data
     computed in float32), an additive mask (:func:`attention.fused_rules.additive_ok`) or none,
     attention dropout with its keep decisions drawn from a seed (not a given mask
     ``dropout_keep``: the unfused core applies that), no attention weights, and checks every
-    tile on every call. ``forced`` (``core="fused"``): a fault hook and a plan that checks the
-    product's sites less often do not count (the hook then sees the fused sites)."""
-    if xp is not np:
-        return f"the data are {xp.__name__} arrays (the fused core runs on the CPU)"
+    tile on every call. NumPy data run its CPU kernels; CuPy data its CUDA kernels
+    (:mod:`attention._cuda_fused`, final checks included) only where ``forced``: they have not
+    yet run on a GPU, so ``core="auto"`` keeps such data on the unfused core. ``forced``
+    (``core="fused"``): a fault hook and a plan that checks the product's sites less often do
+    not count (the hook then sees the fused sites)."""
+    if xp is not np and not forced:
+        return f"the data are {xp.__name__} arrays (the fused CUDA kernels have not yet run on a " \
+               "GPU; core='fused' runs them)"
     if dtype not in FUSED_DTYPES:
         return f"dtype {dtype} (the fused core takes float16, bfloat16, float32 and float64)"
-    if attn_add is not None and not additive_ok(np, attn_add, dtype):
+    if attn_add is not None and not additive_ok(xp, attn_add, dtype):
         return "an attn_mask holding NaN, +inf or values that overflow the scores"
     if dropout_keep is not None:
         return "an explicit dropout mask, dropout_keep (the unfused core applies it; the fused " \
@@ -57,11 +61,20 @@ def static_reason(xp: Any, dtype: np.dtype, attn_add: Any | None, ctx: Context,
 
 
 def finite_reason(**operands: Any) -> str | None:
-    """Why the fused core cannot take these NumPy operands (None when it can): it takes
+    """Why the fused core cannot take these NumPy or CuPy operands (None when it can): it takes
     non-empty, finite data only."""
     for name, t in operands.items():
         if t.size == 0:
             return f"{name} is empty"
-        if not np.isfinite(t).all():
+        if not all_finite(t):
             return f"{name} holds INF or NaN"
     return None
+
+
+def all_finite(t: Any) -> bool:
+    """No INF or NaN in the NumPy or CuPy array ``t`` (CuPy: from the exponent bits, which
+    bfloat16 data need)."""
+    if isinstance(t, np.ndarray):
+        return bool(np.isfinite(t).all())
+    from attention._cuda_fused import finite
+    return finite(t)

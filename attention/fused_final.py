@@ -1,6 +1,9 @@
-"""The fused attention core's final checks (CPU): its outputs as returned, after the kernels and
-the rounding to the data's dtype, against predictions that do not come from them, at O(L d) a
-head.
+"""The fused attention core's final checks: its outputs as returned, after the kernels and the
+rounding to the data's dtype, against predictions that do not come from them, at O(L d) a head.
+NumPy results (the CPU kernels, :mod:`attention._cpu_fused`) are summed by the numba kernels of
+:mod:`attention._cpu_final`, CuPy results (the CUDA kernels, :mod:`attention._cuda_fused`) by CuPy
+array operations, with the same formulas and thresholds; ``T`` and ``T_q`` below count the tiles
+of the kernels that ran (64 x 64 on the CPU, 32 x 32 in CUDA).
 
 ``fused:out`` (forward)
     The output rows' checksums ``O 1``, ``O w`` and ``|O| 1`` (``w`` over the head dimension),
@@ -90,6 +93,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from abftgemm.backend import array_module, astype, to_host
 from abftgemm.checksums import smallest_normal, unit_roundoff
 from abftgemm.report import Event, UncorrectableError, announce
 from attention import _cpu_final as F
@@ -108,8 +112,7 @@ GRAD_SITES = (GRAD_SITE, DK_SITE)
 FINAL_SITES = (OUTPUT_SITE, *GRAD_SITES)
 
 
-def verify_output(out: np.ndarray, saved: dict[str, Any], ctx: Context
-                  ) -> tuple[np.ndarray, dict[str, Any]]:
+def verify_output(out: Any, saved: dict[str, Any], ctx: Context) -> tuple[Any, dict[str, Any]]:
     """Check :func:`attention.fused.fused_forward`'s ``out`` against its carried row checksums
     ``saved["sums"]`` (module docstring; fault-hook site ``"fused:out"``). Returns ``(out,
     saved)``, the forward's again after a repair.
@@ -119,11 +122,10 @@ def verify_output(out: np.ndarray, saved: dict[str, Any], ctx: Context
     abftgemm.UncorrectableError
         The recomputed output failed the check too.
     """
-    _numpy(out)
+    array_module(out)  # TypeError for anything but a NumPy or CuPy array
 
-    def redo() -> tuple[np.ndarray, dict[str, Any]]:
-        visible = saved["visible"] if saved["visible"].shape[1] else None
-        add = saved["add"] if saved["add"].shape[1] else None
+    def redo() -> tuple[Any, dict[str, Any]]:
+        visible, add = (_given(saved[name]) for name in ("visible", "add"))
         p, seed = saved.get("dropout") or (0.0, None)
         return fused_forward(saved["q"], saved["k"], saved["v"], ctx, scale=saved["scale"],
                              causal=saved["causal"], key_visible=visible, attn_mask=add,
@@ -133,8 +135,8 @@ def verify_output(out: np.ndarray, saved: dict[str, Any], ctx: Context
                      (out, saved), redo)
 
 
-def verify_grads(saved: dict[str, Any], d_out: np.ndarray, grads: tuple[np.ndarray, ...],
-                 ctx: Context, sites: tuple[str, ...] = GRAD_SITES) -> tuple[np.ndarray, ...]:
+def verify_grads(saved: dict[str, Any], d_out: Any, grads: tuple[Any, ...], ctx: Context,
+                 sites: tuple[str, ...] = GRAD_SITES) -> tuple[Any, ...]:
     """Check :func:`attention.fused.fused_backward`'s gradients ``(dq, dk, dv)``: ``dv`` by its
     column sums against those of ``d_out`` (fault-hook site ``"fused:dV_out"``), ``dk`` by its
     column sums against 0 (``"fused:dK_out"``); module docstring. Returns ``(dq, dk, dv)``, the
@@ -164,7 +166,7 @@ def verify_grads(saved: dict[str, Any], d_out: np.ndarray, grads: tuple[np.ndarr
     unknown = [s for s in sites if s not in GRAD_SITES]
     if unknown or not sites:
         raise ValueError(f"sites must be some of {', '.join(GRAD_SITES)}, got {sites}")
-    _numpy(grads[2])
+    array_module(d_out, *grads)  # TypeError unless all NumPy or all CuPy arrays
     checks = []
     if GRAD_SITE in sites and saved.get("dropout") is None:
         checks.append((GRAD_SITE, lambda g: g[2], lambda g: _grad_ratio(saved, d_out, g[2])))
@@ -175,17 +177,15 @@ def verify_grads(saved: dict[str, Any], d_out: np.ndarray, grads: tuple[np.ndarr
     return _verified(ctx, checks, grads, lambda: fused_backward(saved, d_out, ctx))
 
 
-def _numpy(x: Any) -> None:
-    """The final checks take the CPU core's NumPy results (the CUDA kernels carry no output
-    checksums out)."""
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"the fused core's final checks take NumPy arrays, got "
-                        f"{type(x).__name__}")
+def _given(x: Any | None) -> Any | None:
+    """A saved mask as the forward takes it again: None where the call had none (the CPU
+    kernels' empty stand-in, the CUDA launchers' None)."""
+    return None if x is None or x.size == 0 else x
 
 
 #: One final check: its site, the array it checks of a result, and the judgment of a result,
 #: ``(worst |d|/tau, head, rows, cols, |d|, tau)``.
-_Check = tuple[str, Callable[[Any], np.ndarray],
+_Check = tuple[str, Callable[[Any], Any],
                Callable[[Any], tuple[float, int, tuple, tuple, float, float]]]
 
 
@@ -235,77 +235,110 @@ def _finding(ctx: Context, site: str, head: int, rows: tuple, cols: tuple, mag: 
         announce(event)
 
 
-def _output_ratio(out: np.ndarray, saved: dict[str, Any]
+def _output_ratio(out: Any, saved: dict[str, Any]
                   ) -> tuple[float, int, tuple, tuple, float, float]:
     """``(worst |d|/tau, head, rows, cols, |d|, tau)`` of the output rows (the worst row, and
     its column where the weighted sum locates it)."""
     n, lq, d = out.shape
     lk = saved["k"].shape[1]
     wt = work_dtype(out.dtype)
-    coef = coefficients(lk, d, wt, 2 * -(-lk // K.BC))
+    _, bc = _tiles(out)
+    coef = coefficients(lk, d, wt, 2 * -(-lk // bc))
     if out.dtype != wt:  # the rounding to the output's dtype (subnormals: absolute, u * tiny)
         u_out = unit_roundoff(out.dtype)
         coef[0] += 1.01 * u_out
         coef[2] += d * u_out * smallest_normal(out.dtype)
         coef[3] *= 1 + 1.01 * u_out
-    obs = np.empty((n, lq, 3))
-    F.observe_rows(in_work_dtype(out), obs)
-    obs = obs.reshape(n * lq, 3)
-    pred = np.ascontiguousarray(saved["sums"].reshape(n * lq, 3))
+    obs = _observed_rows(out).reshape(n * lq, 3)
+    pred = saved["sums"].reshape(n * lq, 3)
     info = np.zeros(6)
     info[5] = d
-    worst = K._judge(pred, obs, n * lq, coef, info)
-    v, c = int(info[3]), int(info[4])
+    if isinstance(out, np.ndarray):
+        worst = K._judge(np.ascontiguousarray(pred), obs, n * lq, coef, info)
+        v = int(info[3])
+    else:  # the worst row found on the device, judged again on the host as the CPU judges it
+        v, host = _worst_row(array_module(out), pred, obs, coef)
+        if v >= 0:
+            K._judge(host[0:1], host[1:2], 1, coef, info)
+        worst = info[0]
+    c = int(info[4])
     if v < 0:
         return worst, 0, (), (), info[1], info[2]
     return worst, v // lq, (v % lq,), ((c,) if c >= 0 else ()), info[1], info[2]
 
 
-def _grad_ratio(saved: dict[str, Any], d_out: np.ndarray, dv: np.ndarray
+def _worst_row(xp: Any, pred: Any, obs: Any, coef: np.ndarray) -> tuple[int, np.ndarray]:
+    """``(v, host)``: the first row ``v`` of ``(rows, 3)`` checksums ``pred`` and ``obs`` with
+    the worst ratio, as :func:`attention._cpu_fused._judge` rates them (a NaN ratio counts as
+    INF), or -1 when every ratio is 0; ``host`` is ``(pred[v], obs[v])`` on the host, ``(2,
+    3)``, in one transfer."""
+    p0, p1, p2 = pred[:, 0], pred[:, 1], pred[:, 2]
+    o0, o1, o2 = obs[:, 0], obs[:, 1], obs[:, 2]
+    c_obs, c_pred, floor, c_mag, safe = (float(c) for c in coef[:5])
+    tau = c_obs * o2 + c_pred * p2 + floor
+    r = xp.maximum(xp.abs(p0 - o0), xp.abs(p1 - o1)) / tau
+    mag = o2 / (c_mag * p2 + floor)
+    r = xp.where(mag > r, mag, r)
+    seen = xp.isfinite(o0) & xp.isfinite(o1) & xp.isfinite(o2)
+    r = xp.where(seen, r, xp.where(p2 >= safe, 0.0, xp.inf))
+    r = xp.where(xp.isfinite(p0) & xp.isfinite(p1) & xp.isfinite(p2), r, 0.0)
+    r = xp.where(xp.isnan(r), xp.inf, r)
+    at = int(xp.argmax(r))
+    host = xp.concatenate([pred[at], obs[at], r[at:at + 1]]).get()
+    return (at if host[6] > 0 else -1), host[:6].reshape(2, 3)
+
+
+def _grad_ratio(saved: dict[str, Any], d_out: Any, dv: Any
                 ) -> tuple[float, int, tuple, tuple, float, float]:
     """``(worst |d|/tau, head, (), (column,), |d|, tau)`` of the heads' ``dV`` column sums
-    (float64 sums of the data as stored, :mod:`attention._cpu_final`)."""
+    (float64 sums of the data as stored)."""
+    xp = array_module(dv)
     lse = saved["lse"].astype(np.float64)
     n, lq = lse.shape
     lk = dv.shape[1]
     wt = work_dtype(dv.dtype)
     u = unit_roundoff(wt)
-    sees = np.isfinite(lse)  # a row that sees no key has lse -inf and a zero P row
-    eps = 2 * u * (lk + 2 * -(-lk // K.BC) + np.abs(np.where(sees, lse, 0.0)) + math.log(lk)
-                   + 8) + 1.01 * u * (lq + 2 * -(-lq // K.BR))
-    d = dv.shape[2]
-    do_sums, dv_sums = np.empty((n, 2, d)), np.empty((n, 2, d))
-    F.column_sums(in_work_dtype(d_out), sees, do_sums)  # over the rows that see a key
-    F.column_sums(in_work_dtype(dv), F.EVERY_ROW, dv_sums)
-    tau = eps.max(1, initial=0.0)[:, None] * do_sums[:, 1]  # the worst row's eps
+    br, bc = _tiles(dv)
+    sees = xp.isfinite(lse)  # a row that sees no key has lse -inf and a zero P row
+    eps = 2 * u * (lk + 2 * -(-lk // bc) + xp.abs(xp.where(sees, lse, 0.0)) + math.log(lk)
+                   + 8) + 1.01 * u * (lq + 2 * -(-lq // br))
+    do_sums = _column_sums(d_out, sees)  # over the rows that see a key
+    dv_sums = _column_sums(dv, None)
+    tau = eps.max(1)[:, None] * do_sums[:, 1]  # the worst row's eps
     tau += lk * smallest_normal(wt)
     if dv.dtype != wt:
         u_out = unit_roundoff(dv.dtype)
         tau += lk * u_out * smallest_normal(dv.dtype) + 1.01 * u_out * dv_sums[:, 1]
-    diff = np.abs(do_sums[:, 0] - dv_sums[:, 0])
-    ratio = np.where(np.isfinite(diff), diff / tau, np.inf)
-    at = int(np.argmax(ratio))
-    head, col = divmod(at, ratio.shape[1])
-    return float(ratio.flat[at]), head, (), (col,), float(diff.flat[at]), float(tau.flat[at])
+    diff = xp.abs(do_sums[:, 0] - dv_sums[:, 0])
+    ratio = xp.where(xp.isfinite(diff), diff / tau, xp.inf)
+    return _worst_column(xp, ratio, diff, tau)
 
 
-def _dk_ratio(saved: dict[str, Any], d_out: np.ndarray, dk: np.ndarray
+def _dk_ratio(saved: dict[str, Any], d_out: Any, dk: Any
               ) -> tuple[float, int, tuple, tuple, float, float]:
     """``(worst |d|/tau, head, (), (column,), |d|, tau)`` of the heads' ``dK`` column sums
     against 0 (module docstring)."""
+    xp = array_module(dk)
     diff, tau = dk_column_sums(saved, d_out, dk)
-    ratio = np.full(diff.shape, np.inf)
-    np.divide(diff, tau, out=ratio, where=np.isfinite(diff))
-    at = int(np.argmax(ratio))
-    head, col = divmod(at, diff.shape[1])
-    return float(ratio.flat[at]), head, (), (col,), float(diff.flat[at]), float(tau.flat[at])
+    finite = xp.isfinite(diff)
+    ratio = xp.where(finite, xp.where(finite, diff, 0.0) / tau, xp.inf)
+    return _worst_column(xp, ratio, diff, tau)
 
 
-def dk_column_sums(saved: dict[str, Any], d_out: np.ndarray, dk: np.ndarray
-                   ) -> tuple[np.ndarray, np.ndarray]:
+def _worst_column(xp: Any, ratio: Any, diff: Any, tau: Any
+                  ) -> tuple[float, int, tuple, tuple, float, float]:
+    """``(ratio, head, (), (column,), |d|, tau)`` of the first worst of ``(n, d)`` ratios (one
+    transfer of the three numbers from a device)."""
+    at = int(xp.argmax(ratio))
+    head, col = divmod(at, ratio.shape[1])
+    r, d, t = (float(x) for x in to_host(xp.stack([a.ravel()[at] for a in (ratio, diff, tau)])))
+    return r, head, (), (col,), d, t
+
+
+def dk_column_sums(saved: dict[str, Any], d_out: Any, dk: Any) -> tuple[Any, Any]:
     """``(|1^T dK|, tau)``, each ``(n, d)``: the absolute column sums of each head's ``dk`` over
     the keys (0 in exact arithmetic) and their thresholds (``fused:dK_out``, module docstring),
-    float64 sums of the data as stored (:mod:`attention._cpu_final`).
+    float64 sums of the data as stored, NumPy or CuPy arrays as the data.
 
     Parameters
     ----------
@@ -316,6 +349,7 @@ def dk_column_sums(saved: dict[str, Any], d_out: np.ndarray, dk: np.ndarray
     dk : ndarray (n, seq_k, d)
         The backward's ``dk``.
     """
+    xp = array_module(dk)
     lse = saved["lse"].astype(np.float64)
     n, lq = lse.shape
     lk, d = dk.shape[1], dk.shape[2]
@@ -324,31 +358,100 @@ def dk_column_sums(saved: dict[str, Any], d_out: np.ndarray, dk: np.ndarray
     u_out, tiny_out = 0.0, 0.0
     if dk.dtype != wt:
         u_out, tiny_out = unit_roundoff(dk.dtype), smallest_normal(dk.dtype)
-    tk, tq = -(-lk // K.BC), -(-lq // K.BR)
+    br, bc = _tiles(dk)
+    tk, tq = -(-lk // bc), -(-lq // br)
     p, _ = saved.get("dropout") or (0.0, None)
     ks = float(wt.type(keep_scale(p)))  # the kernels' factor
-    sees = np.isfinite(lse)  # a row that sees no key has a zero dS row
-    eps = np.where(sees, 2 * u * (lk + 2 * tk + np.abs(np.where(sees, lse, 0.0))
+    sees = xp.isfinite(lse)  # a row that sees no key has a zero dS row
+    eps = xp.where(sees, 2 * u * (lk + 2 * tk + xp.abs(xp.where(sees, lse, 0.0))
                                   + math.log(lk) + 8) + lk * tiny, 0.0)
     w = 1.02 * u * (2.01 * (tk + 1) + math.log(lk)) + 1.01 * lk * tiny  # forward weights' error
-    dk_sums, vmax = np.empty((n, 2, d)), np.empty((n, d))
-    F.column_sums(in_work_dtype(dk), F.EVERY_ROW, dk_sums)
-    F.column_abs_max(in_work_dtype(saved["v"]), vmax)
-    diff = np.abs(dk_sums[:, 0])
+    dk_sums = _column_sums(dk, None)
+    diff = xp.abs(dk_sums[:, 0])
     tau = dk_sums[:, 1] * (1.01 * u + 1.01 * u_out + lk * u64)
-    g, a, s = np.empty((n, lq)), np.empty((n, lq)), np.empty((n, lq))
-    F.dk_rows(in_work_dtype(d_out), in_work_dtype(saved["out"]), vmax, g, a, s)
+    g, a, s = _dk_rows(d_out, saved["out"], _column_abs_max(saved["v"]))
     g *= ks
     loose = (eps > 0.5).any(1)  # lse's error bound past any use
-    c = np.exp(np.minimum(eps, 0.5))  # the row's common factor exp(lse* - lse), at most
+    c = xp.exp(xp.minimum(eps, 0.5))  # the row's common factor exp(lse* - lse), at most
     h = 2.01 * u + 1.01 * u * (math.log(lk) + eps)
     forward = (2.02 * w + 1.01 * u * (lk + 2 * tk + 1) * (1 + 2.02 * w)) * g \
         + (1.02 * u * (lk + 2 * tk + 1) + 1.01 * u_out) * a + u_out * tiny_out * s
     row = 1.01 * c * ((d + 2) * u * g + (u + d * u64) * a + forward
                       + 1.02 * (h + 2.01 * u) * (g + a) + lk * tiny * (1 + g + a))
     row += 1.01 * u * (lq + 2 * tq) * 1.02 * c * (1 + h) * (g + a)
-    F.add_weighted_abs_columns(in_work_dtype(saved["q"]),
-                               saved["scale"] * np.where(sees, row, 0.0), tau)
+    tau = _add_weighted_abs_columns(saved["q"], saved["scale"] * xp.where(sees, row, 0.0), tau)
     tau += lk * (tiny + u_out * tiny_out)  # (u tiny underflows in float64)
-    tau[loose] = np.inf  # only non-finite sums are flagged there
+    tau = xp.where(loose[:, None], xp.inf, tau)  # only non-finite sums are flagged there
     return diff, tau
+
+
+# ---- the reductions: numba kernels (attention._cpu_final) for NumPy, array operations for CuPy,
+# float64 sums of the data as stored.
+
+def _tiles(x: Any) -> tuple[int, int]:
+    """``(query rows, keys)`` per tile of the kernels that made ``x`` (the tilings' roundings)."""
+    if isinstance(x, np.ndarray):
+        return K.BR, K.BC
+    from attention import _cuda_fused
+    return _cuda_fused.BR, _cuda_fused.BC
+
+
+def _wide(x: Any) -> Any:
+    """A CuPy ``x`` in float64 (a copy; bfloat16 widened through its bits)."""
+    return astype(x, np.float64)
+
+
+def _observed_rows(x: Any) -> Any:
+    """``(n, L, 3)``: per row of ``x`` ``(n, L, d)`` its sum, its sum weighted by ``(c + 1) /
+    d`` and its sum of magnitudes (:func:`attention._cpu_final.observe_rows`)."""
+    if isinstance(x, np.ndarray):
+        obs = np.empty((*x.shape[:2], 3))
+        F.observe_rows(in_work_dtype(x), obs)
+        return obs
+    xp, w, d = array_module(x), _wide(x), x.shape[2]
+    weights = xp.arange(1, d + 1, dtype=np.float64) / d
+    return xp.stack([w.sum(2), (w * weights).sum(2), xp.abs(w).sum(2)], axis=2)
+
+
+def _column_sums(x: Any, rows: Any | None) -> Any:
+    """``(n, 2, d)``: per head and column of ``x`` ``(n, L, d)`` its sum over the rows ``rows``
+    ``(n, L)`` marks (None: all) and its sum of magnitudes over all rows
+    (:func:`attention._cpu_final.column_sums`)."""
+    if isinstance(x, np.ndarray):
+        out = np.empty((x.shape[0], 2, x.shape[2]))
+        F.column_sums(in_work_dtype(x), F.EVERY_ROW if rows is None else rows, out)
+        return out
+    xp, w = array_module(x), _wide(x)
+    taken = w if rows is None else w * rows[:, :, None]
+    return xp.stack([taken.sum(1), xp.abs(w).sum(1)], axis=1)
+
+
+def _column_abs_max(x: Any) -> Any:
+    """``(n, d)``: ``max_r |x_brc|`` (:func:`attention._cpu_final.column_abs_max`)."""
+    if isinstance(x, np.ndarray):
+        out = np.empty((x.shape[0], x.shape[2]))
+        F.column_abs_max(in_work_dtype(x), out)
+        return out
+    return array_module(x).abs(_wide(x)).max(1)
+
+
+def _dk_rows(d_out: Any, out: Any, vmax: Any) -> tuple[Any, Any, Any]:
+    """``(g, a, s)``, each ``(n, L)``: the row terms of the dK threshold
+    (:func:`attention._cpu_final.dk_rows`)."""
+    if isinstance(d_out, np.ndarray):
+        g, a, s = (np.empty(d_out.shape[:2]) for _ in range(3))
+        F.dk_rows(in_work_dtype(d_out), in_work_dtype(out), vmax, g, a, s)
+        return g, a, s
+    xp, g = array_module(d_out), _wide(d_out)
+    mag = xp.abs(g)
+    return (mag * vmax[:, None, :]).sum(2), xp.abs(g * _wide(out)).sum(2), mag.sum(2)
+
+
+def _add_weighted_abs_columns(x: Any, weight: Any, acc: Any) -> Any:
+    """``acc`` plus ``sum_r weight[b, r] |x_brc|`` per head and column, ``x`` ``(n, L, d)``,
+    ``weight`` ``(n, L)``, ``acc`` ``(n, d)`` (in place for NumPy,
+    :func:`attention._cpu_final.add_weighted_abs_columns`)."""
+    if isinstance(x, np.ndarray):
+        F.add_weighted_abs_columns(in_work_dtype(x), weight, acc)
+        return acc
+    return acc + (weight[:, :, None] * array_module(x).abs(_wide(x))).sum(1)

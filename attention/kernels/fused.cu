@@ -20,7 +20,10 @@
 // the tile products S and dP of half and bfloat16 run on tensor cores (tile_product).
 //
 // Records (rec, float64, (tasks, NSITES, FIELDS), zeroed by the host) and the per-task status
-// (int, 0 or -1: a recomputation did not verify) are read by the host once per call.
+// (int, 0 or -1: a recomputation did not verify) are read by the host once per call. When
+// checking, the forward also writes each output row's carried checksums P [V1, Vw, |V|1] / l
+// (sums, float64, (n, lq, 3): plain, weighted, absolute; 0 for a row that sees no key), which
+// attention/fused_final.py checks the returned O against (fused:out), as the CPU kernel's.
 //
 // Fault injection (tests and campaigns): `fault` is null or a float64 descriptor (F_* fields):
 // site, head, row and column of the element in the site's matrix (S, P, the dropped tile DROP_:
@@ -396,7 +399,8 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
                    const double* add, long long add_stride, int lq, int lk, int d, double scale,
                    int causal, int check, int correct, unsigned long long seed,
                    unsigned long long thr, double ks_in, const double* params, double* fault,
-                   T* out, typename Arith<T>::type* lse, double* rec, int* status) {
+                   T* out, typename Arith<T>::type* lse, double* sums, double* rec,
+                   int* status) {
     typedef typename Arith<T>::type A;
     __shared__ Forward<A> sh;
     const int tid = threadIdx.x;
@@ -609,6 +613,8 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
                 const double* p = sh.oc[tid];
                 vote(sh.votes, tid, ratio3(p[0], p[1], p[2], o0, o1, o2, params + C_O),
                      locate(p[0], p[1], o0, o1, d));
+                double* sr = sums + (static_cast<long long>(b) * lq + i0 + tid) * 3;
+                for (int f = 0; f < 3; ++f) sr[f] = p[f];  // for the final check, fused:out
             }
             st = settle_block(sh.votes, rt, O_, attempt, correct, rows, true, i0, 0);
             if (st == 1) continue;
