@@ -41,9 +41,11 @@ DROP_ = len(SITES)
 FLAGS, FAILED, RATIO, MAG, TAU, ROW, COL, AFTER = range(8)
 FIELDS = 8
 
-#: Mantissas in [0.5, 1) multiplied per ``log`` in the softmax invariant (:func:`_probs_ratio`):
-#: a product of 64 stays above float32's smallest normal number, 2**-126.
-_MANTISSAS = 64
+#: The softmax invariant (:func:`_probs_ratio`) multiplies a row's mantissas, each taken in
+#: [sqrt(1/2), sqrt(2)): a product of ``BC`` of them stays within float32's normal range while
+#: ``BC / 2`` is below 126.
+_MANTISSAS = 2 * 125
+assert BC <= _MANTISSAS
 
 #: float64's unit roundoff: the rounding of the checks' own float64 sums.
 _U64 = 2.0 ** -53
@@ -344,7 +346,7 @@ def _probs_bad(pv: Any, x: Any, t0: Any, t1: Any, t2: Any, tiny: Any) -> Any:
 
 @numba.njit(cache=True, fastmath=_FAST)
 def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
-    """The softmax invariant of a tile, judged on what was stored, one ``log`` per 64 entries of a row: ``sum_j
+    """The softmax invariant of a tile, judged on what was stored, one ``log`` a row: ``sum_j
     log p_ij = sum_j (z_ij - m_i)`` over the row's normal entries (``m`` the running max forward,
     the log-sum-exp backward), within ``sum_j (tol[0] + tol[1] |z_ij - m_i|)``. The left side is
     ``sum_j e_ij log 2 + log prod_j m_ij`` from the entries' exponents and mantissas (bit
@@ -361,7 +363,7 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
     position = key)."""
     rows, cols = p.shape
     t2, tiny = like(p, tol[2]), like(p, tol[3])
-    one = like(p, 1.0)
+    one, two, root_half = like(p, 1.0), like(p, 2.0), like(p, math.sqrt(0.5))
     bad = np.float32(0)
     worst = 0.0
     info[0], info[1], info[2], info[3], info[4] = 0.0, 0.0, 1.0, -1.0, -1.0
@@ -372,20 +374,17 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
                 bad += np.float32(pr[j] != 0)
             continue
         es = count = like(p, 0.0)
-        lm = lm_abs = 0.0
-        for c0 in range(0, cols, _MANTISSAS):
-            ms = one
-            for j in range(c0, min(c0 + _MANTISSAS, cols)):  # the data's precision: 8 lanes
-                pv = pr[j]
-                small = (pv if pv >= 0 else -pv) < tiny  # NaN is not small
-                ex, mant = frexp_like(one if small else pv)
-                es += ex
-                ms *= mant
-                count += like(p, not small)
-                bad += np.float32(small) * np.float32(zr[j] - mr >= t2 + 1)
-            x = math.log(np.float64(ms))
-            lm += x
-            lm_abs += abs(x)
+        ms = one
+        for j in range(cols):  # the data's precision alone: eight float32 lanes
+            pv = pr[j]
+            small = (pv if pv >= 0 else -pv) < tiny  # NaN is not small
+            ex, mant = frexp_like(one if small else pv)
+            low = mant < root_half  # mantissas in [sqrt(1/2), sqrt(2)): see _MANTISSAS
+            es += ex - np.float32(low)
+            ms *= mant * two if low else mant
+            count += like(p, not small)
+            bad += np.float32(small) * np.float32(zr[j] - mr >= t2 + 1)
+        lm = math.log(np.float64(ms))
         xs = 0.0
         for j in range(cols):  # the float64 sum in a loop of its own (four lanes)
             pv = pr[j]
@@ -394,7 +393,7 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
         le = np.float64(es) * math.log(2.0)
         lhs = le + lm
         tau = tol[0] * np.float64(count) + (tol[1] + 2 * BC * _U64) * xa \
-            + 4 * _U64 * (abs(le) + lm_abs) + tol[3]
+            + 4 * _U64 * (abs(le) + abs(lm)) + tol[3]
         e = abs(lhs - xs) / tau
         if not e <= worst:
             worst = e if e == e else math.inf
