@@ -119,6 +119,32 @@ def additive_mask(rng, shape, spread=3.0, hidden=0.3):
     return add
 
 
+def adversarial_calls(rng, calls, max_len, dims, dtype, dropouts):
+    """``(call, q, k, v, do, kw)`` of ``calls`` clean calls on adversarial data: scores up to
+    ~80, identical keys (flat rows), key padding with a head that sees no key, additive masks
+    with a fully masked query row, causal and not, dropout ``p`` drawn from ``dropouts``."""
+    for call in range(calls):
+        n, lq, d = 2, int(rng.integers(1, max_len)), int(rng.choice(dims))
+        causal = bool(call % 2)
+        lk = lq if causal else int(rng.integers(1, max_len))
+        spread = float(10.0 ** rng.uniform(0, 2)) if call % 3 else 1.0
+        q, k, v, do = _data(rng, n, lq, lk, d, dtype, spread=math.sqrt(spread))
+        kw = {"causal": causal}
+        if call % 5 == 0:
+            k[:] = k[:, :1]
+        if call % 4 == 0:
+            visible = rng.random((n, lk)) < 0.3
+            visible[0] = False
+            kw["key_visible"] = visible
+        if call % 3 == 2:
+            add = additive_mask(rng, (n, lq, lk), spread=10.0)
+            add[:, lq // 2] = -np.inf
+            kw["attn_mask"] = add
+        if call % 4 == 1:
+            kw.update(dropout=float(rng.choice(dropouts)), dropout_seed=call)
+        yield call, q, k, v, do, kw
+
+
 @pytest.mark.parametrize("xp", BACKENDS)
 @given(data=st.data(), causal=st.booleans(), shared=st.booleans(),
        dtype=st.sampled_from([np.float32, np.float64]), seed=st.integers(0, 2**31))

@@ -22,7 +22,7 @@ from attention.fused_choice import static_reason
 from attention.fused_final import (DK_SITE, FINAL_SITES, GRAD_SITE, OUTPUT_SITE, dk_column_sums,
                                    verify_grads, verify_output)
 from conftest import BACKENDS
-from test_fused import _data
+from test_fused import _data, adversarial_calls
 
 CUDA = [p for p in BACKENDS if p.id != "numpy"]
 DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16),
@@ -95,26 +95,8 @@ def test_no_false_positive_on_adversarial_clean_data(xp, dtype):
     masks with fully masked query rows, causal and not, dropout up to p = 1: the final checks
     run on every call and never flag."""
     rng = np.random.default_rng(int(dtype.num))
-    for call in range(12):
-        n, lq, d = 2, int(rng.integers(1, 70)), int(rng.choice([8, 16, 32]))
-        causal = bool(call % 2)
-        lk = lq if causal else int(rng.integers(1, 70))
-        spread = float(10.0 ** rng.uniform(0, 2)) if call % 3 else 1.0
-        q, k, v, do = _data(rng, n, lq, lk, d, dtype, spread=np.sqrt(spread))
-        kw = {"causal": causal}
-        if call % 5 == 0:
-            k[:] = k[:, :1]
-        if call % 4 == 0:
-            visible = rng.random((n, lk)) < 0.3
-            visible[0] = False
-            kw["key_visible"] = visible
-        if call % 3 == 2:
-            add = 10.0 * rng.standard_normal((n, lq, lk))
-            add[rng.random(add.shape) < 0.2] = -np.inf
-            add[:, lq // 2] = -np.inf
-            kw["attn_mask"] = add
-        if call % 4 == 1:
-            kw.update(dropout=float(rng.choice([0.1, 0.5, 1.0])), dropout_seed=call)
+    for call, q, k, v, do, kw in adversarial_calls(rng, 12, 70, [8, 16, 32], dtype,
+                                                    [0.1, 0.5, 1.0]):
         ctx = Context()
         q, k, v, do = _device(xp, q, k, v, do)
         kw = {name: xp.asarray(t) if isinstance(t, np.ndarray) else t for name, t in kw.items()}

@@ -15,7 +15,7 @@ from abftgemm.faults import Fault
 from attention.context import Context
 from attention.fused import fused_backward, fused_forward
 from attention.fused_final import DK_SITE, GRAD_SITE, GRAD_SITES, dk_column_sums, verify_grads
-from test_fused import _data, _run, additive_mask
+from test_fused import _data, _run, adversarial_calls
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16),
           np.dtype(ml_dtypes.bfloat16)]
@@ -57,25 +57,8 @@ def test_no_false_positive_on_adversarial_clean_data(dtype):
     head that sees no key, additive masks with fully masked query rows, causal and not, dropout
     (p up to 1): 48 calls per dtype, the check never flags and runs on every one."""
     rng = np.random.default_rng(int(dtype.num))
-    for call in range(48):
-        n, lq, d = 2, int(rng.integers(1, 140)), int(rng.choice([8, 16, 64]))
-        causal = bool(call % 2)
-        lk = lq if causal else int(rng.integers(1, 140))
-        spread = float(10.0 ** rng.uniform(0, 2)) if call % 3 else 1.0  # scores up to ~80
-        q, k, v, do = _data(rng, n, lq, lk, d, dtype, spread=math.sqrt(spread))
-        kw = {"causal": causal}
-        if call % 5 == 0:
-            k[:] = k[:, :1]
-        if call % 4 == 0:
-            visible = rng.random((n, lk)) < 0.3
-            visible[0] = False
-            kw["key_visible"] = visible
-        if call % 3 == 2:
-            add = additive_mask(rng, (n, lq, lk), spread=10.0)
-            add[:, lq // 2] = -np.inf
-            kw["attn_mask"] = add
-        if call % 4 == 1:
-            kw.update(dropout=float(rng.choice([0.1, 0.5, 0.9, 1.0])), dropout_seed=call)
+    for call, q, k, v, do, kw in adversarial_calls(rng, 48, 140, [8, 16, 64], dtype,
+                                                    [0.1, 0.5, 0.9, 1.0]):
         ctx = Context()
         got = _run(q, k, v, do, ctx, **kw)
         assert not ctx.report.events, (call, ctx.report.summary())
