@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import types
+from collections import namedtuple
 from typing import Any
 
 import numba
@@ -40,6 +41,24 @@ HOOK_SITES = SITES + ("fused:dropout",)
 DROP_ = len(SITES)
 FLAGS, FAILED, RATIO, MAG, TAU, ROW, COL, AFTER = range(8)
 FIELDS = 8
+
+#: The kernels' arguments, grouped (numba takes named tuples of arrays and scalars).
+#: ``kt``/``vt``: :func:`transpose_blocks` of ``k``/``v``; ``ve``, ``qe``, ``ke``, ``doe``: row
+#: encodings ``(n, 3, L)`` (:func:`encode_rows`; empty ``(n, 3, 0)`` unchecked); ``dd``: ``rowsum(dO
+#: * O)`` (:func:`delta`); ``lse``: the forward's log-sum-exp.
+ForwardOperands = namedtuple("ForwardOperands", "q k kt v ve")
+BackwardOperands = namedtuple("BackwardOperands", "q k kt v vt do dd lse qe ke doe")
+#: ``visible`` ``(n, Lk)`` bool or an empty ``(1, 0)``; ``add`` ``(n or 1, Lq, Lk)`` float64 or an
+#: empty ``(1, 0, 0)``; ``scale`` in the data's dtype.
+Mask = namedtuple("Mask", "visible add scale causal")
+#: Whether to check and correct, and the sites' coefficients (:func:`attention.fused_rules.
+#: coefficients`) and tolerances.
+ForwardRules = namedtuple("ForwardRules", "check correct c_s c_o c_l tol_p")
+BackwardRules = namedtuple("BackwardRules", "check correct c_s c_kv c_q tol_p tol_ds")
+#: :func:`_keep_tile`'s ``seed`` and ``thr`` (0: no dropout), ``ks = 1 / (1 - p)``.
+Dropout = namedtuple("Dropout", "seed thr ks")
+ForwardOutputs = namedtuple("ForwardOutputs", "out lse sums")
+Gradients = namedtuple("Gradients", "dq dk dv dqc")
 
 #: The softmax invariant (:func:`_probs_ratio`) multiplies a row's mantissas, each taken in
 #: [sqrt(1/2), sqrt(2)): a product of ``BC`` of them stays within float32's normal range while
@@ -645,16 +664,19 @@ def _settle(rec: Any, site: int, attempt: int, ratio: float, correct: bool, info
 # ------------------------------------------------------------------ forward
 
 
-def _forward_block(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, add: Any, b: int, i0: int,
-                   scale: Any, causal: bool, check: bool, correct: bool, c_s: Any, c_o: Any,
-                   c_l: Any, tol_p: Any, seed: Any, thr: Any, ks: Any, out: Any, lse: Any,
-                   sums: Any, rec: Any) -> int:
+def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: Dropout,
+                   outs: ForwardOutputs, b: int, i0: int, rec: Any) -> int:
     """One query block ``[i0, i0 + BR)`` of head ``b``: online softmax over the key tiles with
     every check; writes ``out[b, block]``, ``lse[b, block]`` and (when checking) the output rows'
     carried checksums ``sums[b, block]`` (``P [V1, Vw, |V|1] / l``, float64, of the product's
     probabilities). Dropout when ``thr`` > 0 (:func:`_keep_tile`'s ``seed`` and ``thr``,
     ``ks = 1 / (1 - p)`` in the data's dtype): the product reads the dropped tile, the softmax
     denominator the tile before dropout. Returns 0, or -1 when a recomputation did not verify."""
+    q, k, kt, v, ve = ops
+    visible, add, scale, causal = mask
+    check, correct, c_s, c_o, c_l, tol_p = rules
+    seed, thr, ks = drop
+    out, lse, sums = outs
     lq, d = q.shape[1], q.shape[2]
     lk = k.shape[1]
     i1 = min(i0 + BR, lq)
@@ -668,9 +690,9 @@ def _forward_block(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, add: 
         _col_sums(qb, _weights(rows), qenc)
     sbuf = np.empty(rows * BC, dt)
     pbuf = np.empty(rows * BC, dt)
-    drop = thr > 0
-    dbuf = np.empty(rows * BC if drop else 0, dt)
-    kbuf = np.empty(rows * BC if drop else 0, np.uint8)
+    dropping = thr > 0
+    dbuf = np.empty(rows * BC if dropping else 0, dt)
+    kbuf = np.empty(rows * BC if dropping else 0, np.uint8)
     nokeep = np.empty((0, 0), np.uint8)
     acc = np.empty((rows, d), dt)
     tmp = np.empty((rows, d), dt)
@@ -721,7 +743,7 @@ def _forward_block(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, add: 
                 return -1
             _sum_rows(p, alpha, l)
             _HOOK(L_, l.reshape((rows, 1)))
-            if drop:
+            if dropping:
                 keep = kbuf[:rows * cols].reshape(rows, cols)
                 pd = dbuf[:rows * cols].reshape(rows, cols)
                 _keep_tile(seed, b, i0, j0, lq, lk, thr, keep)
@@ -757,19 +779,26 @@ def _forward_block(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, add: 
 # ------------------------------------------------------------------ backward
 
 
-def _backward_tile(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, lse: Any, qe: Any,
-                   ke: Any, doe: Any, vis: Any, addh: Any, b: int, i0: int, j0: int, j1: int,
-                   kenc: Any,
-                   venc: Any, scale: Any, causal: bool, check: bool, correct: bool, c_s: Any,
-                   tol_p: Any, tol_ds: Any, seed: Any, thr: Any, ks: Any, bufs: Any, kbuf: Any,
-                   dkb: Any, dvb: Any, dkc: Any, dvc: Any, dq: Any, dqc: Any, do_kv: bool,
-                   do_q: bool, rec: Any, info: Any, pred: Any, obs: Any) -> int:
+def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop: Dropout,
+                   b: int, i0: int, j0: int, j1: int, enc: Any, work: Any, blocks: Any,
+                   dq_acc: Any, do_kv: bool, do_q: bool, rec: Any) -> int:
     """One tile (query block ``i0``, keys ``[j0, j1)``) of head ``b``: ``S`` and ``P``
     recomputed and checked, then ``dV += P^T dO``, ``dP = dO V^T``, ``dS = P (dP - D)``,
     ``dK += dS^T Q`` (``do_kv``) and ``dQ += dS K`` (``do_q``), unscaled, each accumulator with
     its checksum columns carried beside it. With dropout (``thr`` > 0; ``kbuf`` a buffer of the
     tile's keep decisions) FlashAttention-2's: ``dV += (P keep ks)^T dO`` and ``dS = P (dP keep
-    ks - D)``. Returns 0, or -1 when a recomputation did not verify."""
+    ks - D)``. ``mask``: this head's ``(visible, add, scale, causal)``; ``enc``: the key
+    block's column encodings ``(kenc, venc)``; ``work``: the head's buffers ``(bufs, kbuf, pred,
+    obs, info)``; ``blocks``: the key block's accumulators ``(dkb, dvb, dkc, dvc)``; ``dq_acc``:
+    ``(dq, dqc)``. Returns 0, or -1 when a recomputation did not verify."""
+    q, k, kt, v, vt, do, dd, lse, qe, ke, doe = ops
+    vis, addh, scale, causal = mask
+    check, correct, c_s, _, _, tol_p, tol_ds = rules
+    seed, thr, ks = drop
+    kenc, venc = enc
+    bufs, kbuf, pred, obs, info = work
+    dkb, dvb, dkc, dvc = blocks
+    dq, dqc = dq_acc
     i1 = min(i0 + BR, q.shape[1])
     rows, cols = i1 - i0, j1 - j0
     qi, doi, lse_i, dd_i = q[b, i0:i1], do[b, i0:i1], lse[b, i0:i1], dd[b, i0:i1]
@@ -779,9 +808,9 @@ def _backward_tile(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, l
     ds = bufs[3, :rows * cols].reshape(rows, cols)
     tmp = np.empty((max(rows, cols), q.shape[2]), q.dtype)
     none = np.empty(0, q.dtype)
-    drop = thr > 0
-    keep = kbuf[:rows * cols].reshape(rows, cols) if drop else kbuf[:0].reshape(0, 0)
-    if drop:
+    dropping = thr > 0
+    keep = kbuf[:rows * cols].reshape(rows, cols) if dropping else kbuf[:0].reshape(0, 0)
+    if dropping:
         _keep_tile(seed, b, i0, j0, q.shape[1], k.shape[1], thr, keep)
     info[5] = cols
     for a in range(2):
@@ -808,7 +837,7 @@ def _backward_tile(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, l
     if st < 0:
         return -1
     if do_kv:
-        if drop:
+        if dropping:
             pd = bufs[4, :rows * cols].reshape(rows, cols)
             _drop(p, keep, ks, pd)
             _HOOK(DROP_, pd)
@@ -855,29 +884,32 @@ def _backward_tile(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, l
     return 0
 
 
-def _backward_head(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, lse: Any,
-                   qe: Any, ke: Any, doe: Any, visible: Any, add: Any, b: int, scale: Any,
-                   causal: bool,
-                   check: bool, correct: bool, c_s: Any, c_kv: Any, c_q: Any, tol_p: Any,
-                   tol_ds: Any, seed: Any, thr: Any, ks: Any, dq: Any, dk: Any, dv: Any, dqc: Any,
-                   rec: Any) -> int:
+def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop: Dropout,
+                   grads: Gradients, b: int, rec: Any) -> int:
     """Head ``b``, FlashAttention-2 order: key blocks outside, query blocks inside; ``dK`` and
     ``dV`` of a key block accumulate in the block, ``dQ`` in ``dq[b]`` (this head's alone, so
     heads run in parallel without races). A flagged ``dK``/``dV`` block is recomputed (its
     query sweep again, without ``dQ``), a flagged ``dQ`` block likewise (its key sweep). Writes
     the scaled gradients; returns 0, or -1 when a recomputation did not verify."""
+    q, k, v = ops.q, ops.k, ops.v
+    visible, add, scale, causal = mask
+    check, correct, _, c_kv, c_q, _, _ = rules
+    dq, dk, dv, dqc = grads
     lq, d = q.shape[1], q.shape[2]
     lk = k.shape[1]
     dt = q.dtype
     vis = visible[b] if visible.shape[1] else visible[0]
     addh = add[b] if add.shape[0] > 1 else add[0]
+    head_mask = (vis, addh, scale, causal)
     kenc, venc = np.zeros((3, d)), np.zeros((3, d))
+    enc = (kenc, venc)
     bufs = np.empty((5, BR * BC), dt)
     kbuf = np.empty(BR * BC, np.uint8)
     dkb, dvb = np.empty((BC, d), dt), np.empty((BC, d), dt)
     dkc, dvc = np.empty((3, BC)), np.empty((3, BC))
     pred, obs = np.empty((max(BR, BC), 3)), np.empty((max(BR, BC), 3))
     info = np.zeros(6)
+    work = (bufs, kbuf, pred, obs, info)
     dq[b, :, :] = 0
     dqc[b, :, :] = 0.0
     for j0 in range(0, lk, BC):
@@ -894,10 +926,9 @@ def _backward_head(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, l
             dkc[:] = 0.0
             dvc[:] = 0.0
             for i0 in range(first, lq, BR):
-                if _TILE(q, k, kt, v, vt, do, dd, lse, qe, ke, doe, vis, addh, b, i0, j0, j1, kenc, venc,
-                        scale, causal, check, correct, c_s, tol_p, tol_ds, seed, thr, ks, bufs,
-                        kbuf, dkb[:cols], dvb[:cols], dkc, dvc, dq, dqc, True, attempt == 0, rec,
-                        info, pred, obs) < 0:
+                if _TILE(ops, head_mask, rules, drop, b, i0, j0, j1, enc, work,
+                         (dkb[:cols], dvb[:cols], dkc, dvc), (dq, dqc), True, attempt == 0,
+                         rec) < 0:
                     return -1
             st = 0
             if check:
@@ -927,10 +958,9 @@ def _backward_head(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, l
                     w = _weights(j1 - j0)
                     _col_sums(k[b, j0:j1], w, kenc)
                     _col_sums(v[b, j0:j1], w, venc)
-                    if _TILE(q, k, kt, v, vt, do, dd, lse, qe, ke, doe, vis, addh, b, i0, j0, j1, kenc,
-                            venc, scale, causal, check, correct, c_s, tol_p, tol_ds, seed, thr,
-                            ks, bufs, kbuf, dkb[:j1 - j0], dvb[:j1 - j0], dkc, dvc, dq, dqc,
-                            False, True, rec, info, pred, obs) < 0:
+                    if _TILE(ops, head_mask, rules, drop, b, i0, j0, j1, enc, work,
+                             (dkb[:j1 - j0], dvb[:j1 - j0], dkc, dvc), (dq, dqc), False, True,
+                             rec) < 0:
                         return -1
             if not check:
                 break
@@ -966,28 +996,23 @@ def python_drivers(hook: Any) -> tuple[Any, Any]:
 
 
 @numba.njit(cache=True, parallel=True)
-def forward(q: Any, k: Any, kt: Any, v: Any, ve: Any, visible: Any, add: Any, scale: Any, causal: bool,
-            check: bool, correct: bool, c_s: Any, c_o: Any, c_l: Any, tol_p: Any, seed: Any,
-            thr: Any, ks: Any, out: Any, lse: Any, sums: Any, rec: Any, status: Any) -> None:
-    """Every (head, query block) in parallel (:func:`_forward_block`)."""
+def forward(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: Dropout,
+            outs: ForwardOutputs, rec: Any, status: Any) -> None:
+    """Every (head, query block) in parallel (:func:`_forward_block`); ``rec`` and ``status``
+    per task."""
+    q = ops.q
     nqb = (q.shape[1] + BR - 1) // BR
     for t in numba.prange(q.shape[0] * nqb):
-        status[t] = _forward_block_jit(q, k, kt, v, ve, visible, add, t // nqb, (t % nqb) * BR, scale,
-                                       causal, check, correct, c_s, c_o, c_l, tol_p, seed, thr,
-                                       ks, out, lse, sums, rec[t])
+        status[t] = _forward_block_jit(ops, mask, rules, drop, outs, t // nqb, (t % nqb) * BR,
+                                       rec[t])
 
 
 @numba.njit(cache=True, parallel=True)
-def backward(q: Any, k: Any, kt: Any, v: Any, vt: Any, do: Any, dd: Any, lse: Any, qe: Any,
-             ke: Any, doe: Any, visible: Any, add: Any, scale: Any, causal: bool, check: bool,
-             correct: bool, c_s: Any, c_kv: Any, c_q: Any, tol_p: Any, tol_ds: Any, seed: Any,
-             thr: Any, ks: Any, dq: Any, dk: Any, dv: Any, dqc: Any, rec: Any,
-             status: Any) -> None:
-    """Every head in parallel (:func:`_backward_head`)."""
-    for b in numba.prange(q.shape[0]):
-        status[b] = _backward_head_jit(q, k, kt, v, vt, do, dd, lse, qe, ke, doe, visible, add, b,
-                                       scale, causal, check, correct, c_s, c_kv, c_q, tol_p,
-                                       tol_ds, seed, thr, ks, dq, dk, dv, dqc, rec[b])
+def backward(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop: Dropout,
+             grads: Gradients, rec: Any, status: Any) -> None:
+    """Every head in parallel (:func:`_backward_head`); ``rec`` and ``status`` per head."""
+    for b in numba.prange(ops.q.shape[0]):
+        status[b] = _backward_head_jit(ops, mask, rules, drop, grads, b, rec[b])
 
 
 @numba.njit(cache=True, parallel=True, fastmath=_FAST)

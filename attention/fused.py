@@ -220,17 +220,19 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     tiles = -(-lk // K.BC)
     rec = np.zeros((n * nqb, len(K.SITES), K.FIELDS))
     status = np.zeros(n * nqb, np.int64)
-    args = (qw, kw, _transposed(kw), vw, ve, visible, add)
-    rest = (dt.type(scale), causal, check, correct, coefficients(d, K.BR, dt),
-            coefficients(lk, d, dt, 2 * tiles), coefficients(lk, 1, dt, 2 * tiles),
-            probs_tolerance(dt), *kernel_dropout(drop, dt), out, lse, sums)
+    groups = (K.ForwardOperands(qw, kw, _transposed(kw), vw, ve),
+              K.Mask(visible, add, dt.type(scale), causal),
+              K.ForwardRules(check, correct, coefficients(d, K.BR, dt),
+                             coefficients(lk, d, dt, 2 * tiles),
+                             coefficients(lk, 1, dt, 2 * tiles), probs_tolerance(dt)),
+              K.Dropout(*kernel_dropout(drop, dt)), K.ForwardOutputs(out, lse, sums))
     if ctx.fault_hook is None:
         _threads()
-        K.forward(*args, *rest, rec, status)
+        K.forward(*groups, rec, status)
     else:
         block, _ = K.python_drivers(_site_hook(ctx))
         for t in range(n * nqb):
-            status[t] = block(*args, t // nqb, (t % nqb) * K.BR, *rest, rec[t])
+            status[t] = block(*groups, t // nqb, (t % nqb) * K.BR, rec[t])
     _book(ctx, rec, status, lambda t: t // nqb, FORWARD_SITES, check)
     out = out if out.dtype == q.dtype else out.astype(q.dtype)
     return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "scale": scale,
@@ -267,19 +269,22 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
     dqc = np.empty((n, lq, 3))
     rec = np.zeros((n, len(K.SITES), K.FIELDS))
     status = np.zeros(n, np.int64)
-    args = (q, k, _transposed(k), v, _transposed(v), d_out, dd, lse, qe, ke, doe,
-            saved["visible"], saved["add"])
-    rest = (dt.type(saved["scale"]), saved["causal"], check, correct, coefficients(d, K.BC, dt),
-            coefficients(lq, d, dt, -(-lq // K.BR)), coefficients(lk, d, dt, -(-lk // K.BC)),
-            probs_tolerance(dt), dscores_tolerance(dt),
-            *kernel_dropout(saved.get("dropout"), dt), dq, dk, dv, dqc)
+    groups = (K.BackwardOperands(q, k, _transposed(k), v, _transposed(v), d_out, dd, lse, qe, ke,
+                                 doe),
+              K.Mask(saved["visible"], saved["add"], dt.type(saved["scale"]), saved["causal"]),
+              K.BackwardRules(check, correct, coefficients(d, K.BC, dt),
+                              coefficients(lq, d, dt, -(-lq // K.BR)),
+                              coefficients(lk, d, dt, -(-lk // K.BC)), probs_tolerance(dt),
+                              dscores_tolerance(dt)),
+              K.Dropout(*kernel_dropout(saved.get("dropout"), dt)),
+              K.Gradients(dq, dk, dv, dqc))
     if ctx.fault_hook is None:
         _threads()
-        K.backward(*args, *rest, rec, status)
+        K.backward(*groups, rec, status)
     else:
         _, head = K.python_drivers(_site_hook(ctx))
         for b in range(n):
-            status[b] = head(*args, b, *rest, rec[b])
+            status[b] = head(*groups, b, rec[b])
     _book(ctx, rec, status, lambda t: t, BACKWARD_SITES, check)
     half = saved["q"].dtype
     return tuple(g if g.dtype == half else g.astype(half) for g in (dq, dk, dv))
