@@ -50,7 +50,7 @@ def _checked_run(xp, q, k, v, do, ctx, **kw):
 def test_carried_sums_equal_the_cpu_kernels(xp, dtype, rtol):
     """``saved["sums"]`` of the CUDA forward: (n, L, 3) float64, plain, weighted and absolute
     row checksums, those of the CPU kernel within the rounding of the tiles' arithmetic (32-key
-    tiles against 64-key ones); 0 for a row that sees no key; None with check="off"."""
+    tiles against 128-key ones); 0 for a row that sees no key; None with check="off"."""
     rng = np.random.default_rng(0)
     q, k, v, _ = _data(rng, 2, 45, 70, 16, dtype)
     visible = rng.random((2, 70)) < 0.6
