@@ -24,7 +24,7 @@ import numba
 import numpy as np
 
 from abftgemm.cpu_kernels import sum_column_prefix, sum_columns
-from attention._cpu_vmath import (exp_like, frexp_like, from_ordered_key, like, log_like,
+from attention._cpu_vmath import (exp_like, from_ordered_key, like, log2_split, log_like,
                                    ordered_key)
 from attention.dropout_hash import GAMMA, MIX1, MIX2, SHIFT
 
@@ -366,54 +366,56 @@ def _probs_bad(pv: Any, x: Any, t0: Any, t1: Any, t2: Any, tiny: Any) -> Any:
 @numba.njit(cache=True, fastmath=_FAST)
 def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
     """The softmax invariant of a tile, judged on what was stored, one ``log`` a row: ``sum_j
-    log p_ij = sum_j (z_ij - m_i)`` over the row's normal entries (``m`` the running max forward,
-    the log-sum-exp backward), within ``sum_j (tol[0] + tol[1] |z_ij - m_i|)``. The left side is
-    ``sum_j e_ij log 2 + log prod_j m_ij`` from the entries' exponents and mantissas (bit
-    operations and a product, no ``exp`` and no per-entry ``log``), so it shares no work with the
-    exponential it checks. An entry of magnitude below ``tol[3]``, the smallest normal number,
-    needs ``z_ij - m_i`` below the flush ``tol[2]`` plus 1 (entry by entry, branch-free); every
-    other entry is in the sum, where INF and NaN (exponent 128 or more: ``log 2`` times that
-    against a non-positive ``z_ij - m_i``) and a negative entry (a negative mantissa, the
-    ``log`` of a negative product) fail; a row with ``m_i = -inf`` must be 0.
-    The tolerance also covers the check's own float64 rounding (``log 2`` times the exponents'
-    sum, the ``log``, the sum of ``z_ij - m_i``), which counts for float64 data.
-    Returns the worst ratio (row sum against its tolerance; at least 1 for an entry that fails);
-    when it exceeds 1, :func:`_probs_locate` fills ``info`` (as :func:`_judge`: vector = row,
-    position = key)."""
+    log p_ij = sum_j (z_ij - m_i)`` (``m`` the running max forward, the log-sum-exp backward),
+    within ``sum_j (tol[0] + tol[1] |z_ij - m_i|)``, with every ``p_ij`` taken as at least ``f =
+    exp(tol[2])``, the exponential's smallest result above its flush ``tol[2]``, and every
+    ``z_ij - m_i`` as at least ``tol[2]`` (an entry the exponential flushed to 0 counts as ``log
+    f = tol[2]`` on both sides, and adds ``tol[0]`` alone to the tolerance). The left side is ``sum_j e_ij log 2 + log prod_j m_ij`` from the
+    entries' exponents and mantissas (:func:`attention._cpu_vmath.log2_split`: bit operations
+    and a product, no ``exp`` and no per-entry ``log``), so it shares no work with the
+    exponential it checks. INF and NaN (exponent 128 or more: ``log 2`` times that against a
+    non-positive ``z_ij - m_i``) fail; a negative or too small entry counts as ``f``, which fails
+    unless ``z_ij - m_i`` is within the tolerance of the flush (an entry that weighs under ``e
+    f``); a row with ``m_i = -inf`` must be 0. The tolerance also covers the check's own float64
+    rounding (``log 2`` times the exponents' sum, the ``log``, the sum of ``z_ij - m_i``), which
+    counts for float64 data.
+    Returns the worst ratio (row sum against its tolerance; at least 1 for a row with ``m_i =
+    -inf`` that is not 0); when it exceeds 1, :func:`_probs_locate` fills ``info`` (as
+    :func:`_judge`: vector = row, position = key)."""
     rows, cols = p.shape
-    t2, tiny = like(p, tol[2]), like(p, tol[3])
-    one, two, root_half = like(p, 1.0), like(p, 2.0), like(p, math.sqrt(0.5))
+    flush = like(p, tol[2])
+    least = like(p, math.exp(np.float64(flush)))  # log least = flush within its rounding
+    one = like(p, 1.0)
     bad = np.float32(0)
     worst = 0.0
     info[0], info[1], info[2], info[3], info[4] = 0.0, 0.0, 1.0, -1.0, -1.0
     for r in range(rows):
         mr, zr, pr = m[r], z[r], p[r]
-        if mr == -np.inf:
-            for j in range(cols):
-                bad += np.float32(pr[j] != 0)
-            continue
-        es = count = like(p, 0.0)
+        es = raised = like(p, 0.0)
         ms = one
         for j in range(cols):  # the data's precision alone: eight float32 lanes
             pv = pr[j]
-            small = (pv if pv >= 0 else -pv) < tiny  # NaN is not small
-            ex, mant = frexp_like(one if small else pv)
-            low = mant < root_half  # mantissas in [sqrt(1/2), sqrt(2)): see _MANTISSAS
-            es += ex - np.float32(low)
-            ms *= mant * two if low else mant
-            count += like(p, not small)
-            bad += np.float32(small) * np.float32(zr[j] - mr >= t2 + 1)
+            low = pv < least
+            ex, mant = log2_split(least if low else pv)  # a select keeps NaN
+            es += ex
+            ms *= mant  # mantissas in [sqrt(1/2), sqrt(2)): see _MANTISSAS
+            raised += like(p, low)
         lm = math.log(np.float64(ms))
         xs = 0.0
         for j in range(cols):  # the float64 sum in a loop of its own (four lanes)
-            pv = pr[j]
-            xs += np.float64(zr[j] - mr) if (pv if pv >= 0 else -pv) >= tiny else 0.0
-        xa = abs(xs)  # every z_ij - m_i <= 0: m_i is the row's max, or the log-sum-exp above it
+            xs += np.float64(max(zr[j] - mr, flush))
+        # every z_ij - m_i <= 0 (m_i is the row's max, or the log-sum-exp above it); the raised
+        # entries weigh no |z_ij - m_i| in the tolerance (log f = tol[2] within tol[0])
+        xa = max(abs(xs) + np.float64(raised) * tol[2], 0.0)
         le = np.float64(es) * math.log(2.0)
         lhs = le + lm
-        tau = tol[0] * np.float64(count) + (tol[1] + 2 * BC * _U64) * xa \
-            + 4 * _U64 * (abs(le) + abs(lm)) + tol[3]
+        tau = tol[0] * cols + tol[1] * xa \
+            + _U64 * (2 * BC * abs(xs) + 4 * (abs(le) + abs(lm))) + tol[3]
         e = abs(lhs - xs) / tau
+        if mr == -np.inf:  # after the loops, not before: a branch there costs them half again
+            e = 0.0
+            for j in range(cols):
+                bad += np.float32(pr[j] != 0)
         if not e <= worst:
             worst = e if e == e else math.inf
             info[0], info[1], info[2], info[3] = worst, abs(lhs - xs), tau, r
@@ -480,22 +482,22 @@ def _dscores_ratio(ds: Any, p: Any, dp: Any, dd: Any, keep: Any, ks: Any, tol: A
     info[0], info[3], info[4] = 0.0, -1.0, -1.0
     for r in range(rows):
         dr = np.float64(dd[r])
-        r1 = r2 = v = s = sw = mag = magw = 0.0
+        r1 = r2 = v = s = sw = pg = 0.0
         for j in range(cols):
             pj = np.float64(p[r, j])
             g = np.float64(dp[r, j] * ks) * np.float64(keep[r, j]) if drop \
                 else np.float64(dp[r, j])
             x = np.float64(ds[r, j])
-            r1 += pj * g
+            t = pj * g
+            r1 += t
             r2 += pj
-            v += pj * g * g
+            v += t * g
             s += x
             sw += x * g
-            a = pj * (abs(g) + abs(dr))
-            mag += a
-            magw += a * abs(g)
-        tau = tol[0] * mag + tol[1]
-        tauw = tol[0] * magw + tol[1]
+            pg += pj * abs(g)
+        # the magnitudes sum_j p (|g| + |D|) and sum_j p (|g| + |D|) |g|, from the sums above
+        tau = tol[0] * (pg + abs(dr) * r2) + tol[1]
+        tauw = tol[0] * (v + abs(dr) * pg) + tol[1]
         e = max(abs(s - (r1 - dr * r2)) / tau, abs(sw - (v - dr * r1)) / tauw)
         if not e <= worst:
             worst = e if e == e else np.inf

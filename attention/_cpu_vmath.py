@@ -67,17 +67,15 @@ def _flip32(typingctx: Any, b: Any) -> Any:  # noqa: ARG001 (numba's intrinsic s
 
 
 @intrinsic
-def _exponent_mantissa(typingctx: Any, x: Any) -> Any:  # noqa: ARG001
-    """``(e, m)`` of a positive normal float32 ``x = m * 2**e``, ``m`` in [0.5, 1), both
-    float32."""
+def _log2_split(typingctx: Any, x: Any) -> Any:  # noqa: ARG001
+    """``(e, m)`` of a positive normal float32 ``x = m * 2**e``, ``m`` in [sqrt(1/2), sqrt(2)),
+    both float32: the exponent of ``x / sqrt(1/2)`` and the rest, by integer arithmetic on the
+    bits (INF gives ``(128, 1)``, NaN an ``e`` of 128 or more and a finite ``m``)."""
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:  # noqa: ARG001
         bits = builder.bitcast(args[0], _I32)
-        biased = builder.and_(builder.lshr(bits, _i32(23)), _i32(0xFF))
-        e = builder.sitofp(builder.sub(biased, _i32(126)), ir.FloatType())
-        sign_mantissa = _i32(0x807FFFFF - (1 << 32))  # keep sign and mantissa, exponent -1
-        m_bits = builder.or_(builder.and_(bits, sign_mantissa), _i32(0x3F000000))
-        m = builder.bitcast(m_bits, ir.FloatType())
-        return context.make_tuple(builder, sig.return_type, (e, m))
+        e = builder.ashr(builder.sub(bits, _i32(0x3F3504F3)), _i32(23))  # 0x3F3504F3: sqrt(1/2)
+        m = builder.bitcast(builder.sub(bits, builder.shl(e, _i32(23))), ir.FloatType())
+        return context.make_tuple(builder, sig.return_type, (builder.sitofp(e, ir.FloatType()), m))
     return types.UniTuple(types.float32, 2)(types.float32), codegen
 
 
@@ -127,10 +125,10 @@ def log_like(x: Any) -> Any:
     raise NotImplementedError("only callable from numba-compiled code")
 
 
-def frexp_like(x: Any) -> Any:
-    """``(e, m)`` with ``x = m * 2**e``, ``m`` in [0.5, 1), both in the precision of ``x``, a
-    positive normal number (numba only; anything else gives a finite meaningless pair, for the
-    caller to mask). Bit operations for float32, so a loop of them vectorizes."""
+def log2_split(x: Any) -> Any:
+    """``(e, m)`` with ``x = m * 2**e``, ``m`` in [sqrt(1/2), sqrt(2)), both in the precision of
+    ``x``, a positive normal number (numba only; a float32 INF or NaN gives ``e`` of 128 or more
+    and a finite ``m``). Bit operations for float32, so a loop of them vectorizes."""
     raise NotImplementedError("only callable from numba-compiled code")
 
 
@@ -149,10 +147,8 @@ def _expf(x):  # noqa: ANN001, ANN202 (numba compares signatures)
 
 
 def _logf(x):  # noqa: ANN001, ANN202 (numba compares signatures)
-    e, m = _exponent_mantissa(x)
-    below = np.float32(m < np.float32(0.707106781186547524))
-    e = e - below
-    f = m - np.float32(1.0) + below * m  # m - 1, or 2m - 1 below sqrt(1/2)
+    e, m = _log2_split(x)
+    f = m - np.float32(1.0)
     z = f * f
     y = np.float32(7.0376836292e-2)
     y = y * f - np.float32(1.1514610310e-1)
@@ -181,15 +177,16 @@ def _like_impl(x, v):  # noqa: ANN001, ANN202 (numba compares signatures)
     return lambda x, v: np.float64(v)
 
 
-@overload(frexp_like, inline="always")
-def _frexp_like_impl(x):  # noqa: ANN001, ANN202
+@overload(log2_split, inline="always")
+def _log2_split_impl(x):  # noqa: ANN001, ANN202
     if x == types.float32:
-        return lambda x: _exponent_mantissa(x)
+        return lambda x: _log2_split(x)
 
-    def frexp64(x):  # noqa: ANN001, ANN202
+    def split64(x):  # noqa: ANN001, ANN202
         m, e = math.frexp(x)
-        return np.float64(e), m
-    return frexp64
+        low = m < 0.7071067811865476
+        return np.float64(e - low), m * 2.0 if low else m
+    return split64
 
 
 @overload(log_like, inline="always")

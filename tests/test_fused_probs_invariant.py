@@ -1,0 +1,77 @@
+"""The fused CPU core's softmax invariant (``attention._cpu_fused._probs_ratio``) on one tile:
+silent on the kernels' own probabilities (masked keys, entries the exponential flushes to 0,
+rows without a visible key), and flagging, with the entry located, every corruption of one
+stored probability that changes it by more than the rounding the check allows."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attention import _cpu_fused as K
+from attention.fused_rules import probs_tolerance
+
+
+def _tile(dtype: type, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Scores ``z`` of a masked tile, its row maxima ``m`` and the kernels' ``p = exp(z - m)``:
+    a row with no visible key, one with a single visible key, masked keys, and entries far below
+    the exponential's flush."""
+    rng = np.random.default_rng(seed)
+    z = (rng.standard_normal((K.BR, K.BC)) * 4).astype(dtype)
+    z[rng.random(z.shape) < 0.2] = -np.inf
+    z[3, :40] -= 200  # exp flushes these to 0 (float32) or makes them subnormal (float64)
+    z[5] = -np.inf
+    z[7, 1:] = -np.inf  # a causal first row: one visible key
+    m = np.full(K.BR, -np.inf, dtype)
+    K._new_max(z, m, np.empty(K.BR, dtype))
+    p = np.empty_like(z)
+    K._exp_rows(z, m, p)
+    return z, m, p
+
+
+def _ratio(z: np.ndarray, m: np.ndarray, p: np.ndarray) -> tuple[float, np.ndarray]:
+    info = np.zeros(6)
+    return K._probs_ratio(z, p, m, probs_tolerance(p.dtype), info), info
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_clean_tiles_pass(dtype):
+    for seed in range(20):
+        z, m, p = _tile(dtype, seed)
+        ratio, _ = _ratio(z, m, p)
+        assert ratio <= 1, (seed, ratio)
+
+
+def _corruptions(p: np.ndarray, z: np.ndarray, m: np.ndarray, rng: np.random.Generator):
+    """(name, row, col, new value) of one stored probability."""
+    with np.errstate(invalid="ignore"):  # -inf - -inf in the row without a visible key
+        x = z - m[:, None]
+    visible = np.argwhere(np.isfinite(z) & (x > -20))
+    r, c = visible[rng.integers(len(visible))]
+    v = p[r, c]
+    yield "relative 1e-3", r, c, v * (1 + 1e-3)
+    yield "halved", r, c, v / 2
+    yield "sign", r, c, -v
+    yield "zero", r, c, 0.0
+    yield "tiny", r, c, 1e-30
+    yield "nan", r, c, np.nan
+    yield "inf", r, c, np.inf
+    yield "near-inf", r, c, np.finfo(p.dtype).max / 2
+    flushed = np.argwhere(x < -150)
+    r2, c2 = flushed[rng.integers(len(flushed))]
+    yield "a flushed entry set", r2, c2, 0.25
+    masked = np.argwhere(np.isneginf(z) & np.isfinite(m)[:, None])
+    r3, c3 = masked[rng.integers(len(masked))]
+    yield "a masked entry set", r3, c3, 1e-3
+    yield "row without a visible key", 5, int(rng.integers(K.BC)), 1e-3
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("seed", range(4))
+def test_one_corrupted_probability_is_flagged_and_located(dtype, seed):
+    z, m, p = _tile(dtype, seed)
+    for name, r, c, value in _corruptions(p, z, m, np.random.default_rng(seed)):
+        bad = p.copy()
+        bad[r, c] = value
+        ratio, info = _ratio(z, m, bad)
+        assert ratio > 1, name
+        assert (info[3], info[4]) == (r, c), name
