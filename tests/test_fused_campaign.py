@@ -15,7 +15,7 @@ from attention.context import Context
 from attention.experiments.campaign import CampaignConfig, OUTCOMES, run_campaign
 from attention.experiments.cli import main
 from attention.experiments.fused_campaign import (SITES, FusedTestbed, backend_problem,
-                                                  backend_sites, site_dtype)
+                                                  site_dtype)
 from attention.fused import FUSED_SITES
 from attention.fused_final import FINAL_SITES
 from conftest import BACKENDS
@@ -127,30 +127,32 @@ def test_cli_refuses_bad_core_flags(flags, message, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
-def test_cupy_campaign_sites():
-    """On CuPy (any array module but NumPy) the default sites are the kernels'; final sites
-    asked for are refused (the CUDA kernels have no final checks)."""
+def test_cupy_campaign_flags():
+    """On CuPy (any array module but NumPy) the kernels inject one element a fault: other
+    patterns are refused unless every site is a final check's."""
     gpu = object()
-    assert backend_sites(SITES, gpu) == FUSED_SITES and backend_sites(SITES, np) == SITES
     assert backend_problem(SITES, ("element",), gpu) is None
-    assert "no final checks, drop fused:out" in backend_problem(("fused:S", "fused:out"),
-                                                                ("element",), gpu)
-    assert "--patterns element" in backend_problem(FUSED_SITES, ("row",), gpu)
+    assert "--patterns element" in backend_problem(SITES, ("element", "row"), gpu)
+    assert "--patterns element" in backend_problem(("fused:S", "fused:out"), ("row",), gpu)
+    assert backend_problem(FINAL_SITES, ("row", "tile"), gpu) is None
     assert backend_problem(SITES, ("row",), np) is None
 
 
 @pytest.mark.parametrize("xp", CUDA)
 def test_cupy_campaign_repairs_every_extreme_fault_at_every_site(xp):
     """The same campaign on the CUDA kernels (32 x 32 tiles: seq 40 makes two blocks), each
-    toolkit Fault converted by device_fault."""
+    toolkit Fault at an internal site converted by device_fault, those at the final sites (O,
+    dV, dK as returned) injected as on NumPy."""
     config = CampaignConfig(trials=1, clean_trials=1, batch=1, seq=40, d_model=16, n_heads=2,
                             kinds=EXTREME, patterns=("element",), core="fused")
-    _assert_all_repaired(run_campaign(config, xp, progress=False), 1, FUSED_SITES)
+    assert config.sites == SITES
+    _assert_all_repaired(run_campaign(config, xp, progress=False), 1, SITES)
     with pytest.raises(ValueError, match="--patterns element"):
         run_campaign(CampaignConfig(core="fused", patterns=("row",)), xp, progress=False)
-    with pytest.raises(ValueError, match="no final checks"):
-        run_campaign(CampaignConfig(core="fused", patterns=("element",),
-                                    sites=("fused:S", "fused:out")), xp, progress=False)
+    tiles = CampaignConfig(trials=1, clean_trials=0, batch=1, seq=40, d_model=16, n_heads=2,
+                           kinds=("nan",), patterns=("row", "tile"), sites=FINAL_SITES,
+                           core="fused")
+    _assert_all_repaired(run_campaign(tiles, xp, progress=False), 1, FINAL_SITES)
 
 
 @pytest.mark.parametrize("xp", CUDA)

@@ -9,7 +9,7 @@ single :class:`abftgemm.faults.Fault` at that site.  Every trial is compared wit
 unprotected run of the same layer on the same inputs: output ``y``, ``dx`` and every gradient
 (for ``"gemm"``: the product).  ``clean_trials`` runs without a fault measure false positives.
 ``core="fused"`` (``--core fused``) runs the same trials on the fused attention core's internal
-sites, and on NumPy its final checks' sites, instead (:mod:`attention.experiments.fused_campaign`).
+sites and its final checks' sites instead (:mod:`attention.experiments.fused_campaign`).
 
 Outcome of a trial: each trial counts in exactly one of these five (see :data:`OUTCOMES`)::
 
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -117,8 +117,7 @@ class CampaignConfig:
     sites, kinds, patterns : tuple of str
         Subsets to run (defaults: everything), each non-empty and known; ``sites`` of the
         ``core``: :data:`DEFAULT_SITES`, or :data:`attention.experiments.fused_campaign.SITES`
-        (all of them when ``sites`` is left at :data:`DEFAULT_SITES`; on CuPy those less the
-        final checks' sites).
+        (all of them when ``sites`` is left at :data:`DEFAULT_SITES`).
     core : str
         ``"unfused"``: the layer's sites and a standalone GEMM (the module docstring).
         ``"fused"``: the fused attention core's internal and final-check sites
@@ -355,8 +354,6 @@ def run_campaign(config: CampaignConfig, xp: Any, progress: bool = True) -> list
     problem = backend_problem(config, xp)
     if problem:
         raise ValueError(problem)
-    if config.core == "fused":
-        config = replace(config, sites=fused_campaign.backend_sites(config.sites, xp))
     kinds = {site: fault_kinds(config.dtype if config.core == "unfused" else
                                fused_campaign.site_dtype(config.dtype, site), config.additive)
              for site in config.sites}
@@ -392,7 +389,7 @@ def _trials(config: CampaignConfig, xp: Any, kinds: dict[str, dict[str, dict[str
 
 def backend_problem(config: CampaignConfig, xp: Any) -> str | None:
     """Why ``config`` cannot run on the array module ``xp``, or None (``--core fused`` on CuPy:
-    the CUDA kernels inject single elements and have no final checks)."""
+    the CUDA kernels inject single elements)."""
     if config.core == "unfused":
         return None
     return fused_campaign.backend_problem(config.sites, config.patterns, xp)

@@ -1,14 +1,14 @@
 """The campaign of the fused attention core (``abft campaign --core fused``): faults at its
 internal sites, :data:`attention.fused.FUSED_SITES` (the score tiles ``S``, the probabilities
 ``P``, the output accumulator, the softmax denominators, ``dP``, ``dS`` and the ``dQ``, ``dK``,
-``dV`` accumulators; :mod:`attention.fused` says what checks each), and on NumPy at its final
-checks' sites, :data:`attention.fused_final.FINAL_SITES` (the returned ``O``, ``dV`` and ``dK``;
+``dV`` accumulators; :mod:`attention.fused` says what checks each), and at its final checks'
+sites, :data:`attention.fused_final.FINAL_SITES` (the returned ``O``, ``dV`` and ``dK``;
 :mod:`attention.fused_final`).
 
 A trial runs one forward and one backward of the fused core (:func:`attention.fused.fused_forward`,
-:func:`attention.fused.fused_backward`, causal), on NumPy each followed by its final check
+:func:`attention.fused.fused_backward`, causal), each followed by its final check
 (:func:`attention.fused_final.verify_output`, :func:`attention.fused_final.verify_grads`, as
-:mod:`attention.core` runs them; the CUDA kernels have none), on queries, keys, values and an
+:mod:`attention.core` runs them), on queries, keys, values and an
 output gradient of shape ``(batch * heads, seq, d_model / heads)``, standard normal, seeded per
 trial, in the data dtype (float16 and bfloat16 too: the core computes their tiles in float32);
 its results ``out``, ``dq``, ``dk``, ``dv`` are compared with the unprotected fault-free run by
@@ -23,15 +23,17 @@ Where a fault lands, "site, tile, element":
   the site's calls in a fault-free run, so the tile is any head, block and step, forward or
   backward; its pattern places the element(s) in that tile. Faults at internal sites hit the
   tiles' dtype (float32 for 16-bit data), at the final sites the data's (:func:`site_dtype`).
-- CuPy: the kernels inject (:func:`attention._cuda_fused.device_fault` converts the same Fault):
-  one element (pattern ``"element"`` only) of the site's matrix of one head, the head, row, column
-  and accumulator step drawn from the fault's seed; bit flips hit the element as the tiles hold
-  it (float32 for 16-bit data).
+- CuPy, internal sites: the kernels inject (:func:`attention._cuda_fused.device_fault` converts
+  the same Fault): one element (pattern ``"element"`` only) of the site's matrix of one head, the
+  head, row, column and accumulator step drawn from the fault's seed; bit flips hit the element
+  as the tiles hold it (float32 for 16-bit data). Final sites: as on NumPy (each is called once
+  a pass).
 """
 from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -46,8 +48,7 @@ from attention.fused_final import FINAL_SITES, verify_grads, verify_output
 
 #: The clean (fault-free, protected) record's site name.
 CLEAN_TARGET = "fused"
-#: The campaign's sites (its default): the kernels' internal sites, then the final checks'
-#: (NumPy only: the CUDA kernels have no final checks).
+#: The campaign's sites (its default): the kernels' internal sites, then the final checks'.
 SITES: tuple[str, ...] = FUSED_SITES + FINAL_SITES
 _DTYPES = {d.name: d for d in SUPPORTED_DTYPES}
 
@@ -61,26 +62,12 @@ def site_dtype(dtype: str, site: str) -> np.dtype:
     return work_dtype(_DTYPES[dtype])
 
 
-def backend_sites(sites: tuple[str, ...], xp: Any) -> tuple[str, ...]:
-    """The sites a campaign with ``--sites sites`` faults on ``xp``: on CuPy the default
-    (:data:`SITES`) less the final sites, which the CUDA kernels do not have."""
-    if xp is not np and tuple(sites) == SITES:
-        return FUSED_SITES
-    return tuple(sites)
-
-
 def backend_problem(sites: tuple[str, ...], patterns: tuple[str, ...], xp: Any) -> str | None:
     """Why the fused core's campaign cannot run on ``xp`` with these flags, or None."""
-    if xp is np:
+    if xp is np or tuple(patterns) == ("element",) or set(sites) <= set(FINAL_SITES):
         return None
-    final = [s for s in backend_sites(sites, xp) if s in FINAL_SITES]
-    if final:
-        return (f"--core fused on cupy: the CUDA kernels have no final checks, drop "
-                f"{', '.join(final)} from --sites")
-    if tuple(patterns) != ("element",):
-        return ("--core fused on cupy injects in the CUDA kernels, one element per fault: "
-                "--patterns element")
-    return None
+    return ("--core fused on cupy injects in the CUDA kernels, one element per fault: "
+            "--patterns element (or --sites of the final checks alone)")
 
 
 class FusedTestbed:
@@ -106,16 +93,16 @@ class FusedTestbed:
         self.q, self.k, self.v, self.do = (xp.asarray(x) for x in host)
         self.reference = self.run(CLEAN_TARGET, "off", None).results
         self.atol = absolute_tolerances(self.reference, exact(*host), dtype)
-        self.calls: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter(FINAL_SITES)  # each once a fault-free pass
         if xp is np:  # the hook's calls per site, for the tile a fault picks
             recorder = Recorder()
             self.run(CLEAN_TARGET, "correct", recorder)
-            self.calls.update(call.site for call in recorder.calls)
+            self.calls = Counter(call.site for call in recorder.calls)
 
     def fault(self, site: str, kind: dict[str, Any], pattern: str, seed: int) -> Any:
         """The trial's fault at ``site`` (module docstring): a :class:`Fault` on NumPy, its
-        :class:`attention._cuda_fused.DeviceFault` on CuPy."""
-        if self.xp is np:
+        :class:`attention._cuda_fused.DeviceFault` for a kernel site on CuPy."""
+        if self.xp is np or site in FINAL_SITES:
             skip = int(np.random.default_rng([seed, 1]).integers(self.calls[site]))
             return Fault(pattern=pattern, seed=seed, sites=site, skip=skip, **kind)
         from attention._cuda_fused import device_fault
@@ -124,16 +111,15 @@ class FusedTestbed:
                             self.k.shape[1], self.q.dtype, causal=True)
 
     def run(self, site: str, check: str, hook: Any) -> Trial:
-        """One forward and backward of the fused core with ``hook``, on NumPy each followed by its
-        final check (``site`` names the record only: the fault knows its site)."""
+        """One forward and backward of the fused core with ``hook``, each followed by its final
+        check (``site`` names the record only: the fault knows its site)."""
         ctx = Context(check=check, fault_hook=hook)
+        # a DeviceFault acts in the kernels alone (it is no callable hook)
+        final = ctx if hook is None or callable(hook) else replace(ctx, fault_hook=None)
         try:
-            out, saved = fused_forward(self.q, self.k, self.v, ctx, causal=True)
-            if self.xp is np:
-                out, saved = verify_output(out, saved, ctx)
-            dq, dk, dv = fused_backward(saved, self.do, ctx)
-            if self.xp is np:
-                dq, dk, dv = verify_grads(saved, self.do, (dq, dk, dv), ctx)
+            out, saved = verify_output(*fused_forward(self.q, self.k, self.v, ctx, causal=True),
+                                       final)
+            dq, dk, dv = verify_grads(saved, self.do, fused_backward(saved, self.do, ctx), final)
         except UncorrectableError:
             return Trial(ctx.report, True, None, _injected(hook))
         return Trial(ctx.report, False, {"out": out, "dq": dq, "dk": dk, "dv": dv},
