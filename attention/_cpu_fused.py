@@ -177,7 +177,7 @@ def _carry(a: Any, keep: Any, ks: Any, enc: Any, off: int, alpha: Any, acc: Any,
             for f in range(width):
                 acc[r, f] *= s
     for r in range(0, rows, 2):
-        r2 = min(r + 1, rows - 1)
+        r2 = min(r + 1, rows - 1)  # an odd last row pairs with itself, its twin's sums unused
         t0, t1, t2, t3, u0, u1, u2, u3 = _pair_sums(a, keep, ks, drop, r, r2, e0, e1, e2)
         acc[r, 0] += t0
         acc[r, 1] += t1
@@ -384,32 +384,31 @@ def _probs_bad(pv: Any, x: Any, t0: Any, t1: Any, t2: Any, tiny: Any) -> Any:
 def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
     """The softmax invariant of a tile, judged on what was stored, one ``log`` a row: ``sum_j
     log p_ij = sum_j (z_ij - m_i)`` (``m`` the running max forward, the log-sum-exp backward),
-    within ``sum_j (tol[0] + tol[1] |z_ij - m_i|)``, with every ``p_ij`` taken as at least ``f =
-    exp(tol[2])``, the exponential's smallest result above its flush ``tol[2]``, and every
-    ``z_ij - m_i`` as at least ``tol[2]`` (an entry the exponential flushed to 0 counts as ``log
-    f = tol[2]`` on both sides, and adds ``tol[0]`` alone to the tolerance). The left side is ``sum_j e_ij log 2 + log prod_j m_ij`` from the
-    entries' exponents and mantissas (:func:`attention._cpu_vmath.log2_split`: bit operations
-    and a product, no ``exp`` and no per-entry ``log``), so it shares no work with the
-    exponential it checks. INF and NaN (exponent 128 or more: ``log 2`` times that against a
-    non-positive ``z_ij - m_i``) fail; a negative or too small entry counts as ``f``, which fails
-    unless ``z_ij - m_i`` is within the tolerance of the flush (an entry that weighs under ``e
-    f``); a row with ``m_i = -inf`` must be 0. The tolerance also covers the check's own float64
-    rounding (``log 2`` times the exponents' sum, the ``log``, the sum of ``z_ij - m_i``), which
-    counts for float64 data.
+    within ``sum_j (tol[0] + tol[1] |z_ij - m_i|)``, every ``p_ij`` taken as at least ``f``,
+    the exponential of the flush ``tol[2]`` (in the data's precision), and every ``z_ij - m_i``
+    as at least that flush: an entry the exponential flushed to 0 counts as ``log f`` on both
+    sides and adds ``tol[0]`` alone to the tolerance. The left side is ``sum_j e_ij log 2 + log
+    prod_j m_ij`` from the entries' exponents and mantissas
+    (:func:`attention._cpu_vmath.log2_split`: bit operations and a product, no ``exp`` and no
+    per-entry ``log``), so it shares no work with the exponential it checks. INF and NaN
+    (exponent 128 or more: ``log 2`` times that against a non-positive ``z_ij - m_i``) fail; a
+    negative or too small entry counts as ``f``, which fails unless ``z_ij - m_i`` is within the
+    tolerance of the flush (an entry that weighs under ``e f``); a row with ``m_i = -inf`` must
+    be 0. The tolerance also covers the check's own float64 rounding (``log 2`` times the
+    exponents' sum, the ``log``, the sum of ``z_ij - m_i``), which counts for float64 data.
     Returns the worst ratio (row sum against its tolerance; at least 1 for a row with ``m_i =
     -inf`` that is not 0); when it exceeds 1, :func:`_probs_locate` fills ``info`` (as
     :func:`_judge`: vector = row, position = key)."""
     rows, cols = p.shape
     flush = like(p, tol[2])
     least = like(p, math.exp(np.float64(flush)))  # log least = flush within its rounding
-    one = like(p, 1.0)
     bad = np.float32(0)
     worst = 0.0
     info[0], info[1], info[2], info[3], info[4] = 0.0, 0.0, 1.0, -1.0, -1.0
     for r in range(rows):
         mr, zr, pr = m[r], z[r], p[r]
         es = raised = like(p, 0.0)
-        ms = one
+        ms = like(p, 1.0)
         for j in range(cols):  # the data's precision alone: eight float32 lanes
             pv = pr[j]
             low = pv < least

@@ -62,7 +62,8 @@ def _coefficients(k: int, length: int, dtype: np.dtype, roundings: int) -> tuple
     c_obs, c_pred, floor, _ = threshold_coefficients(k, length, dtype)
     u = unit_roundoff(accumulation_dtype(dtype))
     return (c_obs, c_pred + roundings * u, floor,
-            magnitude_coefficient(k + roundings, length, dtype), safe_magnitude(k + roundings, dtype))
+            magnitude_coefficient(k + roundings, length, dtype),
+            safe_magnitude(k + roundings, dtype))
 
 
 def probs_tolerance(dtype: np.dtype) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The fused protected attention core on the CPU, fwd+bwd, float32, causal, in one run:
+"""The fused protected attention core on the CPU, fwd+bwd, float32, causal (or not), in one run:
 
 - ``fused``: :mod:`attention.fused` with its checks (``check="correct"``);
 - ``fused_off``: the same core, ``check="off"``;
@@ -7,15 +7,20 @@
   ``backward``, with PyTorch's own threads.
 
 Timed in interleaved rounds (``bench.timing.time_many``); prints the medians and the ratios to
-``fused_off`` and to ``torch_sdpa``, with the CPU and the load.
+``fused_off`` and to ``torch_sdpa``, with the CPU and the load. ``--cpu-time`` runs PyTorch and
+the library on one thread (``abftgemm.set_threads(1)``: the fused core's numba pool too) and
+times that thread's CPU time (``time.thread_time``), which other load on the machine inflates far
+less than wall time: run it in two checkouts, one after the other and again, to compare commits.
 
     PYTHONPATH=. python bench/fused.py [--shapes 1x8x1024x64,1x8x4096x64] [--repeats 5]
+                                       [--no-causal] [--cpu-time]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,13 +28,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import abftgemm  # noqa: E402
 from attention.context import Context  # noqa: E402
 from attention.core import core_backward, core_forward  # noqa: E402
 from attention.fused import fused_backward, fused_forward  # noqa: E402
 from bench.timing import device_name, time_many  # noqa: E402
 
 
-def _cases(batch: int, heads: int, seq: int, d: int) -> dict[str, Callable[[], Any]]:
+def _cases(batch: int, heads: int, seq: int, d: int, causal: bool
+           ) -> dict[str, Callable[[], Any]]:
     rng = np.random.default_rng(0)
     n = batch * heads
     q, k, v, do = (rng.standard_normal((n, seq, d)).astype(np.float32) for _ in range(4))
@@ -37,13 +44,13 @@ def _cases(batch: int, heads: int, seq: int, d: int) -> dict[str, Callable[[], A
     def fused(check: str) -> Callable[[], Any]:
         def run() -> Any:
             ctx = Context(check=check)
-            _, saved = fused_forward(q, k, v, ctx, causal=True)
+            _, saved = fused_forward(q, k, v, ctx, causal=causal)
             return fused_backward(saved, do, ctx)
         return run
 
     def core() -> Any:
         ctx = Context()
-        _, saved = core_forward(q, k, v, ctx, causal=True, core="unfused")
+        _, saved = core_forward(q, k, v, ctx, causal=causal, core="unfused")
         return core_backward(saved, do, ctx)
 
     cases = {"fused": fused("correct"), "fused_off": fused("off"), "core": core}
@@ -56,7 +63,7 @@ def _cases(batch: int, heads: int, seq: int, d: int) -> dict[str, Callable[[], A
     tdo = torch.from_numpy(do.reshape(batch, heads, seq, d))
 
     def sdpa() -> Any:
-        out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+        out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
         return torch.autograd.grad(out, (tq, tk, tv), tdo)
 
     cases["torch_sdpa"] = sdpa
@@ -68,12 +75,27 @@ def main() -> None:
     parser.add_argument("--shapes", default="1x8x1024x64,1x8x4096x64",
                         help="comma-separated batch x heads x seq x head_dim")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="one thread, timed by its CPU time (time.thread_time)")
     args = parser.parse_args()
+    clock = time.perf_counter
+    if args.cpu_time:
+        abftgemm.set_threads(1)
+        clock = time.thread_time
+        try:
+            import torch
+            torch.set_num_threads(1)
+        except ImportError:
+            pass
     print(f"device: {device_name()}; load average: {os.getloadavg()}")
+    kind = ("causal" if args.causal else "not causal") + (", one thread's CPU time"
+                                                           if args.cpu_time else "")
     for shape in args.shapes.split(","):
         b, h, s, d = (int(x) for x in shape.split("x"))
-        times = time_many(_cases(b, h, s, d), args.repeats, warmup=1, gpu=False)
-        print(f"\n({b}, {h}, {s}, {d}) fp32 causal fwd+bwd, median ms of {args.repeats}:")
+        times = time_many(_cases(b, h, s, d, args.causal), args.repeats, warmup=1, gpu=False,
+                          clock=clock)
+        print(f"\n({b}, {h}, {s}, {d}) fp32 {kind} fwd+bwd, median ms of {args.repeats}:")
         for name, ms in times.items():
             line = f"  {name:11s} {ms:9.1f} ms   x{ms / times['fused_off']:.2f} vs fused_off"
             if "torch_sdpa" in times:

@@ -3,8 +3,8 @@
 Conventions:
 
 - every time is a median in milliseconds over ``repeats`` timed calls after ``warmup`` untimed ones;
-- CPU times use :func:`time.perf_counter`; GPU times use a pair of CUDA events around each call
-  (recorded on the current CuPy stream) and synchronize on the end event;
+- CPU times use :func:`time.perf_counter` (or the ``clock`` given); GPU times use a pair of CUDA
+  events around each call (recorded on the current CuPy stream) and synchronize on the end event;
 - bandwidth is a device-to-device copy, counted as bytes read + bytes written, in TB/s (1e12 B/s);
   a *floor* is ``nbytes`` moved at that bandwidth;
 - CuPy is imported only inside functions, so this module imports on a machine without CUDA.
@@ -40,13 +40,15 @@ def time_gpu(fn: Fn, repeats: int = 20, warmup: int = 3) -> float:
 
 
 def time_many(fns: Mapping[str, Fn], repeats: int, warmup: int, *, gpu: bool,
-              events: Callable[[], tuple[Any, Any]] | None = None) -> dict[str, float]:
+              events: Callable[[], tuple[Any, Any]] | None = None,
+              clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Median ms of each function, timed in interleaved rounds (f1, f2, ..., f1, f2, ...).
 
     Interleaving puts clock and thermal drift on every function alike, which matters for the
     protected/unprotected ratio more than for either time alone. ``events``, when given, makes a
     ``(start, stop)`` pair of objects with ``record()``, ``synchronize()`` and
     ``elapsed_time(stop)`` (used for PyTorch, whose work runs on PyTorch's own stream).
+    ``clock`` times CPU calls (seconds; :func:`time.thread_time` for one thread's CPU time).
     """
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
@@ -58,14 +60,14 @@ def time_many(fns: Mapping[str, Fn], repeats: int, warmup: int, *, gpu: bool,
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            samples[name].append(_time_once_gpu(fn, events) if gpu else _time_once_cpu(fn))
+            samples[name].append(_time_once_gpu(fn, events) if gpu else _time_once_cpu(fn, clock))
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def _time_once_cpu(fn: Fn) -> float:
-    t0 = time.perf_counter()
+def _time_once_cpu(fn: Fn, clock: Callable[[], float]) -> float:
+    t0 = clock()
     fn()
-    return (time.perf_counter() - t0) * 1e3
+    return (clock() - t0) * 1e3
 
 
 def _cupy_events() -> tuple[Any, Any]:
