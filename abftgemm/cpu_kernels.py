@@ -265,6 +265,28 @@ def _lookup(bits: Any, table: Any, out: Any) -> None:
         out[i] = table[bits[i]]
 
 
+def all_finite(x: np.ndarray) -> bool:
+    """No INF or NaN in the float16, bfloat16, float32 or float64 array ``x``, judged from the
+    exponent bits in one pass without a temporary (``np.isfinite(x).all()`` allocates a bool
+    array as large as ``x`` a quarter or more of its size, which costs page faults on every
+    call for the large arrays the attention core checks). Other dtypes and non-contiguous
+    arrays go through NumPy."""
+    if not x.flags.c_contiguous or x.dtype.kind not in "fV" or x.dtype.itemsize not in (2, 4, 8):
+        return bool(np.isfinite(x).all())
+    unsigned = np.dtype(f"u{x.dtype.itemsize}")
+    exponent = np.array(np.inf, dtype=x.dtype).view(unsigned)[()]  # +inf: every exponent bit
+    return bool(_top_exponent(x.reshape(-1).view(unsigned), exponent) != exponent)
+
+
+@numba.njit(cache=True)
+def _top_exponent(bits: Any, exponent: Any) -> Any:
+    """The largest ``bits & exponent`` (an integer max, which LLVM vectorizes)."""
+    top = bits.dtype.type(0)
+    for i in range(bits.shape[0]):
+        top = max(top, bits[i] & exponent)
+    return top
+
+
 def rows_first(x: np.ndarray) -> tuple[np.ndarray, bool]:
     """``(x, False)``, or ``(x^T, True)`` when only the transpose of the (batch, rows, cols)
     array ``x`` is C-contiguous: the kernels read it along its memory rows either way."""

@@ -82,7 +82,7 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
         ``(n, seq_q, seq_k)``; site ``"dropout"`` on the unfused core). A given
         ``dropout_keep`` runs the unfused core.
     workspace : Workspace, optional
-        Plans and buffers to reuse across calls (unfused core).
+        Plans and buffers to reuse across calls.
     core : {"auto", "fused", "unfused"}
         Which implementation runs (module docstring); ``"fused"`` raises ``ValueError`` where
         the fused core does not apply.
@@ -105,7 +105,8 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
             _, drop = for_core(np, dropout, None, dropout_seed, shape, rng, fused=True)
             out, saved = verify_output(*fused_forward(
                 q, k, v, ctx, scale=inp.scale, causal=inp.causal, attn_mask=inp.attn_add,
-                dropout=drop[0] if drop else 0.0, dropout_seed=drop[1] if drop else None), ctx)
+                dropout=drop[0] if drop else 0.0, dropout_seed=drop[1] if drop else None,
+                workspace=workspace), ctx)
             return out, {"inputs": inp, "core": "fused", "fused": saved, "probs": None,
                          "probs_dropped": None}
         if core == "fused":
@@ -145,8 +146,8 @@ def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
     if saved["core"] == "fused":  # the inputs as given now (a caller may hand them on anew)
         saved["fused"].update(q=inp.q, k=inp.k, v=inp.v)
         if all_finite(d_out):
-            return verify_grads(saved["fused"], d_out, fused_backward(saved["fused"], d_out, ctx),
-                                ctx)
+            grads = fused_backward(saved["fused"], d_out, ctx, workspace)
+            return verify_grads(saved["fused"], d_out, grads, ctx)
         # The unfused core passes non-finite gradients through: its forward again, then its
         # backward.
         mask = inp.attn_add if inp.attn_add is None or len(inp.attn_add) > 1 else inp.attn_add[0]

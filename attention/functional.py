@@ -391,7 +391,7 @@ class _Pass:
         p, seed = inp.fused_dropout or (0.0, None)
         out, state = fused_forward(q, k, v, self._fused_context(), scale=inp.scale,
                                    causal=inp.causal, key_visible=visible, attn_mask=inp.attn_add,
-                                   dropout=p, dropout_seed=seed)
+                                   dropout=p, dropout_seed=seed, workspace=self.ws)
         self.env.update(zip(step.out.split(", "), (out, state["lse"])))
         inp.fused = {n: state[n] for n in ("scale", "causal", "visible", "add", "dropout")}
         self._fused_state = state
@@ -422,7 +422,7 @@ class _Pass:
         if lse is not None and all_finite(d_out):
             state = {**self.inp.fused, "q": q, "k": k, "v": v, "out": out, "lse": lse}
             self.env.update(zip(step.out.split(", "),
-                                fused_backward(state, d_out, self._fused_context())))
+                                fused_backward(state, d_out, self._fused_context(), self.ws)))
             self._fused_state = state
             return
         self.run(steps(_RECOMPUTED_CORE, self._unfused_variant()))

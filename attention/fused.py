@@ -129,9 +129,11 @@ import numpy as np
 
 from abftgemm.backend import is_cupy_array
 from abftgemm.checksums import SUPPORTED_DTYPES
+from abftgemm.cpu_kernels import all_finite
 from abftgemm.threads import current_policy
 from attention import _cpu_fused as K
 from attention.context import Context
+from attention.workspace import Workspace
 from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, FUSED_SITES,  # noqa: F401
                                    coefficients, dscores_tolerance, probs_tolerance)
 from attention.fused_rules import book as _book
@@ -151,7 +153,8 @@ _NO_ADD = np.zeros((1, 0, 0))
 def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = None,
                   causal: bool = False, key_visible: Any | None = None,
                   attn_mask: Any | None = None, dropout: float = 0.0,
-                  dropout_seed: int | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+                  dropout_seed: int | None = None, workspace: Workspace | None = None
+                  ) -> tuple[np.ndarray, dict[str, Any]]:
     """``softmax(scale q k^T + mask) v`` in tiles, every tile checked (module docstring).
 
     Parameters
@@ -183,6 +186,9 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     dropout_seed : int, optional
         Seed of the keep decisions, in ``[0, 2^64)``; drawn from a new unseeded generator when
         None (with ``dropout`` > 0).
+    workspace : Workspace, optional
+        Where the call's scratch arrays (the keys' transposed blocks) are kept for the next call
+        at the same shape (NumPy data); new arrays every call when None.
 
     Returns
     -------
@@ -220,7 +226,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     tiles = -(-lk // K.BC)
     rec = np.zeros((n * nqb, len(K.SITES), K.FIELDS))
     status = np.zeros(n * nqb, np.int64)
-    groups = (K.ForwardOperands(qw, kw, _transposed(kw), vw, ve),
+    groups = (K.ForwardOperands(qw, kw, _transposed(kw, workspace, "k"), vw, ve),
               K.Mask(visible, add, dt.type(scale), causal),
               K.ForwardRules(check, correct, coefficients(d, K.BR, dt),
                              coefficients(lk, d, dt, 2 * tiles),
@@ -240,10 +246,12 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
                  "sums": sums if check else None}
 
 
-def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
+def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
+                   workspace: Workspace | None = None
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dq, dk, dv)`` (new arrays) from the gradient ``d_out`` ``(n, seq_q, d)`` of
-    :func:`fused_forward`'s output (C-contiguous, its dtype, finite), FlashAttention-2 style:
+    :func:`fused_forward`'s output (C-contiguous, its dtype, finite; scratch arrays kept in
+    ``workspace`` as there), FlashAttention-2 style:
     ``P`` recomputed per tile from the saved log-sum-exp, every tile and accumulator checked
     (module docstring; fault hook sites :data:`BACKWARD_SITES`).
 
@@ -255,7 +263,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
     if is_cupy_array(saved["q"]):
         from attention import _cuda_fused
         return _cuda_fused.fused_backward(saved, d_out, ctx)
-    check_gradient(np, d_out, saved["q"], lambda t: bool(np.isfinite(t).all()))
+    check_gradient(np, d_out, saved["q"], all_finite)
     q, k, v, out, d_out = (in_work_dtype(x) for x in (saved["q"], saved["k"], saved["v"],
                                                        saved["out"], d_out))
     lse = saved["lse"]
@@ -269,8 +277,8 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
     dqc = np.empty((n, lq, 3))
     rec = np.zeros((n, len(K.SITES), K.FIELDS))
     status = np.zeros(n, np.int64)
-    groups = (K.BackwardOperands(q, k, _transposed(k), v, _transposed(v), d_out, dd, lse, qe, ke,
-                                 doe),
+    groups = (K.BackwardOperands(q, k, _transposed(k, workspace, "k"), v,
+                                 _transposed(v, workspace, "v"), d_out, dd, lse, qe, ke, doe),
               K.Mask(saved["visible"], saved["add"], dt.type(saved["scale"]), saved["causal"]),
               K.BackwardRules(check, correct, coefficients(d, K.BC, dt),
                               coefficients(lq, d, dt, -(-lq // K.BR)),
@@ -314,7 +322,7 @@ def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
         if t.dtype not in SUPPORTED or t.dtype != q.dtype:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, of q's dtype"
                             f" {q.dtype}; got {t.dtype}")
-    scale = check_inputs(q, k, v, scale, causal, lambda t: bool(np.isfinite(t).all()))
+    scale = check_inputs(q, k, v, scale, causal, all_finite)
     if key_visible is None:
         return scale, np.ones((1, 0), bool)
     return scale, key_visible_of(np, key_visible, q, k)
@@ -329,10 +337,13 @@ def _row_encodings(x: np.ndarray, check: bool) -> np.ndarray:
     return out
 
 
-def _transposed(x: np.ndarray) -> np.ndarray:
+def _transposed(x: np.ndarray, workspace: Workspace | None, name: str) -> np.ndarray:
     """``x`` ``(n, L, d)`` as :func:`attention._cpu_fused.transpose_blocks` lays it out: each
-    key block's transpose, contiguous (O(L d) a head)."""
-    out = np.empty((x.shape[0], x.shape[1] * x.shape[2]), x.dtype)
+    key block's transpose, contiguous (O(L d) a head), in ``workspace``'s buffer ``name`` when
+    given (a new array is a fresh mapping for large ``x``: page faults on every call)."""
+    shape = (x.shape[0], x.shape[1] * x.shape[2])
+    out = np.empty(shape, x.dtype) if workspace is None else \
+        workspace.buffer(f"fused:{name}^T", np, shape, x.dtype)
     K.transpose_blocks(x, out)
     return out
 

@@ -1,7 +1,9 @@
 """CPU-backend details that the backend-generic tests do not reach."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
+import pytest
 
 from abftgemm import _cpu, cpu_kernels
 
@@ -35,3 +37,39 @@ def test_a_product_sharing_one_b_is_exact_in_every_layout():
                 _cpu.backend().gemm(a_view, b_view, out, None)
                 np.testing.assert_array_equal(out, want, err_msg=name)
             assert np.isnan(padded[:, 24:]).all()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_all_finite_agrees_with_numpy_on_every_kind_of_bit_pattern(dtype):
+    """The exponent-bit test of ``all_finite`` says what ``np.isfinite`` says of one value in a
+    clean array: every 16-bit pattern; random 32- and 64-bit ones and those at the edges of the
+    exponent (largest finite, INF, NaNs, negative ones)."""
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    unsigned = np.dtype(f"u{dt.itemsize}")
+    rng = np.random.default_rng(7)
+    if dt.itemsize == 2:  # every pattern
+        patterns = np.arange(1 << 16, dtype=unsigned)
+    else:  # random patterns, and those next to the exponent's edges
+        top = np.array(np.inf, dt).view(unsigned)[()]
+        edges = np.array([0, 1, top - 1, top, top + 1, ~unsigned.type(0)], unsigned)
+        sign = ~(~unsigned.type(0) >> unsigned.type(1))
+        patterns = np.concatenate([rng.integers(0, np.iinfo(unsigned).max, 20000, unsigned,
+                                                endpoint=True), edges, edges | sign])
+    values = patterns.view(dt)
+    with np.errstate(invalid="ignore"):  # casting bfloat16 NaNs
+        finite = np.isfinite(values.astype(np.float32) if dt.itemsize == 2 else values)
+    clean = np.ones((3, 5), dt)
+    for value, expected in zip(values, finite):
+        x = clean.copy()
+        x[2, 3] = value
+        assert cpu_kernels.all_finite(x) == expected, (dtype, value)
+    assert cpu_kernels.all_finite(values[finite]) and not cpu_kernels.all_finite(values)
+
+
+def test_all_finite_reads_non_contiguous_and_other_arrays_through_numpy():
+    """Strided views are judged on their own elements; integer and empty arrays are finite."""
+    x = np.ones((4, 6), np.float32)
+    x[1, 1] = np.nan
+    assert cpu_kernels.all_finite(x[:, ::2])  # the NaN is in a skipped column
+    assert not cpu_kernels.all_finite(x[:, 1::2])
+    assert cpu_kernels.all_finite(np.arange(5)) and cpu_kernels.all_finite(np.zeros(0))
