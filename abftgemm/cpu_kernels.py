@@ -266,16 +266,23 @@ def _lookup(bits: Any, table: Any, out: Any) -> None:
 
 
 def all_finite(x: np.ndarray) -> bool:
-    """No INF or NaN in the float16, bfloat16, float32 or float64 array ``x``, judged from the
-    exponent bits in one pass without a temporary (``np.isfinite(x).all()`` allocates a bool
-    array as large as ``x`` a quarter or more of its size, which costs page faults on every
-    call for the large arrays the attention core checks). Other dtypes and non-contiguous
-    arrays go through NumPy."""
-    if not x.flags.c_contiguous or x.dtype.kind not in "fV" or x.dtype.itemsize not in (2, 4, 8):
+    """No INF or NaN in the array ``x``. C-contiguous float16, bfloat16, float32 and float64 data
+    are judged from their exponent bits in one pass without a temporary (``np.isfinite(x).all()``
+    makes a bool array of ``x``'s shape, a fresh mapping, page faults and all, for the large
+    operands the attention core checks); other arrays go through NumPy."""
+    exponent = _exponent_bits(x.dtype)
+    if exponent is None or not x.flags.c_contiguous:
         return bool(np.isfinite(x).all())
-    unsigned = np.dtype(f"u{x.dtype.itemsize}")
-    exponent = np.array(np.inf, dtype=x.dtype).view(unsigned)[()]  # +inf: every exponent bit
-    return bool(_top_exponent(x.reshape(-1).view(unsigned), exponent) != exponent)
+    return bool(_top_exponent(x.reshape(-1).view(exponent.dtype), exponent) != exponent)
+
+
+@lru_cache(maxsize=8)
+def _exponent_bits(dtype: np.dtype) -> Any:
+    """The bit pattern of +INF (every exponent bit set) as an unsigned integer of ``dtype``'s
+    width, for the four float dtypes :func:`all_finite` reads as bits; else None."""
+    if dtype.kind != "f" and dtype.name != "bfloat16":
+        return None
+    return np.array(np.inf, dtype=dtype).view(f"u{dtype.itemsize}")[()]
 
 
 @numba.njit(cache=True)

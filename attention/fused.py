@@ -133,12 +133,12 @@ from abftgemm.cpu_kernels import all_finite
 from abftgemm.threads import current_policy
 from attention import _cpu_fused as K
 from attention.context import Context
-from attention.workspace import Workspace
 from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, FUSED_SITES,  # noqa: F401
                                    coefficients, dscores_tolerance, probs_tolerance)
 from attention.fused_rules import book as _book
 from attention.fused_rules import (additive_of, check_gradient, check_inputs, dropout_of,
                                    kernel_dropout, key_visible_of)
+from attention.workspace import Workspace
 
 #: The data dtypes: float16 and bfloat16 (``ml_dtypes``, as :mod:`abftgemm._torch` hands PyTorch's
 #: bfloat16 over) run their tiles in float32 (:func:`work_dtype`).

@@ -20,7 +20,6 @@ QKV projection three times as wide and one) and one attention product.
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import abftgemm  # noqa: E402
-from attention.hf_linear import ProtectedLinear  # noqa: E402
 from attention.torch_core import ProtectedCore  # noqa: E402
 from attention.torch_linear import ProtectedLinearCore  # noqa: E402
 from bench.timing import device_name, time_many  # noqa: E402
@@ -41,13 +39,13 @@ def _linear_cases(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
     plain = torch.nn.Linear(args.width, args.width)
     x = torch.randn(args.batch, args.seq, args.width, requires_grad=True)
     dy = torch.randn(args.batch, args.seq, args.width)
-    cases = {"plain": plain}
-    for check in ("off", "checked"):
-        layer = copy.deepcopy(plain)
-        layer.__class__ = ProtectedLinear  # as attention.torch.protect swaps it
-        layer.abft_linear = ProtectedLinearCore("correct" if check == "checked" else "off")
-        cases[check] = layer
-    return {name: (lambda m=m: m(x).backward(dy)) for name, m in cases.items()}
+
+    def protected(check: str) -> Callable[[], None]:  # what a protected nn.Linear runs
+        core = ProtectedLinearCore(check)
+        return lambda: core(x, plain.weight, plain.bias, weight_in_out=False).backward(dy)
+
+    return {"plain": lambda: plain(x).backward(dy), "off": protected("off"),
+            "checked": protected("correct")}
 
 
 def _attention_cases(args: argparse.Namespace, causal: bool) -> dict[str, Callable[[], None]]:
