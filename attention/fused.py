@@ -188,12 +188,13 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         None (with ``dropout`` > 0).
     workspace : Workspace, optional
         Where the call's scratch arrays (the keys' transposed blocks) are kept for the next call
-        at the same shape (NumPy data); new arrays every call when None.
+        at the same shape, and whose recycled outputs ``out`` comes from (NumPy data); new
+        arrays every call when None.
 
     Returns
     -------
     out : ndarray (n, seq_q, d)
-        A new array.
+        A new array, or one recycled from ``workspace`` that nothing else references.
     saved : dict
         What :func:`fused_backward` needs: the inputs (not copied), ``out`` and ``lse``, the row
         log-sum-exp ``(n, seq_q)`` (``-inf`` for a row that sees no key; float32 for 16-bit
@@ -219,7 +220,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     check, correct = ctx.check != "off", ctx.check == "correct"
     qw, kw, vw = (in_work_dtype(x) for x in (q, k, v))
     ve = _row_encodings(vw, check)
-    out = np.empty_like(qw)
+    out = _output(qw, workspace, "out")
     lse = np.empty((n, lq), dt)
     sums = np.zeros((n, lq, 3))
     nqb = -(-lq // K.BR)
@@ -250,8 +251,8 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
                    workspace: Workspace | None = None
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dq, dk, dv)`` (new arrays) from the gradient ``d_out`` ``(n, seq_q, d)`` of
-    :func:`fused_forward`'s output (C-contiguous, its dtype, finite; scratch arrays kept in
-    ``workspace`` as there), FlashAttention-2 style:
+    :func:`fused_forward`'s output (C-contiguous, its dtype, finite; scratch arrays and
+    recycled outputs in ``workspace`` as there), FlashAttention-2 style:
     ``P`` recomputed per tile from the saved log-sum-exp, every tile and accumulator checked
     (module docstring; fault hook sites :data:`BACKWARD_SITES`).
 
@@ -273,7 +274,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
     dd = np.empty((n, lq), dt)
     K.delta(d_out, out, dd)
     qe, ke, doe = (_row_encodings(x, check) for x in (q, k, d_out))
-    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    dq, dk, dv = (_output(x, workspace, name) for x, name in ((q, "dq"), (k, "dk"), (v, "dv")))
     dqc = np.empty((n, lq, 3))
     rec = np.zeros((n, len(K.SITES), K.FIELDS))
     status = np.zeros(n, np.int64)
@@ -346,6 +347,15 @@ def _transposed(x: np.ndarray, workspace: Workspace | None, name: str) -> np.nda
         workspace.buffer(f"fused:{name}^T", np, shape, x.dtype)
     K.transpose_blocks(x, out)
     return out
+
+
+def _output(like: np.ndarray, workspace: Workspace | None, name: str) -> np.ndarray:
+    """A new output array of ``like``'s shape and dtype: from ``workspace``'s recycled outputs
+    (:meth:`attention.workspace.Workspace.recycled`: no page faults on memory the C allocator
+    gave back) when given."""
+    if workspace is None:
+        return np.empty_like(like)
+    return workspace.recycled(f"fused:{name}", like.shape, like.dtype)
 
 
 def _threads() -> None:

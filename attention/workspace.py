@@ -4,11 +4,18 @@ A :class:`Workspace` holds one planned product (:class:`abftgemm.ProtectedMatmul
 layout, check mode and verification, all counting into one :class:`abftgemm.plan.Counters`, and the
 intermediate buffers a pass reuses from call to call. Every verdict of a pass (its products',
 its softmax checks') lands in one verdict ledger per array module (:mod:`abftgemm.verdicts`),
-read from the device in one transfer when the pass settles. Outputs and saved activations are not
-kept here: they are new arrays every call.
+read from the device in one transfer when the pass settles.
+
+Outputs and saved activations are the caller's: new to the caller every call. The fused core's
+NumPy outputs come from :meth:`Workspace.recycled`, which hands out again an output array that
+nothing references any more instead of a new one. A new array of a megabyte or more is fresh
+memory from the operating system whenever the C allocator has returned the last one's pages, and
+its first write then takes a page fault per 4 KiB page (about 3 us each on a virtual machine:
+2000 of them, 7 ms, in one fused call at (1, 8, 1024, 64); bench/NOTES.md).
 """
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -28,6 +35,7 @@ class Workspace:
         self._buffers: dict[tuple, Any] = {}
         self._ledgers: dict[str, Ledger] = {}
         self._slots: dict[tuple, Slot] = {}
+        self._handed_out: dict[tuple, list[np.ndarray]] = {}
 
     def product(self, site: str, a: Any, b: Any, bias: Any | None, check: str,
                 a_triangle: str | None = None, constant_a: bool = False, *,
@@ -69,6 +77,23 @@ class Workspace:
             buf = self._buffers[key] = xp.empty(shape, dtype=dtype)
         return buf
 
+    def recycled(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A C-contiguous NumPy array for a new output (contents undefined): one that an earlier
+        call got here under this name, shape and dtype and that nothing references any more
+        (no array, view, tensor or other object holds it: its memory could as well have been
+        freed), else a new one. Up to :data:`RECYCLED_PER_KEY` arrays per key are remembered
+        (the outputs alive at once, such as one per layer until the backward, plus one)."""
+        key = (name, tuple(shape), np.dtype(dtype))
+        kept = self._handed_out.setdefault(key, [])
+        for i in range(len(kept)):
+            if _unreferenced(kept, i):
+                return kept[i]
+        out = np.empty(shape, dtype)
+        kept.append(out)
+        if len(kept) > RECYCLED_PER_KEY:
+            del kept[0]
+        return out
+
     def abandon(self) -> None:
         """Forget every pending execute (a pass that failed or is replayed)."""
         for plan in self._plans.values():
@@ -81,6 +106,26 @@ class Workspace:
         self._buffers.clear()
         self._ledgers.clear()
         self._slots.clear()
+        self._handed_out.clear()
+
+
+#: Output arrays :meth:`Workspace.recycled` remembers per name, shape and dtype.
+RECYCLED_PER_KEY = 8
+
+
+def _refcount(arrays: list[np.ndarray], i: int) -> int:
+    """The reference count of ``arrays[i]`` as seen from here."""
+    return sys.getrefcount(arrays[i])
+
+
+#: :func:`_refcount` of an array only a list holds (measured, so the count's bookkeeping of this
+#: interpreter version is the one compared).
+_ONLY_LISTED = _refcount([np.empty(0)], 0)
+
+
+def _unreferenced(arrays: list[np.ndarray], i: int) -> bool:
+    """Whether nothing but the list ``arrays`` references ``arrays[i]``."""
+    return _refcount(arrays, i) == _ONLY_LISTED
 
 
 def _layout(x: Any) -> tuple:

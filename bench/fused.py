@@ -3,6 +3,9 @@
 - ``fused``: :mod:`attention.fused` with its checks (``check="correct"``);
 - ``fused_off``: the same core, ``check="off"``;
 - ``core``: the unfused protected :mod:`attention.core`;
+
+each with a workspace of its own kept from call to call, as the layer and the PyTorch modules
+keep theirs (scratch arrays and recycled outputs: :class:`attention.workspace.Workspace`);
 - ``torch_sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` (CPU, causal) forward and
   ``backward``, with PyTorch's own threads.
 
@@ -32,6 +35,7 @@ import abftgemm  # noqa: E402
 from attention.context import Context  # noqa: E402
 from attention.core import core_backward, core_forward  # noqa: E402
 from attention.fused import fused_backward, fused_forward  # noqa: E402
+from attention.workspace import Workspace  # noqa: E402
 from bench.timing import device_name, time_many  # noqa: E402
 
 
@@ -42,16 +46,20 @@ def _cases(batch: int, heads: int, seq: int, d: int, causal: bool
     q, k, v, do = (rng.standard_normal((n, seq, d)).astype(np.float32) for _ in range(4))
 
     def fused(check: str) -> Callable[[], Any]:
+        ws = Workspace()
+
         def run() -> Any:
             ctx = Context(check=check)
-            _, saved = fused_forward(q, k, v, ctx, causal=causal)
-            return fused_backward(saved, do, ctx)
+            _, saved = fused_forward(q, k, v, ctx, causal=causal, workspace=ws)
+            return fused_backward(saved, do, ctx, ws)
         return run
+
+    core_ws = Workspace()
 
     def core() -> Any:
         ctx = Context()
-        _, saved = core_forward(q, k, v, ctx, causal=causal, core="unfused")
-        return core_backward(saved, do, ctx)
+        _, saved = core_forward(q, k, v, ctx, causal=causal, core="unfused", workspace=core_ws)
+        return core_backward(saved, do, ctx, workspace=core_ws)
 
     cases = {"fused": fused("correct"), "fused_off": fused("off"), "core": core}
     try:
