@@ -6,12 +6,13 @@ intermediate buffers a pass reuses from call to call. Every verdict of a pass (i
 its softmax checks') lands in one verdict ledger per array module (:mod:`abftgemm.verdicts`),
 read from the device in one transfer when the pass settles.
 
-Outputs and saved activations are the caller's: new to the caller every call. The fused core's
-NumPy outputs come from :meth:`Workspace.recycled`, which hands out again an output array that
-nothing references any more instead of a new one. A new array of a megabyte or more is fresh
-memory from the operating system whenever the C allocator has returned the last one's pages, and
-its first write then takes a page fault per 4 KiB page (about 3 us each on a virtual machine:
-2000 of them, 7 ms, in one fused call at (1, 8, 1024, 64); bench/NOTES.md).
+Outputs and saved activations are the caller's: new to the caller every call. On NumPy they come
+from :meth:`Workspace.recycled` (the fused core's outputs, the unfused pass's results and saved
+arrays), which hands out again an output array that nothing references any more instead of a
+new one. A new array of a megabyte or more is fresh memory from the operating system whenever the
+C allocator has returned the last one's pages, and its first write then takes a page fault per 4
+KiB page (about 3 us each on a virtual machine: 2000 of them, 7 ms, in one fused call at (1, 8,
+1024, 64); bench/NOTES.md).
 """
 from __future__ import annotations
 
@@ -82,9 +83,13 @@ class Workspace:
         call got here under this name, shape and dtype and that nothing references any more
         (no array, view, tensor or other object holds it: its memory could as well have been
         freed), else a new one. Up to :data:`RECYCLED_PER_KEY` arrays per key are remembered
-        (the outputs alive at once, such as one per layer until the backward, plus one)."""
+        (as many as were alive at once, such as one per forward until its backward), for the
+        :data:`RECYCLED_KEYS` keys used last; :meth:`clear` forgets them all."""
         key = (name, tuple(shape), np.dtype(dtype))
-        kept = self._handed_out.setdefault(key, [])
+        kept = self._handed_out.pop(key, [])
+        self._handed_out[key] = kept  # the most recently used key last
+        if len(self._handed_out) > RECYCLED_KEYS:
+            del self._handed_out[next(iter(self._handed_out))]
         for i in range(len(kept)):
             if _unreferenced(kept, i):
                 return kept[i]
@@ -109,8 +114,10 @@ class Workspace:
         self._handed_out.clear()
 
 
-#: Output arrays :meth:`Workspace.recycled` remembers per name, shape and dtype.
+#: Output arrays :meth:`Workspace.recycled` remembers per name, shape and dtype, and the keys it
+#: remembers arrays for (a model called at many shapes keeps those of the latest ones).
 RECYCLED_PER_KEY = 8
+RECYCLED_KEYS = 32
 
 
 def _refcount(arrays: list[np.ndarray], i: int) -> int:

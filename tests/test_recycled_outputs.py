@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from attention.context import Context
+from attention.core import core_backward, core_forward
 from attention.fused import fused_backward, fused_forward
-from attention.workspace import RECYCLED_PER_KEY, Workspace
+from attention.workspace import RECYCLED_KEYS, RECYCLED_PER_KEY, Workspace
 
 
 def _address(x: np.ndarray) -> int:
@@ -99,3 +100,46 @@ def test_fused_core_reuses_dropped_outputs_and_keeps_held_ones():
     for got in ((out2, *grads2), (out3, *grads3)):
         assert np.array_equal(got[0], want_out)
         assert all(np.array_equal(g, w) for g, w in zip(got[1:], want_grads))
+
+
+@pytest.mark.parametrize("core", ["fused", "unfused"])
+def test_attention_core_results_do_not_depend_on_recycling(core):
+    """The bare core (:func:`attention.core.core_forward`), each core: a call whose earlier
+    outputs are still held gets new arrays and leaves those as they were; once they are dropped,
+    a call reuses their memory; every call's results equal a call without a workspace."""
+    rng = np.random.default_rng(1)
+    q, k, v, do = (rng.standard_normal((2, 40, 8)).astype(np.float32) for _ in range(4))
+
+    def call(ws):
+        out, saved = core_forward(q, k, v, Context(), causal=True, core=core, workspace=ws)
+        return (out, *core_backward(saved, do, Context(), workspace=ws))
+
+    want = call(None)
+    ws = Workspace()
+    first = call(ws)
+    held = [x.copy() for x in first]
+    second = call(ws)
+    assert not {_address(x) for x in first} & {_address(x) for x in second}
+    assert all(np.array_equal(x, h) for x, h in zip(first, held))
+    addresses = [_address(x) for x in first]
+    del first
+    third = call(ws)
+    assert [_address(x) for x in third] == addresses
+    for got in (second, third):
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def test_only_the_latest_keys_are_remembered():
+    ws = Workspace()
+    first = ws.recycled("out", (1,), np.float32)
+    alive = weakref.ref(first)
+    del first
+    for n in range(2, RECYCLED_KEYS + 1):  # RECYCLED_KEYS keys in all: the first still kept
+        ws.recycled("out", (n,), np.float32)
+    assert alive() is not None
+    ws.recycled("out", (1,), np.float32)  # used again: now the latest
+    ws.recycled("out", (RECYCLED_KEYS + 1,), np.float32)
+    assert alive() is not None
+    for n in range(RECYCLED_KEYS + 2, 2 * RECYCLED_KEYS + 2):
+        ws.recycled("out", (n,), np.float32)
+    assert alive() is None
