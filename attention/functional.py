@@ -285,18 +285,13 @@ class _Pass:
 
     def target(self, step: Step, shape: tuple[int, ...], dtype: Any = None) -> Any:
         """Where ``step.out`` goes: the caller's array (a gradient buffer), a new array (a
-        result, or saved for the backward: NumPy's recycled by the workspace,
-        :meth:`attention.workspace.Workspace.recycled`), or a workspace buffer reused by every
-        call."""
+        result, or saved for the backward: :meth:`attention.workspace.Workspace.recycled`), or a
+        workspace buffer reused by every call."""
         out = self.env.get(step.out)
         if out is None:
             dtype = self.inp.dtype if dtype is None else dtype
-            if step.out not in self.keep:
-                out = self.ws.buffer(step.out, self.xp, shape, dtype)
-            elif self.xp is np:
-                out = self.ws.recycled(step.out, shape, dtype)
-            else:
-                out = self.xp.empty(shape, dtype)
+            get = self.ws.recycled if step.out in self.keep else self.ws.buffer
+            out = get(step.out, self.xp, shape, dtype)
             self.env[step.out] = out
         return out
 

@@ -355,7 +355,7 @@ def _output(like: np.ndarray, workspace: Workspace | None, name: str) -> np.ndar
     gave back) when given."""
     if workspace is None:
         return np.empty_like(like)
-    return workspace.recycled(f"fused:{name}", like.shape, like.dtype)
+    return workspace.recycled(f"fused:{name}", np, like.shape, like.dtype)
 
 
 def _threads() -> None:

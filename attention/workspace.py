@@ -78,13 +78,17 @@ class Workspace:
             buf = self._buffers[key] = xp.empty(shape, dtype=dtype)
         return buf
 
-    def recycled(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        """A C-contiguous NumPy array for a new output (contents undefined): one that an earlier
-        call got here under this name, shape and dtype and that nothing references any more
-        (no array, view, tensor or other object holds it: its memory could as well have been
-        freed), else a new one. Up to :data:`RECYCLED_PER_KEY` arrays per key are remembered
-        (as many as were alive at once, such as one per forward until its backward), for the
-        :data:`RECYCLED_KEYS` keys used last; :meth:`clear` forgets them all."""
+    def recycled(self, name: str, xp: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A C-contiguous array of array module ``xp`` for a new output (contents undefined).
+        NumPy: one that an earlier call got here under this name, shape and dtype and that
+        nothing references any more (no array, view, tensor or other object holds it: its
+        memory could as well have been freed), else a new one. Up to :data:`RECYCLED_PER_KEY`
+        arrays per key are remembered (as many as were alive at once, such as one per forward
+        until its backward), for the :data:`RECYCLED_KEYS` keys used last; :meth:`clear`
+        forgets them all. Other modules: a new array (CuPy's memory pool reuses device memory
+        itself)."""
+        if xp is not np:
+            return xp.empty(shape, dtype=dtype)
         key = (name, tuple(shape), np.dtype(dtype))
         kept = self._handed_out.pop(key, [])
         self._handed_out[key] = kept  # the most recently used key last

@@ -3,11 +3,11 @@
 - ``fused``: :mod:`attention.fused` with its checks (``check="correct"``);
 - ``fused_off``: the same core, ``check="off"``;
 - ``core``: the unfused protected :mod:`attention.core`;
-
-each with a workspace of its own kept from call to call, as the layer and the PyTorch modules
-keep theirs (scratch arrays and recycled outputs: :class:`attention.workspace.Workspace`);
 - ``torch_sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` (CPU, causal) forward and
   ``backward``, with PyTorch's own threads.
+
+The library's cases each keep a workspace from call to call, as the layer and the PyTorch modules
+keep theirs (scratch arrays and recycled outputs: :class:`attention.workspace.Workspace`).
 
 Timed in interleaved rounds (``bench.timing.time_many``); prints the medians and the ratios to
 ``fused_off`` and to ``torch_sdpa``, with the CPU and the load. ``--cpu-time`` runs PyTorch and

@@ -1,6 +1,6 @@
 """Recycled outputs (``Workspace.recycled``): an output array is handed out again only when
-nothing references it any more, and the fused core's results do not depend on where its outputs
-came from."""
+nothing references it any more, and the attention cores' results do not depend on where their
+outputs came from."""
 from __future__ import annotations
 
 import weakref
@@ -20,12 +20,12 @@ def _address(x: np.ndarray) -> int:
 
 def test_an_unreferenced_output_is_handed_out_again():
     ws = Workspace()
-    a = ws.recycled("out", (4, 8), np.float32)
-    b = ws.recycled("out", (4, 8), np.float32)
+    a = ws.recycled("out", np, (4, 8), np.float32)
+    b = ws.recycled("out", np, (4, 8), np.float32)
     assert _address(a) != _address(b)  # a is still held
     where = _address(b)
     del b
-    c = ws.recycled("out", (4, 8), np.float32)
+    c = ws.recycled("out", np, (4, 8), np.float32)
     assert _address(c) == where and _address(c) != _address(a)
     assert c.flags.c_contiguous and c.shape == (4, 8) and c.dtype == np.float32
 
@@ -33,7 +33,7 @@ def test_an_unreferenced_output_is_handed_out_again():
 @pytest.mark.parametrize("holder", ["view", "memoryview", "list", "torch"])
 def test_a_referenced_output_is_never_handed_out(holder):
     ws = Workspace()
-    a = ws.recycled("out", (16,), np.float64)
+    a = ws.recycled("out", np, (16,), np.float64)
     a[:] = np.arange(16)
     if holder == "view":
         kept = a[3:]
@@ -47,7 +47,7 @@ def test_a_referenced_output_is_never_handed_out(holder):
     where = _address(a)
     del a
     for _ in range(RECYCLED_PER_KEY + 2):
-        b = ws.recycled("out", (16,), np.float64)
+        b = ws.recycled("out", np, (16,), np.float64)
         assert _address(b) != where
         b[:] = -1  # b is ours to write; what `kept` sees must not change
     seen = np.asarray(kept[0] if holder == "list" else kept, dtype=np.float64)
@@ -56,23 +56,39 @@ def test_a_referenced_output_is_never_handed_out(holder):
 
 def test_keys_do_not_share_arrays():
     ws = Workspace()
-    a = ws.recycled("dq", (4, 4), np.float32)
+    a = ws.recycled("dq", np, (4, 4), np.float32)
     where = _address(a)
     del a
-    assert _address(ws.recycled("dk", (4, 4), np.float32)) != where
-    assert _address(ws.recycled("dq", (2, 8), np.float32)) != where
-    assert _address(ws.recycled("dq", (4, 4), np.float64)) != where
-    assert _address(ws.recycled("dq", (4, 4), np.float32)) == where
+    assert _address(ws.recycled("dk", np, (4, 4), np.float32)) != where
+    assert _address(ws.recycled("dq", np, (2, 8), np.float32)) != where
+    assert _address(ws.recycled("dq", np, (4, 4), np.float64)) != where
+    assert _address(ws.recycled("dq", np, (4, 4), np.float32)) == where
 
 
 def test_clear_forgets_the_outputs():
     ws = Workspace()
-    a = ws.recycled("out", (8,), np.float32)
+    a = ws.recycled("out", np, (8,), np.float32)
     alive = weakref.ref(a)
     del a
     assert alive() is not None  # the workspace remembers it
     ws.clear()
     assert alive() is None
+
+
+def test_other_array_modules_get_new_arrays():
+    class Module:  # an array module that is not NumPy: recycled asks it for each array
+        made: list = []
+
+        @classmethod
+        def empty(cls, shape, dtype):
+            cls.made.append(np.empty(shape, dtype))
+            return cls.made[-1]
+
+    ws = Workspace()
+    a = ws.recycled("out", Module, (4,), np.float32)
+    del a
+    b = ws.recycled("out", Module, (4,), np.float32)
+    assert len(Module.made) == 2 and b is Module.made[1] and not ws._handed_out
 
 
 def test_fused_core_reuses_dropped_outputs_and_keeps_held_ones():
@@ -131,15 +147,15 @@ def test_attention_core_results_do_not_depend_on_recycling(core):
 
 def test_only_the_latest_keys_are_remembered():
     ws = Workspace()
-    first = ws.recycled("out", (1,), np.float32)
+    first = ws.recycled("out", np, (1,), np.float32)
     alive = weakref.ref(first)
     del first
     for n in range(2, RECYCLED_KEYS + 1):  # RECYCLED_KEYS keys in all: the first still kept
-        ws.recycled("out", (n,), np.float32)
+        ws.recycled("out", np, (n,), np.float32)
     assert alive() is not None
-    ws.recycled("out", (1,), np.float32)  # used again: now the latest
-    ws.recycled("out", (RECYCLED_KEYS + 1,), np.float32)
+    ws.recycled("out", np, (1,), np.float32)  # used again: now the latest
+    ws.recycled("out", np, (RECYCLED_KEYS + 1,), np.float32)
     assert alive() is not None
     for n in range(RECYCLED_KEYS + 2, 2 * RECYCLED_KEYS + 2):
-        ws.recycled("out", (n,), np.float32)
+        ws.recycled("out", np, (n,), np.float32)
     assert alive() is None
