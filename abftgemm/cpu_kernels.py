@@ -287,10 +287,13 @@ def _exponent_bits(dtype: np.dtype) -> Any:
 
 @numba.njit(cache=True)
 def _top_exponent(bits: Any, exponent: Any) -> Any:
-    """The largest ``bits & exponent`` (an integer max, which LLVM vectorizes)."""
-    top = bits.dtype.type(0)
+    """The largest ``bits & exponent``: an integer max, which LLVM vectorizes in lanes of the
+    data's width when each term is cast back to it (numba types ``bits[i] & exponent`` wider;
+    bench/NOTES.md has the timings)."""
+    width = bits.dtype.type
+    top = width(0)
     for i in range(bits.shape[0]):
-        top = max(top, bits[i] & exponent)
+        top = max(top, width(bits[i] & exponent))
     return top
 
 
