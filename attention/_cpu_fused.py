@@ -43,11 +43,12 @@ FLAGS, FAILED, RATIO, MAG, TAU, ROW, COL, AFTER = range(8)
 FIELDS = 8
 
 #: The kernels' arguments, grouped (numba takes named tuples of arrays and scalars).
-#: ``kt``/``vt``: :func:`transpose_blocks` of ``k``/``v``; ``ve``, ``qe``, ``ke``, ``doe``: row
-#: encodings ``(n, 3, L)`` (:func:`encode_rows`; empty ``(n, 3, 0)`` unchecked); ``dd``: ``rowsum(dO
-#: * O)`` (:func:`delta`); ``lse``: the forward's log-sum-exp.
+#: ``kt``: :func:`transpose_blocks` of ``k`` (the backward transposes each key block of ``k`` and
+#: ``v`` itself, once per head); ``ve``, ``qe``, ``ke``, ``doe``: row encodings ``(n, 3, L)``
+#: (:func:`encode_rows`; empty ``(n, 3, 0)`` unchecked); ``dd``: ``rowsum(dO * O)``
+#: (:func:`delta`); ``lse``: the forward's log-sum-exp.
 ForwardOperands = namedtuple("ForwardOperands", "q k kt v ve")
-BackwardOperands = namedtuple("BackwardOperands", "q k kt v vt do dd lse qe ke doe")
+BackwardOperands = namedtuple("BackwardOperands", "q k v do dd lse qe ke doe")
 #: ``visible`` ``(n, Lk)`` bool or an empty ``(1, 0)``; ``add`` ``(n or 1, Lq, Lk)`` float64 or an
 #: empty ``(1, 0, 0)``; ``scale`` in the data's dtype.
 Mask = namedtuple("Mask", "visible add scale causal")
@@ -230,18 +231,25 @@ def encode_rows(x: Any, out: Any) -> None:
 def transpose_blocks(x: Any, out: Any) -> None:
     """``out[b, d j0 : d j1]`` = ``x[b, j0:j1]^T`` as a C-contiguous ``(d, j1 - j0)`` block, for
     every key block ``[j0, j1)`` of :data:`BC` keys of every head of ``x`` ``(n, L, d)`` (``out``
-    ``(n, L d)``): the right operand of ``S = Q K^T`` and ``dP = dO V^T`` in the layout BLAS
-    multiplies fastest (a transposed view runs OpenBLAS's ``NT`` kernels, about 2x slower on
-    these tiles: bench/NOTES.md)."""
+    ``(n, L d)``): the right operand of the forward's ``S = Q K^T``, which every query block of
+    a head reads."""
     n, L, d = x.shape
     for b in numba.prange(n):
         for j0 in range(0, L, BC):
             j1 = min(j0 + BC, L)
-            blk, src = _block_t(out, b, j0, j1, d), x[b, j0:j1]
-            for c in range(d):  # rows of the block written in order: 1.7x faster than its columns
-                row = blk[c]
-                for j in range(j1 - j0):
-                    row[j] = src[j, c]
+            _transpose_block(x[b, j0:j1], _block_t(out, b, j0, j1, d))
+
+
+@numba.njit(cache=True)
+def _transpose_block(src: Any, out: Any) -> None:
+    """``out`` ``(d, w)`` = ``src^T`` (``src`` ``(w, d)``), C-contiguous: a key block as the right
+    operand of ``S = Q K^T`` or ``dP = dO V^T`` in the layout BLAS multiplies fastest (a
+    transposed view runs OpenBLAS's ``NT`` kernels, about 2x slower on these tiles:
+    bench/NOTES.md)."""
+    for c in range(src.shape[1]):  # rows of the block written in order: 1.7x faster than columns
+        row = out[c]
+        for j in range(src.shape[0]):
+            row[j] = src[j, c]
 
 
 @numba.njit(cache=True, inline="always")
@@ -798,22 +806,22 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
 
 
 def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop: Dropout,
-                   b: int, i0: int, j0: int, j1: int, enc: Any, work: Any, blocks: Any,
+                   b: int, i0: int, j0: int, j1: int, keys: Any, work: Any, blocks: Any,
                    dq_acc: Any, do_kv: bool, do_q: bool, rec: Any) -> int:
     """One tile (query block ``i0``, keys ``[j0, j1)``) of head ``b``: ``S`` and ``P``
     recomputed and checked, then ``dV += P^T dO``, ``dP = dO V^T``, ``dS = P (dP - D)``,
     ``dK += dS^T Q`` (``do_kv``) and ``dQ += dS K`` (``do_q``), unscaled, each accumulator with
     its checksum columns carried beside it. With dropout (``thr`` > 0; ``kbuf`` a buffer of the
     tile's keep decisions) FlashAttention-2's: ``dV += (P keep ks)^T dO`` and ``dS = P (dP keep
-    ks - D)``. ``mask``: this head's ``(visible, add, scale, causal)``; ``enc``: the key
-    block's column encodings ``(kenc, venc)``; ``work``: the head's buffers ``(bufs, kbuf, pred,
-    obs, info)``; ``blocks``: the key block's accumulators ``(dkb, dvb, dkc, dvc)``; ``dq_acc``:
+    ks - D)``. ``mask``: this head's ``(visible, add, scale, causal)``; ``keys``: the key
+    block's transposes and column encodings ``(kt, vt, kenc, venc)`` (:func:`_key_block`);
+    ``work``: the head's buffers ``(bufs, kbuf, pred, obs, info)``; ``blocks``: the key block's accumulators ``(dkb, dvb, dkc, dvc)``; ``dq_acc``:
     ``(dq, dqc)``. Returns 0, or -1 when a recomputation did not verify."""
-    q, k, kt, v, vt, do, dd, lse, qe, ke, doe = ops
+    q, k, v, do, dd, lse, qe, ke, doe = ops
     vis, addh, scale, causal = mask
     check, correct, c_s, _, _, tol_p, tol_ds = rules
     seed, thr, ks = drop
-    kenc, venc = enc
+    kt, vt, kenc, venc = keys
     bufs, kbuf, pred, obs, info = work
     dkb, dvb, dkc, dvc = blocks
     dq, dqc = dq_acc
@@ -832,7 +840,7 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
         _keep_tile(seed, b, i0, j0, q.shape[1], k.shape[1], thr, keep)
     info[5] = cols
     for a in range(2):
-        _dot(qi, _block_t(kt, b, j0, j1, q.shape[2]), s)
+        _dot(qi, kt, s)
         _HOOK(S_, s)
         ratio = 0.0
         if check:
@@ -867,7 +875,7 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
         _HOOK(DV_, dvb)
     info[5] = cols
     for a in range(2):
-        _dot(doi, _block_t(vt, b, j0, j1, q.shape[2]), dp)
+        _dot(doi, vt, dp)
         _HOOK(DP_, dp)
         ratio = 0.0
         if check:
@@ -920,7 +928,7 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
     addh = add[b] if add.shape[0] > 1 else add[0]
     head_mask = (vis, addh, scale, causal)
     kenc, venc = np.zeros((3, d)), np.zeros((3, d))
-    enc = (kenc, venc)
+    kvt = np.empty((2, d * BC), dt)
     bufs = np.empty((5, BR * BC), dt)
     kbuf = np.empty(BR * BC, np.uint8)
     dkb, dvb = np.empty((BC, d), dt), np.empty((BC, d), dt)
@@ -933,10 +941,7 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
     for j0 in range(0, lk, BC):
         j1 = min(j0 + BC, lk)
         cols = j1 - j0
-        if check:
-            w = _weights(cols)
-            _col_sums(k[b, j0:j1], w, kenc)
-            _col_sums(v[b, j0:j1], w, venc)
+        keys = _key_block(k[b, j0:j1], v[b, j0:j1], kvt, kenc, venc, check)
         first = (j0 // BR) * BR if causal else 0
         for attempt in range(2):
             dkb[:cols] = 0
@@ -944,7 +949,7 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
             dkc[:] = 0.0
             dvc[:] = 0.0
             for i0 in range(first, lq, BR):
-                if _TILE(ops, head_mask, rules, drop, b, i0, j0, j1, enc, work,
+                if _TILE(ops, head_mask, rules, drop, b, i0, j0, j1, keys, work,
                          (dkb[:cols], dvb[:cols], dkc, dvc), (dq, dqc), True, attempt == 0,
                          rec) < 0:
                     return -1
@@ -973,10 +978,8 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
                 dqc[b, i0:i1, :] = 0.0
                 for j0 in range(0, min(lk, i1) if causal else lk, BC):
                     j1 = min(j0 + BC, lk)
-                    w = _weights(j1 - j0)
-                    _col_sums(k[b, j0:j1], w, kenc)
-                    _col_sums(v[b, j0:j1], w, venc)
-                    if _TILE(ops, head_mask, rules, drop, b, i0, j0, j1, enc, work,
+                    keys = _key_block(k[b, j0:j1], v[b, j0:j1], kvt, kenc, venc, True)
+                    if _TILE(ops, head_mask, rules, drop, b, i0, j0, j1, keys, work,
                              (dkb[:j1 - j0], dvb[:j1 - j0], dkc, dvc), (dq, dqc), False, True,
                              rec) < 0:
                         return -1
@@ -992,6 +995,23 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
                 break
     dq[b, :, :] *= scale
     return 0
+
+
+@numba.njit(cache=True)
+def _key_block(kb: Any, vb: Any, kvt: Any, kenc: Any, venc: Any, check: bool) -> tuple:
+    """``(kt, vt, kenc, venc)`` of a key block ``kb``, ``vb`` (``cols x d``): the transposes
+    (:func:`_transpose_block`, into the head's buffer ``kvt`` ``(2, d BC)``) and, when
+    ``check``, the column encodings (into ``kenc`` and ``venc``)."""
+    cols, d = kb.shape
+    kt = kvt[0, :d * cols].reshape((d, cols))
+    vt = kvt[1, :d * cols].reshape((d, cols))
+    _transpose_block(kb, kt)
+    _transpose_block(vb, vt)
+    if check:
+        w = _weights(cols)
+        _col_sums(kb, w, kenc)
+        _col_sums(vb, w, venc)
+    return kt, vt, kenc, venc
 
 
 #: The drivers' globals: the hook, and the tile the head calls. Compiled, they are ``no_hook`` and

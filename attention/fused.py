@@ -278,8 +278,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
     dqc = np.empty((n, lq, 3))
     rec = np.zeros((n, len(K.SITES), K.FIELDS))
     status = np.zeros(n, np.int64)
-    groups = (K.BackwardOperands(q, k, _transposed(k, workspace, "k"), v,
-                                 _transposed(v, workspace, "v"), d_out, dd, lse, qe, ke, doe),
+    groups = (K.BackwardOperands(q, k, v, d_out, dd, lse, qe, ke, doe),
               K.Mask(saved["visible"], saved["add"], dt.type(saved["scale"]), saved["causal"]),
               K.BackwardRules(check, correct, coefficients(d, K.BC, dt),
                               coefficients(lq, d, dt, -(-lq // K.BR)),
