@@ -43,12 +43,13 @@ FLAGS, FAILED, RATIO, MAG, TAU, ROW, COL, AFTER = range(8)
 FIELDS = 8
 
 #: The kernels' arguments, grouped (numba takes named tuples of arrays and scalars).
-#: ``kt``: :func:`transpose_blocks` of ``k`` (the backward transposes each key block of ``k`` and
-#: ``v`` itself, once per head); ``ve``, ``qe``, ``ke``, ``doe``: row encodings ``(n, 3, L)``
-#: (:func:`encode_rows`; empty ``(n, 3, 0)`` unchecked); ``dd``: ``rowsum(dO * O)``
-#: (:func:`delta`); ``lse``: the forward's log-sum-exp.
+#: ``kt``: :func:`transpose_blocks` of ``k``; ``ve``: the row encodings ``(n, 3, L)`` of ``v``
+#: (:func:`encode_rows`; an empty ``(n, 3, 0)`` unchecked); ``o`` and ``lse``: the forward's
+#: output and log-sum-exp. The backward makes what it needs of each head itself, where the head
+#: reads it anyway: the key blocks' transposes (:func:`_key_block`), ``rowsum(dO * O)`` and the
+#: row encodings of ``q``, ``k`` and ``dO`` (:func:`_head_rows`).
 ForwardOperands = namedtuple("ForwardOperands", "q k kt v ve")
-BackwardOperands = namedtuple("BackwardOperands", "q k v do dd lse qe ke doe")
+BackwardOperands = namedtuple("BackwardOperands", "q k v do o lse")
 #: ``visible`` ``(n, Lk)`` bool or an empty ``(1, 0)``; ``add`` ``(n or 1, Lq, Lk)`` float64 or an
 #: empty ``(1, 0, 0)``; ``scale`` in the data's dtype.
 Mask = namedtuple("Mask", "visible add scale causal")
@@ -806,8 +807,8 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
 
 
 def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop: Dropout,
-                   b: int, i0: int, j0: int, j1: int, keys: Any, work: Any, blocks: Any,
-                   dq_acc: Any, do_kv: bool, do_q: bool, rec: Any) -> int:
+                   b: int, i0: int, j0: int, j1: int, keys: Any, head: Any, work: Any,
+                   blocks: Any, dq_acc: Any, do_kv: bool, do_q: bool, rec: Any) -> int:
     """One tile (query block ``i0``, keys ``[j0, j1)``) of head ``b``: ``S`` and ``P``
     recomputed and checked, then ``dV += P^T dO``, ``dP = dO V^T``, ``dS = P (dP - D)``,
     ``dK += dS^T Q`` (``do_kv``) and ``dQ += dS K`` (``do_q``), unscaled, each accumulator with
@@ -815,9 +816,12 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
     tile's keep decisions) FlashAttention-2's: ``dV += (P keep ks)^T dO`` and ``dS = P (dP keep
     ks - D)``. ``mask``: this head's ``(visible, add, scale, causal)``; ``keys``: the key
     block's transposes and column encodings ``(kt, vt, kenc, venc)`` (:func:`_key_block`);
-    ``work``: the head's buffers ``(bufs, kbuf, pred, obs, info)``; ``blocks``: the key block's accumulators ``(dkb, dvb, dkc, dvc)``; ``dq_acc``:
-    ``(dq, dqc)``. Returns 0, or -1 when a recomputation did not verify."""
-    q, k, v, do, dd, lse, qe, ke, doe = ops
+    ``head``: the head's ``(dd, qe, ke, doe)`` (:func:`_head_rows`); ``work``: the head's
+    buffers ``(bufs, kbuf, pred, obs, info)``; ``blocks``: the key block's accumulators ``(dkb,
+    dvb, dkc, dvc)``; ``dq_acc``: ``(dq, dqc)``. Returns 0, or -1 when a recomputation did not
+    verify."""
+    q, k, v, do, _, lse = ops
+    dd, qe, ke, doe = head
     vis, addh, scale, causal = mask
     check, correct, c_s, _, _, tol_p, tol_ds = rules
     seed, thr, ks = drop
@@ -827,7 +831,7 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
     dq, dqc = dq_acc
     i1 = min(i0 + BR, q.shape[1])
     rows, cols = i1 - i0, j1 - j0
-    qi, doi, lse_i, dd_i = q[b, i0:i1], do[b, i0:i1], lse[b, i0:i1], dd[b, i0:i1]
+    qi, doi, lse_i, dd_i = q[b, i0:i1], do[b, i0:i1], lse[b, i0:i1], dd[i0:i1]
     s = bufs[0, :rows * cols].reshape(rows, cols)
     p = bufs[1, :rows * cols].reshape(rows, cols)
     dp = bufs[2, :rows * cols].reshape(rows, cols)
@@ -871,7 +875,7 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
         else:
             _accumulate_t(p, doi, tmp[:cols], dvb)
         if check:
-            _carry(p, keep, ks, doe[b], i0, none, dvc, True)
+            _carry(p, keep, ks, doe, i0, none, dvc, True)
         _HOOK(DV_, dvb)
     info[5] = cols
     for a in range(2):
@@ -899,13 +903,13 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
     if do_kv:
         _accumulate_t(ds, qi, tmp[:cols], dkb)
         if check:
-            _carry(ds, keep[:0], ks, qe[b], i0, none, dkc, True)
+            _carry(ds, keep[:0], ks, qe, i0, none, dkc, True)
         _HOOK(DK_, dkb)
     if do_q:
         dqi = dq[b, i0:i1]
         _accumulate(ds, k[b, j0:j1], none, tmp[:rows], dqi)
         if check:
-            _carry(ds, keep[:0], ks, ke[b], j0, none, dqc[b, i0:i1], False)
+            _carry(ds, keep[:0], ks, ke, j0, none, dqc[b, i0:i1], False)
         _HOOK(DQ_, dqi)
     return 0
 
@@ -936,6 +940,7 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
     pred, obs = np.empty((max(BR, BC), 3)), np.empty((max(BR, BC), 3))
     info = np.zeros(6)
     work = (bufs, kbuf, pred, obs, info)
+    head = _head_rows(q[b], k[b], ops.do[b], ops.o[b], check)
     dq[b, :, :] = 0
     dqc[b, :, :] = 0.0
     for j0 in range(0, lk, BC):
@@ -949,7 +954,7 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
             dkc[:] = 0.0
             dvc[:] = 0.0
             for i0 in range(first, lq, BR):
-                if _TILE(ops, head_mask, rules, drop, b, i0, j0, j1, keys, work,
+                if _TILE(ops, head_mask, rules, drop, b, i0, j0, j1, keys, head, work,
                          (dkb[:cols], dvb[:cols], dkc, dvc), (dq, dqc), True, attempt == 0,
                          rec) < 0:
                     return -1
@@ -979,7 +984,7 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
                 for j0 in range(0, min(lk, i1) if causal else lk, BC):
                     j1 = min(j0 + BC, lk)
                     keys = _key_block(k[b, j0:j1], v[b, j0:j1], kvt, kenc, venc, True)
-                    if _TILE(ops, head_mask, rules, drop, b, i0, j0, j1, keys, work,
+                    if _TILE(ops, head_mask, rules, drop, b, i0, j0, j1, keys, head, work,
                              (dkb[:j1 - j0], dvb[:j1 - j0], dkc, dvc), (dq, dqc), False, True,
                              rec) < 0:
                         return -1
@@ -995,6 +1000,27 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
                 break
     dq[b, :, :] *= scale
     return 0
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _head_rows(qh: Any, kh: Any, doh: Any, oh: Any, check: bool) -> tuple:
+    """``(dd, qe, ke, doe)`` of one head: ``dd = rowsum(dO * O)`` (float64 sums, rounded to the
+    data's dtype) and, when ``check``, the row encodings ``(3, L)`` of ``q``, ``k`` and ``dO``
+    (:func:`_observe_rows`; empty ``(3, 0)`` arrays otherwise)."""
+    lq = qh.shape[0]
+    dd = np.empty(lq, qh.dtype)
+    for r in range(lq):
+        t = 0.0
+        for c in range(qh.shape[1]):
+            t += np.float64(doh[r, c]) * np.float64(oh[r, c])
+        dd[r] = t
+    n_q, n_k = (lq, kh.shape[0]) if check else (0, 0)
+    qe, ke, doe = np.empty((3, n_q)), np.empty((3, n_k)), np.empty((3, n_q))
+    if check:
+        _observe_rows(qh, qe.T)
+        _observe_rows(kh, ke.T)
+        _observe_rows(doh, doe.T)
+    return dd, qe, ke, doe
 
 
 @numba.njit(cache=True)
@@ -1052,13 +1078,3 @@ def backward(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop: Drop
     for b in numba.prange(ops.q.shape[0]):
         status[b] = _backward_head_jit(ops, mask, rules, drop, grads, b, rec[b])
 
-
-@numba.njit(cache=True, parallel=True, fastmath=_FAST)
-def delta(do: Any, o: Any, out: Any) -> None:
-    """``out = rowsum(dO * O)`` per head (float64 sums)."""
-    for b in numba.prange(o.shape[0]):
-        for r in range(o.shape[1]):
-            t = 0.0
-            for c in range(o.shape[2]):
-                t += np.float64(do[b, r, c]) * np.float64(o[b, r, c])
-            out[b, r] = t

@@ -271,14 +271,11 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
     n, lq, d = q.shape
     lk, dt = k.shape[1], q.dtype
     check, correct = ctx.check != "off", ctx.check == "correct"
-    dd = np.empty((n, lq), dt)
-    K.delta(d_out, out, dd)
-    qe, ke, doe = (_row_encodings(x, check) for x in (q, k, d_out))
     dq, dk, dv = (_output(x, workspace, name) for x, name in ((q, "dq"), (k, "dk"), (v, "dv")))
     dqc = np.empty((n, lq, 3))
     rec = np.zeros((n, len(K.SITES), K.FIELDS))
     status = np.zeros(n, np.int64)
-    groups = (K.BackwardOperands(q, k, v, d_out, dd, lse, qe, ke, doe),
+    groups = (K.BackwardOperands(q, k, v, d_out, out, lse),
               K.Mask(saved["visible"], saved["add"], dt.type(saved["scale"]), saved["causal"]),
               K.BackwardRules(check, correct, coefficients(d, K.BC, dt),
                               coefficients(lq, d, dt, -(-lq // K.BR)),
