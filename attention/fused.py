@@ -251,8 +251,8 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
                    workspace: Workspace | None = None
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dq, dk, dv)`` (new arrays) from the gradient ``d_out`` ``(n, seq_q, d)`` of
-    :func:`fused_forward`'s output (C-contiguous, its dtype, finite; scratch arrays and
-    recycled outputs in ``workspace`` as there), FlashAttention-2 style:
+    :func:`fused_forward`'s output (C-contiguous, its dtype, finite; its outputs
+    recycled in ``workspace`` as there), FlashAttention-2 style:
     ``P`` recomputed per tile from the saved log-sum-exp, every tile and accumulator checked
     (module docstring; fault hook sites :data:`BACKWARD_SITES`).
 

@@ -42,7 +42,7 @@ def _run(step: int, calls: int, q: Any, k: Any, s: Any, p: Any, m: Any, alpha: A
          tmp: Any, dd: Any, ds: Any, dp: Any, coef: Any, tol_p: Any, tol_ds: Any, scale: Any,
          one: Any) -> None:
     """``calls`` calls of step ``step`` (:data:`STEPS`) on one tile."""
-    kt = np.ascontiguousarray(k.T)  # the kernels' layout (_cpu_fused.transpose_blocks)
+    kt = np.ascontiguousarray(k.T)  # the kernels' layout (_cpu_fused._transpose_block)
     none = np.empty(0, s.dtype)
     nokeep = np.empty((0, 0), np.uint8)
     visible = np.ones(0, np.bool_)
