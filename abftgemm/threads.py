@@ -22,7 +22,9 @@ The count, unless :func:`set_threads` fixed one (or the ``ABFT_THREADS`` environ
 
 numba: the library's kernels are serial (no ``parallel=True``), so numba never starts its thread
 pool (tests/test_threads.py checks it), except the fused attention core (:mod:`attention.fused`),
-whose kernels run in numba's pool at :func:`current_policy` threads and call no BLAS. PyTorch: the
+whose kernels run in numba's pool at :func:`current_policy` threads and call BLAS (SciPy's,
+through numba's ``np.dot``) from those threads for their tile products: they run inside
+:func:`one_blas_thread`, every BLAS at one thread, so no BLAS pool starts inside numba's. PyTorch: the
 library never changes PyTorch's own thread settings; it only counts them, as above. With a
 CPU-bound process running on a 2-core machine, the protected ``attention.torch`` layer runs many
 times faster under the policy than without it (bench/loaded.py; bench/NOTES.md, "the thread
@@ -36,7 +38,7 @@ import time
 from collections import deque
 from typing import Any
 
-__all__ = ["set_threads", "get_threads", "current_policy", "blas_scope"]
+__all__ = ["set_threads", "get_threads", "current_policy", "blas_scope", "one_blas_thread"]
 
 #: Seconds a load sample stays valid.
 SAMPLE_INTERVAL = 0.1
@@ -49,6 +51,9 @@ _local = threading.local()
 _active = 0  # scopes open in any thread (the BLAS setting is process-wide)
 _restore: list[tuple[Any, int]] = []
 _controllers: list[Any] | None = None
+_with_scipy = False  # whether _controllers includes SciPy's BLAS (loaded for it)
+_pinned = 0  # one_blas_thread scopes open in any thread
+_pinned_restore: list[tuple[Any, int]] = []
 _samples: deque[int] = deque(maxlen=SAMPLES)
 _sampled_at = -1.0
 
@@ -156,13 +161,51 @@ def _exit() -> None:
             lib.set_num_threads(before)
 
 
-def _blas() -> list[Any]:
-    """threadpoolctl's controllers of the BLAS libraries loaded in this process (found once)."""
-    global _controllers
-    if _controllers is None:
+class one_blas_thread:
+    """``with one_blas_thread():`` runs its body with every BLAS library loaded in the process,
+    SciPy's included (numba's ``np.dot`` calls it), at one thread, and restores each one's
+    count after: for kernels that call BLAS from threads of their own (the fused attention
+    core's tile products, from numba's pool), where BLAS threads of its own would oversubscribe
+    the cores. Nested scopes, in this thread or another, keep the setting until the last one
+    closes; the setting is process-wide, as :class:`blas_scope`'s is."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        global _pinned
+        with _lock:
+            _pinned += 1
+            if _pinned > 1:
+                return
+            for lib in _blas(scipy=True):
+                before = lib.get_num_threads()
+                if before is not None and before > 1:
+                    lib.set_num_threads(1)
+                    _pinned_restore.append((lib, before))
+
+    def __exit__(self, *exc: object) -> None:
+        global _pinned
+        with _lock:
+            _pinned -= 1
+            if _pinned:
+                return
+            while _pinned_restore:
+                lib, before = _pinned_restore.pop()
+                lib.set_num_threads(before)
+
+
+def _blas(scipy: bool = False) -> list[Any]:
+    """threadpoolctl's controllers of the BLAS libraries loaded in this process (found once;
+    once more, with SciPy's BLAS loaded first, the first time ``scipy`` asks for it: importing
+    ``scipy.linalg`` takes a quarter of a second, which only the callers of SciPy's BLAS pay)."""
+    global _controllers, _with_scipy
+    if _controllers is None or (scipy and not _with_scipy):
         import numpy  # noqa: F401  (its BLAS must be loaded to be found)
         from threadpoolctl import ThreadpoolController
 
+        if scipy:
+            import scipy.linalg.cython_blas  # noqa: F401  (the BLAS numba's np.dot calls)
+            _with_scipy = True
         _controllers = list(ThreadpoolController().select(user_api="blas").lib_controllers)
     return _controllers
 

@@ -84,22 +84,13 @@ def no_hook(site: int, tile: Any) -> None:
 # ------------------------------------------------------------------ tile products
 
 
-#: OpenBLAS runs a product ``m x k`` by ``k x n`` on the calling thread when ``m n k`` is at most
-#: this (its multithreading threshold): the tile products are cut to that size, so the BLAS never
-#: starts threads of its own inside numba's (a 128 x 128 tile at ``d = 64`` runs in four pieces).
-BLAS_ONE_THREAD = 1 << 18
-
-
 @numba.njit(cache=True)
 def _dot(a: Any, b: Any, out: Any) -> None:
     """``out = a @ b`` through BLAS (numba's ``np.dot``, with SciPy's BLAS), ``a`` and ``out``
-    C-contiguous, cut into row blocks of at most :data:`BLAS_ONE_THREAD` multiply-adds. BLAS
-    tile products run about 2x faster than register-blocked numba loops."""
-    rows, k = a.shape
-    step = max(1, BLAS_ONE_THREAD // max(1, k * b.shape[1]))
-    for r0 in range(0, rows, step):
-        r1 = min(r0 + step, rows)
-        np.dot(a[r0:r1], b, out[r0:r1])
+    C-contiguous, in one call: the kernels run inside :func:`abftgemm.threads.one_blas_thread`,
+    so the BLAS runs it on the calling thread. BLAS tile products run about 2x faster than
+    register-blocked numba loops."""
+    np.dot(a, b, out)
 
 
 @numba.njit(cache=True, fastmath=_FAST)
@@ -122,17 +113,12 @@ def _accumulate(a: Any, b: Any, alpha: Any, tmp: Any, acc: Any) -> None:
 @numba.njit(cache=True, fastmath=_FAST)
 def _accumulate_t(a: Any, b: Any, tmp: Any, acc: Any) -> None:
     """``acc += a^T @ b`` (``a`` rows x cols, ``b`` rows x d, ``acc`` and the buffer ``tmp``
-    cols x d): ``P^T dO`` and ``dS^T Q``, the inner dimension cut as :func:`_dot` cuts rows."""
-    rows, cols = a.shape
-    d = b.shape[1]
-    step = max(1, BLAS_ONE_THREAD // max(1, cols * d))
-    for r0 in range(0, rows, step):
-        r1 = min(r0 + step, rows)
-        np.dot(a[r0:r1].T, b[r0:r1], tmp)
-        for j in range(cols):
-            o, t = acc[j], tmp[j]
-            for c in range(d):
-                o[c] += t[c]
+    cols x d): ``P^T dO`` and ``dS^T Q``, one BLAS call as :func:`_dot`."""
+    np.dot(a.T, b, tmp)
+    for j in range(a.shape[1]):
+        o, t = acc[j], tmp[j]
+        for c in range(b.shape[1]):
+            o[c] += t[c]
 
 
 @numba.njit(cache=True, fastmath=_FAST)

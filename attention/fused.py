@@ -130,7 +130,7 @@ import numpy as np
 from abftgemm.backend import is_cupy_array
 from abftgemm.checksums import SUPPORTED_DTYPES
 from abftgemm.cpu_kernels import all_finite
-from abftgemm.threads import current_policy
+from abftgemm.threads import current_policy, one_blas_thread
 from attention import _cpu_fused as K
 from attention.context import Context
 from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, FUSED_SITES,  # noqa: F401
@@ -233,13 +233,14 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
                              coefficients(lk, d, dt, 2 * tiles),
                              coefficients(lk, 1, dt, 2 * tiles), probs_tolerance(dt)),
               K.Dropout(*kernel_dropout(drop, dt)), K.ForwardOutputs(out, lse, sums))
-    if ctx.fault_hook is None:
-        _threads()
-        K.forward(*groups, rec, status)
-    else:
-        block, _ = K.python_drivers(_site_hook(ctx))
-        for t in range(n * nqb):
-            status[t] = block(*groups, t // nqb, (t % nqb) * K.BR, rec[t])
+    with one_blas_thread():
+        if ctx.fault_hook is None:
+            _threads()
+            K.forward(*groups, rec, status)
+        else:
+            block, _ = K.python_drivers(_site_hook(ctx))
+            for t in range(n * nqb):
+                status[t] = block(*groups, t // nqb, (t % nqb) * K.BR, rec[t])
     _book(ctx, rec, status, lambda t: t // nqb, FORWARD_SITES, check)
     out = out if out.dtype == q.dtype else out.astype(q.dtype)
     return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "scale": scale,
@@ -283,13 +284,14 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
                               dscores_tolerance(dt)),
               K.Dropout(*kernel_dropout(saved.get("dropout"), dt)),
               K.Gradients(dq, dk, dv, dqc))
-    if ctx.fault_hook is None:
-        _threads()
-        K.backward(*groups, rec, status)
-    else:
-        _, head = K.python_drivers(_site_hook(ctx))
-        for b in range(n):
-            status[b] = head(*groups, b, rec[b])
+    with one_blas_thread():
+        if ctx.fault_hook is None:
+            _threads()
+            K.backward(*groups, rec, status)
+        else:
+            _, head = K.python_drivers(_site_hook(ctx))
+            for b in range(n):
+                status[b] = head(*groups, b, rec[b])
     _book(ctx, rec, status, lambda t: t, BACKWARD_SITES, check)
     half = saved["q"].dtype
     return tuple(g if g.dtype == half else g.astype(half) for g in (dq, dk, dv))
@@ -356,7 +358,8 @@ def _output(like: np.ndarray, workspace: Workspace | None, name: str) -> np.ndar
 
 def _threads() -> None:
     """numba's threads for this call: the library's CPU thread policy
-    (:func:`abftgemm.threads.current_policy`), at most numba's pool."""
+    (:func:`abftgemm.threads.current_policy`), at most numba's pool (the BLAS inside them at one
+    thread: :func:`abftgemm.threads.one_blas_thread`)."""
     numba.set_num_threads(min(current_policy(), numba.config.NUMBA_NUM_THREADS))
 
 

@@ -358,9 +358,10 @@ def test_site_lists():
     assert set(FINAL_SITES) | set(KERNEL_SITES) == set(HOOK_SITES)
 
 
-def test_head_dim_128_cuts_the_blas_products():
-    """d = 128: 128 x 128 x 128 tile products are cut below BLAS's threading threshold
-    (``_cpu_fused.BLAS_ONE_THREAD``); results and a corrected fault as at d = 64."""
+def test_head_dim_128():
+    """d = 128: 128 x 128 x 128 tile products (above OpenBLAS's threading threshold, run on the
+    calling thread under ``abftgemm.threads.one_blas_thread``); results and a corrected fault as
+    at d = 64."""
     q, k, v, do = _data(np.random.default_rng(10), 1, 100, 100, 128)
     ctx = Context()
     got = _run(q, k, v, do, ctx, causal=True)

@@ -121,6 +121,31 @@ def test_numba_never_starts_its_thread_pool_outside_the_fused_core():
     run_python("-c", code)
 
 
+def test_every_blas_runs_one_thread_inside_the_fused_core_and_the_setting_comes_back(fixed):
+    """The fused core's tile products call SciPy's BLAS from numba's threads: every BLAS the
+    process has loaded (SciPy's among them) is at one thread inside its kernels, whatever the
+    policy and the caller's setting, and the caller's setting is back after."""
+    from attention.context import Context
+    from attention.fused import fused_backward, fused_forward
+
+    fixed(2)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 40, 16)).astype(np.float32) for _ in range(3))
+    seen: list[dict[str, int]] = []
+
+    def hook(site, tile):
+        seen.append({c.filepath: c.get_num_threads()
+                     for c in ThreadpoolController().select(user_api="blas").lib_controllers})
+    with threadpool_limits(2, user_api="blas"):
+        ctx = Context(fault_hook=hook)
+        out, saved = fused_forward(q, k, v, ctx, causal=True)
+        fused_backward(saved, np.ones_like(out), ctx)
+        libs = ThreadpoolController().select(user_api="blas").lib_controllers
+        assert {c.get_num_threads() for c in libs} == {2}
+    assert seen and all(set(counts.values()) == {1} for counts in seen)
+    assert {path for counts in seen for path in counts} == {c.filepath for c in libs}
+
+
 def test_the_fused_core_runs_numba_at_the_policys_thread_count():
     code = ("import numpy as np, numba, numba.np.ufunc.parallel as par, abftgemm\n"
             "from attention import MultiHeadAttention\n"
