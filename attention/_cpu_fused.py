@@ -715,7 +715,7 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
     alpha = np.empty(rows, dt)
     pred = np.empty((max(rows, BC), 3))
     obs = np.empty((max(rows, BC), 3))
-    obs_cols = np.empty((3, BC))
+    obs_buf = np.empty(3 * BC)
     w_rows = _weights(rows)
     info = np.zeros(6)
     jend = min(lk, i1) if causal else lk
@@ -729,13 +729,15 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
             cols = j1 - j0
             s = sbuf[:rows * cols].reshape(rows, cols)
             p = pbuf[:rows * cols].reshape(rows, cols)
+            # C-contiguous, not a column slice of a (3, BC) array: the sums' loops vectorize
+            obs_cols = obs_buf[:3 * cols].reshape(3, cols)
             for a in range(2):
                 _dot(qb, _block_t(kt, b, j0, j1, d), s)
                 _HOOK(S_, s)
                 ratio = 0.0
                 if check:
                     _predict(k[b, j0:j1], qenc, pred)
-                    _col_sums(s, w_rows, obs_cols[:, :cols])
+                    _col_sums(s, w_rows, obs_cols)
                     info[5] = rows
                     ratio = _judge(pred, obs_cols.T, cols, c_s, info)
                 st = _settle(rec, S_, a, ratio, correct, info, i0, j0, False)
