@@ -142,23 +142,32 @@ def _enter(torch_threads: int) -> None:
         _active += 1
         if _active > 1:
             return
-        n = current_policy(torch_threads)
-        for lib in _blas():
-            before = lib.get_num_threads()
-            if before is not None and before > n:
-                lib.set_num_threads(n)
-                _restore.append((lib, before))
+        _lower(_blas(), current_policy(torch_threads), _restore)
 
 
 def _exit() -> None:
     global _active
     with _lock:
         _active -= 1
-        if _active:
-            return
-        while _restore:
-            lib, before = _restore.pop()
-            lib.set_num_threads(before)
+        if not _active:
+            _put_back(_restore)
+
+
+def _lower(libs: list[Any], n: int, restore: list[tuple[Any, int]]) -> None:
+    """Each BLAS of ``libs`` that runs more than ``n`` threads to ``n``, its count before noted
+    in ``restore``."""
+    for lib in libs:
+        before = lib.get_num_threads()
+        if before is not None and before > n:
+            lib.set_num_threads(n)
+            restore.append((lib, before))
+
+
+def _put_back(restore: list[tuple[Any, int]]) -> None:
+    """Every count :func:`_lower` noted in ``restore`` set again, the list emptied."""
+    while restore:
+        lib, before = restore.pop()
+        lib.set_num_threads(before)
 
 
 class one_blas_thread:
@@ -175,23 +184,15 @@ class one_blas_thread:
         global _pinned
         with _lock:
             _pinned += 1
-            if _pinned > 1:
-                return
-            for lib in _blas(scipy=True):
-                before = lib.get_num_threads()
-                if before is not None and before > 1:
-                    lib.set_num_threads(1)
-                    _pinned_restore.append((lib, before))
+            if _pinned == 1:
+                _lower(_blas(scipy=True), 1, _pinned_restore)
 
     def __exit__(self, *exc: object) -> None:
         global _pinned
         with _lock:
             _pinned -= 1
-            if _pinned:
-                return
-            while _pinned_restore:
-                lib, before = _pinned_restore.pop()
-                lib.set_num_threads(before)
+            if not _pinned:
+                _put_back(_pinned_restore)
 
 
 def _blas(scipy: bool = False) -> list[Any]:
