@@ -24,11 +24,11 @@ numba: the library's kernels are serial (no ``parallel=True``), so numba never s
 pool (tests/test_threads.py checks it), except the fused attention core (:mod:`attention.fused`),
 whose kernels run in numba's pool at :func:`current_policy` threads and call BLAS (SciPy's,
 through numba's ``np.dot``) from those threads for their tile products: they run inside
-:func:`one_blas_thread`, every BLAS at one thread, so no BLAS pool starts inside numba's. PyTorch: the
-library never changes PyTorch's own thread settings; it only counts them, as above. With a
-CPU-bound process running on a 2-core machine, the protected ``attention.torch`` layer runs many
-times faster under the policy than without it (bench/loaded.py; bench/NOTES.md, "the thread
-policy on a shared machine").
+:func:`one_blas_thread`, every BLAS at one thread, so no BLAS pool starts inside numba's.
+PyTorch: the library never changes PyTorch's own thread settings; it only counts them, as
+above. With a CPU-bound process running on a 2-core machine, the protected ``attention.torch``
+layer runs many times faster under the policy than without it (bench/loaded.py; bench/NOTES.md,
+"the thread policy on a shared machine").
 """
 from __future__ import annotations
 
