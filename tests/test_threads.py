@@ -125,6 +125,8 @@ def test_every_blas_runs_one_thread_inside_the_fused_core_and_the_setting_comes_
     """The fused core's tile products call SciPy's BLAS from numba's threads: every BLAS the
     process has loaded (SciPy's among them) is at one thread inside its kernels, whatever the
     policy and the caller's setting, and the caller's setting is back after."""
+    import scipy.linalg.cython_blas  # noqa: F401  (loaded before the limit below, so it is set too)
+
     from attention.context import Context
     from attention.fused import fused_backward, fused_forward
 
