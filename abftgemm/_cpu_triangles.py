@@ -19,8 +19,11 @@ within the same rounding bound. bench/NOTES.md has the measured gains.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
+from abftgemm._cpu_gemm import gemm
 from abftgemm.threads import blas_scope
 
 #: Rows per block: the fastest measured from 256 to 1024 rows (two blocks of 64 at 128 rows).
@@ -59,16 +62,25 @@ def triangular_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray,
 
 
 def _matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``np.matmul(a, b, out=out)``, as one 2-D product when every batch of ``a`` (batch, m, k)
-    shares one ``b`` and ``a`` and ``out`` are stacks of rows: NumPy would run one small GEMM per
-    batch, which OpenBLAS cannot spread over its threads as it does one large one
+    """``np.matmul(a, b, out=out)``, as one 2-D product (:func:`abftgemm._cpu_gemm.gemm`, in
+    numba's pool when large) when it is one matrix product, or when every batch of ``a``
+    (batch, m, k) shares one ``b`` and ``a`` and ``out`` are stacks of rows: NumPy would run one
+    small GEMM per batch, which no pool can spread over its threads as it does one large one
     (bench/NOTES.md)."""
     shared_b = b.ndim == 2 or (b.ndim == 3 and b.shape[0] == 1)
     if a.ndim == out.ndim == 3 and a.shape[0] > 1 and shared_b and _stacked_rows(a) \
             and _stacked_rows(out):
-        np.matmul(_as_rows(a), b.reshape(b.shape[-2:]), out=_as_rows(out))
+        gemm(_as_rows(a), b.reshape(b.shape[-2:]), _as_rows(out))
+        return out
+    if _one_matrix(a) and _one_matrix(b) and _one_matrix(out):
+        gemm(a.reshape(a.shape[-2:]), b.reshape(b.shape[-2:]), out.reshape(out.shape[-2:]))
         return out
     return np.matmul(a, b, out=out)
+
+
+def _one_matrix(x: np.ndarray) -> bool:
+    """Whether ``x`` holds one matrix (every axis before the last two of length 1)."""
+    return math.prod(x.shape[:-2]) == 1
 
 
 def _as_rows(x: np.ndarray) -> np.ndarray:

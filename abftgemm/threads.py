@@ -2,9 +2,10 @@
 
 Every BLAS call the library makes on the CPU (the GEMMs of :mod:`abftgemm._cpu_triangles`, the
 float64 model of :mod:`abftgemm.nonfinite`) runs inside :func:`blas_scope`, which sets NumPy's
-BLAS (OpenBLAS, MKL, ... through threadpoolctl) to the policy's thread count and restores the
-caller's setting on the way out. The attention passes and :func:`abftgemm.matmul` open one scope
-around all their work, so the count is decided once per call.
+BLAS (OpenBLAS, MKL, ... through threadpoolctl) to the policy's thread count
+(:func:`scope_threads`) and restores the caller's setting on the way out. The attention passes
+and :func:`abftgemm.matmul` open one scope around all their work, so the count is decided once
+per call.
 
 The count, unless :func:`set_threads` fixed one (or the ``ABFT_THREADS`` environment variable):
 
@@ -20,11 +21,14 @@ The count, unless :func:`set_threads` fixed one (or the ``ABFT_THREADS`` environ
 - at least 1, and never more than the caller's own BLAS setting (``OPENBLAS_NUM_THREADS=1`` or
   ``threadpoolctl.threadpool_limits`` stay in force).
 
-numba: the library's kernels are serial (no ``parallel=True``), so numba never starts its thread
-pool (tests/test_threads.py checks it), except the fused attention core (:mod:`attention.fused`),
-whose kernels run in numba's pool at :func:`current_policy` threads and call BLAS (SciPy's,
-through numba's ``np.dot``) from those threads for their tile products: they run inside
-:func:`one_blas_thread`, every BLAS at one thread, so no BLAS pool starts inside numba's.
+numba: the library's checking kernels are serial (no ``parallel=True``). Two kinds of work run
+in numba's thread pool, at the policy's count, with every BLAS at one thread inside them
+(:func:`one_blas_thread`: SciPy's, which numba's ``np.dot`` calls, and NumPy's), so that no BLAS
+pool runs beside numba's: the fused attention core (:mod:`attention.fused`), and a product large
+enough for the BLAS to thread (:mod:`abftgemm._cpu_gemm`: one row block per thread), since the
+BLAS's own threads spin after it on the cores the fused core needs next. At one thread, or for
+small products only, numba never starts its pool (tests/test_threads.py,
+tests/test_cpu_gemm.py).
 PyTorch: the library never changes PyTorch's own thread settings; it only counts them, as
 above. With a CPU-bound process running on a 2-core machine, the protected ``attention.torch``
 layer runs many times faster under the policy than without it (bench/loaded.py; bench/NOTES.md,
@@ -38,7 +42,8 @@ import time
 from collections import deque
 from typing import Any
 
-__all__ = ["set_threads", "get_threads", "current_policy", "blas_scope", "one_blas_thread"]
+__all__ = ["set_threads", "get_threads", "current_policy", "blas_scope", "one_blas_thread",
+           "scope_threads"]
 
 #: Seconds a load sample stays valid.
 SAMPLE_INTERVAL = 0.1
@@ -50,6 +55,7 @@ _lock = threading.Lock()
 _local = threading.local()
 _active = 0  # scopes open in any thread (the BLAS setting is process-wide)
 _restore: list[tuple[Any, int]] = []
+_scope_count = 1  # the thread count of the open blas_scope (the first one's)
 _controllers: list[Any] | None = None
 _with_scipy = False  # whether _controllers includes SciPy's BLAS (loaded for it)
 _pinned = 0  # one_blas_thread scopes open in any thread
@@ -137,12 +143,22 @@ class blas_scope:
 
 
 def _enter(torch_threads: int) -> None:
-    global _active
+    global _active, _scope_count
     with _lock:
         _active += 1
         if _active > 1:
             return
-        _lower(_blas(), current_policy(torch_threads), _restore)
+        libs = _blas()
+        _scope_count = current_policy(torch_threads)
+        _lower(libs, _scope_count, _restore)
+        _scope_count = min([_scope_count] + [n for n in (lib.get_num_threads() for lib in libs)
+                                             if n is not None])
+
+
+def scope_threads() -> int:
+    """The thread count of the open :class:`blas_scope` (the caller's lower setting counted);
+    :func:`current_policy` when none is open."""
+    return _scope_count if _active else current_policy()
 
 
 def _exit() -> None:

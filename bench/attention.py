@@ -5,7 +5,7 @@ Usage::
     python bench/attention.py [--backend numpy|cupy] [--json PATH] [--quick] [--sites] [--cases A,B]
 
 Cases (``(batch, heads, seq, head_dim)``): on the CPU small shapes in float32 (and, with
-``--cases long``, (1, 8, 1024, 64)); on the GPU
+``--cases long,longer``, (1, 8, 1024, 64) and (1, 8, 4096, 64)); on the GPU
 BERT-base (8, 12, 512, 64), BERT-large (8, 16, 512, 64), GPT-2 (8, 12, 1024, 64) and Llama-7B-like
 (4, 32, 2048, 128) in float16 and bfloat16. Peers where PyTorch imports, on the same device:
 ``nn.MultiheadAttention`` (projections + attention, causal, forward + backward; PyTorch's default
@@ -34,9 +34,9 @@ from bench import timing  # noqa: E402
 GPU_CASES = {"bert-base": (8, 12, 512, 64), "bert-large": (8, 16, 512, 64),
              "gpt2": (8, 12, 1024, 64), "llama": (4, 32, 2048, 128)}
 CPU_CASES = {"small": (4, 4, 128, 32), "medium": (2, 8, 256, 64)}
-#: On request only (``--cases long``): a longer causal sequence, where skipping the zero blocks
-#: of ``P`` and ``dS`` matters more.
-LONG_CPU = {"long": (1, 8, 1024, 64)}
+#: On request only (``--cases long,longer``): longer causal sequences, where skipping the zero
+#: blocks of ``P`` and ``dS`` matters more.
+LONG_CPU = {"long": (1, 8, 1024, 64), "longer": (1, 8, 4096, 64)}
 QUICK_GPU = {"bert-large": (8, 16, 512, 64)}
 QUICK_CPU = {"tiny": (2, 2, 32, 16)}
 

@@ -1,5 +1,6 @@
 """The library's CPU thread policy (abftgemm.threads): BLAS threads inside its calls, the
-caller's setting restored and respected, numba's pool never started."""
+caller's setting restored and respected, numba's pool started only by the fused core and by
+products large enough to split (tests/test_cpu_gemm.py)."""
 from __future__ import annotations
 
 import os
@@ -108,7 +109,7 @@ def test_another_running_process_is_counted_and_our_own_threads_are_not():
         burner.wait()
 
 
-def test_numba_never_starts_its_thread_pool_outside_the_fused_core():
+def test_numba_never_starts_its_thread_pool_for_small_products_outside_the_fused_core():
     code = ("import numpy as np, numba.np.ufunc.parallel as par\n"
             "from attention import MultiHeadAttention\n"
             "layer = MultiHeadAttention(32, 4, causal=True, dtype='float32', xp=np, seed=0,\n"

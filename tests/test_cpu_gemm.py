@@ -1,0 +1,92 @@
+"""The CPU's 2-D GEMM (abftgemm._cpu_gemm): large products split over numba's pool equal NumPy's
+product in every layout and dtype it takes, and everything else goes to ``np.matmul``."""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from abftgemm import _cpu_gemm, threads
+from fresh_python import run_python
+
+needs_two = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2,
+                               reason="numba's pool has one thread on this machine")
+
+
+@pytest.fixture
+def two_threads():
+    threads.set_threads(2)
+    yield
+    threads.set_threads(None)
+
+
+def operands(dtype, m, k, n, a_order="C", b_order="C", seed=0):
+    rng = np.random.default_rng(seed)
+    a = np.asarray(rng.standard_normal((m, k)), dtype=dtype, order=a_order)
+    b = np.asarray(rng.standard_normal((k, n)), dtype=dtype, order=b_order)
+    return a, b
+
+
+def product(a, b, out):
+    with threads.blas_scope():
+        _cpu_gemm.gemm(a, b, out)
+    return out
+
+
+def assert_product(a, b, out):
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    bound = 4 * a.shape[1] * np.finfo(a.dtype).eps * (np.abs(a) @ np.abs(b))
+    assert np.all(np.abs(out - exact) <= bound)
+
+
+@needs_two
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("a_order", ["C", "F"])
+@pytest.mark.parametrize("b_order", ["C", "F"])
+@pytest.mark.parametrize("m", [97, 256])
+def test_pooled_product_equals_the_exact_one(two_threads, dtype, a_order, b_order, m):
+    a, b = operands(dtype, m, 150, 70, a_order, b_order)
+    assert m * 150 * 70 > _cpu_gemm.POOL_MIN_WORK
+    assert_product(a, b, product(a, b, np.full((m, 70), np.nan, dtype)))
+
+
+@needs_two
+@pytest.mark.parametrize("case", ["small", "few rows", "float16", "mixed", "strided out",
+                                  "strided a", "out is a"])
+def test_what_the_pool_cannot_take_goes_to_numpy_and_is_right(two_threads, case):
+    a, b = operands(np.float32, 128, 128, 128)
+    out = np.empty((128, 128), np.float32)
+    if case == "small":
+        a, b, out = a[:8, :8], b[:8, :8], out[:8, :8].copy()
+    elif case == "few rows":
+        a, out = a[:20], out[:20]
+    elif case == "float16":
+        a, b, out = a.astype(np.float16), b.astype(np.float16), out.astype(np.float16)
+    elif case == "mixed":
+        b = b.astype(np.float64)
+        out = out.astype(np.float64)
+    elif case == "strided out":
+        out = np.empty((128, 256), np.float32)[:, ::2]
+    elif case == "strided a":
+        a = np.concatenate([a, a], axis=1)[:, ::2]
+    elif case == "out is a":
+        expected = a @ b
+        assert np.array_equal(product(a, b, a), expected)
+        return
+    expected = (a.astype(np.float64) @ b.astype(np.float64)).astype(out.dtype)
+    np.testing.assert_allclose(product(a, b, out), expected, rtol=1e-2 if case == "float16"
+                               else 1e-4, atol=1e-2 if case == "float16" else 1e-3)
+
+
+@needs_two
+def test_large_products_run_in_numbas_pool_at_the_policys_count_and_one_thread_keeps_it_shut():
+    code = ("import numpy as np, numba, numba.np.ufunc.parallel as par, abftgemm\n"
+            "a = np.ones((512, 256), np.float32); b = np.ones((256, 128), np.float32)\n"
+            "abftgemm.set_threads(1)\n"
+            "assert (abftgemm.matmul(a, b) == 256).all()\n"
+            "assert not par._is_initialized, 'one thread started numba pool'\n"
+            "abftgemm.set_threads(2)\n"
+            "assert (abftgemm.matmul(a, b) == 256).all()\n"
+            "assert par._is_initialized, 'the product did not run in numba pool'\n"
+            "assert numba.get_num_threads() == 2\n")
+    run_python("-c", code)
