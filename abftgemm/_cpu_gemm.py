@@ -2,20 +2,23 @@
 
 The fused attention core runs in numba's thread pool. A product that NumPy's BLAS (OpenBLAS)
 spreads over its own threads leaves those threads spinning for a while after it returns, on the
-cores numba's threads need next: the core ran 1.6-1.9x slower right after the layer's
-projections than alone (bench/NOTES.md). So a product large enough for the BLAS to thread is cut
-into one row block per thread of the library's policy, each block one single-threaded BLAS call
-(SciPy's, through numba's ``np.dot``) from a thread of numba's pool: one pool for all the
-library's CPU work, and the same speed as the BLAS's own threads (measured at the projections'
-shapes). Smaller products, one thread, and what numba's ``np.dot`` cannot take (16-bit, mixed
-dtypes, strided operands) go to ``np.matmul`` as before.
+cores numba's threads need next: the core ran 1.5-1.9x slower right after the layer's
+projections than alone (bench/NOTES.md). So in the passes that run the fused core
+(``blas_scope(numba_pool=True)``) a product large enough for the BLAS to thread is cut into one
+row block per thread of the library's policy, each block one single-threaded BLAS call (SciPy's,
+through numba's ``np.dot``) from a thread of numba's pool: one pool for the whole pass, at the
+speed of the BLAS's own threads (measured alone at 512^3, 2048^3 and the projections' shapes).
+Elsewhere the BLAS keeps its threads, since a caller's own NumPy products next to ours would
+meet the same contention the other way round (2.5-3x, alternating the two at 2048^3). Smaller
+products, one thread, and what numba's ``np.dot`` cannot take (16-bit, mixed dtypes, strided or
+overlapping operands) go to ``np.matmul``.
 """
 from __future__ import annotations
 
 import numba
 import numpy as np
 
-from abftgemm.threads import one_blas_thread, scope_threads
+from abftgemm.threads import one_blas_thread, scope_pool, scope_threads
 
 #: ``m n k`` above which a product runs split over the pool: OpenBLAS threads a GEMM from
 #: ``m n k > 2^18`` on (its ``GEMM_MULTITHREAD_THRESHOLD``), so no product it would thread is
@@ -27,11 +30,12 @@ POOL_MIN_ROWS = 16
 
 def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """``out = a @ b`` for 2-D ``a`` (m, k), ``b`` (k, n), ``out`` (m, n), at the thread count
-    of the open :class:`abftgemm.threads.blas_scope`."""
+    of the open :class:`abftgemm.threads.blas_scope`, in numba's pool where that scope asks for
+    it (``numba_pool=True``)."""
     m, k = a.shape
     n = b.shape[1]
     threads = min(scope_threads(), numba.config.NUMBA_NUM_THREADS, m // POOL_MIN_ROWS)
-    if threads < 2 or m * n * k <= POOL_MIN_WORK or not _pool_takes(a, b, out):
+    if not scope_pool() or threads < 2 or m * n * k <= POOL_MIN_WORK or not _pool_takes(a, b, out):
         np.matmul(a, b, out=out)
         return
     numba.set_num_threads(threads)

@@ -24,11 +24,12 @@ The count, unless :func:`set_threads` fixed one (or the ``ABFT_THREADS`` environ
 numba: the library's checking kernels are serial (no ``parallel=True``). Two kinds of work run
 in numba's thread pool, at the policy's count, with every BLAS at one thread inside them
 (:func:`one_blas_thread`: SciPy's, which numba's ``np.dot`` calls, and NumPy's), so that no BLAS
-pool runs beside numba's: the fused attention core (:mod:`attention.fused`), and a product large
-enough for the BLAS to thread (:mod:`abftgemm._cpu_gemm`: one row block per thread), since the
-BLAS's own threads spin after it on the cores the fused core needs next. At one thread, or for
-small products only, numba never starts its pool (tests/test_threads.py,
-tests/test_cpu_gemm.py).
+pool runs beside numba's: the fused attention core (:mod:`attention.fused`), and, in the passes
+that run it, the products large enough for the BLAS to thread (``blas_scope(numba_pool=True)``,
+:mod:`abftgemm._cpu_gemm`: one row block per thread). Each pool's threads spin for a while after
+its work, and the other pool's calls wait for the cores they hold: mixing the two costs 2-3x.
+Elsewhere (:func:`abftgemm.matmul`, the unfused attention core), at one thread, or for small
+products only, numba never starts its pool (tests/test_threads.py, tests/test_cpu_gemm.py).
 PyTorch: the library never changes PyTorch's own thread settings; it only counts them, as
 above. With a CPU-bound process running on a 2-core machine, the protected ``attention.torch``
 layer runs many times faster under the policy than without it (bench/loaded.py; bench/NOTES.md,
@@ -43,7 +44,7 @@ from collections import deque
 from typing import Any
 
 __all__ = ["set_threads", "get_threads", "current_policy", "blas_scope", "one_blas_thread",
-           "scope_threads"]
+           "scope_threads", "scope_pool"]
 
 #: Seconds a load sample stays valid.
 SAMPLE_INTERVAL = 0.1
@@ -123,23 +124,37 @@ class blas_scope:
     ----------
     torch_threads : int
         PyTorch's intra-op thread count when the call comes from PyTorch, else 1.
+    numba_pool : bool
+        Run the products that the BLAS would spread over its threads in numba's pool instead
+        (:mod:`abftgemm._cpu_gemm`), for work whose next steps run there (the fused attention
+        core): the two pools slow each other down when their calls alternate. The first scope
+        open in the calling thread decides (:func:`scope_pool`).
     """
 
-    __slots__ = ("torch_threads",)
+    __slots__ = ("torch_threads", "numba_pool")
 
-    def __init__(self, torch_threads: int = 1):
+    def __init__(self, torch_threads: int = 1, numba_pool: bool = False):
         self.torch_threads = torch_threads
+        self.numba_pool = numba_pool
 
     def __enter__(self) -> None:
         depth = getattr(_local, "depth", 0)
         if not depth:
             _enter(self.torch_threads)
+            _local.pool = self.numba_pool
         _local.depth = depth + 1
 
     def __exit__(self, *exc: object) -> None:
         _local.depth -= 1
         if not _local.depth:
+            _local.pool = False
             _exit()
+
+
+def scope_pool() -> bool:
+    """Whether the :class:`blas_scope` open in this thread runs large products in numba's
+    pool (False when none is open)."""
+    return getattr(_local, "pool", False)
 
 
 def _enter(torch_threads: int) -> None:

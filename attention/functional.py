@@ -195,7 +195,7 @@ def forward_pass(forward: tuple[Step, ...], backward: tuple[Step, ...], variant:
     without dropout."""
     fwd, bwd = steps(forward, variant), steps(backward, variant)
     tensors, sums = carried(fwd, bwd, variant.gpu)
-    p = _run(fwd, inp, env, tensors | {out}, ctx, workspace)
+    p = _run(fwd, inp, env, tensors | {out}, ctx, workspace, numba_pool=variant.fused)
     kept = {n: p.sums[n].copy() for n in sums if n in p.sums}  # beyond the workspace
     p.ws.counters.copies += len(kept)
     saved = {"inputs": inp, "variant": variant, "probs_dropped": None, "tensors": tensors,
@@ -210,18 +210,20 @@ def backward_pass(backward: tuple[Step, ...], variant: Variant, saved: dict[str,
     saved; ``outputs`` are new arrays. Returns the pass (its ``env`` holds the results)."""
     bind = lambda: {**{n: saved[n] for n in saved["tensors"]}, **env()}  # noqa: E731
     return _run(steps(backward, variant), saved["inputs"], bind, frozenset(outputs), ctx,
-                workspace, saved["sums"], flat)
+                workspace, saved["sums"], flat, numba_pool=variant.fused)
 
 
 def _run(table: tuple[Step, ...], inp: Any, env: Callable[[], dict[str, Any]],
          keep: frozenset[str], ctx: Context, workspace: Workspace | None,
-         sums: dict[str, Any] | None = None, flat: bool = False) -> "_Pass":
+         sums: dict[str, Any] | None = None, flat: bool = False,
+         numba_pool: bool = False) -> "_Pass":
     """Run a table with one settle; replay it step by step when the settle repaired something.
     Returns the pass that delivered."""
     ws = workspace or Workspace()
-    # One thread count for the whole pass (abftgemm.threads); no NumPy floating-point warnings
-    # from a fault's INF/NaN, which the checks judge and report.
-    with blas_scope(), np.errstate(all="ignore"):
+    # One thread count for the whole pass, its large products in numba's pool beside the fused
+    # core (abftgemm.threads); no NumPy floating-point warnings from a fault's INF/NaN, which the
+    # checks judge and report.
+    with blas_scope(numba_pool=numba_pool), np.errstate(all="ignore"):
         first = _Pass(ctx, ws, inp, env(), keep, sums, flat, per_site=False)
         try:
             first.run(table)

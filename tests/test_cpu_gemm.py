@@ -1,5 +1,6 @@
 """The CPU's 2-D GEMM (abftgemm._cpu_gemm): large products split over numba's pool equal NumPy's
-product in every layout and dtype it takes, and everything else goes to ``np.matmul``."""
+product in every layout and dtype it takes, everything else goes to ``np.matmul``, and only the
+attention passes that run the fused core ask for the pool."""
 from __future__ import annotations
 
 import numba
@@ -28,7 +29,7 @@ def operands(dtype, m, k, n, a_order="C", b_order="C", seed=0):
 
 
 def product(a, b, out):
-    with threads.blas_scope():
+    with threads.blas_scope(numba_pool=True):
         _cpu_gemm.gemm(a, b, out)
     return out
 
@@ -55,7 +56,7 @@ def test_pooled_product_equals_the_exact_one(two_threads, dtype, a_order, b_orde
                                   "strided a", "out is a"])
 def test_what_the_pool_cannot_take_goes_to_numpy_and_is_right(two_threads, case):
     a, b = operands(np.float32, 128, 128, 128)
-    out = np.empty((128, 128), np.float32)
+    out = np.zeros((128, 128), np.float32)
     if case == "small":
         a, b, out = a[:8, :8], b[:8, :8], out[:8, :8].copy()
     elif case == "few rows":
@@ -79,14 +80,40 @@ def test_what_the_pool_cannot_take_goes_to_numpy_and_is_right(two_threads, case)
 
 
 @needs_two
-def test_large_products_run_in_numbas_pool_at_the_policys_count_and_one_thread_keeps_it_shut():
+def test_large_products_run_in_numbas_pool_only_where_the_scope_asks_at_the_policys_count():
     code = ("import numpy as np, numba, numba.np.ufunc.parallel as par, abftgemm\n"
+            "from abftgemm import threads\n"
+            "from abftgemm._cpu_gemm import gemm\n"
             "a = np.ones((512, 256), np.float32); b = np.ones((256, 128), np.float32)\n"
-            "abftgemm.set_threads(1)\n"
-            "assert (abftgemm.matmul(a, b) == 256).all()\n"
-            "assert not par._is_initialized, 'one thread started numba pool'\n"
+            "out = np.empty((512, 128), np.float32)\n"
             "abftgemm.set_threads(2)\n"
             "assert (abftgemm.matmul(a, b) == 256).all()\n"
-            "assert par._is_initialized, 'the product did not run in numba pool'\n"
+            "assert not par._is_initialized, 'abftgemm.matmul started numba pool'\n"
+            "abftgemm.set_threads(1)\n"
+            "with threads.blas_scope(numba_pool=True):\n"
+            "    gemm(a, b, out)\n"
+            "assert (out == 256).all() and not par._is_initialized, 'one thread started it'\n"
+            "abftgemm.set_threads(2)\n"
+            "with threads.blas_scope(numba_pool=True):\n"
+            "    out[:] = 0\n"
+            "    gemm(a, b, out)\n"
+            "assert (out == 256).all() and par._is_initialized, 'the product ran outside it'\n"
             "assert numba.get_num_threads() == 2\n")
     run_python("-c", code)
+
+
+@pytest.mark.parametrize("core", ["fused", "unfused"])
+def test_an_attention_pass_asks_for_the_pool_when_it_runs_the_fused_core(core):
+    from attention import MultiHeadAttention
+
+    layer = MultiHeadAttention(32, 4, causal=True, dtype="float32", xp=np, seed=0, core=core)
+    x = np.random.default_rng(1).standard_normal((2, 8, 32)).astype(np.float32)
+    seen: list[bool] = []
+
+    def hook(site, c):
+        seen.append(threads.scope_pool())
+    y, cache = layer.forward(x, fault_hook=hook)
+    layer.backward(np.ones_like(y), cache, fault_hook=hook)
+    assert layer.last_core == core
+    assert len(seen) >= 4 and set(seen) == {core == "fused"}
+    assert not threads.scope_pool()
