@@ -34,8 +34,9 @@ def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     it (``numba_pool=True``)."""
     m, k = a.shape
     n = b.shape[1]
-    threads = min(scope_threads(), numba.config.NUMBA_NUM_THREADS, m // POOL_MIN_ROWS)
-    if not scope_pool() or threads < 2 or m * n * k <= POOL_MIN_WORK or not _pool_takes(a, b, out):
+    threads = min(scope_threads(), numba.config.NUMBA_NUM_THREADS, m // POOL_MIN_ROWS) \
+        if scope_pool() else 1
+    if threads < 2 or m * n * k <= POOL_MIN_WORK or not _pool_takes(a, b, out):
         np.matmul(a, b, out=out)
         return
     numba.set_num_threads(threads)

@@ -27,7 +27,8 @@ in numba's thread pool, at the policy's count, with every BLAS at one thread ins
 pool runs beside numba's: the fused attention core (:mod:`attention.fused`), and, in the passes
 that run it, the products large enough for the BLAS to thread (``blas_scope(numba_pool=True)``,
 :mod:`abftgemm._cpu_gemm`: one row block per thread). Each pool's threads spin for a while after
-its work, and the other pool's calls wait for the cores they hold: mixing the two costs 2-3x.
+its work, and the other pool's calls wait for the cores they hold: alternating the two costs
+2.5-3x (bench/NOTES.md).
 Elsewhere (:func:`abftgemm.matmul`, the unfused attention core), at one thread, or for small
 products only, numba never starts its pool (tests/test_threads.py, tests/test_cpu_gemm.py).
 PyTorch: the library never changes PyTorch's own thread settings; it only counts them, as
@@ -163,11 +164,7 @@ def _enter(torch_threads: int) -> None:
         _active += 1
         if _active > 1:
             return
-        libs = _blas()
-        _scope_count = current_policy(torch_threads)
-        _lower(libs, _scope_count, _restore)
-        _scope_count = min([_scope_count] + [n for n in (lib.get_num_threads() for lib in libs)
-                                             if n is not None])
+        _scope_count = _lower(_blas(), current_policy(torch_threads), _restore)
 
 
 def scope_threads() -> int:
@@ -184,14 +181,18 @@ def _exit() -> None:
             _put_back(_restore)
 
 
-def _lower(libs: list[Any], n: int, restore: list[tuple[Any, int]]) -> None:
+def _lower(libs: list[Any], n: int, restore: list[tuple[Any, int]]) -> int:
     """Each BLAS of ``libs`` that runs more than ``n`` threads to ``n``, its count before noted
-    in ``restore``."""
+    in ``restore``. Returns the lowest count now set (``n`` at most)."""
+    lowest = n
     for lib in libs:
         before = lib.get_num_threads()
         if before is not None and before > n:
             lib.set_num_threads(n)
             restore.append((lib, before))
+        elif before is not None:
+            lowest = min(lowest, before)
+    return lowest
 
 
 def _put_back(restore: list[tuple[Any, int]]) -> None:

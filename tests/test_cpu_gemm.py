@@ -28,6 +28,19 @@ def operands(dtype, m, k, n, a_order="C", b_order="C", seed=0):
     return a, b
 
 
+@pytest.fixture
+def pooled_calls(monkeypatch):
+    """The calls that reached numba's pool (``_cpu_gemm._row_blocks``), which still runs."""
+    calls: list[int] = []
+    run = _cpu_gemm._row_blocks
+
+    def spy(a, b, out, step):
+        calls.append(step)
+        run(a, b, out, step)
+    monkeypatch.setattr(_cpu_gemm, "_row_blocks", spy)
+    return calls
+
+
 def product(a, b, out):
     with threads.blas_scope(numba_pool=True):
         _cpu_gemm.gemm(a, b, out)
@@ -45,16 +58,17 @@ def assert_product(a, b, out):
 @pytest.mark.parametrize("a_order", ["C", "F"])
 @pytest.mark.parametrize("b_order", ["C", "F"])
 @pytest.mark.parametrize("m", [97, 256])
-def test_pooled_product_equals_the_exact_one(two_threads, dtype, a_order, b_order, m):
+def test_pooled_product_equals_the_exact_one(two_threads, pooled_calls, dtype, a_order, b_order,
+                                            m):
     a, b = operands(dtype, m, 150, 70, a_order, b_order)
-    assert m * 150 * 70 > _cpu_gemm.POOL_MIN_WORK
     assert_product(a, b, product(a, b, np.full((m, 70), np.nan, dtype)))
+    assert pooled_calls == [-(-m // 2)]
 
 
 @needs_two
 @pytest.mark.parametrize("case", ["small", "few rows", "float16", "mixed", "strided out",
                                   "strided a", "out is a"])
-def test_what_the_pool_cannot_take_goes_to_numpy_and_is_right(two_threads, case):
+def test_what_the_pool_cannot_take_goes_to_numpy_and_is_right(two_threads, pooled_calls, case):
     a, b = operands(np.float32, 128, 128, 128)
     out = np.zeros((128, 128), np.float32)
     if case == "small":
@@ -73,10 +87,11 @@ def test_what_the_pool_cannot_take_goes_to_numpy_and_is_right(two_threads, case)
     elif case == "out is a":
         expected = a @ b
         assert np.array_equal(product(a, b, a), expected)
-        return
-    expected = (a.astype(np.float64) @ b.astype(np.float64)).astype(out.dtype)
-    np.testing.assert_allclose(product(a, b, out), expected, rtol=1e-2 if case == "float16"
-                               else 1e-4, atol=1e-2 if case == "float16" else 1e-3)
+    else:
+        expected = (a.astype(np.float64) @ b.astype(np.float64)).astype(out.dtype)
+        np.testing.assert_allclose(product(a, b, out), expected, rtol=1e-2 if case == "float16"
+                                   else 1e-4, atol=1e-2 if case == "float16" else 1e-3)
+    assert pooled_calls == []
 
 
 @needs_two
