@@ -42,10 +42,14 @@ def time_gpu(fn: Fn, repeats: int = 20, warmup: int = 3) -> float:
 def time_many(fns: Mapping[str, Fn], repeats: int, warmup: int, *, gpu: bool,
               events: Callable[[], tuple[Any, Any]] | None = None,
               clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
-    """Median ms of each function, timed in interleaved rounds (f1, f2, ..., f1, f2, ...).
+    """Median ms of each function, timed in interleaved rounds, each round's order rotated by one
+    (f1, f2, f3, then f2, f3, f1, ...).
 
     Interleaving puts clock and thermal drift on every function alike, which matters for the
-    protected/unprotected ratio more than for either time alone. ``events``, when given, makes a
+    protected/unprotected ratio more than for either time alone. Rotating the order puts every
+    function after every other alike: what one leaves behind (a thread pool still spinning after
+    PyTorch's or OpenBLAS's work, a cache full of its data) would otherwise fall on the same
+    function every round. ``events``, when given, makes a
     ``(start, stop)`` pair of objects with ``record()``, ``synchronize()`` and
     ``elapsed_time(stop)`` (used for PyTorch, whose work runs on PyTorch's own stream).
     ``clock`` times CPU calls (seconds; :func:`time.thread_time` for one thread's CPU time).
@@ -58,8 +62,10 @@ def time_many(fns: Mapping[str, Fn], repeats: int, warmup: int, *, gpu: bool,
     if gpu:
         _synchronize()
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for r in range(repeats):
+        shift = r % len(order)
+        for name, fn in order[shift:] + order[:shift]:
             samples[name].append(_time_once_gpu(fn, events) if gpu else _time_once_cpu(fn, clock))
     return {name: statistics.median(v) for name, v in samples.items()}
 
