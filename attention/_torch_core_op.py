@@ -35,7 +35,8 @@ def attention_core(protection: int, query: torch.Tensor, key: torch.Tensor, valu
                    dropout: float, core: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, weights, token)`` of contiguous ``query`` ``(n, L, D)``, ``key`` and ``value``
     ``(n, S, D)``; ``attn_mask`` ``(L, S)`` or ``(n, L, S)``, bool (True = not allowed) or float
-    (added); ``weights`` ``(n, L, S)``, or empty unless ``need_weights``; with ``dropout`` > 0,
+    (added), or bool ``(n, 1, S)``: key padding, the same keys hidden from every query (run as
+    the core's ``key_visible``, no ``L x S`` array); ``weights`` ``(n, L, S)``, or empty unless ``need_weights``; with ``dropout`` > 0,
     ``dropout_keep`` ``(n, L, S)`` is its mask (True = kept), or an int64 ``(1,)`` the seed of the
     fused core's keep decisions (:func:`attention._torch_arrays.dropout_arrays`); ``core`` one of
     :data:`attention.core.CORES`; ``protection`` the ``id`` of the
@@ -145,10 +146,15 @@ def run_core_forward(protection: Protection, q: torch.Tensor, k: torch.Tensor, v
     report = Report()
     context = protection.context(report)
     keep_array, seed = dropout_arrays(keep)
+    padding = mask is not None and mask.dtype == torch.bool and mask.dim() == 3 \
+        and mask.shape[1] == 1
+    visible = mask[:, 0].logical_not() if padding else None
+    mask = None if padding else mask
     with device_scope(q), threads(q):
         out, saved = core_forward(array(q), array(k), array(v), context, scale=scale,
                                   causal=is_causal,
                                   attn_mask=None if mask is None else array(mask),
+                                  key_visible=None if visible is None else array(visible),
                                   dropout=dropout, dropout_keep=keep_array,
                                   dropout_seed=seed,
                                   workspace=workspace,

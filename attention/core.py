@@ -28,6 +28,7 @@ from attention.context import Context
 from attention.dropout import Dropout, for_core
 from attention.fused import fused_backward, fused_forward
 from attention.fused_final import verify_grads, verify_output
+from attention.fused_rules import key_visible_of
 from attention.fused_choice import (CORE_SITES, CORES, all_finite, check_core,  # noqa: F401
                                      finite_reason, static_reason)
 from attention.functional import _additive, backward_pass, forward_pass
@@ -44,10 +45,11 @@ class _CoreInputs:
     """Validated inputs of one attention product (kept in ``saved`` for backward); the attributes
     the checked softmax steps read (:func:`attention.softmax_steps.forward_step`)."""
 
-    def __init__(self, q: Any, k: Any, v: Any, scale: float, causal: bool, attn_add: Any | None):
+    def __init__(self, q: Any, k: Any, v: Any, scale: float, causal: bool, attn_add: Any | None,
+                 key_visible: Any | None):
         self.xp, self.q, self.k, self.v, self.dtype = array_module(q), q, k, v, q.dtype
         self.scale, self.causal, self.attn_add = scale, causal, attn_add
-        self.key_visible = None
+        self.key_visible = key_visible
         self.dropout: Dropout | None = None
         self.n_heads = 1  # heads are already the batch axis
         # The softmax steps scale the scores by 1 / sqrt(head_dim).
@@ -56,7 +58,8 @@ class _CoreInputs:
 
 
 def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = None,
-                 causal: bool = False, attn_mask: Any | None = None, dropout: float = 0.0,
+                 causal: bool = False, attn_mask: Any | None = None,
+                 key_visible: Any | None = None, dropout: float = 0.0,
                  dropout_keep: Any | None = None, rng: Any | None = None,
                  workspace: Workspace | None = None, core: str = "auto",
                  dropout_seed: int | None = None) -> tuple[Any, dict[str, Any]]:
@@ -77,6 +80,10 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
         Query ``i`` sees keys ``j <= i`` only (``seq_q`` must equal ``seq_k``).
     attn_mask : array (seq_q, seq_k) or (n, seq_q, seq_k), optional
         Boolean, True = NOT allowed, or float, added to the scaled scores.
+    key_visible : bool array (n, seq_k), optional
+        True = the key may be attended to (key padding: the same keys hidden from every query,
+        an ``O(L)`` mask where ``attn_mask`` is ``L x L``). Combines with ``causal`` and
+        ``attn_mask``.
     dropout, dropout_keep, rng, dropout_seed
         Attention dropout, as :func:`attention.attention_forward` takes it (the mask is
         ``(n, seq_q, seq_k)``; site ``"dropout"`` on the unfused core). A given
@@ -97,7 +104,7 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
         dropout, or None); both are None after the fused core, which keeps no ``L x L`` array.
     """
     check_core(core)
-    inp = _inputs(q, k, v, scale, causal, attn_mask)
+    inp = _inputs(q, k, v, scale, causal, attn_mask, key_visible)
     shape = (q.shape[0], q.shape[1], k.shape[1])
     if core != "unfused":
         why_not = fused_unsupported(inp, ctx, dropout_keep, forced=core == "fused")
@@ -105,7 +112,7 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
             _, drop = for_core(np, dropout, None, dropout_seed, shape, rng, fused=True)
             out, saved = verify_output(*fused_forward(
                 q, k, v, ctx, scale=inp.scale, causal=inp.causal, attn_mask=inp.attn_add,
-                dropout=drop[0] if drop else 0.0, dropout_seed=drop[1] if drop else None,
+                key_visible=inp.key_visible, dropout=drop[0] if drop else 0.0, dropout_seed=drop[1] if drop else None,
                 workspace=workspace), ctx)
             return out, {"inputs": inp, "core": "fused", "fused": saved, "probs": None,
                          "probs_dropped": None}
@@ -153,7 +160,8 @@ def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
         mask = inp.attn_add if inp.attn_add is None or len(inp.attn_add) > 1 else inp.attn_add[0]
         drop = saved["fused"]["dropout"] or (0.0, None)  # the same keep decisions, materialized
         _, saved = core_forward(inp.q, inp.k, inp.v, ctx, scale=inp.scale, causal=inp.causal,
-                                attn_mask=mask, workspace=workspace, core="unfused",
+                                attn_mask=mask, key_visible=inp.key_visible,
+                                workspace=workspace, core="unfused",
                                 dropout=drop[0], dropout_seed=drop[1])
     env = lambda: {"qh": inp.q, "kh": inp.k, "vh": inp.v, "d_context_h": d_out}  # noqa: E731
     p = backward_pass(CORE_BACKWARD, saved["variant"], saved, env, ("d_qh", "d_kh", "d_vh"), ctx,
@@ -162,7 +170,7 @@ def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
 
 
 def _inputs(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
-            attn_mask: Any | None) -> _CoreInputs:
+            attn_mask: Any | None, key_visible: Any | None) -> _CoreInputs:
     xp = array_module(q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if array_module(t) is not xp or t.dtype != q.dtype:
@@ -183,4 +191,8 @@ def _inputs(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number, got {scale}")
     add = _additive(xp, attn_mask, q.shape[0], q.shape[1], k.shape[1])
-    return _CoreInputs(q, k, v, scale, bool(causal), add)
+    if key_visible is not None:
+        if array_module(key_visible) is not xp:
+            raise TypeError(f"key_visible must be a {xp.__name__} array, as q is")
+        key_visible = key_visible_of(xp, key_visible, q, k)
+    return _CoreInputs(q, k, v, scale, bool(causal), add, key_visible)

@@ -13,7 +13,10 @@ them for a whole model).
 Masks: none (with the module's ``is_causal``, or the ``is_causal`` keyword), 4-D boolean
 (True = attend, as transformers' sdpa masks) or 4-D float masks added to the scores (eager's
 masks and custom ones); values at or below half the dtype's lowest finite value are taken as
-"not allowed". Grouped-query attention (fewer key/value heads) repeats the key and value heads.
+"not allowed". A boolean mask that is key padding (the same keys hidden from every query, with
+or without the causal triangle: the masks of padded batches) reaches the core as key visibility,
+an ``O(L)`` mask (:func:`attention.torch_functional.attention_core`). Grouped-query attention
+(fewer key/value heads) repeats the key and value heads.
 
 Differences from ``"eager"``: the returned attention weights carry no gradient; a query row whose
 keys are all masked gets probabilities 0 (eager: uniform over the masked keys); the dropout mask

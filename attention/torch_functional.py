@@ -113,7 +113,9 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         ``last_core`` names the implementation that ran.
     attn_mask : tensor, optional
         Broadcastable to ``(..., L, S)``: bool, True = NOT allowed, or float, added to the
-        scaled scores.
+        scaled scores. A boolean mask that hides the same keys from every query (key padding),
+        or those and the keys after each query (``L == S``), runs as the core's key visibility,
+        an ``O(L)`` mask, with the causal triangle as ``is_causal``.
     scale : float, optional
         Default ``1 / sqrt(D)``.
     is_causal : bool
@@ -148,11 +150,11 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     for size in lead:
         n *= size
     q, k, v = (t.reshape(n, -1, d).contiguous() for t in (query, key, value))
-    mask = _flat_mask(attn_mask, lead, n, seq_q, seq_k)
+    mask, is_causal = _core_mask(attn_mask, lead, n, seq_q, seq_k, bool(is_causal))
     keep = _dropout_draw((n, seq_q, seq_k), q, float(dropout_p), need_weights, core)
     out, weights = _torch_core_op.apply_core(
         protection, q, k, v, mask, 1 / d ** 0.5 if scale is None else float(scale),
-        bool(is_causal), need_weights, keep, float(dropout_p), core)
+        is_causal, need_weights, keep, float(dropout_p), core)
     out = out.view(*lead, seq_q, d)
     return out, (weights.view(*lead, seq_q, seq_k) if need_weights else None)
 
@@ -190,12 +192,15 @@ def _check_projection(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                          f"{tuple(out_w.shape)} must be {(3 * e, e)} and {(e, e)}")
 
 
-def _flat_mask(mask: torch.Tensor | None, lead: torch.Size, n: int, seq_q: int,
-               seq_k: int) -> torch.Tensor | None:
-    """``mask`` as the core takes it: ``(L, S)`` when shared by every batch item and head, else
-    ``(n, L, S)``."""
+def _core_mask(mask: torch.Tensor | None, lead: torch.Size, n: int, seq_q: int, seq_k: int,
+               causal: bool) -> tuple[torch.Tensor | None, bool]:
+    """``(mask, causal)`` as the core takes them: ``mask`` ``(L, S)`` when shared by every batch
+    item and head, else ``(n, L, S)``; a boolean mask that hides the same keys from every query
+    (key padding: Hugging Face's masks of padded batches), or those keys and the keys after each
+    query (key padding of a causal model, ``L == S``), as ``(n, 1, S)`` with ``causal`` set (no
+    ``L x S`` array: the fused core skips the tiles above the diagonal)."""
     if mask is None:
-        return None
+        return None, causal
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(f"attn_mask must be bool or float, got {mask.dtype}")
     try:
@@ -203,6 +208,31 @@ def _flat_mask(mask: torch.Tensor | None, lead: torch.Size, n: int, seq_q: int,
     except RuntimeError:
         raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to "
                          f"{(*lead, seq_q, seq_k)}") from None
+    if mask.dtype == torch.bool:
+        padding, padded_causal = _key_padding(mask, seq_q, seq_k, causal)
+        if padding is not None:
+            return padding.expand(*lead, 1, seq_k).reshape(n, 1, seq_k).contiguous(), \
+                padded_causal
     if all(s == 1 for s in mask.shape[:-2]) and mask.shape[-2:] == (seq_q, seq_k):
-        return mask.reshape(seq_q, seq_k).contiguous()
-    return full.reshape(n, seq_q, seq_k).contiguous()
+        return mask.reshape(seq_q, seq_k).contiguous(), causal
+    return full.reshape(n, seq_q, seq_k).contiguous(), causal
+
+
+def _key_padding(mask: torch.Tensor, seq_q: int, seq_k: int, causal: bool
+                 ) -> tuple[torch.Tensor | None, bool]:
+    """``(hidden, causal)`` when the boolean ``mask`` (True = not allowed, broadcastable to
+    ``(..., L, S)``) is key padding: ``hidden`` ``(..., 1, S)`` the keys hidden from every query
+    (the last query's, which a causal mask hides nothing more from), ``causal`` whether the mask
+    also hides the keys after each query; ``(None, causal)`` otherwise. Compared in the mask's own
+    shape (its broadcast axes are not expanded)."""
+    if mask.dim() < 2 or mask.shape[-1] != seq_k:
+        return None, causal
+    hidden = mask[..., -1:, :]
+    if mask.shape[-2] == 1 or torch.equal(mask, hidden.expand_as(mask)):
+        return hidden, causal
+    if seq_q != seq_k:
+        return None, causal
+    after = torch.ones(seq_q, seq_k, dtype=torch.bool, device=mask.device).triu(1)
+    if torch.equal(mask | after if causal else mask, hidden | after):
+        return hidden, True
+    return None, causal

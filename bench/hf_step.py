@@ -3,7 +3,7 @@
 Usage::
 
     python bench/hf_step.py [--layers 4] [--width 256] [--heads 4] [--seq 128] [--batch 8]
-                            [--repeats 5] [--cpu-time] [--json PATH]
+                            [--repeats 5] [--padded] [--cpu-time] [--json PATH]
 
 Models are built from configs in code (random weights and token ids, dropout 0, fp32, CPU). Each
 implementation's forward + backward + SGD step is timed in interleaved rounds (load that comes and
@@ -11,7 +11,9 @@ goes hits each alike); the median of ``--repeats`` rounds is printed with the ra
 ``/proc/loadavg`` (other work on the machine shows there). Protected variants, each against
 "sdpa": ``attention`` (the attention products only: ``protect(model, projections=False)``),
 ``projections`` (those and the Q, K, V and output projections: ``protect(model)``) and ``mlp``
-(the feed-forward layers too: ``protect(model, mlp=True)``). ``--cpu-time`` runs PyTorch and the
+(the feed-forward layers too: ``protect(model, mlp=True)``). ``--padded`` passes a padding mask:
+item ``b`` of the batch holds ``seq - (seq // 2) b // batch`` tokens, the rest padding (a padded
+batch of sentences of different lengths). ``--cpu-time`` runs PyTorch and the
 library on one thread (``abftgemm.set_threads(1)``) and times the CPU time of that thread
 (``time.thread_time``): the work a step does, which other load on the machine inflates far less
 than wall time, but without what a second thread gains. ``--json`` also writes the settings, the
@@ -70,6 +72,8 @@ def main() -> None:
     for name, default in (("layers", 4), ("width", 256), ("heads", 4), ("seq", 128),
                           ("batch", 8), ("repeats", 5)):
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--padded", action="store_true",
+                   help="a padding mask: the batch's items right-padded to lengths seq .. seq/2")
     p.add_argument("--cpu-time", action="store_true",
                    help="one PyTorch thread, timed by its CPU time (time.thread_time)")
     p.add_argument("--json", type=Path, help="also write the results to this file")
@@ -80,6 +84,9 @@ def main() -> None:
     clock = time.thread_time if args.cpu_time else time.perf_counter
     torch.manual_seed(0)
     ids = torch.randint(3, 1000, (args.batch, args.seq))
+    lengths = [args.seq - (args.seq // 2) * b // args.batch for b in range(args.batch)]
+    mask = (torch.arange(args.seq) < torch.tensor(lengths)[:, None]).long() \
+        if args.padded else None
     result = {"settings": {k: v for k, v in vars(args).items() if k != "json"},
               "cpu": _cpu_model(), "torch_threads": torch.get_num_threads(),
               "load_before": _load(), "families": {}}
@@ -93,7 +100,7 @@ def main() -> None:
             for k, m in models.items():
                 start = clock()
                 opts[k].zero_grad()
-                m(ids).logits.float().pow(2).mean().backward()
+                m(ids, attention_mask=mask).logits.float().pow(2).mean().backward()
                 opts[k].step()
                 if round_:
                     times[k].append(clock() - start)

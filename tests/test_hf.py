@@ -243,3 +243,24 @@ def test_fused_core_without_padding_and_weights_when_asked(family):
     assert len(out.attentions) == len(ref.attentions) == 2
     for a, b in zip(out.attentions, ref.attentions):
         assert_close(a, b)
+
+
+@pytest.mark.parametrize("family,causal", [("bert", False), ("roberta", False), ("gpt2", True)])
+def test_padding_masks_reach_the_core_as_key_visibility(family, causal, monkeypatch):
+    # a padded batch's boolean masks (and GPT-2's causal triangle with them) reach the core as
+    # key visibility (n, S) and the causal flag, not as an L x S mask
+    from attention import _torch_core_op
+    calls = []
+    real = _torch_core_op.core_forward
+
+    def spy(q, k, v, ctx, **kw):
+        mask, visible = kw.get("attn_mask"), kw.get("key_visible")
+        calls.append((mask is None, None if visible is None else visible.shape, kw["causal"]))
+        return real(q, k, v, ctx, **kw)
+
+    monkeypatch.setattr(_torch_core_op, "core_forward", spy)
+    model = protect(build(family))
+    ids, mask = batch()
+    step(model, ids, mask)
+    assert set(calls) == {(True, (ids.shape[0] * HEADS, ids.shape[1]), causal)}
+    assert {c.last_core for c in attention_cores(model).values()} == {"fused"}
