@@ -192,7 +192,8 @@ def _inputs(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
         raise ValueError(f"scale must be a positive finite number, got {scale}")
     add = _additive(xp, attn_mask, q.shape[0], q.shape[1], k.shape[1])
     if key_visible is not None:
-        if array_module(key_visible) is not xp:
-            raise TypeError(f"key_visible must be a {xp.__name__} array, as q is")
+        if not isinstance(key_visible, xp.ndarray):
+            raise TypeError(f"key_visible must be a {xp.__name__} array, as q is, got "
+                            f"{type(key_visible).__name__}")
         key_visible = key_visible_of(xp, key_visible, q, k)
     return _CoreInputs(q, k, v, scale, bool(causal), add, key_visible)

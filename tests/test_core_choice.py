@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from abftgemm.backend import to_host
 from abftgemm.faults import Fault
 from attention.context import Context
 from attention.core import core_backward, core_forward
 from attention.plan import CheckingPlan
+from conftest import BACKENDS
 from test_fused import _data, _reference
 
 
@@ -50,6 +52,63 @@ def test_masks_run_on_the_fused_core():
         _, want = _run(q, k, v, do, Context(), attn_mask=mask, core="unfused")
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_visibility_equals_its_full_mask_on_both_cores(causal):
+    """``key_visible`` (n, S) gives what the equal boolean attn_mask (n, L, S) gives, fused and
+    unfused, with a head that sees no key (output and gradients 0); a non-finite gradient
+    (the unfused core's forward again) keeps it."""
+    rng = np.random.default_rng(8)
+    q, k, v, do = _data(rng, 3, 70, 70, 16)
+    visible = rng.random((3, 70)) < 0.6
+    visible[1] = False
+    full = np.broadcast_to(~visible[:, None, :], (3, 70, 70)).copy()
+    want = _run(q, k, v, do, Context(), attn_mask=full, causal=causal, core="unfused")[1]
+    for core in ("fused", "unfused"):
+        ctx = Context()
+        ran, got = _run(q, k, v, do, ctx, key_visible=visible, causal=causal, core=core)
+        assert ran == core and not ctx.report.events
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+        assert not np.any(got[0][1]) and not np.any(got[1][1])
+    bad = do.copy()
+    bad[0, 3, 1] = np.inf
+    out, saved = core_forward(q, k, v, Context(), key_visible=visible, causal=causal)
+    assert saved["core"] == "fused"
+    got = core_backward(saved, bad, Context())
+    want = _run(q, k, v, bad, Context(), attn_mask=full, causal=causal, core="unfused")[1]
+    for g, w in zip(got, want[1:]):
+        np.testing.assert_array_equal(np.isfinite(g), np.isfinite(w))
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("core", ["fused", "unfused"])
+def test_key_visibility_on_every_backend(xp, core):
+    """The same on CuPy's kernels (the unfused core's softmax steps, the fused CUDA kernels)."""
+    rng = np.random.default_rng(10)
+    q, k, v, do = _data(rng, 2, 20, 20, 8)
+    visible = rng.random((2, 20)) < 0.6
+    visible[:, 0] = True
+    full = np.broadcast_to(~visible[:, None, :], (2, 20, 20)).copy()
+    want = _run(q, k, v, do, Context(), attn_mask=full, causal=True, core="unfused")[1]
+    ctx = Context()
+    ran, got = _run(*(xp.asarray(t) for t in (q, k, v, do)), ctx,
+                    key_visible=xp.asarray(visible), causal=True, core=core)
+    assert ran == core and not ctx.report.events
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(to_host(g), w, rtol=1e-4, atol=1e-5)
+
+
+def test_key_visibility_refuses_bad_masks():
+    q, k, v, _ = _data(np.random.default_rng(9), 2, 10, 12, 8)
+    with pytest.raises(ValueError, match="key_visible must be a bool array of shape"):
+        core_forward(q, k, v, Context(), key_visible=np.ones((2, 10), bool))
+    with pytest.raises(ValueError, match="key_visible must be a bool array"):
+        core_forward(q, k, v, Context(), key_visible=np.ones((2, 12)))
+    with pytest.raises(TypeError, match="key_visible must be a numpy array"):
+        core_forward(q, k, v, Context(), key_visible=[[True] * 12] * 2)
 
 
 def test_auto_falls_back_to_the_unfused_core():
