@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from attention import _torch_core_op, _torch_op
+from attention._torch_arrays import eager
 from attention._torch_state import Protection
 from attention.fused_choice import check_core
 
@@ -198,7 +199,9 @@ def _core_mask(mask: torch.Tensor | None, lead: torch.Size, n: int, seq_q: int, 
     item and head, else ``(n, L, S)``; a boolean mask that hides the same keys from every query
     (key padding: Hugging Face's masks of padded batches), or those keys and the keys after each
     query (key padding of a causal model, ``L == S``), as ``(n, 1, S)`` with ``causal`` set (no
-    ``L x S`` array: the fused core skips the tiles above the diagonal)."""
+    ``L x S`` array: the fused core skips the tiles above the diagonal). Not while
+    ``torch.compile`` or a tracer records the call (:func:`attention._torch_arrays.eager`):
+    comparing the mask's values is data-dependent there, so the mask goes on whole."""
     if mask is None:
         return None, causal
     if mask.dtype != torch.bool and not mask.is_floating_point():
@@ -208,7 +211,7 @@ def _core_mask(mask: torch.Tensor | None, lead: torch.Size, n: int, seq_q: int, 
     except RuntimeError:
         raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to "
                          f"{(*lead, seq_q, seq_k)}") from None
-    if mask.dtype == torch.bool:
+    if mask.dtype == torch.bool and eager(mask):
         padding, padded_causal = _key_padding(mask, seq_q, seq_k, causal)
         if padding is not None:
             return padding.expand(*lead, 1, seq_k).reshape(n, 1, seq_k).contiguous(), \

@@ -114,3 +114,24 @@ def test_other_boolean_masks_stay_full(core_calls):
     out, _, _ = _run(almost, False)
     assert core_calls == [((B * H, L, L), None, False)]
     torch.testing.assert_close(out, _reference(almost)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_compiled_calls_take_the_mask_whole_and_equal_eager(core_calls):
+    # comparing the mask's values is data-dependent under torch.compile: the compiled graph
+    # hands the mask on whole, for padding and other masks alike, with no graph break
+    protection = Protection()
+
+    def product(q, k, v, mask):
+        return attention_core(q, k, v, protection=protection, attn_mask=mask)[0]
+
+    compiled = torch.compile(product, backend="aot_eager", fullgraph=True)
+    q, k, v = _inputs()
+    gen = torch.Generator().manual_seed(2)
+    other = torch.rand(B, 1, L, L, generator=gen) > 0.6
+    for mask in (_padding([20, 13, 5]).expand(B, 1, L, L), other):
+        core_calls.clear()
+        got = compiled(q, k, v, mask)
+        assert core_calls == [((B * H, L, L), None, False)]
+        torch.testing.assert_close(got, product(q, k, v, mask), rtol=1e-12, atol=1e-12)
+    explained = torch._dynamo.explain(product)(q, k, v, other)
+    assert explained.graph_break_count == 0
