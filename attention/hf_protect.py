@@ -22,6 +22,7 @@ from torch import nn
 from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
 
 import abftgemm
+from attention._torch_arrays import eager
 from attention.hf import NAME, core_of, not_allowed, weights_wanted
 from attention.hf_linear import projection_cores, protect_projections
 from attention.torch_core import ProtectedCore
@@ -59,12 +60,24 @@ class ProtectedGPTNeoSelfAttention(GPTNeoSelfAttention):
         mask = None
         if not causal:
             hidden = self.bias[:, :, seq_k - seq_q:seq_k, :seq_k].logical_not()
-            mask = hidden if attention_mask is None else \
-                not_allowed(attention_mask).to(torch.float32).masked_fill(hidden, -math.inf)
+            mask = hidden if attention_mask is None else _merged(not_allowed(attention_mask), hidden)
         wanted = self.__dict__.get("_abft_weights", True) and weights_wanted()
         out, weights = core_of(self)(query, key, value, mask, 1.0, causal, need_weights=wanted,
                                      dropout=self.attn_dropout.p if self.training else 0.0)
         return out.to(dtype), weights.to(dtype) if wanted else None
+
+
+def _merged(given: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's mask (:func:`attention.hf.not_allowed`'s convention) with the module's causal
+    or window mask ``hidden`` (True = not allowed): boolean where the model's mask only hides
+    keys (every value 0 or ``-inf``: a padded batch's mask), so that the core can take key
+    padding as key visibility (:func:`attention.torch_functional.attention_core`); else float.
+    The values are read only outside ``torch.compile`` and tracing."""
+    if given.dtype == torch.bool:
+        return given | hidden
+    if eager(given) and bool(((given == 0) | (given == -math.inf)).all()):
+        return (given == -math.inf) | hidden
+    return given.to(torch.float32).masked_fill(hidden, -math.inf)
 
 
 def protect_pretrained(model: nn.Module, *, check: str = "correct", projections: bool = True,

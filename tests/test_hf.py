@@ -245,10 +245,12 @@ def test_fused_core_without_padding_and_weights_when_asked(family):
         assert_close(a, b)
 
 
-@pytest.mark.parametrize("family,causal", [("bert", False), ("roberta", False), ("gpt2", True)])
+@pytest.mark.parametrize("family,causal", [("bert", False), ("roberta", False), ("gpt2", True),
+                                           ("gpt-neo", True)])
 def test_padding_masks_reach_the_core_as_key_visibility(family, causal, monkeypatch):
-    # a padded batch's boolean masks (and GPT-2's causal triangle with them) reach the core as
-    # key visibility (n, S) and the causal flag, not as an L x S mask
+    # a padded batch's masks (and the causal triangle with them) reach the core as key
+    # visibility (n, S) and the causal flag, not as an L x S mask; GPT-Neo's local layers (a
+    # window: not key padding) keep theirs
     from attention import _torch_core_op
     calls = []
     real = _torch_core_op.core_forward
@@ -262,5 +264,7 @@ def test_padding_masks_reach_the_core_as_key_visibility(family, causal, monkeypa
     model = protect(build(family))
     ids, mask = batch()
     step(model, ids, mask)
-    assert set(calls) == {(True, (ids.shape[0] * HEADS, ids.shape[1]), causal)}
+    padding = (True, (ids.shape[0] * HEADS, ids.shape[1]), causal)
+    window = (False, None, False)
+    assert set(calls) == ({padding, window} if family == "gpt-neo" else {padding})
     assert {c.last_core for c in attention_cores(model).values()} == {"fused"}
