@@ -9,8 +9,12 @@
 The library's cases each keep a workspace from call to call, as the layer and the PyTorch modules
 keep theirs (scratch arrays and recycled outputs: :class:`attention.workspace.Workspace`).
 
-Timed in interleaved rounds (``bench.timing.time_many``); prints the medians and the ratios to
-``fused_off`` and to ``torch_sdpa``, with the CPU and the load. ``--cpu-time`` runs PyTorch and
+``fused`` and ``fused_off`` are timed in interleaved rounds of their own (``bench.timing.
+time_many``), then ``core`` and ``torch_sdpa`` each in a block of rounds of its own: in one set
+of rounds with them, the fused core ran 1.2-2x slower right after the unfused core (whose
+products run on OpenBLAS's threads, which keep spinning) or PyTorch, so its times measured what
+ran before it (bench/NOTES.md). Prints the medians and the ratios to ``fused_off`` and to
+``torch_sdpa``, with the CPU and the load. ``--cpu-time`` runs PyTorch and
 the library on one thread (``abftgemm.set_threads(1)``: the fused core's numba pool too) and
 times that thread's CPU time (``time.thread_time``), which other load on the machine inflates far
 less than wall time: run it in two checkouts, one after the other and again, to compare commits.
@@ -101,8 +105,12 @@ def main() -> None:
                                                            if args.cpu_time else "")
     for shape in args.shapes.split(","):
         b, h, s, d = (int(x) for x in shape.split("x"))
-        times = time_many(_cases(b, h, s, d, args.causal), args.repeats, warmup=1, gpu=False,
-                          clock=clock)
+        cases = _cases(b, h, s, d, args.causal)
+        blocks = [("fused", "fused_off")] + [(name,) for name in cases if "fused" not in name]
+        times = {}
+        for block in blocks:
+            times.update(time_many({name: cases[name] for name in block}, args.repeats,
+                                   warmup=1, gpu=False, clock=clock))
         print(f"\n({b}, {h}, {s}, {d}) fp32 {kind} fwd+bwd, median ms of {args.repeats}:")
         for name, ms in times.items():
             line = f"  {name:11s} {ms:9.1f} ms   x{ms / times['fused_off']:.2f} vs fused_off"

@@ -42,14 +42,15 @@ def time_gpu(fn: Fn, repeats: int = 20, warmup: int = 3) -> float:
 def time_many(fns: Mapping[str, Fn], repeats: int, warmup: int, *, gpu: bool,
               events: Callable[[], tuple[Any, Any]] | None = None,
               clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
-    """Median ms of each function, timed in interleaved rounds, each round's order rotated by one
-    (f1, f2, f3, then f2, f3, f1, ...).
+    """Median ms of each function, timed in interleaved rounds, the rounds' orders those of a
+    balanced Latin square (:func:`round_order`).
 
     Interleaving puts clock and thermal drift on every function alike, which matters for the
-    protected/unprotected ratio more than for either time alone. Rotating the order puts every
-    function after every other alike: what one leaves behind (a thread pool still spinning after
-    PyTorch's or OpenBLAS's work, a cache full of its data) would otherwise fall on the same
-    function every round. ``events``, when given, makes a
+    protected/unprotected ratio more than for either time alone. Varying the order so that every
+    function runs right after every other as often puts what one leaves behind (a thread pool
+    still spinning after PyTorch's or OpenBLAS's work, a cache full of its data) on every
+    function alike; in one fixed order (or its rotations, which keep each function's
+    predecessor) it would fall on the same function every round. ``events``, when given, makes a
     ``(start, stop)`` pair of objects with ``record()``, ``synchronize()`` and
     ``elapsed_time(stop)`` (used for PyTorch, whose work runs on PyTorch's own stream).
     ``clock`` times CPU calls (seconds; :func:`time.thread_time` for one thread's CPU time).
@@ -62,12 +63,27 @@ def time_many(fns: Mapping[str, Fn], repeats: int, warmup: int, *, gpu: bool,
     if gpu:
         _synchronize()
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    order = list(fns.items())
+    items = list(fns.items())
     for r in range(repeats):
-        shift = r % len(order)
-        for name, fn in order[shift:] + order[:shift]:
+        for i in round_order(r, len(items)):
+            name, fn = items[i]
             samples[name].append(_time_once_gpu(fn, events) if gpu else _time_once_cpu(fn, clock))
     return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def round_order(r: int, n: int) -> list[int]:
+    """Round ``r``'s order of ``n`` functions in a balanced Latin square (Williams' design): over
+    ``n`` consecutive rounds (``2 n`` when ``n`` is odd) each function runs right after each
+    other exactly once."""
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    row = [(x + r) % n for x in first]
+    return row[::-1] if n % 2 and (r // n) % 2 else row
 
 
 def _time_once_cpu(fn: Fn, clock: Callable[[], float]) -> float:
