@@ -36,9 +36,10 @@ def attention_core(protection: int, query: torch.Tensor, key: torch.Tensor, valu
     """``(out, weights, token)`` of contiguous ``query`` ``(n, L, D)``, ``key`` and ``value``
     ``(n, S, D)``; ``attn_mask`` ``(L, S)`` or ``(n, L, S)``, bool (True = not allowed) or float
     (added), or bool ``(n, 1, S)``: key padding, the same keys hidden from every query (run as
-    the core's ``key_visible``, no ``L x S`` array); ``weights`` ``(n, L, S)``, or empty unless ``need_weights``; with ``dropout`` > 0,
-    ``dropout_keep`` ``(n, L, S)`` is its mask (True = kept), or an int64 ``(1,)`` the seed of the
-    fused core's keep decisions (:func:`attention._torch_arrays.dropout_arrays`); ``core`` one of
+    the core's ``key_visible``, no ``L x S`` array); ``weights`` ``(n, L, S)``, or empty unless
+    ``need_weights``; with ``dropout`` > 0, ``dropout_keep`` ``(n, L, S)`` is its mask (True =
+    kept), or an int64 ``(1,)`` the seed of the fused core's keep decisions
+    (:func:`attention._torch_arrays.dropout_arrays`); ``core`` one of
     :data:`attention.core.CORES`; ``protection`` the ``id`` of the
     :class:`attention._torch_state.Protection` the call runs under."""
     out, weights, state = run_core_forward(registered(protection), query, key, value, attn_mask,

@@ -27,10 +27,10 @@ from abftgemm.checksums import SUPPORTED_DTYPES
 from attention.context import Context
 from attention.dropout import Dropout, for_core
 from attention.fused import fused_backward, fused_forward
-from attention.fused_final import verify_grads, verify_output
-from attention.fused_rules import key_visible_of
 from attention.fused_choice import (CORE_SITES, CORES, all_finite, check_core,  # noqa: F401
                                      finite_reason, static_reason)
+from attention.fused_final import verify_grads, verify_output
+from attention.fused_rules import key_visible_of
 from attention.functional import _additive, backward_pass, forward_pass
 from attention.passes import CORE_BACKWARD, CORE_FORWARD, Variant
 from attention.workspace import Workspace
@@ -112,7 +112,8 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
             _, drop = for_core(np, dropout, None, dropout_seed, shape, rng, fused=True)
             out, saved = verify_output(*fused_forward(
                 q, k, v, ctx, scale=inp.scale, causal=inp.causal, attn_mask=inp.attn_add,
-                key_visible=inp.key_visible, dropout=drop[0] if drop else 0.0, dropout_seed=drop[1] if drop else None,
+                key_visible=inp.key_visible, dropout=drop[0] if drop else 0.0,
+                dropout_seed=drop[1] if drop else None,
                 workspace=workspace), ctx)
             return out, {"inputs": inp, "core": "fused", "fused": saved, "probs": None,
                          "probs_dropped": None}

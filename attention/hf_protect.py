@@ -60,7 +60,8 @@ class ProtectedGPTNeoSelfAttention(GPTNeoSelfAttention):
         mask = None
         if not causal:
             hidden = self.bias[:, :, seq_k - seq_q:seq_k, :seq_k].logical_not()
-            mask = hidden if attention_mask is None else _merged(not_allowed(attention_mask), hidden)
+            mask = hidden if attention_mask is None else \
+                _merged(not_allowed(attention_mask), hidden)
         wanted = self.__dict__.get("_abft_weights", True) and weights_wanted()
         out, weights = core_of(self)(query, key, value, mask, 1.0, causal, need_weights=wanted,
                                      dropout=self.attn_dropout.p if self.training else 0.0)
