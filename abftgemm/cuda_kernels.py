@@ -12,6 +12,7 @@ with any non-negative batch stride. Anything else is copied to C order first (:f
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 from typing import Callable, NamedTuple
 
 import cupy
@@ -158,3 +159,28 @@ def raw_module(filename: str) -> cupy.RawModule:
         options=kernels.NVRTC_OPTIONS,
         name_expressions=kernels.MODULES[filename],
     )
+
+
+@functools.cache
+def _typed_module(registry: ModuleType, filename: str, dtype: str) -> cupy.RawModule:
+    """The RawModule of ``registry``'s ``filename`` with only its templates for ``dtype``:
+    NVRTC compiles one element type's kernels on first use, not every type's (the fused core's
+    file takes minutes for all four)."""
+    suffix = f"<{registry.CUDA_TYPES[dtype]}>"
+    return cupy.RawModule(
+        code=registry.source(filename),
+        options=registry.NVRTC_OPTIONS,
+        name_expressions=tuple(n for n in registry.MODULES[filename] if n.endswith(suffix)),
+    )
+
+
+@functools.cache
+def typed_kernel(registry: ModuleType, filename: str, name: str, dtype: str,
+                 device_id: int) -> cupy.RawKernel:
+    """Template ``name`` of ``registry``'s ``filename`` (a kernel registry such as
+    :mod:`abftgemm.kernels`: ``MODULES``, ``CUDA_TYPES``, ``NVRTC_OPTIONS``, ``source``,
+    ``instance``) instantiated for NumPy dtype ``dtype`` on device ``device_id``; compiled with
+    the source and options that ``scripts/compile_kernels.py`` checks in CI."""
+    with cupy.cuda.Device(device_id):
+        return _typed_module(registry, filename, dtype).get_function(
+            registry.instance(name, dtype))

@@ -27,7 +27,6 @@ Imports CuPy at the top: import it only once CuPy arrays are in play.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 import cupy
 import numpy
 
-from abftgemm.cuda_kernels import INT32_MAX, cdiv
+from abftgemm.cuda_kernels import INT32_MAX, cdiv, typed_kernel
 from abftgemm.faults import Fault, near_inf_value
 from attention import _cpu_fused as K
 from attention import kernels
@@ -430,18 +429,7 @@ def _row_encodings(x: cupy.ndarray) -> cupy.ndarray:
     return out
 
 
-@functools.cache
-def _module() -> cupy.RawModule:
-    """The RawModule of fused.cu; CuPy compiles it lazily and caches it per device.
-
-    Same source, options and name expressions as ``scripts/compile_kernels.py`` checks in CI.
-    """
-    return cupy.RawModule(code=kernels.source(kernels.FUSED_FILE), options=kernels.NVRTC_OPTIONS,
-                          name_expressions=kernels.MODULES[kernels.FUSED_FILE])
-
-
-@functools.cache
 def _kernel(device_id: int, name: str, dtype: str) -> cupy.RawKernel:
-    """Template ``name`` instantiated for NumPy dtype ``dtype`` on device ``device_id``."""
-    with cupy.cuda.Device(device_id):
-        return _module().get_function(kernels.instance(name, dtype))
+    """Template ``name`` of fused.cu instantiated for NumPy dtype ``dtype`` on device
+    ``device_id``."""
+    return typed_kernel(kernels, kernels.FUSED_FILE, name, dtype, device_id)

@@ -12,13 +12,12 @@ Imports CuPy at the top: import it only once CuPy arrays are in play. bfloat16 a
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import cupy
 import numpy
 
-from abftgemm.cuda_kernels import INT32_MAX, cdiv
+from abftgemm.cuda_kernels import INT32_MAX, cdiv, typed_kernel
 from abftgemm.verdicts import Slot
 from attention import kernels
 from attention.kernels import softmax_structs as S
@@ -208,19 +207,7 @@ def _blocks(rows: int) -> int:
     return min(cdiv(rows, _BLOCK // 32), INT32_MAX)
 
 
-@functools.cache
-def _module() -> cupy.RawModule:
-    """The RawModule of softmax.cu; CuPy compiles it lazily and caches it per device.
-
-    Same source, options and name expressions as ``scripts/compile_kernels.py`` checks in CI.
-    """
-    return cupy.RawModule(code=kernels.source(kernels.SOFTMAX_FILE),
-                          options=kernels.NVRTC_OPTIONS,
-                          name_expressions=kernels.MODULES[kernels.SOFTMAX_FILE])
-
-
-@functools.cache
 def _kernel(device_id: int, name: str, dtype: str) -> cupy.RawKernel:
-    """Template ``name`` instantiated for NumPy dtype ``dtype`` on device ``device_id``."""
-    with cupy.cuda.Device(device_id):
-        return _module().get_function(kernels.instance(name, dtype))
+    """Template ``name`` of softmax.cu instantiated for NumPy dtype ``dtype`` on device
+    ``device_id``."""
+    return typed_kernel(kernels, kernels.SOFTMAX_FILE, name, dtype, device_id)

@@ -48,7 +48,7 @@ def _cases(batch: int, heads: int, seq: int, d: int, dtype: str
 
     def core() -> Any:
         ctx = Context()
-        _, saved = core_forward(q, k, v, ctx, causal=True)
+        _, saved = core_forward(q, k, v, ctx, causal=True, core="unfused")
         return core_backward(saved, do, ctx)
 
     cases = {"fused": fused("correct"), "fused_off": fused("off"), "core": core}

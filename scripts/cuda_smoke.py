@@ -116,7 +116,7 @@ def reference_reduce(x: cupy.ndarray, coef: cupy.ndarray | None, batch: int, row
         c0 = c2 = cupy.ones(length)
         c1 = cupy.arange(1, length + 1, dtype=cupy.float64) / length
     else:
-        c0, c1, c2 = (coef[:, None, :, j] for j in range(3))
+        c0, c1, c2 = (coef[j][:, None, :] for j in range(3))  # coef (3, batch or 1, length)
     bad = ~cupy.isfinite(v)
     index = cupy.arange(length, dtype=cupy.float64)
     return cupy.stack([
@@ -152,8 +152,8 @@ def reduce_cases() -> Iterator[tuple[str, Callable[[], str]]]:
                     length = c if rows else r
                     kind = "row" if rows else "col"
                     coefs = {"none": None,
-                             "coef": cupy.asarray(RNG.standard_normal((batch, length, 3))),
-                             "coef bcast": cupy.asarray(RNG.standard_normal((1, length, 3)))}
+                             "coef": cupy.asarray(RNG.standard_normal((3, batch, length))),
+                             "coef bcast": cupy.asarray(RNG.standard_normal((3, 1, length)))}
                     for cname, coef in coefs.items():
                         yield (f"{kind}_reduce {dtype} {batch}x{r}x{c} x={layout} {cname}",
                                lambda x=x, coef=coef, b=batch, rows=rows:

@@ -20,7 +20,7 @@ PY="${PYTHON:-python3}"
 export PYTHONPATH="${PYTHONPATH:-.}" PYTHONUNBUFFERED=1
 # 30 examples per property: the device time is short, and CI runs the CPU cases with 300.
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}"
-STEPS=" ${GPU_CHECK_STEPS:-smoke smoke_softmax pytest calibrate bench_gemm bench_attention bench_sites bench_torch bench_fused} "
+STEPS=" ${GPU_CHECK_STEPS:-smoke smoke_softmax pytest bench_fused calibrate bench_gemm bench_attention bench_sites bench_torch} "
 END=$((SECONDS + ${GPU_CHECK_SECONDS:-330}))
 LOG="$OUT/gpu_check.log"
 mkdir -p "$OUT"
@@ -58,20 +58,20 @@ step() {
 step smoke 60 $PY scripts/cuda_smoke.py
 step smoke_softmax 120 $PY scripts/cuda_smoke_softmax.py
 # Every test body parametrized with xp=cupy or device=cuda (the NVRTC compile test runs in CI);
-# with pytest-timeout, no single test may hang the step.
+# with pytest-timeout, no single test may hang the step; without it, faulthandler prints every
+# thread's stack when a test has run for 60 s (a kernel that never returns ignores SIGINT).
 PER_TEST=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout=90")
-ABFT_REQUIRE_GPU=1 step pytest 180 $PY -m pytest -q -rfE --maxfail=25 -p no:cacheprovider \
-    $PER_TEST -k "(cupy or cuda) and not compiles" tests
+ABFT_REQUIRE_GPU=1 step pytest 240 $PY -m pytest -q -rfE --maxfail=25 -p no:cacheprovider \
+    -o faulthandler_timeout=60 $PER_TEST -k "(cupy or cuda) and not compiles" tests
+# The fused core's CUDA kernels (tests/test_fused_cuda.py runs in the pytest step): fwd+bwd against
+# the unfused core and PyTorch's flash SDPA, BERT-base and Llama-like shapes, float16.
+step bench_fused 90 $PY bench/fused_cuda.py --repeats 10
 step calibrate 40 $PY scripts/calibrate_thresholds.py --backend cupy
 step bench_gemm 100 $PY bench/gemm.py --backend cupy --json "$OUT/bench_gemm.json"
 step bench_attention 100 $PY bench/attention.py --backend cupy --json "$OUT/bench_attention.json"
 step bench_sites 60 $PY bench/attention.py --backend cupy --sites --cases bert-base --repeats 10 \
     --json "$OUT/bench_attention_sites.json"
 step bench_torch 60 $PY bench/torch_adapter.py --device cuda --json "$OUT/bench_torch_adapter.json"
-# The fused core's CUDA kernels (tests/test_fused_cuda.py runs in the pytest step): fwd+bwd against
-# the unfused core and PyTorch's flash SDPA, BERT-base and Llama-like shapes, float16.
-step bench_fused 90 $PY bench/fused_cuda.py --repeats 10
-
 echo "=== done at ${SECONDS}s" | tee -a "$LOG"
 [ ${#skipped[@]} -ne 0 ] && echo "SKIPPED steps (no time left): ${skipped[*]}" | tee -a "$LOG"
 if [ ${#failed[@]} -ne 0 ]; then
