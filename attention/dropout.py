@@ -149,8 +149,11 @@ class DropoutStep:
         return self.verdict
 
     def _dropped(self) -> Any:
+        """``P * scale`` where kept, else 0, in P's dtype (on bfloat16 data CuPy 14.2 returned
+        this in float32: rounded back here, one rounding of the exact product either way)."""
         xp, p = array_module(self.probs), self.probs
-        return xp.where(self.dropout.keep, p * p.dtype.type(self.dropout.scale), p.dtype.type(0))
+        kept = xp.where(self.dropout.keep, p * p.dtype.type(self.dropout.scale), p.dtype.type(0))
+        return kept.astype(p.dtype, copy=False)
 
     def _judged(self) -> Any:
         """The number of entries whose bits differ from a recomputation (on the device until
