@@ -2,14 +2,13 @@
 
 The fused attention core runs in numba's thread pool. A product that NumPy's BLAS (OpenBLAS)
 spreads over its own threads leaves those threads spinning for a while after it returns, on the
-cores numba's threads need next: the core ran 1.5-1.9x slower right after the layer's
-projections than alone (bench/NOTES.md). So in the passes that run the fused core
+cores numba's threads need next, and the core ran slower right after the layer's projections
+than alone (bench/NOTES.md). So in the passes that run the fused core
 (``blas_scope(numba_pool=True)``) a product large enough for the BLAS to thread is cut into one
 row block per thread of the library's policy, each block one single-threaded BLAS call (SciPy's,
 through numba's ``np.dot``) from a thread of numba's pool: one pool for the whole pass, at the
-speed of the BLAS's own threads (measured alone at 512^3, 2048^3 and the projections' shapes).
-Elsewhere the BLAS keeps its threads, since a caller's own NumPy products next to ours would
-meet the same contention the other way round (2.5-3x, alternating the two at 2048^3). Smaller
+speed of the BLAS's own threads (bench/NOTES.md). Elsewhere the BLAS keeps its threads, since a
+caller's own NumPy products next to ours would meet the same contention the other way round. Smaller
 products, one thread, and what numba's ``np.dot`` cannot take (16-bit, mixed dtypes, strided or
 overlapping operands) go to ``np.matmul``.
 """

@@ -165,7 +165,7 @@ def raw_module(filename: str) -> cupy.RawModule:
 def _typed_module(registry: ModuleType, filename: str, dtype: str) -> cupy.RawModule:
     """The RawModule of ``registry``'s ``filename`` with only its templates for ``dtype``:
     NVRTC compiles one element type's kernels on first use, not every type's (the fused core's
-    file takes minutes for all four)."""
+    take the longest: bench/NOTES.md)."""
     suffix = f"<{registry.CUDA_TYPES[dtype]}>"
     return cupy.RawModule(
         code=registry.source(filename),

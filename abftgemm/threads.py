@@ -27,8 +27,7 @@ in numba's thread pool, at the policy's count, with every BLAS at one thread ins
 pool runs beside numba's: the fused attention core (:mod:`attention.fused`), and, in the passes
 that run it, the products large enough for the BLAS to thread (``blas_scope(numba_pool=True)``,
 :mod:`abftgemm._cpu_gemm`: one row block per thread). Each pool's threads spin for a while after
-its work, and the other pool's calls wait for the cores they hold: alternating the two costs
-2.5-3x (bench/NOTES.md).
+its work, and the other pool's calls wait for the cores they hold (bench/NOTES.md).
 Elsewhere (:func:`abftgemm.matmul`, the unfused attention core), at one thread, or for small
 products only, numba never starts its pool (tests/test_threads.py, tests/test_cpu_gemm.py).
 PyTorch: the library never changes PyTorch's own thread settings; it only counts them, as

@@ -88,8 +88,8 @@ def no_hook(site: int, tile: Any) -> None:
 def _dot(a: Any, b: Any, out: Any) -> None:
     """``out = a @ b`` through BLAS (numba's ``np.dot``, with SciPy's BLAS), ``a`` and ``out``
     C-contiguous, in one call: the kernels run inside :func:`abftgemm.threads.one_blas_thread`,
-    so the BLAS runs it on the calling thread. BLAS tile products run about 2x faster than
-    register-blocked numba loops."""
+    so the BLAS runs it on the calling thread (faster than register-blocked numba loops:
+    bench/NOTES.md)."""
     np.dot(a, b, out)
 
 
@@ -185,7 +185,7 @@ def _pair_sums(a: Any, keep: Any, ks: Any, drop: bool, r: int, r2: int, e0: Any,
                e2: Any) -> tuple:
     """:func:`_carry`'s four float64 sums of rows ``r`` and ``r2`` of ``a`` (``a_d . e0``,
     ``a_d . e1``, ``|a_d| . e2``, ``sum a``) in one pass: two rows share the loads of ``E``
-    (1.3x faster than a row a pass; three or four rows a pass ran slower)."""
+    (faster than one, three or four rows a pass: bench/NOTES.md)."""
     ar, br = a[r], a[r2]
     t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = 0.0
     for j in range(a.shape[1]):
@@ -231,9 +231,8 @@ def transpose_blocks(x: Any, out: Any) -> None:
 def _transpose_block(src: Any, out: Any) -> None:
     """``out`` ``(d, w)`` = ``src^T`` (``src`` ``(w, d)``), C-contiguous: a key block as the right
     operand of ``S = Q K^T`` or ``dP = dO V^T`` in the layout BLAS multiplies fastest (a
-    transposed view runs OpenBLAS's ``NT`` kernels, about 2x slower on these tiles:
-    bench/NOTES.md)."""
-    for c in range(src.shape[1]):  # rows of the block written in order: 1.7x faster than columns
+    transposed view runs OpenBLAS's slower ``NT`` kernels: bench/NOTES.md)."""
+    for c in range(src.shape[1]):  # rows of the block written in order, faster than columns
         row = out[c]
         for j in range(src.shape[0]):
             row[j] = src[j, c]

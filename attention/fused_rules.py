@@ -58,7 +58,7 @@ def coefficients(k: int, length: int, dtype: np.dtype, roundings: int = 0) -> np
 @functools.lru_cache(maxsize=512)
 def _coefficients(k: int, length: int, dtype: np.dtype, roundings: int) -> tuple[float, ...]:
     """:func:`coefficients` as numbers, computed once per shape (each call of the fused core
-    takes seven: about 0.1 ms of Python apiece)."""
+    takes seven)."""
     c_obs, c_pred, floor, _ = threshold_coefficients(k, length, dtype)
     u = unit_roundoff(accumulation_dtype(dtype))
     return (c_obs, c_pred + roundings * u, floor,

@@ -11,8 +11,7 @@ from :meth:`Workspace.recycled` (the fused core's outputs, the unfused pass's re
 arrays), which hands out again an output array that nothing references any more instead of a
 new one. A new array of a megabyte or more is fresh memory from the operating system whenever the
 C allocator has returned the last one's pages, and its first write then takes a page fault per 4
-KiB page (about 3 us each on a virtual machine: 2000 of them, 7 ms, in one fused call at (1, 8,
-1024, 64); bench/NOTES.md).
+KiB page (bench/NOTES.md counts them).
 """
 from __future__ import annotations
 

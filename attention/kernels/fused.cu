@@ -222,8 +222,8 @@ __device__ __forceinline__ double flip_bit(double x, int bit) {
 }
 
 // x corrupted as the descriptor says (the element is the one it names): out of line, since the
-// hot loops call inject once per element and inlining this body there made NVRTC's output of the
-// forward 4.5x longer (56,600 PTX lines, about 50 s to compile; 12,500 lines, 4 s out of line).
+// hot loops call inject once per element, and inlined there this body multiplied the kernels'
+// code and NVRTC's compile time (bench/NOTES.md, GPU 2026-12-04).
 template <typename A> __device__ __noinline__ A corrupt(const FaultAt& ft, A x) {
     const double old = to_double(x);
     ft.f[F_HITS] += 1.0;
