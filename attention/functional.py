@@ -477,7 +477,8 @@ class _Pass:
             self._heads[step.out] = enc
             enc = _stacked_encoding(self.xp, [enc], self.inp.batch,
                                     self.ws.buffer(step.out + "^sums", self.xp,
-                                                   (3, 1, self.inp.d_model), np.float64))
+                                                   (3, 1, self.inp.d_model), np.float64),
+                                    self.ws, step.out)
         self.sums[step.out] = enc
         return step.sums
 
@@ -496,7 +497,7 @@ class _Pass:
         if any(e is None for e in heads):
             return None
         self.sums[step.out] = _stacked_encoding(self.xp, heads, self.inp.batch, self.ws.buffer(
-            step.out + "^sums", self.xp, (3, 1, out.shape[1]), np.float64))
+            step.out + "^sums", self.xp, (3, 1, out.shape[1]), np.float64), self.ws, step.out)
         return " ".join(step.ins)
 
     def column_sum(self, step: Step) -> None:
@@ -715,23 +716,29 @@ def _gradient_buffers(given: dict[str, Any], inp: "_Inputs") -> dict[str, Any]:
     return out
 
 
-def _stacked_encoding(xp: Any, parts: list[Any], batch: int, out: Any) -> Any:
+def _stacked_encoding(xp: Any, parts: list[Any], batch: int, out: Any, ws: Workspace,
+                      name: str) -> Any:
     """Column encoding ``out`` ``(3, 1, width)`` of a ``(batch * seq, width)`` matrix from the
     column encodings of its head blocks over each batch item's ``seq`` rows (``parts``, side by
     side, each ``(3, batch * heads, head_dim)``, as the per-head products observe them). Plain
     and absolute sums add up over the items; the location weight of row ``s`` of item ``b``,
     ``(b * seq + s + 1) / (batch * seq)``, is ``b / batch`` plus the item's own ``(s + 1) /
-    seq`` over ``batch`` (numba on the CPU: :func:`attention._cpu_encodings.stack`)."""
+    seq`` over ``batch`` (numba on the CPU: :func:`attention._cpu_encodings.stack`; on CuPy in
+    ``ws``'s buffers, named after ``name``: no allocation after the first call)."""
     if xp is np:
         from attention import _cpu_encodings  # numba: loaded with the CPU path only
 
         _cpu_encodings.stack(tuple(parts), batch, out)
         return out
-    e = xp.concatenate([x.reshape(3, batch, -1) for x in parts], axis=2)  # (3, batch, width)
-    item = (xp.arange(batch, dtype=np.float64) / batch)[:, None]
-    weighted = e[1] / batch
-    weighted[1:] += item[1:] * e[0, 1:]  # item 0's weight is 0: no 0 * inf = NaN
+    e = ws.buffer(name + "^items", xp, (3, batch, out.shape[2]), np.float64)
+    xp.concatenate([x.reshape(3, batch, -1) for x in parts], axis=2, out=e)
     e[0].sum(axis=0, out=out[0, 0])
-    weighted.sum(axis=0, out=out[1, 0])
     e[2].sum(axis=0, out=out[2, 0])
+    xp.divide(e[1], batch, out=e[1])
+    if batch > 1:  # item 0's weight is 0: left out, no 0 * inf = NaN
+        item = ws.constant(f"item weights {batch}", xp, lambda: (
+            xp.arange(1, batch, dtype=np.float64) / batch)[:, None])
+        xp.multiply(item, e[0, 1:], out=e[0, 1:])
+        xp.add(e[1, 1:], e[0, 1:], out=e[1, 1:])
+    e[1].sum(axis=0, out=out[1, 0])
     return out

@@ -16,7 +16,7 @@ KiB page (bench/NOTES.md counts them).
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -76,6 +76,15 @@ class Workspace:
             self.counters.allocations += 1
             buf = self._buffers[key] = xp.empty(shape, dtype=dtype)
         return buf
+
+    def constant(self, name: str, xp: Any, make: Callable[[], Any]) -> Any:
+        """The array ``make()`` returned at the first call with this name and array module."""
+        key = (name, xp.__name__)
+        value = self._buffers.get(key)
+        if value is None:
+            self.counters.allocations += 1
+            value = self._buffers[key] = make()
+        return value
 
     def recycled(self, name: str, xp: Any, shape: tuple[int, ...], dtype: Any) -> Any:
         """A C-contiguous array of array module ``xp`` for a new output (contents undefined).

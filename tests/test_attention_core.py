@@ -16,7 +16,8 @@ from attention import (ALL_SITES, CROSS_SITES, INVARIANT_SITES, SITES, Context,
 from attention import reference as ref
 from attention.core import CORE_SITES
 from attention.fused import FUSED_SITES
-from conftest import BACKENDS
+from attention.workspace import Workspace
+from conftest import BACKENDS, CUDA_ON_CPU
 
 #: float64 layers against float64 math in another order: sums of at most 3*d_model = 48 terms of
 #: magnitude <= ~10 (O(1) data, unnormalized sums) round to <= 48 * 10 * 2^-53 ~ 5e-14 each, a few
@@ -197,6 +198,13 @@ def test_clean_step_syncs_twice_and_allocates_nothing_new(xp):
     gpu = xp is not np
     assert forward == (1 if gpu else 2, int(gpu))
     assert backward == (0, int(gpu))
+    if xp is CUDA_ON_CPU:  # device memory: a clean backward allocates its results and nothing else
+        from cuda_on_cpu import memory
+
+        y, cache = layer.forward(x)
+        made = memory.allocations_made()
+        dx, grads = layer.backward(dy, cache)
+        assert memory.allocations_made() - made == 1 + len(grads)
     if xp is np:  # independent check: what one more step leaves allocated beyond its results
         tracemalloc.start()
         snap = tracemalloc.take_snapshot()
@@ -292,8 +300,10 @@ def test_composed_encoding_is_the_stacked_matrix_encoding_on_both_code_paths():
             return getattr(np, name)
 
     for xp in (np, ArrayModule()):
-        got = _stacked_encoding(xp, parts, batch, np.empty((3, 1, stacked.shape[1])))
-        np.testing.assert_allclose(got[:, 0], want, rtol=1e-13, atol=1e-13)
+        ws = Workspace()
+        for _ in range(2):  # the second call on the workspace's buffers and weights
+            got = _stacked_encoding(xp, parts, batch, np.empty((3, 1, stacked.shape[1])), ws, "x")
+            np.testing.assert_allclose(got[:, 0], want, rtol=1e-13, atol=1e-13)
 
 
 @pytest.mark.parametrize("check", ["off", "correct"])

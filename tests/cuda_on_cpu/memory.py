@@ -87,12 +87,20 @@ class Allocation:
 
 
 _LIVE: "weakref.WeakValueDictionary[int, Allocation]" = weakref.WeakValueDictionary()
+_MADE = 0
 
 
 def allocate(nbytes: int, fresh: bool) -> Allocation:
+    global _MADE
     alloc = Allocation(nbytes, fresh)
     _LIVE[alloc.ptr] = alloc
+    _MADE += 1
     return alloc
+
+
+def allocations_made() -> int:
+    """Device allocations made so far in this process (every array: results, temporaries)."""
+    return _MADE
 
 
 def find(ptr: int) -> Allocation | None:
