@@ -15,8 +15,9 @@ between their projections (:func:`attention.functional.attention_forward`, so
 :class:`attention.MultiHeadAttention` and :class:`attention.torch.MultiheadAttention`); the
 unfused core stays the reference and the path for what this one does not support (an explicit
 dropout mask, the attention weights), and, under ``core="auto"``, for GPU data: the CUDA kernels
-have not yet run on a GPU, so :func:`attention.core.core_forward` and the layers run CuPy data
-on them, their final checks included, with ``core="fused"`` only. float16 and bfloat16 data
+are slower than the unfused core on a GPU (bench/NOTES.md), so
+:func:`attention.core.core_forward` and the layers run CuPy data on them, their final checks
+included, with ``core="fused"`` only. float16 and bfloat16 data
 (``ml_dtypes.bfloat16``, as :func:`abftgemm._torch.to_array` hands PyTorch's bfloat16 over) are
 converted to float32 at the entry (Q, K, V, and backward dO and O: O(L d) per head, exact),
 every tile is computed, accumulated and checked in float32 with float32's thresholds, and the

@@ -35,13 +35,14 @@ def static_reason(xp: Any, dtype: np.dtype, attn_add: Any | None, ctx: Context,
     attention dropout with its keep decisions drawn from a seed (not a given mask
     ``dropout_keep``: the unfused core applies that), no attention weights, and checks every
     tile on every call. NumPy data run its CPU kernels; CuPy data its CUDA kernels
-    (:mod:`attention._cuda_fused`, final checks included) only where ``forced``: they have not
-    yet run on a GPU, so ``core="auto"`` keeps such data on the unfused core. ``forced``
+    (:mod:`attention._cuda_fused`, final checks included) only where ``forced``: on an H200
+    they were several times slower than the unfused core (bench/NOTES.md), so ``core="auto"``
+    keeps such data on the unfused core. ``forced``
     (``core="fused"``): a fault hook and a plan that checks the product's sites less often do
     not count (the hook then sees the fused sites)."""
     if xp is not np and not forced:
-        return f"the data are {xp.__name__} arrays (the fused CUDA kernels have not yet run on a " \
-               "GPU; core='fused' runs them)"
+        return f"the data are {xp.__name__} arrays (the fused CUDA kernels are slower than the " \
+               "unfused core on a GPU; core='fused' runs them)"
     if dtype not in FUSED_DTYPES:
         return f"dtype {dtype} (the fused core takes float16, bfloat16, float32 and float64)"
     if attn_add is not None and not additive_ok(xp, attn_add, dtype):
