@@ -23,7 +23,7 @@ PY="${PYTHON:-python3}"
 export PYTHONPATH="${PYTHONPATH:-.}" PYTHONUNBUFFERED=1
 # 30 examples per property: the device time is short, and CI runs the CPU cases with 300.
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}"
-STEPS=" ${GPU_CHECK_STEPS:-smoke pytest pytest_fused bench_fused bench_attention bench_torch calibrate bench_gemm bench_sites smoke_softmax} "
+STEPS=" ${GPU_CHECK_STEPS:-smoke pytest pytest_rest pytest_fused bench_fused bench_attention bench_torch calibrate bench_gemm bench_sites smoke_softmax} "
 END=$((SECONDS + ${GPU_CHECK_SECONDS:-480}))
 LOG="$OUT/gpu_check.log"
 mkdir -p "$OUT"
@@ -62,11 +62,20 @@ step smoke 60 $PY scripts/cuda_smoke.py
 # Every test body parametrized with xp=cupy or device=cuda (the NVRTC compile test runs in CI, the
 # CPU sanitizer's own tests are CI's); with pytest-timeout, no single test may hang a step; without
 # it, faulthandler prints every thread's stack when a test has run for 60 s (a kernel that never
-# returns, or NVRTC compiling, ignores SIGINT). The fused core's tests come second.
+# returns, or NVRTC compiling, ignores SIGINT). The fused core's tests come last.
 PER_TEST=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout=120")
 GPU_TESTS="(cupy or cuda) and not compiles and not cuda_on_cpu"
-ABFT_REQUIRE_GPU=1 step pytest 200 $PY -m pytest -q -rfE --maxfail=25 -p no:cacheprovider \
-    -o faulthandler_timeout=60 $PER_TEST -k "$GPU_TESTS and not fused" tests
+# The files that had not run on a GPU longest come first, in a step of their own.
+FIRST=""
+for f in test_matmul test_plan test_numpy_semantics test_nonfinite test_thresholds test_warnings \
+         test_softmax_checks test_passes test_torch_matmul test_torch_attention; do
+    FIRST="$FIRST tests/$f.py"
+done
+ABFT_REQUIRE_GPU=1 step pytest 150 $PY -m pytest -q -rfE --maxfail=25 -p no:cacheprovider \
+    -o faulthandler_timeout=60 $PER_TEST -k "$GPU_TESTS and not fused" $FIRST
+ABFT_REQUIRE_GPU=1 step pytest_rest 150 $PY -m pytest -q -rfE --maxfail=25 -p no:cacheprovider \
+    -o faulthandler_timeout=60 $PER_TEST -k "$GPU_TESTS and not fused" \
+    $(for f in $FIRST; do echo "--ignore=$f"; done) tests
 ABFT_REQUIRE_GPU=1 step pytest_fused 240 $PY -m pytest -q -rfE --maxfail=25 -p no:cacheprovider \
     -o faulthandler_timeout=90 $PER_TEST -k "$GPU_TESTS and fused" tests
 # The fused core's CUDA kernels: fwd+bwd against the unfused core and PyTorch's flash SDPA,
