@@ -150,28 +150,17 @@ def plain_math(handle: int) -> Callable[[], None]:
     return restore
 
 
-@functools.cache
 def raw_module(filename: str) -> cupy.RawModule:
     """The RawModule of ``filename`` (a key of :data:`abftgemm.kernels.MODULES`); CuPy compiles
     it lazily and caches it per device."""
-    return cupy.RawModule(
-        code=kernels.source(filename),
-        options=kernels.NVRTC_OPTIONS,
-        name_expressions=kernels.MODULES[filename],
-    )
+    return _module(kernels, filename, kernels.MODULES[filename])
 
 
 @functools.cache
-def _typed_module(registry: ModuleType, filename: str, dtype: str) -> cupy.RawModule:
-    """The RawModule of ``registry``'s ``filename`` with only its templates for ``dtype``:
-    NVRTC compiles one element type's kernels on first use, not every type's (the fused core's
-    take the longest: bench/NOTES.md)."""
-    suffix = f"<{registry.CUDA_TYPES[dtype]}>"
-    return cupy.RawModule(
-        code=registry.source(filename),
-        options=registry.NVRTC_OPTIONS,
-        name_expressions=tuple(n for n in registry.MODULES[filename] if n.endswith(suffix)),
-    )
+def _module(registry: ModuleType, filename: str, names: tuple[str, ...]) -> cupy.RawModule:
+    """The RawModule of ``registry``'s ``filename`` with the name expressions ``names``."""
+    return cupy.RawModule(code=registry.source(filename), options=registry.NVRTC_OPTIONS,
+                          name_expressions=names)
 
 
 @functools.cache
@@ -181,6 +170,9 @@ def typed_kernel(registry: ModuleType, filename: str, name: str, dtype: str,
     :mod:`abftgemm.kernels`: ``MODULES``, ``CUDA_TYPES``, ``NVRTC_OPTIONS``, ``source``,
     ``instance``) instantiated for NumPy dtype ``dtype`` on device ``device_id``; compiled with
     the source and options that ``scripts/compile_kernels.py`` checks in CI."""
+    # One element type's templates: NVRTC compiles those on first use, not every type's (the
+    # fused core's take the longest: bench/NOTES.md).
+    suffix = f"<{registry.CUDA_TYPES[dtype]}>"
+    names = tuple(n for n in registry.MODULES[filename] if n.endswith(suffix))
     with cupy.cuda.Device(device_id):
-        return _typed_module(registry, filename, dtype).get_function(
-            registry.instance(name, dtype))
+        return _module(registry, filename, names).get_function(registry.instance(name, dtype))
