@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from abftgemm._torch import any_tensor, tensor_matmul
+from abftgemm.tensors import any_tensor, tensor_matmul
 from abftgemm.backend import array_module, get_backend
 from abftgemm.checksums import Checksums
 from abftgemm.operands import Operands

@@ -448,11 +448,10 @@ class _Layout:
     def of(cls, a: Any, b: Any, bias: Any | None, op: Operands) -> "_Layout | None":
         """The layout of planned arrays ``a``, ``b``, ``bias`` that ``op`` only reshapes;
         None for anything else (array-likes, promotions, 1-D operands, broadcasts)."""
-        kind = type(a)
-        if not (kind is np.ndarray or is_cupy_array(a)) or type(b) is not kind:
+        if layout_key(a, b, bias) is None:
             return None
-        if any(x is not None and (type(x) is not kind or x.dtype != op.dtype)
-               for x in (a, b, bias)):
+        kind = type(a)
+        if any(x is not None and x.dtype != op.dtype for x in (a, b, bias)):
             return None
         if a.ndim < 2 or b.ndim < 2 or a.size != op.a.size or b.size != op.b.size:
             return None
@@ -475,6 +474,24 @@ class _Layout:
             return None
         return Operands(self.xp, a.reshape(self.a3_shape), b.reshape(self.b3_shape), bias,
                         self.batch_shape, self.shape, out)
+
+
+def layout_key(*arrays: Any | None) -> tuple | None:
+    """What identifies the layout of NumPy or CuPy ``arrays`` (None entries allowed): their array
+    type and device, and each one's dtype and shape. None for anything else (array-likes, a mix
+    of array types). A plan takes arrays of the layout it was made from without validating them
+    (:class:`_Layout`); plan caches are keyed by this."""
+    first = arrays[0]
+    kind = type(first)
+    if kind is np.ndarray:
+        device = -1
+    elif is_cupy_array(first):
+        device = first.device.id
+    else:
+        return None
+    if any(x is not None and type(x) is not kind for x in arrays):
+        return None
+    return (kind, device) + tuple(None if x is None else (x.dtype, x.shape) for x in arrays)
 
 
 def settle_all(plans: list[ProtectedMatmul]) -> list[Report]:

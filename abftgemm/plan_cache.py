@@ -26,11 +26,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-import numpy as np
-
-from abftgemm.backend import is_cupy_array
 from abftgemm.operands import Operands
-from abftgemm.plan import Counters, ProtectedMatmul, signature_of
+from abftgemm.plan import Counters, ProtectedMatmul, layout_key, signature_of
 
 #: Plans kept by each thread's default cache.
 CAPACITY = 8
@@ -123,17 +120,8 @@ def clear_plan_cache() -> None:
 
 def _layout_key(a: Any, b: Any, bias: Any | None, check: str, directions: str) -> tuple | None:
     """What identifies arrays' layout and the options (None for anything but arrays)."""
-    kind = type(a)
-    if kind is np.ndarray:
-        device = -1
-    elif is_cupy_array(a):
-        device = a.device.id
-    else:
-        return None
-    if type(b) is not kind or (bias is not None and type(bias) is not kind):
-        return None
-    return (kind, a.dtype, b.dtype, a.shape, b.shape,
-            None if bias is None else (bias.dtype, bias.shape), device, check, directions)
+    key = layout_key(a, b, bias)
+    return None if key is None else key + (check, directions)
 
 
 def _device(xp: Any) -> int:

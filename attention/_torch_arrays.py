@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from abftgemm._torch import to_array
+from abftgemm.tensors import to_array
 from abftgemm.threads import blas_scope
 
 

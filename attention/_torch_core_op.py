@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from abftgemm._torch import device_scope, to_tensor
+from abftgemm.tensors import device_scope, to_tensor
 from abftgemm.report import Report
 from torch.autograd.function import once_differentiable
 

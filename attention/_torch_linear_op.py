@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
-from abftgemm._torch import device_scope
+from abftgemm.tensors import device_scope
 from abftgemm.plan import ProtectedMatmul, settle_all
 from abftgemm.report import Report
 from attention._torch_arrays import array, eager, threads

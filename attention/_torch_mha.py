@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from abftgemm._torch import device_scope, to_tensor
+from abftgemm.tensors import device_scope, to_tensor
 from abftgemm.report import Report
 from attention._torch_arrays import array, dropout_arrays, threads
 from attention._torch_state import Protection

@@ -18,7 +18,7 @@ dropout mask, the attention weights), and, under ``core="auto"``, for GPU data: 
 are slower than the unfused core on a GPU (bench/NOTES.md), so
 :func:`attention.core.core_forward` and the layers run CuPy data on them, their final checks
 included, with ``core="fused"`` only. float16 and bfloat16 data
-(``ml_dtypes.bfloat16``, as :func:`abftgemm._torch.to_array` hands PyTorch's bfloat16 over) are
+(``ml_dtypes.bfloat16``, as :func:`abftgemm.tensors.to_array` hands PyTorch's bfloat16 over) are
 converted to float32 at the entry (Q, K, V, and backward dO and O: O(L d) per head, exact),
 every tile is computed, accumulated and checked in float32 with float32's thresholds, and the
 results are rounded to the data's dtype on the way out.
@@ -141,7 +141,7 @@ from attention.fused_rules import (additive_of, check_gradient, check_inputs, dr
                                    kernel_dropout, key_visible_of)
 from attention.workspace import Workspace
 
-#: The data dtypes: float16 and bfloat16 (``ml_dtypes``, as :mod:`abftgemm._torch` hands PyTorch's
+#: The data dtypes: float16 and bfloat16 (``ml_dtypes``, as :mod:`abftgemm.tensors` hands PyTorch's
 #: bfloat16 over) run their tiles in float32 (:func:`work_dtype`).
 SUPPORTED = SUPPORTED_DTYPES
 #: The fault hook's site of the dropped probabilities (forward and backward), covered by the

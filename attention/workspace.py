@@ -22,7 +22,7 @@ import numpy as np
 
 from abftgemm.backend import array_module
 
-from abftgemm.plan import Counters, ProtectedMatmul
+from abftgemm.plan import Counters, ProtectedMatmul, layout_key
 from abftgemm.verdicts import Ledger, Slot
 
 
@@ -43,7 +43,7 @@ class Workspace:
         """The planned product of ``site`` for these operands' layout and these options (see
         :class:`abftgemm.ProtectedMatmul`); with ``constant_a``, a plan that encodes ``a`` once
         (at planning, from this ``a``)."""
-        key = (site, check, _layout(a), _layout(b), None if bias is None else bias.shape,
+        key = (site, check, layout_key(a, b, bias),
                a_triangle, constant_a, directions, out_triangle)
         plan = self._plans.get(key)
         if plan is None:
@@ -146,6 +146,3 @@ def _unreferenced(arrays: list[np.ndarray], i: int) -> bool:
     """Whether nothing but the list ``arrays`` references ``arrays[i]``."""
     return _refcount(arrays, i) == _ONLY_LISTED
 
-
-def _layout(x: Any) -> tuple:
-    return (type(x), x.dtype, x.shape, x.strides)

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from abftgemm._torch import to_array  # noqa: E402
+from abftgemm.tensors import to_array  # noqa: E402
 from attention import MultiHeadAttention  # noqa: E402
 from attention.torch import MultiheadAttention  # noqa: E402
 from bench import timing  # noqa: E402

@@ -175,3 +175,12 @@ def test_abftgemm_imports_nothing_from_attention():
     wrong = {m: sorted(t for t in ts if t.split(".")[0] == "attention")
              for m, ts in graph.items() if m.split(".")[0] == "abftgemm"}
     assert not any(wrong.values()), wrong
+
+
+def test_attention_imports_no_private_abftgemm_module():
+    """attention builds on abftgemm's public and internal (non-underscore) modules only."""
+    graph = import_graph()
+    wrong = {m: sorted(t for t in ts if t.split(".")[0] == "abftgemm"
+                       and any(part.startswith("_") for part in t.split(".")[1:]))
+             for m, ts in graph.items() if m.split(".")[0] == "attention"}
+    assert not any(wrong.values()), wrong
