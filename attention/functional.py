@@ -30,10 +30,11 @@ from attention.dropout_hash import keep_mask
 from attention.fused import fused_backward, fused_forward
 from attention.fused_final import OUTPUT_SITE, verify_grads, verify_output
 from attention.fused_choice import all_finite, check_core, finite_reason, static_reason
-from attention.passes import CORE_BACKWARD, CORE_FORWARD, Step, Variant, carried, layer, steps
+from attention.passes import (BACKWARD_OUTPUTS, CORE_BACKWARD, CORE_FORWARD, FORWARD_OUTPUT,
+                              PARAMS, Step, Variant, carried, layer, steps)
 from attention.workspace import Workspace
 
-PARAM_KEYS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
+PARAM_KEYS = PARAMS
 _WEIGHTS = ("wq", "wk", "wv", "wo")
 _REPAIRS = ("corrected", "recomputed", "checksum-recomputed")
 
@@ -128,7 +129,7 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
     variant = Variant(inp.cross, inp.causal, inp.dropout is not None, gpu=inp.xp is not np,
                       fused=why_not is None)
     env = lambda: {**inp.params, "x": x, "key": inp.key, "value": inp.value}  # noqa: E731
-    y, saved = forward_pass(*layer(variant), variant, inp, env, "y", ctx, workspace)
+    y, saved = forward_pass(*layer(variant), variant, inp, env, FORWARD_OUTPUT, ctx, workspace)
     # "auto" runs the unfused core in place of the fused one on non-finite Q, K or V
     saved["core"] = "fused" if saved.get("lse") is not None else "unfused"
     saved.setdefault("probs", None)
@@ -175,11 +176,12 @@ def attention_backward(saved: dict[str, Any], dy: Any, ctx: Context, *,
         return {**inp.params, **{"d_" + k: g for k, g in grads.items()}, **flat}
 
     variant = replace(saved["variant"], w_layout=w_layout)
-    p = backward_pass(layer(variant)[1], variant, saved, env,
-                      ("dx", "d_key", "d_value"), ctx, workspace, flat=True)
-    dx = p.env["dx"].reshape(inp.x.shape)
+    p = backward_pass(layer(variant)[1], variant, saved, env, BACKWARD_OUTPUTS, ctx, workspace,
+                      flat=True)
+    dx, d_key, d_value = (p.env.get(n) for n in BACKWARD_OUTPUTS)
+    dx = dx.reshape(inp.x.shape)
     if inp.cross:
-        dx = (dx, p.env["d_key"].reshape(inp.key.shape), p.env["d_value"].reshape(inp.key.shape))
+        dx = (dx, d_key.reshape(inp.key.shape), d_value.reshape(inp.key.shape))
     return dx, grads
 
 

@@ -187,6 +187,18 @@ BACKWARD = (
 )
 
 
+#: The layer's parameters, in the order its API lists them.
+PARAMS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
+#: What the caller binds before each pass (``w_qkv`` as well where it has that memory: the
+#: ``stack`` step then takes it as it is) and what it takes from the pass. The backward also
+#: reads what the forward kept for it (:func:`carried`), and binds ``context`` and every
+#: ``(batch, seq, d_model)`` tensor as ``(batch*seq, d_model)``.
+FORWARD_INPUTS = ("x", "key", "value", *PARAMS)
+FORWARD_OUTPUT = "y"
+BACKWARD_INPUTS = ("x", "key", "value", "dy", "context", *PARAMS, *("d_" + p for p in PARAMS))
+BACKWARD_OUTPUTS = ("dx", "d_key", "d_value")
+
+
 def _by_identity(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` memoized on its arguments, tables by identity (hashing a table of steps costs tens
     of microseconds a call; the tables are constants)."""

@@ -11,7 +11,8 @@ from abftgemm.backend import to_host
 from attention import (BACKWARD, FORWARD, PARAM_KEYS, CheckingPlan, Context, MultiHeadAttention,
                        Variant, attention_backward, attention_forward)
 from attention.core import core_backward, core_forward
-from attention.passes import (CORE_BACKWARD, CORE_FORWARD, Step, carried, checksums, describe,
+from attention.passes import (BACKWARD_INPUTS, BACKWARD_OUTPUTS, CORE_BACKWARD, CORE_FORWARD,
+                              FORWARD_INPUTS, FORWARD_OUTPUT, Step, carried, checksums, describe,
                               steps, with_core)
 from attention.plan import VARIANTS, plan_markdown, table_rows
 from conftest import BACKENDS
@@ -123,14 +124,15 @@ def test_the_core_runs_the_core_steps_of_the_layer(xp):
 def test_every_name_a_step_reads_is_bound_or_made_before(name):
     variant = VARIANTS[name]
     fwd, bwd = steps(FORWARD, variant), steps(BACKWARD, variant)
-    bound = set(PARAM_KEYS) | {"x", "key", "value"}
-    for table, start in ((fwd, bound), (bwd, bound | {"dy"} | carried(fwd, bwd)[0]
-                                        | {"d_" + k for k in PARAM_KEYS})):
+    for table, start, outputs in ((fwd, set(FORWARD_INPUTS), {FORWARD_OUTPUT}),
+                                  (bwd, set(BACKWARD_INPUTS) | carried(fwd, bwd)[0],
+                                   set(BACKWARD_OUTPUTS[:3 if variant.cross else 1]))):
         have = set(start)
         for s in table:
             for n in (*s.ins, s.bias):
                 assert n is None or n.removesuffix("^T") in have, (s, n)
             have.add(s.out)
+        assert outputs <= have - set(start), outputs - have
 
 
 def test_docs_table_is_the_generated_one():
