@@ -291,10 +291,6 @@ class ProtectedMatmul:
         self._ledger.stale = True
         self._rows.judge()
 
-    def signature(self) -> tuple:
-        """What the plan was made for: array module, dtype, operand and result shapes, bias."""
-        return self._signature
-
     def observed_checksums(self) -> Checksums:
         """Column encoding ``(3, batch, n)`` of the last executed product, as its verification
         launch observed it: what :meth:`settle` hands on, available before it (to chain products
