@@ -9,7 +9,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["abftgemm", "abftgemm.*", "attention", "attention.*"]),
-    package_data={"abftgemm": ["kernels/*.cu", "kernels/*.cuh"], "attention": ["kernels/*.cu"]},
+    package_data={"abftgemm": ["kernels/*.cu", "kernels/*.cuh"],
+                  "attention": ["kernels/*.cu", "kernels/*.cuh"]},
     # scipy: numba's np.dot calls BLAS through SciPy's BLAS only; the fused attention core's tile
     # products run through it about 2x faster than numba loops (bench/NOTES.md).
     install_requires=["numpy>=1.24", "numba>=0.59", "ml_dtypes>=0.3", "tqdm>=4.60",

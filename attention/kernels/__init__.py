@@ -41,8 +41,13 @@ MODULES: dict[str, tuple[str, ...]] = {
 }
 
 
+#: Element arithmetic both sources share (``Arith``, ``widen``, ``narrow``, infinities,
+#: ``exp_of``, ``log_of``), prepended after abftgemm's prelude as that one is.
+PRELUDE = "arith.cuh"
+
+
 def source(filename: str) -> str:
     """The text NVRTC compiles for ``filename`` (a key of :data:`MODULES`): abftgemm's checksum
-    prelude (the row checksums' accumulator) + the file."""
-    prelude = (_abft.KERNEL_DIR / _abft.PRELUDE).read_text()
-    return prelude + "\n" + (KERNEL_DIR / filename).read_text()
+    prelude (the row checksums' accumulator), this package's :data:`PRELUDE`, then the file."""
+    paths = (_abft.KERNEL_DIR / _abft.PRELUDE, KERNEL_DIR / PRELUDE, KERNEL_DIR / filename)
+    return "\n".join(path.read_text() for path in paths)

@@ -58,38 +58,7 @@ enum Field { FLAGS, FAILED, RATIO, MAG, TAU, ROW, COL, AFTER, FIELDS };
 enum Param { C_S = 0, C_O = 5, C_L = 10, TOL_P = 15, TOL_DS = 19, C_KV = 21, C_Q = 26 };
 enum FaultField { F_SITE, F_HEAD, F_ROW, F_COL, F_STEP, F_KIND, F_PERSIST, F_VALUE, F_HITS, F_OLD };
 
-template <typename T> struct Arith {
-    typedef float type;
-};
-template <> struct Arith<double> {
-    typedef double type;
-};
-
-__device__ __forceinline__ float widen(float v) { return v; }
-__device__ __forceinline__ float widen(__half v) { return __half2float(v); }
-__device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ double widen(double v) { return v; }
-
-template <typename T> __device__ __forceinline__ T narrow(typename Arith<T>::type v);
-template <> __device__ __forceinline__ float narrow<float>(float v) { return v; }
-template <> __device__ __forceinline__ double narrow<double>(double v) { return v; }
-template <> __device__ __forceinline__ __half narrow<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16>(float v) {
-    return __float2bfloat16_rn(v);
-}
-
-// No host headers under NVRTC: infinities are bit patterns.
-__device__ __forceinline__ float ninf(float) { return __int_as_float(0xff800000); }
-__device__ __forceinline__ double ninf(double) {
-    return __longlong_as_double(static_cast<long long>(0xfff0000000000000ULL));
-}
-__device__ __forceinline__ double inf64() { return __longlong_as_double(0x7ff0000000000000LL); }
 __device__ __forceinline__ bool finite(double x) { return x - x == 0.0; }
-// Full-precision exponential and logarithm (not __expf).
-__device__ __forceinline__ float exp_of(float v) { return expf(v); }
-__device__ __forceinline__ double exp_of(double v) { return exp(v); }
-__device__ __forceinline__ float log_of(float v) { return logf(v); }
-__device__ __forceinline__ double log_of(double v) { return log(v); }
 
 // ------------------------------------------------------------------ dropout keep decisions
 
@@ -260,7 +229,7 @@ __device__ Ratio ratio3(double p0, double p1, double p2, double o0, double o1, d
     if (!(finite(p0) && finite(p1) && finite(p2))) return Ratio{0.0, 0.0, 1.0};
     const double tau = c[0] * o2 + c[1] * p2 + c[2];
     if (!(finite(o0) && finite(o1) && finite(o2)))
-        return p2 >= c[4] ? Ratio{0.0, 0.0, 1.0} : Ratio{inf64(), inf64(), tau};
+        return p2 >= c[4] ? Ratio{0.0, 0.0, 1.0} : Ratio{pos_inf(), pos_inf(), tau};
     const double d = fmax(fabs(p0 - o0), fabs(p1 - o1));
     const double mag = o2 / (c[3] * p2 + c[2]);
     const double r = d / tau;
@@ -285,7 +254,7 @@ struct Votes {
 };
 
 __device__ __forceinline__ void vote(Votes& vt, int v, Ratio r, int pos) {
-    vt.ratio[v] = r.ratio == r.ratio ? r.ratio : inf64();
+    vt.ratio[v] = r.ratio == r.ratio ? r.ratio : pos_inf();
     vt.d[v] = r.d;
     vt.tau[v] = r.tau;
     vt.pos[v] = pos;
@@ -336,15 +305,15 @@ __device__ int settle_block(Votes& vt, double* rec, int site, int attempt, bool 
 // measure it). t = (base, slope, flush, tiny).
 template <typename A> __device__ double probs_bad(A pv, A x, const double* t) {
     const A tiny = static_cast<A>(t[3]), flush = static_cast<A>(t[2]);
-    if (pv != pv) return inf64();
+    if (pv != pv) return pos_inf();
     if (pv >= tiny) {
         const double lp = to_double(log_of(pv)), xd = to_double(x);
         const double tol = t[0] + t[1] * fabs(xd);
         const double e = fabs(lp - xd) / tol;
         if (e <= 1.0 && !(x < flush - static_cast<A>(1))) return 0.0;
-        return e == e ? fmax(e, 1.0 + 0x1p-20) : inf64();
+        return e == e ? fmax(e, 1.0 + 0x1p-20) : pos_inf();
     }
-    return pv < static_cast<A>(0) || x >= flush + static_cast<A>(1) ? inf64() : 0.0;
+    return pv < static_cast<A>(0) || x >= flush + static_cast<A>(1) ? pos_inf() : 0.0;
 }
 
 // The masked, scaled score z of one entry: -inf where hidden (causality, key_visible), else
@@ -353,7 +322,7 @@ template <typename A> __device__ double probs_bad(A pv, A x, const double* t) {
 // attention/_cpu_fused._mask. The S check has already judged s.
 template <typename A>
 __device__ __forceinline__ A masked_score(A s, A sc, bool seen, const double* add_row, int j) {
-    if (!seen) return ninf(sc);
+    if (!seen) return neg_inf(sc);
     const A z = s * sc;
     return add_row ? static_cast<A>(to_double(z) + add_row[j]) : z;
 }
@@ -444,7 +413,7 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
 #pragma unroll
         for (int e = 0; e < FPER; ++e) acc[e] = zero;
         if (tid < rows) {
-            sh.m[tid] = ninf(zero);
+            sh.m[tid] = neg_inf(zero);
             sh.l[tid] = zero;
             for (int f = 0; f < 4; ++f) sh.oc[tid][f] = 0.0;
         }
@@ -495,7 +464,7 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
                     sh.s[r][j] = z;
                     mx = z > mx ? z : mx;
                 }
-                sh.alpha[r] = mx > ninf(zero) ? exp_of(sh.m[r] - mx) : static_cast<A>(1);
+                sh.alpha[r] = mx > neg_inf(zero) ? exp_of(sh.m[r] - mx) : static_cast<A>(1);
                 sh.m[r] = mx;
             }
             for (int a = 0; a < 2; ++a) {  // ---- P, checked by the softmax invariant
@@ -503,7 +472,7 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
                 for (int e = tid; e < rows * cols; e += FNT) {
                     const int r = e / cols, j = e % cols;
                     const A mr = sh.m[r];
-                    const A pv = mr == ninf(zero) ? zero : exp_of(sh.s[r][j] - mr);
+                    const A pv = mr == neg_inf(zero) ? zero : exp_of(sh.s[r][j] - mr);
                     sh.p[r][j] = inject(ft, P_, b, i0 + r, j0 + j, 0, a == 0 && attempt == 0, pv);
                 }
                 if (!check) break;
@@ -515,8 +484,8 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
                     int at = -1;
                     for (int j = 0; j < cols; ++j) {
                         const A pv = sh.p[r][j];
-                        const double e = mr == ninf(zero)
-                                             ? (pv == zero ? 0.0 : inf64())
+                        const double e = mr == neg_inf(zero)
+                                             ? (pv == zero ? 0.0 : pos_inf())
                                              : probs_bad(pv, sh.s[r][j] - mr, params + TOL_P);
                         if (e > worst) {
                             worst = e;
@@ -604,7 +573,7 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
                 lb[tid] = sh.m[tid] + log_of(lr);
             } else {
                 for (int f = 0; f < 3; ++f) sh.oc[tid][f] = 0.0;
-                lb[tid] = ninf(zero);
+                lb[tid] = neg_inf(zero);
             }
         }
         __syncthreads();
@@ -760,7 +729,7 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
         for (int e = tid; e < rows * cols; e += FNT) {
             const int r = e / cols, j = e % cols;
             const A mr = lseh[i0 + r];
-            const A pv = mr == ninf(zero) ? zero : exp_of(sh.s[r][j] - mr);
+            const A pv = mr == neg_inf(zero) ? zero : exp_of(sh.s[r][j] - mr);
             sh.p[r][j] = inject(f, P_, b, i0 + r, j0 + j, 0, a == 0 && first, pv);
         }
         if (!check) break;
@@ -772,7 +741,7 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
             int at = -1;
             for (int j = 0; j < cols; ++j) {
                 const A pv = sh.p[r][j];
-                const double e = mr == ninf(zero) ? (pv == zero ? 0.0 : inf64())
+                const double e = mr == neg_inf(zero) ? (pv == zero ? 0.0 : pos_inf())
                                                   : probs_bad(pv, sh.s[r][j] - mr, params + TOL_P);
                 if (e > worst) {
                     worst = e;
@@ -832,7 +801,7 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
             const double tau = tol[0] * mag + tol[1], tauw = tol[0] * magw + tol[1];
             const double d1 = fabs(s - (r1 - dr * r2)), d2 = fabs(sw - (v - dr * r1));
             const double e1 = d1 / tau, e2 = d2 / tauw;
-            const double e = e1 != e1 || e2 != e2 ? inf64() : fmax(e1, e2);
+            const double e = e1 != e1 || e2 != e2 ? pos_inf() : fmax(e1, e2);
             vote(sh.votes, r, Ratio{e, d1, tau}, -1);
         }
         st = settle_block(sh.votes, rt, DS_, a, correct, rows, true, i0, j0);

@@ -85,36 +85,6 @@ struct BackwardTolerance {
 
 namespace {
 
-template <typename T> struct Arith {
-    typedef float type;
-};
-template <> struct Arith<double> {
-    typedef double type;
-};
-
-__device__ __forceinline__ float widen(float v) { return v; }
-__device__ __forceinline__ float widen(__half v) { return __half2float(v); }
-__device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ double widen(double v) { return v; }
-
-template <typename T> __device__ __forceinline__ T narrow(typename Arith<T>::type v);
-template <> __device__ __forceinline__ float narrow<float>(float v) { return v; }
-template <> __device__ __forceinline__ double narrow<double>(double v) { return v; }
-template <> __device__ __forceinline__ __half narrow<__half>(float v) {
-    return __float2half_rn(v);
-}
-template <> __device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16>(float v) {
-    return __float2bfloat16_rn(v);
-}
-
-__device__ __forceinline__ float neg_inf(float) { return __int_as_float(0xff800000); }
-__device__ __forceinline__ double neg_inf(double) {
-    return __longlong_as_double(static_cast<long long>(0xfff0000000000000ULL));
-}
-__device__ __forceinline__ double pos_inf() {
-    return __longlong_as_double(0x7ff0000000000000LL);
-}
-
 // Explicit rounding: no contraction into a fused multiply-add, so every pass computes the same z.
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
@@ -124,10 +94,6 @@ __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(
 // fmax ignores NaN, so a NaN score never becomes the row maximum (the CPU's `z > top` neither).
 __device__ __forceinline__ float max_of(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double max_of(double a, double b) { return fmax(a, b); }
-
-// Full-precision exponentials (not __expf).
-__device__ __forceinline__ float exp_of(float v) { return expf(v); }
-__device__ __forceinline__ double exp_of(double v) { return exp(v); }
 
 // max(a, b) where a NaN on either side wins (attention._cpu_checks._worse).
 __device__ __forceinline__ double worse(double a, double b) {
