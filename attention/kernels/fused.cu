@@ -316,6 +316,27 @@ template <typename A> __device__ double probs_bad(A pv, A x, const double* t) {
     return pv < static_cast<A>(0) || x >= flush + static_cast<A>(1) ? pos_inf() : 0.0;
 }
 
+// Row r of the probabilities p (rows x cols) on the softmax invariant, z the masked scores as
+// stored and mr the row's maximum (forward) or log-sum-exp (backward; -inf: a row that sees no key,
+// whose entries must be 0): a vote of vector r, located at its worst entry.
+template <typename A>
+__device__ void vote_probs_row(Votes& votes, A (*p)[FBC], A (*z)[FBC], A mr, int r, int cols,
+                               const double* tol) {
+    const A zero = static_cast<A>(0);
+    double worst = 0.0;
+    int at = -1;
+    for (int j = 0; j < cols; ++j) {
+        const A pv = p[r][j];
+        const double e = mr == neg_inf(zero) ? (pv == zero ? 0.0 : pos_inf())
+                                             : probs_bad(pv, z[r][j] - mr, tol);
+        if (e > worst) {
+            worst = e;
+            at = j;
+        }
+    }
+    vote(votes, r, Ratio{worst, worst, 1.0}, at);
+}
+
 // The masked, scaled score z of one entry: -inf where hidden (causality, key_visible), else
 // sc * s plus the additive mask's entry add_row[j] (add_row null: no mask), added in double (z
 // widened through its bits: -ftz would flush a subnormal z) and rounded to A, as
@@ -477,23 +498,8 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
                 }
                 if (!check) break;
                 __syncthreads();
-                if (tid < rows) {
-                    const int r = tid;
-                    const A mr = sh.m[r];
-                    double worst = 0.0;
-                    int at = -1;
-                    for (int j = 0; j < cols; ++j) {
-                        const A pv = sh.p[r][j];
-                        const double e = mr == neg_inf(zero)
-                                             ? (pv == zero ? 0.0 : pos_inf())
-                                             : probs_bad(pv, sh.s[r][j] - mr, params + TOL_P);
-                        if (e > worst) {
-                            worst = e;
-                            at = j;
-                        }
-                    }
-                    vote(sh.votes, r, Ratio{worst, worst, 1.0}, at);
-                }
+                if (tid < rows)
+                    vote_probs_row(sh.votes, sh.p, sh.s, sh.m[tid], tid, cols, params + TOL_P);
                 st = settle_block(sh.votes, rt, P_, a, correct, rows, true, i0, j0);
                 if (st != 1) break;
             }
@@ -734,22 +740,8 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
         }
         if (!check) break;
         __syncthreads();
-        if (tid < rows) {
-            const int r = tid;
-            const A mr = lseh[i0 + r];
-            double worst = 0.0;
-            int at = -1;
-            for (int j = 0; j < cols; ++j) {
-                const A pv = sh.p[r][j];
-                const double e = mr == neg_inf(zero) ? (pv == zero ? 0.0 : pos_inf())
-                                                  : probs_bad(pv, sh.s[r][j] - mr, params + TOL_P);
-                if (e > worst) {
-                    worst = e;
-                    at = j;
-                }
-            }
-            vote(sh.votes, r, Ratio{worst, worst, 1.0}, at);
-        }
+        if (tid < rows)
+            vote_probs_row(sh.votes, sh.p, sh.s, lseh[i0 + tid], tid, cols, params + TOL_P);
         st = settle_block(sh.votes, rt, P_, a, correct, rows, true, i0, j0);
         if (st != 1) break;
     }
