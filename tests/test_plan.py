@@ -308,6 +308,24 @@ def test_matmul_reuses_a_plan_without_revalidating_known_layouts(xp, monkeypatch
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
+def test_the_layout_key_is_array_type_device_dtypes_and_shapes(xp):
+    """``plan.layout_key``, by which the plan cache and the attention workspace find a plan: the
+    values and the memory layout of the arrays do not count; their type, dtypes and shapes do."""
+    from abftgemm.backend import to_host
+    from abftgemm.plan import layout_key
+
+    a, b, bias = _operands(xp, np.float32, bias=True)
+    key = layout_key(a, b, bias)
+    strided = a.transpose(0, 2, 1).copy().transpose(0, 2, 1)
+    assert key == layout_key(a * 2, b.copy(), bias) == layout_key(strided, b, bias)
+    for other in ((a, b, None), (a.astype(np.float64), b, bias), (a[:, 1:], b, bias)):
+        assert layout_key(*other) not in (None, key)
+    assert layout_key(to_host(a).tolist(), b, bias) is None
+    if xp is not np:
+        assert layout_key(a, to_host(b), bias) is None
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
 def test_the_column_fast_paths_trade_is_what_the_docs_say(xp):
     """docs/detection.md: errors +e, -2e, +e in consecutive rows of one column leave both the
     plain and the (linearly) weighted column sums unchanged, so ``directions="columns"`` cannot
