@@ -19,6 +19,8 @@ CPU the script runs what fits (``--calls`` at ``--max-len``, ``--long-calls`` mo
     PYTHONPATH=. python scripts/fused_clean_calls.py --calls 2000 --max-len 512 \
         --long-calls 4 --long-len 4096 [--seed 0] [--minutes 10]
 
+``--minutes`` stops the calls (both kinds) after that long and reports what ran.
+
 Exit status 1 when any call had a false positive, raised, or produced INF/NaN.
 """
 from __future__ import annotations
@@ -143,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--minutes", type=float, default=0.0,
-                        help="stop the random-length calls after this long (0: no limit)")
+                        help="stop calling after this long, random-length and long calls alike "
+                             "(0: no limit); what ran is reported")
     args = parser.parse_args(argv)
     if min(args.calls, args.long_calls) < 0 or min(args.max_len, args.long_len) < 1:
         parser.error("calls must be >= 0 and lengths >= 1")
@@ -158,9 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         case = adversarial_case(rng, call, args.max_len, dtype)
         short.run(case, f"call {call} ({case.name}, {_shape(case)})")
     for call in range(args.long_calls):
+        if deadline is not None and time.monotonic() > deadline:
+            break
         case = adversarial_case(rng, call, args.long_len, dtype, length=args.long_len)
         long.run(case, f"long call {call} ({case.name}, {_shape(case)})")
-        print(f"long call {call}: {case.name}, {_shape(case)}, {long.seconds:.0f} s so far",
+        print(f"long call {call}: {case.name}, {_shape(case)}, {long.seconds:.0f} s so far, "
+              f"{long.flagged} flagged, {long.raised} raised, {long.nonfinite} with INF/NaN",
               flush=True)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"{datetime.date.today()}, {device_name()}, load average {load}; dtype {dtype.name}, "
