@@ -17,7 +17,7 @@ import numpy as np
 from abftgemm.backend import Backend
 from abftgemm.checksums import Checksums, encoding_of
 from abftgemm.encode import observe, predict
-from abftgemm.locate import Verdict, diagnose, verify, verify_rows
+from abftgemm.locate import Verdict, diagnose, verify
 from abftgemm.nonfinite import settle_unverifiable
 from abftgemm.operands import Operands
 from abftgemm.repair import repair_batch

@@ -673,6 +673,22 @@ def _settle(rec: Any, site: int, attempt: int, ratio: float, correct: bool, info
     return 1 if correct else 0
 
 
+@numba.njit(cache=True)
+def _settle_product(x: Any, enc: Any, t: Any, coef: Any, check: bool, correct: bool, work: Any,
+                    rec: Any, site: int, attempt: int, row0: int, col0: int) -> int:
+    """:func:`_settle` a tile product ``t = x @ B^T`` (its vectors are rows) at ``site``; when
+    ``check``, judged by its observed row checksums against those predicted from ``x`` and
+    ``enc``, ``B``'s column encoding. ``work``: a head's buffers (:func:`_backward_tile`)."""
+    _, _, pred, obs, info = work
+    ratio = 0.0
+    if check:
+        _predict(x, enc, pred)
+        _observe_rows(t, obs)
+        info[5] = t.shape[1]
+        ratio = _judge(pred, obs, t.shape[0], coef, info)
+    return _settle(rec, site, attempt, ratio, correct, info, row0, col0, True)
+
+
 # ------------------------------------------------------------------ forward
 
 
@@ -813,7 +829,7 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
     check, correct, c_s, _, _, tol_p, tol_ds = rules
     seed, thr, ks = drop
     kt, vt, kenc, venc = keys
-    bufs, kbuf, pred, obs, info = work
+    bufs, kbuf, _, _, info = work
     dkb, dvb, dkc, dvc = blocks
     dq, dqc = dq_acc
     i1 = min(i0 + BR, q.shape[1])
@@ -829,16 +845,10 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
     keep = kbuf[:rows * cols].reshape(rows, cols) if dropping else kbuf[:0].reshape(0, 0)
     if dropping:
         _keep_tile(seed, b, i0, j0, q.shape[1], k.shape[1], thr, keep)
-    info[5] = cols
     for a in range(2):
         _dot(qi, kt, s)
         _HOOK(S_, s)
-        ratio = 0.0
-        if check:
-            _predict(qi, kenc, pred)
-            _observe_rows(s, obs)
-            ratio = _judge(pred, obs, rows, c_s, info)
-        st = _settle(rec, S_, a, ratio, correct, info, i0, j0, True)
+        st = _settle_product(qi, kenc, s, c_s, check, correct, work, rec, S_, a, i0, j0)
         if st != 1:
             break
     if st < 0:
@@ -864,16 +874,10 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
         if check:
             _carry(p, keep, ks, doe, i0, none, dvc, True)
         _HOOK(DV_, dvb)
-    info[5] = cols
     for a in range(2):
         _dot(doi, vt, dp)
         _HOOK(DP_, dp)
-        ratio = 0.0
-        if check:
-            _predict(doi, venc, pred)
-            _observe_rows(dp, obs)
-            ratio = _judge(pred, obs, rows, c_s, info)
-        st = _settle(rec, DP_, a, ratio, correct, info, i0, j0, True)
+        st = _settle_product(doi, venc, dp, c_s, check, correct, work, rec, DP_, a, i0, j0)
         if st != 1:
             break
     if st < 0:

@@ -31,10 +31,9 @@ from attention.fused import fused_backward, fused_forward
 from attention.fused_final import OUTPUT_SITE, verify_grads, verify_output
 from attention.fused_choice import all_finite, check_core, finite_reason, static_reason
 from attention.passes import (BACKWARD_OUTPUTS, CORE_BACKWARD, CORE_FORWARD, FORWARD_OUTPUT,
-                              PARAMS, Step, Variant, carried, layer, steps)
+                              PARAM_KEYS, Step, Variant, carried, layer, steps)
 from attention.workspace import Workspace
 
-PARAM_KEYS = PARAMS
 _WEIGHTS = ("wq", "wk", "wv", "wo")
 _REPAIRS = ("corrected", "recomputed", "checksum-recomputed")
 

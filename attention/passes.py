@@ -188,14 +188,15 @@ BACKWARD = (
 
 
 #: The layer's parameters, in the order its API lists them.
-PARAMS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
+PARAM_KEYS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
 #: What the caller binds before each pass (``w_qkv`` as well where it has that memory: the
 #: ``stack`` step then takes it as it is) and what it takes from the pass. The backward also
 #: reads what the forward kept for it (:func:`carried`), and binds ``context`` and every
 #: ``(batch, seq, d_model)`` tensor as ``(batch*seq, d_model)``.
-FORWARD_INPUTS = ("x", "key", "value", *PARAMS)
+FORWARD_INPUTS = ("x", "key", "value", *PARAM_KEYS)
 FORWARD_OUTPUT = "y"
-BACKWARD_INPUTS = ("x", "key", "value", "dy", "context", *PARAMS, *("d_" + p for p in PARAMS))
+BACKWARD_INPUTS = ("x", "key", "value", "dy", "context", *PARAM_KEYS,
+                   *("d_" + p for p in PARAM_KEYS))
 BACKWARD_OUTPUTS = ("dx", "d_key", "d_value")
 
 

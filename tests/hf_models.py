@@ -97,3 +97,21 @@ class OncePerSite:
         if match and site not in self.hit:
             self.hit.append(site)
             Fault(self.kind, "element", seed=len(self.hit), **self.options)(site, c)
+
+
+def assert_fault_repaired(model, cores, name, site, clean, want, kind="inf", **options):
+    """A step with one ``kind`` fault (:class:`OncePerSite`) at ``site`` of the module ``name``:
+    the hook hits it once, the module's core (``cores(model)[name]``) reports that site alone,
+    corrected or recomputed, and the step equals the fault-free one, ``clean``, and eager's,
+    ``want``."""
+    from attention.torch import fault_hook
+
+    inject = OncePerSite(f"{name}:{site}", kind, **options)
+    with fault_hook(model, inject):
+        got = step(model, *batch())
+    assert inject.hit == [f"{name}:{site}"]
+    report = cores(model)[name].last_report
+    assert [e.site for e in report.events] == [site], report.summary()
+    assert report.events[0].action in ("corrected", "recomputed"), report.summary()
+    assert_same_step(got, clean)
+    assert_same_step(got, want)

@@ -19,8 +19,8 @@ from attention.hf_linear import projection_cores  # noqa: E402
 from attention.hf_protect import ProtectedGPTNeoSelfAttention, attention_cores  # noqa: E402
 from attention.torch import fault_hook, protect  # noqa: E402
 from hf_models import (ATOL_16, FAMILIES, HEADS, RTOL_16, VOCAB, WIDTH,  # noqa: E402,F401
-                       OncePerSite, assert_close, assert_same_step, batch, build, eager_runs,
-                       layer0, step)
+                       OncePerSite, assert_close, assert_fault_repaired, assert_same_step, batch,
+                       build, eager_runs, layer0, step)
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_equals_eager_with_padding_in_train_mode(family, eager_runs):
@@ -66,15 +66,7 @@ def test_fault_at_every_site_of_a_layer_is_corrected(family, eager_runs):
     clean = step(model, *batch())
     layer = layer0(family)
     for site in CORE_SITES + CORE_INVARIANT_SITES:
-        inject = OncePerSite(f"{layer}:{site}")
-        with fault_hook(model, inject):
-            got = step(model, *batch())
-        assert inject.hit == [f"{layer}:{site}"]
-        report = attention_cores(model)[layer].last_report
-        assert [e.site for e in report.events] == [site], report.summary()
-        assert report.events[0].action in ("corrected", "recomputed"), report.summary()
-        assert_same_step(got, clean)
-        assert_same_step(got, want)
+        assert_fault_repaired(model, attention_cores, layer, site, clean, want)
     for core in attention_cores(model).values():
         assert core.fault_hook is None  # the context manager restored the hooks
 

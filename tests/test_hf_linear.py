@@ -20,7 +20,7 @@ from attention.torch import fault_hook, protect  # noqa: E402
 from attention._torch_linear_op import weight_on_left  # noqa: E402
 from attention.torch_linear import LINEAR_SITES, ProtectedLinearCore  # noqa: E402
 from hf_models import (FAMILIES, OncePerSite, assert_close,  # noqa: E402,F401
-                       assert_same_step, batch, build, eager_runs, step)
+                       assert_fault_repaired, assert_same_step, batch, build, eager_runs, step)
 
 #: The protected projections of layer 0, attention block first, then the feed-forward layers.
 LAYER0 = {
@@ -73,16 +73,9 @@ def test_fault_at_every_projection_site_of_a_layer_is_corrected(family, eager_ru
         has_bias = model.get_submodule(name).bias is not None
         for site in LINEAR_SITES if has_bias else LINEAR_SITES[:3]:
             kind, options = kinds[count % len(kinds)]
-            inject = OncePerSite(f"{name}:{site}", kind, **options)
             count += 1
-            with fault_hook(model, inject):
-                got = step(model, *batch())
-            assert inject.hit == [f"{name}:{site}"]
-            report = projection_cores(model)[name].last_report
-            assert [e.site for e in report.events] == [site], report.summary()
-            assert report.events[0].action in ("corrected", "recomputed"), report.summary()
-            assert_same_step(got, clean)
-            assert_same_step(got, want)
+            assert_fault_repaired(model, projection_cores, name, site, clean, want, kind,
+                                  **options)
     assert all(core.fault_hook is None for core in projection_cores(model).values())
 
 

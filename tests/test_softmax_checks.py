@@ -3,7 +3,6 @@ their invariant checks against corrupted outputs. The same bodies run on NumPy (
 CuPy (CUDA kernels), the latter only where a GPU is present."""
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import numpy as np

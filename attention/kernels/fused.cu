@@ -300,6 +300,37 @@ __device__ int settle_block(Votes& vt, double* rec, int site, int attempt, bool 
     return vt.code;
 }
 
+// A backward tile step (rows x cols at (i0, j0)), checked, and made once more when flagged and
+// correct asks it: make(a) computes it (faults are injected on the first making, a == 0), then
+// each thread r below rows calls cast(r), its vote on row r. Returns settle_block's last answer:
+// 0 go on, -1 give up (also 0 without check). The forward's tile loop spells its two steps
+// out: through this function, its float32 build spilled 160 bytes (ptxas at sm_90,
+// scripts/kernel_resources.py).
+template <typename Make, typename Cast>
+__device__ __forceinline__ int checked_step(Votes& vt, double* rec, int site, bool check,
+                                            bool correct, int rows, int i0, int j0, Make make,
+                                            Cast cast) {
+    for (int a = 0;; ++a) {
+        __syncthreads();
+        make(a);
+        if (!check) return 0;
+        __syncthreads();
+        if (threadIdx.x < rows) cast(threadIdx.x);
+        const int st = settle_block(vt, rec, site, a, correct, rows, true, i0, j0);
+        if (st != 1) return st;  // a second making settles 0 or -1
+    }
+}
+
+// Faults at site into a tile product (rows x cols) of head b at (i0, j0).
+template <typename A>
+__device__ __forceinline__ void inject_tile(A (*tile)[FBC], const FaultAt& ft, int site, int b,
+                                            int i0, int j0, int rows, int cols, bool armed) {
+    for (int e = threadIdx.x; e < rows * cols; e += FNT) {
+        const int r = e / cols, j = e % cols;
+        tile[r][j] = inject(ft, site, b, i0 + r, j0 + j, 0, armed, tile[r][j]);
+    }
+}
+
 // One entry of the softmax invariant (attention._cpu_fused._probs_bad), pv the stored P and
 // x = z - m: 0 when it holds, else its ratio (at least 1 + 2^-20, INF where the logarithm cannot
 // measure it). t = (base, slope, flush, tiny).
@@ -338,6 +369,19 @@ __device__ void vote_probs_row(Votes& votes, A (*p)[FBC], A (*z)[FBC], A mr, int
 }
 
 // The masked, scaled score z of one entry: -inf where hidden (causality, key_visible), else
+// P = exp(z - m[r]) of a tile (rows with m[r] = -inf: 0), with the faults at P_.
+template <typename A>
+__device__ __forceinline__ void probs_tile(A (*p)[FBC], A (*z)[FBC], const A* m,
+                                           const FaultAt& ft, int b, int i0, int j0, int rows,
+                                           int cols, bool armed) {
+    const A zero = static_cast<A>(0);
+    for (int e = threadIdx.x; e < rows * cols; e += FNT) {
+        const int r = e / cols, j = e % cols;
+        const A pv = m[r] == neg_inf(zero) ? zero : exp_of(z[r][j] - m[r]);
+        p[r][j] = inject(ft, P_, b, i0 + r, j0 + j, 0, armed, pv);
+    }
+}
+
 // sc * s plus the additive mask's entry add_row[j] (add_row null: no mask), added in double (z
 // widened through its bits: -ftz would flush a subnormal z) and rounded to A, as
 // attention/_cpu_fused._mask. The S check has already judged s.
@@ -444,11 +488,7 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
             for (int a = 0; a < 2; ++a) {  // ---- S, checked by its column checksums
                 __syncthreads();
                 tile_product(sh.s, qb, kb + static_cast<long long>(j0) * d, rows, cols, d);
-                for (int e = tid; e < rows * cols; e += FNT) {
-                    const int r = e / cols, j = e % cols;
-                    sh.s[r][j] = inject(ft, S_, b, i0 + r, j0 + j, 0, a == 0 && attempt == 0,
-                                        sh.s[r][j]);
-                }
+                inject_tile(sh.s, ft, S_, b, i0, j0, rows, cols, a == 0 && attempt == 0);
                 if (!check) break;
                 __syncthreads();
                 if (tid < cols) {
@@ -490,12 +530,7 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
             }
             for (int a = 0; a < 2; ++a) {  // ---- P, checked by the softmax invariant
                 __syncthreads();
-                for (int e = tid; e < rows * cols; e += FNT) {
-                    const int r = e / cols, j = e % cols;
-                    const A mr = sh.m[r];
-                    const A pv = mr == neg_inf(zero) ? zero : exp_of(sh.s[r][j] - mr);
-                    sh.p[r][j] = inject(ft, P_, b, i0 + r, j0 + j, 0, a == 0 && attempt == 0, pv);
-                }
+                probs_tile(sh.p, sh.s, sh.m, ft, b, i0, j0, rows, cols, a == 0 && attempt == 0);
                 if (!check) break;
                 __syncthreads();
                 if (tid < rows)
@@ -696,31 +731,23 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
                              const double* params, const FaultAt& ft, bool tiles, bool first,
                              double* rt, int b) {
     const int tid = threadIdx.x;
-    const A zero = static_cast<A>(0);
     const T* qi = qh + static_cast<long long>(i0) * d;
     const T* doi = doh + static_cast<long long>(i0) * d;
     const FaultAt none = load_fault(nullptr);
     const FaultAt& f = tiles ? ft : none;
     const bool drop = thr > 0;
-    int st = 0;
     if (drop) {
         __syncthreads();  // the previous tile's readers are done with sh.keep
         keep_tile(sh.keep, seed, thr, b, i0, rows, j0, cols, lq, lk);
     }
-    for (int a = 0; a < 2; ++a) {  // ---- S, checked by its row checksums
-        __syncthreads();
-        tile_product(sh.s, qi, kh + static_cast<long long>(j0) * d, rows, cols, d);
-        for (int e = tid; e < rows * cols; e += FNT) {
-            const int r = e / cols, j = e % cols;
-            sh.s[r][j] = inject(f, S_, b, i0 + r, j0 + j, 0, a == 0 && first, sh.s[r][j]);
-        }
-        if (!check) break;
-        __syncthreads();
-        if (tid < rows) vote_product_row(sh.votes, sh.s, qi, sh.kenc, tid, cols, d, params + C_S);
-        st = settle_block(sh.votes, rt, S_, a, correct, rows, true, i0, j0);
-        if (st != 1) break;
-    }
-    if (st < 0) return -1;
+    // ---- S, checked by its row checksums
+    if (checked_step(sh.votes, rt, S_, check, correct, rows, i0, j0, [&](int a) {
+            tile_product(sh.s, qi, kh + static_cast<long long>(j0) * d, rows, cols, d);
+            inject_tile(sh.s, f, S_, b, i0, j0, rows, cols, a == 0 && first);
+        }, [&](int r) {
+            vote_product_row(sh.votes, sh.s, qi, sh.kenc, r, cols, d, params + C_S);
+        }) < 0)
+        return -1;
     __syncthreads();
     if (tid < rows) {  // ---- mask and scale
         const int r = tid;
@@ -730,48 +757,30 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
             sh.s[r][j] = masked_score(sh.s[r][j], sc, j < lim && (!vis || vis[j0 + j]), add_row,
                                       j);
     }
-    for (int a = 0; a < 2; ++a) {  // ---- P = exp(z - lse), checked by the softmax invariant
-        __syncthreads();
-        for (int e = tid; e < rows * cols; e += FNT) {
-            const int r = e / cols, j = e % cols;
-            const A mr = lseh[i0 + r];
-            const A pv = mr == neg_inf(zero) ? zero : exp_of(sh.s[r][j] - mr);
-            sh.p[r][j] = inject(f, P_, b, i0 + r, j0 + j, 0, a == 0 && first, pv);
-        }
-        if (!check) break;
-        __syncthreads();
-        if (tid < rows)
-            vote_probs_row(sh.votes, sh.p, sh.s, lseh[i0 + tid], tid, cols, params + TOL_P);
-        st = settle_block(sh.votes, rt, P_, a, correct, rows, true, i0, j0);
-        if (st != 1) break;
-    }
-    if (st < 0) return -1;
-    for (int a = 0; a < 2; ++a) {  // ---- dP = dO V^T, checked by its row checksums
-        __syncthreads();
-        tile_product(sh.dp, doi, vh + static_cast<long long>(j0) * d, rows, cols, d);
-        for (int e = tid; e < rows * cols; e += FNT) {
-            const int r = e / cols, j = e % cols;
-            sh.dp[r][j] = inject(f, DP_, b, i0 + r, j0 + j, 0, a == 0 && first, sh.dp[r][j]);
-        }
-        if (!check) break;
-        __syncthreads();
-        if (tid < rows) vote_product_row(sh.votes, sh.dp, doi, sh.venc, tid, cols, d, params + C_S);
-        st = settle_block(sh.votes, rt, DP_, a, correct, rows, true, i0, j0);
-        if (st != 1) break;
-    }
-    if (st < 0) return -1;
-    for (int a = 0; a < 2; ++a) {  // ---- dS = P (dP - D), checked by the backward invariants
-        __syncthreads();
-        for (int e = tid; e < rows * cols; e += FNT) {
-            const int r = e / cols, j = e % cols;
-            const A g = drop ? sh.dp[r][j] * ks * static_cast<A>(sh.keep[r][j]) : sh.dp[r][j];
-            const A x = sh.p[r][j] * (g - ddh[i0 + r]);
-            sh.s[r][j] = inject(f, DS_, b, i0 + r, j0 + j, 0, a == 0 && first, x);
-        }
-        if (!check) break;
-        __syncthreads();
-        if (tid < rows) {
-            const int r = tid;
+    // ---- P = exp(z - lse), checked by the softmax invariant
+    if (checked_step(sh.votes, rt, P_, check, correct, rows, i0, j0, [&](int a) {
+            probs_tile(sh.p, sh.s, lseh + i0, f, b, i0, j0, rows, cols, a == 0 && first);
+        }, [&](int r) {
+            vote_probs_row(sh.votes, sh.p, sh.s, lseh[i0 + r], r, cols, params + TOL_P);
+        }) < 0)
+        return -1;
+    // ---- dP = dO V^T, checked by its row checksums
+    if (checked_step(sh.votes, rt, DP_, check, correct, rows, i0, j0, [&](int a) {
+            tile_product(sh.dp, doi, vh + static_cast<long long>(j0) * d, rows, cols, d);
+            inject_tile(sh.dp, f, DP_, b, i0, j0, rows, cols, a == 0 && first);
+        }, [&](int r) {
+            vote_product_row(sh.votes, sh.dp, doi, sh.venc, r, cols, d, params + C_S);
+        }) < 0)
+        return -1;
+    // ---- dS = P (dP - D), checked by the backward invariants
+    if (checked_step(sh.votes, rt, DS_, check, correct, rows, i0, j0, [&](int a) {
+            for (int e = tid; e < rows * cols; e += FNT) {
+                const int r = e / cols, j = e % cols;
+                const A g = drop ? sh.dp[r][j] * ks * static_cast<A>(sh.keep[r][j]) : sh.dp[r][j];
+                const A x = sh.p[r][j] * (g - ddh[i0 + r]);
+                sh.s[r][j] = inject(f, DS_, b, i0 + r, j0 + j, 0, a == 0 && first, x);
+            }
+        }, [&](int r) {
             const double dr = to_double(ddh[i0 + r]);
             double r1 = 0.0, r2 = 0.0, v = 0.0, s = 0.0, sw = 0.0, mag = 0.0, magw = 0.0;
             for (int j = 0; j < cols; ++j) {
@@ -795,11 +804,8 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
             const double e1 = d1 / tau, e2 = d2 / tauw;
             const double e = e1 != e1 || e2 != e2 ? pos_inf() : fmax(e1, e2);
             vote(sh.votes, r, Ratio{e, d1, tau}, -1);
-        }
-        st = settle_block(sh.votes, rt, DS_, a, correct, rows, true, i0, j0);
-        if (st != 1) break;
-    }
-    if (st < 0) return -1;
+        }) < 0)
+        return -1;
     __syncthreads();
     return 0;
 }
