@@ -1,8 +1,9 @@
 """Mutation check: weaken the detection code on purpose and confirm the tests notice.
 
 Each mutation is a textual edit of one source file (thresholds, location weights, locate, repair,
-the softmax checks, and the CUDA kernels: barriers, warp reductions, atomics, accumulator resets,
-bounds and the causal diagonal, which tests/cuda_on_cpu runs on the CPU). For each, the repository's ``abftgemm/``, ``attention/``, ``tests/`` and
+the softmax checks, the fused core's thresholds and tolerances, and the CUDA kernels: barriers,
+warp reductions, atomics, accumulator resets, bounds and the causal diagonal, which
+tests/cuda_on_cpu runs on the CPU). For each, the repository's ``abftgemm/``, ``attention/``, ``tests/`` and
 ``scripts/`` are copied to one fixed scratch directory (the working tree is never touched, so
 other work in it is safe), the edit is applied there, and the selected tests run with
 ``pytest -x`` against the copy. A mutation is *killed* when the tests fail. The run prints a table
@@ -51,9 +52,15 @@ KERNEL_TESTS = ("-m", "cuda_on_cpu", "tests/test_cuda_on_cpu_sanitizer.py",
                 "tests/test_softmax_checks.py", "tests/test_matmul.py", "tests/test_attention.py")
 
 
-def _kernel(name: str, path: str, old: str, new: str) -> Mutation:
-    return Mutation(name, path, ((old, new),), True, "CUDA kernel, run on cupy-on-cpu",
-                    KERNEL_TESTS)
+#: The fused attention core: its tests on the CPU, and its CUDA kernels' on cupy-on-cpu.
+FUSED_TESTS = ("tests/test_fused_detection_power.py", "tests/test_fused_probs_invariant.py",
+               "tests/test_fused.py")
+FUSED_KERNEL_TESTS = ("-m", "cuda_on_cpu", "tests/test_fused_cuda.py")
+
+
+def _kernel(name: str, path: str, old: str, new: str,
+            tests: tuple[str, ...] = KERNEL_TESTS) -> Mutation:
+    return Mutation(name, path, ((old, new),), True, "CUDA kernel, run on cupy-on-cpu", tests)
 
 
 def _scaled_threshold(factor: str) -> tuple[tuple[str, str], ...]:
@@ -140,6 +147,25 @@ MUTATIONS: tuple[Mutation, ...] = (
     _kernel("softmax backward causal diagonal off by one", "attention/kernels/softmax.cu",
             "auto past = [&](int l) { return rows.causal && l > i; };",
             "auto past = [&](int l) { return rows.causal && l >= i; };"),
+    Mutation("fused P tolerance x10", "attention/fused_rules.py",
+             (("return np.array([8 * u, 8 * u, flush,",
+               "return np.array([80 * u, 80 * u, flush,"),), True, tests=FUSED_TESTS),
+    Mutation("fused dS tolerance x10", "attention/fused_rules.py",
+             (("return np.array([4 * unit_roundoff(dtype) + 4 * length * _U64,",
+               "return np.array([10 * (4 * unit_roundoff(dtype) + 4 * length * _U64),"),),
+             True, tests=FUSED_TESTS),
+    Mutation("fused product thresholds x2", "attention/fused_rules.py",
+             (("    return (c_obs, c_pred + roundings * u, floor,",
+               "    return (2 * c_obs, 2 * (c_pred + roundings * u), 2 * floor,"),),
+             True, tests=FUSED_TESTS),
+    _kernel("fused backward votes before its tile is made", "attention/kernels/fused.cu",
+            "        if (!check) return 0;\n        __syncthreads();\n",
+            "        if (!check) return 0;\n", FUSED_KERNEL_TESTS),
+    _kernel("fused forward P votes before its tile is made", "attention/kernels/fused.cu",
+            "                if (!check) break;\n                __syncthreads();\n"
+            "                if (tid < rows)\n",
+            "                if (!check) break;\n                if (tid < rows)\n",
+            FUSED_KERNEL_TESTS),
 )
 
 
