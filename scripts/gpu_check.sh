@@ -4,6 +4,12 @@
 # Runs the CuPy smoke check, the GPU test cases (the fused core's apart, last: NVRTC compiles its
 # kernels for 30-60 s per element type on a fresh machine), then the benchmarks and the
 # calibration (most important first); keeps going when a step fails, and exits non-zero if any did.
+# The fused core's GPU tests compare with the CPU cores on NumPy data, whose numba kernels a fresh
+# machine compiles for minutes: scripts/warm_cpu_kernels.py compiles them in the background, on the
+# spare cores, from the start of the run, into a numba cache of their own (NUMBA_CACHE_DIR, outside
+# $OUT, so that no other step writes to it meanwhile); the pytest_fused step waits for it (at most
+# until 60 s before the run's end, then stops it), logs its output or its failure, and runs with
+# that cache.
 #
 # Sized for a short device lease (15 minutes, machine starts included: a full run, then a second
 # run of what the first had no time for):
@@ -12,7 +18,8 @@
 # - GPU_CHECK_STEPS (default: all, in the order below) picks steps by name, so a second run can do
 #   what a first one had no time for, e.g. GPU_CHECK_STEPS="bench_sites bench_torch";
 # - everything is written to 5 files at most (the device tool returns 8): gpu_check.log (every
-#   step's output, nvidia-smi first) and the benchmarks' JSON files, each rewritten as it goes.
+#   step's output, nvidia-smi first, the numba warm-up's before pytest_fused) and the benchmarks'
+#   JSON files, each rewritten as it goes.
 # On an H200 (2026-12-04) the smoke check took 22 s, calibrate 35 s, bench_gemm 14 s and
 # bench_attention, bench_torch and bench_fused 30-60 s each; the GPU tests ran 378 cases in 240 s,
 # most of it compiling the fused kernels (bench/NOTES.md).
@@ -33,6 +40,43 @@ skipped=()
 
 { echo "=== nvidia-smi"; nvidia-smi; echo "=== git"; git log -1 --oneline 2>/dev/null; } \
     2>&1 | tee -a "$LOG"
+
+# The CPU kernels of pytest_fused's NumPy comparisons, compiled meanwhile (header); the output goes
+# to the log when pytest_fused waits for it.
+WARM_PID=""
+WARM_CACHE="${TMPDIR:-/tmp}/abftgemm-gpu-check-numba"
+case "$STEPS" in
+    *" pytest_fused "*)
+        WARM_LOG=$(mktemp)
+        NUMBA_CACHE_DIR="$WARM_CACHE" $PY scripts/warm_cpu_kernels.py > "$WARM_LOG" 2>&1 &
+        WARM_PID=$!
+        trap '[ -n "$WARM_PID" ] && kill "$WARM_PID" 2>/dev/null' EXIT
+        ;;
+esac
+
+# wait_warm: wait for the warm-up (until 60 s before the run's end at most, then stop it), log its
+# output and how it ended; a failure is counted as a failed step, and the run goes on.
+wait_warm() {
+    [ -n "$WARM_PID" ] || return
+    while kill -0 "$WARM_PID" 2>/dev/null && [ $((END - SECONDS)) -gt 60 ]; do
+        sleep 1
+    done
+    local how="done"
+    if kill -0 "$WARM_PID" 2>/dev/null; then
+        kill "$WARM_PID"
+        how="STOPPED (60 s left of the run): pytest_fused compiles the rest"
+    fi
+    wait "$WARM_PID"
+    local rc=$?
+    WARM_PID=""
+    if [ "$how" = "done" ] && [ "$rc" -ne 0 ]; then
+        how="FAILED (exit $rc): pytest_fused compiles what it lacks"
+        failed+=("warm_cpu_kernels")
+    fi
+    { echo "=== warm_cpu_kernels (background, $how at ${SECONDS}s)"; cat "$WARM_LOG"; } \
+        2>&1 | tee -a "$LOG"
+    rm -f "$WARM_LOG"
+}
 
 # step NAME SECONDS COMMAND...: run COMMAND (if NAME was asked for) under a timeout of SECONDS or
 # what is left of the run, whichever is less. SIGINT first, so that pytest still prints its
@@ -76,8 +120,10 @@ ABFT_REQUIRE_GPU=1 step pytest 150 $PY -m pytest -q -rfE --maxfail=25 -p no:cach
 ABFT_REQUIRE_GPU=1 step pytest_rest 150 $PY -m pytest -q -rfE --maxfail=25 -p no:cacheprovider \
     -o faulthandler_timeout=60 $PER_TEST -k "$GPU_TESTS and not fused" \
     $(for f in $FIRST; do echo "--ignore=$f"; done) tests
-ABFT_REQUIRE_GPU=1 step pytest_fused 240 $PY -m pytest -q -rfE --maxfail=25 -p no:cacheprovider \
-    -o faulthandler_timeout=90 $PER_TEST -k "$GPU_TESTS and fused" tests
+wait_warm
+ABFT_REQUIRE_GPU=1 NUMBA_CACHE_DIR="$WARM_CACHE" step pytest_fused 240 $PY -m pytest -q -rfE \
+    --maxfail=25 -p no:cacheprovider -o faulthandler_timeout=90 $PER_TEST \
+    -k "$GPU_TESTS and fused" tests
 # The fused core's CUDA kernels: fwd+bwd against the unfused core and PyTorch's flash SDPA,
 # BERT-base and Llama-like shapes, float16.
 step bench_fused 90 $PY bench/fused_cuda.py --repeats 10
