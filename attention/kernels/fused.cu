@@ -740,14 +740,18 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
         __syncthreads();  // the previous tile's readers are done with sh.keep
         keep_tile(sh.keep, seed, thr, b, i0, rows, j0, cols, lq, lk);
     }
-    // ---- S, checked by its row checksums
-    if (checked_step(sh.votes, rt, S_, check, correct, rows, i0, j0, [&](int a) {
-            tile_product(sh.s, qi, kh + static_cast<long long>(j0) * d, rows, cols, d);
-            inject_tile(sh.s, f, S_, b, i0, j0, rows, cols, a == 0 && first);
+    // A product left right^T of the tile into out (S = Q K^T, dP = dO V^T), with the faults at
+    // site, checked by its row checksums against enc, the right operand block's encoding.
+    auto checked_product = [&](A (*out)[FBC], const T* left, const T* right,
+                               double (*enc)[FDMAX], int site) {
+        return checked_step(sh.votes, rt, site, check, correct, rows, i0, j0, [&](int a) {
+            tile_product(out, left, right + static_cast<long long>(j0) * d, rows, cols, d);
+            inject_tile(out, f, site, b, i0, j0, rows, cols, a == 0 && first);
         }, [&](int r) {
-            vote_product_row(sh.votes, sh.s, qi, sh.kenc, r, cols, d, params + C_S);
-        }) < 0)
-        return -1;
+            vote_product_row(sh.votes, out, left, enc, r, cols, d, params + C_S);
+        });
+    };
+    if (checked_product(sh.s, qi, kh, sh.kenc, S_) < 0) return -1;  // ---- S
     __syncthreads();
     if (tid < rows) {  // ---- mask and scale
         const int r = tid;
@@ -764,14 +768,7 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
             vote_probs_row(sh.votes, sh.p, sh.s, lseh[i0 + r], r, cols, params + TOL_P);
         }) < 0)
         return -1;
-    // ---- dP = dO V^T, checked by its row checksums
-    if (checked_step(sh.votes, rt, DP_, check, correct, rows, i0, j0, [&](int a) {
-            tile_product(sh.dp, doi, vh + static_cast<long long>(j0) * d, rows, cols, d);
-            inject_tile(sh.dp, f, DP_, b, i0, j0, rows, cols, a == 0 && first);
-        }, [&](int r) {
-            vote_product_row(sh.votes, sh.dp, doi, sh.venc, r, cols, d, params + C_S);
-        }) < 0)
-        return -1;
+    if (checked_product(sh.dp, doi, vh, sh.venc, DP_) < 0) return -1;  // ---- dP = dO V^T
     // ---- dS = P (dP - D), checked by the backward invariants
     if (checked_step(sh.votes, rt, DS_, check, correct, rows, i0, j0, [&](int a) {
             for (int e = tid; e < rows * cols; e += FNT) {
