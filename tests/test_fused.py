@@ -286,21 +286,29 @@ def test_no_false_positive_on_adversarial_clean_data():
     key or none, causal and not: 240 calls, no event."""
     rng = np.random.default_rng(7)
     for call in range(240):
-        n, lq, d = 2, int(rng.integers(1, 140)), int(rng.choice([8, 16, 64]))
-        causal = bool(call % 2)
-        lk = lq if causal else int(rng.integers(1, 140))
-        spread = float(10.0 ** rng.uniform(0, 15)) if call % 3 else 1.0
-        q, k, v, do = _data(rng, n, lq, lk, d, spread=math.sqrt(spread))
-        if call % 5 == 0:
-            k[:] = k[:, :1]  # identical keys: flat rows
-        visible = None
-        if call % 4 == 0:
-            visible = rng.random((n, lk)) < 0.3
-            visible[0] = False
-        ctx = Context()
-        got = _run(q, k, v, do, ctx, causal=causal, key_visible=visible)
-        assert not ctx.report.events, (call, ctx.report.summary())
-        assert all(np.isfinite(g).all() for g in got)
+        assert_clean_call(_run, rng, call, 140, [8, 16, 64], np.float32, lambda: math.sqrt(
+            float(10.0 ** rng.uniform(0, 15)) if call % 3 else 1.0))
+
+
+def assert_clean_call(run, rng, call, longest, head_dims, dtype, spread):
+    """One adversarial clean call through ``run(q, k, v, do, ctx, **kw)`` (host arrays back):
+    random sizes up to ``longest``, then ``spread()`` of the data; every 2nd causal, every 5th
+    with identical keys (flat rows), every 4th with key padding and a batch item that sees no
+    key. No event, finite results."""
+    n, lq, d = 2, int(rng.integers(1, longest)), int(rng.choice(head_dims))
+    causal = bool(call % 2)
+    lk = lq if causal else int(rng.integers(1, longest))
+    q, k, v, do = _data(rng, n, lq, lk, d, dtype, spread=spread())
+    if call % 5 == 0:
+        k[:] = k[:, :1]
+    visible = None
+    if call % 4 == 0:
+        visible = rng.random((n, lk)) < 0.3
+        visible[0] = False
+    ctx = Context()
+    got = run(q, k, v, do, ctx, causal=causal, key_visible=visible)
+    assert not ctx.report.events, (call, ctx.report.summary())
+    assert all(np.isfinite(g.astype(np.float32)).all() for g in got)
 
 
 def _peak_bytes(seq: int, d: int = 64) -> int:
@@ -315,7 +323,8 @@ def _peak_bytes(seq: int, d: int = 64) -> int:
 
 def test_no_quadratic_buffer():
     """The traced peak of a fwd+bwd grows linearly with the sequence (outputs, gradients and the
-    O(L) encodings) and stays far below one float32 L x L buffer (16.8 MB at L = 2048). The numba kernels' own buffers are per tile."""
+    O(L) encodings) and stays far below one float32 L x L buffer (16.8 MB at L = 2048). The
+    numba kernels' own buffers are per tile."""
     _peak_bytes(64)  # compile and warm up
     small, large = _peak_bytes(1024), _peak_bytes(2048)
     assert large < 0.3 * 4 * 2048 * 2048, large

@@ -6,6 +6,7 @@ CPU."""
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import ml_dtypes
 import numpy as np
@@ -18,7 +19,7 @@ from abftgemm.checksums import unit_roundoff
 from attention.context import Context
 from attention.fused import fused_backward, fused_forward
 from conftest import BACKENDS
-from test_fused import _data, _reference, additive_mask
+from test_fused import _data, _reference, additive_mask, assert_clean_call
 
 CUDA = [p for p in BACKENDS if p.id != "numpy"]
 KINDS = [("inf", 0.0), ("nan", 0.0), ("near-inf", 0.0), ("additive", 1e3)]
@@ -224,8 +225,9 @@ def test_no_false_positive_on_adversarial_clean_data(xp):
     or none, causal and not: 24 calls, no event."""
     rng = np.random.default_rng(7)
     for call in range(24):
-        _assert_clean_call(xp, rng, call, np.float32, [8, 16, 32], lambda: math.sqrt(
-            float(10.0 ** rng.uniform(0, 15)) if call % 3 else 1.0))
+        assert_clean_call(partial(_run, xp), rng, call, 70, [8, 16, 32], np.float32,
+                          lambda: math.sqrt(float(10.0 ** rng.uniform(0, 15)) if call % 3
+                                            else 1.0))
 
 
 @pytest.mark.parametrize("xp", CUDA)
@@ -235,28 +237,8 @@ def test_no_false_positive_on_adversarial_16_bit_data(xp, dtype):
     whose tile products run on tensor cores (head dims 16 and 32): 12 calls, no event."""
     rng = np.random.default_rng(8)
     for call in range(12):
-        _assert_clean_call(xp, rng, call, dtype, [16, 32],
-                           lambda: float(10.0 ** rng.uniform(0, 2)))
-
-
-def _assert_clean_call(xp, rng, call, dtype, head_dims, spread):
-    """One adversarial clean call (random sizes, then ``spread()`` of the data; every 2nd causal,
-    every 5th with identical keys, every 4th with key padding and a batch item that sees no
-    key): no event, finite."""
-    n, lq, d = 2, int(rng.integers(1, 70)), int(rng.choice(head_dims))
-    causal = bool(call % 2)
-    lk = lq if causal else int(rng.integers(1, 70))
-    q, k, v, do = _data(rng, n, lq, lk, d, dtype, spread=spread())
-    if call % 5 == 0:
-        k[:] = k[:, :1]  # identical keys: flat rows
-    visible = None
-    if call % 4 == 0:
-        visible = rng.random((n, lk)) < 0.3
-        visible[0] = False
-    ctx = Context()
-    got = _run(xp, q, k, v, do, ctx, causal=causal, key_visible=visible)
-    assert not ctx.report.events, (call, ctx.report.summary())
-    assert all(np.isfinite(g.astype(np.float32)).all() for g in got)
+        assert_clean_call(partial(_run, xp), rng, call, 70, [16, 32], dtype,
+                          lambda: float(10.0 ** rng.uniform(0, 2)))
 
 
 @pytest.mark.parametrize("xp", CUDA)
