@@ -77,8 +77,10 @@ def probs_tolerance(dtype: np.dtype) -> np.ndarray:
 
 
 def dscores_tolerance(dtype: np.dtype, length: int = K.BC) -> np.ndarray:
-    """``(c, tiny)`` of the ``dS`` invariants: ``c`` times a row's magnitude plus ``tiny`` per
-    term (``length``: keys per tile)."""
+    """``(c, tiny)`` of the ``dS`` invariants: ``c`` times a row's magnitude (``length``: keys per
+    tile) plus ``tiny``, the smallest normal number: once a row on the CPU, whose arithmetic keeps
+    subnormal numbers, and twice per entry (weighted by ``|dP|`` in the weighted invariant) in the
+    CUDA kernels, whose float32 arithmetic flushes them to 0 (CuPy compiles with ``-ftz=true``)."""
     return np.array([4 * unit_roundoff(dtype) + 4 * length * _U64, smallest_normal(dtype)])
 
 

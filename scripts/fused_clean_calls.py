@@ -1,7 +1,8 @@
 """False positives of the fused protected attention core: clean fwd+bwd calls on adversarial data.
 
 Every call runs :func:`attention.fused.fused_forward` and :func:`attention.fused.fused_backward`
-(NumPy, ``check="correct"``, the compiled path) on fault-free data drawn to stress the thresholds,
+(``check="correct"``; NumPy data on the numba kernels, or with ``--backend cupy`` CuPy data on
+the CUDA kernels) on fault-free data drawn to stress the thresholds,
 and counts the calls whose report holds any event (a false positive), the calls that raised, and
 the calls whose output or gradients hold INF/NaN. Cases cycle through (:func:`adversarial_case`):
 
@@ -17,7 +18,7 @@ CPU the script runs what fits (``--calls`` at ``--max-len``, ``--long-calls`` mo
 ``--long-len``) and prints exactly what it ran:
 
     PYTHONPATH=. python scripts/fused_clean_calls.py --calls 2000 --max-len 512 \
-        --long-calls 4 --long-len 4096 [--seed 0] [--minutes 10]
+        --long-calls 4 --long-len 4096 [--seed 0] [--minutes 10] [--backend cupy]
 
 ``--minutes`` stops the calls (both kinds) after that long and reports what ran.
 
@@ -34,11 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from abftgemm import UncorrectableError  # noqa: E402
+from abftgemm.backend import to_host  # noqa: E402
 from attention.context import Context  # noqa: E402
 from attention.fused import fused_backward, fused_forward  # noqa: E402
 from bench.timing import device_name  # noqa: E402
@@ -107,14 +110,16 @@ class Tally:
     first_flags: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
-    def run(self, case: Case, label: str) -> None:
-        """One clean fwd+bwd of ``case``, counted."""
+    def run(self, case: Case, label: str, xp: Any = np) -> None:
+        """One clean fwd+bwd of ``case`` on array module ``xp``, counted."""
+        q, k, v, do = (xp.asarray(x) for x in (case.q, case.k, case.v, case.do))
+        visible = None if case.visible is None else xp.asarray(case.visible)
         started = time.perf_counter()
         ctx = Context()
         try:
-            out, saved = fused_forward(case.q, case.k, case.v, ctx, causal=case.causal,
-                                       key_visible=case.visible)
-            grads = fused_backward(saved, case.do, ctx)
+            out, saved = fused_forward(q, k, v, ctx, causal=case.causal, key_visible=visible)
+            grads = fused_backward(saved, do, ctx)
+            out, grads = to_host(out), [to_host(g) for g in grads]
         except UncorrectableError as exc:
             self.raised += 1
             self.first_flags.append(f"{label}: raised {exc}")
@@ -126,7 +131,8 @@ class Tally:
             self.flagged += 1
             if len(self.first_flags) < 10:
                 self.first_flags.append(f"{label}: {ctx.report.summary()}")
-        if out is not None and not all(np.isfinite(x).all() for x in (out, *grads)):
+        if out is not None and not all(np.isfinite(x.astype(np.float32)).all()
+                                       for x in (out, *grads)):
             self.nonfinite += 1
             self.first_flags.append(f"{label}: INF/NaN in the results")
 
@@ -142,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-len", type=int, default=512, help="their longest sequence")
     parser.add_argument("--long-calls", type=int, default=2, help="calls at --long-len")
     parser.add_argument("--long-len", type=int, default=4096)
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    parser.add_argument("--dtype", default="float32",
+                        choices=("float16", "bfloat16", "float32", "float64"))
+    parser.add_argument("--backend", default="numpy", choices=("numpy", "cupy"),
+                        help="numpy: the numba kernels; cupy: the CUDA kernels")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--minutes", type=float, default=0.0,
                         help="stop calling after this long, random-length and long calls alike "
@@ -151,26 +160,30 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.calls, args.long_calls) < 0 or min(args.max_len, args.long_len) < 1:
         parser.error("calls must be >= 0 and lengths >= 1")
     rng = np.random.default_rng(args.seed)
-    dtype = np.dtype(args.dtype)
-    fused_forward(*(np.ones((1, 8, 16), dtype) for _ in range(3)), Context())  # compile
+    dtype = np.dtype(ml_dtypes.bfloat16 if args.dtype == "bfloat16" else args.dtype)
+    if args.backend == "cupy":
+        import cupy as xp
+    else:
+        xp = np
+    fused_forward(*(xp.ones((1, 8, 16), dtype) for _ in range(3)), Context())  # compile
     short, long = Tally(), Tally()
     deadline = time.monotonic() + 60 * args.minutes if args.minutes > 0 else None
     for call in range(args.calls):
         if deadline is not None and time.monotonic() > deadline:
             break
         case = adversarial_case(rng, call, args.max_len, dtype)
-        short.run(case, f"call {call} ({case.name}, {_shape(case)})")
+        short.run(case, f"call {call} ({case.name}, {_shape(case)})", xp)
     for call in range(args.long_calls):
         if deadline is not None and time.monotonic() > deadline:
             break
         case = adversarial_case(rng, call, args.long_len, dtype, length=args.long_len)
-        long.run(case, f"long call {call} ({case.name}, {_shape(case)})")
+        long.run(case, f"long call {call} ({case.name}, {_shape(case)})", xp)
         print(f"long call {call}: {case.name}, {_shape(case)}, {long.seconds:.0f} s so far, "
               f"{long.flagged} flagged, {long.raised} raised, {long.nonfinite} with INF/NaN",
               flush=True)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"{datetime.date.today()}, {device_name()}, load average {load}; dtype {dtype.name}, "
-          f"seed {args.seed}")
+    print(f"{datetime.date.today()}, {device_name(xp)}, load average {load}; backend {args.backend},"
+          f" dtype {dtype.name}, seed {args.seed}")
     for label, t, size in (("random lengths", short, f"1..{args.max_len}"),
                            ("long", long, str(args.long_len))):
         cases = ", ".join(f"{k} {v}" for k, v in sorted(t.by_case.items()))

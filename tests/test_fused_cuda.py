@@ -241,6 +241,30 @@ def test_no_false_positive_on_adversarial_16_bit_data(xp, dtype):
                           lambda: float(10.0 ** rng.uniform(0, 2)))
 
 
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_no_false_positive_where_ds_underflows(xp):
+    """Probabilities just above float32's smallest normal number (logits 87 below each row's
+    top, from an additive mask) times ``dP - D = 0.5``: ``dS`` entries of one sign below the
+    smallest normal, which the GPU flushes to 0 (CuPy compiles with ``-ftz=true``;
+    ``cupy-on-cpu`` flushes as the GPU does), each off by up to that number. In a tile of keys
+    that holds no row's top (keys 32-63 here), those entries are all the tile's row has: the
+    ``dS`` invariants allow that number per entry, not once a row."""
+    n, seq, d = 2, 64, 16
+    q, v, do = (np.zeros((n, seq, d), np.float32) for _ in range(3))
+    do[..., 0] = 1.0
+    v[:, 0, 0] = -0.5  # dP = -0.5 at key 0 (P ~ 1), 0 elsewhere; D = -0.5
+    add = -87.0 + 0.005 * np.arange(seq) + np.zeros((seq, 1))
+    add[:, 0] = 0.0
+    p = np.exp(add - np.log(np.exp(add).sum(1, keepdims=True)))  # float64: the set-up holds
+    tiny = np.finfo(np.float32).tiny
+    assert (p[:, 1:] > tiny).all() and (0.5 * p[:, 1:] < tiny).all()
+    ctx = Context()
+    _, saved = fused_forward(xp.asarray(q), xp.asarray(q), xp.asarray(v), ctx,
+                             attn_mask=xp.asarray(add))
+    fused_backward(saved, xp.asarray(do), ctx)
+    assert not ctx.report.events, ctx.report.summary()
+
+
 @pytest.mark.parametrize("xp", CUDA)
 def test_bad_input(xp):
     q, k, v, _ = _data(np.random.default_rng(0), 1, 8, 8, 8)

@@ -780,6 +780,7 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
         }, [&](int r) {
             const double dr = to_double(ddh[i0 + r]);
             double r1 = 0.0, r2 = 0.0, v = 0.0, s = 0.0, sw = 0.0, mag = 0.0, magw = 0.0;
+            double gabs = 0.0;
             for (int j = 0; j < cols; ++j) {
                 const double pj = to_double(sh.p[r][j]);
                 const double g = drop ? to_double(sh.dp[r][j] * ks) *
@@ -794,9 +795,15 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
                 const double m = pj * (fabs(g) + fabs(dr));
                 mag += m;
                 magw += m * fabs(g);
+                gabs += fabs(g);
             }
+            // The floor, tol[1] (the smallest normal number), per entry: CuPy compiles with
+            // -ftz=true, so a float32 dS entry whose exact value is below it (with g or g - D
+            // flushed too: under twice it) is stored as 0. In a tile of keys far below the row's
+            // top every entry can be one, and the magnitude term is then as small.
             const double* tol = params + TOL_DS;
-            const double tau = tol[0] * mag + tol[1], tauw = tol[0] * magw + tol[1];
+            const double tau = tol[0] * mag + 2.0 * tol[1] * cols;
+            const double tauw = tol[0] * magw + 2.0 * tol[1] * gabs + tol[1];
             const double d1 = fabs(s - (r1 - dr * r2)), d2 = fabs(sw - (v - dr * r1));
             const double e1 = d1 / tau, e2 = d2 / tauw;
             const double e = e1 != e1 || e2 != e2 ? pos_inf() : fmax(e1, e2);

@@ -106,6 +106,10 @@ _runtime.getDevice = lambda: 0
 _runtime.getDeviceCount = lambda: 1
 _runtime.deviceSynchronize = lambda: None
 _runtime.runtimeGetVersion = lambda: 13000
+#: CuPy's keys for what scripts print of the device (bench.timing.device_name).
+_runtime.getDeviceProperties = lambda device: {
+    "name": b"cupy-on-cpu (an H200 to the launch code)", "multiProcessorCount": SM_COUNT,
+    "major": _ATTRIBUTES["ComputeCapabilityMajor"], "minor": _ATTRIBUTES["ComputeCapabilityMinor"]}
 
 _shared_handles: dict[int, int] = {}
 
