@@ -30,7 +30,7 @@ PY="${PYTHON:-python3}"
 export PYTHONPATH="${PYTHONPATH:-.}" PYTHONUNBUFFERED=1
 # 30 examples per property: the device time is short, and CI runs the CPU cases with 300.
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}"
-STEPS=" ${GPU_CHECK_STEPS:-smoke pytest pytest_rest pytest_fused bench_fused bench_attention bench_torch calibrate bench_gemm bench_sites smoke_softmax} "
+STEPS=" ${GPU_CHECK_STEPS:-smoke pytest pytest_rest pytest_fused bench_fused clean_calls bench_attention bench_torch calibrate bench_gemm bench_sites smoke_softmax} "
 END=$((SECONDS + ${GPU_CHECK_SECONDS:-480}))
 LOG="$OUT/gpu_check.log"
 mkdir -p "$OUT"
@@ -127,6 +127,10 @@ ABFT_REQUIRE_GPU=1 NUMBA_CACHE_DIR="$WARM_CACHE" step pytest_fused 240 $PY -m py
 # The fused core's CUDA kernels: fwd+bwd against the unfused core and PyTorch's flash SDPA,
 # BERT-base and Llama-like shapes, float16.
 step bench_fused 90 $PY bench/fused_cuda.py --repeats 10
+# The fused CUDA kernels' false positives: clean calls on adversarial data (logits near overflow
+# and far beyond, flat rows, key padding, a head without keys), a minute's worth.
+step clean_calls 75 $PY scripts/fused_clean_calls.py --backend cupy --calls 1000 --max-len 512 \
+    --long-calls 1000 --long-len 4096 --minutes 1
 step bench_attention 100 $PY bench/attention.py --backend cupy --json "$OUT/bench_attention.json"
 step bench_torch 60 $PY bench/torch_adapter.py --device cuda --json "$OUT/bench_torch_adapter.json"
 step calibrate 40 $PY scripts/calibrate_thresholds.py --backend cupy
