@@ -26,7 +26,7 @@ def _main(argv: list[str], monkeypatch) -> int:
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_the_clean_call_campaign_flags_nothing(xp, dtype, capsys, monkeypatch):
     backend = "numpy" if xp is np else "cupy"
     status = _main(["--calls", "12", "--max-len", "40", "--long-calls", "1", "--long-len", "70",
