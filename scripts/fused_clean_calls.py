@@ -18,7 +18,7 @@ CPU the script runs what fits (``--calls`` at ``--max-len``, ``--long-calls`` mo
 ``--long-len``) and prints exactly what it ran:
 
     PYTHONPATH=. python scripts/fused_clean_calls.py --calls 2000 --max-len 512 \
-        --long-calls 4 --long-len 4096 [--seed 0] [--minutes 10] [--backend cupy]
+        --long-calls 4 --long-len 4096 [--seed 0] [--minutes 10] [--backend cupy|cupy-on-cpu]
 
 ``--minutes`` stops the calls (both kinds) after that long and reports what ran.
 
@@ -153,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-len", type=int, default=4096)
     parser.add_argument("--dtype", default="float32",
                         choices=("float16", "bfloat16", "float32", "float64"))
-    parser.add_argument("--backend", default="numpy", choices=("numpy", "cupy"),
-                        help="numpy: the numba kernels; cupy: the CUDA kernels")
+    parser.add_argument("--backend", default="numpy", choices=("numpy", "cupy", "cupy-on-cpu"),
+                        help="numpy: the numba kernels; cupy: the CUDA kernels; cupy-on-cpu: the "
+                             "CUDA kernels run on the CPU (tests/cuda_on_cpu, needs g++)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--minutes", type=float, default=0.0,
                         help="stop calling after this long, random-length and long calls alike "
@@ -162,12 +163,26 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.calls, args.long_calls) < 0 or min(args.max_len, args.long_len) < 1:
         parser.error("calls must be >= 0 and lengths >= 1")
+    if args.backend == "numpy":
+        return _campaign(args, np)
+    if args.backend == "cupy":
+        import cupy
+
+        return _campaign(args, cupy)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from cuda_on_cpu import standin
+
+    with standin.installed():  # the stand-in is "cupy" while it is installed
+        import cupy
+
+        return _campaign(args, cupy)
+
+
+def _campaign(args: argparse.Namespace, xp: Any) -> int:
+    """The calls :func:`main` was asked for, on array module ``xp``; 1 when any flagged, raised
+    or returned INF/NaN."""
     rng = np.random.default_rng(args.seed)
     dtype = np.dtype(ml_dtypes.bfloat16 if args.dtype == "bfloat16" else args.dtype)
-    if args.backend == "cupy":
-        import cupy as xp
-    else:
-        xp = np
     fused_forward(*(xp.ones((1, 8, 16), dtype) for _ in range(3)), Context())  # compile
     short, long = Tally(), Tally()
     deadline = time.monotonic() + 60 * args.minutes if args.minutes > 0 else None
