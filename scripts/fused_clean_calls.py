@@ -200,8 +200,8 @@ def _campaign(args: argparse.Namespace, xp: Any) -> int:
               f"{long.flagged} flagged, {long.raised} raised, {long.nonfinite} with INF/NaN",
               flush=True)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"{datetime.date.today()}, {device_name(xp)}, load average {load}; backend {args.backend},"
-          f" dtype {dtype.name}, seed {args.seed}")
+    print(f"{datetime.date.today()}, {device_name(xp)}, load average {load}; "
+          f"backend {args.backend}, dtype {dtype.name}, seed {args.seed}")
     for label, t, size in (("random lengths", short, f"1..{args.max_len}"),
                            ("long", long, str(args.long_len))):
         cases = ", ".join(f"{k} {v}" for k, v in sorted(t.by_case.items()))
