@@ -11,6 +11,10 @@ the calls whose output or gradients hold INF/NaN. Cases cycle through (:func:`ad
 - identical keys (every row of scores flat: ``P = 1/L`` everywhere);
 - key padding that leaves some keys visible, one whole head (batch item) with no visible key
   (fully masked rows: output and gradients 0), and causal masks (the first query sees one key);
+- additive masks: a position bias (ALiBi's ``-slope |i - j|``, slopes up to ~3) with entries
+  "not allowed" as ``-inf`` or as float32's lowest number (eager masks), whole rows of them
+  among them, and large positive biases on a few entries;
+- attention dropout at probabilities up to 0.9, on data scaled up to near overflow;
 - lengths that are not multiples of the 64-row tiles, head dims 16, 64 and 128.
 
 The issue's reliability target is 0 false positives in 10^4 clean calls at L = 4096; on a small
@@ -49,7 +53,8 @@ from bench.timing import device_name  # noqa: E402
 #: Largest logit of the "near overflow" cases: float32's exp overflows above ~88.72.
 NEAR_OVERFLOW = 88.0
 #: The kinds of case :func:`adversarial_case` cycles through.
-CASES = ("near-overflow", "far-beyond", "flat-rows", "padded", "one-head-masked", "plain")
+CASES = ("near-overflow", "far-beyond", "flat-rows", "padded", "one-head-masked", "additive-mask",
+         "dropout", "plain")
 
 
 @dataclass
@@ -63,6 +68,9 @@ class Case:
     do: np.ndarray
     causal: bool
     visible: np.ndarray | None
+    attn_mask: np.ndarray | None = None
+    dropout: float = 0.0
+    dropout_seed: int | None = None
 
 
 def adversarial_case(rng: np.random.Generator, call: int, max_len: int, dtype: Any,
@@ -80,7 +88,8 @@ def adversarial_case(rng: np.random.Generator, call: int, max_len: int, dtype: A
     k = rng.standard_normal((n, lk, d))
     v = rng.standard_normal((n, lk, d))
     do = rng.standard_normal((n, lq, d))
-    visible = None
+    visible = attn_mask = None
+    dropout, dropout_seed = 0.0, None
     if name in ("near-overflow", "far-beyond"):
         # Scores of ~N(0, s^2) with the largest near the target: s from the target over ~4 sigma.
         target = NEAR_OVERFLOW if name == "near-overflow" else 10.0 ** rng.uniform(3, 15)
@@ -97,8 +106,31 @@ def adversarial_case(rng: np.random.Generator, call: int, max_len: int, dtype: A
         visible = rng.random((n, lk)) < rng.uniform(0.05, 0.9)
         if name == "one-head-masked":
             visible[int(rng.integers(n))] = False
+    elif name == "additive-mask":
+        attn_mask = _additive_mask(rng, n, lq, lk)
+    elif name == "dropout":
+        dropout = float(rng.choice([rng.uniform(0.01, 0.5), 0.9]))
+        dropout_seed = int(rng.integers(2**63))
+        q *= np.sqrt(NEAR_OVERFLOW / 4.0) if rng.random() < 0.5 else 1.0
     q, k, v, do = (np.ascontiguousarray(x.astype(dtype)) for x in (q, k, v, do))
-    return Case(name, q, k, v, do, causal, visible)
+    return Case(name, q, k, v, do, causal, visible, attn_mask, dropout, dropout_seed)
+
+
+def _additive_mask(rng: np.random.Generator, n: int, lq: int, lk: int) -> np.ndarray:
+    """A float32 ``(n or 1, lq, lk)`` mask: ALiBi's position bias ``-slope |i - j|``, entries
+    "not allowed" (``-inf`` or float32's lowest number, as eager masks write it) at a random
+    rate, sometimes a whole row of them, and sometimes large positive biases on a few entries."""
+    heads = n if rng.random() < 0.5 else 1
+    slope = 10.0 ** rng.uniform(-2, 0.5, (heads, 1, 1))
+    distance = np.abs(np.arange(lq)[:, None] - np.arange(lk)[None, :])
+    mask = -slope * distance
+    hidden = -np.inf if rng.random() < 0.5 else float(np.finfo(np.float32).min)
+    mask[rng.random(mask.shape) < rng.uniform(0.0, 0.6)] = hidden
+    if rng.random() < 0.5:
+        mask[:, int(rng.integers(lq))] = hidden
+    if rng.random() < 0.3:
+        mask[rng.random(mask.shape) < 0.01] = 1e4
+    return mask.astype(np.float32)
 
 
 @dataclass
@@ -120,7 +152,10 @@ class Tally:
         started = time.perf_counter()
         ctx = Context()
         try:
-            out, saved = fused_forward(q, k, v, ctx, causal=case.causal, key_visible=visible)
+            mask = None if case.attn_mask is None else xp.asarray(case.attn_mask)
+            out, saved = fused_forward(q, k, v, ctx, causal=case.causal, key_visible=visible,
+                                       attn_mask=mask, dropout=case.dropout,
+                                       dropout_seed=case.dropout_seed)
             grads = fused_backward(saved, do, ctx)
             out, grads = to_host(out), [to_host(g) for g in grads]
         except UncorrectableError as exc:
@@ -142,7 +177,9 @@ class Tally:
 
 def _shape(case: Case) -> str:
     n, lq, d = case.q.shape
-    return f"n={n} Lq={lq} Lk={case.k.shape[1]} d={d}{' causal' if case.causal else ''}"
+    extra = (" causal" if case.causal else "") + (f" dropout={case.dropout:.3f}" if case.dropout
+                                                   else "")
+    return f"n={n} Lq={lq} Lk={case.k.shape[1]} d={d}{extra}"
 
 
 def main(argv: list[str] | None = None) -> int:
