@@ -108,7 +108,9 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     ----------
     query : tensor (..., L, D)
     key, value : tensor (..., S, D)
-        Same leading dimensions and dtype as ``query``.
+        Same leading dimensions and dtype as ``query`` (under ``torch.autocast`` all three are
+        cast to its dtype first, as ``scaled_dot_product_attention``'s are: Llama's rotary
+        positions make float32 queries and keys beside 16-bit values).
     protection : Protection
         What the call runs under; its ``last_report`` receives the findings and its
         ``last_core`` names the implementation that ran.
@@ -137,6 +139,11 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     out : tensor (..., L, D)
     weights : tensor (..., L, S) or None
     """
+    device = query.device.type
+    if torch.is_autocast_enabled(device) and all(t.is_floating_point()
+                                                 for t in (query, key, value)):
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
     lead, (seq_q, d), seq_k = query.shape[:-2], query.shape[-2:], key.shape[-2]
     if key.shape[:-2] != lead or value.shape != key.shape or key.shape[-1] != d:
         raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value "

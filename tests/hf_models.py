@@ -1,5 +1,5 @@
 """Tiny Hugging Face transformers models of the four families the seed paper used (BERT,
-RoBERTa, GPT-2, GPT-Neo), a padded batch, one training step's outputs, and the comparisons and
+RoBERTa, GPT-2, GPT-Neo) and of Llama, a padded batch, one training step's outputs, and the comparisons and
 fault injector the transformers tests share. Import after skipping without transformers."""
 import pytest
 import torch
@@ -80,7 +80,8 @@ def layer0(family):
     return {"bert": "bert.encoder.layer.0.attention.self",
             "roberta": "roberta.encoder.layer.0.attention.self",
             "gpt2": "transformer.h.0.attn",
-            "gpt-neo": "transformer.h.0.attn.attention"}[family]
+            "gpt-neo": "transformer.h.0.attn.attention",
+            "llama": "model.layers.0.self_attn"}[family]
 
 
 class OncePerSite:

@@ -238,7 +238,7 @@ def test_fused_core_without_padding_and_weights_when_asked(family):
 
 
 @pytest.mark.parametrize("family,causal", [("bert", False), ("roberta", False), ("gpt2", True),
-                                           ("gpt-neo", True)])
+                                           ("gpt-neo", True), ("llama", True)])
 def test_padding_masks_reach_the_core_as_key_visibility(family, causal, monkeypatch):
     # a padded batch's masks (and the causal triangle with them) reach the core as key
     # visibility (n, S) and the causal flag, not as an L x S mask; GPT-Neo's local layers (a

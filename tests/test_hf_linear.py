@@ -32,6 +32,8 @@ LAYER0 = {
     "gpt-neo": (["transformer.h.0.attn.attention." + n
                  for n in ("q_proj", "k_proj", "v_proj", "out_proj")],
                 ["transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"]),
+    "llama": (["model.layers.0.self_attn." + n for n in ("q_proj", "k_proj", "v_proj", "o_proj")],
+              ["model.layers.0.mlp." + n for n in ("gate_proj", "up_proj", "down_proj")]),
 }
 LAYER0["roberta"] = tuple([n.replace("bert.", "roberta.", 1) for n in names]
                           for names in LAYER0["bert"])

@@ -1,7 +1,10 @@
-"""Small Hugging Face transformers models of the seed paper's four families, built in code.
+"""Small Hugging Face transformers models of the seed paper's four families and of Llama, built
+in code.
 
-BERT, RoBERTa (masked language models), GPT-2 and GPT-Neo (causal language models), each from a
-config with random initialization; nothing is downloaded. :class:`HFTrainer` trains one on the
+BERT, RoBERTa (masked language models), GPT-2, GPT-Neo and Llama (causal language models; Llama's
+the architecture most models trained today share: rotary positions, grouped-query attention,
+RMSNorm, a gated feed-forward layer, no biases), each from a config with random initialization;
+nothing is downloaded. :class:`HFTrainer` trains one on the
 synthetic corpus of :mod:`attention.experiments.train` (characters as token ids) with the
 interface the training runs use there (``batch``, ``grads``, ``finite``, ``opt``), so
 ``abft train --model gpt2`` runs the same four runs (fault-free, unprotected, protected,
@@ -23,7 +26,7 @@ import numpy as np
 
 from abftgemm.report import Report
 
-FAMILIES: tuple[str, ...] = ("bert", "roberta", "gpt2", "gpt-neo")
+FAMILIES: tuple[str, ...] = ("bert", "roberta", "gpt2", "gpt-neo", "llama")
 #: Families trained as masked language models (the others as causal language models).
 MASKED_LM = ("bert", "roberta")
 #: Share of the positions a masked language model predicts per batch.
@@ -36,9 +39,10 @@ def build(family: str, *, vocab: int, seq: int, d_model: int, n_heads: int, n_la
 
     Parameters
     ----------
-    family : {"bert", "roberta", "gpt2", "gpt-neo"}
+    family : {"bert", "roberta", "gpt2", "gpt-neo", "llama"}
     vocab, seq, d_model, n_heads, n_layers, d_ff : int
-        Vocabulary (a masked LM adds one id for its mask token), longest sequence, sizes.
+        Vocabulary (a masked LM adds one id for its mask token), longest sequence, sizes (Llama
+        gets ``n_heads // 2`` key and value heads where ``n_heads`` is even).
     seed : int
         ``torch.manual_seed`` before the weights are drawn.
     attn_implementation : str
@@ -66,6 +70,12 @@ def build(family: str, *, vocab: int, seq: int, d_model: int, n_heads: int, n_la
         config = t.GPT2Config(**common, n_embd=d_model, n_layer=n_layers, n_head=n_heads,
                               n_inner=d_ff, n_positions=seq, attn_pdrop=dropout, resid_pdrop=0.0,
                               embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    elif family == "llama":
+        config = t.LlamaConfig(**common, hidden_size=d_model, num_hidden_layers=n_layers,
+                               num_attention_heads=n_heads,
+                               num_key_value_heads=n_heads // 2 if n_heads % 2 == 0 else n_heads,
+                               intermediate_size=d_ff, max_position_embeddings=seq,
+                               attention_dropout=dropout, bos_token_id=0, eos_token_id=0)
     else:
         config = t.GPTNeoConfig(**common, hidden_size=d_model, num_layers=n_layers,
                                 num_heads=n_heads, intermediate_size=d_ff,
@@ -74,8 +84,9 @@ def build(family: str, *, vocab: int, seq: int, d_model: int, n_heads: int, n_la
                                 window_size=max(2, seq // 2), max_position_embeddings=seq,
                                 attention_dropout=dropout, resid_dropout=0.0, embed_dropout=0.0,
                                 bos_token_id=0, eos_token_id=0)
-    model = model_class(config) if family in MASKED_LM else (
-        t.GPT2LMHeadModel(config) if family == "gpt2" else t.GPTNeoForCausalLM(config))
+    causal_lm = {"gpt2": t.GPT2LMHeadModel, "gpt-neo": t.GPTNeoForCausalLM,
+                 "llama": t.LlamaForCausalLM}
+    model = model_class(config) if family in MASKED_LM else causal_lm[family](config)
     model.train()
     return model
 

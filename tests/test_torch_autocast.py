@@ -1,0 +1,43 @@
+"""``attention.torch_functional.attention_core`` under ``torch.autocast``: like PyTorch's
+``scaled_dot_product_attention`` it casts query, key and value to the autocast dtype, so inputs
+of mixed dtypes (Llama's rotary positions make float32 queries and keys beside 16-bit values)
+run in that dtype; outside autocast mixed dtypes stay an error."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is an optional extra (pip install '.[torch]')")
+
+from attention.torch_functional import Protection, attention_core  # noqa: E402
+
+B, H, L, D = 2, 3, 10, 16
+
+
+def _inputs(dtypes):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(B, H, L, D, generator=gen).to(dt).requires_grad_() for dt in dtypes]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_mixed_dtypes_run_in_the_autocast_dtype_as_sdpa(dtype):
+    q, k, v = _inputs((torch.float32, torch.float32, dtype))
+    with torch.autocast("cpu", dtype=dtype):
+        if not torch.is_autocast_enabled("cpu"):
+            pytest.skip(f"this PyTorch has no CPU autocast to {dtype}")
+        out, _ = attention_core(q, k, v, protection=Protection(), is_causal=True)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == want.dtype == dtype
+    # both round the products and the output to dtype, in different orders: a few roundoffs
+    # of the largest element
+    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    scale = want.abs().max().item()
+    assert (out.float() - want.float()).abs().max().item() <= 4 * u * scale
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert [g.dtype for g in grads] == [torch.float32, torch.float32, dtype]
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_mixed_dtypes_without_autocast_are_refused():
+    q, k, v = _inputs((torch.float32, torch.float32, torch.float64))
+    with pytest.raises(TypeError, match="one dtype"):
+        attention_core(q, k, v, protection=Protection())
