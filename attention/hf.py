@@ -16,14 +16,17 @@ masks and custom ones); values at or below half the dtype's lowest finite value 
 "not allowed". A boolean mask that is key padding (the same keys hidden from every query, with
 or without the causal triangle: the masks of padded batches) reaches the core as key visibility,
 an ``O(L)`` mask (:func:`attention.torch_functional.attention_core`). Grouped-query attention
-(fewer key/value heads) repeats the key and value heads.
+(fewer key/value heads) repeats the key and value heads. Sliding windows (Mistral's, Gemma 3's)
+are in the masks transformers builds (sdpa's builder, registered here); it leaves the mask out
+only where the window hides nothing, so a ``sliding_window`` without a mask is refused when the
+keys outnumber the window.
 
 Differences from ``"eager"``: the returned attention weights carry no gradient; a query row whose
 keys are all masked gets probabilities 0 (eager: uniform over the masked keys); the dropout mask
 is drawn with PyTorch's generator but not from the same stream as eager's (on the CPU, in float32
 and float64, the seed of the fused core's keep decisions, :mod:`attention.dropout_hash`, so that
 the product runs on the fused core). Refused with a clear
-error: head masks, ``softcap``, sliding windows, attention sinks and position biases.
+error: head masks, ``softcap``, attention sinks and position biases.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ from attention.torch_core import ProtectedCore
 
 NAME = "abft"
 #: Keyword arguments transformers may pass that the protected product cannot honour.
-_REFUSED = ("head_mask", "softcap", "sliding_window", "s_aux", "sinks", "position_bias")
+_REFUSED = ("head_mask", "softcap", "s_aux", "sinks", "position_bias")
 
 __all__ = ["NAME", "abft_attention_forward", "core_of", "weights_wanted"]
 
@@ -76,7 +79,9 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         Overrides ``module.is_causal``; applies only without a mask and for ``L > 1``.
     **kwargs
         Others transformers passes (position ids, cache flags, ``output_attentions``) are
-        ignored; those in ``_REFUSED`` raise ``ValueError`` when set.
+        ignored; those in ``_REFUSED`` raise ``ValueError`` when set, as does a
+        ``sliding_window`` smaller than the number of keys without a mask (the window is the
+        mask's part).
 
     Returns
     -------
@@ -88,6 +93,10 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     for name in _REFUSED:
         if kwargs.get(name) is not None:
             raise ValueError(f"the 'abft' attention does not support {name!r}")
+    window = kwargs.get("sliding_window")
+    if window is not None and attention_mask is None and key.shape[2] > window:
+        raise ValueError(f"the 'abft' attention takes a sliding window ({window}) from the "
+                         f"attention mask, and got none for {key.shape[2]} keys")
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads != kv_heads:
         if heads % kv_heads:

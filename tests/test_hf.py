@@ -1,6 +1,7 @@
-"""Hugging Face transformers models protected by attention.torch.protect: BERT, RoBERTa, GPT-2 and
-GPT-Neo (tiny configurations built in code, random weights and token ids; nothing downloaded)
-against the "eager" attention, under injected faults, and around saving and compiling."""
+"""Hugging Face transformers models protected by attention.torch.protect: BERT, RoBERTa, GPT-2,
+GPT-Neo and Llama, and Mistral's sliding window (tiny configurations built in code, random weights
+and token ids; nothing downloaded) against the "eager" attention, under injected faults, and
+around saving and compiling."""
 import copy
 
 import pytest
@@ -125,6 +126,37 @@ def test_refuses_what_it_cannot_honour():
     with pytest.raises(ValueError, match="no protected attention module"):
         with fault_hook(build("gpt2"), print):
             pass
+
+
+def test_sliding_window_comes_in_the_mask():
+    q = torch.randn(1, 2, 6, 8)
+    module = torch.nn.Module()
+    module.is_causal = True
+    with pytest.raises(ValueError, match="sliding window"):  # no mask: the window is lost
+        abft_attention_forward(module, q, q, q, None, sliding_window=5)
+    out, _ = abft_attention_forward(module, q, q, q, None, sliding_window=6)  # hides nothing
+    ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert_close(out.transpose(1, 2), ref)
+
+
+def test_mistral_sliding_window_equals_eager():
+    """Mistral (Llama with a sliding window): a window of 4 over 12 tokens, with padding, in
+    train mode: logits and gradients equal eager's, and the window matters (without it the
+    logits differ)."""
+    def mistral(window):
+        torch.manual_seed(0)
+        config = transformers.MistralConfig(
+            vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=2,
+            num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, sliding_window=window,
+            attn_implementation="eager", bos_token_id=0, eos_token_id=0)
+        return transformers.MistralForCausalLM(config).train()
+
+    want = step(mistral(4), *batch())
+    unwindowed = step(mistral(None), *batch())
+    assert (unwindowed[0] - want[0]).abs().max() > 1e-3
+    model = protect(mistral(4))
+    assert_same_step(step(model, *batch()), want)
+    assert {c.last_core for c in attention_cores(model).values()} == {"fused"}
 
 
 def test_float_and_boolean_4d_masks_and_causal_offset():
