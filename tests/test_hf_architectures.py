@@ -1,0 +1,130 @@
+"""``protect`` on transformers architectures beyond the five families of tests/test_hf.py: every
+model whose attention calls transformers' ``AttentionInterface`` runs protected, forward and
+backward, equal to its eager self (tiny configurations built in code, a padded batch, train mode
+with dropout 0); architectures the protected product cannot honour are refused with a clear
+error and left unchanged."""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+if not hasattr(transformers, "AttentionInterface"):
+    pytest.skip(f"transformers {transformers.__version__} has no AttentionInterface "
+                "(the [hf] extra needs >= 5.17)", allow_module_level=True)
+
+from attention.hf_protect import attention_cores  # noqa: E402
+from attention.torch import protect  # noqa: E402
+from hf_models import VOCAB, assert_same_step, batch, step  # noqa: E402
+
+#: name: (config class, model class, config arguments besides the vocabulary and eager
+#: attention); 2 layers, width 32, 4 heads (2 key/value heads where the model has the option),
+#: dropout 0.
+LLAMA_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=0,
+                  pad_token_id=0)
+BERT_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4)
+NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+ARCHITECTURES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", LLAMA_LIKE),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(LLAMA_LIKE, head_dim=8)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", LLAMA_LIKE),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", LLAMA_LIKE),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(LLAMA_LIKE, head_dim=8)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(LLAMA_LIKE, head_dim=8, sliding_window=4)),
+    "gpt-neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
+                 dict(BERT_LIKE, bos_token_id=0, eos_token_id=0)),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM",
+             dict(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, bos_token_id=0, eos_token_id=0)),
+    "opt": ("OPTConfig", "OPTForCausalLM",
+            dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                 word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0, bos_token_id=0,
+                 eos_token_id=0, pad_token_id=1)),
+    "falcon": ("FalconConfig", "FalconForCausalLM",
+               dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    bos_token_id=0, eos_token_id=0)),
+    "modernbert": ("ModernBertConfig", "ModernBertForMaskedLM",
+                   dict(BERT_LIKE, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                        cls_token_id=0, sep_token_id=0, global_attn_every_n_layers=2,
+                        local_attention=4)),
+    "distilbert": ("DistilBertConfig", "DistilBertForMaskedLM",
+                   dict(dim=32, hidden_dim=64, n_layers=2, n_heads=4, dropout=0.0,
+                        attention_dropout=0.0)),
+    "albert": ("AlbertConfig", "AlbertForMaskedLM",
+               dict(BERT_LIKE, **NO_DROPOUT, embedding_size=16)),
+    "electra": ("ElectraConfig", "ElectraForMaskedLM",
+                dict(BERT_LIKE, **NO_DROPOUT, embedding_size=16)),
+}
+
+
+def _build(name):
+    config_name, model_name, options = ARCHITECTURES[name]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(vocab_size=VOCAB, attn_implementation="eager",
+                                                **options)
+    return getattr(transformers, model_name)(config).train()
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_equals_eager_with_padding_in_train_mode(name):
+    eager = _build(name)
+    model = protect(copy.deepcopy(eager))
+    assert model.config._attn_implementation == "abft"
+    want = step(eager, *batch())
+    assert_same_step(step(model, *batch()), want)
+    cores = attention_cores(model).values()
+    assert cores and all(c.last_report.checked for c in cores)
+    assert all(not c.last_report.events for c in cores)
+
+
+def test_vision_transformer_equals_eager():
+    config = transformers.ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, image_size=16, patch_size=4,
+                                    attn_implementation="eager", num_labels=3)
+    torch.manual_seed(0)
+    eager = transformers.ViTForImageClassification(config).train()
+    model = protect(copy.deepcopy(eager))
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    runs = []
+    for m in (eager, model):
+        logits = m(pixel_values=pixels).logits
+        logits.pow(2).mean().backward()
+        runs.append((logits.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    assert_same_step(runs[1], runs[0])
+    assert {c.last_core for c in attention_cores(model).values()} == {"fused"}
+
+
+@pytest.mark.parametrize("name,match", [
+    ("gemma2", "softcap"),  # the scores' tanh cap is not part of the protected product
+    ("t5", "position_bias"),  # a trained bias: its gradient is dS, which the core never forms
+    ("bloom", "does not call the attention function"),  # ALiBi inside its own attention module
+])
+def test_refused_with_a_clear_error(name, match):
+    config_class, model_class, options = {
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(LLAMA_LIKE, head_dim=8)),
+        "t5": ("T5Config", "T5ForConditionalGeneration",
+               dict(d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8)),
+        "bloom": ("BloomConfig", "BloomForCausalLM", dict(hidden_size=32, n_layer=2, n_head=4)),
+    }[name]
+    if not hasattr(transformers, model_class):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_class}")
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(
+        vocab_size=VOCAB, attn_implementation="eager", **options))
+    ids, mask = batch()
+    inputs = dict(input_ids=ids, attention_mask=mask)
+    if name == "t5":
+        inputs["decoder_input_ids"] = ids
+    try:
+        protect(model)
+    except ValueError as exc:  # refused at protect: nothing changed
+        assert match in str(exc)
+        assert model.config._attn_implementation == "eager"
+        return
+    with pytest.raises(ValueError, match=match):  # refused at the first call
+        model(**inputs)
