@@ -1,11 +1,14 @@
-"""Training step of a tiny Hugging Face GPT-2 and BERT: protected against "sdpa" and "eager".
+"""Training step of a tiny Hugging Face GPT-2 and BERT (and Llama): protected against "sdpa" and
+"eager".
 
 Usage::
 
     python bench/hf_step.py [--layers 4] [--width 256] [--heads 4] [--seq 128] [--batch 8]
-                            [--repeats 5] [--padded] [--cpu-time] [--json PATH]
+                            [--repeats 5] [--padded] [--cpu-time] [--families gpt2,bert,llama]
+                            [--json PATH]
 
-Models are built from configs in code (random weights and token ids, dropout 0, fp32, CPU). Each
+Models are built from configs in code (random weights and token ids, dropout 0, fp32, CPU;
+Llama with ``heads // 2`` key/value heads and a gated feed-forward layer of ``8 width / 3``). Each
 implementation's forward + backward + SGD step is timed in interleaved rounds (load that comes and
 goes hits each alike); the median of ``--repeats`` rounds is printed with the ratios, the CPU and
 ``/proc/loadavg`` (other work on the machine shows there). Protected variants, each against
@@ -45,6 +48,13 @@ def _models(family: str, args: argparse.Namespace) -> dict:
                            n_head=args.heads, n_positions=args.seq, attn_pdrop=0.0,
                            resid_pdrop=0.0, embd_pdrop=0.0, attn_implementation="sdpa")
         base = t.GPT2LMHeadModel(cfg)
+    elif family == "llama":
+        cfg = t.LlamaConfig(vocab_size=1000, hidden_size=args.width, num_hidden_layers=args.layers,
+                            num_attention_heads=args.heads,
+                            num_key_value_heads=max(1, args.heads // 2),
+                            intermediate_size=8 * args.width // 3,
+                            max_position_embeddings=args.seq, attn_implementation="sdpa")
+        base = t.LlamaForCausalLM(cfg)
     else:
         cfg = t.BertConfig(vocab_size=1000, hidden_size=args.width, num_hidden_layers=args.layers,
                            num_attention_heads=args.heads, intermediate_size=4 * args.width,
@@ -76,8 +86,13 @@ def main() -> None:
                    help="a padding mask: the batch's items right-padded to lengths seq .. seq/2")
     p.add_argument("--cpu-time", action="store_true",
                    help="one PyTorch thread, timed by its CPU time (time.thread_time)")
+    p.add_argument("--families", default="gpt2,bert",
+                   help="comma-separated, of gpt2, bert and llama (default: gpt2,bert)")
     p.add_argument("--json", type=Path, help="also write the results to this file")
     args = p.parse_args()
+    families = args.families.split(",")
+    if not families or set(families) - {"gpt2", "bert", "llama"}:
+        p.error(f"--families takes gpt2, bert and llama, got {args.families!r}")
     if args.cpu_time:  # every thread's work on the timed one: PyTorch's and the library's
         torch.set_num_threads(1)
         abftgemm.set_threads(1)
@@ -92,7 +107,7 @@ def main() -> None:
               "load_before": _load(), "families": {}}
     print(f"{result['cpu']}, torch threads {result['torch_threads']}, "
           f"load {result['load_before']}")
-    for family in ("gpt2", "bert"):
+    for family in families:
         models = _models(family, args)
         opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in models.items()}
         times: dict[str, list[float]] = {k: [] for k in models}
