@@ -189,6 +189,23 @@ def test_float_and_boolean_4d_masks_and_causal_offset():
     assert_close(out.transpose(1, 2), ref.detach())
 
 
+@pytest.mark.parametrize("reentrant", (False, True), ids=("non-reentrant", "reentrant"))
+def test_gradient_checkpointing_equals_eager_and_repairs(reentrant, eager_runs):
+    """Activation (gradient) checkpointing (the Trainer's memory saver: each layer's forward runs
+    again inside the backward): the step equals eager's, and a fault in a backward product is
+    repaired there."""
+    eager, want = eager_runs["llama"]
+    model = protect(copy.deepcopy(eager))
+    options = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.25
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    assert_same_step(step(model, *batch()), want)
+    name = layer0("llama")
+    assert_fault_repaired(model, attention_cores, name, "d_q", want, want)
+
+
 def test_generate_with_cache_equals_eager(eager_runs):
     eager = copy.deepcopy(eager_runs["gpt2"][0]).eval()
     model = protect(copy.deepcopy(eager))
