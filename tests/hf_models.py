@@ -1,11 +1,18 @@
 """Tiny Hugging Face transformers models of the four families the seed paper used (BERT,
-RoBERTa, GPT-2, GPT-Neo) and of Llama, a padded batch, one training step's outputs, and the comparisons and
-fault injector the transformers tests share. Import after skipping without transformers."""
+RoBERTa, GPT-2, GPT-Neo) and of Llama, a padded batch, one training step's outputs, and the
+comparisons and fault injector the transformers tests share. Importing it skips the importing test module
+without PyTorch, or without a transformers that has ``AttentionInterface`` (the [hf] extra)."""
 import pytest
-import torch
 
-from abftgemm.faults import Fault
-from attention.experiments import hf_models
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+if not hasattr(transformers, "AttentionInterface"):
+    pytest.skip(f"transformers {transformers.__version__} has no AttentionInterface "
+                "(the [hf] extra needs >= 5.17)", allow_module_level=True)
+
+from abftgemm.faults import Fault  # noqa: E402
+from attention.experiments import hf_models  # noqa: E402
 
 FAMILIES = hf_models.FAMILIES
 VOCAB, WIDTH, HEADS, SEQ = 100, 32, 4, 12

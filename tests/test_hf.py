@@ -6,12 +6,7 @@ import copy
 
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip(
-    "transformers", reason="transformers is not installed (pip install -e '.[hf]')")
-if not hasattr(transformers, "AttentionInterface"):
-    pytest.skip(f"transformers {transformers.__version__} has no AttentionInterface "
-                "(the [hf] extra needs >= 5.17)", allow_module_level=True)
+from hf_models import torch, transformers  # skips this module without them
 
 from attention.core import CORE_INVARIANT_SITES, CORE_SITES  # noqa: E402
 from attention.dropout_hash import keep_mask  # noqa: E402
