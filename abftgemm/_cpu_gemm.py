@@ -9,7 +9,8 @@ row block per thread of the library's policy, each block one single-threaded BLA
 through numba's ``np.dot``) from a thread of numba's pool: one pool for the whole pass, at the
 speed of the BLAS's own threads (bench/NOTES.md). Elsewhere the BLAS keeps its threads, since a
 caller's own NumPy products next to ours would meet the same contention the other way round. Smaller
-products, one thread, and what numba's ``np.dot`` cannot take (16-bit, mixed dtypes, strided or
+products, one thread, a process that cannot enter numba's pool
+(:func:`abftgemm.threads.numba_pool_usable`), and what numba's ``np.dot`` cannot take (16-bit, mixed dtypes, strided or
 overlapping operands) go to ``np.matmul``.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from abftgemm.threads import one_blas_thread, scope_pool, scope_threads
+from abftgemm.threads import numba_pool_usable, one_blas_thread, scope_pool, scope_threads
 
 #: ``m n k`` above which a product runs split over the pool: OpenBLAS threads a GEMM from
 #: ``m n k > 2^18`` on (its ``GEMM_MULTITHREAD_THRESHOLD``), so no product it would thread is
@@ -34,7 +35,7 @@ def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     m, k = a.shape
     n = b.shape[1]
     threads = min(scope_threads(), numba.config.NUMBA_NUM_THREADS, m // POOL_MIN_ROWS) \
-        if scope_pool() else 1
+        if scope_pool() and numba_pool_usable() else 1
     if threads < 2 or m * n * k <= POOL_MIN_WORK or not _pool_takes(a, b, out):
         np.matmul(a, b, out=out)
         return

@@ -30,6 +30,11 @@ that run it, the products large enough for the BLAS to thread (``blas_scope(numb
 its work, and the other pool's calls wait for the cores they hold (bench/NOTES.md).
 Elsewhere (:func:`abftgemm.matmul`, the unfused attention core), at one thread, or for small
 products only, numba never starts its pool (tests/test_threads.py, tests/test_cpu_gemm.py).
+A process forked after numba's pool ran on GNU OpenMP (numba's ``omp`` layer, its default
+where TBB is not installed) cannot enter that pool again: numba terminates it. In such a
+child :func:`numba_pool_usable` is False and the same compiled work runs outside the pool, on
+the calling thread (tests/test_fork.py); a worker started with ``spawn`` or ``forkserver``, or
+numba on TBB, keeps the pool.
 PyTorch: the library never changes PyTorch's own thread settings; it only counts them, as
 above. With a CPU-bound process running on a 2-core machine, the protected ``attention.torch``
 layer runs many times faster under the policy than without it (bench/loaded.py; bench/NOTES.md,
@@ -38,13 +43,14 @@ layer runs many times faster under the policy than without it (bench/loaded.py; 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections import deque
 from typing import Any
 
 __all__ = ["set_threads", "get_threads", "current_policy", "blas_scope", "one_blas_thread",
-           "scope_threads", "scope_pool"]
+           "scope_threads", "scope_pool", "numba_pool_usable"]
 
 #: Seconds a load sample stays valid.
 SAMPLE_INTERVAL = 0.1
@@ -63,6 +69,7 @@ _pinned = 0  # one_blas_thread scopes open in any thread
 _pinned_restore: list[tuple[Any, int]] = []
 _samples: deque[int] = deque(maxlen=SAMPLES)
 _sampled_at = -1.0
+_pool_forked_away = False  # this process was forked after its parent's GNU OpenMP pool ran
 
 
 def set_threads(n: int | None) -> None:
@@ -187,7 +194,7 @@ def _lower(libs: list[Any], n: int, restore: list[tuple[Any, int]]) -> int:
     for lib in libs:
         before = lib.get_num_threads()
         if before is not None and before > n:
-            lib.set_num_threads(n)
+            _set_threads(lib, n)
             restore.append((lib, before))
         elif before is not None:
             lowest = min(lowest, before)
@@ -198,7 +205,22 @@ def _put_back(restore: list[tuple[Any, int]]) -> None:
     """Every count :func:`_lower` noted in ``restore`` set again, the list emptied."""
     while restore:
         lib, before = restore.pop()
-        lib.set_num_threads(before)
+        _set_threads(lib, before)
+
+
+def _set_threads(lib: Any, n: int) -> None:
+    """``lib.set_num_threads(n)`` from any thread. threadpoolctl (3.8) lets only one thread set
+    a process-wide BLAS pool (OpenBLAS on pthreads), the first to try, and silently ignores the
+    others: a protected call from any other thread ran its BLAS, and the fused core's tile
+    products in numba's pool, at the full thread count (2.6-4x slower, bench/NOTES.md). The
+    setting is process-wide and the library's changes are serialized (``_lock``), so each one
+    takes the control and gives it back."""
+    release = getattr(type(lib), "clear_controlling_thread", None)
+    if release is not None:
+        release(force=True)
+    lib.set_num_threads(n)
+    if release is not None:
+        release()
 
 
 class one_blas_thread:
@@ -271,6 +293,26 @@ def _sample() -> int:
     except (OSError, ValueError, IndexError):
         return 0
     return max(0, running - own)
+
+
+def numba_pool_usable() -> bool:
+    """Whether the library's numba work may run in numba's thread pool: False only in a process
+    forked after the pool had run on GNU OpenMP, which cannot run in a forked child (numba
+    terminates a child that tries: "fork() called from a process already using GNU OpenMP")."""
+    return not _pool_forked_away
+
+
+def _after_fork_in_child() -> None:
+    global _pool_forked_away
+    parallel = sys.modules.get("numba.np.ufunc.parallel")
+    if parallel is None or not parallel._is_initialized or _pool_forked_away:
+        return
+    if parallel.threading_layer() == "omp":
+        from numba.np.ufunc import omppool
+        _pool_forked_away = getattr(omppool, "openmp_vendor", "GNU") == "GNU"
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _read_proc(path: str) -> bytes:

@@ -1069,3 +1069,41 @@ def backward(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop: Drop
     for b in numba.prange(ops.q.shape[0]):
         status[b] = _backward_head_jit(ops, mask, rules, drop, grads, b, rec[b])
 
+
+# ------------------------------------------------------------------ outside numba's pool
+
+
+def _forward_serial(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: Dropout,
+                    outs: ForwardOutputs, rec: Any, status: Any) -> None:
+    nqb = (ops.q.shape[1] + BR - 1) // BR
+    for t in range(ops.q.shape[0] * nqb):
+        status[t] = _forward_block_jit(ops, mask, rules, drop, outs, t // nqb, (t % nqb) * BR,
+                                       rec[t])
+
+
+def _backward_serial(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop: Dropout,
+                     grads: Gradients, rec: Any, status: Any) -> None:
+    for b in range(ops.q.shape[0]):
+        status[b] = _backward_head_jit(ops, mask, rules, drop, grads, b, rec[b])
+
+
+def _encode_rows_serial(x: Any, out: Any) -> None:
+    for b in range(x.shape[0]):
+        _observe_rows(x[b], out[b].T)
+
+
+def _transpose_blocks_serial(x: Any, out: Any) -> None:
+    n, L, d = x.shape
+    for b in range(n):
+        for j0 in range(0, L, BC):
+            j1 = min(j0 + BC, L)
+            _transpose_block(x[b, j0:j1], out[b, d * j0:d * j1].reshape((d, j1 - j0)))
+
+
+#: :func:`forward`, :func:`backward`, :func:`encode_rows` and :func:`transpose_blocks` for a
+#: process that cannot enter numba's pool (:func:`abftgemm.threads.numba_pool_usable`): their
+#: loops in Python, each task the compiled function the parallel kernel runs for it.
+SERIAL = types.SimpleNamespace(forward=_forward_serial, backward=_backward_serial,
+                               encode_rows=_encode_rows_serial,
+                               transpose_blocks=_transpose_blocks_serial)
+

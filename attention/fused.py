@@ -131,7 +131,7 @@ import numpy as np
 from abftgemm.backend import is_cupy_array
 from abftgemm.checksums import SUPPORTED_DTYPES
 from abftgemm.cpu_kernels import all_finite
-from abftgemm.threads import current_policy, one_blas_thread
+from abftgemm.threads import current_policy, numba_pool_usable, one_blas_thread
 from attention import _cpu_fused as K
 from attention.context import Context
 from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, FUSED_SITES,  # noqa: F401
@@ -236,8 +236,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
               K.Dropout(*kernel_dropout(drop, dt)), K.ForwardOutputs(out, lse, sums))
     with one_blas_thread():
         if ctx.fault_hook is None:
-            _threads()
-            K.forward(*groups, rec, status)
+            _kernels().forward(*groups, rec, status)
         else:
             block, _ = K.python_drivers(_site_hook(ctx))
             for t in range(n * nqb):
@@ -287,8 +286,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
               K.Gradients(dq, dk, dv, dqc))
     with one_blas_thread():
         if ctx.fault_hook is None:
-            _threads()
-            K.backward(*groups, rec, status)
+            _kernels().backward(*groups, rec, status)
         else:
             _, head = K.python_drivers(_site_hook(ctx))
             for b in range(n):
@@ -333,7 +331,7 @@ def _row_encodings(x: np.ndarray, check: bool) -> np.ndarray:
     if not check:
         return np.zeros((x.shape[0], 3, 0))
     out = np.empty((x.shape[0], 3, x.shape[1]))
-    K.encode_rows(x, out)
+    _kernels().encode_rows(x, out)
     return out
 
 
@@ -344,7 +342,7 @@ def _transposed(x: np.ndarray, workspace: Workspace | None, name: str) -> np.nda
     shape = (x.shape[0], x.shape[1] * x.shape[2])
     out = np.empty(shape, x.dtype) if workspace is None else \
         workspace.buffer(f"fused:{name}^T", np, shape, x.dtype)
-    K.transpose_blocks(x, out)
+    _kernels().transpose_blocks(x, out)
     return out
 
 
@@ -357,11 +355,16 @@ def _output(like: np.ndarray, workspace: Workspace | None, name: str) -> np.ndar
     return workspace.recycled(f"fused:{name}", np, like.shape, like.dtype)
 
 
-def _threads() -> None:
-    """numba's threads for this call: the library's CPU thread policy
-    (:func:`abftgemm.threads.current_policy`), at most numba's pool (the BLAS inside them at one
-    thread: :func:`abftgemm.threads.one_blas_thread`)."""
+def _kernels() -> Any:
+    """The parallel numba kernels (:mod:`attention._cpu_fused`) at the library's CPU thread
+    policy (:func:`abftgemm.threads.current_policy`, at most numba's pool; the BLAS inside them
+    at one thread: :func:`abftgemm.threads.one_blas_thread`), or their serial twins
+    (``SERIAL``) in a process that cannot enter numba's pool
+    (:func:`abftgemm.threads.numba_pool_usable`)."""
+    if not numba_pool_usable():
+        return K.SERIAL
     numba.set_num_threads(min(current_policy(), numba.config.NUMBA_NUM_THREADS))
+    return K
 
 
 def _site_hook(ctx: Context) -> Any:
