@@ -10,6 +10,7 @@ holder object that carries the state; the state lives exactly as long as the tok
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from typing import Any, Callable
 
@@ -33,7 +34,8 @@ _KEYS = itertools.count(1)
 class Protection:
     """What protected PyTorch calls run under, and where their findings go.
 
-    One object serves any number of calls (a module holds one); the functional entry points
+    One object serves any number of calls (a module holds one), from any number of threads at
+    once: each thread gets its own plans and buffers. The functional entry points
     (:mod:`attention.torch_functional`) take it as their ``protection`` argument.
 
     Parameters
@@ -66,15 +68,20 @@ class Protection:
         self.check, self.plan, self.fault_hook = check, plan or CheckingPlan(), fault_hook
         self.last_report = Report()
         self.last_core: str | None = None
-        self._workspaces: dict[torch.device, Workspace] = {}
+        self._local = threading.local()
         self._memo: tuple[Any, Any] = (None, None)
         self.id = register(self)
 
     def workspace(self, device: torch.device) -> Workspace:
-        """The plans and buffers of the calls on ``device`` (one workspace per device)."""
-        ws = self._workspaces.get(device)
+        """The plans and buffers of the calling thread's calls on ``device`` (one workspace per
+        device and thread: concurrent calls, such as a server's requests on one model, must not
+        share buffers, and one thread's calls run one after another)."""
+        spaces = getattr(self._local, "workspaces", None)
+        if spaces is None:
+            spaces = self._local.workspaces = {}
+        ws = spaces.get(device)
         if ws is None:
-            ws = self._workspaces[device] = Workspace()
+            ws = spaces[device] = Workspace()
         return ws
 
     def context(self, report: Report) -> Context:
@@ -82,22 +89,25 @@ class Protection:
         return Context(self.check, self.plan, self.fault_hook, report)
 
     def memo(self, key: Any, make: Callable[[], Any]) -> Any:
-        """``make()``, kept while ``key`` stays the same (one entry)."""
-        if self._memo[0] != key:
-            self._memo = key, make()
-        return self._memo[1]
+        """``make()``, kept while ``key`` stays the same (one entry, read and replaced whole, so
+        concurrent calls each get the value of their own key)."""
+        memo = self._memo
+        if memo[0] != key:
+            memo = self._memo = key, make()
+        return memo[1]
 
     def __getstate__(self) -> dict[str, Any]:
         """Without its plans, buffers and memo, which hold array modules and memory no copy
         should share (``copy.deepcopy``, ``torch.save`` and ``pickle`` work after a call; a copy
         builds its own on first use and gets a new ``id``)."""
         state = self.__dict__.copy()
-        state["_workspaces"], state["_memo"] = {}, (None, None)
-        del state["id"]
+        state["_memo"] = (None, None)
+        del state["id"], state["_local"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._local = threading.local()
         self.id = register(self)
 
 
