@@ -201,11 +201,15 @@ def test_gradient_checkpointing_equals_eager_and_repairs(reentrant, eager_runs):
     assert_fault_repaired(model, attention_cores, name, "d_q", want, want)
 
 
-def test_generate_with_cache_equals_eager(eager_runs):
-    eager = copy.deepcopy(eager_runs["gpt2"][0]).eval()
+@pytest.mark.parametrize("family", ["gpt2", "gpt-neo", "llama"])
+def test_generate_with_cache_equals_eager(family, eager_runs):
+    # greedy decoding of a left-padded batch (batched generation's layout) with a KV cache
+    eager = copy.deepcopy(eager_runs[family][0]).eval()
     model = protect(copy.deepcopy(eager))
-    ids = batch()[0][:1, :4]
-    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    ids = batch()[0][:2, :5]
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids, **kw), eager.generate(ids, **kw))
 
 
