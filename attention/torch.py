@@ -183,23 +183,48 @@ def protect(model: nn.Module, *, check: str = "correct", mlp: bool = False,
     A Hugging Face transformers ``PreTrainedModel`` gets its attention products, and with
     ``projections`` (default) the Q, K, V and output projections of its attention blocks,
     protected instead; ``mlp=True`` protects its feed-forward layers as well
-    (:func:`attention.hf_protect.protect_pretrained`). ``mlp`` and ``projections`` apply to
-    transformers models only (:class:`MultiheadAttention` protects its own projections).
+    (:func:`attention.hf_protect.protect_pretrained`). So does every transformers model inside
+    ``model`` (a PEFT ``PeftModel``'s, a training wrapper's). ``mlp`` and ``projections`` apply
+    to transformers models only (:class:`MultiheadAttention` protects its own projections).
+
+    Raises
+    ------
+    ValueError
+        When ``model`` holds neither an ``nn.MultiheadAttention`` nor a transformers model
+        (nothing would be protected), or for ``mlp``/``projections`` without a transformers
+        model.
     """
-    if _is_pretrained(model):
+    inner = [] if _is_pretrained(model) else _pretrained_inside(model)
+    if _is_pretrained(model) or inner:
         from attention.hf_protect import protect_pretrained
 
-        return protect_pretrained(model, check=check, mlp=mlp, projections=projections)
+        for m in [model] if _is_pretrained(model) else inner:
+            protect_pretrained(m, check=check, mlp=mlp, projections=projections)
+        return model
     if mlp or not projections:
         raise ValueError("protect: mlp and projections apply to transformers models only")
+    found = False
     for parent in model.modules():
         if isinstance(parent, nn.TransformerEncoder):
             parent.use_nested_tensor = False
+        found = found or isinstance(parent, nn.MultiheadAttention)
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.MultiheadAttention) and not isinstance(child,
                                                                            MultiheadAttention):
                 setattr(parent, name, MultiheadAttention.from_torch(child, check=check))
+    if not found:
+        raise ValueError(f"protect: {type(model).__name__} holds no nn.MultiheadAttention and "
+                         "no transformers model, so nothing would be protected")
     return model
+
+
+def _pretrained_inside(model: nn.Module) -> list[nn.Module]:
+    """The outermost transformers ``PreTrainedModel`` modules inside ``model``."""
+    found: list[nn.Module] = []
+    for module in model.modules():
+        if _is_pretrained(module) and not any(module in set(f.modules()) for f in found):
+            found.append(module)
+    return found
 
 
 def fault_hook(model: nn.Module, fn: FaultHook) -> contextlib.AbstractContextManager[None]:

@@ -1,0 +1,65 @@
+"""``protect`` on transformers models inside other modules: a training wrapper's and a PEFT
+``PeftModel``'s (LoRA, the usual way to fine-tune one), either order of protect and LoRA; and a
+model with nothing to protect refused with a clear error."""
+import copy
+
+import pytest
+
+from hf_models import torch, transformers  # noqa: F401  (skips this module without them)
+
+from attention.hf_protect import attention_cores, protected_cores  # noqa: E402
+from attention.torch import protect  # noqa: E402
+from hf_models import assert_fault_repaired, assert_same_step, batch, build, step  # noqa: E402
+
+
+class Wrapper(torch.nn.Module):
+    """A training wrapper holding a transformers model (as Lightning modules do)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids, attention_mask=None):
+        return self.lm(ids, attention_mask=attention_mask)
+
+
+def test_a_wrapped_transformers_model_is_protected():
+    eager = Wrapper(build("llama"))
+    want = step(eager, *batch())
+    model = protect(copy.deepcopy(eager), mlp=True)
+    assert model.lm.config._attn_implementation == "abft"
+    assert_same_step(step(model, *batch()), want)
+    name = "lm.model.layers.0.self_attn"
+    assert_fault_repaired(model, attention_cores, name, "scores", want, want)
+
+
+def test_nothing_to_protect_is_refused():
+    with pytest.raises(ValueError, match="no nn.MultiheadAttention and no transformers model"):
+        protect(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft's call
+@pytest.mark.parametrize("order", ["protect, then LoRA", "LoRA, then protect"])
+def test_lora_fine_tuning_equals_eager(order):
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                             lora_dropout=0.0, init_lora_weights=False)
+    torch.manual_seed(5)
+    eager = peft.get_peft_model(build("llama"), config)
+    want = step(eager, *batch())
+    torch.manual_seed(5)
+    if order == "protect, then LoRA":
+        model = peft.get_peft_model(protect(build("llama")), config)
+    else:
+        model = protect(peft.get_peft_model(build("llama"), config))
+    got = step(model, *batch())
+    assert_same_step(got, want)
+    assert set(got[1]) == set(want[1])  # the LoRA weights alone train
+    assert all("lora_" in name for name in got[1])
+    cores = protected_cores(model)
+    base = "base_model.model.model.layers.0.self_attn"
+    assert f"{base}.q_proj.base_layer" in cores or f"{base}.q_proj" in cores
+    if order == "LoRA, then protect":  # the adapters' own products are protected too
+        assert f"{base}.q_proj.lora_A.default" in cores
+    name = f"{base}"
+    assert_fault_repaired(model, attention_cores, name, "d_q", want, want)
