@@ -265,6 +265,25 @@ def test_16bit_autocast_equals_eager(family, dtype):
                for core in projection_cores(model).values())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_16bit_model_equals_eager(family, dtype):
+    """A model loaded in a 16-bit dtype (``torch_dtype=torch.bfloat16``, no autocast): every
+    protected product takes and returns that dtype, and the step equals eager's within the same
+    few roundoffs as under autocast, its gradients in that dtype."""
+    eager = build(family).to(dtype)
+    want = step(eager, *batch())
+    model = protect(copy.deepcopy(eager), mlp=True)
+    got = step(model, *batch())
+    assert got[0].dtype == dtype and all(g.dtype == dtype for g in got[1].values())
+    assert_same_step((got[0].float(), {k: g.float() for k, g in got[1].items()}),
+                     (want[0].float(), {k: g.float() for k, g in want[1].items()}),
+                     rtol=RTOL_16[dtype], atol=ATOL_16[dtype])
+    assert {c.last_core for c in attention_cores(model).values()} == {"fused"}
+    assert all(core.last_report.checked.get("d_weight") == 1
+               for core in projection_cores(model).values())
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_core_without_padding_and_weights_when_asked(family):
     # no padding mask and no output_attentions: the fused core runs, equal to eager (in GPT-Neo
