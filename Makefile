@@ -32,8 +32,9 @@ $(STAMP): setup.py pyproject.toml | $(BIN)/python
 	# transformers for tests/test_hf.py (alone, not ".[hf]": that extra also asks for torch,
 	# which could make pip fetch a CUDA build where the local CPU one did not install)
 	$(BIN)/python -m pip install -q "transformers>=5.17,<6" || echo "transformers not installed: tests/test_hf.py will skip"
-	# PEFT for LoRA on protected transformers models (tests/test_hf_wrapped.py), likewise optional
-	$(BIN)/python -m pip install -q "peft>=0.13" || echo "peft not installed: its test will skip"
+	# PEFT (LoRA) and accelerate (transformers' Trainer) for tests/test_hf_wrapped.py and
+	# tests/test_hf_trainer.py, likewise optional
+	$(BIN)/python -m pip install -q "peft>=0.13" accelerate || echo "peft, accelerate not installed: their tests will skip"
 	touch $(STAMP)
 
 demo: $(DEMO_STAMP)
