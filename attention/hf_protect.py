@@ -18,6 +18,7 @@ import sys
 from typing import Any, Callable, Iterator
 
 import torch
+import transformers
 from torch import nn
 from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
 
@@ -119,15 +120,30 @@ def protect_pretrained(model: nn.Module, *, check: str = "correct", projections:
             raise ValueError(f"{type(model).__name__} does not call the attention function its "
                              "config names (transformers' AttentionInterface), so protect() "
                              "cannot protect it")
+        previous = model.config._attn_implementation
         model.set_attn_implementation(NAME)
     modules = list(_attention_modules(model))
-    if not modules:
-        raise ValueError(f"protect: found no attention module in {type(model).__name__}")
+    stale = [] if neo else [name for name, m in modules if _implementation(m) not in (None, NAME)]
+    if not modules or stale:
+        if not neo:
+            model.set_attn_implementation(previous)
+        if not modules:
+            raise ValueError(f"protect: found no attention module in {type(model).__name__}")
+        raise ValueError(
+            f"protect: transformers {transformers.__version__} left {len(stale)} attention "
+            f"modules of {type(model).__name__} ({stale[0]!r} first) on the attention "
+            f"implementation {_implementation(dict(modules)[stale[0]])!r}: their sub-model's "
+            "config keeps its own, so they would run unprotected")
     for _, m in modules:
         m.abft_core = ProtectedCore(check)
     if projections:
         protect_projections(model, [name for name, _ in modules], check=check, mlp=mlp)
     return model
+
+
+def _implementation(module: nn.Module) -> str | None:
+    """The attention implementation an attention module's config names (None without one)."""
+    return getattr(getattr(module, "config", None), "_attn_implementation", None)
 
 
 def _attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -4,6 +4,7 @@ backward, equal to its eager self (tiny configurations built in code, a padded b
 with dropout 0); architectures the protected product cannot honour are refused with a clear
 error and left unchanged."""
 import copy
+import re
 
 import pytest
 
@@ -68,7 +69,12 @@ def _build(name):
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_equals_eager_with_padding_in_train_mode(name):
     eager = _build(name)
-    model = protect(copy.deepcopy(eager))
+    try:
+        model = protect(copy.deepcopy(eager))
+    except ValueError as exc:  # refused with this error only where it does not use it
+        if "does not call the attention function" not in str(exc):
+            raise
+        pytest.skip(f"transformers {transformers.__version__}: {name} has no AttentionInterface")
     assert model.config._attn_implementation == "abft"
     want = step(eager, *batch())
     assert_same_step(step(model, *batch()), want)
@@ -96,7 +102,9 @@ def test_vision_transformer_equals_eager():
 
 @pytest.mark.parametrize("name,match", [
     ("gemma2", "softcap"),  # the scores' tanh cap is not part of the protected product
-    ("t5", "position_bias"),  # a trained bias: its gradient is dS, which the core never forms
+    # a trained bias: its gradient is dS, which the core never forms (older transformers leave
+    # T5's stacks on their own attention implementation: refused for that at protect)
+    ("t5", "position_bias|left .* attention modules"),
     ("bloom", "does not call the attention function"),  # ALiBi inside its own attention module
 ])
 def test_refused_with_a_clear_error(name, match):
@@ -118,7 +126,7 @@ def test_refused_with_a_clear_error(name, match):
     try:
         protect(model)
     except ValueError as exc:  # refused at protect: nothing changed
-        assert match in str(exc)
+        assert re.search(match, str(exc)), exc
         assert model.config._attn_implementation == "eager"
         return
     with pytest.raises(ValueError, match=match):  # refused at the first call
