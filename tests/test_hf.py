@@ -231,11 +231,13 @@ def test_deepcopy_after_forward(eager_runs):
     assert attention_cores(twin).keys() == attention_cores(model).keys()
 
 
-def test_torch_compile_equals_eager(eager_runs):
-    eager, want = eager_runs["gpt2"]
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_torch_compile_equals_eager(family, eager_runs):
+    eager, want = eager_runs[family]
     model = protect(copy.deepcopy(eager))
     compiled = torch.compile(model, backend="aot_eager", fullgraph=False)
     assert_same_step(step(compiled, *batch()), want)
+    assert all(c.last_report.checked for c in attention_cores(model).values())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
