@@ -33,6 +33,10 @@ __all__ = ["MultiHeadAttention", "PARAM_KEYS"]
 class MultiHeadAttention:
     """Multi-head self-attention with ABFT-protected GEMMs and invariant-checked softmax.
 
+    One instance runs one pass at a time: its plans and buffers are one workspace. Threads that
+    run passes at once each need their own instance (the functional core, or the PyTorch module
+    :class:`attention.torch.MultiheadAttention`, which keeps a workspace per thread).
+
     Parameters
     ----------
     d_model : int
