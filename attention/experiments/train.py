@@ -52,7 +52,6 @@ from attention.experiments.model import GPT, MLP_SITES, GPTConfig
 
 FAULT_KINDS: tuple[str, ...] = ("inf", "-inf", "nan", "near-inf", "bitflip")
 FAULT_SITES: tuple[str, ...] = SITES + MLP_SITES
-RUNS: tuple[str, ...] = ("fault_free", "unprotected", "protected", "checkpoint")
 #: ``--model``: the built-in NumPy GPT or a transformers family.
 MODELS: tuple[str, ...] = ("gpt",) + FAMILIES
 
