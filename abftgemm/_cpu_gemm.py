@@ -8,10 +8,10 @@ than alone (bench/NOTES.md). So in the passes that run the fused core
 row block per thread of the library's policy, each block one single-threaded BLAS call (SciPy's,
 through numba's ``np.dot``) from a thread of numba's pool: one pool for the whole pass, at the
 speed of the BLAS's own threads (bench/NOTES.md). Elsewhere the BLAS keeps its threads, since a
-caller's own NumPy products next to ours would meet the same contention the other way round. Smaller
-products, one thread, a process that cannot enter numba's pool
-(:func:`abftgemm.threads.numba_pool_usable`), and what numba's ``np.dot`` cannot take (16-bit, mixed dtypes, strided or
-overlapping operands) go to ``np.matmul``.
+caller's own NumPy products next to ours would meet the same contention the other way round.
+Smaller products, one thread, a process that cannot enter numba's pool
+(:func:`abftgemm.threads.numba_pool_usable`), and what numba's ``np.dot`` cannot take (16-bit,
+mixed dtypes, strided or overlapping operands) go to ``np.matmul``.
 """
 from __future__ import annotations
 

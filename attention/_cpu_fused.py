@@ -220,11 +220,17 @@ def transpose_blocks(x: Any, out: Any) -> None:
     every key block ``[j0, j1)`` of :data:`BC` keys of every head of ``x`` ``(n, L, d)`` (``out``
     ``(n, L d)``): the right operand of the forward's ``S = Q K^T``, which every query block of
     a head reads."""
-    n, L, d = x.shape
-    for b in numba.prange(n):
-        for j0 in range(0, L, BC):
-            j1 = min(j0 + BC, L)
-            _transpose_block(x[b, j0:j1], _block_t(out, b, j0, j1, d))
+    for b in numba.prange(x.shape[0]):
+        _transpose_head(x, out, b)
+
+
+@numba.njit(cache=True)
+def _transpose_head(x: Any, out: Any, b: int) -> None:
+    """Head ``b`` of :func:`transpose_blocks`."""
+    L, d = x.shape[1], x.shape[2]
+    for j0 in range(0, L, BC):
+        j1 = min(j0 + BC, L)
+        _transpose_block(x[b, j0:j1], _block_t(out, b, j0, j1, d))
 
 
 @numba.njit(cache=True)
@@ -1093,11 +1099,8 @@ def _encode_rows_serial(x: Any, out: Any) -> None:
 
 
 def _transpose_blocks_serial(x: Any, out: Any) -> None:
-    n, L, d = x.shape
-    for b in range(n):
-        for j0 in range(0, L, BC):
-            j1 = min(j0 + BC, L)
-            _transpose_block(x[b, j0:j1], out[b, d * j0:d * j1].reshape((d, j1 - j0)))
+    for b in range(x.shape[0]):
+        _transpose_head(x, out, b)
 
 
 #: :func:`forward`, :func:`backward`, :func:`encode_rows` and :func:`transpose_blocks` for a
@@ -1106,4 +1109,3 @@ def _transpose_blocks_serial(x: Any, out: Any) -> None:
 SERIAL = types.SimpleNamespace(forward=_forward_serial, backward=_backward_serial,
                                encode_rows=_encode_rows_serial,
                                transpose_blocks=_transpose_blocks_serial)
-

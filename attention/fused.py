@@ -220,7 +220,8 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     lk, dt = k.shape[1], work_dtype(q.dtype)
     check, correct = ctx.check != "off", ctx.check == "correct"
     qw, kw, vw = (in_work_dtype(x) for x in (q, k, v))
-    ve = _row_encodings(vw, check)
+    kernels = _kernels()
+    ve = _row_encodings(kernels, vw, check)
     out = _output(qw, workspace, "out")
     lse = np.empty((n, lq), dt)
     sums = np.zeros((n, lq, 3))
@@ -228,7 +229,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     tiles = -(-lk // K.BC)
     rec = np.zeros((n * nqb, len(K.SITES), K.FIELDS))
     status = np.zeros(n * nqb, np.int64)
-    groups = (K.ForwardOperands(qw, kw, _transposed(kw, workspace, "k"), vw, ve),
+    groups = (K.ForwardOperands(qw, kw, _transposed(kernels, kw, workspace, "k"), vw, ve),
               K.Mask(visible, add, dt.type(scale), causal),
               K.ForwardRules(check, correct, coefficients(d, K.BR, dt),
                              coefficients(lk, d, dt, 2 * tiles),
@@ -236,7 +237,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
               K.Dropout(*kernel_dropout(drop, dt)), K.ForwardOutputs(out, lse, sums))
     with one_blas_thread():
         if ctx.fault_hook is None:
-            _kernels().forward(*groups, rec, status)
+            kernels.forward(*groups, rec, status)
         else:
             block, _ = K.python_drivers(_site_hook(ctx))
             for t in range(n * nqb):
@@ -326,23 +327,25 @@ def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
     return scale, key_visible_of(np, key_visible, q, k)
 
 
-def _row_encodings(x: np.ndarray, check: bool) -> np.ndarray:
-    """``(n, 3, L)`` row encodings of ``x`` over its last axis, or an empty ``(n, 3, 0)``."""
+def _row_encodings(kernels: Any, x: np.ndarray, check: bool) -> np.ndarray:
+    """``(n, 3, L)`` row encodings of ``x`` over its last axis (``kernels``: :func:`_kernels`),
+    or an empty ``(n, 3, 0)``."""
     if not check:
         return np.zeros((x.shape[0], 3, 0))
     out = np.empty((x.shape[0], 3, x.shape[1]))
-    _kernels().encode_rows(x, out)
+    kernels.encode_rows(x, out)
     return out
 
 
-def _transposed(x: np.ndarray, workspace: Workspace | None, name: str) -> np.ndarray:
+def _transposed(kernels: Any, x: np.ndarray, workspace: Workspace | None,
+                name: str) -> np.ndarray:
     """``x`` ``(n, L, d)`` as :func:`attention._cpu_fused.transpose_blocks` lays it out: each
     key block's transpose, contiguous (O(L d) a head), in ``workspace``'s buffer ``name`` when
     given (a new array is a fresh mapping for large ``x``: page faults on every call)."""
     shape = (x.shape[0], x.shape[1] * x.shape[2])
     out = np.empty(shape, x.dtype) if workspace is None else \
         workspace.buffer(f"fused:{name}^T", np, shape, x.dtype)
-    _kernels().transpose_blocks(x, out)
+    kernels.transpose_blocks(x, out)
     return out
 
 

@@ -123,7 +123,8 @@ def protect_pretrained(model: nn.Module, *, check: str = "correct", projections:
         previous = model.config._attn_implementation
         model.set_attn_implementation(NAME)
     modules = list(_attention_modules(model))
-    stale = [] if neo else [name for name, m in modules if _implementation(m) not in (None, NAME)]
+    stale = [] if neo else [(name, _implementation(m)) for name, m in modules
+                            if _implementation(m) not in (None, NAME)]
     if not modules or stale:
         if not neo:
             model.set_attn_implementation(previous)
@@ -131,9 +132,9 @@ def protect_pretrained(model: nn.Module, *, check: str = "correct", projections:
             raise ValueError(f"protect: found no attention module in {type(model).__name__}")
         raise ValueError(
             f"protect: transformers {transformers.__version__} left {len(stale)} attention "
-            f"modules of {type(model).__name__} ({stale[0]!r} first) on the attention "
-            f"implementation {_implementation(dict(modules)[stale[0]])!r}: their sub-model's "
-            "config keeps its own, so they would run unprotected")
+            f"modules of {type(model).__name__} ({stale[0][0]!r} first) on the attention "
+            f"implementation {stale[0][1]!r}: their sub-model's config keeps its own, so they "
+            "would run unprotected")
     for _, m in modules:
         m.abft_core = ProtectedCore(check)
     if projections:

@@ -194,11 +194,11 @@ def protect(model: nn.Module, *, check: str = "correct", mlp: bool = False,
         (nothing would be protected), or for ``mlp``/``projections`` without a transformers
         model.
     """
-    inner = [] if _is_pretrained(model) else _pretrained_inside(model)
-    if _is_pretrained(model) or inner:
+    pretrained = [model] if _is_pretrained(model) else _pretrained_inside(model)
+    if pretrained:
         from attention.hf_protect import protect_pretrained
 
-        for m in [model] if _is_pretrained(model) else inner:
+        for m in pretrained:
             protect_pretrained(m, check=check, mlp=mlp, projections=projections)
         return model
     if mlp or not projections:
@@ -219,11 +219,11 @@ def protect(model: nn.Module, *, check: str = "correct", mlp: bool = False,
 
 
 def _pretrained_inside(model: nn.Module) -> list[nn.Module]:
-    """The outermost transformers ``PreTrainedModel`` modules inside ``model``."""
+    """The outermost transformers ``PreTrainedModel`` modules inside ``model`` (none of their
+    own submodules)."""
     found: list[nn.Module] = []
-    for module in model.modules():
-        if _is_pretrained(module) and not any(module in set(f.modules()) for f in found):
-            found.append(module)
+    for child in model.children():
+        found += [child] if _is_pretrained(child) else _pretrained_inside(child)
     return found
 
 

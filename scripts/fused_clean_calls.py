@@ -149,10 +149,10 @@ class Tally:
         """One clean fwd+bwd of ``case`` on array module ``xp``, counted."""
         q, k, v, do = (xp.asarray(x) for x in (case.q, case.k, case.v, case.do))
         visible = None if case.visible is None else xp.asarray(case.visible)
+        mask = None if case.attn_mask is None else xp.asarray(case.attn_mask)
         started = time.perf_counter()
         ctx = Context()
         try:
-            mask = None if case.attn_mask is None else xp.asarray(case.attn_mask)
             out, saved = fused_forward(q, k, v, ctx, causal=case.causal, key_visible=visible,
                                        attn_mask=mask, dropout=case.dropout,
                                        dropout_seed=case.dropout_seed)
@@ -177,8 +177,9 @@ class Tally:
 
 def _shape(case: Case) -> str:
     n, lq, d = case.q.shape
-    extra = (" causal" if case.causal else "") + (f" dropout={case.dropout:.3f}" if case.dropout
-                                                   else "")
+    extra = " causal" if case.causal else ""
+    if case.dropout:
+        extra += f" dropout={case.dropout:.3f}"
     return f"n={n} Lq={lq} Lk={case.k.shape[1]} d={d}{extra}"
 
 

@@ -128,7 +128,8 @@ ABFT_REQUIRE_GPU=1 NUMBA_CACHE_DIR="$WARM_CACHE" step pytest_fused 240 $PY -m py
 # BERT-base and Llama-like shapes, float16.
 step bench_fused 90 $PY bench/fused_cuda.py --repeats 10
 # The fused CUDA kernels' false positives: clean calls on adversarial data (logits near overflow
-# and far beyond, flat rows, key padding, a head without keys), a minute's worth.
+# and far beyond, flat rows, key padding, a head without keys, additive masks, dropout), a
+# minute's worth.
 step clean_calls 75 $PY scripts/fused_clean_calls.py --backend cupy --calls 1000 --max-len 512 \
     --long-calls 1000 --long-len 4096 --minutes 1
 step bench_attention 100 $PY bench/attention.py --backend cupy --json "$OUT/bench_attention.json"

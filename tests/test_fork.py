@@ -53,15 +53,19 @@ process.start()
 results, usable = pickle.loads(queue.get(timeout=600))
 process.join(60)
 assert process.exitcode == 0, process.exitcode
-from numba.np.ufunc import parallel
-gnu = layer == "omp" and getattr(__import__("numba.np.ufunc.omppool").np.ufunc.omppool,
-                                 "openmp_vendor", "GNU") == "GNU"
+gnu = False
+if layer == "omp":
+    from numba.np.ufunc import omppool
+    gnu = getattr(omppool, "openmp_vendor", "GNU") == "GNU"
 assert usable == (not gnu), (layer, usable)
-# the fused core to the bit (the same compiled tasks); the product outside the pool is NumPy's
-# (another BLAS call order), the protected matmul never uses the pool
+# the fused core to the bit (the same compiled tasks), and the protected matmul (never in the
+# pool); the pooled product is NumPy's in the child (another BLAS call order): within the
+# rounding bound of a float32 product of this depth, as tests/test_cpu_gemm.py judges it
 for got, want in zip(results[:4] + results[5:], parent[:4] + parent[5:]):
     assert np.array_equal(got, want)
-assert np.allclose(results[4], parent[4], rtol=1e-5, atol=1e-4)
+exact = a.astype(np.float64) @ b.astype(np.float64)
+bound = 4 * a.shape[1] * np.finfo(np.float32).eps * (np.abs(a) @ np.abs(b))
+assert np.all(np.abs(results[4] - exact) <= bound)
 print(layer, "pool usable in the child:", usable)
 """
 

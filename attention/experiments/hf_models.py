@@ -1,8 +1,8 @@
 """Small Hugging Face transformers models of the seed paper's four families and of Llama, built
 in code.
 
-BERT, RoBERTa (masked language models), GPT-2, GPT-Neo and Llama (causal language models; Llama's
-the architecture most models trained today share: rotary positions, grouped-query attention,
+BERT, RoBERTa (masked language models), GPT-2, GPT-Neo and Llama (causal language models; Llama
+has the architecture most models trained today share: rotary positions, grouped-query attention,
 RMSNorm, a gated feed-forward layer, no biases), each from a config with random initialization;
 nothing is downloaded. :class:`HFTrainer` trains one on the
 synthetic corpus of :mod:`attention.experiments.train` (characters as token ids) with the
