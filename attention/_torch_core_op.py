@@ -32,7 +32,8 @@ from attention.workspace import Workspace
 def attention_core(protection: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attn_mask: Optional[torch.Tensor], scale: float, is_causal: bool,
                    need_weights: bool, dropout_keep: Optional[torch.Tensor],
-                   dropout: float, core: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   dropout: float, core: str, mask_grad: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, weights, token)`` of contiguous ``query`` ``(n, L, D)``, ``key`` and ``value``
     ``(n, S, D)``; ``attn_mask`` ``(L, S)`` or ``(n, L, S)``, bool (True = not allowed) or float
     (added), or bool ``(n, 1, S)``: key padding, the same keys hidden from every query (run as
@@ -40,17 +41,18 @@ def attention_core(protection: int, query: torch.Tensor, key: torch.Tensor, valu
     ``need_weights``; with ``dropout`` > 0, ``dropout_keep`` ``(n, L, S)`` is its mask (True =
     kept), or an int64 ``(1,)`` the seed of the fused core's keep decisions
     (:func:`attention._torch_arrays.dropout_arrays`); ``core`` one of
-    :data:`attention.core.CORES`; ``protection`` the ``id`` of the
+    :data:`attention.core.CORES`; ``mask_grad``: the backward also returns the gradient of the
+    float ``attn_mask``; ``protection`` the ``id`` of the
     :class:`attention._torch_state.Protection` the call runs under."""
     out, weights, state = run_core_forward(registered(protection), query, key, value, attn_mask,
                                            scale, is_causal, need_weights, dropout_keep, dropout,
-                                           core)
+                                           core, mask_grad)
     return out, weights, token_of(state)
 
 
 @attention_core.register_fake
 def _(protection, query, key, value, attn_mask, scale, is_causal, need_weights, dropout_keep,
-      dropout, core):
+      dropout, core, mask_grad):
     n, seq_q, _ = query.shape
     shape = (n, seq_q, key.shape[1]) if need_weights else (0,)
     return (query.new_empty(query.shape), query.new_empty(shape),
@@ -59,28 +61,35 @@ def _(protection, query, key, value, attn_mask, scale, is_causal, need_weights, 
 
 @torch.library.custom_op("abftgemm::attention_core_backward", mutates_args=())
 def attention_core_backward(token: torch.Tensor, d_out: torch.Tensor, query: torch.Tensor,
-                            key: torch.Tensor, value: torch.Tensor
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(d_query, d_key, d_value)`` of one :func:`attention_core` call."""
-    return run_core_backward(saved_state(token), d_out, query, key, value)
+                            key: torch.Tensor, value: torch.Tensor,
+                            attn_mask: Optional[torch.Tensor], mask_grad: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(d_query, d_key, d_value, d_attn_mask)`` of one :func:`attention_core` call;
+    ``d_attn_mask`` is empty unless ``mask_grad``."""
+    return run_core_backward(saved_state(token), d_out, query, key, value, attn_mask)
 
 
 @attention_core_backward.register_fake
-def _(token, d_out, query, key, value):
-    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+def _(token, d_out, query, key, value, attn_mask, mask_grad):
+    d_mask = attn_mask.new_empty(attn_mask.shape) if mask_grad else query.new_empty(0)
+    return (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
+            d_mask)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    _, query, key, value = inputs[:4]
+    _, query, key, value, attn_mask = inputs[:5]
     _, weights, token = output
     ctx.mark_non_differentiable(weights, token)
-    ctx.save_for_backward(token, query, key, value)
+    ctx.mask_grad = inputs[-1]
+    ctx.save_for_backward(token, query, key, value, attn_mask if ctx.mask_grad else None)
 
 
 def _backward(ctx: Any, d_out: torch.Tensor, d_weights: Any, d_token: Any) -> tuple:
-    token, query, key, value = ctx.saved_tensors
-    dq, dk, dv = attention_core_backward(token, d_out.contiguous(), query, key, value)
-    return None, dq, dk, dv, None, None, None, None, None, None, None
+    token, query, key, value, attn_mask = ctx.saved_tensors
+    dq, dk, dv, d_mask = attention_core_backward(token, d_out.contiguous(), query, key, value,
+                                                 attn_mask, ctx.mask_grad)
+    return (None, dq, dk, dv, d_mask if ctx.mask_grad else None, None, None, None, None, None,
+            None, None)
 
 
 attention_core.register_autograd(_backward, setup_context=_setup_context)
@@ -91,10 +100,13 @@ def apply_core(protection: Protection, query: torch.Tensor, key: torch.Tensor,
                is_causal: bool, need_weights: bool, dropout_keep: Optional[torch.Tensor],
                dropout: float, core: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, weights)`` of :func:`attention_core`, differentiable in ``query``, ``key`` and
-    ``value``: the custom operator where a compiler or tracer may see it, else
+    ``value``, and in a float ``attn_mask`` that requires grad (a learned position bias; the
+    unfused core then runs): the custom operator where a compiler or tracer may see it, else
     :class:`_EagerCore` on the same bodies."""
+    mask_grad = torch.is_grad_enabled() and attn_mask is not None \
+        and attn_mask.is_floating_point() and attn_mask.requires_grad
     args = (query, key, value, attn_mask, scale, is_causal, need_weights, dropout_keep, dropout,
-            core)
+            core, mask_grad)
     if eager(query, key, value, attn_mask, dropout_keep):
         return _EagerCore.apply(protection, *args)
     out, weights, _ = attention_core(protection.id, *args)
@@ -108,21 +120,23 @@ class _EagerCore(torch.autograd.Function):
     def forward(ctx: Any, protection: Protection, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, attn_mask: Optional[torch.Tensor], scale: float,
                 is_causal: bool, need_weights: bool, dropout_keep: Optional[torch.Tensor],
-                dropout: float, core: str) -> tuple[torch.Tensor, torch.Tensor]:
+                dropout: float, core: str, mask_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         out, weights, state = run_core_forward(protection, query, key, value, attn_mask, scale,
                                                is_causal, need_weights, dropout_keep, dropout,
-                                               core)
+                                               core, mask_grad)
         ctx.mark_non_differentiable(weights)
-        ctx.save_for_backward(query, key, value)
+        ctx.save_for_backward(query, key, value, attn_mask if mask_grad else None)
         ctx.state = state
         return out, weights
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, d_out: torch.Tensor, d_weights: Any) -> tuple:
-        query, key, value = ctx.saved_tensors
-        dq, dk, dv = run_core_backward(ctx.state, d_out.contiguous(), query, key, value)
-        return None, dq, dk, dv, None, None, None, None, None, None, None
+        query, key, value, attn_mask = ctx.saved_tensors
+        dq, dk, dv, d_mask = run_core_backward(ctx.state, d_out.contiguous(), query, key, value,
+                                               attn_mask)
+        return (None, dq, dk, dv, d_mask if attn_mask is not None else None, None, None, None,
+                None, None, None, None)
 
 
 # ------------------------------------------------------------------ the operators' bodies
@@ -140,7 +154,8 @@ class _CoreSaved:
 def run_core_forward(protection: Protection, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor | None, scale: float, is_causal: bool,
                      need_weights: bool, keep: torch.Tensor | None, dropout: float,
-                     core: str) -> tuple[torch.Tensor, torch.Tensor, _CoreSaved]:
+                     core: str, mask_grad: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, _CoreSaved]:
     """The body of ``abftgemm::attention_core``: its findings become
     ``protection.last_report``, the implementation it ran ``protection.last_core``."""
     workspace = protection.workspace(q.device)
@@ -159,7 +174,8 @@ def run_core_forward(protection: Protection, q: torch.Tensor, k: torch.Tensor, v
                                   dropout=dropout, dropout_keep=keep_array,
                                   dropout_seed=seed,
                                   workspace=workspace,
-                                  core="unfused" if need_weights else core)
+                                  core="unfused" if need_weights else core,
+                                  mask_grad=mask_grad)
         dropped = saved["probs_dropped"]
         probs = saved["probs"] if dropped is None else dropped
         weights = to_tensor(probs).clone() if need_weights else q.new_empty(0)
@@ -169,15 +185,18 @@ def run_core_forward(protection: Protection, q: torch.Tensor, k: torch.Tensor, v
 
 
 def run_core_backward(state: _CoreSaved, d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      v: torch.Tensor, mask: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The body of ``abftgemm::attention_core_backward``: the inputs are read from the tensors
-    given here (those autograd kept). The findings extend the forward's report, which becomes
-    ``protection.last_report`` again."""
+    given here (those autograd kept); ``mask`` is the float mask whose gradient the forward was
+    asked for (``mask_grad``), else None and the fourth result empty. The findings extend the
+    forward's report, which becomes ``protection.last_report`` again."""
     inputs = state.saved["inputs"]
     inputs.q, inputs.k, inputs.v = array(q), array(k), array(v)
     context = state.protection.context(state.report)
     with device_scope(d_out), threads(d_out):
         grads = core_backward(state.saved, array(d_out), context, workspace=state.workspace)
-        result = tuple(to_tensor(g) for g in grads)
+        result = tuple(to_tensor(g) for g in grads[:3])
+        d_mask = to_tensor(grads[3]).to(mask.dtype) if mask is not None else q.new_empty(0)
     state.protection.last_report = state.report
-    return result
+    return (*result, d_mask)

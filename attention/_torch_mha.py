@@ -35,13 +35,14 @@ def run_forward(protection: Protection, heads: int, query: torch.Tensor, key: to
                 key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None,
                 self_attention: bool, is_causal: bool, need_weights: bool, average: bool,
                 dropout_keep: torch.Tensor | None = None,
-                dropout: float = 0.0, core: str = "auto"
+                dropout: float = 0.0, core: str = "auto", mask_grad: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, _Saved]:
     """``(y, weights or an empty tensor, saved state)`` of one forward, batch-first; with
     ``dropout``, ``dropout_keep`` is its mask ``(N * heads, L, S)``, True = kept, or the seed of
     the fused core's keep decisions (:func:`attention._torch_arrays.dropout_arrays`); ``core`` as
-    :func:`attention.attention_forward` takes it. The call's findings become
-    ``protection.last_report``, the core that ran ``protection.last_core``."""
+    :func:`attention.attention_forward` takes it; ``mask_grad``: the backward also makes the
+    gradients of the float masks. The call's findings become ``protection.last_report``, the
+    core that ran ``protection.last_core``."""
     call = _Call.of(heads, query, key, value, key_padding_mask, attn_mask, is_causal,
                     self_attention)
     workspace = protection.workspace(query.device)
@@ -56,7 +57,9 @@ def run_forward(protection: Protection, heads: int, query: torch.Tensor, key: to
                                      causal=call.causal, key_visible=call.key_visible,
                                      attn_mask=call.attn_mask, dropout=dropout,
                                      dropout_keep=keep, dropout_seed=seed, workspace=workspace,
-                                     need_weights=need_weights, core=core, **cross)
+                                     need_weights=need_weights, core=core,
+                                     mask_grad=mask_grad and call.attn_mask is not None
+                                     and call.attn_mask.dtype != bool, **cross)
         y = to_tensor(y)
         # torch returns the weights after dropout
         dropped = saved["probs_dropped"]
@@ -68,11 +71,14 @@ def run_forward(protection: Protection, heads: int, query: torch.Tensor, key: to
 
 def run_backward(state: _Saved, dy: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, in_w: torch.Tensor, in_b: torch.Tensor | None,
-                 out_w: torch.Tensor, out_b: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """``(d_query, d_key, d_value, d_in_w, d_in_b, d_out_w, d_out_b)``; ``d_key`` and ``d_value``
-    empty in self-attention. The inputs and parameters are read from the tensors given here
-    (those of the forward, which autograd kept). The findings extend the forward's report, which
-    becomes ``protection.last_report`` again."""
+                 out_w: torch.Tensor, out_b: torch.Tensor | None,
+                 key_padding_mask: torch.Tensor | None = None,
+                 attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``(d_query, d_key, d_value, d_in_w, d_in_b, d_out_w, d_out_b, d_key_padding_mask,
+    d_attn_mask)``; ``d_key`` and ``d_value`` empty in self-attention, a mask's gradient empty
+    unless the forward made it (``mask_grad``) and that mask is float. The inputs and parameters
+    are read from the tensors given here (those of the forward, which autograd kept). The
+    findings extend the forward's report, which becomes ``protection.last_report`` again."""
     inputs = state.saved["inputs"]
     inputs.x = array(query)
     inputs.key, inputs.value = (inputs.x, inputs.x) if state.call.self_attention else \
@@ -87,15 +93,16 @@ def run_backward(state: _Saved, dy: torch.Tensor, query: torch.Tensor, key: torc
     with device_scope(dy), threads(dy):
         grads_out = {k: v for k, v in params_of(d_in_w, d_in_b, d_out_w, d_out_b).items()
                      if k != "w_qkv"}
-        dx, _ = attention_backward(state.saved, array(dy), context,
-                                   workspace=state.workspace, grads_out=grads_out)
+        dx, grads = attention_backward(state.saved, array(dy), context,
+                                       workspace=state.workspace, grads_out=grads_out)
         if state.call.self_attention:
             empty = dy.new_empty(0)
             d_inputs = (to_tensor(dx), empty, empty.clone())
         else:
             d_inputs = tuple(to_tensor(d) for d in dx)
+        d_masks = state.call.mask_grads(grads.get("attn_mask"), key_padding_mask, attn_mask, dy)
     state.protection.last_report = state.report
-    return (*d_inputs, d_in_w, d_in_b, d_out_w, d_out_b)
+    return (*d_inputs, d_in_w, d_in_b, d_out_w, d_out_b, *d_masks)
 
 
 def _param_views(protection: Protection, in_w: torch.Tensor, in_b: torch.Tensor | None,
@@ -144,7 +151,26 @@ class _Call:
         mask = _attn_mask(attn_mask, float_padding, heads, n, seq_q, seq_k, q.dtype)
         return cls(self_attention=self_attention, key_visible=key_visible,
                    attn_mask=mask, causal=bool(is_causal) and attn_mask is None,
-                   shape=(n, seq_q, seq_k))
+                   shape=(n, seq_q, seq_k), heads=heads, folded=float_padding is not None)
+
+    def mask_grads(self, grad: Any | None, key_padding_mask: torch.Tensor | None,
+                   attn_mask: torch.Tensor | None, like: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(d_key_padding_mask, d_attn_mask)`` from the gradient ``grad`` of the mask the core
+        took (:func:`_attn_mask`: a float key padding mask folded into ``(N * heads, L, S)``),
+        each in its mask's shape and dtype; empty where that mask is absent or boolean, or
+        where no gradient was made."""
+        empty = like.new_empty(0)
+        if grad is None:
+            return empty, empty.clone()
+        g = to_tensor(grad)
+        n, seq_q, seq_k = self.shape
+        d_padding = g.view(n, self.heads, seq_q, seq_k).sum((1, 2)) if self.folded else None
+        d_mask = None
+        if attn_mask is not None and attn_mask.is_floating_point():
+            d_mask = g.sum(0) if self.folded and attn_mask.dim() == 2 else g
+        return tuple(empty.clone() if d is None else d.to(m.dtype)
+                     for d, m in ((d_padding, key_padding_mask), (d_mask, attn_mask)))
 
     def weights(self, average: bool) -> torch.Tensor:
         """The attention probabilities of this call, as torch returns them (no gradient)."""

@@ -26,29 +26,30 @@ def mha_forward(protection: int, query: torch.Tensor, key: torch.Tensor, value: 
                 out_b: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor],
                 attn_mask: Optional[torch.Tensor], num_heads: int, self_attention: bool,
                 is_causal: bool, need_weights: bool, average_attn_weights: bool,
-                dropout_keep: Optional[torch.Tensor], dropout: float,
-                core: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                dropout_keep: Optional[torch.Tensor], dropout: float, core: str,
+                mask_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, weights, token)`` of batch-first ``query``, ``key``, ``value`` ``(N, L|S, E)``;
     ``weights`` is empty unless ``need_weights`` (then ``(N, L, S)``, or ``(N, H, L, S)``
     without averaging). With ``dropout`` > 0, ``dropout_keep`` is its mask ``(N * H, L, S)``
     (True = kept) or an int64 ``(1,)``, the seed of the fused core's keep decisions
     (:func:`attention._torch_arrays.dropout_arrays`), drawn by the caller with PyTorch's
     generator. ``core`` is
-    :func:`attention.attention_forward`'s. ``protection`` is the ``id`` of the
+    :func:`attention.attention_forward`'s; ``mask_grad``: the backward also returns the
+    gradients of the float masks (the unfused core runs). ``protection`` is the ``id`` of the
     :class:`attention._torch_state.Protection` the call runs under."""
     from attention._torch_mha import run_forward
 
     y, weights, state = run_forward(registered(protection), num_heads, query, key, value, in_w,
                                     in_b, out_w, out_b, key_padding_mask, attn_mask,
                                     self_attention, is_causal, need_weights,
-                                    average_attn_weights, dropout_keep, dropout, core)
+                                    average_attn_weights, dropout_keep, dropout, core, mask_grad)
     return y, weights, token_of(state)
 
 
 @mha_forward.register_fake
 def _(protection, query, key, value, in_w, in_b, out_w, out_b, key_padding_mask, attn_mask,
       num_heads, self_attention, is_causal, need_weights, average_attn_weights, dropout_keep,
-      dropout, core):
+      dropout, core, mask_grad):
     n, seq_q, _ = query.shape
     seq_k = key.shape[1]
     shape = ((n, seq_q, seq_k) if average_attn_weights else (n, num_heads, seq_q, seq_k)) \
@@ -63,50 +64,63 @@ def _(protection, query, key, value, in_w, in_b, out_w, out_b, key_padding_mask,
 @torch.library.custom_op("abftgemm::mha_backward", mutates_args=())
 def mha_backward(token: torch.Tensor, dy: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, in_w: torch.Tensor, in_b: Optional[torch.Tensor],
-                 out_w: torch.Tensor, out_b: Optional[torch.Tensor], self_attention: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                            torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(d_query, d_key, d_value, d_in_w, d_in_b, d_out_w, d_out_b)``; ``d_key`` and
-    ``d_value`` are empty in self-attention (``d_query`` is the whole input gradient).
+                 out_w: torch.Tensor, out_b: Optional[torch.Tensor], self_attention: bool,
+                 key_padding_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
+                 mask_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor, torch.Tensor]:
+    """``(d_query, d_key, d_value, d_in_w, d_in_b, d_out_w, d_out_b, d_key_padding_mask,
+    d_attn_mask)``; ``d_key`` and ``d_value`` are empty in self-attention (``d_query`` is the
+    whole input gradient), the masks' gradients empty unless ``mask_grad`` and the mask is
+    float.
 
     The backward reads the forward's inputs and parameters from these arguments, not from the
     forward's views of them: so autograd (and a compiler, which would otherwise reuse their
     memory once the forward is done) keeps them as they were."""
     from attention._torch_mha import run_backward
 
-    return run_backward(saved_state(token), dy, query, key, value, in_w, in_b, out_w, out_b)
+    return run_backward(saved_state(token), dy, query, key, value, in_w, in_b, out_w, out_b,
+                        key_padding_mask, attn_mask)
 
 
 @mha_backward.register_fake
-def _(token, dy, query, key, value, in_w, in_b, out_w, out_b, self_attention):
+def _(token, dy, query, key, value, in_w, in_b, out_w, out_b, self_attention, key_padding_mask,
+      attn_mask, mask_grad):
     n, _, e = dy.shape
     kv = (0,) if self_attention else tuple(key.shape)
+    masks = tuple(m.new_empty(m.shape) if mask_grad and m is not None and m.is_floating_point()
+                  else dy.new_empty(0) for m in (key_padding_mask, attn_mask))
     return (dy.new_empty(dy.shape), dy.new_empty(kv), dy.new_empty(kv), in_w.new_empty(in_w.shape),
             in_w.new_empty(in_w.shape[0]), out_w.new_empty(out_w.shape),
-            out_w.new_empty(out_w.shape[0]))
+            out_w.new_empty(out_w.shape[0]), *masks)
 
 
 # ------------------------------------------------------------------------------- autograd
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    (_, query, key, value, in_w, in_b, out_w, out_b, _, _, _, self_attention, _, _, _, _,
-     _, _) = inputs
+    (_, query, key, value, in_w, in_b, out_w, out_b, key_padding_mask, attn_mask, _,
+     self_attention, _, _, _, _, _, _, mask_grad) = inputs
     _, weights, token = output
     ctx.mark_non_differentiable(weights, token)
-    ctx.save_for_backward(token, query, key, value, in_w, in_b, out_w, out_b)
-    ctx.self_attention = self_attention
+    masks = (key_padding_mask, attn_mask) if mask_grad else (None, None)
+    ctx.save_for_backward(token, query, key, value, in_w, in_b, out_w, out_b, *masks)
+    ctx.self_attention, ctx.mask_grad = self_attention, mask_grad
     ctx.bias = in_b is not None, out_b is not None
 
 
 def _backward(ctx: Any, dy: torch.Tensor, d_weights: Any, d_token: Any) -> tuple:
-    dq, dk, dv, d_in_w, d_in_b, d_out_w, d_out_b = mha_backward(
-        ctx.saved_tensors[0], dy.contiguous(), *ctx.saved_tensors[1:], ctx.self_attention)
+    token, *tensors, key_padding_mask, attn_mask = ctx.saved_tensors
+    dq, dk, dv, d_in_w, d_in_b, d_out_w, d_out_b, d_kpm, d_mask = mha_backward(
+        token, dy.contiguous(), *tensors, ctx.self_attention, key_padding_mask, attn_mask,
+        ctx.mask_grad)
     if ctx.self_attention:
         dk = dv = None
+    d_kpm, d_mask = (g if m is not None and m.is_floating_point() else None
+                     for g, m in ((d_kpm, key_padding_mask), (d_mask, attn_mask)))
     return (None, dq, dk, dv, d_in_w, d_in_b if ctx.bias[0] else None, d_out_w,
-            d_out_b if ctx.bias[1] else None, None, None, None, None, None, None, None, None,
-            None, None)
+            d_out_b if ctx.bias[1] else None, d_kpm, d_mask, None, None, None, None, None, None,
+            None, None, None)
 
 
 mha_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -31,7 +31,7 @@ from attention.fused_choice import (CORE_SITES, CORES, all_finite, check_core,  
                                      finite_reason, static_reason)
 from attention.fused_final import verify_grads, verify_output
 from attention.fused_rules import key_visible_of
-from attention.functional import _additive, backward_pass, forward_pass
+from attention.functional import _additive, backward_pass, forward_pass, mask_gradient
 from attention.passes import CORE_BACKWARD, CORE_FORWARD, Variant
 from attention.workspace import Workspace
 
@@ -62,7 +62,8 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
                  key_visible: Any | None = None, dropout: float = 0.0,
                  dropout_keep: Any | None = None, rng: Any | None = None,
                  workspace: Workspace | None = None, core: str = "auto",
-                 dropout_seed: int | None = None) -> tuple[Any, dict[str, Any]]:
+                 dropout_seed: int | None = None, mask_grad: bool = False
+                 ) -> tuple[Any, dict[str, Any]]:
     """``softmax(scale q k^T + mask) v`` with every product and the softmax checked.
 
     Parameters
@@ -93,6 +94,9 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
     core : {"auto", "fused", "unfused"}
         Which implementation runs (module docstring); ``"fused"`` raises ``ValueError`` where
         the fused core does not apply.
+    mask_grad : bool
+        :func:`core_backward` also returns the gradient of the float ``attn_mask`` (a learned
+        position bias): the unfused core runs, the gradient being its checked ``dS``.
 
     Returns
     -------
@@ -106,6 +110,13 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
     check_core(core)
     inp = _inputs(q, k, v, scale, causal, attn_mask, key_visible)
     shape = (q.shape[0], q.shape[1], k.shape[1])
+    if mask_grad:
+        if attn_mask is None or attn_mask.dtype == bool:
+            raise ValueError("mask_grad=True needs a float attn_mask")
+        if core == "fused":
+            raise ValueError("the fused attention core keeps no L x L array, so it cannot return"
+                             " the gradient of attn_mask; use core='auto' or 'unfused'")
+        core = "unfused"
     if core != "unfused":
         why_not = fused_unsupported(inp, ctx, dropout_keep, forced=core == "fused")
         if why_not is None:
@@ -125,6 +136,7 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
     out, saved = forward_pass(CORE_FORWARD, CORE_BACKWARD, variant, inp,
                               lambda: {"qh": q, "kh": k, "vh": v}, "context_h", ctx, workspace)
     saved["core"] = "unfused"
+    saved["mask_shape"] = attn_mask.shape if mask_grad else None
     return out, saved
 
 
@@ -142,9 +154,12 @@ def fused_unsupported(inp: _CoreInputs, ctx: Context, dropout_keep: Any | None =
 
 
 def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
-                  workspace: Workspace | None = None) -> tuple[Any, Any, Any]:
+                  workspace: Workspace | None = None) -> tuple[Any, ...]:
     """``(dq, dk, dv)`` (new arrays) from the gradient ``d_out`` ``(n, seq_q, d)`` of
-    :func:`core_forward`'s output, C-contiguous, of its dtype; every product checked."""
+    :func:`core_forward`'s output, C-contiguous, of its dtype; every product checked. After a
+    forward with ``mask_grad=True``, ``(dq, dk, dv, d_mask)``: ``d_mask`` the gradient of
+    ``attn_mask``, of its shape, float64 (the checked ``dS`` over ``scale``, summed over the
+    batch for a 2-D mask)."""
     inp: _CoreInputs = saved["inputs"]
     if d_out.shape != inp.q.shape or d_out.dtype != inp.dtype:
         raise ValueError(f"d_out must have shape {inp.q.shape} and dtype {inp.dtype}, got "
@@ -165,9 +180,13 @@ def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
                                 workspace=workspace, core="unfused",
                                 dropout=drop[0], dropout_seed=drop[1])
     env = lambda: {"qh": inp.q, "kh": inp.k, "vh": inp.v, "d_context_h": d_out}  # noqa: E731
-    p = backward_pass(CORE_BACKWARD, saved["variant"], saved, env, ("d_qh", "d_kh", "d_vh"), ctx,
-                      workspace)
-    return p.env["d_qh"], p.env["d_kh"], p.env["d_vh"]
+    mask_shape = saved.get("mask_shape")
+    outputs = ("d_qh", "d_kh", "d_vh") + (("d_scores",) if mask_shape else ())
+    p = backward_pass(CORE_BACKWARD, saved["variant"], saved, env, outputs, ctx, workspace)
+    grads = p.env["d_qh"], p.env["d_kh"], p.env["d_vh"]
+    if mask_shape:
+        return (*grads, mask_gradient(inp, p.env["d_scores"], mask_shape))
+    return grads
 
 
 def _inputs(q: Any, k: Any, v: Any, scale: float | None, causal: bool,

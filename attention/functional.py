@@ -44,7 +44,8 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
                       need_weights: bool = False, dropout: float = 0.0,
                       dropout_keep: Any | None = None, rng: Any | None = None,
                       workspace: Workspace | None = None, core: str = "auto",
-                      dropout_seed: int | None = None) -> tuple[Any, dict[str, Any]]:
+                      dropout_seed: int | None = None, mask_grad: bool = False
+                      ) -> tuple[Any, dict[str, Any]]:
     """Multi-head attention output, every GEMM protected.
 
     Parameters
@@ -104,6 +105,10 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
         The seed of the keep decisions (:func:`attention.dropout_hash.keep_mask`), in ``[0,
         2^64)``, on either core (the unfused core materializes the mask); excludes
         ``dropout_keep``.
+    mask_grad : bool
+        :func:`attention_backward` also returns the gradient of the float ``attn_mask`` (a
+        learned position bias), as ``grads["attn_mask"]``: the unfused core runs (the gradient
+        is its checked ``dS``).
 
     Returns
     -------
@@ -114,8 +119,11 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
     """
     check_core(core)
     inp = _Inputs.of(params, x, key, value, key_visible, attn_mask, n_heads, causal)
-    why_not = "core='unfused'" if core == "unfused" else static_reason(
-        inp.xp, inp.dtype, inp.attn_add, ctx, dropout_keep, core == "fused", need_weights)
+    if mask_grad and (attn_mask is None or attn_mask.dtype == bool):
+        raise ValueError("mask_grad=True needs a float attn_mask")
+    why_not = "core='unfused'" if core == "unfused" else \
+        "mask_grad=True (the fused core keeps no L x L array)" if mask_grad else static_reason(
+            inp.xp, inp.dtype, inp.attn_add, ctx, dropout_keep, core == "fused", need_weights)
     if why_not is None and causal and inp.key.shape[1] != x.shape[1]:
         why_not = "causal=True with seq_q != seq_k (the fused core's causal mask is square)"
     if core == "fused" and why_not is not None:
@@ -132,6 +140,7 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
     # "auto" runs the unfused core in place of the fused one on non-finite Q, K or V
     saved["core"] = "fused" if saved.get("lse") is not None else "unfused"
     saved.setdefault("probs", None)
+    saved["mask_shape"] = attn_mask.shape if mask_grad else None
     return y, saved
 
 
@@ -159,7 +168,8 @@ def attention_backward(saved: dict[str, Any], dy: Any, ctx: Context, *,
     dx : array (batch, seq_q, d_model), or a tuple ``(d_query, d_key, d_value)`` in
         cross-attention
     grads : dict
-        Same keys and shapes as ``params`` (the arrays of ``grads_out`` where given).
+        Same keys and shapes as ``params`` (the arrays of ``grads_out`` where given); after a
+        forward with ``mask_grad=True`` also ``"attn_mask"``, float64 of the mask's shape.
     """
     inp: _Inputs = saved["inputs"]
     if dy.shape != inp.x.shape or dy.dtype != inp.dtype:
@@ -175,8 +185,11 @@ def attention_backward(saved: dict[str, Any], dy: Any, ctx: Context, *,
         return {**inp.params, **{"d_" + k: g for k, g in grads.items()}, **flat}
 
     variant = replace(saved["variant"], w_layout=w_layout)
-    p = backward_pass(layer(variant)[1], variant, saved, env, BACKWARD_OUTPUTS, ctx, workspace,
-                      flat=True)
+    mask_shape = saved.get("mask_shape")
+    outputs = BACKWARD_OUTPUTS + (("d_scores",) if mask_shape else ())
+    p = backward_pass(layer(variant)[1], variant, saved, env, outputs, ctx, workspace, flat=True)
+    if mask_shape:
+        grads["attn_mask"] = mask_gradient(inp, p.env["d_scores"], mask_shape)
     dx, d_key, d_value = (p.env.get(n) for n in BACKWARD_OUTPUTS)
     dx = dx.reshape(inp.x.shape)
     if inp.cross:
@@ -690,6 +703,18 @@ def _additive(xp: Any, mask: Any | None, rows: int, seq_q: int, seq_k: int) -> A
         raise TypeError(f"attn_mask must be boolean (True = not allowed) or float, got "
                         f"{mask.dtype}")
     return xp.ascontiguousarray(add.reshape((-1, seq_q, seq_k)))
+
+
+def mask_gradient(inp: Any, d_scores: Any, shape: tuple[int, ...]) -> Any:
+    """The gradient of an additive ``attn_mask`` of ``shape`` (2-D: summed over the batch) from
+    the checked ``dS`` ``(n, seq_q, seq_k)``, which is ``1 / sqrt(inp.head_dim)`` times the
+    gradient of the masked scores; with ``inp.causal``, entries above the diagonal (never
+    written) are 0."""
+    xp = inp.xp
+    grad = d_scores.astype(np.float64) * math.sqrt(inp.head_dim)
+    if inp.causal:
+        grad = xp.where(xp.tri(*grad.shape[1:], dtype=bool), grad, 0.0)
+    return grad.sum(axis=0) if len(shape) == 2 else grad
 
 
 def _gradient_buffers(given: dict[str, Any], inp: "_Inputs") -> dict[str, Any]:

@@ -25,8 +25,9 @@ Differences from ``"eager"``: the returned attention weights carry no gradient; 
 keys are all masked gets probabilities 0 (eager: uniform over the masked keys); the dropout mask
 is drawn with PyTorch's generator but not from the same stream as eager's (on the CPU, in float32
 and float64, the seed of the fused core's keep decisions, :mod:`attention.dropout_hash`, so that
-the product runs on the fused core). Refused with a clear
-error: head masks, ``softcap``, attention sinks and position biases.
+the product runs on the fused core). T5's position bias is added to the scores, and trained
+through the core's checked ``dS``. Refused with a clear error: head masks, ``softcap`` and
+attention sinks.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from attention.torch_core import ProtectedCore
 
 NAME = "abft"
 #: Keyword arguments transformers may pass that the protected product cannot honour.
-_REFUSED = ("head_mask", "softcap", "s_aux", "sinks", "position_bias")
+_REFUSED = ("head_mask", "softcap", "s_aux", "sinks")
 
 __all__ = ["NAME", "abft_attention_forward", "core_of", "weights_wanted"]
 
@@ -78,10 +79,12 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     is_causal : bool, optional
         Overrides ``module.is_causal``; applies only without a mask and for ``L > 1``.
     **kwargs
-        Others transformers passes (position ids, cache flags, ``output_attentions``) are
-        ignored; those in ``_REFUSED`` raise ``ValueError`` when set, as does a
-        ``sliding_window`` smaller than the number of keys without a mask (the window is the
-        mask's part).
+        ``position_bias`` (T5's, ``(batch or 1, heads, L, S)``) is added to the scores, with its
+        gradient when it requires one (the unfused core then runs: that gradient is its
+        checked ``dS``). Others transformers passes (position ids, cache flags,
+        ``output_attentions``) are ignored; those in ``_REFUSED`` raise ``ValueError`` when
+        set, as does a ``sliding_window`` smaller than the number of keys without a mask (the
+        window is the mask's part).
 
     Returns
     -------
@@ -110,6 +113,12 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=query.device).triu(
             seq_k - seq_q + 1)
         causal = False
+    bias = kwargs.get("position_bias")
+    if bias is not None:  # T5's relative position bias, trained: its gradient is the core's dS
+        mask = bias if mask is None else bias + (
+            mask if mask.is_floating_point() else
+            torch.zeros(mask.shape, dtype=bias.dtype, device=bias.device).masked_fill(
+                mask, -math.inf))
     wanted = weights_wanted()
     out, weights = core_of(module)(query, key, value, mask, scaling, causal, need_weights=wanted,
                                    dropout=dropout)

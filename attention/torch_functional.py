@@ -41,7 +41,7 @@ def multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
     The computation of ``torch.nn.functional.multi_head_attention_forward`` on batch-first
     tensors, with PyTorch's parameter layout (``x @ W.T + b``); differentiable in the inputs and
-    parameters.
+    parameters, and in float masks that require grad (the unfused core then runs).
 
     Parameters
     ----------
@@ -92,8 +92,16 @@ def multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     y, weights, _ = _torch_op.mha_forward(
         protection.id, query, key, value, in_proj_weight, in_proj_bias, out_proj_weight,
         out_proj_bias, key_padding_mask, attn_mask, num_heads, self_attention, bool(is_causal),
-        need_weights, average_attn_weights, keep, float(dropout_p), core)
+        need_weights, average_attn_weights, keep, float(dropout_p), core,
+        _needs_grad(key_padding_mask, attn_mask))
     return y, (weights if need_weights else None)
+
+
+def _needs_grad(*masks: torch.Tensor | None) -> bool:
+    """Whether autograd wants the gradient of a float mask (a learned position bias): the
+    operators then run the unfused core, whose checked ``dS`` that gradient is."""
+    return torch.is_grad_enabled() and any(
+        m is not None and m.is_floating_point() and m.requires_grad for m in masks)
 
 
 def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
@@ -102,7 +110,9 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    need_weights: bool = False, dropout_p: float = 0.0,
                    core: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(out, weights)`` of ``softmax(scale query key^T + attn_mask) value`` with its products
-    checksum-protected, differentiable in ``query``, ``key`` and ``value``.
+    checksum-protected, differentiable in ``query``, ``key`` and ``value``, and in a float
+    ``attn_mask`` that requires grad (a learned position bias: the unfused core then runs, and
+    ``core="fused"`` raises ``ValueError``).
 
     Parameters
     ----------

@@ -57,12 +57,13 @@ def _expected(params, x, key, value, dy, heads, keys, add, causal):
     d_ctx = ref.split_heads(dy @ p["wo"].T, heads)
     dp = d_ctx @ vh.transpose(0, 1, 3, 2)
     dv = ref.merge_heads(probs.transpose(0, 1, 3, 2) @ d_ctx)
-    ds = ref.softmax_backward(dp, probs, vis) / np.sqrt(hd)
+    d_masked = ref.softmax_backward(dp, probs, vis)  # the gradient of the masked scores
+    ds = d_masked / np.sqrt(hd)
     dq, dk = ref.merge_heads(ds @ kh), ref.merge_heads(ds.transpose(0, 1, 3, 2) @ qh)
     grads = {"wo": np.einsum("bsi,bso->io", context, dy), "bo": dy.sum((0, 1))}
     for n, t, g in (("q", x, dq), ("k", key, dk), ("v", value, dv)):
         grads["w" + n], grads["b" + n] = np.einsum("bsi,bso->io", t, g), g.sum((0, 1))
-    return y, (dq @ p["wq"].T, dk @ p["wk"].T, dv @ p["wv"].T), grads
+    return y, (dq @ p["wq"].T, dk @ p["wk"].T, dv @ p["wv"].T), grads, d_masked
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
@@ -84,7 +85,7 @@ def test_cross_attention_with_masks_matches_float64(xp, mask_kind, causal):
                                  key=a["key"], value=a["value"], key_visible=xp.asarray(keys),
                                  attn_mask=None if attn_mask is None else xp.asarray(attn_mask))
     dx, grads = attention_backward(saved, a["dy"], ctx)
-    y_ref, dx_ref, g_ref = _expected(layer.params, x, key, value, dy, 2, keys, add, causal)
+    y_ref, dx_ref, g_ref, _ = _expected(layer.params, x, key, value, dy, 2, keys, add, causal)
     assert not ctx.report.detected, ctx.report.summary()
     assert np.abs(to_host(y) - y_ref).max() <= TOL64
     for got, want in zip(dx, dx_ref):
@@ -97,6 +98,51 @@ def test_cross_attention_with_masks_matches_float64(xp, mask_kind, causal):
     if saved["core"] == "fused":  # its own sites in place of the product's
         checked = checked - set(CORE_SITES) - set(INVARIANT_SITES) | set(FUSED_SITES)
     assert set(ctx.report.checked) >= checked
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("per_head", [False, True], ids=["2-D mask", "3-D mask"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_gradient_of_a_float_mask_matches_float64(xp, per_head, causal):
+    """``mask_grad=True`` (a learned position bias): ``grads["attn_mask"]`` is the gradient of
+    the float mask, summed over batch and heads for a 2-D one; the unfused core runs, a key
+    padding mask and ``-inf`` entries (gradient 0) beside it. A fault in the backward softmax is
+    repaired before the gradient is taken from it."""
+    layer, x, key, value, dy, keys, rng = _data(xp)
+    seq_q, seq_k = x.shape[1], key.shape[1]
+    mask = rng.standard_normal((4, seq_q, seq_k) if per_head else (seq_q, seq_k))
+    mask[..., 2] = -np.inf
+    a = {n: xp.asarray(t) for n, t in (("x", x), ("key", key), ("value", value), ("dy", dy))}
+    runs = []
+    for hook in (None, Fault("additive", "element", seed=2, sites="softmax_backward",
+                             magnitude=10.0)):
+        ctx = Context(fault_hook=hook)
+        _, saved = attention_forward(layer.params, a["x"], ctx, n_heads=2, causal=causal,
+                                     key=a["key"], value=a["value"],
+                                     key_visible=xp.asarray(keys), attn_mask=xp.asarray(mask),
+                                     mask_grad=True)
+        _, grads = attention_backward(saved, a["dy"], ctx)
+        assert saved["core"] == "unfused"
+        assert ctx.report.detected == (hook is not None)
+        runs.append(to_host(grads["attn_mask"]))
+    add = mask.reshape(2, 2, seq_q, seq_k) if per_head else mask
+    d_masked = _expected(layer.params, x, key, value, dy, 2, keys, add, causal)[3]
+    want = d_masked.reshape(mask.shape) if per_head else d_masked.sum((0, 1))
+    for got in runs:
+        assert got.shape == mask.shape and got.dtype == np.float64
+        assert np.abs(got - want).max() <= TOL64
+    assert np.all(runs[0][..., 2] == 0)
+
+
+def test_mask_grad_refuses_what_it_cannot_honour():
+    layer, x, *_ = _data(np)
+    params = layer.params
+    with pytest.raises(ValueError, match="needs a float attn_mask"):
+        attention_forward(params, x, Context(), n_heads=2, attn_mask=np.zeros((5, 5), bool),
+                          mask_grad=True)
+    with pytest.raises(ValueError, match="fused attention core does not apply.*mask_grad"):
+        attention_forward(params, x, Context(), n_heads=2, attn_mask=np.zeros((5, 5)),
+                          mask_grad=True, core="fused")
 
 
 @pytest.mark.parametrize("xp", BACKENDS)

@@ -43,7 +43,7 @@ def assert_close(got, want, dtype, terms, what):
     assert got.shape == want.shape, (what, got.shape, want.shape)
     diff = (got.detach().double() - want.detach().double()).abs()
     err = float(diff.max()) if want.numel() else 0.0
-    assert err <= tolerance(dtype, want.double(), terms), (what, err)
+    assert err <= tolerance(dtype, want.detach().double(), terms), (what, err)
 
 
 def masks(kind, seq_q, seq_k, dtype, gen, batched=True):
@@ -136,6 +136,29 @@ def test_matches_torch(dtype, mask, batch_first, cross, weights):
     got = fwd_bwd(mine, q, k, v, **kw)
     compare(got, want, dtype, terms=max(E, seq_k, N * L))
     assert not mine.last_report.detected, mine.last_report.summary()
+
+
+@pytest.mark.parametrize("mask", ["float-2d", "float-3d", "float-padding",
+                                  "float-padding+float-2d"])
+@pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
+def test_learned_float_masks_get_their_gradients(mask, cross):
+    """A float mask that requires grad (a learned position bias) gets the gradient PyTorch gives
+    it: the checked dS, summed over what the mask broadcasts over (heads and queries for a key
+    padding mask)."""
+    gen, dtype = torch.Generator().manual_seed(5), torch.float64
+    stock, mine = pair(dtype)
+    q, k, v = inputs(dtype, True, cross, gen)
+    attn_mask, padding, _ = masks(mask, L, S if cross else L, dtype, gen)
+    learned = [m.requires_grad_() for m in (attn_mask, padding) if m is not None]
+    runs = []
+    for module in (stock, mine):
+        for m in learned:
+            m.grad = None
+        got = fwd_bwd(module, q, k, v, attn_mask=attn_mask, key_padding_mask=padding)
+        runs.append({**got, **{f"d_mask{i}": m.grad for i, m in enumerate(learned)}})
+    compare(runs[1], runs[0], dtype, terms=N * S)
+    assert all(m.grad is not None for m in learned)
+    assert mine.last_core == "unfused"
 
 
 @pytest.mark.parametrize("mask", ["none", "bool-3d", "float-padding", "bool-padding+bool-3d"])
