@@ -212,7 +212,7 @@ def _set_threads(lib: Any, n: int) -> None:
     """``lib.set_num_threads(n)`` from any thread. threadpoolctl (3.8) lets only one thread set
     a process-wide BLAS pool (OpenBLAS on pthreads), the first to try, and silently ignores the
     others: a protected call from any other thread ran its BLAS, and the fused core's tile
-    products in numba's pool, at the full thread count (2.6-4x slower, bench/NOTES.md). The
+    products in numba's pool, at the full thread count (slower: bench/NOTES.md). The
     setting is process-wide and the library's changes are serialized (``_lock``), so each one
     takes the control and gives it back."""
     release = getattr(type(lib), "clear_controlling_thread", None)

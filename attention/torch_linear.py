@@ -22,9 +22,9 @@ an encoding of a constant ``a`` is made once, :class:`abftgemm.ProtectedMatmul`'
   and every in-place write through the Parameter advance); ``dx`` goes to autograd as the
   transpose of that product (no copy). Otherwise ``dx = dy M^T`` with ``a = dy`` (encoded every
   call) and a contiguous ``dx``: a transposed ``dx`` slows the elementwise backward of what
-  consumes it (measured: GPT-2's GELU backward fed by ``mlp.c_proj``'s ``dx``, about 25% of a
-  ``mlp=True`` step), which costs more than reading ``dy`` once when ``dy`` is not the wider of
-  the two (:func:`attention._torch_linear_op.weight_on_left`).
+  consumes it (GPT-2's GELU backward, fed by ``mlp.c_proj``'s ``dx``), which costs more than
+  reading ``dy`` once when ``dy`` is not the wider of the two
+  (:func:`attention._torch_linear_op.weight_on_left`).
 - ``d_weight``: ``dW`` written straight into the Parameter's layout (``dy^T x`` for ``nn.Linear``,
   ``x^T dy`` for ``Conv1D``).
 - ``d_bias``: ``db = 1^T dy``, a product whose constant ``a`` is a row of ones.
