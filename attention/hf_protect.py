@@ -12,10 +12,9 @@ layers (:mod:`attention.hf_linear`).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import transformers
@@ -25,11 +24,10 @@ from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
 import abftgemm
 from attention._torch_arrays import eager
 from attention.hf import NAME, core_of, not_allowed, weights_wanted
-from attention.hf_linear import projection_cores, protect_projections
+from attention.hf_linear import protect_projections
 from attention.torch_core import ProtectedCore
 
-__all__ = ["protect_pretrained", "ProtectedGPTNeoSelfAttention", "attention_cores",
-           "protected_cores", "fault_hook"]
+__all__ = ["protect_pretrained", "ProtectedGPTNeoSelfAttention", "attention_cores"]
 
 
 class ProtectedGPTNeoSelfAttention(GPTNeoSelfAttention):
@@ -163,34 +161,3 @@ def attention_cores(model: nn.Module) -> dict[str, ProtectedCore]:
     """The :class:`ProtectedCore` of every protected attention module, by module name."""
     return {name: m.abft_core for name, m in model.named_modules()
             if isinstance(m.__dict__.get("abft_core"), ProtectedCore)}
-
-
-def protected_cores(model: nn.Module) -> dict[str, Any]:
-    """Every protected product's owner, by module name: the attention modules'
-    :class:`ProtectedCore` and the projections' ``ProtectedLinearCore``, each with its ``check``,
-    ``fault_hook`` and ``last_report``."""
-    return {**attention_cores(model), **projection_cores(model)}
-
-
-@contextlib.contextmanager
-def fault_hook(model: nn.Module, fn: Callable[[str, Any], None]) -> Iterator[None]:
-    """Within the block, ``fn(site, c)`` sees every protected product of ``model``'s attention
-    modules and protected projections, ``site`` as ``"<module name>:<site>"`` (for example
-    ``"transformer.h.0.attn:scores"``, ``"transformer.h.0.attn.c_attn:d_input"``); the previous
-    hooks are restored after it."""
-    cores = protected_cores(model)
-    if not cores:
-        raise ValueError("fault_hook: the model has no protected attention module (call "
-                         "attention.torch.protect(model) first)")
-    before = {name: core.fault_hook for name, core in cores.items()}
-    try:
-        for name, core in cores.items():
-            core.fault_hook = _named(fn, name)
-        yield
-    finally:
-        for name, core in cores.items():
-            core.fault_hook = before[name]
-
-
-def _named(fn: Callable[[str, Any], None], prefix: str) -> Callable[[str, Any], None]:
-    return lambda site, c: fn(f"{prefix}:{site}", c)

@@ -33,7 +33,7 @@ not fight them. PyTorch's own thread settings are left as they are.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -42,12 +42,14 @@ from abftgemm.report import register_library_package
 from attention._torch_state import Protection, ProtectionAttribute
 from attention.fused_choice import check_core
 from attention.plan import CheckingPlan
+from attention.torch_core import ProtectedCore
 from attention.torch_functional import multi_head_attention
+from attention.torch_linear import ProtectedLinearCore
 
 register_library_package("attention")  # fault warnings point at the caller of the module
 
 FaultHook = Callable[[str, Any], None]
-__all__ = ["MultiheadAttention", "protect", "fault_hook"]
+__all__ = ["MultiheadAttention", "protect", "fault_hook", "protected_cores"]
 
 
 class MultiheadAttention(nn.MultiheadAttention):
@@ -227,14 +229,45 @@ def _pretrained_inside(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def fault_hook(model: nn.Module, fn: FaultHook) -> contextlib.AbstractContextManager[None]:
-    """A context manager within which ``fn(site, c)`` sees every protected product (attention
-    and projections) of a protected transformers model, ``site`` as ``"<module name>:<site>"``
-    (for example ``"transformer.h.0.attn:scores"``, ``"transformer.h.0.attn.c_attn:forward"``);
-    see :func:`attention.hf_protect.fault_hook`."""
-    from attention.hf_protect import fault_hook as hook
+def protected_cores(model: nn.Module) -> dict[str, Any]:
+    """What each protected module of ``model`` runs under, by module name: the
+    :class:`Protection` of every :class:`MultiheadAttention`, the
+    :class:`attention.torch_core.ProtectedCore` of every protected transformers attention
+    module and the ``ProtectedLinearCore`` of every protected projection; each has ``check``,
+    ``fault_hook`` and ``last_report``."""
+    owners = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MultiheadAttention):
+            owners[name] = module.protection
+        for attr, kind in (("abft_core", ProtectedCore), ("abft_linear", ProtectedLinearCore)):
+            if isinstance(module.__dict__.get(attr), kind):
+                owners[name] = module.__dict__[attr]
+    return owners
 
-    return hook(model, fn)
+
+@contextlib.contextmanager
+def fault_hook(model: nn.Module, fn: FaultHook) -> Iterator[None]:
+    """Within the block, ``fn(site, c)`` sees every protected product of ``model``
+    (:func:`protected_cores`: attention and projections), ``site`` as ``"<module name>:<site>"``
+    (for example ``"transformer.h.0.attn:scores"``,
+    ``"transformer.h.0.attn.c_attn:d_input"``, ``"layers.0.self_attn:q_proj"``; the site alone
+    when ``model`` is itself the protected module); the previous hooks are restored after it."""
+    owners = protected_cores(model)
+    if not owners:
+        raise ValueError("fault_hook: the model has no protected module (call "
+                         "attention.torch.protect(model) first)")
+    before = {name: owner.fault_hook for name, owner in owners.items()}
+    try:
+        for name, owner in owners.items():
+            owner.fault_hook = _named(fn, name)
+        yield
+    finally:
+        for name, owner in owners.items():
+            owner.fault_hook = before[name]
+
+
+def _named(fn: FaultHook, prefix: str) -> FaultHook:
+    return lambda site, c: fn(f"{prefix}:{site}" if prefix else site, c)
 
 
 def _is_pretrained(model: nn.Module) -> bool:

@@ -118,7 +118,7 @@ def test_refuses_what_it_cannot_honour():
         protect(transformers.BertModel(transformers.BertConfig(
             vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=0, num_attention_heads=HEADS,
             intermediate_size=WIDTH)))
-    with pytest.raises(ValueError, match="no protected attention module"):
+    with pytest.raises(ValueError, match="no protected module"):
         with fault_hook(build("gpt2"), print):
             pass
 

@@ -7,7 +7,8 @@ import pytest
 
 from hf_models import torch, transformers  # noqa: F401  (skips this module without them)
 
-from attention.hf_protect import attention_cores, protected_cores  # noqa: E402
+from attention.hf_protect import attention_cores  # noqa: E402
+from attention.torch import protected_cores  # noqa: E402
 from attention.torch import protect  # noqa: E402
 from hf_models import assert_fault_repaired, assert_same_step, batch, build, step  # noqa: E402
 

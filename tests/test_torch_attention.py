@@ -258,6 +258,30 @@ def test_inside_a_stock_transformer_encoder_layer(batch_first):
     assert mine.self_attn.last_report.checked, "the protected forward did not run"
 
 
+def test_fault_hook_names_the_sites_of_a_protected_torch_model_and_restores_its_hooks():
+    """``attention.torch.fault_hook`` on a model that ``protect`` gave MultiheadAttention
+    modules (no transformers involved): every product's site, named by its module; on a bare
+    module, the site alone; the hooks set before are back after the block."""
+    from attention.torch import fault_hook
+
+    _, model = encoder_layers(True, torch.float64)
+    seen = []
+    earlier = Recorder()
+    model.self_attn.fault_hook = earlier
+    x = torch.randn(N, L, E, dtype=torch.float64, requires_grad=True)
+    with fault_hook(model, lambda site, c: seen.append(site)):
+        model(x).sum().backward()
+    assert {f"self_attn:{s}" for s in ("q_proj", "out_proj", "d_wq")} <= set(seen)
+    assert model.self_attn.fault_hook is earlier
+    bare = []
+    with fault_hook(model.self_attn, lambda site, c: bare.append(site)):
+        model(x)
+    assert "q_proj" in bare
+    with pytest.raises(ValueError, match="no protected module"):
+        with fault_hook(nn.Linear(2, 2), print):
+            pass
+
+
 @pytest.mark.parametrize("nested", [False, True], ids=["layer", "encoder-with-padding"])
 def test_inference_fast_paths_still_run_the_protected_forward(nested):
     """In eval mode under no_grad, TransformerEncoderLayer and TransformerEncoder take fused

@@ -110,7 +110,7 @@ def loss_of(model: Any, family: str, tokens: Any, step_seed: int, vocab: int) ->
 
 def set_check(model: Any, check: str) -> None:
     """Set the check mode of every protected module of ``model`` (attention and projections)."""
-    from attention.hf_protect import protected_cores
+    from attention.torch import protected_cores
 
     for core in protected_cores(model).values():
         core.check = check
@@ -118,7 +118,7 @@ def set_check(model: Any, check: str) -> None:
 
 def reports(model: Any) -> Report:
     """The last reports of every protected module of ``model``, merged."""
-    from attention.hf_protect import protected_cores
+    from attention.torch import protected_cores
 
     merged = Report()
     for core in protected_cores(model).values():
