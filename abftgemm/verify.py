@@ -19,6 +19,7 @@ from abftgemm.locate import Side, verify as verify_sides
 from abftgemm.operands import Operands
 from abftgemm.rare_path import settle
 from abftgemm.report import Report
+from abftgemm.tensors import is_tensor, to_array
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,10 @@ def verify(c: Any, a: Any, b: Any, *, bias: Any | None = None,
 
     Parameters
     ----------
-    c : array
-        The product to check, of the shape ``matmul(a, b)`` has (NumPy or CuPy, like ``a``).
+    c : array or tensor
+        The product to check, of the shape and dtype ``matmul(a, b)`` has (NumPy or CuPy like
+        ``a``, or a PyTorch tensor). NumPy's own ``a @ b`` of bfloat16 arrays is float32: cast
+        it (``.astype(a.dtype)``) before checking it.
     a, b, bias : array
         Its operands, as :func:`abftgemm.matmul` takes them.
     name : str
@@ -83,6 +86,8 @@ def verify(c: Any, a: Any, b: Any, *, bias: Any | None = None,
         For operands :func:`abftgemm.matmul` would refuse, or a ``c`` of another shape or dtype.
     """
     op = Operands.prepare(a, b, bias)
+    if is_tensor(c):
+        c = to_array(c, "c")
     if tuple(c.shape) != op.shape or c.dtype != op.dtype:
         raise ValueError(f"verify: c is {c.dtype} {tuple(c.shape)}; a @ b is {op.dtype} {op.shape}")
     be = get_backend(op.xp)

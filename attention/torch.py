@@ -69,8 +69,8 @@ device, dtype
     core : {"auto", "fused", "unfused"}
         The attention product between the projections (:func:`attention.attention_forward`'s
         ``core``): ``"auto"`` runs the fused core (:mod:`attention.fused`) where it applies
-        (CPU, float32/float64, ``need_weights=False``, dropout in training or not, no fault
-        hook, every call checked), else the unfused sites; the others force one.
+        (CPU, any float dtype, 16-bit ones without dropout, ``need_weights=False``, no mask
+        that wants its gradient, no fault hook, every call checked), else the unfused sites; the others force one.
 
     Attributes
     ----------

@@ -31,8 +31,9 @@ class ProtectedCore:
         As in :class:`attention.torch_functional.Protection`.
     core : {"auto", "fused", "unfused"}
         Which implementation of :mod:`attention.core` runs: ``"auto"`` the fused core where it
-        applies (CPU, float32/float64, causal or no mask, dropout or not, no fault hook, every call
-        checked, ``need_weights=False``), else the unfused one; the others force one.
+        applies (CPU, any float dtype, 16-bit ones without dropout, no mask that wants its
+        gradient, no fault hook, every call checked, ``need_weights=False``), else the unfused
+        one; the others force one.
 
     Attributes
     ----------

@@ -73,8 +73,8 @@ def multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     core : {"auto", "fused", "unfused"}
         The attention product between the projections (:func:`attention.attention_forward`'s
         ``core``): ``"auto"`` runs the fused core (:mod:`attention.fused`) where it applies
-        (CPU, float32/float64, ``need_weights=False``, dropout or not, no fault hook, every call
-        checked), else the unfused sites; the others force one. ``protection.last_core`` names
+        (CPU, any float dtype, 16-bit ones without dropout, ``need_weights=False``, no mask
+        that wants its gradient, no fault hook, every call checked), else the unfused sites; the others force one. ``protection.last_core`` names
         the one that ran.
 
     Returns
@@ -141,8 +141,9 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         seed) is drawn with PyTorch's generator (:func:`_dropout_draw`).
     core : {"auto", "fused", "unfused"}
         Which implementation of :mod:`attention.core` runs: ``"auto"`` the fused core where it
-        applies (CPU, float32/float64, causal or no mask, dropout or not, no fault hook, every call
-        checked, ``need_weights=False``), else the unfused one; the others force one.
+        applies (CPU, any float dtype, 16-bit ones without dropout, no mask that wants its
+        gradient, no fault hook, every call checked, ``need_weights=False``), else the unfused
+        one; the others force one.
 
     Returns
     -------

@@ -119,6 +119,8 @@ def test_cli_core_fused(tmp_path: Path):
 @pytest.mark.parametrize("flags,message", [
     (["--core", "fused", "--sites", "scores"], "--sites: unknown scores"),
     (["--core", "fused", "--model", "gpt2"], "--model layer"),
+    (["--model", "gpt2", "--dtype", "float16", "--patterns", "row"],
+     "--dtype, --patterns: for --model layer only"),
     (["--sites", "fused:S"], "--sites: unknown fused:S"),
 ])
 def test_cli_refuses_bad_core_flags(flags, message, tmp_path, capsys):

@@ -81,3 +81,12 @@ def test_work_is_ordered_with_torchs_current_stream(device):
     else:
         got = abftgemm.matmul(a * 2, b, out).clone()
     torch.testing.assert_close(got, (a * 2) @ b, rtol=0, atol=0)
+
+
+def test_verify_takes_a_tensor_product_and_flags_a_changed_element():
+    a, b = torch.randn(4, 64, 32), torch.randn(32, 16)
+    c = a @ b
+    assert abftgemm.verify(c, a, b).clean
+    c[1, 3, 5] += 50.0
+    result = abftgemm.verify(c, a, b)
+    assert not result.clean and result.report.detected

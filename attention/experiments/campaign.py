@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -94,6 +94,10 @@ def fault_kinds(dtype: Any, additive: float = 1.0) -> dict[str, dict[str, Any]]:
 #: Fault kinds of a campaign (labels of :func:`fault_kinds`).
 KINDS: tuple[str, ...] = ("inf", "-inf", "nan", "near-inf", "bitflip-exp", "bitflip-mant",
                           "additive")
+
+
+#: CampaignConfig fields a --model family does not use.
+_LAYER_ONLY = ("dtype", "sites", "patterns", "clean_trials", "gemm")
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,12 @@ class CampaignConfig:
             raise ValueError(f"--core must be one of {', '.join(CORES)}, got {self.core}")
         if self.core == "fused" and self.model != "layer":
             raise ValueError("--core fused faults the fused attention core alone: --model layer")
+        if self.model != "layer":
+            given = [f"--{f.name.replace('_', '-')}" for f in fields(self)
+                     if f.name in _LAYER_ONLY and getattr(self, f.name) != f.default]
+            if given:
+                raise ValueError(f"{', '.join(given)}: for --model layer only (a --model family "
+                                 "runs float32 and faults the model's own sites)")
         if self.core == "fused" and self.sites == DEFAULT_SITES:
             object.__setattr__(self, "sites", fused_campaign.SITES)
         site_choices = fused_campaign.SITES if self.core == "fused" else DEFAULT_SITES
