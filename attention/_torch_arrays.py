@@ -46,3 +46,14 @@ def eager(*tensors: torch.Tensor | None) -> bool:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def refuse_weights_gradient(d_weights: torch.Tensor | None) -> None:
+    """Raise where a loss reached the attention weights a protected call returned (a non-zero
+    gradient): the protected backward has no path for it, and dropping it would train on a
+    wrong gradient without a word."""
+    if d_weights is not None and d_weights.numel() and bool(torch.any(d_weights != 0)):
+        raise NotImplementedError(
+            "a loss reached the attention weights of a protected attention call, and their "
+            "gradient is not propagated: detach the weights (weights.detach()) for such a loss, "
+            "or compute it with an unprotected attention module")

@@ -22,7 +22,8 @@ from abftgemm.tensors import device_scope, to_tensor
 from abftgemm.report import Report
 from torch.autograd.function import once_differentiable
 
-from attention._torch_arrays import array, dropout_arrays, eager, threads
+from attention._torch_arrays import (array, dropout_arrays, eager, refuse_weights_gradient,
+                                     threads)
 from attention._torch_state import Protection, registered, saved_state, token_of
 from attention.core import core_backward, core_forward
 from attention.workspace import Workspace
@@ -62,15 +63,18 @@ def _(protection, query, key, value, attn_mask, scale, is_causal, need_weights, 
 @torch.library.custom_op("abftgemm::attention_core_backward", mutates_args=())
 def attention_core_backward(token: torch.Tensor, d_out: torch.Tensor, query: torch.Tensor,
                             key: torch.Tensor, value: torch.Tensor,
-                            attn_mask: Optional[torch.Tensor], mask_grad: bool
+                            attn_mask: Optional[torch.Tensor], mask_grad: bool,
+                            d_weights: Optional[torch.Tensor]
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d_query, d_key, d_value, d_attn_mask)`` of one :func:`attention_core` call;
-    ``d_attn_mask`` is empty unless ``mask_grad``."""
+    ``d_attn_mask`` is empty unless ``mask_grad``. A non-zero ``d_weights`` (a loss on the
+    returned weights) raises ``NotImplementedError``."""
+    refuse_weights_gradient(d_weights)
     return run_core_backward(saved_state(token), d_out, query, key, value, attn_mask)
 
 
 @attention_core_backward.register_fake
-def _(token, d_out, query, key, value, attn_mask, mask_grad):
+def _(token, d_out, query, key, value, attn_mask, mask_grad, d_weights):
     d_mask = attn_mask.new_empty(attn_mask.shape) if mask_grad else query.new_empty(0)
     return (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
             d_mask)
@@ -78,8 +82,8 @@ def _(token, d_out, query, key, value, attn_mask, mask_grad):
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     _, query, key, value, attn_mask = inputs[:5]
-    _, weights, token = output
-    ctx.mark_non_differentiable(weights, token)
+    token = output[2]
+    ctx.mark_non_differentiable(token)
     ctx.mask_grad = inputs[-1]
     ctx.save_for_backward(token, query, key, value, attn_mask if ctx.mask_grad else None)
 
@@ -87,7 +91,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 def _backward(ctx: Any, d_out: torch.Tensor, d_weights: Any, d_token: Any) -> tuple:
     token, query, key, value, attn_mask = ctx.saved_tensors
     dq, dk, dv, d_mask = attention_core_backward(token, d_out.contiguous(), query, key, value,
-                                                 attn_mask, ctx.mask_grad)
+                                                 attn_mask, ctx.mask_grad, d_weights)
     return (None, dq, dk, dv, d_mask if ctx.mask_grad else None, None, None, None, None, None,
             None, None)
 
@@ -124,7 +128,6 @@ class _EagerCore(torch.autograd.Function):
         out, weights, state = run_core_forward(protection, query, key, value, attn_mask, scale,
                                                is_causal, need_weights, dropout_keep, dropout,
                                                core, mask_grad)
-        ctx.mark_non_differentiable(weights)
         ctx.save_for_backward(query, key, value, attn_mask if mask_grad else None)
         ctx.state = state
         return out, weights
@@ -132,6 +135,7 @@ class _EagerCore(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, d_out: torch.Tensor, d_weights: Any) -> tuple:
+        refuse_weights_gradient(d_weights)
         query, key, value, attn_mask = ctx.saved_tensors
         dq, dk, dv, d_mask = run_core_backward(ctx.state, d_out.contiguous(), query, key, value,
                                                attn_mask)

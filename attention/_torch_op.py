@@ -66,26 +66,29 @@ def mha_backward(token: torch.Tensor, dy: torch.Tensor, query: torch.Tensor, key
                  value: torch.Tensor, in_w: torch.Tensor, in_b: Optional[torch.Tensor],
                  out_w: torch.Tensor, out_b: Optional[torch.Tensor], self_attention: bool,
                  key_padding_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
-                 mask_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                 mask_grad: bool, d_weights: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                            torch.Tensor, torch.Tensor, torch.Tensor,
                                            torch.Tensor, torch.Tensor]:
     """``(d_query, d_key, d_value, d_in_w, d_in_b, d_out_w, d_out_b, d_key_padding_mask,
     d_attn_mask)``; ``d_key`` and ``d_value`` are empty in self-attention (``d_query`` is the
     whole input gradient), the masks' gradients empty unless ``mask_grad`` and the mask is
-    float.
+    float. A non-zero ``d_weights`` (a loss on the returned weights) raises
+    ``NotImplementedError``.
 
     The backward reads the forward's inputs and parameters from these arguments, not from the
     forward's views of them: so autograd (and a compiler, which would otherwise reuse their
     memory once the forward is done) keeps them as they were."""
+    from attention._torch_arrays import refuse_weights_gradient
     from attention._torch_mha import run_backward
 
+    refuse_weights_gradient(d_weights)
     return run_backward(saved_state(token), dy, query, key, value, in_w, in_b, out_w, out_b,
                         key_padding_mask, attn_mask)
 
 
 @mha_backward.register_fake
 def _(token, dy, query, key, value, in_w, in_b, out_w, out_b, self_attention, key_padding_mask,
-      attn_mask, mask_grad):
+      attn_mask, mask_grad, d_weights):
     n, _, e = dy.shape
     kv = (0,) if self_attention else tuple(key.shape)
     masks = tuple(m.new_empty(m.shape) if mask_grad and m is not None and m.is_floating_point()
@@ -101,8 +104,8 @@ def _(token, dy, query, key, value, in_w, in_b, out_w, out_b, self_attention, ke
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     (_, query, key, value, in_w, in_b, out_w, out_b, key_padding_mask, attn_mask, _,
      self_attention, _, _, _, _, _, _, mask_grad) = inputs
-    _, weights, token = output
-    ctx.mark_non_differentiable(weights, token)
+    token = output[2]
+    ctx.mark_non_differentiable(token)
     masks = (key_padding_mask, attn_mask) if mask_grad else (None, None)
     ctx.save_for_backward(token, query, key, value, in_w, in_b, out_w, out_b, *masks)
     ctx.self_attention, ctx.mask_grad = self_attention, mask_grad
@@ -113,7 +116,7 @@ def _backward(ctx: Any, dy: torch.Tensor, d_weights: Any, d_token: Any) -> tuple
     token, *tensors, key_padding_mask, attn_mask = ctx.saved_tensors
     dq, dk, dv, d_in_w, d_in_b, d_out_w, d_out_b, d_kpm, d_mask = mha_backward(
         token, dy.contiguous(), *tensors, ctx.self_attention, key_padding_mask, attn_mask,
-        ctx.mask_grad)
+        ctx.mask_grad, d_weights)
     if ctx.self_attention:
         dk = dv = None
     d_kpm, d_mask = (g if m is not None and m.is_floating_point() else None

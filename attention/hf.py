@@ -21,8 +21,9 @@ are in the masks transformers builds (sdpa's builder, registered here); it leave
 only where the window hides nothing, so a ``sliding_window`` without a mask is refused when the
 keys outnumber the window.
 
-Differences from ``"eager"``: the returned attention weights carry no gradient; a query row whose
-keys are all masked gets probabilities 0 (eager: uniform over the masked keys); the dropout mask
+Differences from ``"eager"``: a loss on the returned attention weights raises
+``NotImplementedError`` (their gradient is not propagated); a query row whose keys are all
+masked gets probabilities 0 (eager: uniform over the masked keys); the dropout mask
 is drawn with PyTorch's generator but not from the same stream as eager's (on the CPU, in float32
 and float64, the seed of the fused core's keep decisions, :mod:`attention.dropout_hash`, so that
 the product runs on the fused core). T5's position bias is added to the scores, and trained
@@ -89,7 +90,8 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     Returns
     -------
     attn_output : tensor (batch, L, heads, D)
-    attn_weights : tensor (batch, heads, L, S) without gradient, or None
+    attn_weights : tensor (batch, heads, L, S), or None
+        A loss on it raises ``NotImplementedError`` in backward (no gradient path).
         None when the model's forward collects no attention weights (no ``output_attentions``):
         the product may then run on the fused core (:mod:`attention.fused`), which makes none.
     """

@@ -21,8 +21,9 @@ the seed of the fused core's keep decisions, drawn with PyTorch's generator, so
 Not supported (a clear error names the argument): ``add_bias_kv``, ``add_zero_attn``,
 ``kdim``/``vdim`` other than ``embed_dim``, nested tensors.
 
-Differences from PyTorch: the returned attention weights carry no gradient; a query row whose
-keys are all masked gets probabilities 0 (output ``out_proj.bias``), where PyTorch may give NaN;
+Differences from PyTorch: a loss on the returned attention weights raises
+``NotImplementedError`` (their gradient is not propagated); a query row whose keys are all
+masked gets probabilities 0 (output ``out_proj.bias``), where PyTorch may give NaN;
 ``is_causal=True`` without ``attn_mask`` applies the causal mask (PyTorch raises).
 
 On the CPU, the module's GEMMs run under the library's thread policy (:mod:`abftgemm.threads`):

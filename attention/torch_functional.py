@@ -62,7 +62,8 @@ def multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     attn_mask : bool or float tensor (L, S) or (N * num_heads, L, S), optional
         True = not allowed; a float mask is added to the scaled scores.
     need_weights : bool
-        Also return the attention weights (after dropout; no gradient).
+        Also return the attention weights (after dropout; a loss on them raises
+        ``NotImplementedError`` in backward: their gradient is not propagated).
     average_attn_weights : bool
         Average the weights over heads.
     is_causal : bool
@@ -134,8 +135,9 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     is_causal : bool
         Query ``i`` sees keys ``j <= i`` only (``L == S``).
     need_weights : bool
-        Also return the probabilities ``(..., L, S)`` (a new tensor without gradient; after
-        dropout, as PyTorch's attention functions return them).
+        Also return the probabilities ``(..., L, S)`` (a new tensor, after dropout, as
+        PyTorch's attention functions return them; no gradient path: a loss on it raises
+        ``NotImplementedError`` in backward).
     dropout_p : float
         Attention dropout probability (:mod:`attention.dropout`); the mask (or the fused core's
         seed) is drawn with PyTorch's generator (:func:`_dropout_draw`).

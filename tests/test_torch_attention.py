@@ -258,6 +258,29 @@ def test_inside_a_stock_transformer_encoder_layer(batch_first):
     assert mine.self_attn.last_report.checked, "the protected forward did not run"
 
 
+@pytest.mark.parametrize("functional", [False, True], ids=["module", "attention_core"])
+def test_a_loss_on_the_returned_weights_raises_instead_of_losing_its_gradient(functional):
+    """The weights have no gradient path into the protected backward: a loss that reaches them
+    raises in backward; one on the output alone, or on detached weights, trains."""
+    from attention.torch_functional import Protection, attention_core
+
+    _, mine = pair(torch.float64)
+    x = torch.randn(N, L, E, dtype=torch.float64, requires_grad=True)
+
+    def run():
+        if functional:
+            q = x.view(N, L, HEADS, E // HEADS).transpose(1, 2)
+            return attention_core(q, q, q, protection=Protection(), need_weights=True)
+        return mine(x, x, x, need_weights=True)
+
+    y, w = run()
+    with pytest.raises(NotImplementedError, match="attention weights"):
+        (y.sum() + w.pow(2).sum()).backward()
+    y, w = run()
+    (y.sum() + w.detach().pow(2).sum()).backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
 def test_fault_hook_names_the_sites_of_a_protected_torch_model_and_restores_its_hooks():
     """``attention.torch.fault_hook`` on a model that ``protect`` gave MultiheadAttention
     modules (no transformers involved): every product's site, named by its module; on a bare
