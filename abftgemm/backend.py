@@ -49,9 +49,11 @@ verification, repair and recomputation (:mod:`abftgemm.rare_path`), and the plan
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 #: ``(c_obs, c_pred, floor, c_mag)`` of :func:`abftgemm.thresholds.threshold_coefficients` and the
 #: ``safe`` bound of :func:`abftgemm.thresholds.safe_magnitude`: how a plan judges its columns.
@@ -156,11 +158,37 @@ def is_cupy_array(x: object) -> bool:
     return cupy is not None and isinstance(x, cupy.ndarray)
 
 
+#: The counters of the block :func:`reads_counted_by` opened last in this thread (or task).
+_READ_COUNTERS: contextvars.ContextVar[Any] = contextvars.ContextVar("abftgemm_read_counters",
+                                                                    default=None)
+
+
+@contextlib.contextmanager
+def reads_counted_by(counters: Any | None) -> Iterator[None]:
+    """Within the block, every :func:`to_host` of a CuPy array adds one to
+    ``counters.host_reads`` (:class:`abftgemm.plan.Counters`): the reads of the rare path and of
+    the fused core, beside the ledger's own fetches. ``None`` leaves the enclosing block's."""
+    if counters is None:
+        yield
+        return
+    token = _READ_COUNTERS.set(counters)
+    try:
+        yield
+    finally:
+        _READ_COUNTERS.reset(token)
+
+
 def to_host(x: Any) -> Any:
-    """A NumPy array with the contents of NumPy or CuPy array ``x`` (CuPy arrays are copied)."""
+    """A NumPy array with the contents of NumPy or CuPy array ``x`` (CuPy arrays are copied, and
+    the copy counted where :func:`reads_counted_by` says)."""
     import numpy
 
-    return x.get() if is_cupy_array(x) else numpy.asarray(x)
+    if not is_cupy_array(x):
+        return numpy.asarray(x)
+    counters = _READ_COUNTERS.get()
+    if counters is not None:
+        counters.host_reads += 1
+    return x.get()
 
 
 def astype(x: Any, dtype: Any) -> Any:

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from abftgemm.backend import Backend, Workspace, get_backend, is_cupy_array
+from abftgemm.backend import Backend, Workspace, get_backend, is_cupy_array, reads_counted_by
 from abftgemm.checksums import Checksums
 from abftgemm.consumer_rows import ConsumerRows
 from abftgemm.operands import Operands
@@ -353,7 +353,12 @@ class ProtectedMatmul:
 
     def _finish_settle(self, checksums: bool) -> Report | tuple[Report, Checksums]:
         """With the verdict on the host: report, run the rare path if it flagged anything, and
-        deliver the product into an ``out`` it was not computed in."""
+        deliver the product into an ``out`` it was not computed in (the rare path's reads of
+        the device counted in ``counters.host_reads``)."""
+        with reads_counted_by(self.counters):
+            return self._deliver(checksums)
+
+    def _deliver(self, checksums: bool) -> Report | tuple[Report, Checksums]:
         pending, self._pending = self._pending, None
         op, c = pending.op, pending.c
         report, sums = Report(), None

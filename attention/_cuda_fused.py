@@ -34,6 +34,7 @@ from typing import Any
 import cupy
 import numpy
 
+from abftgemm.backend import to_host
 from abftgemm.cuda_kernels import INT32_MAX, cdiv, typed_kernel
 from abftgemm.faults import Fault, near_inf_value
 from attention import _cpu_fused as K
@@ -288,7 +289,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
              rec, status))
     if fault is not None:
         fault.record(desc)
-    book(ctx, rec.get(), status.get(), lambda t: t // nqb, FORWARD_SITES, check)
+    book(ctx, to_host(rec), to_host(status), lambda t: t // nqb, FORWARD_SITES, check)
     return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "scale": scale,
                  "causal": causal, "visible": visible, "add": add, "dropout": drop,
                  "sums": sums}
@@ -345,7 +346,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
     if fault is not None:
         fault.record(desc_kv)
         fault.record(desc_q)
-    book(ctx, rec.get(), status.get(),
+    book(ctx, to_host(rec), to_host(status),
          lambda t: t // nkb if t < split else (t - split) // nqb, BACKWARD_SITES, check)
     return dq, dk, dv
 
@@ -413,7 +414,7 @@ def _stride(add: cupy.ndarray | None) -> numpy.int64:
 def finite(x: cupy.ndarray) -> bool:
     """No INF or NaN in ``x``, from the exponent bits (bfloat16 has no CuPy arithmetic)."""
     bits = _EXPONENT[x.dtype.name]
-    return not bool(((x.view(_UINT[x.dtype.itemsize]) & bits) == bits).any())
+    return not bool(to_host(((x.view(_UINT[x.dtype.itemsize]) & bits) == bits).any()))
 
 
 def _row_encodings(x: cupy.ndarray) -> cupy.ndarray:

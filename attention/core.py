@@ -33,7 +33,7 @@ from attention.fused_final import verify_grads, verify_output
 from attention.fused_rules import key_visible_of
 from attention.functional import _additive, backward_pass, forward_pass, mask_gradient
 from attention.passes import CORE_BACKWARD, CORE_FORWARD, Variant
-from attention.workspace import Workspace
+from attention.workspace import Workspace, counts_reads
 
 #: The GEMM sites the attention product runs (forward, then backward:
 #: :data:`attention.fused_choice.CORE_SITES`), and its invariant sites.
@@ -57,6 +57,7 @@ class _CoreInputs:
         self.head_dim = d if scale == 1 / math.sqrt(d) else scale ** -2
 
 
+@counts_reads
 def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = None,
                  causal: bool = False, attn_mask: Any | None = None,
                  key_visible: Any | None = None, dropout: float = 0.0,
@@ -153,6 +154,7 @@ def fused_unsupported(inp: _CoreInputs, ctx: Context, dropout_keep: Any | None =
         or finite_reason(q=inp.q, k=inp.k, v=inp.v)
 
 
+@counts_reads
 def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
                   workspace: Workspace | None = None) -> tuple[Any, ...]:
     """``(dq, dk, dv)`` (new arrays) from the gradient ``d_out`` ``(n, seq_q, d)`` of

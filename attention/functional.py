@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from abftgemm.backend import array_module, astype, get_backend
+from abftgemm.backend import array_module, astype, get_backend, reads_counted_by
 from abftgemm.checksums import SUPPORTED_DTYPES, Checksums, accumulation_dtype
 from abftgemm.plan import CONSUMER_ROWS, settle_all
 from abftgemm.report import Event, Report, UncorrectableError, announce
@@ -237,7 +237,8 @@ def _run(table: tuple[Step, ...], inp: Any, env: Callable[[], dict[str, Any]],
     # One thread count for the whole pass, its large products in numba's pool beside the fused
     # core (abftgemm.threads); no NumPy floating-point warnings from a fault's INF/NaN, which the
     # checks judge and report.
-    with blas_scope(numba_pool=numba_pool), np.errstate(all="ignore"):
+    with blas_scope(numba_pool=numba_pool), np.errstate(all="ignore"), \
+            reads_counted_by(ws.counters):
         first = _Pass(ctx, ws, inp, env(), keep, sums, flat, per_site=False)
         try:
             first.run(table)

@@ -302,7 +302,7 @@ def _worst_column(xp: Any, ratio: Any, diff: Any, tau: Any
                   ) -> tuple[float, int, tuple, tuple, float, float]:
     """``(ratio, head, (), (column,), |d|, tau)`` of the first worst of ``(n, d)`` ratios (one
     transfer of the three numbers from a device)."""
-    at = int(xp.argmax(ratio))
+    at = int(to_host(xp.argmax(ratio)))
     head, col = divmod(at, ratio.shape[1])
     r, d, t = (float(x) for x in to_host(xp.stack([a.ravel()[at] for a in (ratio, diff, tau)])))
     return r, head, (), (col,), d, t

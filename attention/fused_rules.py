@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from abftgemm.backend import astype
+from abftgemm.backend import astype, to_host
 from abftgemm.checksums import SUPPORTED_DTYPES, accumulation_dtype, smallest_normal, \
     unit_roundoff
 from abftgemm.report import Event, UncorrectableError, announce
@@ -159,7 +159,7 @@ def additive_ok(xp: Any, add: Any, dtype: np.dtype) -> bool:
     tile arithmetic of ``dtype`` data (float64 for float64, else float32): a score pushed to
     ``+inf`` would leave the softmax undefined."""
     top = np.finfo(np.float64 if dtype == np.float64 else np.float32).max
-    return not bool(xp.any(xp.isnan(add) | (add > top)))
+    return not bool(to_host(xp.any(xp.isnan(add) | (add > top))))
 
 
 def book(ctx: Context, rec: np.ndarray, status: np.ndarray, batch_of: Any,

@@ -15,15 +15,31 @@ KiB page (bench/NOTES.md counts them).
 """
 from __future__ import annotations
 
+import functools
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
-from abftgemm.backend import array_module
+from abftgemm.backend import array_module, reads_counted_by
 
 from abftgemm.plan import Counters, ProtectedMatmul, layout_key
 from abftgemm.verdicts import Ledger, Slot
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def counts_reads(fn: F) -> F:
+    """``fn``, whose reads of the device (:func:`abftgemm.backend.to_host`) are counted in the
+    ``counters.host_reads`` of its ``workspace`` keyword argument, when one is given."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        workspace = kwargs.get("workspace")
+        with reads_counted_by(None if workspace is None else workspace.counters):
+            return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 class Workspace:

@@ -264,6 +264,43 @@ def test_clean_step_syncs_twice_and_allocates_nothing_new(xp):
         assert grown - kept <= 64 * 1024, grown - kept
 
 
+@pytest.mark.cuda_on_cpu
+@pytest.mark.skipif(CUDA_ON_CPU is None, reason="needs the cupy-on-cpu stand-in")
+@pytest.mark.parametrize("core,fault", [("unfused", None), ("unfused", "q_proj"),
+                                        ("unfused", "softmax"), ("fused", None)])
+def test_the_counters_see_every_read_of_the_device(core, fault, monkeypatch):
+    """``counters.host_reads`` counts every copy from the device, not only the ledger's one
+    fetch a pass: the rare path's reads after a fault, and the opt-in fused CUDA core's (its
+    kernels' records, the finite checks of its inputs, its final checks)."""
+    from cuda_on_cpu import arrays
+
+    transfers, injecting = [], []  # the fault toolkit's own reads are not the library's
+    for name in ("get", "__bool__", "__int__", "__float__", "item"):
+        real = getattr(arrays.ndarray, name)
+        monkeypatch.setattr(arrays.ndarray, name,
+                            lambda self, *a, _real=real, **k: (injecting or transfers.append(1))
+                            and None or _real(self, *a, **k))
+    layer = MultiHeadAttention(16, 4, causal=True, dtype="float32", xp=CUDA_ON_CPU, core=core)
+    rng = np.random.default_rng(0)
+    x, dy = (CUDA_ON_CPU.asarray(rng.standard_normal((2, 8, 16)).astype(np.float32))
+             for _ in range(2))
+    layer.backward(dy, layer.forward(x)[1])  # plans and buffers made
+    inject = Fault("additive", "element", seed=2, sites=fault or (), magnitude=1e3)
+
+    def hook(site, c):
+        injecting.append(1)
+        inject(site, c)
+        injecting.clear()
+
+    transfers.clear()
+    reads = layer.counters.host_reads
+    layer.backward(dy, layer.forward(x, fault_hook=hook if fault else None)[1])
+    assert layer.counters.host_reads - reads == len(transfers)
+    assert (len(transfers) == 2) == (core == "unfused" and fault is None)  # one a pass
+    if fault is not None:
+        assert fault in layer.last_report.sites
+
+
 @pytest.mark.parametrize("xp", BACKENDS)
 @pytest.mark.parametrize("site", ["q_proj", "k_proj", "v_proj"])
 def test_replay_repairs_at_the_source(xp, site):
