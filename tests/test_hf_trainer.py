@@ -8,7 +8,8 @@ import pytest
 
 from hf_models import torch, transformers  # noqa: F401  (skips this module without them)
 
-from attention.hf_protect import attention_cores, projection_cores  # noqa: E402
+from attention.hf_linear import projection_cores  # noqa: E402
+from attention.hf_protect import attention_cores  # noqa: E402
 from attention.torch import protect  # noqa: E402
 from hf_models import VOCAB, build  # noqa: E402
 
