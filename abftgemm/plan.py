@@ -536,8 +536,9 @@ def _check_encoding(x: Any, k: int, enc: Any, name: str, what: str, of: str) -> 
             or shape[0] != 3 or shape[2] != k or shape[1] not in (1, rows)):
         got = (f"{type(enc).__name__} {getattr(enc, 'dtype', '')} of shape {shape}"
                if shape is not None else type(enc).__name__)
+        batch = "1" if rows == 1 else f"1 or {rows}"
         raise ValueError(f"{name}: {what} must be a float64 {type(x).__module__.split('.')[0]} "
-                         f"array of shape (3, 1 or {rows}, {k}), {of}; got {got}")
+                         f"array of shape (3, {batch}, {k}), {of}; got {got}")
 
 
 def signature_of(op: Operands) -> tuple:
