@@ -111,9 +111,9 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     causal = causal and attention_mask is None and seq_q > 1
     mask = not_allowed(attention_mask)
-    if causal and seq_q != seq_k:  # queries are the last seq_q positions (a cache before them)
-        mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=query.device).triu(
-            seq_k - seq_q + 1)
+    if causal and seq_q != seq_k:  # sdpa's is_causal: query i sees keys 0..i (transformers
+        # leaves the mask out so only where that is right: a prefill into an empty static cache)
+        mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=query.device).triu(1)
         causal = False
     bias = kwargs.get("position_bias")
     if bias is not None:  # T5's relative position bias, trained: its gradient is the core's dS

@@ -156,7 +156,8 @@ def test_mistral_sliding_window_equals_eager():
 
 def test_float_and_boolean_4d_masks_and_causal_offset():
     """The mask forms transformers passes: 4-D float (eager's), 4-D boolean (sdpa's, True =
-    attend), none with a causal module, and causal queries after a cache (L < S)."""
+    attend), none with a causal module, and none with fewer queries than keys, which sdpa's
+    ``is_causal`` aligns top-left (a prefill into an empty static cache)."""
     torch.manual_seed(2)
     q, k, v = (torch.randn(2, 4, n, 8, requires_grad=True) for n in (6, 6, 6))
     module = torch.nn.Module()
@@ -177,10 +178,9 @@ def test_float_and_boolean_4d_masks_and_causal_offset():
     want = torch.autograd.grad(ref.sum(), (q, k, v))
     for g, w in zip(grads, want):
         assert_close(g, w)
-    last = q[:, :, -2:].detach()  # two new queries after a cache of four keys
-    out, _ = abft_attention_forward(module, last, k, v, None)
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        last, k, v, attn_mask=torch.ones(2, 6, dtype=torch.bool).tril(4))
+    first = q[:, :, :2].detach()  # two queries over six key slots, the last four empty
+    out, _ = abft_attention_forward(module, first, k, v, None)
+    ref = torch.nn.functional.scaled_dot_product_attention(first, k, v, is_causal=True)
     assert_close(out.transpose(1, 2), ref.detach())
 
 
@@ -211,6 +211,22 @@ def test_generate_with_cache_equals_eager(family, eager_runs):
     mask[1, :2] = 0
     kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids, **kw), eager.generate(ids, **kw))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_static_cache_generation_equals_eager(family, eager_runs):
+    """A static cache is longer than the prompt, and transformers hands its prefill no mask
+    (sdpa's ``is_causal``, aligned top-left, hides the empty slots): greedy decoding and the
+    first step's scores equal eager's."""
+    eager = copy.deepcopy(eager_runs[family][0]).eval()
+    model = protect(copy.deepcopy(eager))
+    ids = batch()[0][:2, :5]
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+              pad_token_id=0, cache_implementation="static", output_scores=True,
+              return_dict_in_generate=True)
+    got, want = (m.generate(ids, **kw) for m in (model, eager))
+    assert torch.equal(got.sequences, want.sequences)
+    assert_close(got.scores[0], want.scores[0])
 
 
 def test_save_pretrained_round_trip(tmp_path, eager_runs):
