@@ -14,6 +14,7 @@ module, its Parameters, ``state_dict`` keys and ``save_pretrained`` files stay t
 """
 from __future__ import annotations
 
+import types
 from typing import Iterator
 
 import torch
@@ -22,7 +23,8 @@ from transformers.pytorch_utils import Conv1D
 
 from attention.torch_linear import ProtectedLinearCore
 
-__all__ = ["ProtectedLinear", "ProtectedConv1D", "protect_projections", "projection_cores"]
+__all__ = ["ProtectedLinear", "ProtectedConv1D", "protect_projections", "projection_cores",
+           "check_swappable", "swap_class"]
 
 
 class ProtectedLinear(nn.Linear):
@@ -70,10 +72,30 @@ def protect_projections(model: nn.Module, attention: list[str], *, check: str = 
     """
     chosen = list(_projections(model, attention, mlp))
     cores = [ProtectedLinearCore(check) for _ in chosen]  # validates check before any swap
+    for name, module in chosen:
+        check_swappable(name, module)
     for (_, module), core in zip(chosen, cores):
-        module.__class__ = _PROTECTED.get(type(module), type(module))
+        swap_class(module, _PROTECTED.get(type(module), type(module)))
         module.abft_linear = core
     return [name for name, _ in chosen]
+
+
+def check_swappable(name: str, module: nn.Module) -> None:
+    """Raise ``ValueError`` when swapping ``module``'s class would not change what it runs: a
+    ``forward`` set on the module itself, other than an accelerate hook's (which
+    :func:`swap_class` rebinds)."""
+    if "forward" in vars(module) and "_old_forward" not in vars(module):
+        raise ValueError(f"protect: {name or type(module).__name__} has a forward set on the "
+                         "module itself, which would keep running unprotected")
+
+
+def swap_class(module: nn.Module, cls: type) -> None:
+    """``module.__class__ = cls``, and an accelerate hook's saved forward (``_old_forward``,
+    which the hook's wrapper calls: ``device_map`` offloading, ``cpu_offload``) rebound to
+    ``cls.forward``, so the hooked module runs the protected forward."""
+    module.__class__ = cls
+    if "_old_forward" in vars(module):
+        module._old_forward = types.MethodType(cls.forward, module)
 
 
 def projection_cores(model: nn.Module) -> dict[str, ProtectedLinearCore]:

@@ -24,7 +24,7 @@ from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
 import abftgemm
 from attention._torch_arrays import eager
 from attention.hf import NAME, core_of, not_allowed, weights_wanted
-from attention.hf_linear import protect_projections
+from attention.hf_linear import check_swappable, protect_projections, swap_class
 from attention.torch_core import ProtectedCore
 
 __all__ = ["protect_pretrained", "ProtectedGPTNeoSelfAttention", "attention_cores"]
@@ -109,10 +109,12 @@ def protect_pretrained(model: nn.Module, *, check: str = "correct", projections:
         raise ValueError("protect: mlp=True needs projections=True")
     if check not in abftgemm.CHECK_MODES:
         raise ValueError(f"check must be one of {abftgemm.CHECK_MODES}, got {check!r}")
-    neo = [m for m in model.modules() if isinstance(m, GPTNeoSelfAttention)]
-    for m in neo:
+    neo = [(name, m) for name, m in model.named_modules() if isinstance(m, GPTNeoSelfAttention)]
+    for name, m in neo:
+        check_swappable(name, m)
+    for _, m in neo:
         if type(m) is GPTNeoSelfAttention:
-            m.__class__ = ProtectedGPTNeoSelfAttention
+            swap_class(m, ProtectedGPTNeoSelfAttention)
     if not neo:
         if not model._can_set_attn_implementation():
             raise ValueError(f"{type(model).__name__} does not call the attention function its "

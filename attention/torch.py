@@ -114,10 +114,16 @@ device, dtype
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention, *, check: str = "correct",
                    plan: CheckingPlan | None = None, core: str = "auto") -> "MultiheadAttention":
-        """A protected module holding ``module``'s own Parameters (shared, not copied)."""
+        """A protected module holding ``module``'s own Parameters (shared, not copied), and its
+        hooks (forward, backward and state-dict hooks: the same dictionaries, so their handles
+        still remove them) and the attributes set on it that a module of its class lacks."""
         if not module._qkv_same_embed_dim:
             raise ValueError("kdim/vdim must equal embed_dim (separate q/k/v projection weights "
                              "are not supported)")
+        if "forward" in vars(module):
+            raise ValueError("protect: this nn.MultiheadAttention has a forward set on the module "
+                             "itself (an accelerate hook?), which the protected module would "
+                             "not run")
         new = cls(module.embed_dim, module.num_heads, module.dropout,
                   module.in_proj_bias is not None, module.bias_k is not None,
                   module.add_zero_attn, batch_first=module.batch_first, device="meta",
@@ -125,6 +131,10 @@ device, dtype
         new.in_proj_weight, new.in_proj_bias = module.in_proj_weight, module.in_proj_bias
         new.out_proj = module.out_proj
         new.train(module.training)
+        mine = vars(new)
+        for name, value in vars(module).items():
+            if "hook" in name or name not in mine:
+                mine[name] = value
         return new
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -178,14 +188,16 @@ device, dtype
 
 def protect(model: nn.Module, *, check: str = "correct", mlp: bool = False,
             projections: bool = True) -> nn.Module:
-    """Swap every ``nn.MultiheadAttention`` inside ``model`` for a :class:`MultiheadAttention`
-    holding the same Parameters, in place; returns ``model``.
+    """Protect every attention inside ``model``, in place; returns ``model``.
 
-    ``nn.TransformerEncoder``'s nested-tensor inference path is turned off
-    (``use_nested_tensor = False``): it would hand the attention packed nested tensors.
-    A Hugging Face transformers ``PreTrainedModel`` gets its attention products, and with
+    Every ``nn.MultiheadAttention`` becomes a :class:`MultiheadAttention` holding the same
+    Parameters and hooks (one protected module for each, wherever and under however many names
+    it appears); ``model`` itself, if it is one, cannot be swapped in place: the protected module
+    is returned. ``nn.TransformerEncoder``'s nested-tensor inference path is turned off
+    (``use_nested_tensor = False``): it would hand the attention packed nested tensors. A
+    Hugging Face transformers ``PreTrainedModel`` gets its attention products, and with
     ``projections`` (default) the Q, K, V and output projections of its attention blocks,
-    protected instead; ``mlp=True`` protects its feed-forward layers as well
+    protected; ``mlp=True`` protects its feed-forward layers as well
     (:func:`attention.hf_protect.protect_pretrained`). So does every transformers model inside
     ``model`` (a PEFT ``PeftModel``'s, a training wrapper's). ``mlp`` and ``projections`` apply
     to transformers models only (:class:`MultiheadAttention` protects its own projections).
@@ -198,27 +210,38 @@ def protect(model: nn.Module, *, check: str = "correct", mlp: bool = False,
         model.
     """
     pretrained = [model] if _is_pretrained(model) else _pretrained_inside(model)
+    if (mlp or not projections) and not pretrained:
+        raise ValueError("protect: mlp and projections apply to transformers models only")
+    if isinstance(model, nn.MultiheadAttention):
+        return model if isinstance(model, MultiheadAttention) else \
+            MultiheadAttention.from_torch(model, check=check)
     if pretrained:
         from attention.hf_protect import protect_pretrained
 
         for m in pretrained:
             protect_pretrained(m, check=check, mlp=mlp, projections=projections)
-        return model
-    if mlp or not projections:
-        raise ValueError("protect: mlp and projections apply to transformers models only")
-    found = False
-    for parent in model.modules():
-        if isinstance(parent, nn.TransformerEncoder):
-            parent.use_nested_tensor = False
-        found = found or isinstance(parent, nn.MultiheadAttention)
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.MultiheadAttention) and not isinstance(child,
-                                                                           MultiheadAttention):
-                setattr(parent, name, MultiheadAttention.from_torch(child, check=check))
-    if not found:
+    if not _swap_multihead(model, check) and not pretrained:
         raise ValueError(f"protect: {type(model).__name__} holds no nn.MultiheadAttention and "
                          "no transformers model, so nothing would be protected")
     return model
+
+
+def _swap_multihead(model: nn.Module, check: str) -> bool:
+    """Every ``nn.MultiheadAttention`` child of every module inside ``model`` swapped for one
+    protected module per original (an original under two names gets one, under both); whether
+    ``model`` holds any attention module of either kind."""
+    protected: dict[int, MultiheadAttention] = {}
+    parents = list(model.modules())
+    for parent in parents:
+        if isinstance(parent, nn.TransformerEncoder):
+            parent.use_nested_tensor = False
+        for name, child in list(parent._modules.items()):
+            if isinstance(child, nn.MultiheadAttention) and not isinstance(child,
+                                                                           MultiheadAttention):
+                if id(child) not in protected:
+                    protected[id(child)] = MultiheadAttention.from_torch(child, check=check)
+                setattr(parent, name, protected[id(child)])
+    return any(isinstance(m, nn.MultiheadAttention) for m in parents)
 
 
 def _pretrained_inside(model: nn.Module) -> list[nn.Module]:

@@ -1,6 +1,7 @@
 """``protect`` on transformers models inside other modules: a training wrapper's and a PEFT
-``PeftModel``'s (LoRA, the usual way to fine-tune one), either order of protect and LoRA; and a
-model with nothing to protect refused with a clear error."""
+``PeftModel``'s (LoRA, the usual way to fine-tune one), either order of protect and LoRA, a
+wrapper that also holds an ``nn.MultiheadAttention``, and modules under accelerate's hooks; and
+a model with nothing to protect refused with a clear error."""
 import copy
 
 import pytest
@@ -8,8 +9,7 @@ import pytest
 from hf_models import torch, transformers  # noqa: F401  (skips this module without them)
 
 from attention.hf_protect import attention_cores  # noqa: E402
-from attention.torch import protected_cores  # noqa: E402
-from attention.torch import protect  # noqa: E402
+from attention.torch import MultiheadAttention, protect, protected_cores  # noqa: E402
 from hf_models import assert_fault_repaired, assert_same_step, batch, build, step  # noqa: E402
 
 
@@ -32,6 +32,50 @@ def test_a_wrapped_transformers_model_is_protected():
     assert_same_step(step(model, *batch()), want)
     name = "lm.model.layers.0.self_attn"
     assert_fault_repaired(model, attention_cores, name, "scores", want, want)
+
+
+class Pooled(torch.nn.Module):
+    """A transformers encoder with an attention-pooling head of PyTorch's own."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm, self.pool = lm, torch.nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, ids, attention_mask=None):
+        h = self.lm(ids, attention_mask=attention_mask).last_hidden_state
+        return self.pool(h[:, :1], h, h, need_weights=False)[0]
+
+
+def test_a_wrapper_of_a_transformers_model_and_an_attention_head_is_protected_whole():
+    model = protect(Pooled(build("bert").bert))
+    assert isinstance(model.pool, MultiheadAttention)
+    assert model.lm.config._attn_implementation == "abft"
+    model(*batch()).sum().backward()
+    assert model.pool.last_report.checked and "pool" in protected_cores(model)
+
+
+def test_modules_under_accelerate_hooks_run_protected():
+    """accelerate's hooks (``device_map`` offloading, ``cpu_offload``) wrap a module's forward
+    around the one saved before: after protect, that is the protected forward."""
+    hooks = pytest.importorskip("accelerate.hooks", reason="accelerate is not installed")
+    eager = build("gpt2")
+    want = step(eager, *batch())
+    model = copy.deepcopy(eager)
+    for module in model.modules():
+        hooks.add_hook_to_module(module, hooks.ModelHook())
+    protect(model)
+    assert_same_step(step(model, *batch()), want)
+    cores = protected_cores(model)
+    assert "transformer.h.0.attn.c_attn" in cores
+    assert all(c.last_report.checked for c in cores.values())
+
+
+def test_a_forward_set_on_a_module_is_refused():
+    model = build("gpt2")
+    c_attn = model.transformer.h[0].attn.c_attn
+    c_attn.forward = c_attn.forward  # the class's forward, frozen on the instance
+    with pytest.raises(ValueError, match="forward set on the module itself"):
+        protect(model)
 
 
 def test_nothing_to_protect_is_refused():

@@ -281,6 +281,31 @@ def test_a_loss_on_the_returned_weights_raises_instead_of_losing_its_gradient(fu
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+def test_protect_swaps_every_occurrence_keeps_hooks_and_returns_a_bare_module_protected():
+    """One protected module per original, under each of its names; the original's hooks and
+    attributes come along (their handles still remove them); a bare module comes back
+    protected, holding its Parameters."""
+    stock = nn.MultiheadAttention(E, HEADS, batch_first=True)
+    bare = protect(stock)
+    assert isinstance(bare, MultiheadAttention) and bare.in_proj_weight is stock.in_proj_weight
+    calls = []
+    stock.register_forward_pre_hook(lambda m, args: calls.append("pre"))
+    handle = stock.register_forward_hook(lambda m, args, out: calls.append("forward"))
+    stock.register_full_backward_hook(lambda m, g_in, g_out: calls.append("backward"))
+    stock.tag = "kept"
+    model = nn.ModuleDict({"first": stock, "second": stock})
+    protect(model)
+    assert isinstance(model["first"], MultiheadAttention) and model["first"] is model["second"]
+    assert model["first"].tag == "kept"
+    x = torch.randn(N, L, E, requires_grad=True)
+    model["first"](x, x, x)[0].sum().backward()
+    assert calls == ["pre", "forward", "backward"]
+    handle.remove()
+    calls.clear()
+    model["second"](x, x, x)
+    assert calls == ["pre"]
+
+
 def test_fault_hook_names_the_sites_of_a_protected_torch_model_and_restores_its_hooks():
     """``attention.torch.fault_hook`` on a model that ``protect`` gave MultiheadAttention
     modules (no transformers involved): every product's site, named by its module; on a bare
