@@ -41,7 +41,9 @@ def multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
     The computation of ``torch.nn.functional.multi_head_attention_forward`` on batch-first
     tensors, with PyTorch's parameter layout (``x @ W.T + b``); differentiable in the inputs and
-    parameters, and in float masks that require grad (the unfused core then runs).
+    parameters, and in float masks that require grad (the unfused core then runs). Under
+    ``torch.autocast`` the inputs and parameters are cast to its dtype, as PyTorch's own
+    attention runs its projections there.
 
     Parameters
     ----------
@@ -88,6 +90,15 @@ def multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     if not 0 <= dropout_p <= 1:
         raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p}")
     self_attention = query is key and key is value
+    device = query.device.type
+    if torch.is_autocast_enabled(device) and query.is_floating_point():  # as torch's runs
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+        if self_attention:
+            key = value = query
+        in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias = (
+            None if t is None else t.to(dtype)
+            for t in (in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias))
     keep = _dropout_draw((query.shape[0] * num_heads, query.shape[1], key.shape[1]), query,
                          float(dropout_p), need_weights, core)
     y, weights, _ = _torch_op.mha_forward(

@@ -1,7 +1,8 @@
 """``attention.torch_functional.attention_core`` under ``torch.autocast``: like PyTorch's
 ``scaled_dot_product_attention`` it casts query, key and value to the autocast dtype, so inputs
 of mixed dtypes (Llama's rotary positions make float32 queries and keys beside 16-bit values)
-run in that dtype; outside autocast mixed dtypes stay an error."""
+run in that dtype; outside autocast mixed dtypes stay an error. The protected
+``MultiheadAttention`` runs in the autocast dtype as ``nn.MultiheadAttention`` does."""
 from __future__ import annotations
 
 import pytest
@@ -41,3 +42,28 @@ def test_mixed_dtypes_without_autocast_are_refused():
     q, k, v = _inputs((torch.float32, torch.float32, torch.float64))
     with pytest.raises(TypeError, match="one dtype"):
         attention_core(q, k, v, protection=Protection())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_multihead_attention_runs_in_the_autocast_dtype_as_torchs(dtype):
+    from attention.torch import MultiheadAttention
+
+    torch.manual_seed(0)
+    stock = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+    mine = MultiheadAttention.from_torch(stock)
+    x = torch.randn(2, L, 32, requires_grad=True)
+    runs = []
+    for module in (stock, mine):
+        with torch.autocast("cpu", dtype=dtype):
+            if not torch.is_autocast_enabled("cpu"):
+                pytest.skip(f"this PyTorch has no CPU autocast to {dtype}")
+            y, w = module(x, x, x)
+        assert y.dtype == w.dtype == dtype
+        (dx,) = torch.autograd.grad(y.float().sum(), (x,))
+        runs.append((y.float(), dx))
+    # both round the projections, products and outputs to dtype, in different orders: a few
+    # roundoffs of the largest element, compounded over the chain of products
+    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    for got, want in zip(runs[1], runs[0]):
+        assert (got - want).abs().max().item() <= 16 * u * want.abs().max().item()
+
