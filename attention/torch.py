@@ -115,12 +115,18 @@ device, dtype
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention, *, check: str = "correct",
                    plan: CheckingPlan | None = None, core: str = "auto") -> "MultiheadAttention":
-        """A protected module holding ``module``'s own Parameters (shared, not copied), and its
+        """A protected module holding ``module``'s own Parameters (shared, not copied), its
         hooks (forward, backward and state-dict hooks: the same dictionaries, so their handles
-        still remove them) and the attributes set on it that a module of its class lacks."""
+        still remove them; ``module`` thereby gets the protected module's no-op pre-hook that
+        keeps PyTorch's fused inference paths off) and the attributes set on it that a module of
+        its class lacks."""
         if not module._qkv_same_embed_dim:
             raise ValueError("kdim/vdim must equal embed_dim (separate q/k/v projection weights "
                              "are not supported)")
+        if not isinstance(module.in_proj_weight, nn.Parameter):
+            raise ValueError("protect: this nn.MultiheadAttention's in_proj_weight is computed "
+                             "(a parametrization or pruning); protect the module first, then "
+                             "parametrize or prune the protected one")
         if "forward" in vars(module):
             raise ValueError("protect: this nn.MultiheadAttention has a forward set on the module "
                              "itself (an accelerate hook?), which the protected module would "
@@ -136,6 +142,8 @@ device, dtype
         for name, value in vars(module).items():
             if "hook" in name or name not in mine:
                 mine[name] = value
+        if _keep_off_fused_paths not in new._forward_pre_hooks.values():
+            new.register_forward_pre_hook(_keep_off_fused_paths)
         return new
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -216,33 +224,38 @@ def protect(model: nn.Module, *, check: str = "correct", mlp: bool = False,
     if isinstance(model, nn.MultiheadAttention):
         return model if isinstance(model, MultiheadAttention) else \
             MultiheadAttention.from_torch(model, check=check)
+    swaps = _multihead_swaps(model, check)  # made before anything changes: they may raise
     if pretrained:
         from attention.hf_protect import protect_pretrained
 
         for m in pretrained:
             protect_pretrained(m, check=check, mlp=mlp, projections=projections)
-    if not _swap_multihead(model, check) and not pretrained:
+    for parent, name, protected in swaps:
+        setattr(parent, name, protected)
+    for m in model.modules():
+        if isinstance(m, nn.TransformerEncoder):
+            m.use_nested_tensor = False
+    if not pretrained and not any(isinstance(m, nn.MultiheadAttention) for m in model.modules()):
         raise ValueError(f"protect: {type(model).__name__} holds no nn.MultiheadAttention and "
                          "no transformers model, so nothing would be protected")
     return model
 
 
-def _swap_multihead(model: nn.Module, check: str) -> bool:
-    """Every ``nn.MultiheadAttention`` child of every module inside ``model`` swapped for one
-    protected module per original (an original under two names gets one, under both); whether
-    ``model`` holds any attention module of either kind."""
+def _multihead_swaps(model: nn.Module, check: str
+                     ) -> list[tuple[nn.Module, str, "MultiheadAttention"]]:
+    """``(parent, name, protected)`` for every ``nn.MultiheadAttention`` child of every module
+    inside ``model``: one protected module per original (an original under two names gets the
+    same one under both)."""
     protected: dict[int, MultiheadAttention] = {}
-    parents = list(model.modules())
-    for parent in parents:
-        if isinstance(parent, nn.TransformerEncoder):
-            parent.use_nested_tensor = False
-        for name, child in list(parent._modules.items()):
+    swaps = []
+    for parent in model.modules():
+        for name, child in parent._modules.items():
             if isinstance(child, nn.MultiheadAttention) and not isinstance(child,
                                                                            MultiheadAttention):
                 if id(child) not in protected:
                     protected[id(child)] = MultiheadAttention.from_torch(child, check=check)
-                setattr(parent, name, protected[id(child)])
-    return any(isinstance(m, nn.MultiheadAttention) for m in parents)
+                swaps.append((parent, name, protected[id(child)]))
+    return swaps
 
 
 def _pretrained_inside(model: nn.Module) -> list[nn.Module]:

@@ -306,6 +306,18 @@ def test_protect_swaps_every_occurrence_keeps_hooks_and_returns_a_bare_module_pr
     assert calls == ["pre"]
 
 
+def test_a_computed_in_proj_weight_is_refused_and_nothing_changes():
+    """A pruned (or parametrized) in_proj_weight is computed, not a Parameter the protected
+    module could share: refused before any module is swapped."""
+    prune = pytest.importorskip("torch.nn.utils.prune")
+    model = nn.ModuleDict({"plain": nn.MultiheadAttention(E, HEADS),
+                           "pruned": nn.MultiheadAttention(E, HEADS)})
+    prune.l1_unstructured(model["pruned"], "in_proj_weight", amount=0.5)
+    with pytest.raises(ValueError, match="in_proj_weight is computed"):
+        protect(model)
+    assert not any(isinstance(m, MultiheadAttention) for m in model.values())
+
+
 def test_fault_hook_names_the_sites_of_a_protected_torch_model_and_restores_its_hooks():
     """``attention.torch.fault_hook`` on a model that ``protect`` gave MultiheadAttention
     modules (no transformers involved): every product's site, named by its module; on a bare
