@@ -27,8 +27,8 @@ from abftgemm.checksums import SUPPORTED_DTYPES
 from attention.context import Context
 from attention.dropout import Dropout, for_core
 from attention.fused import fused_backward, fused_forward
-from attention.fused_choice import (CORE_SITES, CORES, all_finite, check_core,  # noqa: F401
-                                     finite_reason, static_reason)
+from attention.fused_choice import (CORE_SITES, CORES, backward_reason,  # noqa: F401
+                                     check_core, finite_reason, static_reason)
 from attention.fused_final import verify_grads, verify_output
 from attention.fused_rules import key_visible_of
 from attention.functional import _additive, backward_pass, forward_pass, mask_gradient
@@ -170,11 +170,11 @@ def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
         raise ValueError("d_out must be C-contiguous")
     if saved["core"] == "fused":  # the inputs as given now (a caller may hand them on anew)
         saved["fused"].update(q=inp.q, k=inp.k, v=inp.v)
-        if all_finite(d_out):
+        if backward_reason(saved["fused"]["lse"], d_out) is None:
             grads = fused_backward(saved["fused"], d_out, ctx, workspace)
             return verify_grads(saved["fused"], d_out, grads, ctx)
-        # The unfused core passes non-finite gradients through: its forward again, then its
-        # backward.
+        # The unfused core passes non-finite gradients through, and makes the probabilities
+        # of rows whose log-sum-exp swallowed log l: its forward again, then its backward.
         mask = inp.attn_add if inp.attn_add is None or len(inp.attn_add) > 1 else inp.attn_add[0]
         drop = saved["fused"]["dropout"] or (0.0, None)  # the same keep decisions, materialized
         _, saved = core_forward(inp.q, inp.k, inp.v, ctx, scale=inp.scale, causal=inp.causal,

@@ -29,7 +29,7 @@ from attention.dropout import Dropout, DropoutStep, for_core
 from attention.dropout_hash import keep_mask
 from attention.fused import fused_backward, fused_forward
 from attention.fused_final import OUTPUT_SITE, verify_grads, verify_output
-from attention.fused_choice import all_finite, check_core, finite_reason, static_reason
+from attention.fused_choice import backward_reason, check_core, finite_reason, static_reason
 from attention.passes import (BACKWARD_OUTPUTS, CORE_BACKWARD, CORE_FORWARD, FORWARD_OUTPUT,
                               PARAM_KEYS, Step, Variant, carried, layer, steps)
 from attention.workspace import Workspace
@@ -433,11 +433,13 @@ class _Pass:
                                          sites=(step.site,))))
 
     def fused_core_backward(self, step: Step) -> None:
-        """The fused core's backward after its forward where the gradient is finite; else (as
-        the unfused core passes non-finite gradients through, and where the forward ran the
-        unfused steps) the unfused scores and softmax again, then the unfused backward."""
+        """The fused core's backward after its forward where it can take the gradient
+        (:func:`attention.fused_choice.backward_reason`); else (as the unfused core passes
+        non-finite gradients through and makes every row's probabilities, and where the
+        forward ran the unfused steps) the unfused scores and softmax again, then the unfused
+        backward."""
         d_out, q, k, v, out, lse = (self.env[n] for n in step.ins)
-        if lse is not None and all_finite(d_out):
+        if lse is not None and backward_reason(lse, d_out) is None:
             state = {**self.inp.fused, "q": q, "k": k, "v": v, "out": out, "lse": lse}
             self.env.update(zip(step.out.split(", "),
                                 fused_backward(state, d_out, self._fused_context(), self.ws)))
