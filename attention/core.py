@@ -209,9 +209,11 @@ def _inputs(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
     if causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"causal=True needs seq_q == seq_k (got {q.shape[1]} and {k.shape[1]});"
                          " pass the mask instead")
+    if q.shape[2] < 1:
+        raise ValueError(f"head_dim must be at least 1, got q {q.shape}")
     scale = 1 / math.sqrt(q.shape[2]) if scale is None else float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite number, got {scale}")
+    if not 1e-150 < scale < 1e150:  # its square and inverse square stay finite and nonzero
+        raise ValueError(f"scale must be a number between 1e-150 and 1e150, got {scale}")
     add = _additive(xp, attn_mask, q.shape[0], q.shape[1], k.shape[1])
     if key_visible is not None:
         if not isinstance(key_visible, xp.ndarray):

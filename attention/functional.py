@@ -115,7 +115,10 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
     y : array (batch, seq_q, d_model)
     saved : dict
         What :func:`attention_backward` needs; ``saved["core"]`` is ``"fused"`` or
-        ``"unfused"``, and ``saved["probs"]`` is None after the fused core.
+        ``"unfused"``, and ``saved["probs"]`` is None after the fused core. It holds ``x``,
+        ``key``, ``value``, the parameters, the masks and ``dropout_keep`` by reference, not as
+        copies (NumPy arrays have no version counter to tell): change none of them in place
+        before the backward.
     """
     check_core(core)
     inp = _Inputs.of(params, x, key, value, key_visible, attn_mask, n_heads, causal)
@@ -651,9 +654,13 @@ class _Inputs:
                 raise TypeError(f"x is a {xp.__name__} array; parameter {k} is not")
         w_qkv = params.get("w_qkv")
         if w_qkv is not None and (array_module(w_qkv) is not xp
-                                  or w_qkv.shape != (d_model, 3 * d_model)):
+                                  or w_qkv.shape != (d_model, 3 * d_model)
+                                  or not all(_same_view(w_qkv[:, i * d_model:(i + 1) * d_model],
+                                                        params[w])
+                                             for i, w in enumerate(("wq", "wk", "wv")))):
             raise ValueError(f"params['w_qkv'] must be a {xp.__name__} array of shape "
-                             f"{(d_model, 3 * d_model)}")
+                             f"{(d_model, 3 * d_model)} whose column blocks are wq, wk and wv "
+                             "(the same memory: they are its views)")
         if x.ndim != 3 or x.shape[-1] != d_model:
             raise ValueError(f"x must have shape (batch, seq, {d_model}), got {x.shape}")
         if x.dtype != wq.dtype:
@@ -741,8 +748,24 @@ def _gradient_buffers(given: dict[str, Any], inp: "_Inputs") -> dict[str, Any]:
         elif array_module(g) is not xp or g.shape != par[k].shape or g.dtype != inp.dtype:
             raise ValueError(f"grads_out[{k!r}] must be a {xp.__name__} {inp.dtype} array of "
                              f"shape {par[k].shape}")
+        elif xp is np and not g.flags.writeable:
+            raise ValueError(f"grads_out[{k!r}] is read-only")
         out[k] = g
+    names = list(given)
+    for i, k in enumerate(names):  # each written whole, while the parameters are read
+        g = given[k]
+        clash = [f"params[{p!r}]" for p, w in par.items() if xp.may_share_memory(g, w)] + \
+            [f"grads_out[{o!r}]" for o in names[i + 1:] if xp.may_share_memory(g, given[o])]
+        if clash:
+            raise ValueError(f"grads_out[{k!r}] shares memory with {', '.join(clash)}")
     return out
+
+
+def _same_view(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are the same view of memory: shape, strides and first address."""
+    address = (lambda t: t.__array_interface__["data"][0]) if isinstance(a, np.ndarray) else \
+        (lambda t: t.data.ptr)
+    return a.shape == b.shape and a.strides == b.strides and address(a) == address(b)
 
 
 def _stacked_encoding(xp: Any, parts: list[Any], batch: int, out: Any, ws: Workspace,

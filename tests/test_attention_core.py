@@ -134,6 +134,42 @@ def test_the_gradient_of_a_float_mask_matches_float64(xp, per_head, causal):
     assert np.all(runs[0][..., 2] == 0)
 
 
+def test_aliased_gradient_buffers_and_a_foreign_w_qkv_are_refused():
+    """grads_out arrays that are parameters, or one another, would be overwritten while the
+    backward reads them; a w_qkv that is not the memory of wq, wk and wv would be read where
+    they are meant: each refused, naming what. A read-only buffer too."""
+    layer, x, *_, dy, _, _ = _data(np)
+    params = layer.params
+    _, saved = attention_forward(params, x[:, :5], Context(), n_heads=2)
+    for grads_out, match in (({"wq": params["wq"]}, r"grads_out\['wq'\] shares memory with "
+                                                     r"params\['wq'\]"),
+                             (dict.fromkeys(("wq", "wk"), np.empty_like(params["wq"])),
+                              r"grads_out\['wq'\] shares memory with grads_out\['wk'\]")):
+        with pytest.raises(ValueError, match=match):
+            attention_backward(saved, dy[:, :5], Context(), grads_out=grads_out)
+    frozen = np.empty_like(params["wq"])
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match=r"grads_out\['wq'\] is read-only"):
+        attention_backward(saved, dy[:, :5], Context(), grads_out={"wq": frozen})
+    w_qkv = np.concatenate([params[w] for w in ("wq", "wk", "wv")], axis=1)  # a copy
+    with pytest.raises(ValueError, match="column blocks are wq, wk and wv"):
+        attention_forward({**params, "w_qkv": w_qkv}, x[:, :5], Context(), n_heads=2)
+    views = {**params, "w_qkv": w_qkv, **{w: w_qkv[:, i * 8:(i + 1) * 8]
+                                           for i, w in enumerate(("wq", "wk", "wv"))}}
+    attention_forward(views, x[:, :5], Context(), n_heads=2)  # its views: taken
+
+
+@pytest.mark.parametrize("scale,match", [(1e-300, "scale must be"), (float("nan"), "scale must"),
+                                         (None, "head_dim must be at least 1")])
+def test_the_core_refuses_a_scale_or_head_dim_it_cannot_use(scale, match):
+    from attention.core import core_forward
+
+    d = 0 if scale is None else 4
+    q = np.zeros((2, 3, d), np.float32)
+    with pytest.raises(ValueError, match=match):
+        core_forward(q, q, q, Context(), scale=scale)
+
+
 def test_mask_grad_refuses_what_it_cannot_honour():
     layer, x, *_ = _data(np)
     params = layer.params
