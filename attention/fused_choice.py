@@ -104,4 +104,3 @@ def backward_reason(lse: Any, d_out: Any) -> str | None:
     if worst * unit_roundoff(lse.dtype) > LSE_PRECISION:
         return f"a row log-sum-exp of magnitude {worst:.3g} (its log l is lost in rounding)"
     return None
-

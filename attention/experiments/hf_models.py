@@ -230,4 +230,3 @@ class HFTrainer:
             loss_of(self.model, self.config.model, self.batch(0), 0, self.vocab).backward()
         self.model.zero_grad(set_to_none=True)
         return list(dict.fromkeys(call.site for call in recorder.calls))
-
