@@ -24,6 +24,22 @@ def array(t: torch.Tensor) -> Any:
     return to_array(t.detach(), "attention input")
 
 
+def autocast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """``tensors`` cast to the ``torch.autocast`` dtype of their device where autocast is on and
+    all of them are floating point (as PyTorch's own layers run under it), else as given; a
+    tensor passed twice is cast once, so self-attention's one input stays one tensor."""
+    given = [t for t in tensors if t is not None]
+    device = given[0].device.type
+    if not torch.is_autocast_enabled(device) or not all(t.is_floating_point() for t in given):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    cast: dict[int, torch.Tensor] = {}
+    for t in given:
+        if id(t) not in cast:
+            cast[id(t)] = t.to(dtype)
+    return tuple(None if t is None else cast[id(t)] for t in tensors)
+
+
 def dropout_arrays(drawn: torch.Tensor | None) -> tuple[Any, int | None]:
     """``(dropout_keep, dropout_seed)`` of the operators' dropout argument (as
     :func:`attention.torch_functional._dropout_draw` draws it): a bool mask becomes the array

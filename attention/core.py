@@ -31,7 +31,8 @@ from attention.fused_choice import (CORE_SITES, CORES, backward_reason,  # noqa:
                                      check_core, finite_reason, static_reason)
 from attention.fused_final import verify_grads, verify_output
 from attention.fused_rules import key_visible_of
-from attention.functional import _additive, backward_pass, forward_pass, mask_gradient
+from attention.functional import (_additive, backward_pass, check_mask_grad, forward_pass,
+                                  mask_gradient)
 from attention.passes import CORE_BACKWARD, CORE_FORWARD, Variant
 from attention.workspace import Workspace, counts_reads
 
@@ -112,11 +113,7 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
     inp = _inputs(q, k, v, scale, causal, attn_mask, key_visible)
     shape = (q.shape[0], q.shape[1], k.shape[1])
     if mask_grad:
-        if attn_mask is None or attn_mask.dtype == bool:
-            raise ValueError("mask_grad=True needs a float attn_mask")
-        if core == "fused":
-            raise ValueError("the fused attention core keeps no L x L array, so it cannot return"
-                             " the gradient of attn_mask; use core='auto' or 'unfused'")
+        check_mask_grad(attn_mask, core)
         core = "unfused"
     if core != "unfused":
         why_not = fused_unsupported(inp, ctx, dropout_keep, forced=core == "fused")

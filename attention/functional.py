@@ -122,11 +122,10 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
     """
     check_core(core)
     inp = _Inputs.of(params, x, key, value, key_visible, attn_mask, n_heads, causal)
-    if mask_grad and (attn_mask is None or attn_mask.dtype == bool):
-        raise ValueError("mask_grad=True needs a float attn_mask")
-    why_not = "core='unfused'" if core == "unfused" else \
-        "mask_grad=True (the fused core keeps no L x L array)" if mask_grad else static_reason(
-            inp.xp, inp.dtype, inp.attn_add, ctx, dropout_keep, core == "fused", need_weights)
+    if mask_grad:
+        check_mask_grad(attn_mask, core)
+    why_not = "core='unfused'" if core == "unfused" or mask_grad else static_reason(
+        inp.xp, inp.dtype, inp.attn_add, ctx, dropout_keep, core == "fused", need_weights)
     if why_not is None and causal and inp.key.shape[1] != x.shape[1]:
         why_not = "causal=True with seq_q != seq_k (the fused core's causal mask is square)"
     if core == "fused" and why_not is not None:
@@ -713,6 +712,17 @@ def _additive(xp: Any, mask: Any | None, rows: int, seq_q: int, seq_k: int) -> A
         raise TypeError(f"attn_mask must be boolean (True = not allowed) or float, got "
                         f"{mask.dtype}")
     return xp.ascontiguousarray(add.reshape((-1, seq_q, seq_k)))
+
+
+def check_mask_grad(attn_mask: Any | None, core: str) -> None:
+    """Raise ``ValueError`` where ``mask_grad=True`` cannot be honoured: it needs a float
+    ``attn_mask``, and the unfused core (whose checked ``dS`` is the mask's gradient)."""
+    if attn_mask is None or attn_mask.dtype == bool:
+        raise ValueError("mask_grad=True needs a float attn_mask")
+    if core == "fused":
+        raise ValueError("the fused attention core does not apply here: mask_grad=True (it keeps "
+                         "no L x L array, so it cannot return the gradient of attn_mask; use "
+                         "core='auto' or 'unfused')")
 
 
 def mask_gradient(inp: Any, d_scores: Any, shape: tuple[int, ...]) -> Any:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from attention import _torch_core_op, _torch_op
-from attention._torch_arrays import eager
+from attention._torch_arrays import autocast, eager
 from attention._torch_state import Protection
 from attention.fused_choice import check_core
 
@@ -77,8 +77,8 @@ def multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         The attention product between the projections (:func:`attention.attention_forward`'s
         ``core``): ``"auto"`` runs the fused core (:mod:`attention.fused`) where it applies
         (CPU, any float dtype, 16-bit ones without dropout, ``need_weights=False``, no mask
-        that wants its gradient, no fault hook, every call checked), else the unfused sites; the others force one. ``protection.last_core`` names
-        the one that ran.
+        that wants its gradient, no fault hook, every call checked), else the unfused sites;
+        the others force one. ``protection.last_core`` names the one that ran.
 
     Returns
     -------
@@ -90,15 +90,8 @@ def multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     if not 0 <= dropout_p <= 1:
         raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p}")
     self_attention = query is key and key is value
-    device = query.device.type
-    if torch.is_autocast_enabled(device) and query.is_floating_point():  # as torch's runs
-        dtype = torch.get_autocast_dtype(device)
-        query, key, value = (t.to(dtype) for t in (query, key, value))
-        if self_attention:
-            key = value = query
-        in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias = (
-            None if t is None else t.to(dtype)
-            for t in (in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias))
+    query, key, value, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias = autocast(
+        query, key, value, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias)
     keep = _dropout_draw((query.shape[0] * num_heads, query.shape[1], key.shape[1]), query,
                          float(dropout_p), need_weights, core)
     y, weights, _ = _torch_op.mha_forward(
@@ -163,11 +156,7 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     out : tensor (..., L, D)
     weights : tensor (..., L, S) or None
     """
-    device = query.device.type
-    if torch.is_autocast_enabled(device) and all(t.is_floating_point()
-                                                 for t in (query, key, value)):
-        dtype = torch.get_autocast_dtype(device)
-        query, key, value = (t.to(dtype) for t in (query, key, value))
+    query, key, value = autocast(query, key, value)
     lead, (seq_q, d), seq_k = query.shape[:-2], query.shape[-2:], key.shape[-2]
     if key.shape[:-2] != lead or value.shape != key.shape or key.shape[-1] != d:
         raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value "

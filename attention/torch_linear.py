@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from attention._torch_arrays import autocast
 from attention._torch_linear_op import apply_linear
 from attention._torch_state import LinearProtection, ProtectionAttribute
 
@@ -99,11 +100,7 @@ class ProtectedLinearCore:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"the protected linear layer takes a torch.Tensor, got "
                             f"{type(x).__name__}")
-        device = x.device.type
-        if torch.is_autocast_enabled(device) and x.is_floating_point():  # as nn.Linear runs
-            dtype = torch.get_autocast_dtype(device)
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
+        x, weight, bias = autocast(x, weight, bias)  # as nn.Linear runs under torch.autocast
         n_in, n_out = weight.shape if weight_in_out else weight.shape[::-1]
         _check_operands(x, weight, bias, n_in, n_out)
         y = apply_linear(self.protection.id, x.reshape(-1, n_in).contiguous(), weight, bias,
