@@ -24,10 +24,15 @@ boundary one order overflows where another does not, so two computations may dis
 fault. The model admits exactly the outcomes rounding can produce; the recomputation supplies the
 replacement values, since it is the same GEMM that plain math runs.
 
-Elements whose own inputs (row of ``a``, column of ``b``, bias) hold INF/NaN are passed through as
-plain math gives them (``input-nonfinite``); allowed non-finite elements with finite inputs are a
-genuine overflow (``overflow``), passed through untouched; any other element is a fault: recomputed
-in correct mode (and judged again), reported in detect mode.
+Elements whose own inputs (row of ``a``, column of ``b``, bias) hold INF/NaN are judged by the
+terms of their sum that no summation makes finite: an INF or NaN factor times a nonzero one, and a
+non-finite bias (a term with a zero factor is left out, since a BLAS may skip it). A NaN term, or
+``+INF`` and ``-INF`` terms both, allow NaN alone; ``+INF`` terms only, ``+INF`` or NaN; ``-INF``
+terms only, ``-INF`` or NaN; no such term, any value. What they allow is passed through as plain
+math gives it (``input-nonfinite``): a fault that makes such an element finite, or flips its
+infinity's sign, is not. Allowed non-finite elements with finite inputs are a genuine overflow
+(``overflow``), passed through untouched; any other element is a fault: recomputed in correct mode
+(and judged again), reported in detect mode.
 
 Float64 data can overflow float64 in the model itself (products of 1e154-sized operands): every
 row of ``a`` and column of ``b`` is scaled by a power of two (exact) that keeps the products finite,
@@ -98,12 +103,13 @@ class _Model:
     negative: np.ndarray       # (r, c) P-_ij
     shift: np.ndarray          # (r, c) int: element (i, j) is judged in units of 2**shift
     inputs_finite: np.ndarray  # (r, c) bool: row i of a, column j of b and bias_j are finite
+    forced: np.ndarray         # (r, c) int: _ANY, _PLUS, _MINUS or _NAN (module docstring)
     k: int
     dtype: np.dtype
 
     def allows(self, delivered: np.ndarray) -> np.ndarray:
-        """(r, c) bool: ``delivered`` (float64) is an outcome rounding allows (or its inputs are
-        not finite, so anything plain math gives is right)."""
+        """(r, c) bool: ``delivered`` (float64) is an outcome rounding allows, or, where the
+        inputs are not finite, one that their non-finite terms allow (module docstring)."""
         out_limit, acc_limit = (np.ldexp(limit, -self.shift)
                                 for limit in overflow_limits(self.dtype))
         growth = 1 + growth_margin(self.k, self.dtype)
@@ -116,7 +122,9 @@ class _Model:
         plus = (d == np.inf) & (up | (self.exact + tol >= out_limit))
         minus = (d == -np.inf) & (down | (self.exact - tol <= -out_limit))
         nan = np.isnan(d) & up & down
-        return finite | plus | minus | nan | ~self.inputs_finite
+        nonfinite = np.isnan(d) | (self.forced == _ANY) | ((self.forced == _PLUS) & (d == np.inf)) \
+            | ((self.forced == _MINUS) & (d == -np.inf))
+        return np.where(self.inputs_finite, finite | plus | minus | nan, nonfinite)
 
     def tolerance(self) -> np.ndarray:
         """(r, c) how far a finite element may sit from the model (scaled units)."""
@@ -139,6 +147,7 @@ def _model(one: Operands, rows: np.ndarray, cols: np.ndarray) -> _Model:
         to_host(one.bias[xp.asarray(cols)]).astype(np.float64)
     a_finite, b_finite = np.isfinite(a), np.isfinite(b)
     inputs_finite = a_finite.all(1)[:, None] & (b_finite.all(0) & np.isfinite(bias))[None, :]
+    forced = _forced(a, b, bias) if not inputs_finite.all() else np.zeros(inputs_finite.shape, int)
     a, b, bias = np.where(a_finite, a, 0), np.where(b_finite, b, 0), np.nan_to_num(bias)
     shift_a = _shift(np.abs(a).max(1, initial=0))
     shift_b = _shift(np.maximum(np.abs(b).max(0, initial=0), np.abs(bias)))
@@ -151,8 +160,32 @@ def _model(one: Operands, rows: np.ndarray, cols: np.ndarray) -> _Model:
         positive = a_pos @ b_pos + a_neg @ b_neg + np.maximum(bias, 0)
         negative = a_pos @ b_neg + a_neg @ b_pos + np.maximum(-bias, 0)
         exact = a @ b + bias
-    return _Model(exact, positive, negative, shift, inputs_finite, one.k,
+    return _Model(exact, positive, negative, shift, inputs_finite, forced, one.k,
                   np.dtype(one.dtype))
+
+
+#: What an element's non-finite terms allow (:func:`_forced`): any value, ``+INF`` or NaN,
+#: ``-INF`` or NaN, NaN.
+_ANY, _PLUS, _MINUS, _NAN = range(4)
+
+
+def _forced(a: np.ndarray, b: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """(r, c) the outcomes the terms of ``a @ b + bias`` (float64, with their INF and NaN) that
+    no summation makes finite allow: counts of ``+INF``, ``-INF`` and NaN terms, each a product
+    of indicator matrices (exact in float64)."""
+    fin_a, fin_b = np.isfinite(a), np.isfinite(b)
+    pos_a, neg_a, pos_b, neg_b = a > 0, a < 0, b > 0, b < 0
+    inf_a, minf_a, inf_b, minf_b = a == np.inf, a == -np.inf, b == np.inf, b == -np.inf
+    f = np.float64
+    with blas_scope():
+        plus = inf_a.astype(f) @ pos_b + minf_a.astype(f) @ neg_b \
+            + (fin_a & pos_a).astype(f) @ inf_b + (fin_a & neg_a).astype(f) @ minf_b
+        minus = inf_a.astype(f) @ neg_b + minf_a.astype(f) @ pos_b \
+            + (fin_a & pos_a).astype(f) @ minf_b + (fin_a & neg_a).astype(f) @ inf_b
+        nan = np.isnan(a).astype(f) @ (b != 0) + ((a != 0) & ~np.isnan(a)).astype(f) @ np.isnan(b)
+    plus, minus = plus + (bias == np.inf), minus + (bias == -np.inf)
+    nan = nan + np.isnan(bias) + ((plus > 0) & (minus > 0))
+    return np.select([nan > 0, plus > 0, minus > 0], [_NAN, _PLUS, _MINUS], _ANY)
 
 
 def _shift(magnitude: np.ndarray) -> np.ndarray:

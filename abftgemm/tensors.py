@@ -71,9 +71,9 @@ _NO_SCOPE = contextlib.nullcontext()
 
 def device_scope(t: Any) -> ContextManager[None]:
     """For a CUDA tensor ``t``: a context in which ``t``'s device is current (for PyTorch and
-    CuPy) and CuPy launches on PyTorch's current stream of that device. Nothing for CPU tensors.
-    """
-    return _NO_SCOPE if t.is_cpu else _cuda_scope(t.device)
+    CuPy) and CuPy launches on PyTorch's current stream of that device. Nothing for other
+    tensors (CPU; :func:`to_array` refuses the rest)."""
+    return _cuda_scope(t.device) if t.is_cuda else _NO_SCOPE
 
 
 class _StreamHandle:

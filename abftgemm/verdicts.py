@@ -40,6 +40,12 @@ class Slot:
             self.device.data.memset_async(0, self.device.nbytes)
         self.ledger.stale = True
 
+    def write(self, counts: Any) -> None:
+        """Set the counts from an array of the ledger's module (a copy on the device, no read)
+        and mark the ledger's host copy stale."""
+        self.device[...] = counts
+        self.ledger.stale = True
+
     def read(self) -> np.ndarray:
         """The counts on the host: fetched first (with a synchronization) when a launch may have
         changed them since the ledger's last fetch."""

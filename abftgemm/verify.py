@@ -53,8 +53,9 @@ class Verification:
     def worst_ratio(self) -> float:
         """Largest ``diff / threshold`` over the finite differences of both directions (how
         close the data comes to being flagged; clean data stays below 1)."""
-        ratios = [d / t for d, t in ((self.col_diff, self.col_threshold),
-                                     (self.row_diff, self.row_threshold))]
+        with np.errstate(invalid="ignore", divide="ignore"):  # INF / INF: not finite, left out
+            ratios = [d / t for d, t in ((self.col_diff, self.col_threshold),
+                                         (self.row_diff, self.row_threshold))]
         finite = np.concatenate([r[np.isfinite(r)] for r in ratios])
         return float(finite.max()) if finite.size else 0.0
 

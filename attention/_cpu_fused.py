@@ -42,14 +42,15 @@ DROP_ = len(SITES)
 FLAGS, FAILED, RATIO, MAG, TAU, ROW, COL, AFTER = range(8)
 FIELDS = 8
 
-#: The kernels' arguments, grouped (numba takes named tuples of arrays and scalars).
-#: ``kt``: :func:`transpose_blocks` of ``k``; ``ve``: the row encodings ``(n, 3, L)`` of ``v``
-#: (:func:`encode_rows`; an empty ``(n, 3, 0)`` unchecked); ``o`` and ``lse``: the forward's
-#: output and log-sum-exp. The backward makes what it needs of each head itself, where the head
-#: reads it anyway: the key blocks' transposes (:func:`_key_block`), ``rowsum(dO * O)`` and the
-#: row encodings of ``q``, ``k`` and ``dO`` (:func:`_head_rows`).
+#: The kernels' arguments, grouped (numba takes named tuples of arrays and scalars). ``kt``:
+#: :func:`transpose_blocks` of ``k``; ``ve``: the row encodings ``(n, 3, L)`` of ``v``
+#: (:func:`encode_rows`; an empty ``(n, 3, 0)`` unchecked); ``o``, ``lse`` and ``lse_lo``: the
+#: forward's output and log-sum-exp as two numbers (:func:`_finish`). The backward makes what it
+#: needs of each head itself, where the head reads it anyway: the key blocks' transposes
+#: (:func:`_key_block`), ``rowsum(dO * O)`` and the row encodings of ``q``, ``k`` and ``dO``
+#: (:func:`_head_rows`).
 ForwardOperands = namedtuple("ForwardOperands", "q k kt v ve")
-BackwardOperands = namedtuple("BackwardOperands", "q k v do o lse")
+BackwardOperands = namedtuple("BackwardOperands", "q k v do o lse lse_lo")
 #: ``visible`` ``(n, Lk)`` bool or an empty ``(1, 0)``; ``add`` ``(n or 1, Lq, Lk)`` float64 or an
 #: empty ``(1, 0, 0)``; ``scale`` in the data's dtype.
 Mask = namedtuple("Mask", "visible add scale causal")
@@ -59,7 +60,7 @@ ForwardRules = namedtuple("ForwardRules", "check correct c_s c_o c_l tol_p")
 BackwardRules = namedtuple("BackwardRules", "check correct c_s c_kv c_q tol_p tol_ds")
 #: :func:`_keep_tile`'s ``seed`` and ``thr`` (0: no dropout), ``ks = 1 / (1 - p)``.
 Dropout = namedtuple("Dropout", "seed thr ks")
-ForwardOutputs = namedtuple("ForwardOutputs", "out lse sums")
+ForwardOutputs = namedtuple("ForwardOutputs", "out lse lse_lo sums")
 Gradients = namedtuple("Gradients", "dq dk dv dqc")
 
 #: The softmax invariant (:func:`_probs_ratio`) multiplies a row's mantissas, each taken in
@@ -592,9 +593,12 @@ def _sum_rows(p: Any, alpha: Any, l: Any) -> None:
 
 
 @numba.njit(cache=True, fastmath=_FAST)
-def _finish(acc: Any, oc: Any, m: Any, l: Any, out: Any, lse: Any) -> None:
-    """``out = acc / l``, the carried checksums likewise, ``lse = m + log l`` (0 and ``-inf`` for
-    rows without a visible key)."""
+def _finish(acc: Any, oc: Any, m: Any, l: Any, out: Any, lse: Any, lse_lo: Any) -> None:
+    """``out = acc / l``, the carried checksums likewise, and the log-sum-exp ``m + log l`` as
+    two numbers of the data's dtype: ``lse``, it rounded, and ``lse_lo``, the rest (an exact
+    two-sum in float64). Where ``m`` dwarfs ``log l`` (a row that an additive mask lowers at
+    every key) ``lse`` alone loses ``log l``; the backward's ``P = exp((z - lse) - lse_lo)``
+    keeps it. 0 and ``-inf`` (both) for rows without a visible key."""
     for r in range(acc.shape[0]):
         if l[r] > 0:
             inv = l[r]
@@ -602,11 +606,27 @@ def _finish(acc: Any, oc: Any, m: Any, l: Any, out: Any, lse: Any) -> None:
                 out[r, c] = acc[r, c] / inv
             for f in range(3):
                 oc[r, f] /= np.float64(inv)
-            lse[r] = m[r] + math.log(l[r])
+            mr, ll = np.float64(m[r]), math.log(l[r])
+            lse[r] = mr + ll
+            hi = np.float64(lse[r])
+            lse_lo[r] = (mr - hi) + ll if abs(mr) >= abs(ll) else (ll - hi) + mr
         else:
             out[r, :] = 0
             oc[r, :3] = 0.0
             lse[r] = -np.inf
+            lse_lo[r] = -np.inf
+
+
+@numba.njit(cache=True, fastmath=_FAST)
+def _shift_rows(z: Any, lse: Any) -> None:
+    """``z -= lse[:, None]`` in the rows that see a key (``lse`` finite): the backward's
+    ``z - lse``, exact where it matters (``z`` near ``lse``), before ``exp(. - lse_lo)``."""
+    for r in range(z.shape[0]):
+        hr = lse[r]
+        if hr > -np.inf:
+            row = z[r]
+            for j in range(z.shape[1]):
+                row[j] -= hr
 
 
 @numba.njit(cache=True, fastmath=_FAST)
@@ -710,7 +730,7 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
     visible, add, scale, causal = mask
     check, correct, c_s, c_o, c_l, tol_p = rules
     seed, thr, ks = drop
-    out, lse, sums = outs
+    out, lse, lse_lo, sums = outs
     lq, d = q.shape[1], q.shape[2]
     lk = k.shape[1]
     i1 = min(i0 + BR, lq)
@@ -799,7 +819,7 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
             return -1
         if st == 1:
             continue
-        _finish(acc, oc, m, l, ob, lse[b, i0:i1])
+        _finish(acc, oc, m, l, ob, lse[b, i0:i1], lse_lo[b, i0:i1])
         ratio = 0.0
         if check:
             _observe_rows(ob, obs)
@@ -829,7 +849,7 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
     buffers ``(bufs, kbuf, pred, obs, info)``; ``blocks``: the key block's accumulators ``(dkb,
     dvb, dkc, dvc)``; ``dq_acc``: ``(dq, dqc)``. Returns 0, or -1 when a recomputation did not
     verify."""
-    q, k, v, do, _, lse = ops
+    q, k, v, do, _, lse, lse_lo = ops
     dd, qe, ke, doe = head
     vis, addh, scale, causal = mask
     check, correct, c_s, _, _, tol_p, tol_ds = rules
@@ -840,7 +860,8 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
     dq, dqc = dq_acc
     i1 = min(i0 + BR, q.shape[1])
     rows, cols = i1 - i0, j1 - j0
-    qi, doi, lse_i, dd_i = q[b, i0:i1], do[b, i0:i1], lse[b, i0:i1], dd[i0:i1]
+    qi, doi, dd_i = q[b, i0:i1], do[b, i0:i1], dd[i0:i1]
+    lse_i, lo_i = lse[b, i0:i1], lse_lo[b, i0:i1]
     s = bufs[0, :rows * cols].reshape(rows, cols)
     p = bufs[1, :rows * cols].reshape(rows, cols)
     dp = bufs[2, :rows * cols].reshape(rows, cols)
@@ -860,10 +881,11 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
     if st < 0:
         return -1
     _mask(s, scale, i0, j0, causal, vis, addh)
+    _shift_rows(s, lse_i)  # z - lse; P = exp((z - lse) - lse_lo), checked against it
     for a in range(2):
-        _exp_rows(s, lse_i, p)
+        _exp_rows(s, lo_i, p)
         _HOOK(P_, p)
-        ratio = _probs_ratio(s, p, lse_i, tol_p, info) if check else 0.0
+        ratio = _probs_ratio(s, p, lo_i, tol_p, info) if check else 0.0
         st = _settle(rec, P_, a, ratio, correct, info, i0, j0, True)
         if st != 1:
             break

@@ -40,8 +40,10 @@ from abftgemm.faults import Fault, near_inf_value
 from attention import _cpu_fused as K
 from attention import kernels
 from attention.context import Context
-from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, additive_of, book,
-                                   check_gradient, check_inputs, coefficients, dropout_of,
+from attention.fused_deferred import Deferred
+from attention.fused_rules import (BACKWARD_SITES, BAD_ADDITIVE, FORWARD_SITES, additive_bad,
+                                   additive_of, book, book_findings, check_gradient,
+                                   check_inputs, coefficients, count_checked, dropout_of,
                                    dscores_tolerance, kernel_dropout, key_visible_of,
                                    probs_tolerance)
 
@@ -121,6 +123,10 @@ class DeviceFault:
             raise ValueError("row, col, head and step must be >= 0")
         if (self.bit is None) == (self.kind == "bitflip"):
             raise ValueError("'bit' is required for kind 'bitflip' and applies to it alone")
+
+    def __call__(self, site: str, c: Any) -> None:
+        """As a layer's fault hook, at the sites outside the kernels (the projections'): nothing;
+        the kernels inject this fault themselves."""
 
     def descriptor(self, sites: tuple[str, ...], arith: numpy.dtype) -> cupy.ndarray | None:
         """The kernel's descriptor (``F_*`` of fused.cu) when this call should inject, else None."""
@@ -251,17 +257,22 @@ def _sweep(site: str, row: int, lq: int, lk: int, causal: bool) -> int:
 def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = None,
                   causal: bool = False, key_visible: Any | None = None,
                   attn_mask: Any | None = None, dropout: float = 0.0,
-                  dropout_seed: int | None = None) -> tuple[cupy.ndarray, dict[str, Any]]:
+                  dropout_seed: int | None = None, defer: Deferred | None = None
+                  ) -> tuple[cupy.ndarray, dict[str, Any]]:
     """:func:`attention.fused.fused_forward` for CuPy arrays (float16, bfloat16, float32 or
-    float64, head dim at most :data:`MAX_HEAD_DIM`); ``saved["lse"]`` is float32 below float64,
-    ``saved["sums"]`` the output rows' carried checksums ``(n, seq_q, 3)`` (float64, as the CPU
+    float64, head dim at most :data:`MAX_HEAD_DIM`); ``saved["lse"]`` and ``saved["lse_lo"]``
+    are float32 below float64, ``saved["sums"]`` the output rows' carried checksums ``(n, seq_q, 3)`` (float64, as the CPU
     kernel's; None with ``check="off"``) for :func:`attention.fused_final.verify_output`.
     Dropout's keep decisions are the CPU core's for the same seed; ``ks = 1 / (1 - p)`` is
-    rounded to the tile arithmetic's dtype."""
+    rounded to the tile arithmetic's dtype. With ``defer`` (an attention pass's), the
+    finiteness of the inputs and the kernel's records are judged at the pass's settle
+    (:mod:`attention.fused_deferred`), not read here."""
     fault = _fault(ctx)
-    scale, visible = _validate(q, k, v, scale, causal, key_visible)
+    scale, visible = _validate(q, k, v, scale, causal, key_visible, defer is None)
     drop = dropout_of(dropout, dropout_seed)
-    add = None if attn_mask is None else additive_of(cupy, attn_mask, q, k)
+    add = None if attn_mask is None else additive_of(cupy, attn_mask, q, k, defer is None)
+    if defer is not None and add is not None:
+        defer.add(additive_bad(cupy, add, q.dtype), _refuse_mask)
     n, lq, d = q.shape
     lk = k.shape[1]
     arith = _arith(q.dtype)
@@ -275,7 +286,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         coefficients(lk, 1, arith, 2 * tiles), probs_tolerance(arith)]))
     ve = _row_encodings(v) if check else None
     out = cupy.empty(q.shape, q.dtype)
-    lse = cupy.empty((n, lq), arith)
+    lse, lse_lo = cupy.empty((n, lq), arith), cupy.empty((n, lq), arith)
     sums = cupy.empty((n, lq, 3)) if check else None
     rec = cupy.zeros((n * nqb, len(K.SITES), K.FIELDS))
     status = cupy.zeros(n * nqb, numpy.int32)
@@ -285,23 +296,27 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
             (n * nqb,), (_THREADS,),
             (q, k, v, ve, visible, add, _stride(add), numpy.int32(lq), numpy.int32(lk),
              numpy.int32(d), numpy.float64(scale), numpy.int32(causal), numpy.int32(check),
-             numpy.int32(correct), *_dropout_args(drop, arith), params, desc, out, lse, sums,
-             rec, status))
+             numpy.int32(correct), *_dropout_args(drop, arith), params, desc, out, lse, lse_lo,
+             sums, rec, status))
     if fault is not None:
         fault.record(desc)
-    book(ctx, to_host(rec), to_host(status), lambda t: t // nqb, FORWARD_SITES, check)
-    return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "scale": scale,
-                 "causal": causal, "visible": visible, "add": add, "dropout": drop,
-                 "sums": sums}
+    if defer is not None:  # non-finite inputs: the replay raises, or takes them repaired
+        defer.add(_nonfinite(q) | _nonfinite(k) | _nonfinite(v), lambda c: True)
+    _book(ctx, rec, status, lambda t: t // nqb, FORWARD_SITES, check, defer)
+    return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "lse_lo": lse_lo,
+                 "scale": scale, "causal": causal, "visible": visible, "add": add,
+                 "dropout": drop, "sums": sums}
 
 
-def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
+def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
+                   defer: Deferred | None = None
                    ) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
     """:func:`attention.fused.fused_backward` for CuPy arrays: ``(dq, dk, dv)`` from the
-    gradient ``d_out`` of :func:`fused_forward`'s output (C-contiguous, its dtype, finite)."""
+    gradient ``d_out`` of :func:`fused_forward`'s output (C-contiguous, its dtype, finite).
+    ``defer`` as :func:`fused_forward`'s (a non-finite ``d_out`` replays the pass)."""
     fault = _fault(ctx)
-    q, k, v, out, lse = (saved[key] for key in ("q", "k", "v", "out", "lse"))
-    check_gradient(cupy, d_out, q, finite)
+    q, k, v, out, lse, lse_lo = (saved[key] for key in ("q", "k", "v", "out", "lse", "lse_lo"))
+    check_gradient(cupy, d_out, q, finite if defer is None else _unread)
     n, lq, d = q.shape
     lk = k.shape[1]
     arith = _arith(q.dtype)
@@ -337,18 +352,35 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context
     with q.device:
         _kernel(q.device.id, kernels.FUSED_BACKWARD_KV, q.dtype.name)(
             (split,), (_THREADS,),
-            (q, k, v, d_out, lse, dd, qe, doe, saved["visible"], *mask, *common, desc_kv, ws_k,
-             ws_v, dk, dv, rec[:split], status[:split]))
+            (q, k, v, d_out, lse, lse_lo, dd, qe, doe, saved["visible"], *mask, *common,
+             desc_kv, ws_k, ws_v, dk, dv, rec[:split], status[:split]))
         _kernel(q.device.id, kernels.FUSED_BACKWARD_Q, q.dtype.name)(
             (n * nqb,), (_THREADS,),
-            (q, k, v, d_out, lse, dd, ke, saved["visible"], *mask, *common, desc_q, ws_q, dq,
-             rec[split:], status[split:]))
+            (q, k, v, d_out, lse, lse_lo, dd, ke, saved["visible"], *mask, *common, desc_q,
+             ws_q, dq, rec[split:], status[split:]))
     if fault is not None:
         fault.record(desc_kv)
         fault.record(desc_q)
-    book(ctx, to_host(rec), to_host(status),
-         lambda t: t // nkb if t < split else (t - split) // nqb, BACKWARD_SITES, check)
+    if defer is not None:
+        defer.add(_nonfinite(d_out), lambda c: True)
+    _book(ctx, rec, status, lambda t: t // nkb if t < split else (t - split) // nqb,
+          BACKWARD_SITES, check, defer)
     return dq, dk, dv
+
+
+def _book(ctx: Context, rec: cupy.ndarray, status: cupy.ndarray, batch_of: Any,
+          sites: tuple[str, ...], check: bool, defer: Deferred | None) -> None:
+    """The kernels' records into ``ctx.report`` (:func:`attention.fused_rules.book`): read now,
+    or at the pass's settle (``defer``) when a task flagged or failed."""
+    if not check:
+        return
+    if defer is None:
+        book(ctx, to_host(rec), to_host(status), batch_of, sites, check)
+        return
+    count_checked(ctx, sites)
+    flagged = (rec[:, :, K.FLAGS] != 0).any() | (status != 0).any()
+    defer.add(flagged, lambda c: book_findings(c, to_host(rec), to_host(status), batch_of)
+              or False)
 
 
 def _fault(ctx: Context) -> DeviceFault | None:
@@ -386,16 +418,18 @@ def _arith(dtype: numpy.dtype) -> numpy.dtype:
 
 
 def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
-              key_visible: Any | None) -> tuple[float, cupy.ndarray | None]:
-    """Check the inputs (as :func:`attention.fused._validate` does for NumPy); ``(scale,
-    key_visible as a C-contiguous (n, seq_k) bool device array or None)``."""
+              key_visible: Any | None, read_finite: bool = True
+              ) -> tuple[float, cupy.ndarray | None]:
+    """Check the inputs (as :func:`attention.fused._validate` does for NumPy; their finiteness
+    only with ``read_finite``); ``(scale, key_visible as a C-contiguous (n, seq_k) bool device
+    array or None)``."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, cupy.ndarray):
             raise TypeError(f"{name} must be a CuPy array, got {type(t).__name__}")
         if t.dtype.name not in kernels.CUDA_TYPES or t.dtype != q.dtype:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, of q's dtype "
                             f"{q.dtype}; got {t.dtype}")
-    scale = check_inputs(q, k, v, scale, causal, finite)
+    scale = check_inputs(q, k, v, scale, causal, finite if read_finite else _unread)
     if q.shape[2] > MAX_HEAD_DIM:
         raise ValueError(f"the fused CUDA core takes head dims up to {MAX_HEAD_DIM}, got "
                          f"{q.shape[2]}")
@@ -413,8 +447,23 @@ def _stride(add: cupy.ndarray | None) -> numpy.int64:
 
 def finite(x: cupy.ndarray) -> bool:
     """No INF or NaN in ``x``, from the exponent bits (bfloat16 has no CuPy arithmetic)."""
+    return not bool(to_host(_nonfinite(x)))
+
+
+def _nonfinite(x: cupy.ndarray) -> cupy.ndarray:
+    """A 0-d bool device array: ``x`` holds INF or NaN (its exponent bits all set)."""
     bits = _EXPONENT[x.dtype.name]
-    return not bool(to_host(((x.view(_UINT[x.dtype.itemsize]) & bits) == bits).any()))
+    return ((x.view(_UINT[x.dtype.itemsize]) & bits) == bits).any()
+
+
+def _refuse_mask(ctx: Context) -> bool:
+    """A deferred call's mask failed :func:`attention.fused_rules.additive_ok`."""
+    raise ValueError(BAD_ADDITIVE)
+
+
+def _unread(x: cupy.ndarray) -> bool:
+    """The finiteness of a deferred call's input: judged on the device at the settle."""
+    return True
 
 
 def _row_encodings(x: cupy.ndarray) -> cupy.ndarray:

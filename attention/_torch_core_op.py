@@ -5,8 +5,9 @@ with ``register_fake`` and ``register_autograd``), so ``torch.compile`` keeps th
 opaque node. As for ``abftgemm::mha_forward`` (:mod:`attention._torch_op`), every argument is
 explicit: the :class:`attention._torch_state.Protection` a call runs under is named by its ``id``,
 and the backward's state travels in a token tensor (:func:`attention._torch_state.token_of`). The
-backward reads ``query``, ``key`` and ``value`` from autograd's saved tensors, never from the
-forward's views of them (a compiler may reuse their memory). The operators' bodies
+backward reads ``query``, ``key``, ``value`` and the output (the fused core's backward reads it)
+from autograd's saved tensors, never from the forward's views of them (a compiler may reuse their
+memory, and autograd refuses a backward after an in-place change of them). The operators' bodies
 (:func:`run_core_forward`, :func:`run_core_backward`) run the core on the tensors' memory.
 
 :func:`apply_core` is what :func:`attention.torch_functional.attention_core` calls: outside
@@ -62,19 +63,19 @@ def _(protection, query, key, value, attn_mask, scale, is_causal, need_weights, 
 
 @torch.library.custom_op("abftgemm::attention_core_backward", mutates_args=())
 def attention_core_backward(token: torch.Tensor, d_out: torch.Tensor, query: torch.Tensor,
-                            key: torch.Tensor, value: torch.Tensor,
+                            key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
                             attn_mask: Optional[torch.Tensor], mask_grad: bool,
                             d_weights: Optional[torch.Tensor]
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(d_query, d_key, d_value, d_attn_mask)`` of one :func:`attention_core` call;
-    ``d_attn_mask`` is empty unless ``mask_grad``. A non-zero ``d_weights`` (a loss on the
-    returned weights) raises ``NotImplementedError``."""
+    """``(d_query, d_key, d_value, d_attn_mask)`` of one :func:`attention_core` call whose
+    output was ``out``; ``d_attn_mask`` is empty unless ``mask_grad``. A non-zero ``d_weights``
+    (a loss on the returned weights) raises ``NotImplementedError``."""
     refuse_weights_gradient(d_weights)
-    return run_core_backward(saved_state(token), d_out, query, key, value, attn_mask)
+    return run_core_backward(saved_state(token), d_out, query, key, value, out, attn_mask)
 
 
 @attention_core_backward.register_fake
-def _(token, d_out, query, key, value, attn_mask, mask_grad, d_weights):
+def _(token, d_out, query, key, value, out, attn_mask, mask_grad, d_weights):
     d_mask = attn_mask.new_empty(attn_mask.shape) if mask_grad else query.new_empty(0)
     return (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
             d_mask)
@@ -82,16 +83,16 @@ def _(token, d_out, query, key, value, attn_mask, mask_grad, d_weights):
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     _, query, key, value, attn_mask = inputs[:5]
-    token = output[2]
+    out, _, token = output
     ctx.mark_non_differentiable(token)
     ctx.mask_grad = inputs[-1]
-    ctx.save_for_backward(token, query, key, value, attn_mask if ctx.mask_grad else None)
+    ctx.save_for_backward(token, query, key, value, out, attn_mask if ctx.mask_grad else None)
 
 
 def _backward(ctx: Any, d_out: torch.Tensor, d_weights: Any, d_token: Any) -> tuple:
-    token, query, key, value, attn_mask = ctx.saved_tensors
+    token, query, key, value, out, attn_mask = ctx.saved_tensors
     dq, dk, dv, d_mask = attention_core_backward(token, d_out.contiguous(), query, key, value,
-                                                 attn_mask, ctx.mask_grad, d_weights)
+                                                 out, attn_mask, ctx.mask_grad, d_weights)
     return (None, dq, dk, dv, d_mask if ctx.mask_grad else None, None, None, None, None, None,
             None, None)
 
@@ -128,7 +129,7 @@ class _EagerCore(torch.autograd.Function):
         out, weights, state = run_core_forward(protection, query, key, value, attn_mask, scale,
                                                is_causal, need_weights, dropout_keep, dropout,
                                                core, mask_grad)
-        ctx.save_for_backward(query, key, value, attn_mask if mask_grad else None)
+        ctx.save_for_backward(query, key, value, out, attn_mask if mask_grad else None)
         ctx.state = state
         return out, weights
 
@@ -136,9 +137,9 @@ class _EagerCore(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, d_out: torch.Tensor, d_weights: Any) -> tuple:
         refuse_weights_gradient(d_weights)
-        query, key, value, attn_mask = ctx.saved_tensors
+        query, key, value, out, attn_mask = ctx.saved_tensors
         dq, dk, dv, d_mask = run_core_backward(ctx.state, d_out.contiguous(), query, key, value,
-                                               attn_mask)
+                                               out, attn_mask)
         return (None, dq, dk, dv, d_mask if attn_mask is not None else None, None, None, None,
                 None, None, None, None)
 
@@ -189,14 +190,16 @@ def run_core_forward(protection: Protection, q: torch.Tensor, k: torch.Tensor, v
 
 
 def run_core_backward(state: _CoreSaved, d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor, mask: torch.Tensor | None = None
+                      v: torch.Tensor, out: torch.Tensor, mask: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The body of ``abftgemm::attention_core_backward``: the inputs are read from the tensors
-    given here (those autograd kept); ``mask`` is the float mask whose gradient the forward was
-    asked for (``mask_grad``), else None and the fourth result empty. The findings extend the
-    forward's report, which becomes ``protection.last_report`` again."""
+    """The body of ``abftgemm::attention_core_backward``: the inputs and the forward's output
+    are read from the tensors given here (those autograd kept); ``mask`` is the float mask whose
+    gradient the forward was asked for (``mask_grad``), else None and the fourth result empty.
+    The findings extend the forward's report, which becomes ``protection.last_report`` again."""
     inputs = state.saved["inputs"]
     inputs.q, inputs.k, inputs.v = array(q), array(k), array(v)
+    if state.saved["core"] == "fused":
+        state.saved["fused"]["out"] = array(out)
     context = state.protection.context(state.report)
     with device_scope(d_out), threads(d_out):
         grads = core_backward(state.saved, array(d_out), context, workspace=state.workspace)

@@ -167,11 +167,11 @@ def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
         raise ValueError("d_out must be C-contiguous")
     if saved["core"] == "fused":  # the inputs as given now (a caller may hand them on anew)
         saved["fused"].update(q=inp.q, k=inp.k, v=inp.v)
-        if backward_reason(saved["fused"]["lse"], d_out) is None:
+        if backward_reason(d_out) is None:
             grads = fused_backward(saved["fused"], d_out, ctx, workspace)
             return verify_grads(saved["fused"], d_out, grads, ctx)
-        # The unfused core passes non-finite gradients through, and makes the probabilities
-        # of rows whose log-sum-exp swallowed log l: its forward again, then its backward.
+        # The unfused core passes non-finite gradients through: its forward again, then its
+        # backward.
         mask = inp.attn_add if inp.attn_add is None or len(inp.attn_add) > 1 else inp.attn_add[0]
         drop = saved["fused"]["dropout"] or (0.0, None)  # the same keep decisions, materialized
         _, saved = core_forward(inp.q, inp.k, inp.v, ctx, scale=inp.scale, causal=inp.causal,

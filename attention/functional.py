@@ -28,8 +28,10 @@ from attention.context import Context
 from attention.dropout import Dropout, DropoutStep, for_core
 from attention.dropout_hash import keep_mask
 from attention.fused import fused_backward, fused_forward
-from attention.fused_final import OUTPUT_SITE, verify_grads, verify_output
 from attention.fused_choice import backward_reason, check_core, finite_reason, static_reason
+from attention.fused_deferred import Deferred
+from attention.fused_final import (OUTPUT_SITE, defer_grads, defer_output, verify_grads,
+                                   verify_output)
 from attention.passes import (BACKWARD_OUTPUTS, CORE_BACKWARD, CORE_FORWARD, FORWARD_OUTPUT,
                               PARAM_KEYS, Step, Variant, carried, layer, steps)
 from attention.workspace import Workspace
@@ -245,6 +247,9 @@ def _run(table: tuple[Step, ...], inp: Any, env: Callable[[], dict[str, Any]],
         try:
             first.run(table)
             origin = first.settle()
+        except _Replay as replay:
+            ws.abandon()
+            origin = replay.found or Report()
         except UncorrectableError:
             ws.abandon()
             origin = Report()  # something downstream of a fault; the replay settles at the source
@@ -264,6 +269,16 @@ def _run(table: tuple[Step, ...], inp: Any, env: Callable[[], dict[str, Any]],
     if ctx.trace is not None:
         ctx.trace.extend(done.trace)
     return done
+
+
+class _Replay(Exception):
+    """Raised in a pass's first run where only a replay, which settles each step as it runs, can
+    go on (the fused core's inputs hold INF or NaN: a projection's fault, or the caller's), with
+    the findings of the steps settled so far."""
+
+    def __init__(self, found: Report | None):
+        super().__init__()
+        self.found = found
 
 
 class _Pass:
@@ -289,6 +304,7 @@ class _Pass:
         self._consumers: dict[str, tuple[str, Any]] = {}  # "gemm rows": (site, plan) to observe
         self._heads: dict[str, Any] = {}  # a backward merge's heads' encodings
         self._fused_state: dict[str, Any] | None = None  # the fused core's, for its final check
+        self._fused_defer: Deferred | None = None  # its checks, read at the settle (CuPy)
 
     def run(self, table: tuple[Step, ...]) -> None:
         for step in table:
@@ -401,19 +417,26 @@ class _Pass:
         ``lse``, every tile checked (its own sites; its findings go to this pass's report).
         ``core="auto"`` on non-finite Q, K or V: the unfused core's steps instead (``lse`` None)."""
         inp, (q, k, v) = self.inp, (self.env[n] for n in step.ins)
-        if inp.core == "auto" and finite_reason(q=q, k=k, v=v) is not None:
+        if (inp.core == "auto" or not self.per_site) and not self._defers() \
+                and finite_reason(q=q, k=k, v=v) is not None:
+            if inp.core != "auto":
+                # A projection's fault (found now, repaired in the replay), or the caller's data
+                # (the replay's fused core raises).
+                raise _Replay(self.settle())
             self.env["lse"] = None
             self.run(steps(CORE_FORWARD, self._unfused_variant()))
             return
+        defer = self._defer("fused core forward")
         visible = inp.key_visible
         if visible is not None:  # (batch, seq_k) -> (batch * heads, seq_k)
             visible = inp.xp.repeat(visible, inp.n_heads, axis=0)
         p, seed = inp.fused_dropout or (0.0, None)
         out, state = fused_forward(q, k, v, self._fused_context(), scale=inp.scale,
                                    causal=inp.causal, key_visible=visible, attn_mask=inp.attn_add,
-                                   dropout=p, dropout_seed=seed, workspace=self.ws)
+                                   dropout=p, dropout_seed=seed, workspace=self.ws, defer=defer)
         self.env.update(zip(step.out.split(", "), (out, state["lse"])))
-        inp.fused = {n: state[n] for n in ("scale", "causal", "visible", "add", "dropout")}
+        inp.fused = {n: state[n] for n in ("scale", "causal", "visible", "add", "dropout",
+                                           "lse_lo")}
         self._fused_state = state
 
     def fused_check(self, step: Step) -> None:
@@ -424,12 +447,18 @@ class _Pass:
         state = self._fused_state
         if state is None:
             return
-        ctx = self._fused_context()
+        ctx, defer = self._fused_context(), self._fused_defer
         if step.site == OUTPUT_SITE:
+            if defer is not None:
+                defer_output(self.env[step.ins[0]], state, ctx, defer)
+                return
             out, state = verify_output(self.env[step.ins[0]], state, ctx)
             self.env.update(zip(step.out.split(", "), (out, state["lse"])))
             return
         grads = tuple(self.env[n] for n in step.out.split(", "))
+        if defer is not None:
+            defer_grads(state, self.env[step.ins[-1]], grads, ctx, (step.site,), defer)
+            return
         self.env.update(zip(step.out.split(", "),
                             verify_grads(state, self.env[step.ins[-1]], grads, ctx,
                                          sites=(step.site,))))
@@ -437,17 +466,31 @@ class _Pass:
     def fused_core_backward(self, step: Step) -> None:
         """The fused core's backward after its forward where it can take the gradient
         (:func:`attention.fused_choice.backward_reason`); else (as the unfused core passes
-        non-finite gradients through and makes every row's probabilities, and where the
-        forward ran the unfused steps) the unfused scores and softmax again, then the unfused
-        backward."""
+        non-finite gradients through, and where the forward ran the unfused steps) the unfused
+        scores and softmax again, then the unfused backward."""
         d_out, q, k, v, out, lse = (self.env[n] for n in step.ins)
-        if lse is not None and backward_reason(lse, d_out) is None:
+        # A non-finite d_out: judged here, or on the device with the settle (which replays).
+        if lse is not None and (self._defers() or backward_reason(d_out) is None):
+            defer = self._defer("fused core backward")
             state = {**self.inp.fused, "q": q, "k": k, "v": v, "out": out, "lse": lse}
-            self.env.update(zip(step.out.split(", "),
-                                fused_backward(state, d_out, self._fused_context(), self.ws)))
+            self.env.update(zip(step.out.split(", "), fused_backward(
+                state, d_out, self._fused_context(), self.ws, defer)))
             self._fused_state = state
             return
         self.run(steps(_RECOMPUTED_CORE, self._unfused_variant()))
+
+    def _defers(self) -> bool:
+        """Whether the fused core's checks are left on the device until this pass's settle:
+        CuPy data, checked, not a replay (:mod:`attention.fused_deferred`)."""
+        return not self.per_site and self.xp is not np and self.ctx.check != "off"
+
+    def _defer(self, name: str) -> Deferred | None:
+        """A new :class:`attention.fused_deferred.Deferred` for the fused core's checks of this
+        pass, settled under ``name`` (None where they are read at once: :meth:`_defers`)."""
+        self._fused_defer = Deferred() if self._defers() else None
+        if self._fused_defer is not None:
+            self._pending.append(("fused", name, self._fused_defer))
+        return self._fused_defer
 
     def _unfused_variant(self) -> Variant:
         """The unfused core's steps in place of the fused core's: with the fused core's dropout,
@@ -571,12 +614,23 @@ class _Pass:
         nothing needs a replay, else the findings of the first site (in pass order) that
         repaired something."""
         plans = [p for kind, _, p in self._pending if kind == "plan"]
+        fused = [(self.ws.slot(name, self.xp, len(d)), d)
+                 for kind, name, d in self._pending if kind == "fused" and len(d)]
+        for slot, deferred in fused:  # on the device, before the ledger's one fetch
+            deferred.commit(slot)
         reports = iter(settle_all(plans))
+        slots = iter(slot for slot, _ in fused)
         origin = None
         for kind, site, item in self._pending:
             found = Report()
             if kind == "plan":
                 found = next(reports)
+            elif kind == "fused":
+                if not len(item):
+                    continue
+                ctx = Context(self.ctx.check, self.ctx.plan, self.ctx.fault_hook, found)
+                if item.look(next(slots), ctx) and origin is None:
+                    origin = found
             else:
                 ok, worst, tol = item()
                 if not ok:  # outside detect mode the replay recomputes it
@@ -649,8 +703,15 @@ class _Inputs:
             raise ValueError(f"d_model ({d_model}) must be a positive multiple of n_heads "
                              f"({n_heads})")
         for k in PARAM_KEYS:
-            if array_module(params[k]) is not xp:
+            p = params[k]
+            if array_module(p) is not xp:
                 raise TypeError(f"x is a {xp.__name__} array; parameter {k} is not")
+            if p.dtype != wq.dtype:  # a promoted product would not fit the pass's buffers
+                raise TypeError(f"parameter {k} has dtype {p.dtype}; the layer's (wq's) is "
+                                f"{wq.dtype}")
+            shape = (d_model,) if k.startswith("b") else (d_model, d_model)
+            if p.shape != shape:
+                raise ValueError(f"parameter {k} must have shape {shape}, got {p.shape}")
         w_qkv = params.get("w_qkv")
         if w_qkv is not None and (array_module(w_qkv) is not xp
                                   or w_qkv.shape != (d_model, 3 * d_model)

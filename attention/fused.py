@@ -2,7 +2,10 @@
 forward and backward, with O(L) extra memory and every tile checked.
 
 :func:`fused_forward` saves only the output and the row log-sum-exp; :func:`fused_backward`
-recomputes ``P`` tile by tile from them (FlashAttention-2). Heads are the leading axis: ``(n,
+recomputes ``P`` tile by tile from them (FlashAttention-2). The log-sum-exp ``m + log l`` is
+kept as two numbers, ``lse`` (rounded) and ``lse_lo`` (the rest), and ``P = exp((z - lse) -
+lse_lo)``: where an additive mask lowers every key of a row by far more than ``log l`` (a row
+padded with -1e9), ``lse`` alone has lost ``log l``. Heads are the leading axis: ``(n,
 L, d)`` with ``n`` = batch * heads, as :mod:`attention.core` takes them. No ``L x L`` buffer is
 ever made (an additive mask is the caller's, read tile by tile; one not in float64 is converted
 once); the tiles are ``BR x BC`` = 128 x 128 (:mod:`attention._cpu_fused`, numba kernels in
@@ -53,7 +56,8 @@ each tile array as computed and before it is checked):
     key block and the tile's row checksums are predicted as ``Q_blk (K_blk^T E)``.
 ``fused:P``
     ``P = exp(z - m)`` (``z`` the scaled scores plus the additive mask, if any: the mask is
-    added after the ``S`` check, and ``z`` as stored is what the invariant reads) (``m`` the running row max forward, the saved log-sum-exp backward), judged
+    added after the ``S`` check, and ``z`` as stored is what the invariant reads; ``m`` the
+    running row max forward; backward ``z - lse`` is stored and ``m`` is ``lse_lo``), judged
     on what was stored by the softmax invariant ``log P_ij = z_ij - m_i`` summed over each row's
     normal entries: ``sum_j log P_ij`` is taken from the entries' exponents and the ``log`` of the
     product of their mantissas (bit operations, one ``log`` per row), so the check shares no work
@@ -134,6 +138,7 @@ from abftgemm.cpu_kernels import all_finite
 from abftgemm.threads import current_policy, numba_pool_usable, one_blas_thread
 from attention import _cpu_fused as K
 from attention.context import Context
+from attention.fused_deferred import Deferred
 from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, FUSED_SITES,  # noqa: F401
                                    coefficients, dscores_tolerance, probs_tolerance)
 from attention.fused_rules import book as _book
@@ -154,8 +159,8 @@ _NO_ADD = np.zeros((1, 0, 0))
 def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = None,
                   causal: bool = False, key_visible: Any | None = None,
                   attn_mask: Any | None = None, dropout: float = 0.0,
-                  dropout_seed: int | None = None, workspace: Workspace | None = None
-                  ) -> tuple[np.ndarray, dict[str, Any]]:
+                  dropout_seed: int | None = None, workspace: Workspace | None = None,
+                  defer: Deferred | None = None) -> tuple[np.ndarray, dict[str, Any]]:
     """``softmax(scale q k^T + mask) v`` in tiles, every tile checked (module docstring).
 
     Parameters
@@ -191,6 +196,9 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         Where the call's scratch arrays (the keys' transposed blocks) are kept for the next call
         at the same shape, and whose recycled outputs ``out`` comes from (NumPy data); new
         arrays every call when None.
+    defer : Deferred, optional
+        An attention pass's (:mod:`attention.fused_deferred`): CuPy data's checks are read at
+        the pass's settle, not here. NumPy data's are host memory, read here at no cost.
 
     Returns
     -------
@@ -199,8 +207,9 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     saved : dict
         What :func:`fused_backward` needs: the inputs (not copied), ``out`` and ``lse``, the row
         log-sum-exp ``(n, seq_q)`` (``-inf`` for a row that sees no key; float32 for 16-bit
-        data), ``dropout``, ``(p, seed)`` or None, and ``sums``, the output rows' checksums
-        ``(n, seq_q, 3)`` the kernel carried (float64; None with ``check="off"``), which
+        data), ``lse_lo``, what ``lse`` rounded away (module docstring), ``dropout``, ``(p,
+        seed)`` or None, and ``sums``, the output rows' checksums ``(n, seq_q, 3)`` the kernel
+        carried (float64; None with ``check="off"``), which
         :func:`attention.fused_final.verify_output` checks the returned ``out`` against.
 
     Raises
@@ -212,7 +221,8 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         from attention import _cuda_fused
         return _cuda_fused.fused_forward(q, k, v, ctx, scale=scale, causal=causal,
                                          key_visible=key_visible, attn_mask=attn_mask,
-                                         dropout=dropout, dropout_seed=dropout_seed)
+                                         dropout=dropout, dropout_seed=dropout_seed,
+                                         defer=defer)
     scale, visible = _validate(q, k, v, scale, causal, key_visible)
     drop = dropout_of(dropout, dropout_seed)
     add = _NO_ADD if attn_mask is None else additive_of(np, attn_mask, q, k)
@@ -223,7 +233,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     kernels = _kernels()
     ve = _row_encodings(kernels, vw, check)
     out = _output(qw, workspace, "out")
-    lse = np.empty((n, lq), dt)
+    lse, lse_lo = np.empty((n, lq), dt), np.empty((n, lq), dt)
     sums = np.zeros((n, lq, 3))
     nqb = -(-lq // K.BR)
     tiles = -(-lk // K.BC)
@@ -234,7 +244,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
               K.ForwardRules(check, correct, coefficients(d, K.BR, dt),
                              coefficients(lk, d, dt, 2 * tiles),
                              coefficients(lk, 1, dt, 2 * tiles), probs_tolerance(dt)),
-              K.Dropout(*kernel_dropout(drop, dt)), K.ForwardOutputs(out, lse, sums))
+              K.Dropout(*kernel_dropout(drop, dt)), K.ForwardOutputs(out, lse, lse_lo, sums))
     with one_blas_thread():
         if ctx.fault_hook is None:
             kernels.forward(*groups, rec, status)
@@ -244,19 +254,20 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
                 status[t] = block(*groups, t // nqb, (t % nqb) * K.BR, rec[t])
     _book(ctx, rec, status, lambda t: t // nqb, FORWARD_SITES, check)
     out = out if out.dtype == q.dtype else out.astype(q.dtype)
-    return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "scale": scale,
-                 "causal": causal, "visible": visible, "add": add, "dropout": drop,
+    return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "lse_lo": lse_lo,
+                 "scale": scale, "causal": causal, "visible": visible, "add": add, "dropout": drop,
                  "sums": sums if check else None}
 
 
 def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
-                   workspace: Workspace | None = None
+                   workspace: Workspace | None = None, defer: Deferred | None = None
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dq, dk, dv)`` (new arrays) from the gradient ``d_out`` ``(n, seq_q, d)`` of
     :func:`fused_forward`'s output (C-contiguous, its dtype, finite; its outputs
     recycled in ``workspace`` as there), FlashAttention-2 style:
     ``P`` recomputed per tile from the saved log-sum-exp, every tile and accumulator checked
-    (module docstring; fault hook sites :data:`BACKWARD_SITES`).
+    (module docstring; fault hook sites :data:`BACKWARD_SITES`); ``defer`` as
+    :func:`fused_forward`'s.
 
     Raises
     ------
@@ -265,7 +276,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
     """
     if is_cupy_array(saved["q"]):
         from attention import _cuda_fused
-        return _cuda_fused.fused_backward(saved, d_out, ctx)
+        return _cuda_fused.fused_backward(saved, d_out, ctx, defer)
     check_gradient(np, d_out, saved["q"], all_finite)
     q, k, v, out, d_out = (in_work_dtype(x) for x in (saved["q"], saved["k"], saved["v"],
                                                        saved["out"], d_out))
@@ -277,7 +288,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
     dqc = np.empty((n, lq, 3))
     rec = np.zeros((n, len(K.SITES), K.FIELDS))
     status = np.zeros(n, np.int64)
-    groups = (K.BackwardOperands(q, k, v, d_out, out, lse),
+    groups = (K.BackwardOperands(q, k, v, d_out, out, lse, saved["lse_lo"]),
               K.Mask(saved["visible"], saved["add"], dt.type(saved["scale"]), saved["causal"]),
               K.BackwardRules(check, correct, coefficients(d, K.BC, dt),
                               coefficients(lq, d, dt, -(-lq // K.BR)),

@@ -8,8 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from abftgemm.backend import array_module, to_host
-from abftgemm.checksums import unit_roundoff
 from abftgemm.cpu_kernels import all_finite as cpu_all_finite
 from attention.context import Context
 from attention.fused import SUPPORTED as FUSED_DTYPES
@@ -20,13 +18,6 @@ from attention.passes import CORE_BACKWARD, CORE_FORWARD
 CORES = ("auto", "fused", "unfused")
 #: The GEMM sites of the unfused attention product (forward, then backward).
 CORE_SITES = tuple(s.site for s in CORE_FORWARD + CORE_BACKWARD if s.op.startswith("gemm"))
-
-
-#: The largest ``u |lse|`` the fused backward takes: it recomputes ``P = exp(z - lse)``, off by
-#: that much relatively where ``lse = m + log l`` rounds at the scale of ``m``. Past it (a row
-#: that an additive mask lowers by 1e4 or more in float32 at every key, so that ``log l`` is
-#: lost in ``lse``) the unfused core runs the backward.
-LSE_PRECISION = 2.0 ** -13
 
 
 def check_core(core: str) -> None:
@@ -54,7 +45,8 @@ def static_reason(xp: Any, dtype: np.dtype, attn_add: Any | None, ctx: Context,
                "unfused core on a GPU; core='fused' runs them)"
     if dtype not in FUSED_DTYPES:
         return f"dtype {dtype} (the fused core takes float16, bfloat16, float32 and float64)"
-    if attn_add is not None and not additive_ok(xp, attn_add, dtype):
+    # CuPy data's mask is judged by the fused CUDA core (in a pass, on the device).
+    if attn_add is not None and xp is np and not additive_ok(xp, attn_add, dtype):
         return "an attn_mask holding NaN, +inf or values that overflow the scores"
     if dropout_keep is not None:
         return "an explicit dropout mask, dropout_keep (the unfused core applies it; the fused " \
@@ -91,16 +83,9 @@ def all_finite(t: Any) -> bool:
     return finite(t)
 
 
-def backward_reason(lse: Any, d_out: Any) -> str | None:
+def backward_reason(d_out: Any) -> str | None:
     """Why the fused core's backward cannot take this gradient (None when it can): a
-    non-finite ``d_out`` (the unfused core passes it through), or a row log-sum-exp too large
-    for the probabilities it recomputes (:data:`LSE_PRECISION`; rows without a visible key,
-    ``lse = -inf``, do not count)."""
+    non-finite ``d_out`` (the unfused core passes it through)."""
     if not all_finite(d_out):
         return "d_out holds INF or NaN"
-    xp = array_module(lse)
-    size = xp.where(xp.isfinite(lse), xp.abs(lse), 0.0)
-    worst = float(to_host(size.max())) if lse.size else 0.0
-    if worst * unit_roundoff(lse.dtype) > LSE_PRECISION:
-        return f"a row log-sum-exp of magnitude {worst:.3g} (its log l is lost in rounding)"
     return None

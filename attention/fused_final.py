@@ -101,6 +101,7 @@ from attention import _cpu_fused as K
 from attention.context import Context
 from attention.dropout import keep_scale
 from attention.fused import fused_backward, fused_forward, in_work_dtype, work_dtype
+from attention.fused_deferred import Deferred
 from attention.fused_rules import coefficients
 
 #: The final checks' fault-hook and report sites, forward and backward.
@@ -163,18 +164,72 @@ def verify_grads(saved: dict[str, Any], d_out: Any, grads: tuple[Any, ...], ctx:
     ValueError
         ``sites`` is empty or names a site outside :data:`GRAD_SITES`.
     """
-    unknown = [s for s in sites if s not in GRAD_SITES]
-    if unknown or not sites:
-        raise ValueError(f"sites must be some of {', '.join(GRAD_SITES)}, got {sites}")
-    array_module(d_out, *grads)  # TypeError unless all NumPy or all CuPy arrays
-    checks = []
-    if GRAD_SITE in sites and saved.get("dropout") is None:
-        checks.append((GRAD_SITE, lambda g: g[2], lambda g: _grad_ratio(saved, d_out, g[2])))
-    if DK_SITE in sites:
-        checks.append((DK_SITE, lambda g: g[1], lambda g: _dk_ratio(saved, d_out, g[1])))
+    xp = array_module(d_out, *grads)  # TypeError unless all NumPy or all CuPy arrays
+    checks = [(site, lambda g, i=i: g[i], lambda g, i=i, ratios=ratios:
+               _worst_column(xp, *ratios(g[i])))
+              for site, i, ratios in _grad_checks(saved, d_out, sites)]
     if not checks:
         return grads
     return _verified(ctx, checks, grads, lambda: fused_backward(saved, d_out, ctx))
+
+
+def defer_output(out: Any, saved: dict[str, Any], ctx: Context, defer: Deferred) -> None:
+    """:func:`verify_output` in an attention pass on CuPy data: the fault hook now, the check on
+    the device, read at the pass's settle (:mod:`attention.fused_deferred`). A failed check is
+    booked there and replays the pass (outside ``detect`` mode), whose fused core is checked
+    and recomputed as :func:`verify_output` does."""
+    _hook_and_count(ctx, OUTPUT_SITE, out)
+    defer.add(_output_failures(out, saved),
+              lambda c: _looked(c, OUTPUT_SITE, _output_ratio(out, saved)))
+
+
+def defer_grads(saved: dict[str, Any], d_out: Any, grads: tuple[Any, ...], ctx: Context,
+                sites: tuple[str, ...], defer: Deferred) -> None:
+    """:func:`verify_grads` as :func:`defer_output` does :func:`verify_output`."""
+    xp = array_module(d_out, *grads)
+    for site, i, ratios in _grad_checks(saved, d_out, sites):
+        _hook_and_count(ctx, site, grads[i])
+        ratio, diff, tau = ratios(grads[i])
+        defer.add(~(ratio <= 1).all(), lambda c, site=site, r=(ratio, diff, tau):
+                  _looked(c, site, _worst_column(xp, *r)))
+
+
+def _grad_checks(saved: dict[str, Any], d_out: Any, sites: tuple[str, ...]
+                 ) -> list[tuple[str, int, Callable[[Any], tuple[Any, Any, Any]]]]:
+    """The backward's final checks of ``sites``: ``(site, index of the gradient it checks,
+    its ratios, differences and thresholds)`` (:func:`verify_grads`)."""
+    unknown = [s for s in sites if s not in GRAD_SITES]
+    if unknown or not sites:
+        raise ValueError(f"sites must be some of {', '.join(GRAD_SITES)}, got {sites}")
+    checks = []
+    if GRAD_SITE in sites and saved.get("dropout") is None:
+        checks.append((GRAD_SITE, 2, lambda dv: _grad_ratios(saved, d_out, dv)))
+    if DK_SITE in sites:
+        checks.append((DK_SITE, 1, lambda dk: _dk_ratios(saved, d_out, dk)))
+    return checks
+
+
+def _hook_and_count(ctx: Context, site: str, checked: Any) -> None:
+    """A deferred final check's start: the fault hook on the array it checks, and one more
+    check of ``site`` in the report."""
+    if ctx.fault_hook is not None:
+        ctx.fault_hook(site, checked)
+    ctx.report.checked[site] = ctx.report.checked.get(site, 0) + 1
+
+
+def _looked(ctx: Context, site: str, judged: tuple[float, int, tuple, tuple, float, float]
+            ) -> bool:
+    """A deferred final check the device flagged, judged on the host: its finding, and whether
+    the pass is replayed to recompute the core (not in ``detect`` mode, not when the host's
+    judgment passes it)."""
+    if not judged[0] > 1:
+        return False
+    if ctx.check == "detect":
+        _finding(ctx, site, *judged[1:], "reported", "left in place (check='detect')")
+        return False
+    _finding(ctx, site, *judged[1:], "recomputed", "recomputed in the pass's replay, which "
+             f"checks it again (|d|/threshold {judged[0]:.3g} before)")
+    return True
 
 
 def _given(x: Any | None) -> Any | None:
@@ -240,15 +295,7 @@ def _output_ratio(out: Any, saved: dict[str, Any]
     """``(worst |d|/tau, head, rows, cols, |d|, tau)`` of the output rows (the worst row, and
     its column where the weighted sum locates it)."""
     n, lq, d = out.shape
-    lk = saved["k"].shape[1]
-    wt = work_dtype(out.dtype)
-    _, bc = _tiles(out)
-    coef = coefficients(lk, d, wt, 2 * -(-lk // bc))
-    if out.dtype != wt:  # the rounding to the output's dtype (subnormals: absolute, u * tiny)
-        u_out = unit_roundoff(out.dtype)
-        coef[0] += 1.01 * u_out
-        coef[2] += d * u_out * smallest_normal(out.dtype)
-        coef[3] *= 1 + 1.01 * u_out
+    coef = _output_coefficients(out, saved)
     obs = _observed_rows(out).reshape(n * lq, 3)
     pred = saved["sums"].reshape(n * lq, 3)
     info = np.zeros(6)
@@ -261,10 +308,38 @@ def _output_ratio(out: Any, saved: dict[str, Any]
     return worst, v // lq, (v % lq,), ((c,) if c >= 0 else ()), info[1], info[2]
 
 
-def _grad_ratio(saved: dict[str, Any], d_out: Any, dv: Any
-                ) -> tuple[float, int, tuple, tuple, float, float]:
-    """``(worst |d|/tau, head, (), (column,), |d|, tau)`` of the heads' ``dV`` column sums
-    (float64 sums of the data as stored)."""
+def _output_coefficients(out: Any, saved: dict[str, Any]) -> np.ndarray:
+    """The output rows' judging coefficients (:func:`attention._cpu_fused._ratio`)."""
+    d, lk = out.shape[2], saved["k"].shape[1]
+    wt = work_dtype(out.dtype)
+    _, bc = _tiles(out)
+    coef = coefficients(lk, d, wt, 2 * -(-lk // bc))
+    if out.dtype != wt:  # the rounding to the output's dtype (subnormals: absolute, u * tiny)
+        u_out = unit_roundoff(out.dtype)
+        coef[0] += 1.01 * u_out
+        coef[2] += d * u_out * smallest_normal(out.dtype)
+        coef[3] *= 1 + 1.01 * u_out
+    return coef
+
+
+def _output_failures(out: Any, saved: dict[str, Any]) -> Any:
+    """A 0-d bool device array: an output row fails its check (on the device, as
+    :func:`attention._cpu_fused._ratio` judges one on the host)."""
+    xp = array_module(out)
+    c_obs, c_pred, floor, c_mag, safe = (float(c) for c in _output_coefficients(out, saved)[:5])
+    pred = saved["sums"].reshape(-1, 3)
+    obs = _observed_rows(out).reshape(-1, 3)
+    p0, p1, p2 = (pred[:, i] for i in range(3))
+    o0, o1, o2 = (obs[:, i] for i in range(3))
+    d = xp.maximum(xp.abs(p0 - o0), xp.abs(p1 - o1))
+    holds = (d / (c_obs * o2 + c_pred * p2 + floor) <= 1) & (o2 / (c_mag * p2 + floor) <= 1)
+    ok = ~xp.isfinite(pred).all(1) | xp.where(xp.isfinite(obs).all(1), holds, p2 >= safe)
+    return ~ok.all()
+
+
+def _grad_ratios(saved: dict[str, Any], d_out: Any, dv: Any) -> tuple[Any, Any, Any]:
+    """``(|d|/tau, |d|, tau)``, each ``(n, d)``, of the heads' ``dV`` column sums (float64
+    sums of the data as stored)."""
     xp = array_module(dv)
     lse = saved["lse"].astype(np.float64)
     n, lq = lse.shape
@@ -283,19 +358,16 @@ def _grad_ratio(saved: dict[str, Any], d_out: Any, dv: Any
         u_out = unit_roundoff(dv.dtype)
         tau += lk * u_out * smallest_normal(dv.dtype) + 1.01 * u_out * dv_sums[:, 1]
     diff = xp.abs(do_sums[:, 0] - dv_sums[:, 0])
-    ratio = xp.where(xp.isfinite(diff), diff / tau, xp.inf)
-    return _worst_column(xp, ratio, diff, tau)
+    return xp.where(xp.isfinite(diff), diff / tau, xp.inf), diff, tau
 
 
-def _dk_ratio(saved: dict[str, Any], d_out: Any, dk: Any
-              ) -> tuple[float, int, tuple, tuple, float, float]:
-    """``(worst |d|/tau, head, (), (column,), |d|, tau)`` of the heads' ``dK`` column sums
-    against 0 (module docstring)."""
+def _dk_ratios(saved: dict[str, Any], d_out: Any, dk: Any) -> tuple[Any, Any, Any]:
+    """``(|d|/tau, |d|, tau)``, each ``(n, d)``, of the heads' ``dK`` column sums against 0
+    (module docstring)."""
     xp = array_module(dk)
     diff, tau = dk_column_sums(saved, d_out, dk)
     finite = xp.isfinite(diff)
-    ratio = xp.where(finite, xp.where(finite, diff, 0.0) / tau, xp.inf)
-    return _worst_column(xp, ratio, diff, tau)
+    return xp.where(finite, xp.where(finite, diff, 0.0) / tau, xp.inf), diff, tau
 
 
 def _worst_column(xp: Any, ratio: Any, diff: Any, tau: Any

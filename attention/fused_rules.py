@@ -132,10 +132,10 @@ def key_visible_of(xp: Any, key_visible: Any, q: Any, k: Any) -> Any:
     return xp.ascontiguousarray(key_visible)
 
 
-def additive_of(xp: Any, attn_mask: Any, q: Any, k: Any) -> Any:
+def additive_of(xp: Any, attn_mask: Any, q: Any, k: Any, read_values: bool = True) -> Any:
     """``attn_mask`` (float, ``(seq_q, seq_k)`` or ``(1 or n, seq_q, seq_k)``, added to the
     scaled scores; ``-inf`` = not allowed) as a C-contiguous float64 ``(1 or n, seq_q, seq_k)``
-    array of ``xp``, checked (:func:`additive_ok`)."""
+    array of ``xp``, checked (its values by :func:`additive_ok` with ``read_values``)."""
     n, lq, lk = q.shape[0], q.shape[1], k.shape[1]
     if not isinstance(attn_mask, xp.ndarray):
         raise TypeError(f"attn_mask must be a {xp.__name__} array, got "
@@ -147,19 +147,27 @@ def additive_of(xp: Any, attn_mask: Any, q: Any, k: Any) -> Any:
         raise ValueError(f"attn_mask must have shape {(lq, lk)}, {(1, lq, lk)} or {(n, lq, lk)},"
                          f" got {attn_mask.shape}")
     add = xp.ascontiguousarray(astype(attn_mask, np.float64).reshape((-1, lq, lk)))
-    if not additive_ok(xp, add, q.dtype):
-        raise ValueError("attn_mask holds NaN, +inf or values beyond the tile arithmetic's "
-                         "largest number (the fused core takes -inf for \"not allowed\" and "
-                         "finite values)")
+    if read_values and not additive_ok(xp, add, q.dtype):
+        raise ValueError(BAD_ADDITIVE)
     return add
+
+
+#: Why an additive mask is refused (:func:`additive_ok`).
+BAD_ADDITIVE = ("attn_mask holds NaN, +inf or values beyond the tile arithmetic's largest number "
+                "(the fused core takes -inf for \"not allowed\" and finite values)")
 
 
 def additive_ok(xp: Any, add: Any, dtype: np.dtype) -> bool:
     """Whether the float64 mask ``add`` holds no NaN and nothing above the largest number of the
     tile arithmetic of ``dtype`` data (float64 for float64, else float32): a score pushed to
     ``+inf`` would leave the softmax undefined."""
+    return not bool(to_host(additive_bad(xp, add, dtype)))
+
+
+def additive_bad(xp: Any, add: Any, dtype: np.dtype) -> Any:
+    """``not additive_ok(...)`` as a 0-d bool array of ``xp``, not read."""
     top = np.finfo(np.float64 if dtype == np.float64 else np.float32).max
-    return not bool(to_host(xp.any(xp.isnan(add) | (add > top))))
+    return xp.any(xp.isnan(add) | (add > top))
 
 
 def book(ctx: Context, rec: np.ndarray, status: np.ndarray, batch_of: Any,
@@ -169,9 +177,19 @@ def book(ctx: Context, rec: np.ndarray, status: np.ndarray, batch_of: Any,
     is of batch ``batch_of(t)``); raise if any task failed (status < 0)."""
     if not check:
         return
-    report = ctx.report
+    count_checked(ctx, sites)
+    book_findings(ctx, rec, status, batch_of)
+
+
+def count_checked(ctx: Context, sites: tuple[str, ...]) -> None:
+    """One more check of each of ``sites`` in ``ctx.report``."""
     for site in sites:
-        report.checked[site] = report.checked.get(site, 0) + 1
+        ctx.report.checked[site] = ctx.report.checked.get(site, 0) + 1
+
+
+def book_findings(ctx: Context, rec: np.ndarray, status: np.ndarray, batch_of: Any) -> None:
+    """:func:`book`'s events and its raise, without counting the checks."""
+    report = ctx.report
     for t, s in zip(*np.nonzero(rec[:, :, K.FLAGS])):
         r = rec[t, s]
         site = K.SITES[s]

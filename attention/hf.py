@@ -43,8 +43,12 @@ from transformers.utils import output_capturing
 from attention.torch_core import ProtectedCore
 
 NAME = "abft"
-#: Keyword arguments transformers may pass that the protected product cannot honour.
-_REFUSED = ("head_mask", "softcap", "s_aux", "sinks")
+#: Keyword arguments transformers may pass that the protected product cannot honour: head masks,
+#: Gemma 2's tanh cap of the scores, attention sinks, the keys a sparse attention selects
+#: (DeepSeek-V3.2's indexer and its kin pass them to every implementation but eager's and
+#: sdpa's) and packed sequences' boundaries (FlashAttention's varlen arguments).
+_REFUSED = ("head_mask", "softcap", "s_aux", "sinks", "indices", "block_indices",
+            "cu_seq_lens_q", "cu_seq_lens_k")
 
 __all__ = ["NAME", "abft_attention_forward", "core_of", "weights_wanted"]
 
@@ -69,8 +73,9 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     module : torch.nn.Module
         The calling attention module (its ``is_causal``, ``abft_core``).
     query : tensor (batch, heads, L, D)
-    key, value : tensor (batch, kv_heads, S, D)
-        ``heads`` a multiple of ``kv_heads``.
+    key, value : tensor (batch, kv_heads, S, D) and (batch, kv_heads, S, Dv)
+        ``heads`` a multiple of ``kv_heads``; ``Dv`` may differ from ``D`` (multi-head latent
+        attention: the narrower is padded with zeros).
     attention_mask : tensor (batch or 1, heads or 1, L, S), optional
         Boolean (True = attend) or float (added to the scaled scores).
     scaling : float, optional
@@ -89,7 +94,7 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
 
     Returns
     -------
-    attn_output : tensor (batch, L, heads, D)
+    attn_output : tensor (batch, L, heads, Dv)
     attn_weights : tensor (batch, heads, L, S), or None
         A loss on it raises ``NotImplementedError`` in backward (no gradient path).
         None when the model's forward collects no attention weights (no ``output_attentions``):
@@ -102,6 +107,13 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     if window is not None and attention_mask is None and key.shape[2] > window:
         raise ValueError(f"the 'abft' attention takes a sliding window ({window}) from the "
                          f"attention mask, and got none for {key.shape[2]} keys")
+    width, v_width = query.shape[-1], value.shape[-1]
+    if v_width != width:  # multi-head latent attention (DeepSeek-V3): the narrower head dims
+        # padded with zeros, which add nothing to the scores and give zero output columns
+        scaling = width ** -0.5 if scaling is None else scaling
+        query, key = (torch.nn.functional.pad(t, (0, max(v_width - width, 0)))
+                      for t in (query, key))
+        value = torch.nn.functional.pad(value, (0, max(width - v_width, 0)))
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads != kv_heads:
         if heads % kv_heads:
@@ -124,7 +136,7 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     wanted = weights_wanted()
     out, weights = core_of(module)(query, key, value, mask, scaling, causal, need_weights=wanted,
                                    dropout=dropout)
-    return out.transpose(1, 2), weights if wanted else None
+    return out[..., :v_width].transpose(1, 2), weights if wanted else None
 
 
 def weights_wanted() -> bool:

@@ -183,15 +183,16 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 def _dropout_draw(shape: tuple[int, int, int], query: torch.Tensor, p: float,
                   need_weights: bool, core: str) -> torch.Tensor | None:
     """The dropout the operators take (None for ``p == 0``), drawn with PyTorch's generator (so
-    ``torch.manual_seed`` reproduces it): where the fused core may run (CPU float32/float64
-    tensors, ``need_weights=False``, ``core`` not ``"unfused"``) the seed of its keep decisions,
-    an int64 tensor ``(1,)`` (``torch.randint`` on the default generator;
-    :mod:`attention.dropout_hash`), which the unfused core, if it runs, materializes; else the
-    mask ``(n, L, S)``, True = kept (``torch.rand(shape) >= p`` on the tensors' device)."""
+    ``torch.manual_seed`` reproduces it): on the CPU (where the fused core may run), unless
+    ``core="unfused"``, the seed of its keep decisions, an int64 tensor ``(1,)``
+    (``torch.randint`` on the default generator; :mod:`attention.dropout_hash`), which the
+    unfused core, if it runs, materializes; else the mask ``(n, L, S)``, True = kept
+    (``torch.rand(shape) >= p`` on the tensors' device). The draw does not depend on which core
+    runs (``need_weights``, which a recomputation in backward may ask for where the forward did
+    not): activation checkpointing's recomputation drops what the forward dropped."""
     if p == 0:
         return None
-    if query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64) \
-            and not need_weights and core != "unfused":
+    if query.device.type == "cpu" and core != "unfused":
         return torch.randint(0, 2 ** 62, (1,), dtype=torch.int64)
     return torch.rand(shape, device=query.device) >= p
 

@@ -293,6 +293,22 @@ def test_bad_input_raises_clearly(xp):
         MultiHeadAttention(8, 2, dtype="int32", xp=xp)
 
 
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("name", ["wk", "bq"])
+def test_a_parameter_of_another_dtype_or_shape_raises(xp, name):
+    """A float64 parameter in a float32 layer (a bias reset with ``np.zeros(d)``) made a
+    promoted product that the pass's float32 buffers took only at the settle: the next step
+    read stale or uninitialized memory, and the output was wrong with a clean report."""
+    layer, x, _, _ = problem(xp, "float32")
+    kept = layer.params[name]
+    layer.params[name] = kept.astype(np.float64)
+    with pytest.raises(TypeError, match=f"parameter {name} has dtype float64"):
+        layer.forward(x)
+    layer.params[name] = kept[..., :-1]
+    with pytest.raises(ValueError, match=f"parameter {name} must have shape"):
+        layer.forward(x)
+
+
 def test_plan_frequencies_and_adaptive_model():
     plan = CheckingPlan({"scores": SitePlan(every=3)})
     assert [plan.should_check("scores") for _ in range(6)] == [True, False, False] * 2

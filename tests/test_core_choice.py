@@ -174,12 +174,12 @@ def test_non_finite_gradient_passes_through_as_on_the_unfused_core():
 
 @pytest.mark.parametrize("xp", BACKENDS)
 @pytest.mark.parametrize("low", [-1e4, -1e9, float(np.finfo(np.float32).min)])
-def test_a_row_lowered_at_every_key_gets_its_gradient_from_the_unfused_backward(xp, low):
+def test_a_row_lowered_at_every_key_gets_the_unfused_cores_gradient(xp, low):
     """An additive mask that lowers every key of a query row by 1e4 or more (a whole row padded
-    with a large finite value): the forward's ``lse = m + log l`` rounds at the scale of ``m``
-    and loses ``log l``, so probabilities recomputed from it would be wrong (at -1e9, ``exp(0) =
-    1`` at every key instead of ``1 / L``: dQ off by 11 where it is O(1)). The fused forward
-    runs; the backward is the unfused core's, as the unfused core computes it."""
+    with a large finite value): ``lse = m + log l`` rounds at the scale of ``m`` and loses
+    ``log l``, so probabilities recomputed from it alone would be wrong (at -1e9, ``exp(0) = 1``
+    at every key instead of ``1 / L``: dQ off by 11 where it is O(1)). The forward keeps the
+    rest in ``lse_lo``; the fused backward runs and equals the unfused core's."""
     data = _data(np.random.default_rng(7), 2, 24, 24, 8)
     add = np.zeros((24, 24), np.float32)
     add[5] = low
@@ -189,11 +189,12 @@ def test_a_row_lowered_at_every_key_gets_its_gradient_from_the_unfused_backward(
         ctx = Context()
         runs[core] = _run(q, k, v, do, ctx, attn_mask=add, core=core)
         assert runs[core][0] == core and not ctx.report.detected
+        assert ("fused:dS" in ctx.report.checked) == (core == "fused")  # its backward ran
     for g, w in zip(runs["fused"][1], runs["unfused"][1]):
         np.testing.assert_allclose(to_host(g), to_host(w), rtol=0, atol=1e-5)
 
 
-def test_the_layer_takes_the_same_unfused_backward_for_such_a_row():
+def test_the_layers_fused_backward_equals_the_unfused_one_for_such_a_row():
     from attention import MultiHeadAttention, attention_backward, attention_forward
 
     layer = MultiHeadAttention(16, 2, dtype="float64", seed=3)
@@ -203,12 +204,12 @@ def test_the_layer_takes_the_same_unfused_backward_for_such_a_row():
     add[2] = np.finfo(np.float32).min
     runs = []
     for core in ("fused", "unfused"):
-        y, saved = attention_forward(layer.params, x, Context(), n_heads=2, attn_mask=add,
-                                     core=core)
-        runs.append((y, *attention_backward(saved, dy, Context())))
-        assert saved["core"] == core
+        ctx = Context()
+        y, saved = attention_forward(layer.params, x, ctx, n_heads=2, attn_mask=add, core=core)
+        runs.append((y, *attention_backward(saved, dy, ctx)))
+        assert saved["core"] == core and ("fused:dS" in ctx.report.checked) == (core == "fused")
     (y, dx, grads), (y_u, dx_u, grads_u) = runs
-    np.testing.assert_allclose(dx, dx_u, rtol=0, atol=1e-12)  # 3.7 apart before
+    np.testing.assert_allclose(dx, dx_u, rtol=0, atol=1e-12)  # 3.7 apart with lse alone
     for name in grads:
         np.testing.assert_allclose(grads[name], grads_u[name], rtol=0, atol=1e-12)
 

@@ -53,6 +53,12 @@ ARCHITECTURES = {
                dict(BERT_LIKE, **NO_DROPOUT, embedding_size=16)),
     "electra": ("ElectraConfig", "ElectraForMaskedLM",
                 dict(BERT_LIKE, **NO_DROPOUT, embedding_size=16)),
+    # Multi-head latent attention: value heads narrower than query and key heads (8 and 16).
+    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(LLAMA_LIKE, num_key_value_heads=4, moe_intermediate_size=16,
+                         n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                         kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                         qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1)),
 }
 
 

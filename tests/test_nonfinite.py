@@ -123,6 +123,36 @@ def test_nonfinite_inputs_are_delivered_as_plain_math(xp, dtype, mode, bad):
     assert "input-nonfinite" in {e.pattern for e in report.events}
 
 
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("bad,fault", [(np.inf, 1.0), (np.inf, "negated"), (-np.inf, 0.0),
+                                       (np.nan, 1.5), (np.nan, np.inf)])
+def test_a_fault_on_an_element_of_nonfinite_inputs_is_corrected(xp, dtype, bad, fault):
+    """The user's INF or NaN in ``a`` and ``b`` makes whole rows and columns non-finite, which
+    no checksum judges; a fault there that makes an element finite, flips its infinity's sign
+    or turns a NaN into INF is still found (the element's non-finite terms allow none of it)
+    and repaired to plain math's value. A zero beside the INF (``inf * 0``) allows anything."""
+    a, b = normal((9, 7), 1.0, dtype, 7), normal((7, 5), 1.0, dtype, 8)
+    a[1, 2] = bad  # row 1 of the product non-finite (b's row 2 has no zero)
+    b[4, 3] = bad  # and column 3
+    b[2, 0] = 0    # element (1, 0): INF * 0, any value
+
+    def hook(site, c):
+        for i, j in ((1, 4), (6, 3)):
+            c[..., i, j] = -c[..., i, j] if fault == "negated" else fault
+        c[..., 1, 0] = 7.0
+
+    with np.errstate(invalid="ignore"):
+        c_plain = abftgemm.matmul(xp.asarray(a), xp.asarray(b), check="off")
+        c, report = abftgemm.matmul(xp.asarray(a), xp.asarray(b), fault_hook=hook,
+                                    return_report=True)
+    want = to_host(c_plain).astype(np.float64)
+    want[1, 0] = 7.0
+    np.testing.assert_array_equal(to_host(c).astype(np.float64), want)
+    found = [e for e in report.events if e.action == "recomputed"]
+    assert {(r, j) for e in found for r in e.rows for j in e.cols} >= {(1, 4), (6, 3)}
+
+
 # ---------------------------------------------------- faults next to overflow are still caught
 def near_overflow_problem(dtype):
     """Exactly representable operands whose product has a genuinely overflowing column (3) and

@@ -110,3 +110,19 @@ def test_backward_reads_the_saved_inputs_so_changing_them_in_place_is_caught():
     h.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_the_core_backward_reads_its_saved_output_so_changing_it_in_place_is_caught():
+    """The fused core's backward reads its output O (``D = rowsum(dO * O)``, its final
+    checks) through autograd's saved tensors: changing O in place after the forward is an
+    error, not a wrong gradient."""
+    from attention.torch_functional import Protection, attention_core
+
+    q, k, v = (torch.randn(2, 6, 8, requires_grad=True) for _ in range(3))
+    protection = Protection()
+    out, _ = attention_core(q, k, v, protection=protection)
+    assert protection.last_core == "fused"
+    out.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+

@@ -67,8 +67,10 @@ def test_train_mode_matches_float64_math_with_the_mask_torch_drew(p):
     assert not mine.last_report.detected and mine.last_report.checked["fused:O_acc"] == 1
 
 
-def test_weights_asked_for_run_the_unfused_core_with_torchs_mask():
-    """need_weights: the unfused core, its mask drawn with ``torch.rand`` as before."""
+def test_weights_asked_for_run_the_unfused_core_with_the_same_keep_decisions():
+    """need_weights: the unfused core, with the keep decisions of the seed the fused core would
+    have drawn (a recomputation that asks for the weights where its forward did not drops the
+    same entries)."""
     p = 0.5
     _, mine = modules(p)
     mine.train()
@@ -77,7 +79,8 @@ def test_weights_asked_for_run_the_unfused_core_with_torchs_mask():
     torch.manual_seed(6)
     y, _ = mine(x, x, x, attn_mask=mask, need_weights=True)
     torch.manual_seed(6)
-    keep = torch.rand((N * HEADS, L, L)) >= p
+    seed = int(torch.randint(0, 2 ** 62, (1,), dtype=torch.int64).item())
+    keep = torch.from_numpy(keep_mask(seed, p, (N * HEADS, L, L)))
     want, _ = explicit(mine, x, keep, p, mask)
     assert mine.last_core == "unfused" and mine.last_report.checked["dropout"] == 1
     assert torch.allclose(y, want, rtol=1e-12, atol=1e-12)

@@ -60,6 +60,13 @@ def test_tensors_that_record_gradients_are_refused_clearly():
         np.testing.assert_array_equal(abftgemm.matmul(a, torch.ones((3, 2))).numpy(), 3.0)
 
 
+def test_a_tensor_on_another_device_is_refused_clearly():
+    """Not an error of the CUDA scope first (on a CPU-only PyTorch, "Torch not compiled with
+    CUDA enabled")."""
+    with pytest.raises(TypeError, match="a is on meta; abftgemm takes CPU and CUDA tensors"):
+        abftgemm.matmul(torch.ones((2, 2), device="meta"), torch.ones((2, 2), device="meta"))
+
+
 def test_vector_dot_vector_is_a_0d_tensor():
     got = abftgemm.matmul(torch.arange(4.0), torch.arange(4.0))
     assert isinstance(got, torch.Tensor) and got.shape == () and float(got) == 14.0

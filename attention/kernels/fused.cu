@@ -440,8 +440,8 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
                    const double* add, long long add_stride, int lq, int lk, int d, double scale,
                    int causal, int check, int correct, unsigned long long seed,
                    unsigned long long thr, double ks_in, const double* params, double* fault,
-                   T* out, typename Arith<T>::type* lse, double* sums, double* rec,
-                   int* status) {
+                   T* out, typename Arith<T>::type* lse, typename Arith<T>::type* lse_lo,
+                   double* sums, double* rec, int* status) {
     typedef typename Arith<T>::type A;
     __shared__ Forward<A> sh;
     const int tid = threadIdx.x;
@@ -599,7 +599,7 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
         }
         T* ob = out + (static_cast<long long>(b) * lq + i0) * d;
 #pragma unroll
-        for (int e = 0; e < FPER; ++e) {  // ---- out = O_acc / l, lse = m + log l
+        for (int e = 0; e < FPER; ++e) {  // ---- out = O_acc / l; m + log l as lse + lse_lo
             const int idx = tid + e * FNT, r = idx / d, c = idx % d;
             if (r < rows) {
                 const A lr = sh.l[r];
@@ -609,12 +609,19 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
         if (tid < rows) {
             const A lr = sh.l[tid];
             A* lb = lse + static_cast<long long>(b) * lq + i0;
+            A* lob = lse_lo + static_cast<long long>(b) * lq + i0;
             if (lr > zero) {
                 for (int f = 0; f < 3; ++f) sh.oc[tid][f] /= to_double(lr);
-                lb[tid] = sh.m[tid] + log_of(lr);
+                // lse rounded, lse_lo the rest (an exact two-sum in double), as
+                // attention/_cpu_fused._finish: lse alone loses log l where m dwarfs it
+                const double mr = to_double(sh.m[tid]), ll = log(to_double(lr));
+                lb[tid] = static_cast<A>(mr + ll);
+                const double hi = to_double(lb[tid]);
+                lob[tid] = static_cast<A>(fabs(mr) >= fabs(ll) ? (mr - hi) + ll : (ll - hi) + mr);
             } else {
                 for (int f = 0; f < 3; ++f) sh.oc[tid][f] = 0.0;
                 lb[tid] = neg_inf(zero);
+                lob[tid] = neg_inf(zero);
             }
         }
         __syncthreads();
@@ -714,17 +721,18 @@ __device__ void vote_product_row(Votes& votes, A (*tile)[FBC], const T* left,
     vote(votes, r, ratio3(p0, p1, p2, o0, o1, o2, coef), locate(p0, p1, o0, o1, cols));
 }
 
-// One tile (query rows [i0, i0 + rows), keys [j0, j0 + cols)) of head b: S, P, dP and dS into
-// sh.s (dS), sh.p, sh.dp, each checked and recomputed once when flagged. qh, kh, vh, doh, lseh,
-// ddh: head b's rows; addh: head b's additive mask (lq x lk), or null. first: the first
-// computation of the tile in this kernel (faults that do not persist hit it only); tiles: inject
-// at tile sites. Dropout when thr > 0 (seed, thr: keep_tile's; ks = 1 / (1 - p)): the tile's
-// keep decisions into sh.keep, and FlashAttention-2's dS = P (fl(dP ks) keep - D), the dropped
-// dP made entry by entry from sh.dp and sh.keep, never stored. Returns 0, or -1 when a
+// One tile (query rows [i0, i0 + rows), keys [j0, j0 + cols)) of head b: S, P, dP and dS into sh.s
+// (dS), sh.p, sh.dp, each checked and recomputed once when flagged. qh, kh, vh, doh, lseh, loh (the
+// log-sum-exp as lse + lse_lo), ddh: head b's rows; addh: head b's additive mask (lq x lk), or
+// null. first: the first computation of the tile in this kernel (faults that do not persist hit it
+// only); tiles: inject at tile sites. Dropout when thr > 0 (seed, thr: keep_tile's; ks = 1 / (1 -
+// p)): the tile's keep decisions into sh.keep, and FlashAttention-2's dS = P (fl(dP ks) keep - D),
+// the dropped dP made entry by entry from sh.dp and sh.keep, never stored. Returns 0, or -1 when a
 // recomputation did not verify. Ends with a barrier.
 template <typename T, typename A>
 __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T* vh,
-                             const T* doh, const A* lseh, const A* ddh, const bool* vis,
+                             const T* doh, const A* lseh, const A* loh, const A* ddh,
+                             const bool* vis,
                              const double* addh, int lq, int lk, int i0, int rows, int j0,
                              int cols, int d, A sc, bool causal, bool check, bool correct,
                              unsigned long long seed, unsigned long long thr, A ks,
@@ -753,19 +761,21 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
     };
     if (checked_product(sh.s, qi, kh, sh.kenc, S_) < 0) return -1;  // ---- S
     __syncthreads();
-    if (tid < rows) {  // ---- mask and scale
+    if (tid < rows) {  // ---- mask and scale, then z - lse (rows that see a key)
         const int r = tid;
         const int lim = causal ? max(0, min(cols, i0 + r - j0 + 1)) : cols;
         const double* add_row = mask_row(addh, i0 + r, lk, j0);
+        const A hi = lseh[i0 + r];
+        const A shift = hi == neg_inf(hi) ? static_cast<A>(0) : hi;
         for (int j = 0; j < cols; ++j)
             sh.s[r][j] = masked_score(sh.s[r][j], sc, j < lim && (!vis || vis[j0 + j]), add_row,
-                                      j);
+                                      j) - shift;
     }
-    // ---- P = exp(z - lse), checked by the softmax invariant
+    // ---- P = exp((z - lse) - lse_lo), checked by the softmax invariant
     if (checked_step(sh.votes, rt, P_, check, correct, rows, i0, j0, [&](int a) {
-            probs_tile(sh.p, sh.s, lseh + i0, f, b, i0, j0, rows, cols, a == 0 && first);
+            probs_tile(sh.p, sh.s, loh + i0, f, b, i0, j0, rows, cols, a == 0 && first);
         }, [&](int r) {
-            vote_probs_row(sh.votes, sh.p, sh.s, lseh[i0 + r], r, cols, params + TOL_P);
+            vote_probs_row(sh.votes, sh.p, sh.s, loh[i0 + r], r, cols, params + TOL_P);
         }) < 0)
         return -1;
     if (checked_product(sh.dp, doi, vh, sh.venc, DP_) < 0) return -1;  // ---- dP = dO V^T
@@ -848,7 +858,8 @@ __global__ void attn_fused_delta(const T* d_out, const T* o, long long rows, int
 template <typename T>
 __global__ void __launch_bounds__(FNT)
 attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
-                       const typename Arith<T>::type* lse, const typename Arith<T>::type* dd,
+                       const typename Arith<T>::type* lse,
+                       const typename Arith<T>::type* lse_lo, const typename Arith<T>::type* dd,
                        const double* qe, const double* doe, const bool* visible,
                        const double* add, long long add_stride, int lq, int lk,
                        int d, double scale, int causal, int check, int correct,
@@ -868,6 +879,7 @@ attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
     const T* vh = v + static_cast<long long>(b) * lk * d;
     const T* doh = d_out + static_cast<long long>(b) * lq * d;
     const A* lseh = lse + static_cast<long long>(b) * lq;
+    const A* loh = lse_lo + static_cast<long long>(b) * lq;
     const A* ddh = dd + static_cast<long long>(b) * lq;
     const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
     const double* addh = head_mask(add, add_stride, b);
@@ -889,9 +901,9 @@ attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
         int st = 0;
         for (int i0 = first_i, step = 0; i0 < lq; i0 += FBR, ++step) {
             const int rows = min(FBR, lq - i0);
-            st = backward_tile(sh, qh, kh, vh, doh, lseh, ddh, vis, addh, lq, lk, i0, rows, j0,
-                               cols, d, sc, causal != 0, check != 0, correct != 0, seed, thr, ks,
-                               params, ft, true, attempt == 0, rt, b);
+            st = backward_tile(sh, qh, kh, vh, doh, lseh, loh, ddh, vis, addh, lq, lk, i0, rows,
+                               j0, cols, d, sc, causal != 0, check != 0, correct != 0, seed, thr,
+                               ks, params, ft, true, attempt == 0, rt, b);
             if (st < 0) break;
             if (drop) {  // ---- the dropped tile P_d = fl(P ks) keep, into sh.dp (dS is made)
                 for (int e = tid; e < rows * cols; e += FNT) {
@@ -971,7 +983,8 @@ attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
 template <typename T>
 __global__ void __launch_bounds__(FNT)
 attn_fused_backward_q(const T* q, const T* k, const T* v, const T* d_out,
-                      const typename Arith<T>::type* lse, const typename Arith<T>::type* dd,
+                      const typename Arith<T>::type* lse,
+                      const typename Arith<T>::type* lse_lo, const typename Arith<T>::type* dd,
                       const double* ke, const bool* visible, const double* add,
                       long long add_stride, int lq, int lk, int d, double scale,
                       int causal, int check, int correct, unsigned long long seed,
@@ -989,6 +1002,7 @@ attn_fused_backward_q(const T* q, const T* k, const T* v, const T* d_out,
     const T* vh = v + static_cast<long long>(b) * lk * d;
     const T* doh = d_out + static_cast<long long>(b) * lq * d;
     const A* lseh = lse + static_cast<long long>(b) * lq;
+    const A* loh = lse_lo + static_cast<long long>(b) * lq;
     const A* ddh = dd + static_cast<long long>(b) * lq;
     const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
     const double* addh = head_mask(add, add_stride, b);
@@ -1009,9 +1023,9 @@ attn_fused_backward_q(const T* q, const T* k, const T* v, const T* d_out,
             const int cols = min(FBC, jend - j0);
             __syncthreads();  // the previous tile's checks are done with the encodings
             if (check) encode_key_block(sh, kh, vh, j0, cols, d);
-            st = backward_tile(sh, qh, kh, vh, doh, lseh, ddh, vis, addh, lq, lk, i0, rows, j0,
-                               cols, d, sc, causal != 0, check != 0, correct != 0, seed, thr, ks,
-                               params, ft, false, attempt == 0, rt, b);
+            st = backward_tile(sh, qh, kh, vh, doh, lseh, loh, ddh, vis, addh, lq, lk, i0, rows,
+                               j0, cols, d, sc, causal != 0, check != 0, correct != 0, seed, thr,
+                               ks, params, ft, false, attempt == 0, rt, b);
             if (st < 0) break;
 #pragma unroll
             for (int e = 0; e < FPER; ++e) {  // ---- dQ += dS K
