@@ -149,13 +149,16 @@ def _implementation(module: nn.Module) -> str | None:
 
 def _attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """``(name, module)`` of the modules that compute an attention product: GPT-Neo's protected
-    self-attention, and modules with an ``is_causal`` flag defined next to transformers'
-    ``ALL_ATTENTION_FUNCTIONS`` (the modules that call it)."""
+    self-attention, and the modules with a ``config`` defined next to transformers'
+    ``ALL_ATTENTION_FUNCTIONS`` that have an ``is_causal`` flag or whose forward names it (the
+    modules that call it; LayoutLM's has no flag)."""
     for name, m in model.named_modules():
         if isinstance(m, ProtectedGPTNeoSelfAttention):
             yield name, m
-        elif hasattr(m, "is_causal") and hasattr(m, "config") and hasattr(
-                sys.modules.get(type(m).__module__), "ALL_ATTENTION_FUNCTIONS"):
+        elif hasattr(m, "config") and hasattr(sys.modules.get(type(m).__module__),
+                                              "ALL_ATTENTION_FUNCTIONS") and (
+                hasattr(m, "is_causal") or "ALL_ATTENTION_FUNCTIONS" in getattr(
+                    getattr(type(m).forward, "__code__", None), "co_names", ())):
             yield name, m
 
 

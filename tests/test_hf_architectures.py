@@ -53,6 +53,8 @@ ARCHITECTURES = {
                dict(BERT_LIKE, **NO_DROPOUT, embedding_size=16)),
     "electra": ("ElectraConfig", "ElectraForMaskedLM",
                 dict(BERT_LIKE, **NO_DROPOUT, embedding_size=16)),
+    # Its self-attention calls the attention function without an is_causal flag.
+    "layoutlm": ("LayoutLMConfig", "LayoutLMForMaskedLM", dict(BERT_LIKE, **NO_DROPOUT)),
     # Multi-head latent attention: value heads narrower than query and key heads (8 and 16).
     "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(LLAMA_LIKE, num_key_value_heads=4, moe_intermediate_size=16,
