@@ -141,10 +141,15 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
 
 def weights_wanted() -> bool:
     """Whether the running forward may collect attention weights: True unless transformers'
-    output collector (``output_attentions`` and its kin) is active and collects none. Called
-    outside a model's forward, or where transformers has no such collector, weights are made."""
+    output collector (``output_attentions`` and its kin) is active and collects none, or the
+    forward runs inside a backward (activation checkpointing's recomputation, outside the
+    model's forward and its collector: nothing collects them there, and the fused core keeps the
+    recomputation's memory O(L)). Called outside a model's forward, or where transformers has no
+    such collector, weights are made."""
     collector = getattr(output_capturing, "_active_collector", None)
     collected = None if collector is None else collector.get()
+    if collected is None and torch._C._current_graph_task_id() != -1:
+        return False
     return not isinstance(collected, dict) or any("attention" in key for key in collected)
 
 

@@ -207,10 +207,10 @@ def test_gradient_checkpointing_equals_eager_and_repairs(reentrant, eager_runs):
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_gradient_checkpointing_with_attention_dropout_keeps_the_forwards_masks(family):
-    """The recomputation in backward runs outside transformers' output collector, so it asks
-    for the attention weights (the unfused core) where the forward did not (the fused core):
-    its dropout must drop what the forward dropped, whichever core runs (it drew a new
-    ``torch.rand`` mask: gradients 8-25% off, the logits equal)."""
+    """The recomputation in backward runs outside transformers' output collector: its dropout
+    must drop what the forward dropped, whichever core runs (it asked for the attention weights,
+    ran the unfused core and drew a new ``torch.rand`` mask: gradients 8-25% off, the logits
+    equal), and it makes no weights (the fused core runs, O(L) memory, as in the forward)."""
     base = build(family, attn_dropout=0.3)
     runs = []
     for checkpointed in (False, True):
@@ -220,6 +220,7 @@ def test_gradient_checkpointing_with_attention_dropout_keeps_the_forwards_masks(
                                                                                False})
         torch.manual_seed(7)
         runs.append(step(model, *batch()))
+        assert {c.last_core for c in attention_cores(model).values()} == {"fused"}
     assert_same_step(runs[1], runs[0])
 
 
