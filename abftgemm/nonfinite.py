@@ -202,7 +202,7 @@ def _settle_item(be: Backend, one: Operands, c: Any, rows: np.ndarray, cols: np.
     delivered = to_host(c[xp.asarray(rows)][:, xp.asarray(cols)]).astype(np.float64)
     allowed = model.allows(delivered)
     passed = ~np.isfinite(delivered) & allowed
-    for pattern, cells in (("input-nonfinite", ~model.inputs_finite),
+    for pattern, cells in (("input-nonfinite", ~model.inputs_finite & allowed),
                            ("overflow", passed & model.inputs_finite)):
         if cells.any():
             report.events.append(_event(site, b, pattern, rows, cols, cells, float("nan"),

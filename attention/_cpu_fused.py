@@ -606,7 +606,7 @@ def _finish(acc: Any, oc: Any, m: Any, l: Any, out: Any, lse: Any, lse_lo: Any) 
                 out[r, c] = acc[r, c] / inv
             for f in range(3):
                 oc[r, f] /= np.float64(inv)
-            mr, ll = np.float64(m[r]), math.log(l[r])
+            mr, ll = np.float64(m[r]), math.log(np.float64(l[r]))
             lse[r] = mr + ll
             hi = np.float64(lse[r])
             lse_lo[r] = (mr - hi) + ll if abs(mr) >= abs(ll) else (ll - hi) + mr

@@ -5,9 +5,10 @@ with ``register_fake`` and ``register_autograd``), so ``torch.compile`` keeps th
 opaque node. As for ``abftgemm::mha_forward`` (:mod:`attention._torch_op`), every argument is
 explicit: the :class:`attention._torch_state.Protection` a call runs under is named by its ``id``,
 and the backward's state travels in a token tensor (:func:`attention._torch_state.token_of`). The
-backward reads ``query``, ``key``, ``value`` and the output (the fused core's backward reads it)
-from autograd's saved tensors, never from the forward's views of them (a compiler may reuse their
-memory, and autograd refuses a backward after an in-place change of them). The operators' bodies
+backward reads ``query``, ``key``, ``value`` and the output (the fused core's backward reads it;
+outside a compiler, only where the fused core ran) from autograd's saved tensors, never from the
+forward's views of them (a compiler may reuse their memory, and autograd refuses a backward after
+an in-place change of them). The operators' bodies
 (:func:`run_core_forward`, :func:`run_core_backward`) run the core on the tensors' memory.
 
 :func:`apply_core` is what :func:`attention.torch_functional.attention_core` calls: outside
@@ -129,7 +130,9 @@ class _EagerCore(torch.autograd.Function):
         out, weights, state = run_core_forward(protection, query, key, value, attn_mask, scale,
                                                is_causal, need_weights, dropout_keep, dropout,
                                                core, mask_grad)
-        ctx.save_for_backward(query, key, value, out, attn_mask if mask_grad else None)
+        fused = state.saved["core"] == "fused"  # whose backward reads the output
+        ctx.save_for_backward(query, key, value, out if fused else None,
+                              attn_mask if mask_grad else None)
         ctx.state = state
         return out, weights
 
@@ -190,7 +193,7 @@ def run_core_forward(protection: Protection, q: torch.Tensor, k: torch.Tensor, v
 
 
 def run_core_backward(state: _CoreSaved, d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor, out: torch.Tensor, mask: torch.Tensor | None = None
+                      v: torch.Tensor, out: torch.Tensor | None, mask: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The body of ``abftgemm::attention_core_backward``: the inputs and the forward's output
     are read from the tensors given here (those autograd kept); ``mask`` is the float mask whose

@@ -97,7 +97,9 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
         of the product's sites checked, finite Q, K and V), else the unfused sites ``scores``,
         ``softmax``, ``context`` (and backward ``d_probs``, ``d_v``, ``softmax_backward``,
         ``d_q``, ``d_k``); ``"fused"`` and ``"unfused"`` force one (``"fused"`` raises
-        ``ValueError`` where it does not apply). CuPy data run the fused core's CUDA kernels
+        ``ValueError`` where it does not apply; on non-finite Q, K or V it raises in
+        ``check="correct"``, after repairing a projection's fault that made them so, and runs
+        the unfused steps in ``"detect"`` and ``"off"``, as ``"auto"`` does). CuPy data run the fused core's CUDA kernels
         with ``"fused"`` only (``"auto"`` keeps them unfused until those kernels have run on a
         GPU). The fused core encodes its operands itself: the
         projections' output checksums are not handed on to it; its outputs get final checks
@@ -419,9 +421,10 @@ class _Pass:
         inp, (q, k, v) = self.inp, (self.env[n] for n in step.ins)
         if (inp.core == "auto" or not self.per_site) and not self._defers() \
                 and finite_reason(q=q, k=k, v=v) is not None:
-            if inp.core != "auto":
+            if inp.core != "auto" and self.ctx.check == "correct":
                 # A projection's fault (found now, repaired in the replay), or the caller's data
-                # (the replay's fused core raises).
+                # (the replay's fused core raises). Detect and off modes leave such a fault in
+                # place: the unfused steps pass it through, as under "auto".
                 raise _Replay(self.settle())
             self.env["lse"] = None
             self.run(steps(CORE_FORWARD, self._unfused_variant()))
@@ -454,6 +457,8 @@ class _Pass:
                 return
             out, state = verify_output(self.env[step.ins[0]], state, ctx)
             self.env.update(zip(step.out.split(", "), (out, state["lse"])))
+            self.inp.fused["lse_lo"] = state["lse_lo"]  # a recomputation's, with its lse
+            self._fused_state = state
             return
         grads = tuple(self.env[n] for n in step.out.split(", "))
         if defer is not None:
@@ -481,8 +486,9 @@ class _Pass:
 
     def _defers(self) -> bool:
         """Whether the fused core's checks are left on the device until this pass's settle:
-        CuPy data, checked, not a replay (:mod:`attention.fused_deferred`)."""
-        return not self.per_site and self.xp is not np and self.ctx.check != "off"
+        CuPy data, ``check="correct"``, not a replay (:mod:`attention.fused_deferred`; detect
+        mode reads them as it goes, and reports what it leaves in place)."""
+        return not self.per_site and self.xp is not np and self.ctx.check == "correct"
 
     def _defer(self, name: str) -> Deferred | None:
         """A new :class:`attention.fused_deferred.Deferred` for the fused core's checks of this

@@ -6,7 +6,7 @@ the fused CUDA core (:mod:`attention._cuda_fused`, :mod:`attention.fused_final`)
 kernels' records, the finiteness of its inputs and its final checks as it goes. In a pass it
 adds each of them to a :class:`Deferred` instead: a count on the device (0: nothing to look at)
 and a *look*, the host work that a nonzero count calls for at the settle (book the kernels'
-findings, judge a failed final check, note a row whose log-sum-exp lost ``log l``). A look
+findings, judge a failed final check, refuse a mask). A look
 returns whether the pass must be replayed: the replay settles every step as it runs and calls the
 fused core alone, which reads, repairs and raises as it does outside a pass.
 """

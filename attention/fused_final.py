@@ -22,9 +22,10 @@ of the kernels that ran (128 x 128 on the CPU, 32 x 32 in CUDA).
     log-sum-exp (which rows see a key); the kernel's ``fused:dV_acc`` check reads ``P`` and the
     accumulator, this one the returned ``dV``. Threshold per column ``c`` (``u`` the unit
     roundoff of the tiles' dtype, ``T`` key tiles): ``sum_i |dO_ic|`` times ``max_i (2u (L_k +
-    2T + |lse_i| + log L_k + 8) + 1.01 u (L_q + 2 T_q))`` (the rows of the recomputed ``P`` sum
-    to 1 within the first term: the float32 log-sum-exp's error and the exponential's, ``sum_j
-    P_ij |log P_ij| <= log L_k``; the second is the accumulation's) plus ``1.01 u_out sum_j
+    2T + |lo_i| + log L_k + 8) + 1.01 u (L_q + 2 T_q))`` (the rows of the recomputed ``P`` sum
+    to 1 within the first term: the error of the log-sum-exp, kept as ``lse + lse_lo`` (``lo``
+    for short; the sum ``l`` and the rounding of ``lo`` and of ``log l``), and the
+    exponential's, ``sum_j P_ij |log P_ij| <= log L_k``; the second is the accumulation's) plus ``1.01 u_out sum_j
     |dV_jc| + L_k u_out tiny_out`` for the rounding to a 16-bit dtype. It has no weighted sum:
     it detects, by column, and does not locate the row. Not with attention dropout: the rows of
     the dropped ``P`` do not sum to 1, and their sums are not carried out of the forward, so a
@@ -42,13 +43,14 @@ of the kernels that ran (128 x 128 on the CPU, 32 x 32 in CUDA).
     no product with ``P``. Threshold, derived against ``P* = softmax(z)`` of the scores ``z`` the
     kernels computed (forward and backward make them alike, as for ``fused:dV_out``), ``O* = (P*
     keep ks) V``, ``u`` the tiles' unit roundoff, ``T``/``T_q`` the key/query tiles, ``x_ij =
-    z_ij - lse_i`` (``sum_j P*_ij |x_ij| <= log L_k``, the entropy), ``G_i = ks sum_c |dO_ic| max_j
+    z_ij - lse_i - lo_i`` (``sum_j P*_ij |x_ij| <= log L_k``, the entropy), ``G_i = ks sum_c |dO_ic| max_j
     |V_jc|`` (``|dP_ij| <= (1 + d u) G_i / ks``, ``sum_j P*_ij keep_ij ks |dO_i| |V_j| <= G_i``)
     and ``A_i = sum_c |dO_ic O_ic|`` (``|D_i| <= A_i``):
 
-    - the backward's ``P_ij = fl(exp(fl(x_ij))) = c_i P*_ij (1 + eta_ij)``: ``c_i = exp(lse*_i -
-      lse_i)`` is common to the row (``|lse_i - lse*_i| <= e_i = 2u (L_k + 2T + |lse_i| + log L_k
-      + 8) + L_k tiny``, ``fused:dV_out``'s bound) and cancels from ``sum_j P (g - D)``; the rest,
+    - the backward's ``P_ij = fl(exp(fl(fl(z_ij - lse_i) - lo_i))) = c_i P*_ij (1 + eta_ij)``
+      (``z_ij - lse_i`` exact where ``P`` matters: the two are within a factor 2): ``c_i =
+      exp(lse*_i - lse_i - lo_i)`` is common to the row (``|lse_i + lo_i - lse*_i| <= e_i = 2u
+      (L_k + 2T + |lo_i| + log L_k + 8) + L_k tiny``, ``fused:dV_out``'s bound) and cancels from ``sum_j P (g - D)``; the rest,
       the exponential's ulp and its argument's rounding, ``sum_j P*_ij |eta_ij| <= h_i = 2.01 u +
       1.01 u (log L_k + e_i)``. So ``sum_j dS_ij = c_i [sum_j P* (g - g*) - (D - dO . O) - dO . (O
       - O*) + sum_j P* ((1 + eta)(1 + theta) - 1)(g - D)]`` (``g`` the ``dP`` the kernel used,
@@ -73,8 +75,8 @@ of the kernels that ran (128 x 128 on the CPU, 32 x 32 in CUDA).
     plus ``(1.01 u + 1.01 u_out + L_k u64) sum_j |dK_jc|`` (the multiplication by ``scale``, the
     rounding to a 16-bit dtype, the float64 column sum) and ``L_k (tiny + u_out tiny_out)`` for
     subnormal results; rows that see no key add nothing (their ``P`` and ``dS`` are 0); a head
-    with ``e_i > 0.5`` (scores so large that float32's log-sum-exp says nothing) has no finite
-    threshold, only INF or NaN sums are flagged there. Worst-case
+    with ``e_i > 0.5`` (over 2^21 keys in float32) has no finite threshold, only INF or NaN sums
+    are flagged there. Worst-case
     bounds: at L = 130, d = 32 (float32 tiles, standard normal data) the threshold is about 0.2%
     of a column's ``sum_j |dK_jc|``, and it grows with ``L``.
     results. It detects by column and does not locate the row.
@@ -341,14 +343,14 @@ def _grad_ratios(saved: dict[str, Any], d_out: Any, dv: Any) -> tuple[Any, Any, 
     """``(|d|/tau, |d|, tau)``, each ``(n, d)``, of the heads' ``dV`` column sums (float64
     sums of the data as stored)."""
     xp = array_module(dv)
-    lse = saved["lse"].astype(np.float64)
+    lse, lo = (saved[name].astype(np.float64) for name in ("lse", "lse_lo"))
     n, lq = lse.shape
     lk = dv.shape[1]
     wt = work_dtype(dv.dtype)
     u = unit_roundoff(wt)
     br, bc = _tiles(dv)
     sees = xp.isfinite(lse)  # a row that sees no key has lse -inf and a zero P row
-    eps = 2 * u * (lk + 2 * -(-lk // bc) + xp.abs(xp.where(sees, lse, 0.0)) + math.log(lk)
+    eps = 2 * u * (lk + 2 * -(-lk // bc) + xp.abs(xp.where(sees, lo, 0.0)) + math.log(lk)
                    + 8) + 1.01 * u * (lq + 2 * -(-lq // br))
     do_sums = _column_sums(d_out, sees)  # over the rows that see a key
     dv_sums = _column_sums(dv, None)
@@ -395,7 +397,7 @@ def dk_column_sums(saved: dict[str, Any], d_out: Any, dk: Any) -> tuple[Any, Any
         The backward's ``dk``.
     """
     xp = array_module(dk)
-    lse = saved["lse"].astype(np.float64)
+    lse, lo = (saved[name].astype(np.float64) for name in ("lse", "lse_lo"))
     n, lq = lse.shape
     lk, d = dk.shape[1], dk.shape[2]
     wt = work_dtype(dk.dtype)
@@ -408,7 +410,7 @@ def dk_column_sums(saved: dict[str, Any], d_out: Any, dk: Any) -> tuple[Any, Any
     p, _ = saved.get("dropout") or (0.0, None)
     ks = float(wt.type(keep_scale(p)))  # the kernels' factor
     sees = xp.isfinite(lse)  # a row that sees no key has a zero dS row
-    eps = xp.where(sees, 2 * u * (lk + 2 * tk + xp.abs(xp.where(sees, lse, 0.0))
+    eps = xp.where(sees, 2 * u * (lk + 2 * tk + xp.abs(xp.where(sees, lo, 0.0))
                                   + math.log(lk) + 8) + lk * tiny, 0.0)
     w = 1.02 * u * (2.01 * (tk + 1) + math.log(lk)) + 1.01 * lk * tiny  # forward weights' error
     dk_sums = _column_sums(dk, None)
@@ -416,8 +418,8 @@ def dk_column_sums(saved: dict[str, Any], d_out: Any, dk: Any) -> tuple[Any, Any
     tau = dk_sums[:, 1] * (1.01 * u + 1.01 * u_out + lk * u64)
     g, a, s = _dk_rows(d_out, saved["out"], _column_abs_max(saved["v"]))
     g *= ks
-    loose = (eps > 0.5).any(1)  # lse's error bound past any use
-    c = xp.exp(xp.minimum(eps, 0.5))  # the row's common factor exp(lse* - lse), at most
+    loose = (eps > 0.5).any(1)  # the log-sum-exp's error bound past any use
+    c = xp.exp(xp.minimum(eps, 0.5))  # the row's common factor exp(lse* - lse - lo), at most
     h = 2.01 * u + 1.01 * u * (math.log(lk) + eps)
     forward = (2.02 * w + 1.01 * u * (lk + 2 * tk + 1) * (1 + 2.02 * w)) * g \
         + (1.02 * u * (lk + 2 * tk + 1) + 1.01 * u_out) * a + u_out * tiny_out * s

@@ -6,6 +6,8 @@ inputs (a projection's fault) repaired first, a non-finite gradient sent to the 
 backward."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -116,6 +118,21 @@ def test_a_projection_fault_to_inf_reaches_the_forced_fused_core_repaired(xp, ki
     assert fault.injected and "k_proj" in layer.sites and layer.cores == ["fused"]
     for g, c in zip(got, clean):
         np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("check", ["detect", "off"])
+def test_outside_correct_mode_such_a_fault_is_left_to_the_unfused_steps(xp, check):
+    """Detect and off modes leave a projection's INF in place: the unfused steps pass it
+    through (as ``core="auto"`` does), and detect mode reports it."""
+    x, dy = _data(5)
+    fault = Fault("inf", "element", seed=6, sites="k_proj")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, layer = _step(xp, x, dy, fault, check=check)
+    assert fault.injected and layer.cores == ["unfused"] and not np.isfinite(got[0]).all()
+    reported = {e.site for e in layer.events if e.action == "reported"}
+    assert ("k_proj" in reported) == (check == "detect") == bool(caught)
 
 
 @pytest.mark.parametrize("xp", BACKENDS)

@@ -10,11 +10,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from abftgemm import UncorrectableError
+from abftgemm import FaultDetectedWarning, UncorrectableError
 from abftgemm.faults import Fault
 from attention.context import Context
 from attention.fused import fused_backward, fused_forward
-from attention.fused_final import DK_SITE, GRAD_SITE, GRAD_SITES, dk_column_sums, verify_grads
+from attention.fused_final import (DK_SITE, GRAD_SITE, GRAD_SITES, _grad_ratios, dk_column_sums,
+                                   verify_grads)
 from test_fused import _data, _run, adversarial_calls
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16),
@@ -157,17 +158,44 @@ def test_verify_grads_runs_the_sites_asked_for():
             verify_grads(saved, do, grads, Context(), sites=bad)
 
 
-def test_scores_beyond_the_log_sum_exp_bound_flag_only_nonfinite_sums():
-    """Scores around 1e9 (float32's log-sum-exp carries no bound there): no finite threshold,
-    clean data pass, a NaN in dK is still found and repaired."""
+@pytest.mark.parametrize("kind", ["nan", "additive"])
+def test_scores_around_1e9_keep_a_finite_threshold(kind):
+    """Scores around 1e9, where float32's ``lse`` alone has lost ``log l`` (the threshold had no
+    finite value there, only INF or NaN sums were flagged): with the log-sum-exp kept as ``lse +
+    lse_lo`` the bound stays finite, clean data pass, and a NaN or an error of 10 thresholds in
+    dK is found and repaired. (Finite, not tight: the worst-case bound is 2000-4000 times a
+    column's ``sum |dK|`` here, where P is nearly one-hot and dK small.)"""
     q, k, v, do = _data(np.random.default_rng(7), 2, 70, 70, 16, spread=3e4)
     saved, (_, dk, _) = _backward(q, k, v, do, causal=True)
     assert np.abs(saved["lse"]).max() > 1e7
     diff, tau = dk_column_sums(saved, do, dk)
-    assert np.isinf(tau).all() and np.isfinite(diff).all()
+    assert np.isfinite(tau).all() and (diff <= tau).all()
     clean = _run(q, k, v, do, Context(), causal=True)
-    ctx = Context(fault_hook=Fault("nan", "element", seed=1, sites=DK_SITE))
+    magnitude = 10 * float(tau.max())
+    ctx = Context(fault_hook=Fault(kind, "element", seed=1, sites=DK_SITE, magnitude=magnitude))
     got = _run(q, k, v, do, ctx, causal=True)
     assert [(e.site, e.action) for e in ctx.report.events] == [(DK_SITE, "recomputed")]
     for g, c in zip(got, clean):
         assert np.array_equal(g, c)
+
+
+def test_a_row_lowered_at_every_key_keeps_the_final_thresholds_tight():
+    """A query row that an additive mask lowers by 1e9 at every key (a padded row): its
+    ``lse`` is about 1e9, but the backward's error comes from ``lse_lo``, not ``u |lse|``, so
+    the dK and dV thresholds stay those of the head without the row (they were INF and 2e7
+    times larger), and a unit error is found."""
+    q, k, v, do = _data(np.random.default_rng(9), 2, 40, 40, 16)
+    mask = np.zeros((40, 40), np.float32)
+    taus = []
+    for low in (0.0, -1e9):
+        mask[7] = low
+        saved, (_, dk, dv) = _backward(q, k, v, do, attn_mask=mask)
+        taus.append((dk_column_sums(saved, do, dk)[1], _grad_ratios(saved, do, dv)[2]))
+    for plain, lowered in zip(*taus):
+        assert np.isfinite(lowered).all() and (lowered <= 2 * plain).all()
+    for site in GRAD_SITES:
+        ctx = Context(check="detect", fault_hook=Fault("additive", "element", seed=3, sites=site,
+                                                       magnitude=1.0))
+        with pytest.warns(FaultDetectedWarning):
+            _run(q, k, v, do, ctx, attn_mask=mask)
+        assert site in ctx.report.sites

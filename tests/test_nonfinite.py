@@ -151,6 +151,8 @@ def test_a_fault_on_an_element_of_nonfinite_inputs_is_corrected(xp, dtype, bad, 
     np.testing.assert_array_equal(to_host(c).astype(np.float64), want)
     found = [e for e in report.events if e.action == "recomputed"]
     assert {(r, j) for e in found for r in e.rows for j in e.cols} >= {(1, 4), (6, 3)}
+    passed = [e for e in report.events if e.pattern == "input-nonfinite"]
+    assert not {(r, j) for e in passed for r in e.rows for j in e.cols} & {(1, 4), (6, 3)}
 
 
 # ---------------------------------------------------- faults next to overflow are still caught

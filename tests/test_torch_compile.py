@@ -126,3 +126,17 @@ def test_the_core_backward_reads_its_saved_output_so_changing_it_in_place_is_cau
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
 
+
+
+def test_the_unfused_core_keeps_no_output_so_changing_it_in_place_is_fine():
+    """The unfused core's backward does not read its output: an in-place change of it after the
+    forward trains as PyTorch's own attention does."""
+    from attention.torch_functional import Protection, attention_core
+
+    q, k, v = (torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out, _ = attention_core(q, k, v, protection=Protection(), core="unfused")
+    out.mul_(2)
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    want = torch.autograd.grad(2 * ref.sum(), (q, k, v))
+    assert all(torch.allclose(g, w, rtol=1e-10, atol=1e-12) for g, w in zip(got, want))
