@@ -24,6 +24,16 @@ def array(t: torch.Tensor) -> Any:
     return to_array(t.detach(), "attention input")
 
 
+def mask_array(t: torch.Tensor) -> Any:
+    """The array of a mask tensor whose values the backward reads: a copy where the core would
+    otherwise hold a view of the tensor's memory (a float64 mask; the core converts others to a
+    float64 array of its own). A compiler reuses the memory of a tensor the autograd graph did
+    not save, and a caller may change it in place: the backward reads the mask of the forward
+    (as ``scaled_dot_product_attention`` does), whatever happens to the tensor."""
+    a = array(t)
+    return a.copy() if t.dtype == torch.float64 else a
+
+
 def autocast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """``tensors`` cast to the ``torch.autocast`` dtype of their device where autocast is on and
     all of them are floating point (as PyTorch's own layers run under it), else as given; a
@@ -48,7 +58,7 @@ def dropout_arrays(drawn: torch.Tensor | None) -> tuple[Any, int | None]:
         return None, None
     if drawn.dtype == torch.int64 and tuple(drawn.shape) == (1,):
         return None, int(drawn.item())
-    return array(drawn), None
+    return array(drawn).copy(), None  # the unfused backward reads it: mask_array's reasons
 
 
 def eager(*tensors: torch.Tensor | None) -> bool:

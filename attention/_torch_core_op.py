@@ -24,8 +24,8 @@ from abftgemm.tensors import device_scope, to_tensor
 from abftgemm.report import Report
 from torch.autograd.function import once_differentiable
 
-from attention._torch_arrays import (array, dropout_arrays, eager, refuse_weights_gradient,
-                                     threads)
+from attention._torch_arrays import (array, dropout_arrays, eager, mask_array,
+                                     refuse_weights_gradient, threads)
 from attention._torch_state import Protection, registered, saved_state, token_of
 from attention.core import core_backward, core_forward
 from attention.workspace import Workspace
@@ -177,7 +177,7 @@ def run_core_forward(protection: Protection, q: torch.Tensor, k: torch.Tensor, v
     with device_scope(q), threads(q):
         out, saved = core_forward(array(q), array(k), array(v), context, scale=scale,
                                   causal=is_causal,
-                                  attn_mask=None if mask is None else array(mask),
+                                  attn_mask=None if mask is None else mask_array(mask),
                                   key_visible=None if visible is None else array(visible),
                                   dropout=dropout, dropout_keep=keep_array,
                                   dropout_seed=seed,

@@ -14,7 +14,7 @@ import torch
 
 from abftgemm.tensors import device_scope, to_tensor
 from abftgemm.report import Report
-from attention._torch_arrays import array, dropout_arrays, threads
+from attention._torch_arrays import array, dropout_arrays, mask_array, threads
 from attention._torch_state import Protection
 from attention.functional import attention_backward, attention_forward
 from attention.workspace import Workspace
@@ -201,7 +201,7 @@ def _attn_mask(mask: torch.Tensor | None, float_padding: torch.Tensor | None, he
     if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(f"attn_mask must be bool or float, got {mask.dtype}")
     if float_padding is None:
-        return None if mask is None else array(mask)
+        return None if mask is None else mask_array(mask)
     add = torch.zeros((n * heads, seq_q, seq_k), dtype=torch.float64, device=float_padding.device)
     if mask is not None:
         if mask.dim() == 3 and mask.shape[0] != n * heads:

@@ -77,7 +77,9 @@ def mha_backward(token: torch.Tensor, dy: torch.Tensor, query: torch.Tensor, key
 
     The backward reads the forward's inputs and parameters from these arguments, not from the
     forward's views of them: so autograd (and a compiler, which would otherwise reuse their
-    memory once the forward is done) keeps them as they were."""
+    memory once the forward is done) keeps them as they were. The masks it reads (a float64
+    ``attn_mask``, the dropout keep mask) the forward copied
+    (:func:`attention._torch_arrays.mask_array`)."""
     from attention._torch_arrays import refuse_weights_gradient
     from attention._torch_mha import run_backward
 

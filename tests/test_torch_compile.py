@@ -140,3 +140,76 @@ def test_the_unfused_core_keeps_no_output_so_changing_it_in_place_is_fine():
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     want = torch.autograd.grad(2 * ref.sum(), (q, k, v))
     assert all(torch.allclose(g, w, rtol=1e-10, atol=1e-12) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("core", ["auto", "unfused"])
+def test_the_backward_reads_the_forwards_mask_whatever_happens_to_it(core):
+    """A float64 ``attn_mask`` changed in place after the forward: the gradients are the
+    forward's, as ``scaled_dot_product_attention``'s (the core held a view of the mask; the
+    fused backward read the new values and raised a false fault)."""
+    from attention.torch_functional import Protection, attention_core
+
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = torch.randn(6, 6, dtype=torch.float64)
+    want = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask).sum(), (q, k, v))
+    out, _ = attention_core(q, k, v, protection=Protection(), attn_mask=mask, core=core)
+    mask.fill_(0.0)
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.allclose(g, w, rtol=1e-10, atol=1e-12) for g, w in zip(got, want))
+
+
+def _compiled_against_eager(f, bias=False):
+    """``f``'s outputs and gradients in q, k, v, eager against inductor-compiled (twice: the
+    cached graph too), with the eager run's dropout masks."""
+    import torch._inductor.config as inductor
+
+    def grads(fn):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(2, 8, 8, dtype=torch.float64, requires_grad=True)
+                   for _ in range(3))
+        extra = (torch.randn(8, 8, dtype=torch.float64),) if bias else ()
+        torch.manual_seed(7)
+        outs = fn(q, k, v, *extra)
+        weights = torch.arange(outs[0].numel(), dtype=outs[0].dtype).view_as(outs[0]).cos()
+        return (*outs, *torch.autograd.grad((outs[0] * weights).sum(), (q, k, v)))
+
+    want = grads(f)
+    with inductor.patch(fallback_random=True):
+        compiled = torch.compile(f)
+        for _ in range(2):
+            got = grads(compiled)
+            assert all(torch.allclose(g, w, rtol=1e-10, atol=1e-12) for g, w in zip(got, want))
+
+
+def test_inductor_keeps_the_float64_mask_the_fused_backward_reads():
+    """A float64 mask made inside a compiled function is a graph buffer that inductor reused
+    once the forward was done (a false fault at fused:dV_out, or gradients off by 1e10 with
+    check="off"): the core copies it."""
+    from attention.torch_functional import Protection, attention_core
+
+    protection = Protection()
+
+    def f(q, k, v, bias):
+        mask = bias * 2.0
+        out, _ = attention_core(q, k, v, protection=protection, attn_mask=mask)
+        return out, bias * out.sum()  # a later buffer of the mask's size
+
+    _compiled_against_eager(f, bias=True)
+    assert protection.last_core == "fused"
+
+
+def test_inductor_keeps_the_dropout_mask_the_unfused_backward_reads():
+    """The unfused core's dropout keep mask, drawn in the compiled graph, was reused for the
+    next call's (dq off by 1.0): the core copies it."""
+    from attention.torch_functional import Protection, attention_core
+
+    first, second = Protection(), Protection()
+
+    def f(q, k, v):
+        out, _ = attention_core(q, k, v, protection=first, dropout_p=0.5, core="unfused")
+        out, _ = attention_core(out, k, v, protection=second, dropout_p=0.5, core="unfused")
+        return (out,)
+
+    _compiled_against_eager(f)
