@@ -173,7 +173,7 @@ def _forced(a: np.ndarray, b: np.ndarray, bias: np.ndarray) -> np.ndarray:
     """(r, c) the outcomes the terms of ``a @ b + bias`` (float64, with their INF and NaN) that
     no summation makes finite allow: counts of ``+INF``, ``-INF`` and NaN terms, each a product
     of indicator matrices (exact in float64)."""
-    fin_a, fin_b = np.isfinite(a), np.isfinite(b)
+    fin_a = np.isfinite(a)
     pos_a, neg_a, pos_b, neg_b = a > 0, a < 0, b > 0, b < 0
     inf_a, minf_a, inf_b, minf_b = a == np.inf, a == -np.inf, b == np.inf, b == -np.inf
     f = np.float64

@@ -260,9 +260,10 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
                   dropout_seed: int | None = None, defer: Deferred | None = None
                   ) -> tuple[cupy.ndarray, dict[str, Any]]:
     """:func:`attention.fused.fused_forward` for CuPy arrays (float16, bfloat16, float32 or
-    float64, head dim at most :data:`MAX_HEAD_DIM`); ``saved["lse"]`` and ``saved["lse_lo"]``
-    are float32 below float64, ``saved["sums"]`` the output rows' carried checksums ``(n, seq_q, 3)`` (float64, as the CPU
-    kernel's; None with ``check="off"``) for :func:`attention.fused_final.verify_output`.
+    float64, head dim at most :data:`MAX_HEAD_DIM`); ``saved["lse"]`` and ``saved["lse_lo"]`` are
+    float32 below float64, ``saved["sums"]`` the output rows' carried checksums ``(n, seq_q, 3)``
+    (float64, as the CPU kernel's; None with ``check="off"``) for
+    :func:`attention.fused_final.verify_output`.
     Dropout's keep decisions are the CPU core's for the same seed; ``ks = 1 / (1 - p)`` is
     rounded to the tile arithmetic's dtype. With ``defer`` (an attention pass's), the
     finiteness of the inputs and the kernel's records are judged at the pass's settle

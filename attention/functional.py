@@ -98,10 +98,10 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
         ``softmax``, ``context`` (and backward ``d_probs``, ``d_v``, ``softmax_backward``,
         ``d_q``, ``d_k``); ``"fused"`` and ``"unfused"`` force one (``"fused"`` raises
         ``ValueError`` where it does not apply; on non-finite Q, K or V it raises in
-        ``check="correct"``, after repairing a projection's fault that made them so, and runs
-        the unfused steps in ``"detect"`` and ``"off"``, as ``"auto"`` does). CuPy data run the fused core's CUDA kernels
-        with ``"fused"`` only (``"auto"`` keeps them unfused until those kernels have run on a
-        GPU). The fused core encodes its operands itself: the
+        ``check="correct"``, after repairing a projection's fault that made them so, and runs the
+        unfused steps in ``"detect"`` and ``"off"``, as ``"auto"`` does). CuPy data run the fused
+        core's CUDA kernels with ``"fused"`` only (``"auto"`` keeps them unfused until those kernels
+        have run on a GPU). The fused core encodes its operands itself: the
         projections' output checksums are not handed on to it; its outputs get final checks
         after it (:mod:`attention.fused_final`, sites ``fused:out``, ``fused:dV_out`` and
         ``fused:dK_out``).

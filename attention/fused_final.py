@@ -20,14 +20,14 @@ of the kernels that ran (128 x 128 on the CPU, 32 x 32 in CUDA).
     column sums of each head's ``dV`` over the keys equal those of ``dO`` over the queries that
     see a key: ``1^T dV = (P 1)^T dO``. The prediction reads only ``dO`` and the saved
     log-sum-exp (which rows see a key); the kernel's ``fused:dV_acc`` check reads ``P`` and the
-    accumulator, this one the returned ``dV``. Threshold per column ``c`` (``u`` the unit
-    roundoff of the tiles' dtype, ``T`` key tiles): ``sum_i |dO_ic|`` times ``max_i (2u (L_k +
-    2T + |lo_i| + log L_k + 8) + 1.01 u (L_q + 2 T_q))`` (the rows of the recomputed ``P`` sum
-    to 1 within the first term: the error of the log-sum-exp, kept as ``lse + lse_lo`` (``lo``
-    for short; the sum ``l`` and the rounding of ``lo`` and of ``log l``), and the
-    exponential's, ``sum_j P_ij |log P_ij| <= log L_k``; the second is the accumulation's) plus ``1.01 u_out sum_j
-    |dV_jc| + L_k u_out tiny_out`` for the rounding to a 16-bit dtype. It has no weighted sum:
-    it detects, by column, and does not locate the row. Not with attention dropout: the rows of
+    accumulator, this one the returned ``dV``. Threshold per column ``c`` (``u`` the unit roundoff
+    of the tiles' dtype, ``T`` key tiles): ``sum_i |dO_ic|`` times ``max_i (2u (L_k + 2T + |lo_i| +
+    log L_k + 8) + 1.01 u (L_q + 2 T_q))`` (the rows of the recomputed ``P`` sum to 1 within the
+    first term: the error of the log-sum-exp, kept as ``lse + lse_lo`` (``lo`` for short; the sum
+    ``l`` and the rounding of ``lo`` and of ``log l``), and the exponential's, ``sum_j P_ij |log
+    P_ij| <= log L_k``; the second is the accumulation's) plus ``1.01 u_out sum_j |dV_jc| + L_k
+    u_out tiny_out`` for the rounding to a 16-bit dtype. It has no weighted sum: it detects, by
+    column, and does not locate the row. Not with attention dropout: the rows of
     the dropped ``P`` do not sum to 1, and their sums are not carried out of the forward, so a
     backward with dropout has no ``fused:dV_out`` check (its ``dV`` is checked by the kernel's
     ``fused:dV_acc`` alone).
@@ -42,22 +42,22 @@ of the kernels that ran (128 x 128 on the CPU, 32 x 32 in CUDA).
     ``dK``, ``Q``, ``dO``, ``O`` (as the backward read it), ``max_j |V_jc|`` and the log-sum-exp;
     no product with ``P``. Threshold, derived against ``P* = softmax(z)`` of the scores ``z`` the
     kernels computed (forward and backward make them alike, as for ``fused:dV_out``), ``O* = (P*
-    keep ks) V``, ``u`` the tiles' unit roundoff, ``T``/``T_q`` the key/query tiles, ``x_ij =
-    z_ij - lse_i - lo_i`` (``sum_j P*_ij |x_ij| <= log L_k``, the entropy), ``G_i = ks sum_c |dO_ic| max_j
-    |V_jc|`` (``|dP_ij| <= (1 + d u) G_i / ks``, ``sum_j P*_ij keep_ij ks |dO_i| |V_j| <= G_i``)
-    and ``A_i = sum_c |dO_ic O_ic|`` (``|D_i| <= A_i``):
+    keep ks) V``, ``u`` the tiles' unit roundoff, ``T``/``T_q`` the key/query tiles, ``x_ij = z_ij -
+    lse_i - lo_i`` (``sum_j P*_ij |x_ij| <= log L_k``, the entropy), ``G_i = ks sum_c |dO_ic| max_j
+    |V_jc|`` (``|dP_ij| <= (1 + d u) G_i / ks``, ``sum_j P*_ij keep_ij ks |dO_i| |V_j| <= G_i``) and
+    ``A_i = sum_c |dO_ic O_ic|`` (``|D_i| <= A_i``):
 
     - the backward's ``P_ij = fl(exp(fl(fl(z_ij - lse_i) - lo_i))) = c_i P*_ij (1 + eta_ij)``
       (``z_ij - lse_i`` exact where ``P`` matters: the two are within a factor 2): ``c_i =
-      exp(lse*_i - lse_i - lo_i)`` is common to the row (``|lse_i + lo_i - lse*_i| <= e_i = 2u
-      (L_k + 2T + |lo_i| + log L_k + 8) + L_k tiny``, ``fused:dV_out``'s bound) and cancels from ``sum_j P (g - D)``; the rest,
-      the exponential's ulp and its argument's rounding, ``sum_j P*_ij |eta_ij| <= h_i = 2.01 u +
-      1.01 u (log L_k + e_i)``. So ``sum_j dS_ij = c_i [sum_j P* (g - g*) - (D - dO . O) - dO . (O
-      - O*) + sum_j P* ((1 + eta)(1 + theta) - 1)(g - D)]`` (``g`` the ``dP`` the kernel used,
-      ``theta`` dS's two roundings), at most ``1.01 c_i`` times ``(d + 2) u G_i`` (the product
-      ``dP`` and the dropout factor) ``+ (u + d u64) A_i`` (``D``'s float64 sum rounded to the
-      tiles' dtype) ``+ F_i + 1.02 (h_i + 2.01 u) (G_i + A_i) + L_k tiny (1 + G_i + A_i)``
-      (flushed entries);
+      exp(lse*_i - lse_i - lo_i)`` is common to the row (``|lse_i + lo_i - lse*_i| <= e_i = 2u (L_k
+      + 2T + |lo_i| + log L_k + 8) + L_k tiny``, ``fused:dV_out``'s bound) and cancels from ``sum_j
+      P (g - D)``; the rest, the exponential's ulp and its argument's rounding, ``sum_j P*_ij
+      |eta_ij| <= h_i = 2.01 u + 1.01 u (log L_k + e_i)``. So ``sum_j dS_ij = c_i [sum_j P* (g -
+      g*) - (D - dO . O) - dO . (O - O*) + sum_j P* ((1 + eta)(1 + theta) - 1)(g - D)]`` (``g`` the
+      ``dP`` the kernel used, ``theta`` dS's two roundings), at most ``1.01 c_i`` times ``(d + 2) u
+      G_i`` (the product ``dP`` and the dropout factor) ``+ (u + d u64) A_i`` (``D``'s float64 sum
+      rounded to the tiles' dtype) ``+ F_i + 1.02 (h_i + 2.01 u) (G_i + A_i) + L_k tiny (1 + G_i +
+      A_i)`` (flushed entries);
     - ``F_i >= |dO_i . (O_i - O*_i)|``, the forward's error of the O the backward read: the online
       softmax gives ``O = acc / l`` with the same weights ``W_j = exp(z_j - m) (1 + omega_j)`` in
       ``acc`` and ``l`` (the same tiles ``p`` and rescalings ``alpha``), ``|omega_j| <= 1.02 u

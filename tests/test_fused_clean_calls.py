@@ -1,9 +1,9 @@
 """scripts/fused_clean_calls.py, the fused core's false-positive campaign, in small: its
 adversarial clean calls (logits near overflow and far beyond, flat rows, key padding, a head that
-sees no key, additive masks with "not allowed" entries, dropout) flag nothing on either backend (the numba kernels; the CUDA kernels on a GPU or on
-``cupy-on-cpu``), return values within the rounding bound of the float64 reference (and the
-comparison does fail on a corrupted value), and it reports what it ran. A GPU session runs it at
-length with ``--backend cupy``."""
+sees no key, additive masks with "not allowed" entries, dropout) flag nothing on either backend
+(the numba kernels; the CUDA kernels on a GPU or on ``cupy-on-cpu``), return values within the
+rounding bound of the float64 reference (and the comparison does fail on a corrupted value), and
+it reports what it ran. A GPU session runs it at length with ``--backend cupy``."""
 from __future__ import annotations
 
 import importlib.util
@@ -16,6 +16,7 @@ import pytest
 from conftest import BACKENDS
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fused_clean_calls.py"
+
 
 def _load(monkeypatch):
     spec = importlib.util.spec_from_file_location("fused_clean_calls", SCRIPT)
