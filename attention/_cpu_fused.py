@@ -398,7 +398,8 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
     be 0. The tolerance also covers the check's own float64 rounding (``log 2`` times the
     exponents' sum, the ``log``, the sum of ``z_ij - m_i``), which counts for float64 data.
     Returns the worst ratio (row sum against its tolerance; at least 1 for a row with ``m_i =
-    -inf`` that is not 0); when it exceeds 1, :func:`_probs_locate` fills ``info`` (as
+    -inf`` that is not 0, and for a negative entry, which the sums would take as flushed: at a
+    hidden key, ``z_ij = -inf``, they would agree); when it exceeds 1, :func:`_probs_locate` fills ``info`` (as
     :func:`_judge`: vector = row, position = key)."""
     rows, cols = p.shape
     flush = like(p, tol[2])
@@ -408,7 +409,7 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
     info[0], info[1], info[2], info[3], info[4] = 0.0, 0.0, 1.0, -1.0, -1.0
     for r in range(rows):
         mr, zr, pr = m[r], z[r], p[r]
-        es = raised = like(p, 0.0)
+        es = raised = negative = like(p, 0.0)
         ms = like(p, 1.0)
         for j in range(cols):  # the data's precision alone: eight float32 lanes
             pv = pr[j]
@@ -417,6 +418,8 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
             es += ex
             ms *= mant  # mantissas in [sqrt(1/2), sqrt(2)): see _MANTISSAS
             raised += like(p, low)
+            negative += like(p, pv < 0)  # taken as flushed above: a hidden key's would pass
+        bad += np.float32(negative)
         lm = math.log(np.float64(ms))
         xs = 0.0
         for j in range(cols):  # the float64 sum in a loop of its own (four lanes)

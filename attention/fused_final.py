@@ -341,7 +341,8 @@ def _output_failures(out: Any, saved: dict[str, Any]) -> Any:
 
 def _grad_ratios(saved: dict[str, Any], d_out: Any, dv: Any) -> tuple[Any, Any, Any]:
     """``(|d|/tau, |d|, tau)``, each ``(n, d)``, of the heads' ``dV`` column sums (float64
-    sums of the data as stored)."""
+    sums of the data as stored); the ratio is also at least ``sum_j |dV_jc|`` over its bound
+    (:func:`_magnitude_ratio`)."""
     xp = array_module(dv)
     lse, lo = (saved[name].astype(np.float64) for name in ("lse", "lse_lo"))
     n, lq = lse.shape
@@ -356,20 +357,33 @@ def _grad_ratios(saved: dict[str, Any], d_out: Any, dv: Any) -> tuple[Any, Any, 
     dv_sums = _column_sums(dv, None)
     tau = eps.max(1)[:, None] * do_sums[:, 1]  # the worst row's eps
     tau += lk * smallest_normal(wt)
+    u_out, tiny_out = 0.0, 0.0
     if dv.dtype != wt:
-        u_out = unit_roundoff(dv.dtype)
-        tau += lk * u_out * smallest_normal(dv.dtype) + 1.01 * u_out * dv_sums[:, 1]
+        u_out, tiny_out = unit_roundoff(dv.dtype), smallest_normal(dv.dtype)
+    # sum_j |dV_jc| <= sum_i |dO_ic| sum_j P_ij: the rows of P sum to 1 within eps
+    bound = do_sums[:, 1] * (1 + eps.max(1)[:, None]) * (1 + 1.01 * u_out) \
+        * (1 + lq * unit_roundoff(np.float64)) + lk * (smallest_normal(wt) + u_out * tiny_out)
+    tau += lk * u_out * tiny_out + 1.01 * u_out * xp.minimum(dv_sums[:, 1], bound)
     diff = xp.abs(do_sums[:, 0] - dv_sums[:, 0])
-    return xp.where(xp.isfinite(diff), diff / tau, xp.inf), diff, tau
+    ratio = xp.where(xp.isfinite(diff), diff / tau, xp.inf)
+    return xp.maximum(ratio, _magnitude_ratio(xp, dv_sums[:, 1], bound)), diff, tau
+
+
+def _magnitude_ratio(xp: Any, magnitude: Any, bound: Any) -> Any:
+    """``sum_j |x_jc|`` over its bound from the inputs, per head and column (INF where not
+    finite): a fault whose values cancel in a column's sum (a pair of opposite near-INF values,
+    a column scaled by a flipped exponent bit) shows in its magnitude."""
+    return xp.where(xp.isfinite(magnitude), magnitude / bound, xp.inf)
 
 
 def _dk_ratios(saved: dict[str, Any], d_out: Any, dk: Any) -> tuple[Any, Any, Any]:
     """``(|d|/tau, |d|, tau)``, each ``(n, d)``, of the heads' ``dK`` column sums against 0
     (module docstring)."""
     xp = array_module(dk)
-    diff, tau = dk_column_sums(saved, d_out, dk)
+    diff, tau, magnitude = dk_column_terms(saved, d_out, dk)
     finite = xp.isfinite(diff)
-    return xp.where(finite, xp.where(finite, diff, 0.0) / tau, xp.inf), diff, tau
+    ratio = xp.where(finite, xp.where(finite, diff, 0.0) / tau, xp.inf)
+    return xp.maximum(ratio, magnitude), diff, tau
 
 
 def _worst_column(xp: Any, ratio: Any, diff: Any, tau: Any
@@ -386,6 +400,7 @@ def dk_column_sums(saved: dict[str, Any], d_out: Any, dk: Any) -> tuple[Any, Any
     """``(|1^T dK|, tau)``, each ``(n, d)``: the absolute column sums of each head's ``dk`` over
     the keys (0 in exact arithmetic) and their thresholds (``fused:dK_out``, module docstring),
     float64 sums of the data as stored, NumPy or CuPy arrays as the data.
+    :func:`dk_column_terms` adds the magnitude check.
 
     Parameters
     ----------
@@ -396,6 +411,13 @@ def dk_column_sums(saved: dict[str, Any], d_out: Any, dk: Any) -> tuple[Any, Any
     dk : ndarray (n, seq_k, d)
         The backward's ``dk``.
     """
+    return dk_column_terms(saved, d_out, dk)[:2]
+
+
+def dk_column_terms(saved: dict[str, Any], d_out: Any, dk: Any) -> tuple[Any, Any, Any]:
+    """:func:`dk_column_sums` and the ratio of each column's ``sum_j |dK_jc|`` to its bound,
+    ``scale sum_i |Q_ic| sum_j |dS_ij|`` with the module docstring's bound on ``sum_j |dS_ij|``
+    (:func:`_magnitude_ratio`)."""
     xp = array_module(dk)
     lse, lo = (saved[name].astype(np.float64) for name in ("lse", "lse_lo"))
     n, lq = lse.shape
@@ -415,7 +437,6 @@ def dk_column_sums(saved: dict[str, Any], d_out: Any, dk: Any) -> tuple[Any, Any
     w = 1.02 * u * (2.01 * (tk + 1) + math.log(lk)) + 1.01 * lk * tiny  # forward weights' error
     dk_sums = _column_sums(dk, None)
     diff = xp.abs(dk_sums[:, 0])
-    tau = dk_sums[:, 1] * (1.01 * u + 1.01 * u_out + lk * u64)
     g, a, s = _dk_rows(d_out, saved["out"], _column_abs_max(saved["v"]))
     g *= ks
     loose = (eps > 0.5).any(1)  # the log-sum-exp's error bound past any use
@@ -426,10 +447,18 @@ def dk_column_sums(saved: dict[str, Any], d_out: Any, dk: Any) -> tuple[Any, Any
     row = 1.01 * c * ((d + 2) * u * g + (u + d * u64) * a + forward
                       + 1.02 * (h + 2.01 * u) * (g + a) + lk * tiny * (1 + g + a))
     row += 1.01 * u * (lq + 2 * tq) * 1.02 * c * (1 + h) * (g + a)
+    floor = lk * (tiny + u_out * tiny_out)  # (u tiny underflows in float64)
+    bound = _add_weighted_abs_columns(  # of sum_j |dK_jc|: sum_j |dS_ij| <= 1.02 c (1+h)(g+a)
+        saved["q"], saved["scale"] * xp.where(sees, 1.02 * c * (1 + h) * (g + a), 0.0),
+        xp.zeros(diff.shape))
+    bound = bound * (1 + 1.01 * u * (lq + 2 * tq)) * (1 + 1.01 * u + 1.01 * u_out) \
+        * (1 + lk * u64) + floor
+    tau = xp.minimum(dk_sums[:, 1], bound) * (1.01 * u + 1.01 * u_out + lk * u64)
     tau = _add_weighted_abs_columns(saved["q"], saved["scale"] * xp.where(sees, row, 0.0), tau)
-    tau += lk * (tiny + u_out * tiny_out)  # (u tiny underflows in float64)
+    tau += floor
     tau = xp.where(loose[:, None], xp.inf, tau)  # only non-finite sums are flagged there
-    return diff, tau
+    magnitude = xp.where(loose[:, None], 0.0, _magnitude_ratio(xp, dk_sums[:, 1], bound))
+    return diff, tau, magnitude
 
 
 # ---- the reductions: numba kernels (attention._cpu_final) for NumPy, array operations for CuPy,

@@ -382,3 +382,29 @@ def test_head_dim_128():
     for g, c in zip(_run(q, k, v, do, ctx, causal=True), got):
         assert np.array_equal(g, c)
     assert "fused:dK_acc" in ctx.report.sites
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("value", [-np.inf, -3.0])
+def test_a_negative_probability_at_a_hidden_key_is_caught(phase, value):
+    """A negative value written into ``P`` where the key is hidden (``z = -inf``, ``P = 0``):
+    the invariant's row sums took it as a flushed entry and agreed with ``z``; forward, ``-inf``
+    then made the row sum ``-inf`` and the row passed as one that sees no key, its output 0
+    (silent). Every negative entry is a fault now: recomputed, the step as without it."""
+    q, k, v, do = _data(np.random.default_rng(3), 2, 40, 40, 8)
+    clean = _run(q, k, v, do, Context(), causal=True)
+    hit = []
+
+    def hook(site, x):
+        if site == "fused:P" and not hit:
+            hit.append(x[0, 5])
+            x[0, 5] = value  # row 0 sees key 0 only: key 5 is hidden
+
+    fwd, bwd = (Context(fault_hook=hook) if phase == p else Context()
+                for p in ("forward", "backward"))
+    out, saved = verify_output(*fused_forward(q, k, v, fwd, causal=True), fwd)
+    grads = verify_grads(saved, do, fused_backward(saved, do, bwd), bwd)
+    report = (fwd if phase == "forward" else bwd).report
+    assert hit == [0.0] and "fused:P" in report.sites
+    for g, c in zip((out, *grads), clean):
+        assert np.array_equal(g, c)

@@ -199,3 +199,34 @@ def test_a_row_lowered_at_every_key_keeps_the_final_thresholds_tight():
         with pytest.warns(FaultDetectedWarning):
             _run(q, k, v, do, ctx, attn_mask=mask)
         assert site in ctx.report.sites
+
+
+@pytest.mark.parametrize("site,dtype,fault", [
+    (DK_SITE, np.float32, "pair"), (DK_SITE, np.float32, "exponent bit"),
+    (GRAD_SITE, np.float16, "pair")])
+def test_a_fault_that_cancels_in_a_column_sum_shows_in_its_magnitude(site, dtype, fault):
+    """A pair of opposite near-INF values in one column, or a whole column scaled by 2^128 (the
+    top bit of each exponent set): the column's sum barely moves, and the threshold grew with
+    the observed magnitude (dK's always, dV's for 16-bit data), so they passed. ``sum_j
+    |x_jc|`` is now judged against its bound from the inputs, and the threshold takes the
+    smaller of the two."""
+    q, k, v, do = (x.astype(dtype) for x in _data(np.random.default_rng(10), 2, 60, 60, 8))
+    clean = _run(q, k, v, do, Context(), causal=True)
+    fired = []
+
+    def hook(name, x):
+        if name != site or fired:
+            return
+        fired.append(name)
+        if fault == "pair":
+            big = 1e10 if dtype == np.float32 else 32752.0
+            x[0, 3, 2], x[0, 9, 2] = big, -big
+        else:
+            column = x[1, :, 4]
+            column[...] = (column.view(np.uint32) | np.uint32(1 << 30)).view(np.float32)
+
+    ctx = Context(fault_hook=hook)
+    got = _run(q, k, v, do, ctx, causal=True)
+    assert fired and [(e.site, e.action) for e in ctx.report.events] == [(site, "recomputed")]
+    for g, c in zip(got, clean):
+        assert np.array_equal(g, c)
