@@ -399,8 +399,8 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
     exponents' sum, the ``log``, the sum of ``z_ij - m_i``), which counts for float64 data.
     Returns the worst ratio (row sum against its tolerance; at least 1 for a row with ``m_i =
     -inf`` that is not 0, and for a negative entry, which the sums would take as flushed: at a
-    hidden key, ``z_ij = -inf``, they would agree); when it exceeds 1, :func:`_probs_locate` fills ``info`` (as
-    :func:`_judge`: vector = row, position = key)."""
+    hidden key, ``z_ij = -inf``, they would agree); when it exceeds 1, :func:`_probs_locate`
+    fills ``info`` (as :func:`_judge`: vector = row, position = key)."""
     rows, cols = p.shape
     flush = like(p, tol[2])
     least = like(p, math.exp(np.float64(flush)))  # log least = flush within its rounding
