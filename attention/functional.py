@@ -621,7 +621,7 @@ class _Pass:
         repaired something."""
         plans = [p for kind, _, p in self._pending if kind == "plan"]
         fused = [(self.ws.slot(name, self.xp, len(d)), d)
-                 for kind, name, d in self._pending if kind == "fused" and len(d)]
+                 for kind, name, d in self._pending if kind == "fused"]
         for slot, deferred in fused:  # on the device, before the ledger's one fetch
             deferred.commit(slot)
         reports = iter(settle_all(plans))
@@ -632,8 +632,6 @@ class _Pass:
             if kind == "plan":
                 found = next(reports)
             elif kind == "fused":
-                if not len(item):
-                    continue
                 ctx = Context(self.ctx.check, self.ctx.plan, self.ctx.fault_hook, found)
                 if item.look(next(slots), ctx) and origin is None:
                     origin = found

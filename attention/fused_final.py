@@ -104,7 +104,7 @@ from attention.context import Context
 from attention.dropout import keep_scale
 from attention.fused import fused_backward, fused_forward, in_work_dtype, work_dtype
 from attention.fused_deferred import Deferred
-from attention.fused_rules import coefficients
+from attention.fused_rules import coefficients, count_checked
 
 #: The final checks' fault-hook and report sites, forward and backward.
 OUTPUT_SITE = "fused:out"
@@ -178,8 +178,8 @@ def verify_grads(saved: dict[str, Any], d_out: Any, grads: tuple[Any, ...], ctx:
 def defer_output(out: Any, saved: dict[str, Any], ctx: Context, defer: Deferred) -> None:
     """:func:`verify_output` in an attention pass on CuPy data: the fault hook now, the check on
     the device, read at the pass's settle (:mod:`attention.fused_deferred`). A failed check is
-    booked there and replays the pass (outside ``detect`` mode), whose fused core is checked
-    and recomputed as :func:`verify_output` does."""
+    booked there and replays the pass, whose fused core is checked and recomputed as
+    :func:`verify_output` does."""
     _hook_and_count(ctx, OUTPUT_SITE, out)
     defer.add(_output_failures(out, saved),
               lambda c: _looked(c, OUTPUT_SITE, _output_ratio(out, saved)))
@@ -216,18 +216,15 @@ def _hook_and_count(ctx: Context, site: str, checked: Any) -> None:
     check of ``site`` in the report."""
     if ctx.fault_hook is not None:
         ctx.fault_hook(site, checked)
-    ctx.report.checked[site] = ctx.report.checked.get(site, 0) + 1
+    count_checked(ctx, (site,))
 
 
 def _looked(ctx: Context, site: str, judged: tuple[float, int, tuple, tuple, float, float]
             ) -> bool:
-    """A deferred final check the device flagged, judged on the host: its finding, and whether
-    the pass is replayed to recompute the core (not in ``detect`` mode, not when the host's
-    judgment passes it)."""
+    """A deferred final check the device flagged, judged on the host (a pass defers them in
+    ``check="correct"`` only): its finding, and the pass's replay to recompute the core, unless
+    the host's judgment passes it."""
     if not judged[0] > 1:
-        return False
-    if ctx.check == "detect":
-        _finding(ctx, site, *judged[1:], "reported", "left in place (check='detect')")
         return False
     _finding(ctx, site, *judged[1:], "recomputed", "recomputed in the pass's replay, which "
              f"checks it again (|d|/threshold {judged[0]:.3g} before)")
@@ -256,8 +253,7 @@ def _verified(ctx: Context, checks: list[_Check], result: Any, redo: Callable[[]
         if ctx.check == "off":
             return result
         if attempt == 0:
-            for site, _, _ in checks:
-                ctx.report.checked[site] = ctx.report.checked.get(site, 0) + 1
+            count_checked(ctx, tuple(site for site, _, _ in checks))
         judged = [(site, ratio(result)) for site, _, ratio in checks]
         bad = [(site, r) for site, r in judged if r[0] > 1]
         worst = max(r[0] for _, r in judged)
