@@ -27,8 +27,10 @@ masked gets probabilities 0 (eager: uniform over the masked keys); the dropout m
 is drawn with PyTorch's generator but not from the same stream as eager's (on the CPU, in float32
 and float64, the seed of the fused core's keep decisions, :mod:`attention.dropout_hash`, so that
 the product runs on the fused core). T5's position bias is added to the scores, and trained
-through the core's checked ``dS``. Refused with a clear error: head masks, ``softcap`` and
-attention sinks.
+through the core's checked ``dS``. Attention sinks (gpt-oss's ``s_aux``: a learned logit per
+head in every query's softmax) join the product as one more key (:mod:`attention.sinks`), and
+are trained through the core's checked ``dK``. Refused with a clear error: head masks, Gemma
+2's ``softcap``, and ``sinks`` passed under that name.
 """
 from __future__ import annotations
 
@@ -44,10 +46,11 @@ from attention.torch_core import ProtectedCore
 
 NAME = "abft"
 #: Keyword arguments transformers may pass that the protected product cannot honour: head masks,
-#: Gemma 2's tanh cap of the scores, attention sinks, the keys a sparse attention selects
+#: Gemma 2's tanh cap of the scores, sinks not given as ``s_aux``, the keys a sparse attention
+#: selects
 #: (DeepSeek-V3.2's indexer and its kin pass them to every implementation but eager's and
 #: sdpa's) and packed sequences' boundaries (FlashAttention's varlen arguments).
-_REFUSED = ("head_mask", "softcap", "s_aux", "sinks", "indices", "block_indices",
+_REFUSED = ("head_mask", "softcap", "sinks", "indices", "block_indices",
             "cu_seq_lens_q", "cu_seq_lens_k")
 
 __all__ = ["NAME", "abft_attention_forward", "core_of", "weights_wanted"]
@@ -87,7 +90,9 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     **kwargs
         ``position_bias`` (T5's, ``(batch or 1, heads, L, S)``) is added to the scores, with its
         gradient when it requires one (the unfused core then runs: that gradient is its
-        checked ``dS``). Others transformers passes (position ids, cache flags,
+        checked ``dS``); ``s_aux`` (attention sinks, ``(heads,)``) joins the softmax
+        (:func:`attention.torch_functional.attention_core`'s ``sinks``). Others transformers
+        passes (position ids, cache flags,
         ``output_attentions``) are ignored; those in ``_REFUSED`` raise ``ValueError`` when
         set, as does a ``sliding_window`` smaller than the number of keys without a mask (the
         window is the mask's part).
@@ -135,7 +140,7 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                 mask, -math.inf))
     wanted = weights_wanted()
     out, weights = core_of(module)(query, key, value, mask, scaling, causal, need_weights=wanted,
-                                   dropout=dropout)
+                                   dropout=dropout, sinks=kwargs.get("s_aux"))
     return out[..., :v_width].transpose(1, 2), weights if wanted else None
 
 

@@ -65,12 +65,15 @@ class ProtectedCore:
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None = None, scale: float | None = None,
                  is_causal: bool = False, need_weights: bool = False,
-                 dropout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 dropout: float = 0.0, sinks: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(out, weights)`` of ``softmax(scale query key^T + attn_mask) value``: the
         :func:`attention.torch_functional.attention_core` of these arguments (``dropout`` its
-        ``dropout_p``) under this module's protection and core."""
+        ``dropout_p``; ``sinks`` its attention sinks) under this module's protection and
+        core."""
         if not 0 <= dropout <= 1:
             raise ValueError(f"dropout must be a probability in [0, 1], got {dropout}")
         return attention_core(query, key, value, protection=self.protection,
                               attn_mask=attn_mask, scale=scale, is_causal=is_causal,
-                              need_weights=need_weights, dropout_p=dropout, core=self.core)
+                              need_weights=need_weights, dropout_p=dropout, core=self.core,
+                              sinks=sinks)

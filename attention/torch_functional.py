@@ -24,6 +24,7 @@ from attention import _torch_core_op, _torch_op
 from attention._torch_arrays import autocast, eager
 from attention._torch_state import Protection
 from attention.fused_choice import check_core
+from attention.sinks import sink_logits, with_sink, without_sink
 
 __all__ = ["Protection", "multi_head_attention", "attention_core"]
 
@@ -113,7 +114,8 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    protection: Protection, attn_mask: torch.Tensor | None = None,
                    scale: float | None = None, is_causal: bool = False,
                    need_weights: bool = False, dropout_p: float = 0.0,
-                   core: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+                   core: str = "auto", sinks: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(out, weights)`` of ``softmax(scale query key^T + attn_mask) value`` with its products
     checksum-protected, differentiable in ``query``, ``key`` and ``value``, and in a float
     ``attn_mask`` that requires grad (a learned position bias: the unfused core then runs, and
@@ -150,11 +152,17 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         applies (CPU, any float dtype, 16-bit ones without dropout, no mask that wants its
         gradient, no fault hook, every call checked, ``need_weights=False``), else the unfused
         one; the others force one.
+    sinks : tensor, optional
+        Attention sinks (gpt-oss's): one logit per head, broadcastable to the leading
+        dimensions ``(...)``, joined to every query's scores (unscaled, unmasked) in the
+        softmax, its probability multiplying no value; differentiable. The product runs with
+        one key, one query and one head dimension more (:mod:`attention.sinks`).
 
     Returns
     -------
     out : tensor (..., L, D)
     weights : tensor (..., L, S) or None
+        Without the sinks' probabilities.
     """
     query, key, value = autocast(query, key, value)
     lead, (seq_q, d), seq_k = query.shape[:-2], query.shape[-2:], key.shape[-2]
@@ -172,12 +180,16 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         n *= size
     q, k, v = (t.reshape(n, -1, d).contiguous() for t in (query, key, value))
     mask, is_causal = _core_mask(attn_mask, lead, n, seq_q, seq_k, bool(is_causal))
-    keep = _dropout_draw((n, seq_q, seq_k), q, float(dropout_p), need_weights, core)
-    out, weights = _torch_core_op.apply_core(
-        protection, q, k, v, mask, 1 / d ** 0.5 if scale is None else float(scale),
-        is_causal, need_weights, keep, float(dropout_p), core)
-    out = out.view(*lead, seq_q, d)
-    return out, (weights.view(*lead, seq_q, seq_k) if need_weights else None)
+    scale = 1 / d ** 0.5 if scale is None else float(scale)
+    if sinks is not None:
+        q, k, v, mask = with_sink(q, k, v, mask, sink_logits(sinks, lead, n), scale)
+    keep = _dropout_draw((n, q.shape[1], k.shape[1]), q, float(dropout_p), need_weights, core)
+    out, weights = _torch_core_op.apply_core(protection, q, k, v, mask, scale, is_causal,
+                                             need_weights, keep, float(dropout_p), core)
+    if sinks is not None:
+        out, weights = without_sink(out, weights, d)
+    out = out.reshape(*lead, seq_q, d)
+    return out, (weights.reshape(*lead, seq_q, seq_k) if need_weights else None)
 
 
 def _dropout_draw(shape: tuple[int, int, int], query: torch.Tensor, p: float,

@@ -55,6 +55,10 @@ ARCHITECTURES = {
                 dict(BERT_LIKE, **NO_DROPOUT, embedding_size=16)),
     # Its self-attention calls the attention function without an is_causal flag.
     "layoutlm": ("LayoutLMConfig", "LayoutLMForMaskedLM", dict(BERT_LIKE, **NO_DROPOUT)),
+    # Attention sinks (a learned logit per head, s_aux), mixture of experts, sliding windows.
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(LLAMA_LIKE, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                     sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
     # Multi-head latent attention: value heads narrower than query and key heads (8 and 16).
     "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(LLAMA_LIKE, num_key_value_heads=4, moe_intermediate_size=16,
