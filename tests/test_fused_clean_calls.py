@@ -43,7 +43,16 @@ def test_the_clean_call_campaign_flags_nothing(xp, dtype, capsys, monkeypatch):
     assert "long (L 70): 1 clean fwd+bwd calls" in out, out
     assert out.count("0 flagged (false positives), 0 raised, 0 with INF/NaN, "
                      "0 with wrong values") == 2, out
-    assert out.count("values: 0 wrong elements") == 2, out
+    assert out.count("values of 16 calls: 0 wrong elements") == 1, out
+    assert out.count("values of 1 calls: 0 wrong elements") == 1, out
+    assert status == 0
+
+
+def test_compare_every_compares_every_nth_call(capsys, monkeypatch):
+    status = _main(["--calls", "10", "--max-len", "30", "--long-calls", "0", "--seed", "4",
+                    "--compare-every", "4"], monkeypatch)
+    out = capsys.readouterr().out
+    assert "10 clean fwd+bwd calls" in out and "values of 3 calls: 0 wrong elements" in out, out
     assert status == 0
 
 
