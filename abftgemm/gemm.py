@@ -117,6 +117,11 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
         raise ValueError(f"directions must be one of {DIRECTIONS}, got {directions!r}")
     if plans is not None and not isinstance(plans, PlanCache):
         raise TypeError(f"plans must be an abftgemm.PlanCache, got {type(plans).__name__}")
+    if fault_hook is not None and not callable(fault_hook):
+        raise TypeError(f"fault_hook must be callable (site, c), got {type(fault_hook).__name__}")
+    if a_checksums is not None and not isinstance(a_checksums, Checksums):
+        raise TypeError("a_checksums must be the Checksums that return_checksums=True gave, got "
+                        f"{type(a_checksums).__name__}")
     report, checksums = Report(), None
     plans = default_plans() if plans is None else plans
     # a layout seen before takes its cached plan without validation (plan_cache.py)

@@ -26,11 +26,14 @@ replacement values, since it is the same GEMM that plain math runs.
 
 Elements whose own inputs (row of ``a``, column of ``b``, bias) hold INF/NaN are judged by the
 terms of their sum that no summation makes finite: an INF or NaN factor times a nonzero one, and a
-non-finite bias (a term with a zero factor is left out, since a BLAS may skip it). A NaN term, or
-``+INF`` and ``-INF`` terms both, allow NaN alone; ``+INF`` terms only, ``+INF`` or NaN; ``-INF``
-terms only, ``-INF`` or NaN; no such term, any value. What they allow is passed through as plain
-math gives it (``input-nonfinite``): a fault that makes such an element finite, or flips its
-infinity's sign, is not. Allowed non-finite elements with finite inputs are a genuine overflow
+non-finite bias. A term of a zero and an INF or NaN factor is NaN, or nothing where a BLAS skips
+it (reference BLAS skips zero factors). A NaN term, or ``+INF`` and ``-INF`` terms both, allow
+NaN alone; ``+INF`` terms only, ``+INF``, or NaN where a zero-factor term or the negative finite
+terms' overflow (``-INF``) can make it; ``-INF`` terms only, likewise; no such term (zero-factor
+terms only), NaN or what the finite terms allow, as above. What they allow is passed through as
+plain math gives it (``input-nonfinite``): a fault that makes such an element NaN where nothing
+can, finite where a NaN or an infinity must stand or other than its finite terms give, or flips
+its infinity's sign, is not. Allowed non-finite elements with finite inputs are a genuine overflow
 (``overflow``), passed through untouched; any other element is a fault: recomputed in correct mode
 (and judged again), reported in detect mode.
 
@@ -104,6 +107,7 @@ class _Model:
     shift: np.ndarray          # (r, c) int: element (i, j) is judged in units of 2**shift
     inputs_finite: np.ndarray  # (r, c) bool: row i of a, column j of b and bias_j are finite
     forced: np.ndarray         # (r, c) int: _ANY, _PLUS, _MINUS or _NAN (module docstring)
+    skippable: np.ndarray      # (r, c) bool: a term of a zero and an INF or NaN factor
     k: int
     dtype: np.dtype
 
@@ -121,10 +125,15 @@ class _Model:
             finite = np.abs(d - self.exact) <= tol
         plus = (d == np.inf) & (up | (self.exact + tol >= out_limit))
         minus = (d == -np.inf) & (down | (self.exact - tol <= -out_limit))
-        nan = np.isnan(d) & up & down
-        nonfinite = np.isnan(d) | (self.forced == _ANY) | ((self.forced == _PLUS) & (d == np.inf)) \
-            | ((self.forced == _MINUS) & (d == -np.inf))
-        return np.where(self.inputs_finite, finite | plus | minus | nan, nonfinite)
+        nan = np.isnan(d)
+        rounding = finite | plus | minus | (nan & up & down)
+        forced = self.forced
+        nonfinite = np.select(
+            [forced == _NAN, forced == _PLUS, forced == _MINUS],
+            [nan, (d == np.inf) | (nan & (self.skippable | down)),
+             (d == -np.inf) | (nan & (self.skippable | up))],
+            nan | rounding)  # _ANY: zero-factor terms only, computed (NaN) or skipped
+        return np.where(self.inputs_finite, rounding, nonfinite)
 
     def tolerance(self) -> np.ndarray:
         """(r, c) how far a finite element may sit from the model (scaled units)."""
@@ -147,7 +156,8 @@ def _model(one: Operands, rows: np.ndarray, cols: np.ndarray) -> _Model:
         to_host(one.bias[xp.asarray(cols)]).astype(np.float64)
     a_finite, b_finite = np.isfinite(a), np.isfinite(b)
     inputs_finite = a_finite.all(1)[:, None] & (b_finite.all(0) & np.isfinite(bias))[None, :]
-    forced = _forced(a, b, bias) if not inputs_finite.all() else np.zeros(inputs_finite.shape, int)
+    forced, skippable = _forced(a, b, bias) if not inputs_finite.all() else \
+        (np.zeros(inputs_finite.shape, int), np.zeros(inputs_finite.shape, bool))
     a, b, bias = np.where(a_finite, a, 0), np.where(b_finite, b, 0), np.nan_to_num(bias)
     shift_a = _shift(np.abs(a).max(1, initial=0))
     shift_b = _shift(np.maximum(np.abs(b).max(0, initial=0), np.abs(bias)))
@@ -160,7 +170,7 @@ def _model(one: Operands, rows: np.ndarray, cols: np.ndarray) -> _Model:
         positive = a_pos @ b_pos + a_neg @ b_neg + np.maximum(bias, 0)
         negative = a_pos @ b_neg + a_neg @ b_pos + np.maximum(-bias, 0)
         exact = a @ b + bias
-    return _Model(exact, positive, negative, shift, inputs_finite, forced, one.k,
+    return _Model(exact, positive, negative, shift, inputs_finite, forced, skippable, one.k,
                   np.dtype(one.dtype))
 
 
@@ -169,10 +179,11 @@ def _model(one: Operands, rows: np.ndarray, cols: np.ndarray) -> _Model:
 _ANY, _PLUS, _MINUS, _NAN = range(4)
 
 
-def _forced(a: np.ndarray, b: np.ndarray, bias: np.ndarray) -> np.ndarray:
-    """(r, c) the outcomes the terms of ``a @ b + bias`` (float64, with their INF and NaN) that
-    no summation makes finite allow: counts of ``+INF``, ``-INF`` and NaN terms, each a product
-    of indicator matrices (exact in float64)."""
+def _forced(a: np.ndarray, b: np.ndarray, bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(forced, skippable)``, (r, c) each: the outcomes the terms of ``a @ b + bias`` (float64,
+    with their INF and NaN) that no summation makes finite allow, from counts of ``+INF``,
+    ``-INF`` and NaN terms, and whether a term has a zero and a non-finite factor; each count a
+    product of indicator matrices (exact in float64)."""
     fin_a = np.isfinite(a)
     pos_a, neg_a, pos_b, neg_b = a > 0, a < 0, b > 0, b < 0
     inf_a, minf_a, inf_b, minf_b = a == np.inf, a == -np.inf, b == np.inf, b == -np.inf
@@ -185,7 +196,9 @@ def _forced(a: np.ndarray, b: np.ndarray, bias: np.ndarray) -> np.ndarray:
         nan = np.isnan(a).astype(f) @ (b != 0) + ((a != 0) & ~np.isnan(a)).astype(f) @ np.isnan(b)
     plus, minus = plus + (bias == np.inf), minus + (bias == -np.inf)
     nan = nan + np.isnan(bias) + ((plus > 0) & (minus > 0))
-    return np.select([nan > 0, plus > 0, minus > 0], [_NAN, _PLUS, _MINUS], _ANY)
+    with blas_scope():
+        skippable = (~fin_a).astype(f) @ (b == 0) + (a == 0).astype(f) @ ~np.isfinite(b)
+    return np.select([nan > 0, plus > 0, minus > 0], [_NAN, _PLUS, _MINUS], _ANY), skippable > 0
 
 
 def _shift(magnitude: np.ndarray) -> np.ndarray:

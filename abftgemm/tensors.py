@@ -44,6 +44,11 @@ def to_array(t: Any, label: str) -> Any:
         raise TypeError(f"matmul: {label} requires grad, and abftgemm.matmul records no autograd "
                         "graph; call it under torch.no_grad() (or use attention.torch for a "
                         "differentiable protected layer)")
+    if t.is_neg() or t.is_conj():  # a lazy negation (torch._neg_view) has no array of its own
+        if label == "out":
+            raise TypeError(f"matmul: {label} has its negative or conjugate bit set; pass a "
+                            "tensor with memory of its own")
+        t = t.resolve_neg().resolve_conj()
     bf16 = t.dtype == torch.bfloat16
     if t.is_cpu and not bf16:
         return t.detach().numpy()  # NumPy's own view of the CPU memory: as DLPack, at a tenth the cost
@@ -117,6 +122,8 @@ def tensor_matmul(matmul: Callable[..., Any], a: Any, b: Any, out: Any | None,
                   bias: Any | None, **options: Any) -> Any:
     """``matmul`` on the arrays behind tensors ``a``, ``b`` (and ``out``, ``bias``); the result
     as a tensor (``out`` itself when given), followed by the report and checksums as arrays."""
+    if is_tensor(a) and is_tensor(b) and a.dtype != b.dtype:  # as torch.matmul: no promotion
+        raise TypeError(f"matmul: a and b must have the same dtype, got {a.dtype} and {b.dtype}")
     with device_scope(next(x for x in (a, b, out, bias) if is_tensor(x))):
         arrays = {label: None if x is None else to_array(x, label) if is_tensor(x) else x
                   for label, x in (("a", a), ("b", b), ("out", out), ("bias", bias))}

@@ -89,6 +89,9 @@ def verify(c: Any, a: Any, b: Any, *, bias: Any | None = None,
     op = Operands.prepare(a, b, bias)
     if is_tensor(c):
         c = to_array(c, "c")
+    if not isinstance(c, op.xp.ndarray):
+        raise TypeError(f"verify: c must be a {op.xp.__name__} array as a and b are, got "
+                        f"{type(c).__name__}")
     if tuple(c.shape) != op.shape or c.dtype != op.dtype:
         raise ValueError(f"verify: c is {c.dtype} {tuple(c.shape)}; a @ b is {op.dtype} {op.shape}")
     be = get_backend(op.xp)

@@ -320,6 +320,21 @@ def test_unsupported_dtypes_raise_clearly(xp, dtype):
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
+def test_bad_options_raise_before_anything_is_written(xp):
+    a, b = xp.ones((4, 6), dtype=np.float32), xp.ones((6, 5), dtype=np.float32)
+    out = xp.full((4, 5), 7.0, dtype=np.float32)
+    for options, match in [({"fault_hook": 5}, "fault_hook must be callable"),
+                           ({"a_checksums": (1, 2)}, "a_checksums must be the Checksums"),
+                           ({"a_checksums": xp.zeros((3, 1, 6))}, "a_checksums must be")]:
+        with pytest.raises(TypeError, match=match):
+            abftgemm.matmul(a, b, out=out, **options)
+        assert (to_host(out) == 7).all()
+    for c in (to_host(out).tolist(), None):
+        with pytest.raises(TypeError, match="c must be a"):
+            abftgemm.verify(c, a, b)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
 def test_mixed_inputs_raise_clearly(xp):
     # Mixed float dtypes and array-likes: tests/test_numpy_semantics.py.
     a = xp.ones((3, 3), dtype=np.float32)

@@ -131,28 +131,60 @@ def test_a_fault_on_an_element_of_nonfinite_inputs_is_corrected(xp, dtype, bad, 
     """The user's INF or NaN in ``a`` and ``b`` makes whole rows and columns non-finite, which
     no checksum judges; a fault there that makes an element finite, flips its infinity's sign
     or turns a NaN into INF is still found (the element's non-finite terms allow none of it)
-    and repaired to plain math's value. A zero beside the INF (``inf * 0``) allows anything."""
+    and repaired to plain math's value. A zero beside the INF (``inf * 0``) is a term a BLAS
+    may skip: NaN, or what the other terms give, and nothing else."""
     a, b = normal((9, 7), 1.0, dtype, 7), normal((7, 5), 1.0, dtype, 8)
     a[1, 2] = bad  # row 1 of the product non-finite (b's row 2 has no zero)
     b[4, 3] = bad  # and column 3
-    b[2, 0] = 0    # element (1, 0): INF * 0, any value
+    b[2, 0] = 0    # element (1, 0): INF * 0 and finite terms
+    b[2, 1] = 0    # element (1, 1) likewise
+    skipped = np.delete(a[1].astype(np.float64), 2) @ np.delete(b[:, 1].astype(np.float64), 2)
 
     def hook(site, c):
         for i, j in ((1, 4), (6, 3)):
             c[..., i, j] = -c[..., i, j] if fault == "negated" else fault
-        c[..., 1, 0] = 7.0
+        c[..., 1, 0] = skipped + 7.0  # neither NaN nor the other terms' sum
+        c[..., 1, 1] = skipped  # the other terms' sum: the INF * 0 term skipped
 
     with np.errstate(invalid="ignore"):
         c_plain = abftgemm.matmul(xp.asarray(a), xp.asarray(b), check="off")
         c, report = abftgemm.matmul(xp.asarray(a), xp.asarray(b), fault_hook=hook,
                                     return_report=True)
     want = to_host(c_plain).astype(np.float64)
-    want[1, 0] = 7.0
+    want[1, 1] = np.float64(np.asarray(skipped, dtype))
     np.testing.assert_array_equal(to_host(c).astype(np.float64), want)
     found = [e for e in report.events if e.action == "recomputed"]
-    assert {(r, j) for e in found for r in e.rows for j in e.cols} >= {(1, 4), (6, 3)}
+    assert {(r, j) for e in found for r in e.rows for j in e.cols} >= {(1, 4), (6, 3), (1, 0)}
     passed = [e for e in report.events if e.pattern == "input-nonfinite"]
-    assert not {(r, j) for e in passed for r in e.rows for j in e.cols} & {(1, 4), (6, 3)}
+    cells = {(r, j) for e in passed for r in e.rows for j in e.cols}
+    assert (1, 1) in cells and not cells & {(1, 4), (6, 3)}
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_nan_is_a_fault_where_no_term_can_make_it(xp, dtype):
+    """An element of ``+INF`` terms and finite ones (no zero beside the INF) is ``+INF`` in any
+    summation: a fault that makes it NaN is found and repaired; where the INF meets a zero
+    (``inf * 0``, NaN or skipped) or the finite terms could overflow to ``-INF``, NaN is plain
+    math's outcome and passes."""
+    a, b = np.ones((4, 3), dtype), np.ones((3, 5), dtype)
+    a[1, 0] = np.inf
+    b[0, 4] = 0
+
+    def hook(site, c):
+        c[..., 1, 2] = np.nan
+
+    with np.errstate(invalid="ignore"):
+        c, report = abftgemm.matmul(xp.asarray(a), xp.asarray(b), fault_hook=hook,
+                                    return_report=True)
+        got = to_host(c).astype(np.float64)
+        faulty = got.astype(dtype)
+        faulty[1, 2] = np.nan
+        verdict = abftgemm.verify(xp.asarray(faulty), xp.asarray(a), xp.asarray(b))
+    assert np.all(got[1, :4] == np.inf) and np.isnan(got[1, 4])
+    assert any((1, 2) == (r, j) for e in report.events if e.action == "recomputed"
+               for r in e.rows for j in e.cols)
+    assert not verdict.clean
 
 
 # ---------------------------------------------------- faults next to overflow are still caught

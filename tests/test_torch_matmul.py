@@ -67,6 +67,20 @@ def test_a_tensor_on_another_device_is_refused_clearly():
         abftgemm.matmul(torch.ones((2, 2), device="meta"), torch.ones((2, 2), device="meta"))
 
 
+def test_lazy_negations_and_mixed_dtypes_as_torch_matmul():
+    """A tensor with its negative bit set is multiplied as torch.matmul multiplies it (an out
+    with it is refused: it has no memory of its own); tensors of two dtypes are refused, as
+    torch.matmul refuses them (NumPy would promote)."""
+    a, b = _ints((4, 6), torch.float32, "cpu", 7), _ints((6, 5), torch.float32, "cpu", 8)
+    neg = torch._neg_view(a)
+    assert neg.is_neg()
+    torch.testing.assert_close(abftgemm.matmul(neg, b), torch.matmul(neg, b), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="negative or conjugate bit"):
+        abftgemm.matmul(a, b, torch._neg_view(torch.zeros(4, 5)))
+    with pytest.raises(TypeError, match="same dtype"):
+        abftgemm.matmul(a, b.double())
+
+
 def test_vector_dot_vector_is_a_0d_tensor():
     got = abftgemm.matmul(torch.arange(4.0), torch.arange(4.0))
     assert isinstance(got, torch.Tensor) and got.shape == () and float(got) == 14.0
