@@ -103,12 +103,20 @@ def protect_pretrained(model: nn.Module, *, check: str = "correct", projections:
     Raises
     ------
     ValueError
-        For a model that neither calls registered attention functions nor is GPT-Neo.
+        For a model that neither calls registered attention functions nor is GPT-Neo, or whose
+        attention caps its scores (Gemma 2's ``attn_logit_softcapping``); the model is left as
+        it was.
     """
     if mlp and not projections:
         raise ValueError("protect: mlp=True needs projections=True")
     if check not in abftgemm.CHECK_MODES:
         raise ValueError(f"check must be one of {abftgemm.CHECK_MODES}, got {check!r}")
+    capped = [name for name, m in model.named_modules()
+              if getattr(m, "attn_logit_softcapping", None) is not None]
+    if capped:  # Gemma 2's tanh cap of the scores: refused now, not at the first forward
+        raise ValueError(f"protect: {type(model).__name__} caps its attention scores "
+                         f"({capped[0]!r} first): the 'abft' attention does not support "
+                         "'softcap'")
     neo = [(name, m) for name, m in model.named_modules() if isinstance(m, GPTNeoSelfAttention)]
     for name, m in neo:
         check_swappable(name, m)
