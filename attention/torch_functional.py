@@ -155,8 +155,9 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     sinks : tensor, optional
         Attention sinks (gpt-oss's): one logit per head, broadcastable to the leading
         dimensions ``(...)``, joined to every query's scores (unscaled, unmasked) in the
-        softmax, its probability multiplying no value; differentiable. The product runs with
-        one key, one query and one head dimension more (:mod:`attention.sinks`).
+        softmax, its probability multiplying no value; differentiable; ``-inf``: no sink. The
+        product runs with one key, one query and one head dimension more
+        (:mod:`attention.sinks`; its report and fault hook see that product).
 
     Returns
     -------
@@ -182,6 +183,9 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     mask, is_causal = _core_mask(attn_mask, lead, n, seq_q, seq_k, bool(is_causal))
     scale = 1 / d ** 0.5 if scale is None else float(scale)
     if sinks is not None:
+        if is_causal and seq_q != seq_k:  # the core's error, with the caller's lengths
+            raise ValueError(f"causal=True needs seq_q == seq_k (got {seq_q} and {seq_k}); pass "
+                             "the mask instead")
         q, k, v, mask = with_sink(q, k, v, mask, sink_logits(sinks, lead, n), scale)
     keep = _dropout_draw((n, q.shape[1], k.shape[1]), q, float(dropout_p), need_weights, core)
     out, weights = _torch_core_op.apply_core(protection, q, k, v, mask, scale, is_causal,

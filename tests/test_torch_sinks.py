@@ -77,6 +77,40 @@ def test_equals_float64_math_with_its_gradients(kind, core):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-11)
 
 
+@pytest.mark.parametrize("core", ["fused", "unfused"])
+@pytest.mark.parametrize("kind", MASKS)
+def test_a_head_without_a_sink(kind, core):
+    """A ``-inf`` sink is no sink: the head's product is plain attention, its sink's gradient
+    0, every gradient finite, no finding (the sink key is hidden, not an INF in ``k``)."""
+    q, k, v, sinks, mask, causal = _case(kind)
+    with torch.no_grad():
+        sinks[0] = -math.inf
+    protection = Protection()
+    out, _ = attention_core(q, k, v, protection=protection, attn_mask=mask, is_causal=causal,
+                            core=core, sinks=sinks)
+    want, _ = _reference(q, k, v, sinks, mask, causal)
+    assert protection.last_core == core and not protection.last_report.events
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    got = _grads(out, (q, k, v, sinks))
+    assert got[3][0] == 0
+    for g, w in zip(got, _grads(want, (q, k, v, sinks))):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-11)
+
+
+def test_a_sink_below_the_dtypes_range_is_no_sink_and_above_it_raises():
+    """float16: ``s / scale`` of -20000 overflows to ``-inf`` (the sink weighs nothing, as in
+    float64); of +20000, or a NaN or ``+inf`` sink, raises."""
+    q, k, v = (t.detach().half() for t in _case("none")[:3])
+    sinks = torch.tensor([-20000.0, 0.5, 1.0], dtype=torch.float16)
+    out, _ = attention_core(q, k, v, protection=Protection(), sinks=sinks)
+    want, _ = _reference(q, k, v, sinks, None, False)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-3)
+    for bad in (20000.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="sinks must be finite or -inf"):
+            attention_core(q, k, v, protection=Protection(),
+                           sinks=torch.tensor([bad, 0.5, 1.0], dtype=torch.float16))
+
+
 def test_float32_on_the_fused_core_within_its_rounding():
     q, k, v, sinks, mask, causal = _case("padded-causal", torch.float32)
     protection = Protection()
@@ -130,16 +164,27 @@ def test_bad_sinks_raise():
             attention_core(q, k, v, protection=Protection(), sinks=sinks)
     with pytest.raises(ValueError, match="non-zero scale"):
         attention_core(q, k, v, protection=Protection(), scale=0.0, sinks=torch.zeros(H))
+    with pytest.raises(ValueError, match=r"seq_q == seq_k \(got 37 and 36\)"):
+        attention_core(q, k[..., 1:, :], v[..., 1:, :], protection=Protection(), is_causal=True,
+                       sinks=torch.zeros(H))
 
 
-def test_compiled_calls_give_the_eager_gradient():
-    q, k, v, sinks, mask, _ = _case("float")
+@pytest.mark.parametrize("kind", ["float", "none"])
+@pytest.mark.parametrize("no_sink", [False, True])
+def test_compiled_calls_give_the_eager_gradient(kind, no_sink):
+    """Compiled whole (``fullgraph``), where no value may be read: every head's sink column is
+    in the mask, hidden where the sink is ``-inf``."""
+    q, k, v, sinks, mask, causal = _case(kind)
+    if no_sink:
+        with torch.no_grad():
+            sinks[1] = -math.inf
     protection = Protection()
 
     def run(q, k, v, sinks):
-        return attention_core(q, k, v, protection=protection, attn_mask=mask, sinks=sinks)[0]
+        return attention_core(q, k, v, protection=protection, attn_mask=mask, is_causal=causal,
+                              sinks=sinks)[0]
 
     eager = _grads(run(q, k, v, sinks), (q, k, v, sinks))
     compiled = torch.compile(run, backend="aot_eager", fullgraph=True)
     for g, w in zip(_grads(compiled(q, k, v, sinks), (q, k, v, sinks)), eager):
-        torch.testing.assert_close(g, w, rtol=0, atol=0)
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-14)
