@@ -103,6 +103,7 @@ from attention import _cpu_fused as K
 from attention.context import Context
 from attention.dropout import keep_scale
 from attention.fused import fused_backward, fused_forward, in_work_dtype, work_dtype
+from attention.fused_choice import all_finite
 from attention.fused_deferred import Deferred
 from attention.fused_rules import coefficients, count_checked
 
@@ -270,9 +271,14 @@ def _verified(ctx: Context, checks: list[_Check], result: Any, redo: Callable[[]
             for site, r in first:
                 _finding(ctx, site, *r[1:], "reported", "recomputed the whole pass, "
                          f"which still failed its check: |d|/threshold {worst:.3g}")
-            raise UncorrectableError(f"{', '.join(s for s, _ in bad)}: the fused core's output "
-                                     "still fails its final check after recomputation",
-                                     ctx.report)
+            flagged = [checked(result) for site, checked, _ in checks if site in dict(bad)]
+            raise UncorrectableError(
+                f"{', '.join(s for s, _ in bad)}: the fused core's output still fails its "
+                "final check after recomputation" + (
+                    "; it holds INF or NaN, which a genuine overflow of "
+                    f"{flagged[0].dtype} also gives (the unfused core, core='unfused', passes "
+                    "an overflow through as plain math gives it)"
+                    if not all(all_finite(x) for x in flagged) else ""), ctx.report)
         first = bad
         result = redo()
     return result

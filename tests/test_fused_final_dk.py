@@ -230,3 +230,18 @@ def test_a_fault_that_cancels_in_a_column_sum_shows_in_its_magnitude(site, dtype
     assert fired and [(e.site, e.action) for e in ctx.report.events] == [(site, "recomputed")]
     for g, c in zip(got, clean):
         assert np.array_equal(g, c)
+
+
+def test_a_dk_beyond_float16s_range_raises_naming_overflow():
+    """Scores scaled by 1e30 make one-hot rows: dK is 0 in exact arithmetic, and its rounding
+    noise times the scale is past float16's range in the kernels' float32 (INF once rounded).
+    The recomputation gives the same INF: the error says what INF may be."""
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal(shape).astype(np.float16)
+                   for shape in ((1, 20, 16), (1, 33, 16), (1, 33, 16), (1, 20, 16)))
+    ctx = Context()
+    out, saved = fused_forward(q, k, v, ctx, scale=1e30)
+    grads = fused_backward(saved, do, ctx)
+    assert not np.isfinite(grads[1]).all()
+    with pytest.raises(UncorrectableError, match="genuine overflow of float16"):
+        verify_grads(saved, do, grads, ctx)
