@@ -158,6 +158,9 @@ BAD_FLAGS = [
     ["train", "--steps", "0"],
     ["train", "--lr", "-1"],
     ["campaign", "--trials", "two"],
+    ["campaign", "--seed", "-1"],                   # a traceback from NumPy's generator
+    ["train", "--seed", "-1"],
+    ["demo", "--seed", "-5"],
     ["train", "--no-such-flag"],
 ]
 
@@ -215,6 +218,21 @@ def test_out_that_cannot_be_a_folder_is_refused_before_any_work(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--out {out}: a file is in the way" in err
     assert blocker.read_text() == "not a folder"
+
+
+def test_a_step_non_finite_without_a_fault_ends_the_checkpoint_run(tmp_path: Path) -> None:
+    """A learning rate that makes the loss non-finite with no fault: checkpoint/restore replays
+    the same step to the same result, and the run ends there (it looped forever), non-trainable;
+    the loss differences report NaN, not the finite steps' largest."""
+    status = main(["train", "--backend", "numpy", "--out", str(tmp_path), "--no-progress",
+                   "--steps", "10", "--fault-rate", "0", "--checkpoint-every", "2", "--lr",
+                   "1e30", "--batch", "2", "--layers", "1", "--d-ff", "8", *TINY_LAYER])
+    assert status == 0
+    runs = json.loads((tmp_path / "train.json").read_text())["runs"]
+    assert runs["checkpoint"]["non_trainable_at"] is not None
+    assert runs["unprotected"]["non_trainable_at"] is not None
+    assert runs["unprotected"]["max_abs_loss_diff"] in (None, "nan") or \
+        math.isnan(runs["unprotected"]["max_abs_loss_diff"])
 
 
 def test_kind_minus_inf_is_a_value_not_a_flag() -> None:

@@ -20,6 +20,7 @@ single-threaded: see bench/NOTES.md on threads next to OpenBLAS.)
 from __future__ import annotations
 
 import argparse
+import os
 import importlib
 import subprocess
 import sys
@@ -150,6 +151,8 @@ def _output_folder(out: Path) -> None:
             if not part.is_dir():
                 raise _BadFlags(f"--out {out}: a file is in the way ({part}); --out names a "
                                 "folder")
+            if not os.access(part, os.W_OK | os.X_OK):
+                raise _BadFlags(f"--out {out}: cannot write in {part}")
             return
 
 
@@ -284,6 +287,9 @@ def _demo(args: argparse.Namespace) -> int:
     from attention.experiments.campaign import CampaignConfig
     from attention.experiments.train import TrainConfig
 
-    campaign = CampaignConfig(trials=2, clean_trials=10, seed=args.seed)
-    train = TrainConfig(steps=200, checkpoint_every=20, seed=args.seed)
+    try:
+        campaign = CampaignConfig(trials=2, clean_trials=10, seed=args.seed)
+        train = TrainConfig(steps=200, checkpoint_every=20, seed=args.seed)
+    except ValueError as exc:
+        raise _BadFlags(str(exc)) from None
     return _run_campaign(campaign, args) or _run_train(train, args)

@@ -139,7 +139,7 @@ class TrainConfig:
                     "--seq": (self.seq, 2), "--d-model": (self.d_model, 1),
                     "--heads": (self.n_heads, 1), "--layers": (self.n_layers, 1),
                     "--d-ff": (self.d_ff, 1), "--checkpoint-every": (self.checkpoint_every, 1),
-                    "--corpus-chars": (self.corpus_chars, self.seq + 2)}
+                    "--corpus-chars": (self.corpus_chars, self.seq + 2), "--seed": (self.seed, 0)}
         for flag, (value, low) in at_least.items():
             if value < low:
                 raise ValueError(f"{flag} must be at least {low}, got {value}")
@@ -362,6 +362,9 @@ def _run_checkpointed(trainer: _Trainer, schedule: dict[int, ScheduledFault], di
         fired.add(step)
         loss, grads = trainer.grads(step, "off", fault, result)
         if not trainer.finite(loss, grads):
+            if fault is None and step <= replay_until:  # the same step without a fault: again
+                result.non_trainable_at = step  # non-finite on replay, which cannot end
+                break
             result.restores.append({"at": step, "from": saved_at})
             result.load_seconds += _timed(trainer.opt.load, path, trainer.xp)
             replay_until, step = step, saved_at
@@ -489,7 +492,8 @@ def _max_diff(losses: list[float | None], reference: list[float | None]) -> floa
     pairs = [(a, b) for a, b in zip(losses, reference) if a is not None and b is not None]
     if not pairs:
         return None
-    return max(abs(a - b) if math.isfinite(a - b) else math.nan for a, b in pairs)
+    diffs = [abs(a - b) for a, b in pairs]
+    return max(diffs) if all(math.isfinite(x) for x in diffs) else math.nan
 
 
 def _last(losses: list[float | None]) -> float | None:
