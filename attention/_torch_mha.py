@@ -175,7 +175,7 @@ class _Call:
     def weights(self, average: bool) -> torch.Tensor:
         """The attention probabilities of this call, as torch returns them (no gradient)."""
         n, seq_q, seq_k = self.shape
-        probs = to_tensor(self.probs).view(n, -1, seq_q, seq_k)
+        probs = to_tensor(self.probs).view(n, self.heads, seq_q, seq_k)
         # The probabilities are also saved for backward: hand out a new tensor, never a view.
         return probs.mean(dim=1) if average else probs.clone()
 
@@ -200,13 +200,13 @@ def _attn_mask(mask: torch.Tensor | None, float_padding: torch.Tensor | None, he
     padding mask is folded in as a float (N * heads, L, S) mask, the way torch merges them."""
     if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(f"attn_mask must be bool or float, got {mask.dtype}")
+    if mask is not None and tuple(mask.shape) not in ((seq_q, seq_k), (n * heads, seq_q, seq_k)):
+        raise ValueError(f"attn_mask must have shape {(seq_q, seq_k)} or "
+                         f"{(n * heads, seq_q, seq_k)}, got {tuple(mask.shape)}")
     if float_padding is None:
         return None if mask is None else mask_array(mask)
     add = torch.zeros((n * heads, seq_q, seq_k), dtype=torch.float64, device=float_padding.device)
     if mask is not None:
-        if mask.dim() == 3 and mask.shape[0] != n * heads:
-            raise ValueError(f"a 3-D attn_mask must have shape {(n * heads, seq_q, seq_k)}, got "
-                             f"{tuple(mask.shape)}")
         add += (mask.to(torch.float64).masked_fill(mask, -math.inf) if mask.dtype == torch.bool
                 else mask.to(torch.float64)).detach()
     add.view(n, heads, seq_q, seq_k).add_(float_padding.detach().to(torch.float64)[:, None, None])

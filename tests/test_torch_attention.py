@@ -453,6 +453,25 @@ def test_bad_inputs_raise_clearly():
     nested = torch.nested.nested_tensor([torch.randn(L, E), torch.randn(L - 1, E)])
     with pytest.raises(ValueError, match="nested tensor.*use_nested_tensor"):
         mine(nested, nested, nested)
+    for padding in (None, torch.zeros(N, L), torch.zeros(N, L, dtype=torch.bool)):
+        for shape in ((L,), (1, L), (L, 1), (N * HEADS, 1, L), (1, L, L), (1, 1, L, L)):
+            # as stock refuses them: a float padding mask once broadcast them in
+            with pytest.raises(ValueError, match="attn_mask must have shape"):
+                mine(x, x, x, key_padding_mask=padding, attn_mask=torch.zeros(shape))
+
+
+@pytest.mark.parametrize("empty", ["batch", "query", "key"])
+def test_empty_inputs_return_what_stock_returns(empty):
+    stock, mine = pair(torch.float32)
+    n, seq_q, seq_k = (0 if empty == "batch" else N, 0 if empty == "query" else L,
+                       0 if empty == "key" else S)
+    q, kv = torch.randn(n, seq_q, E), torch.randn(n, seq_k, E)
+    for weights in (True, False):
+        got, want = mine(q, kv, kv, need_weights=weights), stock(q, kv, kv, need_weights=weights)
+        assert got[0].shape == want[0].shape
+        assert (got[1] is None) == (want[1] is None)
+        if weights:
+            assert got[1].shape == want[1].shape
 
 
 @pytest.mark.parametrize("weights", [True, False], ids=["unfused", "fused"])
