@@ -93,6 +93,10 @@ def multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     self_attention = query is key and key is value
     query, key, value, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias = autocast(
         query, key, value, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dtype != in_proj_weight.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}; the projection weights have "
+                            f"{in_proj_weight.dtype}")
     keep = _dropout_draw((query.shape[0] * num_heads, query.shape[1], key.shape[1]), query,
                          float(dropout_p), need_weights, core)
     y, weights, _ = _torch_op.mha_forward(

@@ -453,6 +453,9 @@ def test_bad_inputs_raise_clearly():
     nested = torch.nested.nested_tensor([torch.randn(L, E), torch.randn(L - 1, E)])
     with pytest.raises(ValueError, match="nested tensor.*use_nested_tensor"):
         mine(nested, nested, nested)
+    for args in ((x.double(), x, x), (x, x.double(), x.double())):
+        with pytest.raises(TypeError, match="(query|key) has dtype torch.float64; the projection"):
+            mine(*args)
     for padding in (None, torch.zeros(N, L), torch.zeros(N, L, dtype=torch.bool)):
         for shape in ((L,), (1, L), (L, 1), (N * HEADS, 1, L), (1, L, L), (1, 1, L, L)):
             # as stock refuses them: a float padding mask once broadcast them in
