@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from attention.experiments import cli
-from attention.experiments.campaign import COUNTS, DEFAULT_SITES, KINDS, OUTCOMES
+from attention.experiments.campaign import COUNTS, DEFAULT_SITES, KINDS, OUTCOMES, CampaignConfig
 from attention.experiments.cli import main
 from abftgemm.faults import PATTERNS
 from conftest import GPU
@@ -233,6 +233,13 @@ def test_a_step_non_finite_without_a_fault_ends_the_checkpoint_run(tmp_path: Pat
     assert runs["unprotected"]["non_trainable_at"] is not None
     assert runs["unprotected"]["max_abs_loss_diff"] in (None, "nan") or \
         math.isnan(runs["unprotected"]["max_abs_loss_diff"])
+
+
+def test_a_value_given_twice_is_one_cell() -> None:
+    config = CampaignConfig(sites=("gemm", "gemm"), kinds=("inf", "inf", "nan"),
+                            patterns=("element", "element"))
+    assert (config.sites, config.kinds, config.patterns) == (("gemm",), ("inf", "nan"),
+                                                             ("element",))
 
 
 def test_kind_minus_inf_is_a_value_not_a_flag() -> None:

@@ -198,6 +198,8 @@ class CampaignConfig:
             if given:
                 raise ValueError(f"{', '.join(given)}: for --model layer only (a --model family "
                                  "runs float32 and faults the model's own sites)")
+        for name in ("sites", "kinds", "patterns"):  # a value given twice is one cell
+            object.__setattr__(self, name, tuple(dict.fromkeys(getattr(self, name))))
         if self.core == "fused" and self.sites == DEFAULT_SITES:
             object.__setattr__(self, "sites", fused_campaign.SITES)
         site_choices = fused_campaign.SITES if self.core == "fused" else DEFAULT_SITES

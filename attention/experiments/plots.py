@@ -150,7 +150,9 @@ def loss_curves(summary: dict[str, Any], path: Path) -> None:
                 clip_on=False, label="fault" if i == 0 else None)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy")
-    ax.set_title("Character-level GPT under faults")
+    model = summary.get("config", {}).get("model", "gpt")
+    ax.set_title("Character-level GPT under faults" if model == "gpt" else
+                 f"Hugging Face {model} under faults")
     ax.legend()
     fig.savefig(path, dpi=120)
     plt.close(fig)
