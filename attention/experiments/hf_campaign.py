@@ -75,7 +75,9 @@ def run(config: Any, device: str = "cpu", progress: bool = True) -> dict[str, An
     for site, kind, trial in tqdm(cells, desc=f"campaign {config.model}", leave=False,
                                   disable=None if progress else True):
         for protected in (False, True):
-            fault = Fault(pattern="element", seed=trial, sites=site, **kinds[kind])
+            # --seed moves the faults too (the default, 0, gives seed = trial)
+            fault = Fault(pattern="element", seed=config.seed * 100_003 + trial, sites=site,
+                          **kinds[kind])
             losses, result = _train(trainer(), config.steps, "correct" if protected else "off",
                                     fault)
             bad = next((i for i, x in enumerate(losses) if not math.isfinite(x)), None)
