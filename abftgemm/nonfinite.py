@@ -194,10 +194,9 @@ def _forced(a: np.ndarray, b: np.ndarray, bias: np.ndarray) -> tuple[np.ndarray,
         minus = inf_a.astype(f) @ neg_b + minf_a.astype(f) @ pos_b \
             + (fin_a & pos_a).astype(f) @ minf_b + (fin_a & neg_a).astype(f) @ inf_b
         nan = np.isnan(a).astype(f) @ (b != 0) + ((a != 0) & ~np.isnan(a)).astype(f) @ np.isnan(b)
+        skippable = (~fin_a).astype(f) @ (b == 0) + (a == 0).astype(f) @ ~np.isfinite(b)
     plus, minus = plus + (bias == np.inf), minus + (bias == -np.inf)
     nan = nan + np.isnan(bias) + ((plus > 0) & (minus > 0))
-    with blas_scope():
-        skippable = (~fin_a).astype(f) @ (b == 0) + (a == 0).astype(f) @ ~np.isfinite(b)
     return np.select([nan > 0, plus > 0, minus > 0], [_NAN, _PLUS, _MINUS], _ANY), skippable > 0
 
 

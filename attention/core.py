@@ -30,7 +30,7 @@ from attention.fused import fused_backward, fused_forward
 from attention.fused_choice import (CORE_SITES, CORES, backward_reason,  # noqa: F401
                                      check_core, finite_reason, static_reason)
 from attention.fused_final import verify_grads, verify_output
-from attention.fused_rules import key_visible_of
+from attention.fused_rules import check_causal, key_visible_of
 from attention.functional import (_additive, backward_pass, check_mask_grad, forward_pass,
                                   mask_gradient)
 from attention.passes import CORE_BACKWARD, CORE_FORWARD, Variant
@@ -203,9 +203,7 @@ def _inputs(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
     if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"q {q.shape}, k {k.shape} and v {v.shape} must be (n, seq_q, d), "
                          "(n, seq_k, d), (n, seq_k, d)")
-    if causal and q.shape[1] != k.shape[1]:
-        raise ValueError(f"causal=True needs seq_q == seq_k (got {q.shape[1]} and {k.shape[1]});"
-                         " pass the mask instead")
+    check_causal(causal, q.shape[1], k.shape[1])
     if q.shape[2] < 1:
         raise ValueError(f"head_dim must be at least 1, got q {q.shape}")
     scale = 1 / math.sqrt(q.shape[2]) if scale is None else float(scale)

@@ -84,6 +84,14 @@ def dscores_tolerance(dtype: np.dtype, length: int = K.BC) -> np.ndarray:
     return np.array([4 * unit_roundoff(dtype) + 4 * length * _U64, smallest_normal(dtype)])
 
 
+def check_causal(causal: bool, seq_q: int, seq_k: int) -> None:
+    """``causal`` (query ``i`` sees keys ``j <= i``) only for a square product: the rule of both
+    cores and of the PyTorch entry points, which check it before they change the shapes."""
+    if causal and seq_q != seq_k:
+        raise ValueError(f"causal=True needs seq_q == seq_k (got {seq_q} and {seq_k}); pass the "
+                         "mask instead")
+
+
 def check_inputs(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
                  finite: Callable[[Any], bool]) -> float:
     """The input checks both backends share, after each checked its array type and dtypes:
@@ -99,8 +107,7 @@ def check_inputs(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
                          "(n, seq_k, d), (n, seq_k, d)")
     if min(q.shape) < 1 or k.shape[1] < 1:
         raise ValueError(f"every dimension must be at least 1, got q {q.shape}, k {k.shape}")
-    if causal and q.shape[1] != k.shape[1]:
-        raise ValueError(f"causal=True needs seq_q == seq_k (got {q.shape[1]} and {k.shape[1]})")
+    check_causal(causal, q.shape[1], k.shape[1])
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not finite(t):
             raise ValueError(f"{name} holds INF or NaN; the fused core takes finite data only "

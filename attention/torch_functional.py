@@ -24,6 +24,7 @@ from attention import _torch_core_op, _torch_op
 from attention._torch_arrays import autocast, eager
 from attention._torch_state import Protection
 from attention.fused_choice import check_core
+from attention.fused_rules import check_causal
 from attention.sinks import sink_logits, with_sink, without_sink
 
 __all__ = ["Protection", "multi_head_attention", "attention_core"]
@@ -187,9 +188,7 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     mask, is_causal = _core_mask(attn_mask, lead, n, seq_q, seq_k, bool(is_causal))
     scale = 1 / d ** 0.5 if scale is None else float(scale)
     if sinks is not None:
-        if is_causal and seq_q != seq_k:  # the core's error, with the caller's lengths
-            raise ValueError(f"causal=True needs seq_q == seq_k (got {seq_q} and {seq_k}); pass "
-                             "the mask instead")
+        check_causal(is_causal, seq_q, seq_k)  # the core's error, with the caller's lengths
         q, k, v, mask = with_sink(q, k, v, mask, sink_logits(sinks, lead, n), scale)
     keep = _dropout_draw((n, q.shape[1], k.shape[1]), q, float(dropout_p), need_weights, core)
     out, weights = _torch_core_op.apply_core(protection, q, k, v, mask, scale, is_causal,

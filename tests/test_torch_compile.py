@@ -127,7 +127,6 @@ def test_the_core_backward_reads_its_saved_output_so_changing_it_in_place_is_cau
         out.sum().backward()
 
 
-
 def test_the_unfused_core_keeps_no_output_so_changing_it_in_place_is_fine():
     """The unfused core's backward does not read its output: an in-place change of it after the
     forward trains as PyTorch's own attention does."""

@@ -20,8 +20,8 @@ single-threaded: see bench/NOTES.md on threads next to OpenBLAS.)
 from __future__ import annotations
 
 import argparse
-import os
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
