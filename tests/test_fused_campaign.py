@@ -14,8 +14,9 @@ from abftgemm.faults import Fault
 from attention.context import Context
 from attention.experiments.campaign import CampaignConfig, OUTCOMES, run_campaign
 from attention.experiments.cli import main
-from attention.experiments.fused_campaign import (SITES, FusedTestbed, backend_problem,
-                                                  site_dtype)
+from attention.dropout_hash import keep_mask
+from attention.experiments.fused_campaign import (MASKS, SITES, FusedTestbed, backend_problem,
+                                                  exact, masks, site_dtype, sites_of)
 from attention.fused import FUSED_SITES
 from attention.fused_final import FINAL_SITES
 from conftest import BACKENDS
@@ -74,6 +75,61 @@ def test_numpy_campaign_on_16bit_data(dtype):
             assert r["silent"] + r["silent_within_bound"] == r["trials"], r
 
 
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_fault_free_runs_with_masks_and_dropout_are_float64_attention(mask, dropout):
+    """The testbed's fault-free run with each mask and dropout equals float64 attention with the
+    same mask and keep decisions (``exact``: what the campaign's noise term is measured against),
+    and each mask does what MASKS says."""
+    shape = (3, 150, 16)
+    bench = FusedTestbed("float32", shape, 0, np, 0, mask, dropout)
+    causal, visible, add = masks(mask, shape)
+    keep = keep_mask(bench.dropout_seed, dropout, shape[:2] + shape[1:2]) if dropout else None
+    want = exact(bench.q, bench.k, bench.v, bench.do, causal=causal, visible=visible, add=add,
+                 keep=keep, scale_kept=1 / (1 - dropout))
+    for name, got in bench.reference.items():
+        assert np.max(np.abs(got - want[name])) <= 2e-5 * np.max(np.abs(want[name])), name
+    assert causal == (mask != "full")
+    assert (add is not None) == (mask == "alibi") and (visible is not None) == (mask == "padding")
+    if mask == "alibi":  # a slope per head, 0 on the diagonal, lower the farther the key
+        assert add.shape == (3, 150, 150) and np.all(add[:, 5, 5] == 0)
+        assert add[0, 9, 1] == -4.0 and add[1, 9, 1] == -2.0
+    if mask == "padding":  # head 1 sees no key before 25, head 2 none at all
+        assert visible[0].all() and not visible[1, :25].any() and visible[1, 25:].all()
+        assert not visible[2].any()
+        assert not bench.reference["out"][1, :25].any() and not bench.reference["out"][2].any()
+        assert bench.reference["out"][1, 25:].all()
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("mask,dropout", [("full", 0.0), ("alibi", 0.2), ("padding", 0.1)])
+def test_campaign_with_masks_and_dropout(xp, mask, dropout):
+    """Every extreme fault at every site with the other masks and with dropout (its sites: the
+    dropped probabilities instead of the dV final check), on NumPy (three 64-key tiles a row) and
+    on the CUDA kernels (two of 32): none silent, none uncorrectable, each detected and repaired,
+    or changing nothing (a fault in a row that sees no key, whose output is written 0); clean
+    runs without a flag."""
+    config = CampaignConfig(trials=1, clean_trials=1, batch=2, seq=150 if xp is np else 40,
+                            d_model=32, n_heads=2, kinds=EXTREME, patterns=("element",),
+                            core="fused", mask=mask, dropout=dropout)
+    assert config.sites == sites_of(dropout)
+    assert ("fused:dropout" in config.sites, "fused:dV_out" in config.sites) == \
+        (bool(dropout), not dropout)
+    records = run_campaign(config, xp, progress=False)
+    assert {r["site"] for r in records if r["kind"] != "none"} == set(config.sites)
+    faulted = [r for r in records if r["kind"] != "none" and r["protected"]]
+    for r in faulted:
+        assert r["trials"] == r["injected"] == 1, r
+        assert r["silent"] == r["miscorrected"] == r["uncorrectable"] == 0, r
+        assert r["detected"] == r["recomputed"] or r["masked"] == 1, r
+    # padding: of 4 heads one sees no key, another none in its first rows
+    undetected = sum(1 - r["detected"] for r in faulted)
+    assert undetected <= (len(faulted) // 3 if mask == "padding" else 0), undetected
+    for r in records:
+        if r["kind"] == "none":
+            assert r["false_positives"] == 0 and r["masked"] == r["trials"] == 1, r
+
+
 def test_numpy_final_sites_are_faulted_once_a_pass():
     """The final checks run in the trial: the hook sees each of them once, on the returned
     array, and a fault there is reported at that site in check="detect"."""
@@ -114,6 +170,17 @@ def test_cli_core_fused(tmp_path: Path):
     text = (out / "campaign.md").read_text()
     assert "fused attention core (causal), 2 heads of seq=70 x head_dim=8" in text
     assert "Propagation" not in text
+    status = main(["campaign", "--backend", "numpy", "--core", "fused", "--out", str(out),
+                   "--no-progress", "--trials", "1", "--clean-trials", "0", "--seq", "40",
+                   "--d-model", "16", "--heads", "2", "--batch", "1", "--sites", "fused:dropout",
+                   "--kinds", "nan", "--patterns", "element", "--mask", "alibi", "--dropout",
+                   "0.25"])
+    assert status == 0
+    assert "fused attention core (causal, ALiBi biases, dropout 0.25), 2 heads of seq=40" in \
+        (out / "campaign.md").read_text()
+    (cell,) = [r for r in json.loads((out / "campaign.json").read_text())
+               if r["protected"] and r["kind"] != "none"]
+    assert (cell["site"], cell["injected"], cell["detected"]) == ("fused:dropout", 1, 1)
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -122,6 +189,16 @@ def test_cli_core_fused(tmp_path: Path):
     (["--model", "gpt2", "--dtype", "float16", "--patterns", "row"],
      "--dtype, --patterns: for --model layer only"),
     (["--sites", "fused:S"], "--sites: unknown fused:S"),
+    (["--mask", "alibi"], "--mask: for --core fused only"),
+    (["--dropout", "0.1"], "--dropout: for --core fused only"),
+    (["--core", "fused", "--dropout", "1.5"], "--dropout must be a probability"),
+    (["--core", "fused", "--gemm", "8", "8", "8"], "--gemm: for --core unfused only"),
+    (["--layers", "3"], "--layers: for a --model family only"),
+    (["--steps", "3", "--core", "fused"], "--steps: for a --model family only"),
+    (["--core", "fused", "--dropout", "0.1", "--sites", "fused:dV_out"],
+     "--sites fused:dV_out: not with --dropout"),
+    (["--core", "fused", "--sites", "fused:S", "fused:dropout"],
+     "--sites fused:dropout: not without --dropout"),
 ])
 def test_cli_refuses_bad_core_flags(flags, message, tmp_path, capsys):
     assert main(["campaign", "--backend", "numpy", "--out", str(tmp_path / "x"), *flags]) == 2

@@ -120,13 +120,17 @@ class CampaignConfig:
         Magnitude of the ``"additive"`` kind (finite, non-zero).
     sites, kinds, patterns : tuple of str
         Subsets to run (defaults: everything), each non-empty and known; ``sites`` of the
-        ``core``: :data:`DEFAULT_SITES`, or :data:`attention.experiments.fused_campaign.SITES`
-        (all of them when ``sites`` is left at :data:`DEFAULT_SITES`).
+        ``core``: :data:`DEFAULT_SITES`, or :func:`attention.experiments.fused_campaign.sites_of`
+        the dropout (all of them when ``sites`` is left at :data:`DEFAULT_SITES`).
     core : str
         ``"unfused"``: the layer's sites and a standalone GEMM (the module docstring).
         ``"fused"``: the fused attention core's internal and final-check sites
         (:mod:`attention.experiments.fused_campaign`), on ``batch * n_heads`` heads of ``seq``
-        x ``d_model / n_heads``, causal; ``gemm`` does not apply.
+        x ``d_model / n_heads``; ``gemm`` does not apply.
+    mask, dropout : str, float
+        The fused core's mask (:data:`attention.experiments.fused_campaign.MASKS`; default
+        causal) and attention dropout probability in ``[0, 1]`` (default 0); ``core="fused"``
+        only.
     seed : int
     model : str
         ``"layer"``: this module's campaign of the attention layer. A transformers family
@@ -135,7 +139,7 @@ class CampaignConfig:
         blocks, ``steps`` training steps per run (at every protected product of the first layer;
         ``sites``, ``patterns``, ``clean_trials``, ``gemm`` and ``dtype`` do not apply).
     layers, steps : int
-        See ``model``.
+        See ``model`` (a family's only).
 
     Raises
     ------
@@ -155,7 +159,7 @@ class CampaignConfig:
     additive: float = option(1.0, "magnitude of 'additive' faults")
     sites: tuple[str, ...] = option(DEFAULT_SITES, "sites to fault (the fused:* sites with "
                                     "--core fused, all of them by default)",
-                                    choices=DEFAULT_SITES + fused_campaign.SITES)
+                                    choices=DEFAULT_SITES + fused_campaign.ALL_SITES)
     kinds: tuple[str, ...] = option(KINDS, "fault kinds", choices=KINDS)
     patterns: tuple[str, ...] = option(PATTERNS, "fault patterns", choices=PATTERNS)
     seed: int = option(0, "seed of everything random")
@@ -166,6 +170,9 @@ class CampaignConfig:
     steps: int = option(6, "training steps per run of a --model family (the fault in step 1)")
     core: str = option("unfused", "attention core to fault: the layer's (unfused) sites, or the "
                        "fused core's internal tile sites", choices=CORES)
+    mask: str = option("causal", "the fused core's mask (--core fused)",
+                       choices=tuple(fused_campaign.MASKS))
+    dropout: float = option(0.0, "the fused core's attention dropout probability (--core fused)")
 
     def __post_init__(self) -> None:
         at_least = {"--trials": (self.trials, 1), "--clean-trials": (self.clean_trials, 0),
@@ -192,17 +199,35 @@ class CampaignConfig:
             raise ValueError(f"--core must be one of {', '.join(CORES)}, got {self.core}")
         if self.core == "fused" and self.model != "layer":
             raise ValueError("--core fused faults the fused attention core alone: --model layer")
-        if self.model != "layer":
-            given = [f"--{f.name.replace('_', '-')}" for f in fields(self)
-                     if f.name in _LAYER_ONLY and getattr(self, f.name) != f.default]
-            if given:
-                raise ValueError(f"{', '.join(given)}: for --model layer only (a --model family "
-                                 "runs float32 and faults the model's own sites)")
+        if self.mask not in fused_campaign.MASKS:
+            raise ValueError(f"--mask must be one of {', '.join(fused_campaign.MASKS)}, got "
+                             f"{self.mask}")
+        if not 0 <= self.dropout <= 1:
+            raise ValueError(f"--dropout must be a probability in [0, 1], got {self.dropout}")
+        for applies, names, why in (
+                (self.model == "layer", _LAYER_ONLY, "for --model layer only (a --model family "
+                 "runs float32 and faults the model's own sites)"),
+                (self.core == "unfused", ("gemm",), "for --core unfused only (the fused core's "
+                 "campaign has no standalone product)"),
+                (self.core == "fused", ("mask", "dropout"), "for --core fused only"),
+                (self.model != "layer", ("layers", "steps"), "for a --model family only")):
+            given = self._given(names)
+            if given and not applies:
+                raise ValueError(f"{', '.join(given)}: {why}")
         for name in ("sites", "kinds", "patterns"):  # a value given twice is one cell
             object.__setattr__(self, name, tuple(dict.fromkeys(getattr(self, name))))
+        fused_sites = fused_campaign.sites_of(self.dropout)
         if self.core == "fused" and self.sites == DEFAULT_SITES:
-            object.__setattr__(self, "sites", fused_campaign.SITES)
-        site_choices = fused_campaign.SITES if self.core == "fused" else DEFAULT_SITES
+            object.__setattr__(self, "sites", fused_sites)
+        if self.core == "fused":
+            missing = [s for s in self.sites if s in fused_campaign.ALL_SITES
+                       and s not in fused_sites]
+            if missing:
+                raise ValueError(f"--sites {', '.join(missing)}: not "
+                                 f"{'with' if self.dropout else 'without'} --dropout (with "
+                                 "dropout the dropped probabilities are a site and dV has no "
+                                 "final check)")
+        site_choices = fused_sites if self.core == "fused" else DEFAULT_SITES
         for flag, chosen, known in (("--sites", self.sites, site_choices),
                                     ("--kinds", self.kinds, KINDS),
                                     ("--patterns", self.patterns, PATTERNS)):
@@ -210,6 +235,11 @@ class CampaignConfig:
             if unknown or not chosen:
                 raise ValueError(f"{flag}: unknown {', '.join(unknown) or '(none given)'}; "
                                  f"choose from {', '.join(known)}")
+
+    def _given(self, names: tuple[str, ...]) -> list[str]:
+        """The flags of the fields ``names`` set to other than their defaults."""
+        return [f"--{f.name.replace('_', '-')}" for f in fields(self)
+                if f.name in names and getattr(self, f.name) != f.default]
 
 
 @dataclass
@@ -418,7 +448,7 @@ def testbed(config: CampaignConfig, xp: Any, trial: int) -> Any:
         return _Testbed(config, xp, trial)
     c = config
     shape = (c.batch * c.n_heads, c.seq, c.d_model // c.n_heads)
-    return fused_campaign.FusedTestbed(c.dtype, shape, c.seed, xp, trial)
+    return fused_campaign.FusedTestbed(c.dtype, shape, c.seed, xp, trial, c.mask, c.dropout)
 
 
 # ----------------------------------------------------------------------------- propagation
@@ -571,7 +601,9 @@ def markdown(records: list[dict[str, Any]], prop: dict[str, dict[str, np.ndarray
     propagation section out."""
     rtol, scale = TOLERANCES[config.dtype]
     if config.core == "fused":
-        what = (f"fused attention core (causal), {config.batch * config.n_heads} heads of seq="
+        dropout = f", dropout {config.dropout:g}" if config.dropout else ""
+        what = (f"fused attention core ({fused_campaign.MASKS[config.mask]}{dropout}), "
+                f"{config.batch * config.n_heads} heads of seq="
                 f"{config.seq} x head_dim={config.d_model // config.n_heads}")
         results = "out, dq, dk, dv"
     else:

@@ -6,7 +6,8 @@ sites, :data:`attention.fused_final.FINAL_SITES` (the returned ``O``, ``dV`` and
 :mod:`attention.fused_final`).
 
 A trial runs one forward and one backward of the fused core (:func:`attention.fused.fused_forward`,
-:func:`attention.fused.fused_backward`, causal), each followed by its final check
+:func:`attention.fused.fused_backward`, with the masks of :data:`MASKS` and attention dropout as
+the campaign's ``mask`` and ``dropout`` say; causal by default), each followed by its final check
 (:func:`attention.fused_final.verify_output`, :func:`attention.fused_final.verify_grads`, as
 :mod:`attention.core` runs them), on queries, keys, values and an
 output gradient of shape ``(batch * heads, seq, d_model / heads)``, standard normal, seeded per
@@ -42,15 +43,42 @@ from abftgemm import UncorrectableError
 from abftgemm.checksums import SUPPORTED_DTYPES
 from abftgemm.faults import Fault, Recorder
 from attention.context import Context
+from attention.dropout import keep_scale
+from attention.dropout_hash import keep_mask
 from attention.experiments.outcomes import Trial, absolute_tolerances, compare
-from attention.fused import FUSED_SITES, fused_backward, fused_forward, work_dtype
-from attention.fused_final import FINAL_SITES, verify_grads, verify_output
+from attention.fused import (DROPOUT_HOOK_SITE, FUSED_SITES, fused_backward, fused_forward,
+                             work_dtype)
+from attention.fused_final import FINAL_SITES, GRAD_SITE, verify_grads, verify_output
 
+#: The masks a campaign can give the fused core (``abft campaign --core fused --mask``), each
+#: with what :func:`masks` makes of it:
+#:
+#: ``causal``  query ``i`` sees keys ``j <= i``;
+#: ``full``    no mask;
+#: ``alibi``   causal, plus ALiBi's additive biases ``-slope_h (i - j)`` (a slope per head,
+#:             ``2^(-(h mod 8 + 1))``), as an ``(n, L, L)`` float64 ``attn_mask``;
+#: ``padding`` causal, with left key padding as ``key_visible``: head ``h`` of ``n`` hides its
+#:             first ``h L // (2 n)`` keys (so its first rows see no key, their output 0), and
+#:             the last head (``n >= 2``) hides every key.
+MASKS: dict[str, str] = {"causal": "causal", "full": "no mask", "alibi": "causal, ALiBi biases",
+                         "padding": "causal, left key padding, a head without keys"}
 #: The clean (fault-free, protected) record's site name.
 CLEAN_TARGET = "fused"
 #: The campaign's sites (its default): the kernels' internal sites, then the final checks'.
 SITES: tuple[str, ...] = FUSED_SITES + FINAL_SITES
+#: Every site a campaign can name: :data:`SITES` and the dropped probabilities (with dropout).
+ALL_SITES: tuple[str, ...] = SITES + (DROPOUT_HOOK_SITE,)
 _DTYPES = {d.name: d for d in SUPPORTED_DTYPES}
+
+
+def sites_of(dropout: float) -> tuple[str, ...]:
+    """The campaign's sites (its default) at attention dropout ``dropout``: :data:`SITES`, and
+    with dropout the dropped probabilities (:data:`attention.fused.DROPOUT_HOOK_SITE`, which the
+    ``O_acc`` and ``dV_acc`` checks cover) instead of ``fused:dV_out``, which has no check then
+    (:mod:`attention.fused_final`)."""
+    if not dropout:
+        return SITES
+    return FUSED_SITES + (DROPOUT_HOOK_SITE,) + tuple(s for s in FINAL_SITES if s != GRAD_SITE)
 
 
 def site_dtype(dtype: str, site: str) -> np.dtype:
@@ -84,15 +112,29 @@ class FusedTestbed:
     xp : module
         numpy or cupy.
     trial : int
+    mask : str
+        One of :data:`MASKS`.
+    dropout : float
+        Attention dropout probability (0: none); the keep decisions' seed is drawn per trial
+        from ``seed``, the same for every run of the trial.
     """
 
-    def __init__(self, dtype: str, shape: tuple[int, int, int], seed: int, xp: Any, trial: int):
+    def __init__(self, dtype: str, shape: tuple[int, int, int], seed: int, xp: Any, trial: int,
+                 mask: str = "causal", dropout: float = 0.0):
         self.dtype, self.xp = dtype, xp
         rng = np.random.default_rng([seed, 7, trial])
         host = [rng.standard_normal(shape).astype(_DTYPES[dtype]) for _ in range(4)]
         self.q, self.k, self.v, self.do = (xp.asarray(x) for x in host)
+        self.causal, visible, add = masks(mask, shape)
+        self.visible, self.add = (None if x is None else xp.asarray(x) for x in (visible, add))
+        self.dropout = dropout
+        self.dropout_seed = int(np.random.default_rng([seed, 11, trial]).integers(2 ** 63))
+        keep = None if dropout == 0 else \
+            keep_mask(self.dropout_seed, dropout, (shape[0], shape[1], shape[1]))
         self.reference = self.run(CLEAN_TARGET, "off", None).results
-        self.atol = absolute_tolerances(self.reference, exact(*host), dtype)
+        self.atol = absolute_tolerances(
+            self.reference, exact(*host, causal=self.causal, visible=visible, add=add, keep=keep,
+                                  scale_kept=keep_scale(dropout)), dtype)
         self.calls: Counter[str] = Counter(FINAL_SITES)  # each once a fault-free pass
         if xp is np:  # the hook's calls per site, for the tile a fault picks
             recorder = Recorder()
@@ -108,7 +150,7 @@ class FusedTestbed:
         from attention._cuda_fused import device_fault
 
         return device_fault(Fault(pattern=pattern, seed=seed, sites=site, **kind), self.q.shape,
-                            self.k.shape[1], self.q.dtype, causal=True)
+                            self.k.shape[1], self.q.dtype, causal=self.causal)
 
     def run(self, site: str, check: str, hook: Any) -> Trial:
         """One forward and backward of the fused core with ``hook``, each followed by its final
@@ -117,8 +159,9 @@ class FusedTestbed:
         # a DeviceFault acts in the kernels alone (it is no callable hook)
         final = ctx if hook is None or callable(hook) else replace(ctx, fault_hook=None)
         try:
-            out, saved = verify_output(*fused_forward(self.q, self.k, self.v, ctx, causal=True),
-                                       final)
+            out, saved = verify_output(*fused_forward(
+                self.q, self.k, self.v, ctx, causal=self.causal, key_visible=self.visible,
+                attn_mask=self.add, dropout=self.dropout, dropout_seed=self.dropout_seed), final)
             dq, dk, dv = verify_grads(saved, self.do, fused_backward(saved, self.do, ctx), final)
         except UncorrectableError:
             return Trial(ctx.report, True, None, _injected(hook))
@@ -139,15 +182,51 @@ def _injected(hook: Any) -> bool:
     return bool(getattr(hook, "hits", 0))
 
 
-def exact(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray) -> dict[str, np.ndarray]:
-    """Causal attention forward and gradients in float64 (host arrays ``(n, L, d)``)."""
+def masks(mask: str, shape: tuple[int, int, int]
+          ) -> tuple[bool, np.ndarray | None, np.ndarray | None]:
+    """``(causal, key_visible, attn_mask)`` of :data:`MASKS`' ``mask`` for ``shape`` ``(n, L,
+    d)``: host arrays, or None where the mask has none."""
+    if mask not in MASKS:
+        raise ValueError(f"mask must be one of {', '.join(MASKS)}, got {mask!r}")
+    n, length = shape[0], shape[1]
+    visible = add = None
+    if mask == "alibi":
+        slopes = 2.0 ** -(np.arange(n) % 8 + 1.0)
+        offsets = np.arange(length)[None, :] - np.arange(length)[:, None]  # j - i
+        add = slopes[:, None, None] * np.minimum(offsets, 0)[None]
+    elif mask == "padding":
+        visible = np.arange(length)[None, :] >= (np.arange(n) * length // (2 * n))[:, None]
+        if n >= 2:
+            visible[-1] = False
+    return mask != "full", visible, add
+
+
+def exact(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray, *, causal: bool = True,
+          visible: np.ndarray | None = None, add: np.ndarray | None = None,
+          keep: np.ndarray | None = None, scale_kept: float = 1.0) -> dict[str, np.ndarray]:
+    """Attention forward and gradients in float64 (host arrays ``(n, L, d)``), with the fused
+    core's masks (``causal``; ``visible`` ``(n, L)`` bool, ``add`` ``(n, L, L)``; a row that sees
+    no key gives 0) and dropout (``keep`` ``(n, L, L)`` bool, kept entries scaled by
+    ``scale_kept``)."""
     q, k, v, do = (x.astype(np.float64) for x in (q, k, v, do))
     scale = 1 / math.sqrt(q.shape[2])
     s = scale * q @ k.transpose(0, 2, 1)
-    s = np.where(np.tril(np.ones(s.shape[1:], bool)), s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    out = p @ v
-    ds = p * (do @ v.transpose(0, 2, 1) - (do * out).sum(-1, keepdims=True))
+    if add is not None:
+        s = s + add
+    allowed = np.ones(s.shape, bool)
+    if causal:
+        allowed &= np.tril(np.ones(s.shape[1:], bool))
+    if visible is not None:
+        allowed &= visible[:, None, :]
+    s = np.where(allowed, s, -np.inf)
+    top = s.max(-1, keepdims=True)
+    p = np.where(allowed, np.exp(s - np.where(np.isfinite(top), top, 0)), 0.0)
+    total = p.sum(-1, keepdims=True)
+    p = np.divide(p, total, out=np.zeros_like(p), where=total > 0)
+    drop = np.ones_like(p) if keep is None else keep * scale_kept
+    pd = p * drop
+    out = pd @ v
+    dp = (do @ v.transpose(0, 2, 1)) * drop
+    ds = p * (dp - (do * out).sum(-1, keepdims=True))
     return {"out": out, "dq": scale * ds @ k, "dk": scale * ds.transpose(0, 2, 1) @ q,
-            "dv": p.transpose(0, 2, 1) @ do}
+            "dv": pd.transpose(0, 2, 1) @ do}
