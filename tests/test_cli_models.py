@@ -42,11 +42,13 @@ def test_train_a_transformers_model_under_faults(family: str, tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("family", ["roberta", "gpt-neo"])
-def test_propagation_campaign_of_a_transformers_model(family: str, tmp_path: Path) -> None:
+def test_propagation_campaign_of_a_transformers_model(family: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
     status = main(["campaign", "--backend", "numpy", "--model", family, "--out", str(tmp_path),
                    "--no-progress", "--trials", "1", "--steps", "3", "--layers", "1",
                    "--kinds", "nan", *TINY])
     assert status == 0
+    assert f"campaign: {family} (1 layers), PyTorch on cpu," in capsys.readouterr().out
     result = json.loads((tmp_path / "campaign.json").read_text())
     records = result["records"]
     # every protected product of the layer (forward and backward), each kind, both modes

@@ -225,11 +225,11 @@ def _run_model_campaign(config: Any, args: argparse.Namespace) -> int:
     from attention.experiments import hf_campaign
     from attention.experiments.train import jsonable
 
-    print(f"campaign: {config.model} ({config.layers} layers), backend {args.backend}, "
+    device = "cpu" if args.backend == "numpy" else "cuda"
+    print(f"campaign: {config.model} ({config.layers} layers), PyTorch on {device}, "
           f"{config.trials} trial(s) per (site, kind), {len(config.kinds)} kinds x 2 modes, "
           f"{config.steps} steps per run", flush=True)
-    result = hf_campaign.run(config, "cpu" if args.backend == "numpy" else "cuda",
-                             progress=not args.no_progress)
+    result = hf_campaign.run(config, device, progress=not args.no_progress)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "campaign.json").write_text(json.dumps(jsonable(result), indent=1))
