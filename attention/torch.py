@@ -166,7 +166,8 @@ device, dtype
         average_attn_weights : bool
             Average the weights over heads.
         is_causal : bool
-            Query ``i`` sees keys ``j <= i`` only when ``attn_mask`` is None; with
+            Query ``i`` sees keys ``j <= i`` only when ``attn_mask`` is None (top-left aligned
+            where ``L != S``, as ``scaled_dot_product_attention``'s ``is_causal``); with
             ``attn_mask``, a hint that it is the causal mask (``attn_mask`` is applied).
 
         Returns

@@ -71,7 +71,8 @@ def multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     average_attn_weights : bool
         Average the weights over heads.
     is_causal : bool
-        Query ``i`` sees keys ``j <= i`` only, when ``attn_mask`` is None.
+        Query ``i`` sees keys ``j <= i`` only, when ``attn_mask`` is None (top-left aligned
+        where ``L != S``, as ``scaled_dot_product_attention``'s ``is_causal``).
     dropout_p : float
         Attention dropout probability; the mask (or the fused core's seed) is drawn with
         PyTorch's generator (:func:`_dropout_draw`, :mod:`attention.dropout`).

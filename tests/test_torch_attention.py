@@ -193,6 +193,18 @@ def test_is_causal_without_a_mask_applies_the_causal_mask():
             dtype, terms=N * L)
 
 
+def test_is_causal_across_lengths_is_top_left_aligned():
+    """Cross-attention (``L != S``) with ``is_causal`` and no mask: query ``i`` sees keys ``j <=
+    i``, the triangle aligned top-left as ``scaled_dot_product_attention``'s ``is_causal``."""
+    gen, dtype = torch.Generator().manual_seed(12), torch.float64
+    stock, mine = pair(dtype)
+    q, k, v = inputs(dtype, True, True, gen)
+    assert q.shape[1] != k.shape[1]
+    top_left = torch.ones((q.shape[1], k.shape[1]), dtype=torch.bool).triu(1)
+    compare(fwd_bwd(mine, q, k, v, is_causal=True), fwd_bwd(stock, q, k, v, attn_mask=top_left),
+            dtype, terms=N * L)
+
+
 def test_same_parameters_and_state_dict_as_torch():
     stock, mine = pair(torch.float32)
     assert isinstance(mine, nn.MultiheadAttention)
