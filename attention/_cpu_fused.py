@@ -127,7 +127,8 @@ def _carry(a: Any, keep: Any, ks: Any, enc: Any, off: int, alpha: Any, acc: Any,
            transpose: bool) -> None:
     """The checksum columns beside a product, float64: ``acc = alpha * acc + a_d @ E`` with ``E =
     enc[:, off:off + cols]^T`` (``acc`` rows x 3; a fourth column, if any, also receives the row
-    sums of ``a``: the forward's independent ``sum p``), or with ``transpose`` ``acc^T += a_d^T @
+    sums of ``a``: the forward's independent ``sum p``, and a fifth those of ``a_d``: the sums of
+    the kept probabilities), or with ``transpose`` ``acc^T += a_d^T @
     E``, ``E = enc[:, off:off + rows]^T`` (``acc`` 3 x at least cols). ``enc`` ``(3, L)``: row
     encodings of the other operand, one contiguous row per checksum, so the loops over ``a``'s
     rows vectorize. ``a_d`` is ``a``, or with dropout (``keep`` a non-empty 0/1 tile of ``a``'s
@@ -167,28 +168,34 @@ def _carry(a: Any, keep: Any, ks: Any, enc: Any, off: int, alpha: Any, acc: Any,
                 acc[r, f] *= s
     for r in range(0, rows, 2):
         r2 = min(r + 1, rows - 1)  # an odd last row pairs with itself, its twin's sums unused
-        t0, t1, t2, t3, u0, u1, u2, u3 = _pair_sums(a, keep, ks, drop, r, r2, e0, e1, e2)
+        sums = _pair_sums(a, keep, ks, drop, r, r2, e0, e1, e2)
+        t0, t1, t2, t3, t4, u0, u1, u2, u3, u4 = sums
         acc[r, 0] += t0
         acc[r, 1] += t1
         acc[r, 2] += t2
         if width > 3:
             acc[r, 3] += t3
+        if width > 4:
+            acc[r, 4] += t4 if drop else t3
         if r2 > r:
             acc[r2, 0] += u0
             acc[r2, 1] += u1
             acc[r2, 2] += u2
             if width > 3:
                 acc[r2, 3] += u3
+            if width > 4:
+                acc[r2, 4] += u4 if drop else u3
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
 def _pair_sums(a: Any, keep: Any, ks: Any, drop: bool, r: int, r2: int, e0: Any, e1: Any,
                e2: Any) -> tuple:
-    """:func:`_carry`'s four float64 sums of rows ``r`` and ``r2`` of ``a`` (``a_d . e0``,
-    ``a_d . e1``, ``|a_d| . e2``, ``sum a``) in one pass: two rows share the loads of ``E``
-    (faster than one, three or four rows a pass: bench/NOTES.md)."""
+    """:func:`_carry`'s float64 sums of rows ``r`` and ``r2`` of ``a`` (``a_d . e0``, ``a_d .
+    e1``, ``|a_d| . e2``, ``sum a`` and, with ``drop``, ``sum a_d``; 0 without) in one pass: two
+    rows share the loads of ``E`` (faster than one, three or four rows a pass:
+    bench/NOTES.md)."""
     ar, br = a[r], a[r2]
-    t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = 0.0
+    t0 = t1 = t2 = t3 = t4 = u0 = u1 = u2 = u3 = u4 = 0.0
     for j in range(a.shape[1]):
         x, y = np.float64(ar[j]), np.float64(br[j])
         t3 += x
@@ -196,13 +203,15 @@ def _pair_sums(a: Any, keep: Any, ks: Any, drop: bool, r: int, r2: int, e0: Any,
         if drop:
             x = np.float64(ar[j] * ks) * np.float64(keep[r, j])
             y = np.float64(br[j] * ks) * np.float64(keep[r2, j])
+            t4 += x
+            u4 += y
         t0 += x * e0[j]
         u0 += y * e0[j]
         t1 += x * e1[j]
         u1 += y * e1[j]
         t2 += abs(x) * e2[j]
         u2 += abs(y) * e2[j]
-    return t0, t1, t2, t3, u0, u1, u2, u3
+    return t0, t1, t2, t3, t4, u0, u1, u2, u3, u4
 
 
 # ------------------------------------------------------------------ encodings and observation
@@ -597,7 +606,8 @@ def _sum_rows(p: Any, alpha: Any, l: Any) -> None:
 
 @numba.njit(cache=True, fastmath=_FAST)
 def _finish(acc: Any, oc: Any, m: Any, l: Any, out: Any, lse: Any, lse_lo: Any) -> None:
-    """``out = acc / l``, the carried checksums likewise, and the log-sum-exp ``m + log l`` as
+    """``out = acc / l``, the carried checksums and kept sums (``oc[:, :3]``, ``oc[:, 4]``)
+    likewise, and the log-sum-exp ``m + log l`` as
     two numbers of the data's dtype: ``lse``, it rounded, and ``lse_lo``, the rest (an exact
     two-sum in float64). Where ``m`` dwarfs ``log l`` (a row that an additive mask lowers at
     every key) ``lse`` alone loses ``log l``; the backward's ``P = exp((z - lse) - lse_lo)``
@@ -607,7 +617,7 @@ def _finish(acc: Any, oc: Any, m: Any, l: Any, out: Any, lse: Any, lse_lo: Any) 
             inv = l[r]
             for c in range(acc.shape[1]):
                 out[r, c] = acc[r, c] / inv
-            for f in range(3):
+            for f in (0, 1, 2, 4):
                 oc[r, f] /= np.float64(inv)
             mr, ll = np.float64(m[r]), math.log(np.float64(l[r]))
             lse[r] = mr + ll
@@ -616,6 +626,7 @@ def _finish(acc: Any, oc: Any, m: Any, l: Any, out: Any, lse: Any, lse_lo: Any) 
         else:
             out[r, :] = 0
             oc[r, :3] = 0.0
+            oc[r, 4] = 0.0
             lse[r] = -np.inf
             lse_lo[r] = -np.inf
 
@@ -725,10 +736,11 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
                    outs: ForwardOutputs, b: int, i0: int, rec: Any) -> int:
     """One query block ``[i0, i0 + BR)`` of head ``b``: online softmax over the key tiles with
     every check; writes ``out[b, block]``, ``lse[b, block]`` and (when checking) the output rows'
-    carried checksums ``sums[b, block]`` (``P [V1, Vw, |V|1] / l``, float64, of the product's
-    probabilities). Dropout when ``thr`` > 0 (:func:`_keep_tile`'s ``seed`` and ``thr``,
-    ``ks = 1 / (1 - p)`` in the data's dtype): the product reads the dropped tile, the softmax
-    denominator the tile before dropout. Returns 0, or -1 when a recomputation did not verify."""
+    carried checksums ``sums[b, block, :3]`` (``P [V1, Vw, |V|1] / l``, float64, of the product's
+    probabilities) and the sums of its kept probabilities ``sums[b, block, 3]`` (``P_d 1 / l``,
+    which is ``P 1 / l`` without dropout). Dropout when ``thr`` > 0 (:func:`_keep_tile`'s
+    ``seed`` and ``thr``, ``ks = 1 / (1 - p)`` in the data's dtype): the product reads the
+    dropped tile, the softmax denominator the tile before dropout. Returns 0, or -1 when a recomputation did not verify."""
     q, k, kt, v, ve = ops
     visible, add, scale, causal = mask
     check, correct, c_s, c_o, c_l, tol_p = rules
@@ -753,7 +765,7 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
     nokeep = np.empty((0, 0), np.uint8)
     acc = np.empty((rows, d), dt)
     tmp = np.empty((rows, d), dt)
-    oc = np.empty((rows, 4))
+    oc = np.empty((rows, 5))
     m = np.empty(rows, dt)
     l = np.empty(rows, dt)
     alpha = np.empty(rows, dt)
@@ -828,7 +840,8 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
             _observe_rows(ob, obs)
             info[5] = d
             ratio = _judge(oc, obs, rows, c_o, info)
-            sums[b, i0:i1] = oc[:, :3]
+            sums[b, i0:i1, :3] = oc[:, :3]
+            sums[b, i0:i1, 3] = oc[:, 4]
         st = _settle(rec, O_, attempt, ratio, correct, info, i0, 0, True)
         if st != 1:
             return st

@@ -261,9 +261,9 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
                   ) -> tuple[cupy.ndarray, dict[str, Any]]:
     """:func:`attention.fused.fused_forward` for CuPy arrays (float16, bfloat16, float32 or
     float64, head dim at most :data:`MAX_HEAD_DIM`); ``saved["lse"]`` and ``saved["lse_lo"]`` are
-    float32 below float64, ``saved["sums"]`` the output rows' carried checksums ``(n, seq_q, 3)``
-    (float64, as the CPU kernel's; None with ``check="off"``) for
-    :func:`attention.fused_final.verify_output`.
+    float32 below float64, ``saved["sums"]`` the output rows' carried checksums and kept sums
+    ``(n, seq_q, 4)`` (float64, as the CPU kernel's; None with ``check="off"``) for
+    :mod:`attention.fused_final`.
     Dropout's keep decisions are the CPU core's for the same seed; ``ks = 1 / (1 - p)`` is
     rounded to the tile arithmetic's dtype. With ``defer`` (an attention pass's), the
     finiteness of the inputs and the kernel's records are judged at the pass's settle
@@ -288,7 +288,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     ve = _row_encodings(v) if check else None
     out = cupy.empty(q.shape, q.dtype)
     lse, lse_lo = cupy.empty((n, lq), arith), cupy.empty((n, lq), arith)
-    sums = cupy.empty((n, lq, 3)) if check else None
+    sums = cupy.empty((n, lq, 4)) if check else None
     rec = cupy.zeros((n * nqb, len(K.SITES), K.FIELDS))
     status = cupy.zeros(n * nqb, numpy.int32)
     desc = None if fault is None else fault.descriptor(_with_dropout(FORWARD_SITES, drop), arith)

@@ -208,9 +208,11 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         What :func:`fused_backward` needs: the inputs (not copied), ``out`` and ``lse``, the row
         log-sum-exp ``(n, seq_q)`` (``-inf`` for a row that sees no key; float32 for 16-bit
         data), ``lse_lo``, what ``lse`` rounded away (module docstring), ``dropout``, ``(p,
-        seed)`` or None, and ``sums``, the output rows' checksums ``(n, seq_q, 3)`` the kernel
-        carried (float64; None with ``check="off"``), which
-        :func:`attention.fused_final.verify_output` checks the returned ``out`` against.
+        seed)`` or None, and ``sums`` ``(n, seq_q, 4)`` (float64; None with ``check="off"``):
+        the output rows' checksums the kernel carried, which
+        :func:`attention.fused_final.verify_output` checks the returned ``out`` against, and
+        the rows' sums of the probabilities the product kept (after dropout), which
+        :func:`attention.fused_final.verify_grads` predicts ``dV`` with.
 
     Raises
     ------
@@ -234,7 +236,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     ve = _row_encodings(kernels, vw, check)
     out = _output(qw, workspace, "out")
     lse, lse_lo = np.empty((n, lq), dt), np.empty((n, lq), dt)
-    sums = np.zeros((n, lq, 3))
+    sums = np.zeros((n, lq, 4))
     nqb = -(-lq // K.BR)
     tiles = -(-lk // K.BC)
     rec = np.zeros((n * nqb, len(K.SITES), K.FIELDS))

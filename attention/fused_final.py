@@ -27,10 +27,19 @@ of the kernels that ran (128 x 128 on the CPU, 32 x 32 in CUDA).
     ``l`` and the rounding of ``lo`` and of ``log l``), and the exponential's, ``sum_j P_ij |log
     P_ij| <= log L_k``; the second is the accumulation's) plus ``1.01 u_out sum_j |dV_jc| + L_k
     u_out tiny_out`` for the rounding to a 16-bit dtype. It has no weighted sum: it detects, by
-    column, and does not locate the row. Not with attention dropout: the rows of
-    the dropped ``P`` do not sum to 1, and their sums are not carried out of the forward, so a
-    backward with dropout has no ``fused:dV_out`` check (its ``dV`` is checked by the kernel's
-    ``fused:dV_acc`` alone).
+    column, and does not locate the row. With attention dropout ``dV = P_d^T dO``, ``P_d =
+    fl(P ks) keep``, whose rows do not sum to 1: the forward carries their sums ``r_i = sum_j
+    P_d,ij / l`` in float64 beside the output's checksums (``saved["sums"][..., 3]``, made from
+    the forward's ``P`` and keep decisions as its ``P_d`` is), and the prediction is ``sum_i r_i
+    dO_ic``. The forward's weights are ``P*_ij (1 + omega_ij)`` (``fused:dK_out``'s below), the
+    backward's ``c_i P*_ij (1 + eta_ij)``, each rounded once more by ``ks``, and both divide by
+    the same ``l``; so each row's ``r_i`` and the backward's kept sum differ by at most ``1.02
+    ks' (e_i + h_i + w + 4.04 u) <= eps'_i = 1.05 ks' (eps_i + h_i + w + 5 u)`` (``ks' = (1 +
+    u) / (1 - p)``, the kernels' rounded ``ks``; ``eps_i`` the per-row term above, which bounds
+    ``e_i``): the threshold is ``sum_i |dO_ic|`` times ``max_i eps'_i``, the magnitude bound
+    ``ks' (1 + max_i eps'_i)`` times ``sum_i |dO_ic|``, and the 16-bit terms as above. It needs
+    the forward's sums: a backward whose forward ran with ``check="off"`` has no ``fused:dV_out``
+    check with dropout.
 ``fused:dK_out`` (backward)
     ``dK = scale dS^T Q`` with ``dS = P (dP - D)``, ``D_i = rowsum(dO_i O_i)``, and the rows of
     ``dS`` sum to 0: ``sum_j P_ij dP_ij = dO_i . sum_j P_ij V_j = dO_i . O_i = D_i`` and ``sum_j
@@ -157,8 +166,9 @@ def verify_grads(saved: dict[str, Any], d_out: Any, grads: tuple[Any, ...], ctx:
     ctx : Context
     sites : tuple of str
         The checks to run, of :data:`GRAD_SITES` (one passes-table step runs one). With
-        attention dropout (``saved["dropout"]``) ``"fused:dV_out"`` has no prediction and is
-        skipped (module docstring).
+        attention dropout (``saved["dropout"]``) and no carried sums (``saved["sums"]`` None: the
+        forward ran unchecked) ``"fused:dV_out"`` has no prediction and is skipped (module
+        docstring).
 
     Raises
     ------
@@ -205,7 +215,7 @@ def _grad_checks(saved: dict[str, Any], d_out: Any, sites: tuple[str, ...]
     if unknown or not sites:
         raise ValueError(f"sites must be some of {', '.join(GRAD_SITES)}, got {sites}")
     checks = []
-    if GRAD_SITE in sites and saved.get("dropout") is None:
+    if GRAD_SITE in sites and (saved.get("dropout") is None or saved.get("sums") is not None):
         checks.append((GRAD_SITE, 2, lambda dv: _grad_ratios(saved, d_out, dv)))
     if DK_SITE in sites:
         checks.append((DK_SITE, 1, lambda dk: _dk_ratios(saved, d_out, dk)))
@@ -301,7 +311,7 @@ def _output_ratio(out: Any, saved: dict[str, Any]
     n, lq, d = out.shape
     coef = _output_coefficients(out, saved)
     obs = _observed_rows(out).reshape(n * lq, 3)
-    pred = saved["sums"].reshape(n * lq, 3)
+    pred = saved["sums"][..., :3].reshape(n * lq, 3)
     info = np.zeros(6)
     info[5] = d
     worst = K._judge(np.ascontiguousarray(to_host(pred)), to_host(obs), n * lq, coef, info)
@@ -331,7 +341,7 @@ def _output_failures(out: Any, saved: dict[str, Any]) -> Any:
     :func:`attention._cpu_fused._ratio` judges one on the host)."""
     xp = array_module(out)
     c_obs, c_pred, floor, c_mag, safe = (float(c) for c in _output_coefficients(out, saved)[:5])
-    pred = saved["sums"].reshape(-1, 3)
+    pred = saved["sums"][..., :3].reshape(-1, 3)
     obs = _observed_rows(out).reshape(-1, 3)
     p0, p1, p2 = (pred[:, i] for i in range(3))
     o0, o1, o2 = (obs[:, i] for i in range(3))
@@ -353,17 +363,28 @@ def _grad_ratios(saved: dict[str, Any], d_out: Any, dv: Any) -> tuple[Any, Any, 
     u = unit_roundoff(wt)
     br, bc = _tiles(dv)
     sees = xp.isfinite(lse)  # a row that sees no key has lse -inf and a zero P row
-    eps = 2 * u * (lk + 2 * -(-lk // bc) + xp.abs(xp.where(sees, lo, 0.0)) + math.log(lk)
+    tiles = -(-lk // bc)
+    eps = 2 * u * (lk + 2 * tiles + xp.abs(xp.where(sees, lo, 0.0)) + math.log(lk)
                    + 8) + 1.01 * u * (lq + 2 * -(-lq // br))
-    do_sums = _column_sums(d_out, sees)  # over the rows that see a key
+    ks = 1.0
+    p, _ = saved.get("dropout") or (0.0, None)
+    if p:  # weights r_i, the forward's kept sums (module docstring)
+        ks = keep_scale(p) * (1 + u)
+        h = 2.01 * u + 1.01 * u * (math.log(lk) + eps)
+        w = 1.02 * u * (2.01 * (tiles + 1) + math.log(lk)) + 1.01 * lk * smallest_normal(wt)
+        eps = 1.05 * ks * (eps + h + w + 5 * u)
+        do_sums = _column_sums(d_out, saved["sums"][..., 3])
+    else:
+        do_sums = _column_sums(d_out, sees)  # over the rows that see a key
     dv_sums = _column_sums(dv, None)
     tau = eps.max(1)[:, None] * do_sums[:, 1]  # the worst row's eps
     tau += lk * smallest_normal(wt)
     u_out, tiny_out = 0.0, 0.0
     if dv.dtype != wt:
         u_out, tiny_out = unit_roundoff(dv.dtype), smallest_normal(dv.dtype)
-    # sum_j |dV_jc| <= sum_i |dO_ic| sum_j P_ij: the rows of P sum to 1 within eps
-    bound = do_sums[:, 1] * (1 + eps.max(1)[:, None]) * (1 + 1.01 * u_out) \
+    # sum_j |dV_jc| <= sum_i |dO_ic| sum_j P_d,ij: the rows of P sum to 1 within eps (of P_d to
+    # at most ks (1 + eps))
+    bound = do_sums[:, 1] * ks * (1 + eps.max(1)[:, None]) * (1 + 1.01 * u_out) \
         * (1 + lq * unit_roundoff(np.float64)) + lk * (smallest_normal(wt) + u_out * tiny_out)
     tau += lk * u_out * tiny_out + 1.01 * u_out * xp.minimum(dv_sums[:, 1], bound)
     diff = xp.abs(do_sums[:, 0] - dv_sums[:, 0])

@@ -48,9 +48,10 @@ def _checked_run(xp, q, k, v, do, ctx, **kw):
 @pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-12), (np.float32, 1e-5)],
                          ids=["float64", "float32"])
 def test_carried_sums_equal_the_cpu_kernels(xp, dtype, rtol):
-    """``saved["sums"]`` of the CUDA forward: (n, L, 3) float64, plain, weighted and absolute
-    row checksums, those of the CPU kernel within the rounding of the tiles' arithmetic (32-key
-    tiles against 128-key ones); 0 for a row that sees no key; None with check="off"."""
+    """``saved["sums"]`` of the CUDA forward: (n, L, 4) float64, plain, weighted and absolute
+    row checksums and the kept probabilities' row sums, those of the CPU kernel within the
+    rounding of the tiles' arithmetic (32-key tiles against 128-key ones); 0 for a row that sees
+    no key; None with check="off"."""
     rng = np.random.default_rng(0)
     q, k, v, _ = _data(rng, 2, 45, 70, 16, dtype)
     visible = rng.random((2, 70)) < 0.6
@@ -58,7 +59,7 @@ def test_carried_sums_equal_the_cpu_kernels(xp, dtype, rtol):
     _, cpu = fused_forward(q, k, v, Context(), key_visible=visible)
     _, gpu = fused_forward(*_device(xp, q, k, v), Context(), key_visible=xp.asarray(visible))
     got = gpu["sums"].get()
-    assert got.shape == (2, 45, 3) and got.dtype == np.float64
+    assert got.shape == (2, 45, 4) and got.dtype == np.float64
     assert not got[1].any()
     np.testing.assert_allclose(got, cpu["sums"], rtol=rtol, atol=rtol * np.abs(cpu["sums"]).max())
     _, off = fused_forward(*_device(xp, q, k, v), Context(check="off"))
@@ -104,17 +105,19 @@ def test_no_false_positive_on_adversarial_clean_data(xp, dtype):
         verify_grads(saved, do, fused_backward(saved, do, ctx), ctx)
         assert not ctx.report.events, (call, ctx.report.summary())
         assert ctx.report.checked[OUTPUT_SITE] == ctx.report.checked[DK_SITE] == 1
+        assert ctx.report.checked[GRAD_SITE] == 1
 
 
 @pytest.mark.parametrize("xp", CUDA)
-def test_with_dropout_the_dk_and_output_checks_run(xp):
-    """With dropout fused:out and fused:dK_out check (fused:dV_out has no prediction)."""
+def test_with_dropout_every_final_check_runs(xp):
+    """With dropout fused:out, fused:dK_out and fused:dV_out check (dV's prediction weighted by
+    the kept sums the forward kernel carries out)."""
     q, k, v, do = _data(np.random.default_rng(2), 1, 40, 40, 16)
     ctx = Context()
     _checked_run(xp, q, k, v, do, ctx, causal=True, dropout=0.3, dropout_seed=4)
     assert not ctx.report.events, ctx.report.summary()
     assert ctx.report.checked[OUTPUT_SITE] == ctx.report.checked[DK_SITE] == 1
-    assert GRAD_SITE not in ctx.report.checked
+    assert ctx.report.checked[GRAD_SITE] == 1
 
 
 def _fault(xp, site, q, k, v, do, **kw):

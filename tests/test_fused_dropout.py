@@ -188,7 +188,7 @@ def test_fault_with_dropout_on_is_detected_and_corrected(site):
 
 def test_final_output_check_recomputes_with_the_same_dropout():
     """A fault in O after the kernels (fused:out) is repaired by a recomputation that keeps the
-    call's dropout; the backward has no dV_out check with dropout (fused_final docstring)."""
+    call's dropout; the backward's final checks pass on it."""
     q, k, v, do = _data(np.random.default_rng(9), 2, 90, 90, 16)
     kw = {"causal": True, "dropout": 0.3, "dropout_seed": 12}
     out_clean, saved_clean = fused_forward(q, k, v, Context(), **kw)
@@ -200,7 +200,7 @@ def test_final_output_check_recomputes_with_the_same_dropout():
     assert np.array_equal(out, out_clean)
     grads = fused_backward(saved, do, ctx)
     assert verify_grads(saved, do, grads, ctx) is grads
-    assert GRAD_SITE not in ctx.report.checked
+    assert ctx.report.checked[GRAD_SITE] == 1 and len(ctx.report.events) == 1
 
 
 @pytest.mark.parametrize("skip", [0, 1, 2, 3])
@@ -271,3 +271,59 @@ def test_core_backward_of_a_non_finite_gradient_keeps_the_decisions():
     for g, w in zip(got, core_backward(ref, do, Context())):
         np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dv_final_check_with_dropout_predicts_from_the_kept_sums(xp, p):
+    """With dropout ``dV``'s column sums are predicted from the forward's kept sums ``r_i``
+    (``saved["sums"][..., 3]``, those of the materialized ``P keep / (1 - p)`` in float64): a
+    clean run passes and is checked; the prediction without them (the rows that see a key, as
+    without dropout) would flag it; one element of ``dV`` moved by 1.5 thresholds of its column
+    is flagged at ``fused:dV_out`` and repaired bit for bit."""
+    from attention.fused_final import _grad_ratios
+
+    rng = np.random.default_rng(11)
+    n, length, d = 2, (90 if xp is np else 40), 16
+    q, k, v, do = _data(rng, n, length, length, d)
+    kw = {"causal": True, "dropout": p, "dropout_seed": 21}
+    ctx = Context()
+    out, saved = verify_output(*fused_forward(*(xp.asarray(t) for t in (q, k, v)), ctx, **kw),
+                               ctx)
+    s = (q.astype(np.float64) @ k.astype(np.float64).transpose(0, 2, 1)) / math.sqrt(d)
+    s = np.where(np.tril(np.ones((length, length), bool)), s, -np.inf)
+    probs = np.exp(s - s.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    kept = (probs * keep_mask(21, p, (n, length, length)) / (1 - p)).sum(-1)
+    np.testing.assert_allclose(to_host(saved["sums"][..., 3]), kept, rtol=1e-5)
+    grads = fused_backward(saved, xp.asarray(do), ctx)
+    assert verify_grads(saved, xp.asarray(do), grads, ctx) is grads
+    assert ctx.report.checked[GRAD_SITE] == 1 and not ctx.report.events
+    _, diff, tau = (to_host(t) for t in _grad_ratios(saved, xp.asarray(do), grads[2]))
+    assert np.all(diff <= tau)
+    dv = to_host(grads[2]).astype(np.float64)
+    unweighted = np.abs(do.astype(np.float64).sum(1) - dv.sum(1))
+    assert np.any(unweighted > tau), "the kept sums would not matter"
+    clean = [to_host(t) for t in (out, *grads)]
+    fault = Fault("additive", "element", sites=GRAD_SITE, batch=1, row=7, col=3,
+                  magnitude=1.5 * (tau[1, 3] + diff[1, 3]))
+    ctx = Context(fault_hook=fault)
+    out, saved = verify_output(*fused_forward(*(xp.asarray(t) for t in (q, k, v)), ctx, **kw),
+                               ctx)
+    grads = verify_grads(saved, xp.asarray(do), fused_backward(saved, xp.asarray(do), ctx), ctx)
+    assert fault.injected
+    assert [(e.site, e.action, e.batch, e.cols) for e in ctx.report.events] == \
+        [(GRAD_SITE, "recomputed", 1, (3,))]
+    for g, c in zip((out, *grads), clean):
+        assert np.array_equal(to_host(g), c)
+
+
+def test_dv_final_check_with_dropout_needs_the_checked_forward():
+    """A forward run with ``check="off"`` carries no kept sums: its backward with dropout has no
+    ``fused:dV_out`` check (``fused:dK_out`` runs)."""
+    q, k, v, do = _data(np.random.default_rng(12), 1, 40, 40, 8)
+    out, saved = fused_forward(q, k, v, Context(check="off"), dropout=0.2, dropout_seed=3)
+    assert saved["sums"] is None
+    ctx = Context()
+    verify_grads(saved, do, fused_backward(saved, do, ctx), ctx)
+    assert GRAD_SITE not in ctx.report.checked and ctx.report.checked["fused:dK_out"] == 1

@@ -223,10 +223,8 @@ class CampaignConfig:
             missing = [s for s in self.sites if s in fused_campaign.ALL_SITES
                        and s not in fused_sites]
             if missing:
-                raise ValueError(f"--sites {', '.join(missing)}: not "
-                                 f"{'with' if self.dropout else 'without'} --dropout (with "
-                                 "dropout the dropped probabilities are a site and dV has no "
-                                 "final check)")
+                raise ValueError(f"--sites {', '.join(missing)}: the dropped probabilities, "
+                                 "with --dropout only")
         site_choices = fused_sites if self.core == "fused" else DEFAULT_SITES
         for flag, chosen, known in (("--sites", self.sites, site_choices),
                                     ("--kinds", self.kinds, KINDS),

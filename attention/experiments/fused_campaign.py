@@ -48,7 +48,7 @@ from attention.dropout_hash import keep_mask
 from attention.experiments.outcomes import Trial, absolute_tolerances, compare
 from attention.fused import (DROPOUT_HOOK_SITE, FUSED_SITES, fused_backward, fused_forward,
                              work_dtype)
-from attention.fused_final import FINAL_SITES, GRAD_SITE, verify_grads, verify_output
+from attention.fused_final import FINAL_SITES, verify_grads, verify_output
 
 #: The masks a campaign can give the fused core (``abft campaign --core fused --mask``), each
 #: with what :func:`masks` makes of it:
@@ -73,12 +73,9 @@ _DTYPES = {d.name: d for d in SUPPORTED_DTYPES}
 
 def sites_of(dropout: float) -> tuple[str, ...]:
     """The campaign's sites (its default) at attention dropout ``dropout``: :data:`SITES`, and
-    with dropout the dropped probabilities (:data:`attention.fused.DROPOUT_HOOK_SITE`, which the
-    ``O_acc`` and ``dV_acc`` checks cover) instead of ``fused:dV_out``, which has no check then
-    (:mod:`attention.fused_final`)."""
-    if not dropout:
-        return SITES
-    return FUSED_SITES + (DROPOUT_HOOK_SITE,) + tuple(s for s in FINAL_SITES if s != GRAD_SITE)
+    with dropout the dropped probabilities too (:data:`attention.fused.DROPOUT_HOOK_SITE`, which
+    the ``O_acc`` and ``dV_acc`` checks cover)."""
+    return ALL_SITES if dropout else SITES
 
 
 def site_dtype(dtype: str, site: str) -> np.dtype:

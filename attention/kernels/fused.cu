@@ -22,8 +22,9 @@
 // Records (rec, float64, (tasks, NSITES, FIELDS), zeroed by the host) and the per-task status
 // (int, 0 or -1: a recomputation did not verify) are read by the host once per call. When
 // checking, the forward also writes each output row's carried checksums P [V1, Vw, |V|1] / l
-// (sums, float64, (n, lq, 3): plain, weighted, absolute; 0 for a row that sees no key), which
-// attention/fused_final.py checks the returned O against (fused:out), as the CPU kernel's.
+// and the sum of its kept probabilities P_d 1 / l (sums, float64, (n, lq, 4): plain, weighted,
+// absolute, kept; 0 for a row that sees no key), which attention/fused_final.py checks the
+// returned O (fused:out) and dV (fused:dV_out) against, as the CPU kernel's.
 //
 // Fault injection (tests and campaigns): `fault` is null or a float64 descriptor (F_* fields):
 // site, head, row and column of the element in the site's matrix (S, P, the dropped tile DROP_:
@@ -410,7 +411,7 @@ template <typename A> struct Forward {
     A p[FBR][FBC];
     unsigned char keep[FBR][FBC];  // dropout: the tile's keep decisions
     A m[FBR], l[FBR], alpha[FBR];
-    double oc[FBR][4];
+    double oc[FBR][5];  // O's carried checksums, sum P (the rowsum check), sum P_d
     Votes votes;
 };
 
@@ -480,7 +481,7 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
         if (tid < rows) {
             sh.m[tid] = neg_inf(zero);
             sh.l[tid] = zero;
-            for (int f = 0; f < 4; ++f) sh.oc[tid][f] = 0.0;
+            for (int f = 0; f < 5; ++f) sh.oc[tid][f] = 0.0;
         }
         int st = 0;
         for (int j0 = 0, step = 0; j0 < jend; j0 += FBC, ++step) {
@@ -557,7 +558,7 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
                                  sh.alpha[r] * sh.l[r] + t);
                 if (check) {  // with dropout made from P and keep as P_d is, not read from it
                     const double al = to_double(sh.alpha[r]);
-                    double t0 = 0.0, t1 = 0.0, t2 = 0.0, t3 = 0.0;
+                    double t0 = 0.0, t1 = 0.0, t2 = 0.0, t3 = 0.0, t4 = 0.0;
                     for (int j = 0; j < cols; ++j) {
                         const double x = to_double(sh.p[r][j]);
                         const double y =
@@ -568,11 +569,13 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
                         t1 += y * e[1];
                         t2 += fabs(y) * e[2];
                         t3 += x;
+                        t4 += y;
                     }
                     sh.oc[r][0] = sh.oc[r][0] * al + t0;
                     sh.oc[r][1] = sh.oc[r][1] * al + t1;
                     sh.oc[r][2] = sh.oc[r][2] * al + t2;
                     sh.oc[r][3] = sh.oc[r][3] * al + t3;
+                    sh.oc[r][4] = sh.oc[r][4] * al + t4;
                 }
             }
 #pragma unroll
@@ -611,7 +614,8 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
             A* lb = lse + static_cast<long long>(b) * lq + i0;
             A* lob = lse_lo + static_cast<long long>(b) * lq + i0;
             if (lr > zero) {
-                for (int f = 0; f < 3; ++f) sh.oc[tid][f] /= to_double(lr);
+                for (int f = 0; f < 5; ++f)
+                    if (f != 3) sh.oc[tid][f] /= to_double(lr);
                 // lse rounded, lse_lo the rest (an exact two-sum in double), as
                 // attention/_cpu_fused._finish: lse alone loses log l where m dwarfs it
                 const double mr = to_double(sh.m[tid]), ll = log(to_double(lr));
@@ -619,7 +623,8 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
                 const double hi = to_double(lb[tid]);
                 lob[tid] = static_cast<A>(fabs(mr) >= fabs(ll) ? (mr - hi) + ll : (ll - hi) + mr);
             } else {
-                for (int f = 0; f < 3; ++f) sh.oc[tid][f] = 0.0;
+                for (int f = 0; f < 5; ++f)
+                    if (f != 3) sh.oc[tid][f] = 0.0;
                 lb[tid] = neg_inf(zero);
                 lob[tid] = neg_inf(zero);
             }
@@ -637,8 +642,9 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
                 const double* p = sh.oc[tid];
                 vote(sh.votes, tid, ratio3(p[0], p[1], p[2], o0, o1, o2, params + C_O),
                      locate(p[0], p[1], o0, o1, d));
-                double* sr = sums + (static_cast<long long>(b) * lq + i0 + tid) * 3;
+                double* sr = sums + (static_cast<long long>(b) * lq + i0 + tid) * 4;
                 for (int f = 0; f < 3; ++f) sr[f] = p[f];  // for the final check, fused:out
+                sr[3] = p[4];  // for fused:dV_out: the kept probabilities' row sum
             }
             st = settle_block(sh.votes, rt, O_, attempt, correct, rows, true, i0, 0);
             if (st == 1) continue;
