@@ -182,7 +182,11 @@ class CpuWorkspace:
         self._counters = counters
         batch, m, k, n = op.batch, op.m, op.k, op.n
         self._wide = op.dtype.itemsize == 2
-        if self._wide:  # 16-bit: the GEMM runs in float32 (as cuBLAS accumulates), rounded once
+        # 16-bit: the GEMM runs in float32 (as cuBLAS accumulates), rounded once, and the
+        # prediction reads the same float32 copies of a and b (made by the GEMM, or by
+        # predict() after a caller's GEMM)
+        self._converted = False
+        if self._wide:
             self._table = bits_table(op.dtype)
             self._a32 = self._alloc(op.a.shape, np.float32)
             self._b32 = self._alloc(op.b.shape, np.float32)
@@ -218,6 +222,7 @@ class CpuWorkspace:
         outside it, see :func:`abftgemm._cpu_triangles.triangular_matmul`)."""
         self._counters.launches += 1 + (op.bias is not None)
         self._backend.gemm(op.a, op.b, c, op.bias, triangle, buffers=self._buffers)
+        self._converted = self._wide
 
     # The two verification launches.
     def encode(self, a: np.ndarray) -> None:
@@ -241,6 +246,10 @@ class CpuWorkspace:
             np.copyto(self._bias64, op.bias, casting="unsafe")
         given, self._given = self._given, None
         self._used = self._enc if encode_a or given is None else given
+        if self._wide and not self._converted:  # a caller's GEMM ran: this product's copies
+            as_float32(op.a, self._a32)
+            as_float32(op.b, self._b32)
+        self._converted = False
         a, a_transposed = rows_first(self._a32 if self._wide else op.a)
         b, b_transposed = rows_first(self._b32 if self._wide else op.b)
         predict_cols(a, a_transposed, b, b_transposed, self._bias64, encode_a, self._weights,

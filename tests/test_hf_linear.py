@@ -261,3 +261,30 @@ def test_torch_compile_equals_eager(eager_runs):
     assert_same_step(step(compiled, *batch()), want)
     assert all(core.last_report.checked == {s: 1 for s in LINEAR_SITES}
                for core in projection_cores(model).values())  # the protected ops ran
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_16_bit_products_lost_to_zeros_are_found(dtype, bias):
+    """A 16-bit protected linear product on the CPU (whose plan takes PyTorch's GEMM as the
+    caller's) that comes back as zeros, or as the bias alone, is detected and repaired, forward
+    and backward (the plan judged it against float32 copies of the operands that only its own
+    GEMM made: it passed)."""
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    core = ProtectedLinearCore("correct")
+    w = torch.randn(24, 32, dtype=dt, requires_grad=True)
+    x = torch.randn(16, 32, dtype=dt, requires_grad=True)
+    b = torch.randn(24, dtype=dt) if bias else None
+
+    def lose(site, c):
+        c[...] = 0 if b is None or site != "forward" else b.float().numpy()
+
+    core.fault_hook = lose
+    y = core(x, w, b, False)
+    y.backward(torch.ones_like(y))
+    assert {e.site for e in core.last_report.events} >= {"forward", "d_input"}
+    want = x.detach().double() @ w.detach().double().T + (0 if b is None else b.double())
+    assert (y.double() - want).abs().max() < 0.1
+    assert (x.grad.double() - torch.ones(16, 24, dtype=torch.float64) @ w.detach().double()
+            ).abs().max() < 0.1

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import abftgemm
 from abftgemm import ProtectedMatmul
-from abftgemm.checksums import SUPPORTED_DTYPES
+from abftgemm.checksums import SUPPORTED_DTYPES, unit_roundoff
 from abftgemm.faults import KINDS, PATTERNS, Fault
 from abftgemm.testing import assert_protected, matmul_shapes, operand_pairs
 from tests.conftest import BACKENDS
@@ -526,11 +526,15 @@ def test_a_lower_triangle_product_is_computed_and_verified_up_to_its_row_limits(
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
-def test_a_caller_gemm_is_verified_like_the_plans_own(xp):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_caller_gemm_is_verified_like_the_plans_own(xp, dtype):
     """``execute(gemm=...)``: the caller's GEMM writes the product (here with one element
-    wrong, as a faulty framework GEMM would); the plan verifies and repairs it, and needs out."""
-    a, b, bias = _operands(xp, np.dtype(np.float32), bias=True)
-    out = xp.empty((3, 32, 20), dtype=np.float32)
+    wrong, as a faulty framework GEMM would); the plan verifies and repairs it, and needs out.
+    16-bit too (whose CPU plans predicted from float32 copies of the operands that only their
+    own GEMM made: a caller's GEMM was judged against the planning's zeros or the previous
+    product's operands)."""
+    a, b, bias = _operands(xp, dtype, bias=True)
+    out = xp.empty((3, 32, 20), dtype=dtype)
 
     def wrong_gemm():
         xp.matmul(a, b, out=out)
@@ -546,6 +550,29 @@ def test_a_caller_gemm_is_verified_like_the_plans_own(xp):
     assert plan.counters.launches == launches + LAUNCHES + 1  # the caller's GEMM counts as one
     with pytest.raises(ValueError, match="needs out"):
         plan.execute(a, b, bias=bias, gemm=wrong_gemm)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_caller_gemm_is_judged_against_its_own_operands(xp, dtype):
+    """16-bit CPU plans predicted from float32 copies of the operands that only their own GEMM
+    made: a caller's GEMM was judged against the planning's zeros (a product lost to zeros
+    passed clean) or the previous product's operands (every clean execute took the rare
+    path). A lost product is found, and clean caller GEMMs take no rare path."""
+    rng = np.random.default_rng(0)
+    a, b = (xp.asarray(rng.standard_normal(s).astype(dtype)) for s in ((16, 32), (32, 24)))
+    out = xp.empty((16, 24), dtype)
+    plan = ProtectedMatmul(a, b)
+    plan.execute(a, b, out=out, gemm=lambda: out.fill(0))
+    assert plan.settle().detected
+    a64, b64 = _host(a), _host(b)
+    bound = 2 * 32 * unit_roundoff(dtype) * (np.abs(a64) @ np.abs(b64))
+    assert np.all(np.abs(_host(out) - a64 @ b64) <= bound)
+    rare = plan.counters.rare_paths
+    for _ in range(3):
+        plan.execute(a, b, out=out, gemm=lambda: xp.matmul(a, b, out=out))
+        assert not plan.settle().events
+    assert plan.counters.rare_paths == rare
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
