@@ -104,8 +104,15 @@ class CudaWorkspace:
             return
         self._counters.launches += 1
         cublas.setStream(self._handle, cupy.cuda.get_current_stream().ptr)
-        strided_batched(self._handle, matrices(op.a), matrices(op.b), c, m, n, k, self._dtype,
-                        op.bias is not None)
+        strided_batched(self._handle, self._matrices(op.a), self._matrices(op.b), c, m, n, k,
+                        self._dtype, op.bias is not None)
+
+    def _matrices(self, x: cupy.ndarray) -> Any:
+        """:func:`abftgemm.cuda_kernels.matrices` of an operand, its copy (a layout cuBLAS
+        cannot read, such as negative strides) counted as an allocation."""
+        mats = matrices(x)
+        self._counters.allocations += mats.array is not x
+        return mats
 
     def encode(self, a: cupy.ndarray) -> None:
         """Column encoding of the constant ``a`` (batch or 1, m, k) into the workspace now (its
@@ -131,7 +138,7 @@ class CudaWorkspace:
         if self._slabs == 0 or self._pred.size == 0:
             return
         self._counters.launches += 1
-        a, b = matrices(op.a), matrices(op.b)
+        a, b = self._matrices(op.a), self._matrices(op.b)
         enc = self._enc_used
         if enc is not None:
             enc_args = (enc, numpy.int64(enc.strides[1] // 8), numpy.int64(enc.strides[0] // 8),

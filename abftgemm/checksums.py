@@ -47,6 +47,14 @@ def location_weights(length: int, xp: Any = np) -> Any:
     return xp.arange(1, length + 1, dtype=np.float64) / length
 
 
+def check_checksums(value: Any, name: str) -> None:
+    """``value`` (an argument ``name``) must be None or a :class:`Checksums`: a clear
+    ``TypeError`` before anything runs."""
+    if value is not None and not isinstance(value, Checksums):
+        raise TypeError(f"{name} must be the Checksums that return_checksums=True gave, got "
+                        f"{type(value).__name__}")
+
+
 @dataclass(frozen=True)
 class Checksums:
     """Column and/or row encodings of a batched matrix (see the module docstring).

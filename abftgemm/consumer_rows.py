@@ -48,6 +48,7 @@ class ConsumerRows:
         self._be = be
         self._counters = counters
         self._slot = verdict
+        self.verdict_made = False
         self._coefficients = threshold_coefficients(op.k, op.n, op.dtype, False)
         self._safe = safe_magnitude(op.k, op.dtype)
         #: How many leading columns of each row are computed, observed and verified, ``(m,)``;
@@ -79,6 +80,7 @@ class ConsumerRows:
         else first a read of ``b`` for its row records and their copy into an encoding (3,
         the copy counted); with :attr:`row_limits`, one prediction that encodes ``b``'s leading
         columns as it goes."""
+        self.verdict_made = False  # judge() ran since this prediction
         if self.row_limits is not None:
             self._be.predict_lower_rows(op.a, op.b, self.row_limits, self._enc, self._pred)
             return 1
@@ -94,6 +96,7 @@ class ConsumerRows:
 
     def judge(self) -> None:
         """Count the flagged and unverifiable rows of :attr:`observed` (on the device)."""
+        self.verdict_made = True
         self._slot.clear()
         self._be.flag(self._pred, self.observed, self._coefficients, self._safe, self._verdict,
                       out=self._judged)

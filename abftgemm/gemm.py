@@ -12,7 +12,7 @@ import numpy as np
 
 from abftgemm.tensors import any_tensor, tensor_matmul
 from abftgemm.backend import array_module, get_backend
-from abftgemm.checksums import Checksums
+from abftgemm.checksums import Checksums, check_checksums
 from abftgemm.operands import Operands
 from abftgemm.plan import DIRECTIONS
 from abftgemm.plan_cache import PlanCache, default_plans
@@ -119,9 +119,7 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
         raise TypeError(f"plans must be an abftgemm.PlanCache, got {type(plans).__name__}")
     if fault_hook is not None and not callable(fault_hook):
         raise TypeError(f"fault_hook must be callable (site, c), got {type(fault_hook).__name__}")
-    if a_checksums is not None and not isinstance(a_checksums, Checksums):
-        raise TypeError("a_checksums must be the Checksums that return_checksums=True gave, got "
-                        f"{type(a_checksums).__name__}")
+    check_checksums(a_checksums, "a_checksums")
     report, checksums = Report(), None
     plans = default_plans() if plans is None else plans
     # a layout seen before takes its cached plan without validation (plan_cache.py)

@@ -30,11 +30,11 @@ from typing import Any, Callable
 import numpy as np
 
 from abftgemm.backend import Backend, Workspace, get_backend, is_cupy_array, reads_counted_by
-from abftgemm.checksums import Checksums
+from abftgemm.checksums import Checksums, check_checksums
 from abftgemm.consumer_rows import ConsumerRows
 from abftgemm.operands import Operands
 from abftgemm.rare_path import protect
-from abftgemm.report import Report
+from abftgemm.report import Report, UncorrectableError
 from abftgemm.thresholds import safe_magnitude, threshold_coefficients
 from abftgemm.verdicts import Ledger
 
@@ -58,7 +58,10 @@ class Counters:
         product needs, as the unprotected product makes them too), adding a bias as one more,
         and each verification kernel as one.
     allocations : int
-        Arrays allocated by the plan (workspaces at planning; an output when ``out`` is not given).
+        Arrays allocated by the plan: workspaces at planning; per execute an output when ``out``
+        is not a C-contiguous array it can write, and a copy of an operand whose layout the
+        product cannot read in place (a batch broadcast in part, ``(2, 1, m, k) @ (1, 3, k,
+        n)``; on the GPU negative strides, copied for the GEMM and for the prediction).
     syncs : int
         Host synchronizations (reads of device results by the host; one per clean settle).
     rare_paths : int
@@ -238,9 +241,13 @@ class ProtectedMatmul:
             The product (``out`` when given). Do not trust it before :meth:`settle` returns.
         """
         name = self.name if name is None else name
+        check_checksums(a_checksums, "a_checksums")
+        check_checksums(b_rows, "b_rows")
         if self._pending is not None:
             raise RuntimeError(f"{self.name}: settle() the previous execute first")
         op = self._planned(a, b, bias, out)
+        for given, used in ((a, op.a), (b, op.b)):  # a copy into the batch layout, counted
+            self.counters.allocations += used.size > 0 and not op.xp.may_share_memory(given, used)
         if not op.direct:
             if gemm is not None or self._rows is not None and out is not None:
                 raise ValueError(f"{name}: a gemm or a consumer needs out, a C-contiguous "
@@ -348,6 +355,10 @@ class ProtectedMatmul:
         """Make the copy of the verdicts to the host wait for this plan's launches."""
         if self._pending is None:
             raise RuntimeError(f"{self.name}: settle() without an execute")
+        if self._rows is not None and not self._rows.verdict_made:
+            raise RuntimeError(f"{self.name}: settle() before judge(): with directions="
+                               f"{CONSUMER_ROWS!r} the consumer fills observed and calls judge() "
+                               "first (or abandon() the execute)")
         if self._verify_columns:
             self._work.ready_verdict()
 
@@ -500,23 +511,42 @@ def settle_all(plans: list[ProtectedMatmul]) -> list[Report]:
 
     The verdict copies of every plan are queued, one per distinct :class:`Ledger` among the plans
     (plans that share one are read in one transfer), the host waits once, and each plan then
-    reports (running its rare path if flagged), in order. Each distinct :class:`Counters` among
-    the plans (plans may share one) counts one sync.
+    reports (running its rare path if flagged), in order. Plans of several backends (CPU and
+    GPU) are waited for on each; each distinct :class:`Counters` among the plans (plans may
+    share one) counts one sync per backend its plans run on.
 
     Returns
     -------
     list of Report
-        One per plan, in order. Raises :class:`UncorrectableError` as :meth:`ProtectedMatmul.settle`.
+        One per plan, in order.
+
+    Raises
+    ------
+    ValueError
+        A plan is listed twice (nothing is settled).
+    UncorrectableError
+        As :meth:`ProtectedMatmul.settle`: the first plan's that raised, once every plan is
+        settled (none is left pending).
     """
+    if len({id(p) for p in plans}) != len(plans):
+        raise ValueError("settle_all: a plan is listed twice")
     for plan in plans:
         plan._start_settle()
     for ledger in {id(p._ledger): p._ledger for p in plans}.values():
         ledger.fetch()
-    for counters in {id(p.counters): p.counters for p in plans}.values():
+    for counters, _ in {(id(p.counters), id(p._be)): (p.counters, p._be) for p in plans}.values():
         counters.syncs += 1
-    if plans:
-        plans[0]._be.synchronize()
-    return [plan._finish_settle(False) for plan in plans]
+    for backend in {id(p._be): p._be for p in plans}.values():
+        backend.synchronize()
+    reports, failure = [], None
+    for plan in plans:
+        try:
+            reports.append(plan._finish_settle(False))
+        except UncorrectableError as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure
+    return reports
 
 
 @dataclass

@@ -51,7 +51,8 @@ class PlanCache:
     """
 
     def __init__(self, capacity: int | None = None):
-        if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
+        if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool)
+                                     or capacity < 1):
             raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
         self.capacity = capacity
         self.counters = Counters()

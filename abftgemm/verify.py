@@ -89,6 +89,8 @@ def verify(c: Any, a: Any, b: Any, *, bias: Any | None = None,
     op = Operands.prepare(a, b, bias)
     if is_tensor(c):
         c = to_array(c, "c")
+    if isinstance(c, np.generic) and op.xp is np:  # what matmul returns for vector @ vector
+        c = np.asarray(c)
     if not isinstance(c, op.xp.ndarray):
         raise TypeError(f"verify: c must be a {op.xp.__name__} array as a and b are, got "
                         f"{type(c).__name__}")

@@ -332,6 +332,23 @@ def test_bad_options_raise_before_anything_is_written(xp):
     for c in (to_host(out).tolist(), None):
         with pytest.raises(TypeError, match="c must be a"):
             abftgemm.verify(c, a, b)
+    plan = abftgemm.ProtectedMatmul(a, b)
+    for options, match in [({"a_checksums": xp.zeros((3, 1, 6))}, "a_checksums must be"),
+                           ({"b_rows": 3}, "b_rows must be")]:
+        with pytest.raises(TypeError, match=match):
+            plan.execute(a, b, out=out, **options)
+        assert (to_host(out) == 7).all()
+    with pytest.raises(ValueError, match="capacity"):
+        abftgemm.PlanCache(capacity=True)
+
+
+def test_verify_takes_what_matmul_returns_for_two_vectors():
+    """``matmul(v, v)`` is a NumPy scalar, as ``numpy.matmul`` gives it; ``verify`` takes it."""
+    v = np.arange(1.0, 6.0)
+    c = abftgemm.matmul(v, v)
+    assert isinstance(c, np.float64) and c == 55.0
+    assert abftgemm.verify(c, v, v).clean
+    assert not abftgemm.verify(np.float64(56.0), v, v).clean
 
 
 @pytest.mark.parametrize("xp", BACKENDS)

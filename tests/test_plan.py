@@ -279,6 +279,48 @@ def test_misuse_raises_clearly(xp):
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
+def test_operand_copies_per_execute_are_counted(xp):
+    """What an execute copies of its operands is in ``counters.allocations``: a batch broadcast
+    in part (each operand into the product's batch layout), on the GPU a negative-stride
+    operand (for the GEMM and for the prediction); contiguous operands none."""
+    rng = np.random.default_rng(3)
+
+    def allocations(a, b, out):
+        plan = ProtectedMatmul(a, b)
+        before = plan.counters.allocations
+        plan.execute(a, b, out=out)
+        plan.settle()
+        np.testing.assert_allclose(_host(out), _host(a) @ _host(b), rtol=1e-5, atol=1e-5)
+        return plan.counters.allocations - before
+
+    a, b = (xp.asarray(rng.standard_normal(s).astype(np.float32))
+            for s in ((2, 1, 16, 8), (1, 3, 8, 12)))
+    assert allocations(a, b, xp.empty((2, 3, 16, 12), np.float32)) == 2
+    a, b = (xp.asarray(rng.standard_normal(s).astype(np.float32)) for s in ((4, 16, 8), (8, 12)))
+    assert allocations(a, b, xp.empty((4, 16, 12), np.float32)) == 0
+    assert allocations(a, b[::-1], xp.empty((4, 16, 12), np.float32)) == (0 if xp is np else 2)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_a_consumer_rows_plan_settled_before_judge_raises(xp):
+    """``directions="rows by consumer"``: a settle before the consumer's ``judge()`` raises (it
+    reported the product checked and clean, from the verdict slot as last judged: a fault passed
+    unflagged); after ``judge()`` it settles, and ``abandon()`` forgets the execute."""
+    a, b, _ = _operands(xp, np.float32)
+    plan = ProtectedMatmul(a, b, directions="rows by consumer")
+    out = xp.empty((3, 32, 20), np.float32)
+    for attempt in range(2):
+        plan.execute(a, b, out=out, fault_hook=Fault("near-inf", "element", seed=0))
+        with pytest.raises(RuntimeError, match="before judge"):
+            plan.settle()
+        if attempt == 0:
+            plan.abandon()
+    _observe_rows(xp, plan, out)
+    assert plan.settle().corrected
+    np.testing.assert_array_equal(_host(out), _host(a) @ _host(b))
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
 def test_matmul_reuses_a_plan_without_revalidating_known_layouts(xp, monkeypatch):
     """Repeated calls with arrays of a layout seen before skip ``Operands.prepare``; anything
     else (another dtype, a bad ``out``, a broadcast) is validated as on the first call."""
@@ -573,6 +615,52 @@ def test_a_caller_gemm_is_judged_against_its_own_operands(xp, dtype):
         plan.execute(a, b, out=out, gemm=lambda: xp.matmul(a, b, out=out))
         assert not plan.settle().events
     assert plan.counters.rare_paths == rare
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_settle_all_settles_every_plan_and_waits_on_every_backend(xp, monkeypatch):
+    """``settle_all``: a plan listed twice is refused before anything is settled; a plan whose
+    repair raises does not leave the others pending (they settle, then its error is raised);
+    plans of NumPy and of ``xp`` are each waited for on their own backend (it waited on the
+    first plan's alone: a GPU verdict copy could be read before it arrived)."""
+    from abftgemm import UncorrectableError, plan as plan_module
+    from abftgemm.plan import settle_all
+
+    a, b, _ = _operands(np, np.float32)
+    plans = [ProtectedMatmul(a, b, name=name) for name in ("first", "second")]
+    for p in plans:
+        p.execute(a, b)
+    with pytest.raises(ValueError, match="listed twice"):
+        settle_all([plans[0], plans[0]])
+    repair = plan_module.protect
+
+    def failing(be, op, c, check, name, report, *rest):
+        if name == "first":
+            raise UncorrectableError("test: this one cannot be repaired", report)
+        return repair(be, op, c, check, name, report, *rest)
+
+    monkeypatch.setattr(plan_module, "protect", failing)
+    outs = [np.empty((3, 32, 20), np.float32) for _ in plans]
+    hook = Fault("near-inf", "element", seed=0, times=None)
+    for p, out in zip(plans, outs):
+        p.abandon()
+        p.execute(a, b, out=out, fault_hook=hook)
+    with pytest.raises(UncorrectableError, match="this one"):
+        settle_all(plans)
+    np.testing.assert_array_equal(outs[1], a @ b)  # repaired, delivered
+    for p in plans:
+        p.execute(a, b)  # neither is pending
+        p.settle()
+    monkeypatch.setattr(plan_module, "protect", repair)
+    if xp is np:
+        return
+    mixed = [ProtectedMatmul(a, b), ProtectedMatmul(*_operands(xp, np.float32)[:2])]
+    waited = []
+    for p in mixed:
+        monkeypatch.setattr(p._be, "synchronize", lambda be=p._be: waited.append(be.xp))
+        p.execute(*(_operands(p._be.xp, np.float32)[:2]))
+    settle_all(mixed)
+    assert sorted(m.__name__ for m in waited) == sorted(["numpy", xp.__name__])
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
