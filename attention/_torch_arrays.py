@@ -36,8 +36,9 @@ def mask_array(t: torch.Tensor) -> Any:
 
 def autocast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """``tensors`` cast to the ``torch.autocast`` dtype of their device where autocast is on and
-    all of them are floating point (as PyTorch's own layers run under it), else as given; a
-    tensor passed twice is cast once, so self-attention's one input stays one tensor."""
+    all of them are floating point (as PyTorch's own layers run under it), else as given;
+    float64 tensors are never cast (as autocast leaves them); a tensor passed twice is cast
+    once, so self-attention's one input stays one tensor."""
     given = [t for t in tensors if t is not None]
     device = given[0].device.type
     if not torch.is_autocast_enabled(device) or not all(t.is_floating_point() for t in given):
@@ -46,7 +47,7 @@ def autocast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     cast: dict[int, torch.Tensor] = {}
     for t in given:
         if id(t) not in cast:
-            cast[id(t)] = t.to(dtype)
+            cast[id(t)] = t if t.dtype == torch.float64 else t.to(dtype)
     return tuple(None if t is None else cast[id(t)] for t in tensors)
 
 

@@ -67,3 +67,28 @@ def test_multihead_attention_runs_in_the_autocast_dtype_as_torchs(dtype):
     for got, want in zip(runs[1], runs[0]):
         assert (got - want).abs().max().item() <= 16 * u * want.abs().max().item()
 
+
+
+def test_float64_stays_float64_under_autocast_as_in_torch():
+    """Autocast never casts float64 tensors (PyTorch's ops leave them): the attention core, the
+    protected ``MultiheadAttention`` and a protected linear product of float64 data under
+    autocast run in float64, equal to PyTorch's to float64 rounding (they ran in bfloat16)."""
+    from attention.torch import MultiheadAttention
+    from attention.torch_linear import ProtectedLinearCore
+
+    q, k, v = _inputs((torch.float64,) * 3)
+    torch.manual_seed(0)
+    stock = torch.nn.MultiheadAttention(32, 4, batch_first=True, dtype=torch.float64)
+    mine = MultiheadAttention.from_torch(stock)
+    x = torch.randn(2, L, 32, dtype=torch.float64)
+    w = torch.randn(24, 32, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        if not torch.is_autocast_enabled("cpu"):
+            pytest.skip("this PyTorch has no CPU autocast")
+        pairs = [(attention_core(q, k, v, protection=Protection(), is_causal=True)[0],
+                  torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)),
+                 (mine(x, x, x)[0], stock(x, x, x)[0]),
+                 (ProtectedLinearCore()(x, w, None, False), torch.nn.functional.linear(x, w))]
+    for got, want in pairs:
+        assert got.dtype == want.dtype == torch.float64
+        assert (got - want).abs().max().item() <= 1e-12 * want.abs().max().item()
