@@ -130,9 +130,9 @@ class _EagerCore(torch.autograd.Function):
         out, weights, state = run_core_forward(protection, query, key, value, attn_mask, scale,
                                                is_causal, need_weights, dropout_keep, dropout,
                                                core, mask_grad)
-        fused = state.saved["core"] == "fused"  # whose backward reads the output
-        ctx.save_for_backward(query, key, value, out if fused else None,
-                              attn_mask if mask_grad else None)
+        # the output whatever core ran (the fused core's backward reads it): a checkpointed
+        # recomputation that picks the other core saves the same tensors
+        ctx.save_for_backward(query, key, value, out, attn_mask if mask_grad else None)
         ctx.state = state
         return out, weights
 

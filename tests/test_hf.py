@@ -2,6 +2,7 @@
 GPT-Neo and Llama, and Mistral's sliding window (tiny configurations built in code, random weights
 and token ids; nothing downloaded) against the "eager" attention, under injected faults, and
 around saving and compiling."""
+import contextlib
 import copy
 
 import pytest
@@ -203,6 +204,27 @@ def test_gradient_checkpointing_equals_eager_and_repairs(reentrant, eager_runs):
     assert_same_step(step(model, *batch()), want)
     name = layer0("llama")
     assert_fault_repaired(model, attention_cores, name, "d_q", want, want)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_checkpointed_recomputation_on_the_other_core_equals_eager(family, eager_runs):
+    """Non-reentrant checkpointing requires the recomputation to save what the forward saved:
+    a forward on the unfused core (the attention weights asked for, or a fault hook set around
+    the forward alone) and a recomputation in backward on the fused core (no weights, no hook)
+    saved different tensors: ``CheckpointError``. Both steps equal eager's."""
+    eager, want = eager_runs[family]
+    model = protect(copy.deepcopy(eager))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, mask = batch()
+    for weights, hooked in ((True, False), (False, True)):
+        model.zero_grad(set_to_none=True)
+        with fault_hook(model, lambda site, c: None) if hooked else contextlib.nullcontext():
+            logits = model(ids, attention_mask=mask, output_attentions=weights).logits
+        keep = mask.bool()
+        logits[keep].pow(2).mean().backward()
+        got = (logits[keep].detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                       if p.grad is not None})
+        assert_same_step(got, want)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
