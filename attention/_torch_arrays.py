@@ -20,6 +20,13 @@ def threads(t: torch.Tensor) -> blas_scope | contextlib.nullcontext:
     return blas_scope(torch.get_num_threads()) if t.is_cpu else contextlib.nullcontext()
 
 
+def recomputing() -> bool:
+    """Whether autograd runs a backward on this thread: a forward now is the recomputation of
+    a checkpointed one (activation checkpointing), whose findings add to the step's report
+    instead of replacing it."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def array(t: torch.Tensor) -> Any:
     return to_array(t.detach(), "attention input")
 

@@ -24,7 +24,7 @@ from abftgemm.tensors import device_scope, to_tensor
 from abftgemm.report import Report
 from torch.autograd.function import once_differentiable
 
-from attention._torch_arrays import (array, dropout_arrays, eager, mask_array,
+from attention._torch_arrays import (array, dropout_arrays, eager, mask_array, recomputing,
                                      refuse_weights_gradient, threads)
 from attention._torch_state import Protection, registered, saved_state, token_of
 from attention.core import core_backward, core_forward
@@ -130,9 +130,9 @@ class _EagerCore(torch.autograd.Function):
         out, weights, state = run_core_forward(protection, query, key, value, attn_mask, scale,
                                                is_causal, need_weights, dropout_keep, dropout,
                                                core, mask_grad)
-        # the output whatever core ran (the fused core's backward reads it): a checkpointed
-        # recomputation that picks the other core saves the same tensors
-        ctx.save_for_backward(query, key, value, out, attn_mask if mask_grad else None)
+        fused = state.saved["core"] == "fused"  # whose backward reads the output
+        ctx.save_for_backward(query, key, value, out if fused else None,
+                              attn_mask if mask_grad else None)
         ctx.state = state
         return out, weights
 
@@ -165,9 +165,13 @@ def run_core_forward(protection: Protection, q: torch.Tensor, k: torch.Tensor, v
                      core: str, mask_grad: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, _CoreSaved]:
     """The body of ``abftgemm::attention_core``: its findings become
-    ``protection.last_report``, the implementation it ran ``protection.last_core``."""
+    ``protection.last_report``, the implementation it ran ``protection.last_core`` (a
+    checkpointed forward recomputed in backward runs that core again and adds its findings)."""
     workspace = protection.workspace(q.device)
     report = Report()
+    if recomputing():  # on the core the forward ran: it saves what the forward saved (as
+        # non-reentrant checkpointing checks) and computes what the forward computed
+        report, core = protection.last_report, protection.last_core or core
     context = protection.context(report)
     keep_array, seed = dropout_arrays(keep)
     padding = mask is not None and mask.dtype == torch.bool and mask.dim() == 3 \

@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 from abftgemm.tensors import device_scope
 from abftgemm.plan import ProtectedMatmul, settle_all
 from abftgemm.report import Report
-from attention._torch_arrays import array, eager, threads
+from attention._torch_arrays import array, eager, recomputing, threads
 from attention._torch_state import LinearProtection, registered
 
 FaultHook = Callable[[str, Any], None]
@@ -135,7 +135,10 @@ def run_forward(protection: LinearProtection, x: torch.Tensor, weight: torch.Ten
         pass_ = _Pass(protection, x.device, report)
         pass_.product("forward", x, m, y, bias)
         pass_.settle()
-    protection.last_report = report
+    if recomputing():  # a checkpointed forward again: the step's findings so far stay
+        protection.last_report.extend(report)
+    else:
+        protection.last_report = report
     return y
 
 

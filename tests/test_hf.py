@@ -9,12 +9,13 @@ import pytest
 
 from hf_models import torch, transformers  # skips this module without them
 
+from attention._torch_arrays import recomputing  # noqa: E402
 from attention.core import CORE_INVARIANT_SITES, CORE_SITES  # noqa: E402
 from attention.dropout_hash import keep_mask  # noqa: E402
 from attention.hf import abft_attention_forward  # noqa: E402
 from attention.hf_linear import projection_cores  # noqa: E402
 from attention.hf_protect import ProtectedGPTNeoSelfAttention, attention_cores  # noqa: E402
-from attention.torch import fault_hook, protect  # noqa: E402
+from attention.torch import fault_hook, protect, protected_cores  # noqa: E402
 from hf_models import (ATOL_16, FAMILIES, HEADS, RTOL_16, VOCAB, WIDTH,  # noqa: E402,F401
                        OncePerSite, assert_close, assert_fault_repaired, assert_same_step, batch,
                        build, eager_runs, layer0, step)
@@ -211,7 +212,8 @@ def test_checkpointed_recomputation_on_the_other_core_equals_eager(family, eager
     """Non-reentrant checkpointing requires the recomputation to save what the forward saved:
     a forward on the unfused core (the attention weights asked for, or a fault hook set around
     the forward alone) and a recomputation in backward on the fused core (no weights, no hook)
-    saved different tensors: ``CheckpointError``. Both steps equal eager's."""
+    saved different tensors: ``CheckpointError``. The recomputation runs the forward's core;
+    both steps equal eager's."""
     eager, want = eager_runs[family]
     model = protect(copy.deepcopy(eager))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -225,6 +227,36 @@ def test_checkpointed_recomputation_on_the_other_core_equals_eager(family, eager
         got = (logits[keep].detach(), {n: p.grad.clone() for n, p in model.named_parameters()
                                        if p.grad is not None})
         assert_same_step(got, want)
+
+
+@pytest.mark.parametrize("reentrant", (False, True), ids=("non-reentrant", "reentrant"))
+@pytest.mark.parametrize("call", (0, 1), ids=("forward", "recomputation"))
+@pytest.mark.parametrize("site", ("scores", "q_proj"))
+def test_checkpointed_steps_report_every_repaired_fault(reentrant, call, site, eager_runs):
+    """With activation checkpointing a layer's forward runs twice: a fault repaired in the first
+    forward or in the recomputation inside backward is in the step's ``last_report`` (the
+    recomputation's report replaced the forward's, or the backward restored the forward's and
+    dropped the recomputation's); the step equals eager's."""
+    eager, want = eager_runs["llama"]
+    model = protect(copy.deepcopy(eager))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
+                                                                       reentrant})
+    name = layer0("llama")
+    target = f"{name}:{site}" if site == "scores" else f"{name}.q_proj:forward"
+    injected = []
+
+    def hook(at, c):
+        if at == target and not injected and recomputing() == bool(call):
+            injected.append(at)
+            c.flat[0] = float("inf")
+
+    with fault_hook(model, hook):
+        got = step(model, *batch())
+    assert injected
+    assert_same_step(got, want)
+    cores = protected_cores(model)
+    owner = cores[name] if site == "scores" else cores[f"{name}.q_proj"]
+    assert owner.last_report.detected, owner.last_report.summary()
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
