@@ -70,14 +70,22 @@ def protect_projections(model: nn.Module, attention: list[str], *, check: str = 
     ValueError
         When an attention module is in no layer of a ``ModuleList`` (nothing is changed).
     """
-    chosen = list(_projections(model, attention, mlp))
+    chosen = check_projections(model, attention, mlp)
     cores = [ProtectedLinearCore(check) for _ in chosen]  # validates check before any swap
-    for name, module in chosen:
-        check_swappable(name, module)
     for (_, module), core in zip(chosen, cores):
         swap_class(module, _PROTECTED.get(type(module), type(module)))
         module.abft_linear = core
     return [name for name, _ in chosen]
+
+
+def check_projections(model: nn.Module, attention: list[str],
+                      mlp: bool) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the projections :func:`protect_projections` would swap, checked
+    (``ValueError`` as it raises; nothing is changed)."""
+    chosen = list(_projections(model, attention, mlp))
+    for name, module in chosen:
+        check_swappable(name, module)
+    return chosen
 
 
 def check_swappable(name: str, module: nn.Module) -> None:

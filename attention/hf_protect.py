@@ -12,6 +12,7 @@ layers (:mod:`attention.hf_linear`).
 """
 from __future__ import annotations
 
+import copy
 import math
 import sys
 from typing import Any, Iterator
@@ -24,7 +25,8 @@ from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
 import abftgemm
 from attention._torch_arrays import eager
 from attention.hf import NAME, core_of, not_allowed, weights_wanted
-from attention.hf_linear import check_swappable, protect_projections, swap_class
+from attention.hf_linear import (check_projections, check_swappable, protect_projections,
+                                 swap_class)
 from attention.torch_core import ProtectedCore
 
 __all__ = ["protect_pretrained", "ProtectedGPTNeoSelfAttention", "attention_cores"]
@@ -103,10 +105,31 @@ def protect_pretrained(model: nn.Module, *, check: str = "correct", projections:
     Raises
     ------
     ValueError
-        For a model that neither calls registered attention functions nor is GPT-Neo, or whose
-        attention caps its scores (Gemma 2's ``attn_logit_softcapping``); the model is left as
-        it was.
+        For a model that neither calls registered attention functions nor is GPT-Neo, whose
+        attention caps its scores (Gemma 2's ``attn_logit_softcapping``), or whose projections
+        cannot be found or swapped; the model is left as it was (:func:`check_pretrained`).
     """
+    check_pretrained(model, check=check, projections=projections, mlp=mlp)
+    neo = [m for _, m in model.named_modules() if isinstance(m, GPTNeoSelfAttention)]
+    for m in neo:
+        if type(m) is GPTNeoSelfAttention:
+            swap_class(m, ProtectedGPTNeoSelfAttention)
+    if not neo:
+        _own_config(model)
+        model.set_attn_implementation(NAME)
+    modules = list(_attention_modules(model))
+    for _, m in modules:
+        m.abft_core = ProtectedCore(check)
+    if projections:
+        protect_projections(model, [name for name, _ in modules], check=check, mlp=mlp)
+    return model
+
+
+def check_pretrained(model: nn.Module, *, check: str = "correct", projections: bool = True,
+                     mlp: bool = False) -> None:
+    """Raise ``ValueError`` where :func:`protect_pretrained` would refuse ``model`` (its Raises
+    section), changing nothing: :func:`attention.torch.protect` checks every model it holds
+    before it protects any."""
     if mlp and not projections:
         raise ValueError("protect: mlp=True needs projections=True")
     if check not in abftgemm.CHECK_MODES:
@@ -120,39 +143,56 @@ def protect_pretrained(model: nn.Module, *, check: str = "correct", projections:
     neo = [(name, m) for name, m in model.named_modules() if isinstance(m, GPTNeoSelfAttention)]
     for name, m in neo:
         check_swappable(name, m)
-    for _, m in neo:
-        if type(m) is GPTNeoSelfAttention:
-            swap_class(m, ProtectedGPTNeoSelfAttention)
+    names = [name for name, _ in neo]
     if not neo:
         if not model._can_set_attn_implementation():
             raise ValueError(f"{type(model).__name__} does not call the attention function its "
                              "config names (transformers' AttentionInterface), so protect() "
                              "cannot protect it")
+        # which modules the switch reaches: tried on a copy of the config, then undone
         previous = model.config._attn_implementation
-        model.set_attn_implementation(NAME)
-    modules = list(_attention_modules(model))
-    stale = [] if neo else [(name, _implementation(m)) for name, m in modules
-                            if _implementation(m) not in (None, NAME)]
-    if not modules or stale:
-        if not neo:
+        shared = _own_config(model)
+        try:
+            model.set_attn_implementation(NAME)
+            modules = list(_attention_modules(model))
+            stale = [(name, _implementation(m)) for name, m in modules
+                     if _implementation(m) not in (None, NAME)]
+        finally:
             model.set_attn_implementation(previous)
+            for m, config in shared:
+                m.config = config
         if not modules:
             raise ValueError(f"protect: found no attention module in {type(model).__name__}")
-        raise ValueError(
-            f"protect: transformers {transformers.__version__} left {len(stale)} attention "
-            f"modules of {type(model).__name__} ({stale[0][0]!r} first) on the attention "
-            f"implementation {stale[0][1]!r}: their sub-model's config keeps its own, so they "
-            "would run unprotected")
-    for _, m in modules:
-        m.abft_core = ProtectedCore(check)
+        if stale:
+            raise ValueError(
+                f"protect: transformers {transformers.__version__} left {len(stale)} attention "
+                f"modules of {type(model).__name__} ({stale[0][0]!r} first) on the attention "
+                f"implementation {stale[0][1]!r}: their sub-model's config keeps its own, so "
+                "they would run unprotected")
+        names = [name for name, _ in modules]
     if projections:
-        protect_projections(model, [name for name, _ in modules], check=check, mlp=mlp)
-    return model
+        check_projections(model, names, mlp)
 
 
 def _implementation(module: nn.Module) -> str | None:
     """The attention implementation an attention module's config names (None without one)."""
     return getattr(getattr(module, "config", None), "_attn_implementation", None)
+
+
+def _own_config(model: Any) -> list[tuple[Any, Any]]:
+    """Give ``model``'s modules a copy of their config (its sub-configs shared as before), so
+    that ``set_attn_implementation`` changes this model alone: models built from one config
+    object share it, and protecting one switched the other to ``"abft"`` (and setting the other
+    back unprotected this one, silently). Returns ``(module, config)`` pairs to undo it."""
+    memo: dict[int, Any] = {}
+    copy.deepcopy(model.config, memo)
+    undo = []
+    for m in model.modules():
+        config = vars(m).get("config")
+        if config is not None and id(config) in memo:
+            undo.append((m, config))
+            m.config = memo[id(config)]
+    return undo
 
 
 def _attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -227,8 +227,10 @@ def protect(model: nn.Module, *, check: str = "correct", mlp: bool = False,
             MultiheadAttention.from_torch(model, check=check)
     swaps = _multihead_swaps(model, check)  # made before anything changes: they may raise
     if pretrained:
-        from attention.hf_protect import protect_pretrained
+        from attention.hf_protect import check_pretrained, protect_pretrained
 
+        for m in pretrained:  # every model checked before any is protected
+            check_pretrained(m, check=check, mlp=mlp, projections=projections)
         for m in pretrained:
             protect_pretrained(m, check=check, mlp=mlp, projections=projections)
     for parent, name, protected in swaps:

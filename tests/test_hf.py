@@ -55,6 +55,22 @@ def test_protect_keeps_parameters(family):
     assert any(not torch.equal(before[n], p) for n, p in params.items())
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_protect_leaves_models_sharing_its_config_alone(family):
+    """Two models built from one config object: protecting one leaves the other (and the
+    config) on its attention (it switched both to "abft"), and setting the other's back does
+    not unprotect this one (it did, silently: its attention checked nothing)."""
+    base = build(family)
+    config = base.config
+    other = type(base)(config)
+    protect(base)
+    assert config._attn_implementation == other.config._attn_implementation != "abft"
+    assert base.config._attn_implementation == "abft" and base.config is not config
+    other.set_attn_implementation("sdpa")
+    step(base, *batch())
+    assert all(core.last_report.checked for core in attention_cores(base).values())
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fault_at_every_site_of_a_layer_is_corrected(family, eager_runs):
     """One INF per step, at each site of layer 0 in turn: reported repaired at that site, and

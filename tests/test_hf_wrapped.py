@@ -71,11 +71,30 @@ def test_modules_under_accelerate_hooks_run_protected():
 
 
 def test_a_forward_set_on_a_module_is_refused():
+    """A projection whose forward is set on the instance is refused, and the model is left as
+    it was (the attention had been switched to "abft" before the projections were checked)."""
     model = build("gpt2")
     c_attn = model.transformer.h[0].attn.c_attn
     c_attn.forward = c_attn.forward  # the class's forward, frozen on the instance
+    implementation, config = model.config._attn_implementation, model.config
     with pytest.raises(ValueError, match="forward set on the module itself"):
         protect(model)
+    assert model.config is config and config._attn_implementation == implementation
+    assert not protected_cores(model)
+
+
+def test_a_refused_model_in_a_wrapper_leaves_every_model_as_it_was():
+    """A wrapper holding two transformers models, one that ``protect`` refuses (BLOOM calls no
+    registered attention function): nothing is protected (the first model was)."""
+    gpt2 = build("gpt2")
+    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(
+        n_layer=1, hidden_size=32, n_head=4, vocab_size=100))
+    pair = torch.nn.ModuleDict({"student": gpt2, "teacher": bloom})
+    implementation = gpt2.config._attn_implementation
+    with pytest.raises(ValueError, match="BloomForCausalLM"):
+        protect(pair)
+    assert gpt2.config._attn_implementation == implementation and not protected_cores(pair)
+    assert type(gpt2.transformer.h[0].attn.c_attn).__name__ == "Conv1D"
 
 
 def test_nothing_to_protect_is_refused():
