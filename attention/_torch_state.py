@@ -99,9 +99,12 @@ class Protection:
     def __getstate__(self) -> dict[str, Any]:
         """Without its plans, buffers and memo, which hold array modules and memory no copy
         should share (``copy.deepcopy``, ``torch.save`` and ``pickle`` work after a call; a copy
-        builds its own on first use and gets a new ``id``)."""
+        builds its own on first use and gets a new ``id``), and without its fault hook, a test's
+        instrument (a copy made inside :func:`attention.torch.fault_hook`'s block kept calling
+        it after the block, and a hook defined in a function could not be pickled)."""
         state = self.__dict__.copy()
         state["_memo"] = (None, None)
+        state["fault_hook"] = None
         del state["id"], state["_local"]
         return state
 

@@ -127,3 +127,23 @@ def test_lora_fine_tuning_equals_eager(order):
         assert f"{base}.q_proj.lora_A.default" in cores
     name = f"{base}"
     assert_fault_repaired(model, attention_cores, name, "d_q", want, want)
+
+
+def test_copies_made_in_a_fault_hook_block_do_not_keep_the_hook(tmp_path):
+    """``copy.deepcopy`` and ``torch.save`` of a protected model inside ``fault_hook``'s block
+    (a snapshot, an EMA copy, a checkpoint): the save works with a hook defined in a function
+    (it could not pickle it), and the copy runs without the hook after the block (it kept
+    calling it)."""
+    from attention.torch import fault_hook
+
+    model = protect(build("gpt2"))
+    seen = []
+    with fault_hook(model, lambda site, c: seen.append(site)):
+        twin = copy.deepcopy(model)
+        torch.save(model, tmp_path / "model.pt")
+    assert not any(core.fault_hook for core in protected_cores(twin).values())
+    step(twin, *batch())
+    assert not seen
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    step(loaded, *batch())
+    assert not seen and all(c.last_report.checked for c in protected_cores(loaded).values())
