@@ -11,6 +11,7 @@ import pytest
 
 from abftgemm.backend import to_host
 from abftgemm.faults import Fault
+from abftgemm.report import FaultDetectedWarning
 from attention import MultiHeadAttention
 from attention.context import Context
 from attention.core import core_backward, core_forward
@@ -316,6 +317,13 @@ def test_dv_final_check_with_dropout_predicts_from_the_kept_sums(xp, p):
         [(GRAD_SITE, "recomputed", 1, (3,))]
     for g, c in zip((out, *grads), clean):
         assert np.array_equal(to_host(g), c)
+    # an error of a size fixed here, not by the check's own threshold (about 2e-3 to 2e-2 at
+    # p = 0.1 to 0.9: 1.2 to 11 times the threshold without dropout, which grows with ks)
+    fault = Fault("additive", "element", sites=GRAD_SITE, batch=0, row=5, col=2, magnitude=0.1)
+    ctx = Context(check="detect", fault_hook=fault)
+    out, saved = fused_forward(*(xp.asarray(t) for t in (q, k, v)), ctx, **kw)
+    with pytest.warns(FaultDetectedWarning, match=GRAD_SITE):
+        verify_grads(saved, xp.asarray(do), fused_backward(saved, xp.asarray(do), ctx), ctx)
 
 
 def test_dv_final_check_with_dropout_needs_the_checked_forward():
