@@ -252,9 +252,9 @@ def _run(table: tuple[Step, ...], inp: Any, env: Callable[[], dict[str, Any]],
         except _Replay as replay:
             ws.abandon()
             origin = replay.found or Report()
-        except UncorrectableError:
-            ws.abandon()
-            origin = Report()  # something downstream of a fault; the replay settles at the source
+        except UncorrectableError as exc:  # downstream of a fault: the replay settles at the
+            ws.abandon()                   # source (a transient fault is gone by then)
+            origin = _replayed(exc.report)
         except BaseException:
             ws.abandon()
             raise
@@ -271,6 +271,16 @@ def _run(table: tuple[Step, ...], inp: Any, env: Callable[[], dict[str, Any]],
     if ctx.trace is not None:
         ctx.trace.extend(done.trace)
     return done
+
+
+def _replayed(found: Report) -> Report:
+    """The findings of a first run that a failed check ended, as the replay that follows
+    answers them: recomputed (the pass again from its inputs, each step checked as it runs)."""
+    out = Report()
+    out.events = [replace(
+        e, action="recomputed", verified=f"{e.verified}; the pass was replayed from its inputs, "
+        "each step checked as it ran") for e in found.events]
+    return out
 
 
 class _Replay(Exception):

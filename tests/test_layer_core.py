@@ -150,6 +150,28 @@ def test_faults_corrected_with_the_fused_core(site):
         np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("site,where", [("q_proj", dict(batch=0, row=0, col=3)),
+                                        ("d_context", dict(row=2, col=0))])
+def test_a_transient_fault_repaired_by_a_replay_is_reported(site, where):
+    """A huge finite value (the top exponent bit flipped once) in a projection the fused core
+    reads before the pass settles: the core's checks fail downstream and the pass is replayed,
+    each step checked as it runs, where the transient fault is gone. The step equals the clean
+    one, and the report says what was found and replayed (it said nothing)."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 6, 8)).astype(np.float32)
+    dy = rng.standard_normal((2, 6, 8)).astype(np.float32)
+    layer = MultiHeadAttention(8, 2, dtype="float32", core="fused")
+    y0, cache = layer.forward(x)
+    dx0, _ = layer.backward(dy, cache)
+    fault = Fault("bitflip", "element", sites=site, bit=30, **where)
+    y, cache = layer.forward(x, fault_hook=fault if site == "q_proj" else None)
+    dx, _ = layer.backward(dy, cache, fault_hook=fault if site == "d_context" else None)
+    assert abs(fault.injected[0].new[0]) > 1e30
+    assert np.array_equal(y, y0) and np.allclose(dx, dx0, rtol=1e-5, atol=1e-6)
+    events = layer.last_report.events
+    assert events and all(e.action == "recomputed" and "replayed" in e.verified for e in events)
+
+
 @pytest.mark.parametrize("site,seen_at", [("fused:dropout", ("fused:O_acc", "fused:dV_acc")),
                                           ("fused:P", ("fused:P",)), ("fused:dS", ("fused:dS",)),
                                           ("fused:dV_acc", ("fused:dV_acc",))])
