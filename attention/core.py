@@ -28,7 +28,7 @@ from attention.context import Context
 from attention.dropout import Dropout, for_core
 from attention.fused import fused_backward, fused_forward
 from attention.fused_choice import (CORE_SITES, CORES, backward_reason,  # noqa: F401
-                                     check_core, finite_reason, static_reason)
+                                     check_core, finite_reason, overflowed, static_reason)
 from attention.fused_final import verify_grads, verify_output
 from attention.fused_rules import check_causal, key_visible_of
 from attention.functional import (_additive, backward_pass, check_mask_grad, forward_pass,
@@ -168,10 +168,12 @@ def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
     if saved["core"] == "fused":  # the inputs as given now (a caller may hand them on anew)
         saved["fused"].update(q=inp.q, k=inp.k, v=inp.v)
         if backward_reason(d_out) is None:
+            before = len(ctx.report.events)
             grads = fused_backward(saved["fused"], d_out, ctx, workspace)
-            return verify_grads(saved["fused"], d_out, grads, ctx)
-        # The unfused core passes non-finite gradients through: its forward again, then its
-        # backward.
+            if not overflowed(ctx.report, before, grads):
+                return verify_grads(saved["fused"], d_out, grads, ctx)
+        # The unfused core passes non-finite gradients through, and tells an overflow of the
+        # data's dtype from a fault: its forward again, then its backward.
         mask = inp.attn_add if inp.attn_add is None or len(inp.attn_add) > 1 else inp.attn_add[0]
         drop = saved["fused"]["dropout"] or (0.0, None)  # the same keep decisions, materialized
         _, saved = core_forward(inp.q, inp.k, inp.v, ctx, scale=inp.scale, causal=inp.causal,

@@ -28,7 +28,8 @@ from attention.context import Context
 from attention.dropout import Dropout, DropoutStep, for_core
 from attention.dropout_hash import keep_mask
 from attention.fused import fused_backward, fused_forward
-from attention.fused_choice import backward_reason, check_core, finite_reason, static_reason
+from attention.fused_choice import (backward_reason, check_core, finite_reason, overflowed,
+                                     static_reason)
 from attention.fused_deferred import Deferred
 from attention.fused_final import (OUTPUT_SITE, defer_grads, defer_output, verify_grads,
                                    verify_output)
@@ -481,17 +482,20 @@ class _Pass:
     def fused_core_backward(self, step: Step) -> None:
         """The fused core's backward after its forward where it can take the gradient
         (:func:`attention.fused_choice.backward_reason`); else (as the unfused core passes
-        non-finite gradients through, and where the forward ran the unfused steps) the unfused
+        non-finite gradients through, where the forward ran the unfused steps, and where the
+        fused gradients overflowed: :func:`attention.fused_choice.overflowed`) the unfused
         scores and softmax again, then the unfused backward."""
         d_out, q, k, v, out, lse = (self.env[n] for n in step.ins)
         # A non-finite d_out: judged here, or on the device with the settle (which replays).
         if lse is not None and (self._defers() or backward_reason(d_out) is None):
             defer = self._defer("fused core backward")
             state = {**self.inp.fused, "q": q, "k": k, "v": v, "out": out, "lse": lse}
-            self.env.update(zip(step.out.split(", "), fused_backward(
-                state, d_out, self._fused_context(), self.ws, defer)))
-            self._fused_state = state
-            return
+            before = len(self.report.events)
+            grads = fused_backward(state, d_out, self._fused_context(), self.ws, defer)
+            if defer is not None or not overflowed(self.report, before, grads):
+                self.env.update(zip(step.out.split(", "), grads))
+                self._fused_state = state
+                return
         self.run(steps(_RECOMPUTED_CORE, self._unfused_variant()))
 
     def _defers(self) -> bool:

@@ -307,7 +307,8 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
                 status[b] = head(*groups, b, rec[b])
     _book(ctx, rec, status, lambda t: t, BACKWARD_SITES, check)
     half = saved["q"].dtype
-    return tuple(g if g.dtype == half else g.astype(half) for g in (dq, dk, dv))
+    with np.errstate(over="ignore"):  # an overflow of the 16-bit dtype: judged, not warned
+        return tuple(g if g.dtype == half else g.astype(half) for g in (dq, dk, dv))
 
 
 def work_dtype(dtype: np.dtype) -> np.dtype:

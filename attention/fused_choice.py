@@ -83,6 +83,15 @@ def all_finite(t: Any) -> bool:
     return finite(t)
 
 
+def overflowed(report: Any, before: int, grads: tuple[Any, ...]) -> bool:
+    """Whether the fused core's backward, which added no event to ``report`` beyond its first
+    ``before``, returned INF or NaN: an overflow of the data's dtype (float16 gradients past
+    its range, rounded from the float32 tiles), which the fused core's final checks cannot tell
+    from a fault. The unfused core judges each element and passes overflow through, so the
+    callers run the step again there."""
+    return len(report.events) == before and not all(all_finite(g) for g in grads)
+
+
 def backward_reason(d_out: Any) -> str | None:
     """Why the fused core's backward cannot take this gradient (None when it can): a
     non-finite ``d_out`` (the unfused core passes it through)."""

@@ -60,8 +60,10 @@ class MultiHeadAttention:
     core : {"auto", "fused", "unfused"}
         The attention product between the projections (``core`` of
         :func:`attention.functional.attention_forward`): ``"auto"`` runs the fused core
-        (:mod:`attention.fused`) where it applies (CPU, float32/float64, no dropout mask given, no
-        ``need_weights``, no fault hook, every call checked), else the unfused sites.
+        (:mod:`attention.fused`) where it applies (CPU data of any supported dtype, finite, no
+        dropout mask given, no ``need_weights``, no fault hook, every call checked), else the
+        unfused sites; a backward whose fused gradients overflow the data's dtype runs again on
+        the unfused sites, which pass an overflow through as plain math gives it.
 
     Attributes
     ----------

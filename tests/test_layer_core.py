@@ -150,6 +150,48 @@ def test_faults_corrected_with_the_fused_core(site):
         np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("core", ["auto", "fused"])
+@pytest.mark.parametrize("check", ["correct", "detect"])
+def test_a_genuine_float16_overflow_passes_through_as_on_the_unfused_core(core, check):
+    """float16 gradients past the dtype's range (one key: ``dV`` sums 256 queries' gradients of
+    400): the fused core's final check cannot tell that from a fault (it raised
+    ``UncorrectableError``, or in detect mode reported a fault). The backward runs again on the
+    unfused core, which reports the overflow as passed through, as without the fused core; the
+    gradients are the unfused layer's, bit for bit. The bare core likewise."""
+    import warnings
+
+    from attention.context import Context
+    from attention.core import core_backward, core_forward
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 256, 8)).astype(np.float16)
+    kv = rng.standard_normal((1, 1, 8)).astype(np.float16)
+    dy = np.full((1, 256, 8), 400.0, np.float16)
+    runs = []
+    for which in ("unfused", core):
+        layer = MultiHeadAttention(8, 1, dtype="float16", core=which)
+        _, cache = layer.forward(x, key=kv, value=kv)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            dx, grads = layer.backward(dy, cache, check=check)
+        report = layer.last_report
+        assert not report.detected and ("d_v", "overflow", "passed-through") in {
+            (e.site, e.pattern, e.action) for e in report.events}
+        runs.append((dx, grads))
+    assert np.isinf(runs[0][1]["wv"]).any()
+    for a, b in zip(runs[0][0], runs[1][0]):  # the input gradients (query, key, value)
+        assert np.array_equal(a, b, equal_nan=True)
+    for name in runs[0][1]:
+        assert np.array_equal(runs[0][1][name], runs[1][1][name], equal_nan=True), name
+    q, k, v, do = x[:, :, :], kv, kv, dy
+    for which in ("unfused", core):
+        ctx = Context(check=check)
+        out, saved = core_forward(q, k, v, ctx, core=which)
+        assert saved["core"] == ("unfused" if which == "unfused" else "fused")
+        grads = core_backward(saved, do, ctx)
+        assert not ctx.report.detected and np.isinf(grads[2]).any()
+
+
 @pytest.mark.parametrize("site,where", [("q_proj", dict(batch=0, row=0, col=3)),
                                         ("d_context", dict(row=2, col=0))])
 def test_a_transient_fault_repaired_by_a_replay_is_reported(site, where):
