@@ -103,7 +103,9 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
     Returns
     -------
     out : array (n, seq_q, d)
-        A new array.
+        A new array. The fused core's backward reads it (``rowsum(dO * O)``, and its final
+        checks): change a copy, not ``out`` itself, before :func:`core_backward` (a changed
+        ``out`` fails those checks, raising ``UncorrectableError``).
     saved : dict
         What :func:`core_backward` needs; ``saved["core"]`` is ``"fused"`` or ``"unfused"``,
         ``saved["probs"]`` holds the probabilities (and ``saved["probs_dropped"]`` those after
