@@ -61,7 +61,7 @@ BackwardRules = namedtuple("BackwardRules", "check correct c_s c_kv c_q tol_p to
 #: :func:`_keep_tile`'s ``seed`` and ``thr`` (0: no dropout), ``ks = 1 / (1 - p)``.
 Dropout = namedtuple("Dropout", "seed thr ks")
 ForwardOutputs = namedtuple("ForwardOutputs", "out lse lse_lo sums")
-Gradients = namedtuple("Gradients", "dq dk dv dqc")
+Gradients = namedtuple("Gradients", "dq dk dv dqc kvc")
 
 #: The softmax invariant (:func:`_probs_ratio`) multiplies a row's mantissas, each taken in
 #: [sqrt(1/2), sqrt(2)): a product of ``BC`` of them stays within float32's normal range while
@@ -955,11 +955,14 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
     ``dV`` of a key block accumulate in the block, ``dQ`` in ``dq[b]`` (this head's alone, so
     heads run in parallel without races). A flagged ``dK``/``dV`` block is recomputed (its
     query sweep again, without ``dQ``), a flagged ``dQ`` block likewise (its key sweep). Writes
-    the scaled gradients; returns 0, or -1 when a recomputation did not verify."""
+    the scaled gradients and, when checking, the verified carried row checksums of each key's
+    ``dK`` (scaled) and ``dV`` into ``kvc[b]`` ``(L_k, 6)`` (:mod:`attention.fused_final`
+    checks the returned arrays against them); returns 0, or -1 when a recomputation did not
+    verify."""
     q, k, v = ops.q, ops.k, ops.v
     visible, add, scale, causal = mask
     check, correct, _, c_kv, c_q, _, _ = rules
-    dq, dk, dv, dqc = grads
+    dq, dk, dv, dqc, kvc = grads
     lq, d = q.shape[1], q.shape[2]
     lk = k.shape[1]
     dt = q.dtype
@@ -1009,6 +1012,12 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
                 break
         dk[b, j0:j1] = dkb[:cols] * scale
         dv[b, j0:j1] = dvb[:cols]
+        if check:  # the verified carried row checksums of dK (scaled) and dV, for the final check
+            s64 = np.float64(scale)
+            for j in range(cols):
+                for f in range(3):
+                    kvc[b, j0 + j, f] = dkc[f, j] * s64
+                    kvc[b, j0 + j, 3 + f] = dvc[f, j]
     for i0 in range(0, lq, BR):
         i1 = min(i0 + BR, lq)
         rows = i1 - i0

@@ -336,6 +336,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
     ws_q = cupy.empty(q.shape, arith) if check else None
     ws_k, ws_v = (cupy.empty(k.shape, arith) if check else None for _ in range(2))
     dq, dk, dv = (cupy.empty(x.shape, x.dtype) for x in (q, k, v))
+    kv_sums = cupy.empty((n, lk, 6)) if check else None
     rec = cupy.zeros((n * (nkb + nqb), len(K.SITES), K.FIELDS))
     status = cupy.zeros(n * (nkb + nqb), numpy.int32)
     split = n * nkb
@@ -354,7 +355,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
         _kernel(q.device.id, kernels.FUSED_BACKWARD_KV, q.dtype.name)(
             (split,), (_THREADS,),
             (q, k, v, d_out, lse, lse_lo, dd, qe, doe, saved["visible"], *mask, *common,
-             desc_kv, ws_k, ws_v, dk, dv, rec[:split], status[:split]))
+             desc_kv, ws_k, ws_v, dk, dv, kv_sums, rec[:split], status[:split]))
         _kernel(q.device.id, kernels.FUSED_BACKWARD_Q, q.dtype.name)(
             (n * nqb,), (_THREADS,),
             (q, k, v, d_out, lse, lse_lo, dd, ke, saved["visible"], *mask, *common, desc_q,
@@ -366,6 +367,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
         defer.add(_nonfinite(d_out), lambda c: True)
     _book(ctx, rec, status, lambda t: t // nkb if t < split else (t - split) // nqb,
           BACKWARD_SITES, check, defer)
+    saved["kv_sums"] = kv_sums
     return dq, dk, dv
 
 

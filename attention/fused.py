@@ -288,6 +288,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
     check, correct = ctx.check != "off", ctx.check == "correct"
     dq, dk, dv = (_output(x, workspace, name) for x, name in ((q, "dq"), (k, "dk"), (v, "dv")))
     dqc = np.empty((n, lq, 3))
+    kvc = np.empty((n, lk if check else 0, 6))
     rec = np.zeros((n, len(K.SITES), K.FIELDS))
     status = np.zeros(n, np.int64)
     groups = (K.BackwardOperands(q, k, v, d_out, out, lse, saved["lse_lo"]),
@@ -297,7 +298,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
                               coefficients(lk, d, dt, -(-lk // K.BC)), probs_tolerance(dt),
                               dscores_tolerance(dt)),
               K.Dropout(*kernel_dropout(saved.get("dropout"), dt)),
-              K.Gradients(dq, dk, dv, dqc))
+              K.Gradients(dq, dk, dv, dqc, kvc))
     with one_blas_thread():
         if ctx.fault_hook is None:
             _kernels().backward(*groups, rec, status)
@@ -306,6 +307,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
             for b in range(n):
                 status[b] = head(*groups, b, rec[b])
     _book(ctx, rec, status, lambda t: t, BACKWARD_SITES, check)
+    saved["kv_sums"] = kvc if check else None
     half = saved["q"].dtype
     with np.errstate(over="ignore"):  # an overflow of the 16-bit dtype: judged, not warned
         return tuple(g if g.dtype == half else g.astype(half) for g in (dq, dk, dv))

@@ -178,9 +178,9 @@ def verify_grads(saved: dict[str, Any], d_out: Any, grads: tuple[Any, ...], ctx:
         ``sites`` is empty or names a site outside :data:`GRAD_SITES`.
     """
     xp = array_module(d_out, *grads)  # TypeError unless all NumPy or all CuPy arrays
-    checks = [(site, lambda g, i=i: g[i], lambda g, i=i, ratios=ratios:
-               _worst_column(xp, *ratios(g[i])))
-              for site, i, ratios in _grad_checks(saved, d_out, sites)]
+    checks = [(site, lambda g, i=i: g[i], lambda g, i=i, columns=columns, rows=rows:
+               _grad_judged(xp, saved, g[i], columns, rows))
+              for site, i, columns, rows in _grad_checks(saved, d_out, sites)]
     if not checks:
         return grads
     return _verified(ctx, checks, grads, lambda: fused_backward(saved, d_out, ctx))
@@ -192,34 +192,67 @@ def defer_output(out: Any, saved: dict[str, Any], ctx: Context, defer: Deferred)
     booked there and replays the pass, whose fused core is checked and recomputed as
     :func:`verify_output` does."""
     _hook_and_count(ctx, OUTPUT_SITE, out)
-    defer.add(_output_failures(out, saved),
-              lambda c: _looked(c, OUTPUT_SITE, _output_ratio(out, saved)))
+    coef = _output_coefficients(out, saved)
+    pred = saved["sums"][..., :3]
+    defer.add(_rows_failures(out, pred, coef),
+              lambda c: _looked(c, OUTPUT_SITE, _rows_ratio(out, pred, coef)))
 
 
 def defer_grads(saved: dict[str, Any], d_out: Any, grads: tuple[Any, ...], ctx: Context,
                 sites: tuple[str, ...], defer: Deferred) -> None:
     """:func:`verify_grads` as :func:`defer_output` does :func:`verify_output`."""
     xp = array_module(d_out, *grads)
-    for site, i, ratios in _grad_checks(saved, d_out, sites):
-        _hook_and_count(ctx, site, grads[i])
-        ratio, diff, tau = ratios(grads[i])
-        defer.add(~(ratio <= 1).all(), lambda c, site=site, r=(ratio, diff, tau):
-                  _looked(c, site, _worst_column(xp, *r)))
+    for site, i, columns, rows in _grad_checks(saved, d_out, sites):
+        g = grads[i]
+        _hook_and_count(ctx, site, g)
+        bad = xp.zeros((), bool)
+        if columns is not None:
+            bad = bad | ~(columns(g)[0] <= 1).all()
+        if saved.get("kv_sums") is not None:
+            bad = bad | _rows_failures(g, saved["kv_sums"][..., rows], _grad_coefficients(
+                g, saved, rows))
+        defer.add(bad, lambda c, site=site, g=g, columns=columns, rows=rows:
+                  _looked(c, site, _grad_judged(xp, saved, g, columns, rows)))
+
+
+#: A backward final check's column ratios ``(|d|/tau, |d|, tau)``, each ``(n, d)``.
+_Columns = Callable[[Any], tuple[Any, Any, Any]]
 
 
 def _grad_checks(saved: dict[str, Any], d_out: Any, sites: tuple[str, ...]
-                 ) -> list[tuple[str, int, Callable[[Any], tuple[Any, Any, Any]]]]:
-    """The backward's final checks of ``sites``: ``(site, index of the gradient it checks,
-    its ratios, differences and thresholds)`` (:func:`verify_grads`)."""
+                 ) -> list[tuple[str, int, _Columns | None, slice]]:
+    """The backward's final checks of ``sites``: ``(site, index of the gradient it checks, its
+    column ratios (None where there is no prediction: dropout without the forward's sums), the
+    slice of ``saved["kv_sums"]`` its rows are judged against)`` (:func:`verify_grads`); a
+    check with neither part is left out."""
     unknown = [s for s in sites if s not in GRAD_SITES]
     if unknown or not sites:
         raise ValueError(f"sites must be some of {', '.join(GRAD_SITES)}, got {sites}")
-    checks = []
-    if GRAD_SITE in sites and (saved.get("dropout") is None or saved.get("sums") is not None):
-        checks.append((GRAD_SITE, 2, lambda dv: _grad_ratios(saved, d_out, dv)))
+    checks: list[tuple[str, int, _Columns | None, slice]] = []
+    if GRAD_SITE in sites:
+        columns = saved.get("dropout") is None or saved.get("sums") is not None
+        checks.append((GRAD_SITE, 2, (lambda dv: _grad_ratios(saved, d_out, dv)) if columns
+                       else None, slice(3, 6)))
     if DK_SITE in sites:
-        checks.append((DK_SITE, 1, lambda dk: _dk_ratios(saved, d_out, dk)))
-    return checks
+        checks.append((DK_SITE, 1, lambda dk: _dk_ratios(saved, d_out, dk), slice(0, 3)))
+    return [c for c in checks if c[2] is not None or saved.get("kv_sums") is not None]
+
+
+def _grad_judged(xp: Any, saved: dict[str, Any], g: Any, columns: _Columns | None,
+                 rows: slice) -> tuple[float, int, tuple, tuple, float, float]:
+    """The worse of a gradient's two final checks: its column sums (``columns``), and its rows
+    against the row checksums the backward kernel carried beside its accumulator
+    (``saved["kv_sums"][..., rows]``, ``dK``'s scaled), which a fault that scales, negates or
+    zeroes a whole column of ``dK`` changes though its column sum stays 0."""
+    found: tuple[float, int, tuple, tuple, float, float] = (0.0, 0, (), (), 0.0, 0.0)
+    if columns is not None:
+        found = _worst_column(xp, *columns(g))
+    sums = saved.get("kv_sums")
+    if sums is not None:
+        judged = _rows_ratio(g, sums[..., rows], _grad_coefficients(g, saved, rows))
+        if not judged[0] <= found[0]:
+            found = judged
+    return found
 
 
 def _hook_and_count(ctx: Context, site: str, checked: Any) -> None:
@@ -306,43 +339,75 @@ def _finding(ctx: Context, site: str, head: int, rows: tuple, cols: tuple, mag: 
 
 def _output_ratio(out: Any, saved: dict[str, Any]
                   ) -> tuple[float, int, tuple, tuple, float, float]:
-    """``(worst |d|/tau, head, rows, cols, |d|, tau)`` of the output rows (the worst row, and
-    its column where the weighted sum locates it)."""
-    n, lq, d = out.shape
-    coef = _output_coefficients(out, saved)
-    obs = _observed_rows(out).reshape(n * lq, 3)
-    pred = saved["sums"][..., :3].reshape(n * lq, 3)
+    """:func:`_rows_ratio` of the output rows against the checksums the forward carried."""
+    return _rows_ratio(out, saved["sums"][..., :3], _output_coefficients(out, saved))
+
+
+def _rows_ratio(x: Any, pred: Any, coef: np.ndarray
+                ) -> tuple[float, int, tuple, tuple, float, float]:
+    """``(worst |d|/tau, head, rows, cols, |d|, tau)`` of the rows of ``x`` ``(n, L, d)`` against
+    the row checksums ``pred`` ``(n, L, 3)`` a kernel carried (the worst row, and its column
+    where the weighted sum locates it), judged with ``coef``
+    (:func:`attention._cpu_fused._judge`)."""
+    n, length, d = x.shape
+    obs = _observed_rows(x).reshape(n * length, 3)
     info = np.zeros(6)
     info[5] = d
-    worst = K._judge(np.ascontiguousarray(to_host(pred)), to_host(obs), n * lq, coef, info)
+    worst = K._judge(np.ascontiguousarray(to_host(pred)).reshape(n * length, 3), to_host(obs),
+                     n * length, coef, info)
     v = int(info[3])
     c = int(info[4])
     if v < 0:
         return worst, 0, (), (), info[1], info[2]
-    return worst, v // lq, (v % lq,), ((c,) if c >= 0 else ()), info[1], info[2]
+    return worst, v // length, (v % length,), ((c,) if c >= 0 else ()), info[1], info[2]
 
 
 def _output_coefficients(out: Any, saved: dict[str, Any]) -> np.ndarray:
-    """The output rows' judging coefficients (:func:`attention._cpu_fused._ratio`)."""
-    d, lk = out.shape[2], saved["k"].shape[1]
-    wt = work_dtype(out.dtype)
+    """The output rows' judging coefficients: ``fused:O_acc``'s (the keys summed over, two
+    roundings per key tile), and the rounding to a 16-bit dtype."""
+    lk = saved["k"].shape[1]
     _, bc = _tiles(out)
-    coef = coefficients(lk, d, wt, 2 * -(-lk // bc))
-    if out.dtype != wt:  # the rounding to the output's dtype (subnormals: absolute, u * tiny)
-        u_out = unit_roundoff(out.dtype)
-        coef[0] += 1.01 * u_out
-        coef[2] += d * u_out * smallest_normal(out.dtype)
-        coef[3] *= 1 + 1.01 * u_out
+    return _rows_coefficients(out, lk, 2 * -(-lk // bc), scaled=False)
+
+
+def _grad_coefficients(g: Any, saved: dict[str, Any], rows: slice) -> np.ndarray:
+    """The judging coefficients of the rows of ``dK`` (``rows`` from 0) or ``dV``:
+    ``fused:dK_acc``'s and ``fused:dV_acc``'s (the queries summed over, one rounding per query
+    tile), the multiplication of ``dK`` by ``scale``, and the rounding to a 16-bit dtype."""
+    lq = saved["q"].shape[1]
+    br, _ = _tiles(g)
+    scaled = rows.start == 0
+    coef = _rows_coefficients(g, lq, -(-lq // br), scaled)
+    if scaled:  # the kernel's absolute floor, scaled with the accumulator
+        coef[2] *= max(1.0, float(saved["scale"]))
     return coef
 
 
-def _output_failures(out: Any, saved: dict[str, Any]) -> Any:
-    """A 0-d bool device array: an output row fails its check (on the device, as
-    :func:`attention._cpu_fused._ratio` judges one on the host)."""
-    xp = array_module(out)
-    c_obs, c_pred, floor, c_mag, safe = (float(c) for c in _output_coefficients(out, saved)[:5])
-    pred = saved["sums"][..., :3].reshape(-1, 3)
-    obs = _observed_rows(out).reshape(-1, 3)
+def _rows_coefficients(x: Any, k: int, roundings: int, scaled: bool) -> np.ndarray:
+    """The judging coefficients (:func:`attention._cpu_fused._ratio`) of the rows of a returned
+    ``x`` against its kernel's carried row checksums: the kernel's accumulator check's (``k``
+    terms summed, ``roundings`` more by the tiling), one rounding more where the kernel scaled
+    the accumulator (``scaled``), and the rounding to a 16-bit dtype (subnormals: absolute, ``u
+    tiny``)."""
+    d = x.shape[2]
+    wt = work_dtype(x.dtype)
+    coef = coefficients(k, d, wt, roundings)
+    for u_out in ([unit_roundoff(wt)] if scaled else []) + (
+            [unit_roundoff(x.dtype)] if x.dtype != wt else []):
+        coef[0] += 1.01 * u_out
+        coef[3] *= 1 + 1.01 * u_out
+    if x.dtype != wt:
+        coef[2] += d * unit_roundoff(x.dtype) * smallest_normal(x.dtype)
+    return coef
+
+
+def _rows_failures(x: Any, pred: Any, coef: np.ndarray) -> Any:
+    """A 0-d bool device array: a row of ``x`` fails its check against ``pred`` (on the device,
+    as :func:`attention._cpu_fused._ratio` judges one on the host)."""
+    xp = array_module(x)
+    c_obs, c_pred, floor, c_mag, safe = (float(c) for c in coef[:5])
+    pred = pred.reshape(-1, 3)
+    obs = _observed_rows(x).reshape(-1, 3)
     p0, p1, p2 = (pred[:, i] for i in range(3))
     o0, o1, o2 = (obs[:, i] for i in range(3))
     d = xp.maximum(xp.abs(p0 - o0), xp.abs(p1 - o1))

@@ -326,12 +326,19 @@ def test_dv_final_check_with_dropout_predicts_from_the_kept_sums(xp, p):
         verify_grads(saved, xp.asarray(do), fused_backward(saved, xp.asarray(do), ctx), ctx)
 
 
-def test_dv_final_check_with_dropout_needs_the_checked_forward():
-    """A forward run with ``check="off"`` carries no kept sums: its backward with dropout has no
-    ``fused:dV_out`` check (``fused:dK_out`` runs)."""
+def test_dv_final_check_with_dropout_after_an_unchecked_forward_judges_rows():
+    """A forward run with ``check="off"`` carries no kept sums, so with dropout ``dV``'s column
+    sums have no prediction; its rows are still judged against the checksums the backward
+    carried: a fault in the returned ``dV`` is found and repaired."""
     q, k, v, do = _data(np.random.default_rng(12), 1, 40, 40, 8)
     out, saved = fused_forward(q, k, v, Context(check="off"), dropout=0.2, dropout_seed=3)
     assert saved["sums"] is None
-    ctx = Context()
-    verify_grads(saved, do, fused_backward(saved, do, ctx), ctx)
-    assert GRAD_SITE not in ctx.report.checked and ctx.report.checked["fused:dK_out"] == 1
+    clean = fused_backward(saved, do, Context())
+    ctx = Context(fault_hook=Fault("additive", "element", sites=GRAD_SITE, row=5, col=2,
+                                   magnitude=0.5))
+    grads = verify_grads(saved, do, fused_backward(saved, do, ctx), ctx)
+    assert ctx.report.checked[GRAD_SITE] == ctx.report.checked["fused:dK_out"] == 1
+    assert [(e.site, e.action, e.rows) for e in ctx.report.events] == [
+        (GRAD_SITE, "recomputed", (5,))]
+    for g, c in zip(grads, clean):
+        assert np.array_equal(g, c)

@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 
 from abftgemm import FaultDetectedWarning, UncorrectableError
+from abftgemm.backend import to_host
 from abftgemm.faults import Fault
 from attention.context import Context
 from attention.fused import fused_backward, fused_forward
 from attention.fused_final import (DK_SITE, GRAD_SITE, GRAD_SITES, _grad_ratios, dk_column_sums,
                                    verify_grads)
+from conftest import BACKENDS
 from test_fused import _data, _run, adversarial_calls
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16),
@@ -245,3 +247,30 @@ def test_a_dk_beyond_float16s_range_raises_naming_overflow():
     assert not np.isfinite(grads[1]).all()
     with pytest.raises(UncorrectableError, match="genuine overflow of float16"):
         verify_grads(saved, do, grads, ctx)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("site", GRAD_SITES)
+@pytest.mark.parametrize("kind,extra", [("scale", {"factor": -1.0}), ("scale", {"factor": 0.0}),
+                                        ("scale", {"factor": 0.5}), ("bitflip", {"bit": 31})],
+                         ids=["negated", "zeroed", "halved", "sign bits"])
+def test_a_whole_column_scaled_negated_or_zeroed_is_found_by_its_rows(xp, site, kind, extra):
+    """A fault that scales one column of the returned ``dK`` (or ``dV``) keeps ``dK``'s column
+    sum 0 (and may keep ``dV``'s near its prediction): it passed ``fused:dK_out`` with gradients
+    off by up to 150%. The rows of both are judged against the row checksums the backward
+    kernel carried beside its accumulators: found, located at a row, repaired bit for bit."""
+    q, k, v, do = (xp.asarray(t) for t in _data(np.random.default_rng(0), 2, 64, 64, 16))
+
+    def step(ctx):
+        out, saved = fused_forward(q, k, v, ctx, causal=True)
+        return verify_grads(saved, do, fused_backward(saved, do, ctx), ctx)
+
+    clean = step(Context())
+    fault = Fault(kind, "column", seed=0, sites=site, batch=0, col=3, **extra)
+    ctx = Context(fault_hook=fault)
+    got = step(ctx)
+    assert fault.injected
+    (event,) = ctx.report.events
+    assert (event.site, event.action, event.batch) == (site, "recomputed", 0) and event.rows
+    for g, c in zip(got, clean):
+        assert np.array_equal(to_host(g), to_host(c))

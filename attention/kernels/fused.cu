@@ -871,7 +871,8 @@ attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
                        int d, double scale, int causal, int check, int correct,
                        unsigned long long seed, unsigned long long thr, double ks_in,
                        const double* params, double* fault, typename Arith<T>::type* ws_k,
-                       typename Arith<T>::type* ws_v, T* dk, T* dv, double* rec, int* status) {
+                       typename Arith<T>::type* ws_v, T* dk, T* dv, double* kv_sums,
+                       double* rec, int* status) {
     typedef typename Arith<T>::type A;
     __shared__ Backward<A> sh;
     __shared__ double dv_enc[FBC][3];
@@ -980,6 +981,12 @@ attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
                 dvb[j * d + c] = narrow<T>(vacc[e]);
             }
         }
+        if (check)  // the verified carried row checksums of dK (scaled) and dV, for the final check
+            for (int j = tid; j < cols; j += FNT)
+                for (int f = 0; f < 3; ++f) {
+                    kv_sums[(row0 + j) * 6 + f] = sh.acc_enc[j][f] * to_double(sc);
+                    kv_sums[(row0 + j) * 6 + 3 + f] = dv_enc[j][f];
+                }
         if (tid == 0) status[task] = 0;
         return;
     }
