@@ -2,7 +2,12 @@
 
 Importing this module registers :func:`abft_attention_forward` with transformers'
 ``AttentionInterface`` and sdpa's boolean mask builder with its ``AttentionMaskInterface``, both
-under the name ``"abft"``. A model built with ``attn_implementation="abft"`` (or switched with
+under the name ``"abft"``, and the same function with eager's mask builder (4-D float masks,
+always made) under ``"abft_eager_masks"``: for models written for eager's masks alone
+(transformers' ``_supports_sdpa = False``), whose own code may read the mask (a router's
+padding, an attention module that adds it to its scores) or need the causal triangle in it (a
+decoder whose modules say ``is_causal=False``). :func:`attention.torch.protect` picks the name by
+that flag (:func:`name_for`). A model built with ``attn_implementation="abft"`` (or switched with
 ``model.set_attn_implementation("abft")``) then runs the attention product of every layer (the
 scores ``Q K^T``, the mask, the softmax and ``P V``, forward and backward) on checksum-protected
 GEMMs and checked softmax steps (:mod:`attention.core`). Each attention module's check mode, fault
@@ -39,12 +44,16 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.utils import output_capturing
 
 from attention.torch_core import ProtectedCore
 
 NAME = "abft"
+#: The implementation with eager's masks, for models that do not support sdpa's (module
+#: docstring).
+EAGER_MASKS = "abft_eager_masks"
+NAMES = (NAME, EAGER_MASKS)
 #: Keyword arguments transformers may pass that the protected product cannot honour: head masks,
 #: Gemma 2's tanh cap of the scores, sinks not given as ``s_aux``, the keys a sparse attention
 #: selects
@@ -53,7 +62,15 @@ NAME = "abft"
 _REFUSED = ("head_mask", "softcap", "sinks", "indices", "block_indices",
             "cu_seq_lens_q", "cu_seq_lens_k")
 
-__all__ = ["NAME", "abft_attention_forward", "core_of", "weights_wanted"]
+__all__ = ["NAME", "EAGER_MASKS", "NAMES", "abft_attention_forward", "core_of", "name_for",
+           "weights_wanted"]
+
+
+def name_for(model: Any) -> str:
+    """The protected attention implementation for ``model``: :data:`NAME` (sdpa's masks: O(L)
+    key padding, no mask for a causal or unmasked product) where its class supports sdpa,
+    :data:`EAGER_MASKS` where it was written for eager's masks only."""
+    return NAME if getattr(model, "_supports_sdpa", False) else EAGER_MASKS
 
 
 def core_of(module: torch.nn.Module) -> ProtectedCore:
@@ -141,7 +158,8 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     wanted = weights_wanted()
     out, weights = core_of(module)(query, key, value, mask, scaling, causal, need_weights=wanted,
                                    dropout=dropout, sinks=kwargs.get("s_aux"))
-    return out[..., :v_width].transpose(1, 2), weights if wanted else None
+    # contiguous, as eager's and sdpa's: models view it (JetMoE splits its heads by a view)
+    return out[..., :v_width].transpose(1, 2).contiguous(), weights if wanted else None
 
 
 def weights_wanted() -> bool:
@@ -173,3 +191,5 @@ def not_allowed(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 AttentionInterface.register(NAME, abft_attention_forward)
 AttentionMaskInterface.register(NAME, sdpa_mask)
+AttentionInterface.register(EAGER_MASKS, abft_attention_forward)
+AttentionMaskInterface.register(EAGER_MASKS, eager_mask)

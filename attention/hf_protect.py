@@ -1,7 +1,8 @@
 """Protecting a Hugging Face transformers ``PreTrainedModel`` in place (:func:`protect_pretrained`).
 
 Models that call the attention function their config names (BERT, RoBERTa, GPT-2 and most
-transformers 5 models) are switched to the implementation ``"abft"`` (:mod:`attention.hf`), and
+transformers 5 models) are switched to the implementation ``"abft"`` (:mod:`attention.hf`;
+``"abft_eager_masks"`` for those written for eager's masks alone), and
 every attention module among their submodules gets its own
 :class:`attention.torch_core.ProtectedCore` (attribute ``abft_core``). GPT-Neo picks its attention
 classes by name and never calls a registered function: there each ``GPTNeoSelfAttention`` becomes
@@ -13,6 +14,7 @@ layers (:mod:`attention.hf_linear`).
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import sys
 from typing import Any, Iterator
@@ -24,7 +26,7 @@ from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
 
 import abftgemm
 from attention._torch_arrays import eager
-from attention.hf import NAME, core_of, not_allowed, weights_wanted
+from attention.hf import core_of, name_for, not_allowed, weights_wanted
 from attention.hf_linear import (check_projections, check_swappable, protect_projections,
                                  swap_class)
 from attention.torch_core import ProtectedCore
@@ -116,7 +118,7 @@ def protect_pretrained(model: nn.Module, *, check: str = "correct", projections:
             swap_class(m, ProtectedGPTNeoSelfAttention)
     if not neo:
         _own_config(model)
-        model.set_attn_implementation(NAME)
+        model.set_attn_implementation(name_for(model))
     modules = list(_attention_modules(model))
     for _, m in modules:
         m.abft_core = ProtectedCore(check)
@@ -153,10 +155,10 @@ def check_pretrained(model: nn.Module, *, check: str = "correct", projections: b
         previous = model.config._attn_implementation
         shared = _own_config(model)
         try:
-            model.set_attn_implementation(NAME)
+            model.set_attn_implementation(name_for(model))
             modules = list(_attention_modules(model))
             stale = [(name, _implementation(m)) for name, m in modules
-                     if _implementation(m) not in (None, NAME)]
+                     if _implementation(m) not in (None, name_for(model))]
         finally:
             model.set_attn_implementation(previous)
             for m, config in shared:
@@ -206,7 +208,7 @@ def _attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         elif hasattr(m, "config") and hasattr(sys.modules.get(type(m).__module__),
                                               "ALL_ATTENTION_FUNCTIONS") and (
                 hasattr(m, "is_causal") or "ALL_ATTENTION_FUNCTIONS" in getattr(
-                    getattr(type(m).forward, "__code__", None), "co_names", ())):
+                    getattr(inspect.unwrap(type(m).forward), "__code__", None), "co_names", ())):
             yield name, m
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from hf_models import torch, transformers  # skips this module without them
 
+from attention.hf import EAGER_MASKS, name_for  # noqa: E402
 from attention.hf_protect import attention_cores  # noqa: E402
 from attention.torch import protect  # noqa: E402
 from hf_models import VOCAB, assert_same_step, batch, step  # noqa: E402
@@ -59,6 +60,11 @@ ARCHITECTURES = {
     "gpt-oss": ("GptOssConfig", "GptOssForCausalLM",
                 dict(LLAMA_LIKE, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                      sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+    # Heads split by a view of the attention output (it must be contiguous).
+    "jetmoe": ("JetMoeConfig", "JetMoeForCausalLM",
+               dict(hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
+                    intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                    bos_token_id=0, eos_token_id=0)),
     # Multi-head latent attention: value heads narrower than query and key heads (8 and 16).
     "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(LLAMA_LIKE, num_key_value_heads=4, moe_intermediate_size=16,
@@ -87,7 +93,7 @@ def test_equals_eager_with_padding_in_train_mode(name):
         if "does not call the attention function" not in str(exc):
             raise
         pytest.skip(f"transformers {transformers.__version__}: {name} has no AttentionInterface")
-    assert model.config._attn_implementation == "abft"
+    assert model.config._attn_implementation == name_for(model)
     want = step(eager, *batch())
     assert_same_step(step(model, *batch()), want)
     cores = attention_cores(model).values()
@@ -110,6 +116,73 @@ def test_vision_transformer_equals_eager():
         runs.append((logits.detach(), {n: p.grad for n, p in m.named_parameters()}))
     assert_same_step(runs[1], runs[0])
     assert {c.last_core for c in attention_cores(model).values()} == {"fused"}
+
+
+SEQ2SEQ = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+               encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+               decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+               activation_dropout=0.0, pad_token_id=1, decoder_start_token_id=2,
+               attn_implementation="eager")
+
+
+@pytest.mark.parametrize("name,config,model,options", [
+    # its decoder's attention modules say is_causal=False: the causal triangle is in the mask
+    ("pegasus-x", "PegasusXConfig", "PegasusXForConditionalGeneration",
+     dict(block_size=4, num_global_tokens=2)),
+    # its encoder's own attention adds the mask to its scores
+    ("bigbird-pegasus", "BigBirdPegasusConfig", "BigBirdPegasusForConditionalGeneration",
+     dict(attention_type="original_full")),
+    # its router reads the padding from the mask
+    ("nllb-moe", "NllbMoeConfig", "NllbMoeForConditionalGeneration",
+     dict(num_experts=4, expert_capacity=64, encoder_sparse_step=2, decoder_sparse_step=2,
+          router_dtype="float32")),
+])
+def test_models_written_for_eager_masks_get_them(name, config, model, options):
+    """Models without sdpa support (``_supports_sdpa = False``) read transformers' masks as eager
+    makes them: given sdpa's (boolean, or none for a causal product) they computed wrong values
+    silently (PEGASUS-X's decoder saw future tokens; BigBirdPegasus's encoder added the boolean
+    mask; NLLB-MoE routed the padding and dropped real tokens). They run on
+    ``"abft_eager_masks"``, equal to eager with a padded batch, their decoder causal."""
+    if not hasattr(transformers, model):
+        pytest.skip(f"transformers {transformers.__version__} has no {model}")
+    torch.manual_seed(0)
+    eager = getattr(transformers, model)(getattr(transformers, config)(**SEQ2SEQ, **options))
+    protected = protect(copy.deepcopy(eager))
+    assert protected.config._attn_implementation == EAGER_MASKS
+    ids, mask = batch()
+    later = ids.clone()
+    later[:, -1] = 5  # only the last decoder token changes
+    runs = []
+    for m in (eager.eval(), protected.eval()):  # (NLLB-MoE's router draws noise in training)
+        logits = m(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits
+        logits.pow(2).mean().backward()
+        runs.append((logits.detach(), {n: p.grad for n, p in m.named_parameters()
+                                       if p.grad is not None}))
+        if name != "nllb-moe":  # (its experts' capacity couples the positions)
+            with torch.no_grad():
+                moved = m(input_ids=ids, attention_mask=mask, decoder_input_ids=later).logits
+            assert torch.equal(moved[:, :-1], logits[:, :-1].detach())
+    assert_same_step(runs[1], runs[0])
+    assert any(c.last_report.checked for c in attention_cores(protected).values())
+
+
+def test_an_attention_module_behind_a_decorator_is_found():
+    """Mllama's text cross-attention names the attention function inside a decorated forward:
+    it was missed (no core at protect, so a ``check="detect"`` model ran it with a default
+    ``"correct"`` core made at first use, and its projections unprotected)."""
+    if not hasattr(transformers, "MllamaForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Mllama")
+    config = transformers.MllamaTextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1],
+        pad_token_id=0, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = protect(transformers.MllamaForCausalLM(config), check="detect")
+    cores = attention_cores(model)
+    assert "model.layers.1.cross_attn" in cores
+    assert {c.check for c in cores.values()} == {"detect"}
+    from attention.hf_linear import projection_cores
+    assert any("cross_attn" in n for n in projection_cores(model))
 
 
 def test_t5_trains_its_relative_position_bias_equal_to_eager():
