@@ -6,7 +6,8 @@ Shared by the PyTorch wrappers (:mod:`attention.torch`, :mod:`attention.torch_co
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import torch
 
@@ -80,6 +81,22 @@ def eager(*tensors: torch.Tensor | None) -> bool:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def first_order(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """An eager ``autograd.Function.backward`` that refuses ``create_graph=True`` (grad mode on
+    in the backward): the protected backward is not differentiable, and under
+    ``once_differentiable`` a gradient of a loss linear in the output came back without a graph,
+    so a gradient penalty trained on the first-order gradient alone, silently (the custom
+    operators raise PyTorch's "no autograd formula" error there)."""
+    @functools.wraps(backward)
+    def checked(ctx: Any, *grads: Any) -> Any:
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "second-order gradients (create_graph=True) are not supported by the protected "
+                "attention and linear layers: their backward is not differentiable")
+        return backward(ctx, *grads)
+    return checked
 
 
 def refuse_weights_gradient(d_weights: torch.Tensor | None) -> None:

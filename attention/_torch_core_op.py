@@ -24,8 +24,8 @@ from abftgemm.tensors import device_scope, to_tensor
 from abftgemm.report import Report
 from torch.autograd.function import once_differentiable
 
-from attention._torch_arrays import (array, dropout_arrays, eager, mask_array, recomputing,
-                                     refuse_weights_gradient, threads)
+from attention._torch_arrays import (array, dropout_arrays, eager, first_order, mask_array,
+                                     recomputing, refuse_weights_gradient, threads)
 from attention._torch_state import Protection, registered, saved_state, token_of
 from attention.core import core_backward, core_forward
 from attention.workspace import Workspace
@@ -137,6 +137,7 @@ class _EagerCore(torch.autograd.Function):
         return out, weights
 
     @staticmethod
+    @first_order
     @once_differentiable
     def backward(ctx: Any, d_out: torch.Tensor, d_weights: Any) -> tuple:
         refuse_weights_gradient(d_weights)

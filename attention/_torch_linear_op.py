@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 from abftgemm.tensors import device_scope
 from abftgemm.plan import ProtectedMatmul, settle_all
 from abftgemm.report import Report
-from attention._torch_arrays import array, eager, recomputing, threads
+from attention._torch_arrays import array, eager, first_order, recomputing, threads
 from attention._torch_state import LinearProtection, registered
 
 FaultHook = Callable[[str, Any], None]
@@ -94,6 +94,7 @@ class _EagerLinear(torch.autograd.Function):
         return run_forward(registered(protection), x, weight, bias, weight_in_out)
 
     @staticmethod
+    @first_order
     @once_differentiable
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         return _gradients(ctx, dy, lambda *args: run_backward(registered(ctx.protection), *args))

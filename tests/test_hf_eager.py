@@ -45,11 +45,19 @@ def test_eager_only_on_plain_tensors():
     assert not _torch_arrays.eager(t, torch.ones(2, device="meta"))
 
 
-def test_eager_backward_refuses_double_backward():
+@pytest.mark.parametrize("loss", ["quadratic", "linear"])
+def test_eager_backward_refuses_create_graph(loss):
+    """``create_graph=True`` through the eager paths raises at once, naming it, for the linear
+    layer and the attention core: with a loss linear in the output, the gradient came back
+    without a graph, and a gradient penalty trained on the first-order gradient alone."""
+    from attention.torch_functional import Protection, attention_core
+
     x = torch.randn(4, 6, requires_grad=True)
     w, b = torch.randn(3, 6, requires_grad=True), torch.randn(3, requires_grad=True)
-    linear = ProtectedLinearCore()
-    y = linear(x, w, b, weight_in_out=False)
-    (gx,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError):
-        gx.sum().backward()
+    q = torch.randn(1, 2, 3, 4, requires_grad=True)
+    outputs = (ProtectedLinearCore()(x, w, b, weight_in_out=False),
+               attention_core(q, q, q, protection=Protection())[0])
+    for y, wrt in zip(outputs, (x, q)):
+        value = y.pow(2).sum() if loss == "quadratic" else y.sum()
+        with pytest.raises(RuntimeError, match="second-order gradients"):
+            torch.autograd.grad(value, wrt, create_graph=True)
