@@ -31,7 +31,7 @@ class ProtectedCore:
         As in :class:`attention.torch_functional.Protection`.
     core : {"auto", "fused", "unfused"}
         Which implementation of :mod:`attention.core` runs: ``"auto"`` the fused core where it
-        applies (CPU, any float dtype, 16-bit ones without dropout, no mask that wants its
+        applies (CPU, any float dtype, no mask that wants its
         gradient, no fault hook, every call checked, ``need_weights=False``), else the unfused
         one; the others force one.
 

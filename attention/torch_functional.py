@@ -79,7 +79,7 @@ def multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     core : {"auto", "fused", "unfused"}
         The attention product between the projections (:func:`attention.attention_forward`'s
         ``core``): ``"auto"`` runs the fused core (:mod:`attention.fused`) where it applies
-        (CPU, any float dtype, 16-bit ones without dropout, ``need_weights=False``, no mask
+        (CPU, any float dtype, ``need_weights=False``, no mask
         that wants its gradient, no fault hook, every call checked), else the unfused sites;
         the others force one. ``protection.last_core`` names the one that ran.
 
@@ -145,7 +145,8 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     scale : float, optional
         Default ``1 / sqrt(D)``.
     is_causal : bool
-        Query ``i`` sees keys ``j <= i`` only (``L == S``).
+        Query ``i`` sees keys ``j <= i`` only (``L == S``); with ``attn_mask`` too, both apply
+        (``scaled_dot_product_attention`` refuses the pair).
     need_weights : bool
         Also return the probabilities ``(..., L, S)`` (a new tensor, after dropout, as
         PyTorch's attention functions return them; no gradient path: a loss on it raises
@@ -155,7 +156,7 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         seed) is drawn with PyTorch's generator (:func:`_dropout_draw`).
     core : {"auto", "fused", "unfused"}
         Which implementation of :mod:`attention.core` runs: ``"auto"`` the fused core where it
-        applies (CPU, any float dtype, 16-bit ones without dropout, no mask that wants its
+        applies (CPU, any float dtype, no mask that wants its
         gradient, no fault hook, every call checked, ``need_weights=False``), else the unfused
         one; the others force one.
     sinks : tensor, optional
@@ -185,7 +186,8 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     n = 1
     for size in lead:
         n *= size
-    q, k, v = (t.reshape(n, -1, d).contiguous() for t in (query, key, value))
+    # explicit lengths: -1 is ambiguous in an empty batch
+    q, k, v = (t.reshape(n, t.shape[-2], d).contiguous() for t in (query, key, value))
     mask, is_causal = _core_mask(attn_mask, lead, n, seq_q, seq_k, bool(is_causal))
     scale = 1 / d ** 0.5 if scale is None else float(scale)
     if sinks is not None:

@@ -36,6 +36,8 @@ call.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from attention._torch_arrays import autocast
@@ -101,9 +103,13 @@ class ProtectedLinearCore:
             raise TypeError(f"the protected linear layer takes a torch.Tensor, got "
                             f"{type(x).__name__}")
         x, weight, bias = autocast(x, weight, bias)  # as nn.Linear runs under torch.autocast
+        if weight.dim() != 2:
+            raise ValueError(f"the protected linear layer takes a 2-D weight, got shape "
+                             f"{tuple(weight.shape)}")
         n_in, n_out = weight.shape if weight_in_out else weight.shape[::-1]
         _check_operands(x, weight, bias, n_in, n_out)
-        y = apply_linear(self.protection.id, x.reshape(-1, n_in).contiguous(), weight, bias,
+        rows = math.prod(x.shape[:-1])
+        y = apply_linear(self.protection.id, x.reshape(rows, n_in).contiguous(), weight, bias,
                          weight_in_out)
         return y.view(*x.shape[:-1], n_out)
 

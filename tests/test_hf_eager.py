@@ -61,3 +61,28 @@ def test_eager_backward_refuses_create_graph(loss):
         value = y.pow(2).sum() if loss == "quadratic" else y.sum()
         with pytest.raises(RuntimeError, match="second-order gradients"):
             torch.autograd.grad(value, wrt, create_graph=True)
+
+
+def test_empty_shapes_run_as_torchs():
+    """What PyTorch's functions take with a zero-sized dimension: an empty batch of the
+    attention core (it raised a reshape error), and a linear layer without input features
+    (the product of nothing: zeros, or the bias; gradients of zero size); a 1-D weight is
+    refused by name (it failed to unpack)."""
+    from attention.torch_functional import Protection, attention_core
+
+    q = torch.randn(0, 2, 4, 8, requires_grad=True)
+    out, _ = attention_core(q, q, q, protection=Protection())
+    assert out.shape == (0, 2, 4, 8)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+    x = torch.randn(3, 0, requires_grad=True)
+    w, b = torch.randn(5, 0, requires_grad=True), torch.randn(5, requires_grad=True)
+    linear = ProtectedLinearCore()
+    for bias in (None, b):
+        y = linear(x, w, bias, weight_in_out=False)
+        assert torch.equal(y, torch.nn.functional.linear(x, w, bias))
+        y.sum().backward()
+    assert x.grad.shape == (3, 0) and w.grad.shape == (5, 0)
+    assert torch.equal(b.grad, torch.full((5,), 3.0))
+    with pytest.raises(ValueError, match="2-D weight"):
+        linear(torch.randn(3, 4), torch.randn(4), None, weight_in_out=False)
