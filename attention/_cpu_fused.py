@@ -413,12 +413,17 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
     rows, cols = p.shape
     flush = like(p, tol[2])
     least = like(p, math.exp(np.float64(flush)))  # log least = flush within its rounding
+    # |e_ij - x_ij / log 2| <= 1/2 (log2 of the mantissa) + the entry's tolerance in log2 units
+    # (at most that of x = flush) + the rounding of x / log 2 (tol[1] is 8 u): an exponent moved
+    # by one fails it, unless its mantissa lies within that tolerance of sqrt(2)
+    inv_ln2 = like(p, 1 / math.log(2.0))
+    reach = like(p, 0.5 + (tol[0] + 1.5 * tol[1] * abs(tol[2])) / math.log(2.0))
     bad = np.float32(0)
     worst = 0.0
     info[0], info[1], info[2], info[3], info[4] = 0.0, 0.0, 1.0, -1.0, -1.0
     for r in range(rows):
         mr, zr, pr = m[r], z[r], p[r]
-        es = raised = negative = like(p, 0.0)
+        es = raised = negative = moved = like(p, 0.0)
         ms = like(p, 1.0)
         for j in range(cols):  # the data's precision alone: eight float32 lanes
             pv = pr[j]
@@ -428,7 +433,11 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
             ms *= mant  # mantissas in [sqrt(1/2), sqrt(2)): see _MANTISSAS
             raised += like(p, low)
             negative += like(p, pv < 0)  # taken as flushed above: a hidden key's would pass
-        bad += np.float32(negative)
+            # each exponent against its z: the row sums miss exponents moved both ways (a bit
+            # flipped in a row of entries of either parity), which cancel in them
+            dev = ex - max(zr[j] - mr, flush) * inv_ln2
+            moved += like(p, (dev if dev >= 0 else -dev) > reach)
+        bad += np.float32(negative) + np.float32(moved)
         lm = math.log(np.float64(ms))
         xs = 0.0
         for j in range(cols):  # the float64 sum in a loop of its own (four lanes)

@@ -63,9 +63,12 @@ each tile array as computed and before it is checked):
     product of their mantissas (bit operations, one ``log`` per row), so the check shares no work
     with the exponential, and a fault in ``P`` that would feed the output and its carried
     checksum alike (common mode) is seen here. Entries below the smallest normal number need
-    ``z_ij - m_i`` below the exponential's flush (each entry, branch-free). An error this row
-    sum misses changes ``log P_ij`` by less than the row's tolerance, about ``8 u sum_j |z_ij -
-    m_i|``: its effect on the output row is within the output check's own rounding bound.
+    ``z_ij - m_i`` below the exponential's flush (each entry, branch-free), and each entry's
+    exponent must be ``(z_ij - m_i) / log 2`` within 1/2 (its mantissa's ``log2``) and the
+    entry's tolerance (branch-free too): exponents moved both ways in one row (a bit flipped in
+    entries of either parity) cancel in the row's sum. An error these miss changes ``log
+    P_ij`` by less than the row's tolerance, about ``8 u sum_j |z_ij - m_i|``, or moves no
+    exponent: its effect on the output row is within the output check's own rounding bound.
 ``fused:O_acc``
     The output accumulator. V's row checksums ``V 1``, ``V w`` and ``|V| 1`` (``w`` over the
     head dimension) are accumulated beside it, ``oc = alpha oc + P [V1, Vw, |V|1]`` in float64

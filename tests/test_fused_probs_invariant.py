@@ -75,3 +75,32 @@ def test_one_corrupted_probability_is_flagged_and_located(dtype, seed):
         ratio, info = _ratio(z, m, bad)
         assert ratio > 1, name
         assert (info[3], info[4]) == (r, c), name
+
+
+@pytest.mark.parametrize("dtype,bits", [(np.float32, 23), (np.float64, 52)])
+@pytest.mark.parametrize("seed", range(4))
+def test_exponents_moved_both_ways_in_a_row_are_flagged(dtype, bits, seed):
+    """The lowest exponent bit flipped in entries of one row, as many of odd exponent (halved)
+    as of even (doubled): their logs change by -log 2 and +log 2 and cancel in the row's sum,
+    which the invariant alone judges, so the forward passed wrong probabilities (found by a
+    fault campaign of row patterns). Each exponent is also judged against its ``z``: flagged."""
+    z, m, p = _tile(dtype, seed)
+    rng = np.random.default_rng(seed)
+    r = 11
+    normal = np.flatnonzero(p[r] > np.finfo(dtype).tiny)
+    uint = np.uint32 if dtype == np.float32 else np.uint64
+    bit = uint(1) << uint(bits)
+    odd = normal[(p[r, normal].view(uint) & bit) != 0]
+    even = normal[(p[r, normal].view(uint) & bit) == 0]
+    count = min(len(odd), len(even), 6)
+    assert count >= 2
+    chosen = np.concatenate([rng.choice(odd, count, replace=False),
+                             rng.choice(even, count, replace=False)])
+    bad = p.copy()
+    row = bad[r].view(uint)
+    row[chosen] ^= bit
+    with np.errstate(divide="ignore"):
+        moved = np.log(bad[r, chosen].astype(np.float64)) - np.log(p[r, chosen].astype(np.float64))
+    assert abs(moved.sum()) < 1e-9 and np.abs(moved).min() > 0.6  # cancels in the row's sum
+    ratio, info = _ratio(z, m, bad)
+    assert ratio > 1 and info[3] == r and info[4] in chosen
