@@ -17,6 +17,7 @@ import copy
 import inspect
 import math
 import sys
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -124,7 +125,27 @@ def protect_pretrained(model: nn.Module, *, check: str = "correct", projections:
         m.abft_core = ProtectedCore(check)
     if projections:
         protect_projections(model, [name for name, _ in modules], check=check, mlp=mlp)
+    left = unprotected_attention(model, [name for name, _ in modules])
+    if left:
+        warnings.warn(f"protect: {len(left)} attention modules of {type(model).__name__} compute "
+                      f"their attention themselves and run unprotected ({left[0]!r} first): "
+                      "they call no registered attention function", UserWarning, stacklevel=3)
     return model
+
+
+def unprotected_attention(model: nn.Module, protected: list[str]) -> list[str]:
+    """Names of the modules of ``model`` that look like attention modules (a class name ending
+    in ``Attention``, with parameters) and hold, and are held by, no protected attention module
+    ``protected``: attention computed by the model's own code (LongT5's local attention, GIT's
+    text decoder, PEGASUS-X's block attention), which :func:`protect_pretrained` cannot reach."""
+    def related(name: str) -> bool:
+        return any(name == p or name.startswith(p + ".") or p.startswith(name + ".")
+                   for p in protected)
+
+    found = [name for name, m in model.named_modules()
+             if type(m).__name__.endswith("Attention") and not related(name)
+             and next(m.parameters(), None) is not None]
+    return [n for n in found if not any(f.startswith(n + ".") for f in found)]  # innermost
 
 
 def check_pretrained(model: nn.Module, *, check: str = "correct", projections: bool = True,

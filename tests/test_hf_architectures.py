@@ -3,6 +3,7 @@ model whose attention calls transformers' ``AttentionInterface`` runs protected,
 backward, equal to its eager self (tiny configurations built in code, a padded batch, train mode
 with dropout 0); architectures the protected product cannot honour are refused with a clear
 error and left unchanged."""
+import contextlib
 import copy
 import re
 
@@ -147,7 +148,10 @@ def test_models_written_for_eager_masks_get_them(name, config, model, options):
         pytest.skip(f"transformers {transformers.__version__} has no {model}")
     torch.manual_seed(0)
     eager = getattr(transformers, model)(getattr(transformers, config)(**SEQ2SEQ, **options))
-    protected = protect(copy.deepcopy(eager))
+    # PEGASUS-X's block attention and BigBirdPegasus's encoder compute theirs themselves
+    with pytest.warns(UserWarning, match="run unprotected") if name != "nllb-moe" else \
+            contextlib.nullcontext():
+        protected = protect(copy.deepcopy(eager))
     assert protected.config._attn_implementation == EAGER_MASKS
     ids, mask = batch()
     later = ids.clone()
@@ -243,3 +247,20 @@ def test_refused_with_a_clear_error(name, match):
     assert name != "gemma2", "the cap is seen in the modules: refused at protect"
     with pytest.raises(ValueError, match=match):  # refused at the first call
         model(**inputs)
+
+
+def test_attention_the_model_computes_itself_is_named_in_a_warning():
+    """LongT5's local attention computes its scores itself (no registered attention function):
+    its model is protected where it can be (the decoder), and ``protect`` warns which attention
+    modules run unprotected (it said nothing)."""
+    if not hasattr(transformers, "LongT5ForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no LongT5")
+    config = transformers.LongT5Config(
+        vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+        encoder_attention_type="local", local_radius=4, attn_implementation="eager")
+    with pytest.warns(UserWarning, match=r"2 attention modules .* run unprotected "
+                                         r"\('encoder\.block\.0\.layer\.0\.LocalSelfAttention'"):
+        model = protect(transformers.LongT5ForConditionalGeneration(config))
+    assert attention_cores(model) and not any(n.startswith("encoder") for n in
+                                              attention_cores(model))
