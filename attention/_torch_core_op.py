@@ -167,12 +167,14 @@ def run_core_forward(protection: Protection, q: torch.Tensor, k: torch.Tensor, v
                      ) -> tuple[torch.Tensor, torch.Tensor, _CoreSaved]:
     """The body of ``abftgemm::attention_core``: its findings become
     ``protection.last_report``, the implementation it ran ``protection.last_core`` (a
-    checkpointed forward recomputed in backward runs that core again and adds its findings)."""
+    checkpointed forward recomputed in backward adds its findings, on the unfused core where
+    the forward ran that)."""
     workspace = protection.workspace(q.device)
     report = Report()
-    if recomputing():  # on the core the forward ran: it saves what the forward saved (as
-        # non-reentrant checkpointing checks) and computes what the forward computed
-        report, core = protection.last_report, protection.last_core or core
+    if recomputing():  # a forward that ran unfused (weights asked for, a fault hook) again
+        # unfused: it saves what the forward saved (as non-reentrant checkpointing checks)
+        report = protection.last_report
+        core = "unfused" if protection.last_core == "unfused" else core
     context = protection.context(report)
     keep_array, seed = dropout_arrays(keep)
     padding = mask is not None and mask.dtype == torch.bool and mask.dim() == 3 \
