@@ -622,7 +622,7 @@ def _finish(acc: Any, oc: Any, m: Any, l: Any, out: Any, lse: Any, lse_lo: Any) 
     every key) ``lse`` alone loses ``log l``; the backward's ``P = exp((z - lse) - lse_lo)``
     keeps it. 0 and ``-inf`` (both) for rows without a visible key."""
     for r in range(acc.shape[0]):
-        if l[r] > 0:
+        if l[r] > 0 and m[r] > -np.inf:  # m = -inf: no visible key, whatever a fault made l
             inv = l[r]
             for c in range(acc.shape[1]):
                 out[r, c] = acc[r, c] / inv

@@ -606,14 +606,16 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
             const int idx = tid + e * FNT, r = idx / d, c = idx % d;
             if (r < rows) {
                 const A lr = sh.l[r];
-                ob[r * d + c] = narrow<T>(lr > zero ? acc[e] / lr : zero);
+                // a row without a visible key (m = -inf) is 0, whatever a fault made l
+                const bool sees = lr > zero && sh.m[r] > neg_inf(zero);
+                ob[r * d + c] = narrow<T>(sees ? acc[e] / lr : zero);
             }
         }
         if (tid < rows) {
             const A lr = sh.l[tid];
             A* lb = lse + static_cast<long long>(b) * lq + i0;
             A* lob = lse_lo + static_cast<long long>(b) * lq + i0;
-            if (lr > zero) {
+            if (lr > zero && sh.m[tid] > neg_inf(zero)) {
                 for (int f = 0; f < 5; ++f)
                     if (f != 3) sh.oc[tid][f] /= to_double(lr);
                 // lse rounded, lse_lo the rest (an exact two-sum in double), as
