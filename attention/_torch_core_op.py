@@ -130,9 +130,12 @@ class _EagerCore(torch.autograd.Function):
         out, weights, state = run_core_forward(protection, query, key, value, attn_mask, scale,
                                                is_causal, need_weights, dropout_keep, dropout,
                                                core, mask_grad)
-        fused = state.saved["core"] == "fused"  # whose backward reads the output
-        ctx.save_for_backward(query, key, value, out if fused else None,
-                              attn_mask if mask_grad else None)
+        # The fused core's backward reads the output; the unfused core's saves a stand-in of
+        # its shape (no memory: a broadcast scalar), so that a checkpointed recomputation on the
+        # other core saves tensors of the same number and shapes (as non-reentrant
+        # checkpointing checks), and the unfused core's output may still change in place.
+        kept = out if state.saved["core"] == "fused" else out.new_zeros(()).expand(out.shape)
+        ctx.save_for_backward(query, key, value, kept, attn_mask if mask_grad else None)
         ctx.state = state
         return out, weights
 
@@ -166,15 +169,11 @@ def run_core_forward(protection: Protection, q: torch.Tensor, k: torch.Tensor, v
                      core: str, mask_grad: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, _CoreSaved]:
     """The body of ``abftgemm::attention_core``: its findings become
-    ``protection.last_report``, the implementation it ran ``protection.last_core`` (a
-    checkpointed forward recomputed in backward adds its findings, on the unfused core where
-    the forward ran that)."""
+    ``protection.last_report`` (a checkpointed forward recomputed in backward adds them to it),
+    the implementation it ran ``protection.last_core``."""
     workspace = protection.workspace(q.device)
-    report = Report()
-    if recomputing():  # a forward that ran unfused (weights asked for, a fault hook) again
-        # unfused: it saves what the forward saved (as non-reentrant checkpointing checks)
-        report = protection.last_report
-        core = "unfused" if protection.last_core == "unfused" else core
+    # a checkpointed forward recomputed in backward adds its findings to the step's report
+    report = protection.last_report if recomputing() else Report()
     context = protection.context(report)
     keep_array, seed = dropout_arrays(keep)
     padding = mask is not None and mask.dtype == torch.bool and mask.dim() == 3 \
@@ -208,7 +207,8 @@ def run_core_backward(state: _CoreSaved, d_out: torch.Tensor, q: torch.Tensor, k
     The findings extend the forward's report, which becomes ``protection.last_report`` again."""
     inputs = state.saved["inputs"]
     inputs.q, inputs.k, inputs.v = array(q), array(k), array(v)
-    if state.saved["core"] == "fused":
+    # (not the unfused core's stand-in, which a checkpointed recomputation on it hands back)
+    if state.saved["core"] == "fused" and (out.numel() < 2 or any(out.stride())):
         state.saved["fused"]["out"] = array(out)
     context = state.protection.context(state.report)
     with device_scope(d_out), threads(d_out):

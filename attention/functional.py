@@ -450,14 +450,15 @@ class _Pass:
                                    dropout=p, dropout_seed=seed, workspace=self.ws, defer=defer)
         self.env.update(zip(step.out.split(", "), (out, state["lse"])))
         inp.fused = {n: state[n] for n in ("scale", "causal", "visible", "add", "dropout",
-                                           "lse_lo")}
+                                           "lse_lo", "sums")}
         self._fused_state = state
 
     def fused_check(self, step: Step) -> None:
         """The fused core's final check (:mod:`attention.fused_final`): forward, the output rows
         against the row checksums the kernel carried; backward, the step's site: ``dV``'s column
-        sums against ``dO``'s (not with dropout) or ``dK``'s against 0. A repair recomputes the
-        core's pass. Nothing where the unfused steps ran."""
+        sums against ``dO``'s (weighted by the forward's kept sums with dropout) or ``dK``'s
+        against 0, and their rows against the row checksums the backward kernel carried. A
+        repair recomputes the core's pass. Nothing where the unfused steps ran."""
         state = self._fused_state
         if state is None:
             return
@@ -468,7 +469,8 @@ class _Pass:
                 return
             out, state = verify_output(self.env[step.ins[0]], state, ctx)
             self.env.update(zip(step.out.split(", "), (out, state["lse"])))
-            self.inp.fused["lse_lo"] = state["lse_lo"]  # a recomputation's, with its lse
+            # a recomputation's, with its lse (and the kept sums that dV's check reads)
+            self.inp.fused.update(lse_lo=state["lse_lo"], sums=state["sums"])
             self._fused_state = state
             return
         grads = tuple(self.env[n] for n in step.out.split(", "))

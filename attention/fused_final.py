@@ -87,8 +87,18 @@ of the kernels that ran (128 x 128 on the CPU, 32 x 32 in CUDA).
     with ``e_i > 0.5`` (over 2^21 keys in float32) has no finite threshold, only INF or NaN sums
     are flagged there. Worst-case
     bounds: at L = 130, d = 32 (float32 tiles, standard normal data) the threshold is about 0.2%
-    of a column's ``sum_j |dK_jc|``, and it grows with ``L``.
-    results. It detects by column and does not locate the row.
+    of a column's ``sum_j |dK_jc|``, and it grows with ``L``. It detects by column and does not
+    locate the row.
+``fused:dV_out`` and ``fused:dK_out``, their rows (backward)
+    Each row of the returned ``dK`` and ``dV`` against the row checksums the backward kernel
+    carried beside its accumulator and verified there (``fused:dK_acc``, ``fused:dV_acc``: ``dS^T
+    [Q1, Qw, |Q|1]`` times ``scale``, ``P_d^T [dO1, dOw, |dO|1]``, float64), which it returns as
+    ``saved["kv_sums"]`` ``(n, L_k, 6)``, as ``fused:out`` judges O's rows: the threshold is the
+    kernel check's (the queries summed over, one rounding per query tile), plus ``1.01 u`` of the
+    observed magnitude for ``dK``'s multiplication by ``scale`` (its absolute floor times
+    ``max(1, scale)``) and the 16-bit rounding's terms. Judged at the same sites as the column
+    sums (the worse of the two is reported), they locate a row, and catch what column sums
+    cannot: a whole column of ``dK`` scaled, negated or zeroed keeps its sum 0.
 
 A flag in ``check="correct"`` recomputes the whole forward (or backward) and checks again
 (:class:`abftgemm.UncorrectableError` if that fails too); ``check="detect"`` reports and warns;
@@ -152,8 +162,9 @@ def verify_grads(saved: dict[str, Any], d_out: Any, grads: tuple[Any, ...], ctx:
                  sites: tuple[str, ...] = GRAD_SITES) -> tuple[Any, ...]:
     """Check :func:`attention.fused.fused_backward`'s gradients ``(dq, dk, dv)``: ``dv`` by its
     column sums against those of ``d_out`` (fault-hook site ``"fused:dV_out"``), ``dk`` by its
-    column sums against 0 (``"fused:dK_out"``); module docstring. Returns ``(dq, dk, dv)``, the
-    backward's again after a repair.
+    column sums against 0 (``"fused:dK_out"``), both by their rows against the row checksums
+    the backward carried (``saved["kv_sums"]``); module docstring. Returns ``(dq, dk, dv)``,
+    the backward's again after a repair.
 
     Parameters
     ----------

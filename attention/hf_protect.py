@@ -144,7 +144,8 @@ def unprotected_attention(model: nn.Module, protected: list[str]) -> list[str]:
 
     found = [name for name, m in model.named_modules()
              if type(m).__name__.endswith("Attention") and not related(name)
-             and next(m.parameters(), None) is not None]
+             and next(m.parameters(), None) is not None
+             and not isinstance(m, nn.MultiheadAttention)]  # attention.torch.protect swaps it
     return [n for n in found if not any(f.startswith(n + ".") for f in found)]  # innermost
 
 

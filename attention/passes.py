@@ -305,10 +305,13 @@ FUSED_CHECKS = {
     "fused:out": "final check of O as returned (16-bit rounding included): its row checksums "
                  "against P [V1, Vw, abs(V)1] / l, carried by the kernel from V's row encodings",
     "fused:dV_out": "final check of dV as returned: 1^T dV = (P 1)^T dO, the column sums of dO "
-                    "over the rows that see a key (P's rows sum to 1)",
+                    "over the rows that see a key (P's rows sum to 1; with dropout weighted by "
+                    "the kept sums the forward carried), and its rows against the row checksums "
+                    "the backward kernel carried",
     "fused:dK_out": "final check of dK as returned: 1^T dK = scale (dS 1)^T Q = 0, the column sums "
                     "of dK are 0 (dS's rows sum to 0: sum_j P_ij dP_ij = rowsum(dO O)_i = D_i), "
-                    "with dropout too",
+                    "with dropout too, and its rows against the row checksums the backward "
+                    "kernel carried",
 }
 
 

@@ -408,3 +408,25 @@ def test_a_negative_probability_at_a_hidden_key_is_caught(phase, value):
     assert hit == [0.0] and "fused:P" in report.sites
     for g, c in zip((out, *grads), clean):
         assert np.array_equal(g, c)
+
+
+def test_a_fault_in_the_sum_of_a_row_that_sees_no_key_changes_nothing():
+    """A row that sees no key has ``l = 0``; a fault there (a mantissa bit making it a tiny
+    positive number, below the row sum check's floor) made the saved ``lse_lo`` NaN, and the
+    backward raised UncorrectableError on a forward it cannot recompute. A row whose running max
+    is ``-inf`` sees no key whatever ``l`` says: output 0, the step as without the fault."""
+    q, k, v, do = _data(np.random.default_rng(8), 2, 40, 40, 8)
+    visible = np.ones((2, 40), bool)
+    visible[1] = False
+    clean = _run(q, k, v, do, Context(), key_visible=visible)
+    hit = []
+
+    def hook(site, x):
+        if site == "fused:rowsum" and not hit and x.shape[0] and x[0, 0] == 0:
+            hit.append(site)
+            x[0, 0] = np.float32(5.877471754111438e-39)
+
+    got = _run(q, k, v, do, Context(fault_hook=hook), key_visible=visible)
+    assert hit
+    for g, c in zip(got, clean):
+        assert np.array_equal(g, c)

@@ -47,21 +47,32 @@ def _checked_run(xp, q, k, v, do, ctx, **kw):
 @pytest.mark.parametrize("xp", CUDA)
 @pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-12), (np.float32, 1e-5)],
                          ids=["float64", "float32"])
-def test_carried_sums_equal_the_cpu_kernels(xp, dtype, rtol):
+@pytest.mark.parametrize("dropout", [0.0, 0.4])
+def test_carried_sums_equal_the_cpu_kernels(xp, dtype, rtol, dropout):
     """``saved["sums"]`` of the CUDA forward: (n, L, 4) float64, plain, weighted and absolute
-    row checksums and the kept probabilities' row sums, those of the CPU kernel within the
-    rounding of the tiles' arithmetic (32-key tiles against 128-key ones); 0 for a row that sees
-    no key; None with check="off"."""
+    row checksums and the kept probabilities' row sums (with dropout those of ``P keep ks``),
+    those of the CPU kernel within the rounding of the tiles' arithmetic (32-key tiles against
+    128-key ones); 0 for a row that sees no key; None with check="off". The backward's carried
+    row sums of dK and dV (``saved["kv_sums"]``) likewise."""
     rng = np.random.default_rng(0)
-    q, k, v, _ = _data(rng, 2, 45, 70, 16, dtype)
+    q, k, v, do = _data(rng, 2, 45, 70, 16, dtype)
     visible = rng.random((2, 70)) < 0.6
     visible[1] = False  # head 1 sees no key: its rows' sums are 0
-    _, cpu = fused_forward(q, k, v, Context(), key_visible=visible)
-    _, gpu = fused_forward(*_device(xp, q, k, v), Context(), key_visible=xp.asarray(visible))
+    kw = dict(dropout=dropout, dropout_seed=3)
+    _, cpu = fused_forward(q, k, v, Context(), key_visible=visible, **kw)
+    _, gpu = fused_forward(*_device(xp, q, k, v), Context(), key_visible=xp.asarray(visible),
+                           **kw)
     got = gpu["sums"].get()
     assert got.shape == (2, 45, 4) and got.dtype == np.float64
     assert not got[1].any()
+    if dropout:  # the kept sums are not the rows' probability sums
+        assert np.abs(got[0, :, 3] - 1).max() > 0.05
     np.testing.assert_allclose(got, cpu["sums"], rtol=rtol, atol=rtol * np.abs(cpu["sums"]).max())
+    fused_backward(cpu, do, Context())
+    fused_backward(gpu, xp.asarray(do), Context())
+    want = cpu["kv_sums"]
+    np.testing.assert_allclose(gpu["kv_sums"].get(), want, rtol=rtol,
+                               atol=rtol * np.abs(want).max())
     _, off = fused_forward(*_device(xp, q, k, v), Context(check="off"))
     assert off["sums"] is None
 

@@ -86,3 +86,37 @@ def test_empty_shapes_run_as_torchs():
     assert torch.equal(b.grad, torch.full((5,), 3.0))
     with pytest.raises(ValueError, match="2-D weight"):
         linear(torch.randn(3, 4), torch.randn(4), None, weight_in_out=False)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_calls_on_either_core_share_a_protection(reentrant):
+    """One Protection for two calls of a checkpointed function, the first on the unfused core
+    (weights asked for), the second on the fused one, and a fault hook set for the backward
+    alone (its recomputation runs unfused): the gradients equal the uncheckpointed ones
+    (non-reentrant checkpointing raised CheckpointError where a recomputation saved other
+    tensors than its forward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from attention.torch_functional import Protection, attention_core
+
+    protection = Protection()
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+
+    def two(q, k, v):
+        a, _ = attention_core(q, k, v, protection=protection, need_weights=True)
+        return attention_core(a, k, v, protection=protection)[0]
+
+    def grads(fn, checkpointed, hook_in_backward=False):
+        for t in (q, k, v):
+            t.grad = None
+        y = checkpoint(fn, q, k, v, use_reentrant=reentrant) if checkpointed else fn(q, k, v)
+        protection.fault_hook = (lambda site, c: None) if hook_in_backward else None
+        y.sum().backward()
+        protection.fault_hook = None
+        return [t.grad.clone() for t in (q, k, v)]
+
+    for fn, hooked in ((two, False), (lambda q, k, v: attention_core(
+            q, k, v, protection=protection)[0], True)):
+        for got, want in zip(grads(fn, True, hooked), grads(fn, False)):
+            assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)

@@ -150,6 +150,25 @@ def test_faults_corrected_with_the_fused_core(site):
         np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-6)
 
 
+def test_the_layers_dv_check_with_dropout_predicts_from_the_forwards_kept_sums(monkeypatch):
+    """The layer's passes hand the forward's kept sums to the backward's final check: with
+    dropout, ``dV``'s column sums are judged against them (the passes kept them not, and only
+    the row check ran)."""
+    from attention import fused_final
+
+    calls = []
+    judge = fused_final._grad_ratios
+    monkeypatch.setattr(fused_final, "_grad_ratios",
+                        lambda saved, d_out, dv: calls.append(saved["dropout"]) or
+                        judge(saved, d_out, dv))
+    rng = np.random.default_rng(4)
+    x, dy, _ = _inputs(rng, 2, 70, 70, 32, "float32", False)
+    layer = MultiHeadAttention(32, 4, causal=True, core="fused", seed=1)
+    ran, _ = _step(layer, x, dy, dropout=0.2, dropout_seed=5)
+    assert ran == "fused" and len(calls) == 1 and calls[0][0] == 0.2
+    assert layer.last_report.checked["fused:dV_out"] == 1 and not layer.last_report.events
+
+
 @pytest.mark.parametrize("core", ["auto", "fused"])
 @pytest.mark.parametrize("check", ["correct", "detect"])
 def test_a_genuine_float16_overflow_passes_through_as_on_the_unfused_core(core, check):
