@@ -47,6 +47,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.utils import output_capturing
 
+from attention._torch_arrays import recomputing
 from attention.torch_core import ProtectedCore
 
 NAME = "abft"
@@ -171,7 +172,7 @@ def weights_wanted() -> bool:
     such collector, weights are made."""
     collector = getattr(output_capturing, "_active_collector", None)
     collected = None if collector is None else collector.get()
-    if collected is None and torch._C._current_graph_task_id() != -1:
+    if collected is None and recomputing():
         return False
     return not isinstance(collected, dict) or any("attention" in key for key in collected)
 
