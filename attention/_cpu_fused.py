@@ -749,7 +749,8 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
     probabilities) and the sums of its kept probabilities ``sums[b, block, 3]`` (``P_d 1 / l``,
     which is ``P 1 / l`` without dropout). Dropout when ``thr`` > 0 (:func:`_keep_tile`'s
     ``seed`` and ``thr``, ``ks = 1 / (1 - p)`` in the data's dtype): the product reads the
-    dropped tile, the softmax denominator the tile before dropout. Returns 0, or -1 when a recomputation did not verify."""
+    dropped tile, the softmax denominator the tile before dropout. Returns 0, or -1 when a
+    recomputation did not verify."""
     q, k, kt, v, ve = ops
     visible, add, scale, causal = mask
     check, correct, c_s, c_o, c_l, tol_p = rules
