@@ -526,7 +526,8 @@ def settle_all(plans: list[ProtectedMatmul]) -> list[Report]:
         A plan is listed twice (nothing is settled).
     UncorrectableError
         As :meth:`ProtectedMatmul.settle`: the first plan's that raised, once every plan is
-        settled (none is left pending).
+        settled (none is left pending); its ``report`` holds every plan's findings, in order
+        (the repairs of the plans that delivered among them).
     """
     if len({id(p) for p in plans}) != len(plans):
         raise ValueError("settle_all: a plan is listed twice")
@@ -544,7 +545,11 @@ def settle_all(plans: list[ProtectedMatmul]) -> list[Report]:
             reports.append(plan._finish_settle(False))
         except UncorrectableError as exc:
             failure = failure or exc
+            reports.append(exc.report)
     if failure is not None:
+        failure.report = Report()
+        for report in reports:
+            failure.report.extend(report)
         raise failure
     return reports
 

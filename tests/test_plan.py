@@ -620,8 +620,8 @@ def test_a_caller_gemm_is_judged_against_its_own_operands(xp, dtype):
 @pytest.mark.parametrize("xp", BACKENDS)
 def test_settle_all_settles_every_plan_and_waits_on_every_backend(xp, monkeypatch):
     """``settle_all``: a plan listed twice is refused before anything is settled; a plan whose
-    repair raises does not leave the others pending (they settle, then its error is raised);
-    plans of NumPy and of ``xp`` are each waited for on their own backend (it waited on the
+    repair raises does not leave the others pending (they settle, then its error is raised, its
+    report holding the others' findings too: they were dropped); plans of NumPy and of ``xp`` are each waited for on their own backend (it waited on the
     first plan's alone: a GPU verdict copy could be read before it arrived)."""
     from abftgemm import UncorrectableError, plan as plan_module
     from abftgemm.plan import settle_all
@@ -645,9 +645,10 @@ def test_settle_all_settles_every_plan_and_waits_on_every_backend(xp, monkeypatc
     for p, out in zip(plans, outs):
         p.abandon()
         p.execute(a, b, out=out, fault_hook=hook)
-    with pytest.raises(UncorrectableError, match="this one"):
+    with pytest.raises(UncorrectableError, match="this one") as raised:
         settle_all(plans)
     np.testing.assert_array_equal(outs[1], a @ b)  # repaired, delivered
+    assert [e.site for e in raised.value.report.events if e.action == "corrected"] == ["second"]
     for p in plans:
         p.execute(a, b)  # neither is pending
         p.settle()
