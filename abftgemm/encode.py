@@ -7,7 +7,7 @@ from typing import Any, Callable
 import numpy as np
 
 from abftgemm.backend import Backend, array_module, get_backend
-from abftgemm.checksums import Checksums, encoding_of, location_weights
+from abftgemm.checksums import SUPPORTED_DTYPES, Checksums, encoding_of, location_weights
 from abftgemm.operands import Operands
 
 
@@ -86,7 +86,8 @@ def _reduce(fn: Callable, x: Any, coef: Any, batch: int, vectors: int) -> Any:
 
 def checksums_of(x: Any, rows: bool = True) -> Checksums:
     """Column and (unless ``rows=False``) row encodings of ``x`` (``(..., r, c)``, batch
-    flattened), to pass to matmul.
+    flattened), to pass to matmul. ``x`` has one of :data:`abftgemm.SUPPORTED_DTYPES` (else
+    ``TypeError``).
 
     Use it to encode an operand once and reuse it across several products (e.g. the input of the
     query, key and value projections, whose column encoding is all they need).
@@ -94,6 +95,9 @@ def checksums_of(x: Any, rows: bool = True) -> Checksums:
     xp = array_module(x)
     if x.ndim < 2:
         raise ValueError(f"checksums_of needs a matrix or a batch of matrices, got shape {x.shape}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(t) for t in SUPPORTED_DTYPES)
+        raise TypeError(f"checksums_of: x has dtype {x.dtype}; abftgemm supports {names}")
     r, c = x.shape[-2:]
     x3 = x.reshape(int(np.prod(x.shape[:-2], dtype=np.int64)), r, c)  # -1: ambiguous at size 0
     be = get_backend(xp)

@@ -255,6 +255,29 @@ def test_non_float_dtypes_raise_type_error_naming_the_dtype(xp, dtype):
             abftgemm.matmul(*pair)
 
 
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64, np.bool_,
+                                   np.complex64])
+def test_checksums_of_refuses_non_float_dtypes(xp, dtype):
+    """``checksums_of`` read any 1-, 2-, 4- or 8-byte array as 16-bit floats: wrong encodings
+    without a word, then writes past its buffer (the process crashed)."""
+    x = xp.arange(120).reshape(10, 12).astype(dtype)
+    before = x.copy()
+    with pytest.raises(TypeError, match=np.dtype(dtype).name):
+        abftgemm.checksums_of(x)
+    assert (x == before).all()
+
+
+def test_as_float32_refuses_what_is_not_16_bit_floats():
+    from abftgemm.cpu_kernels import as_float32
+
+    with pytest.raises(TypeError, match="int32"):
+        as_float32(np.ones(4, np.int32))
+    with pytest.raises(ValueError, match="out"):
+        as_float32(np.ones(8, np.float16), out=np.empty(4, np.float32))
+    np.testing.assert_array_equal(as_float32(np.arange(5, dtype=np.float16)), np.arange(5))
+
+
 def test_object_arrays_raise_type_error_naming_the_dtype():
     a = np.ones((2, 2), dtype=object)
     with pytest.raises(TypeError, match="object"):
