@@ -178,8 +178,8 @@ def verify_grads(saved: dict[str, Any], d_out: Any, grads: tuple[Any, ...], ctx:
     sites : tuple of str
         The checks to run, of :data:`GRAD_SITES` (one passes-table step runs one). With
         attention dropout (``saved["dropout"]``) and no carried sums (``saved["sums"]`` None: the
-        forward ran unchecked) ``"fused:dV_out"`` has no prediction and is skipped (module
-        docstring).
+        forward ran unchecked) ``"fused:dV_out"`` has no prediction: nothing judges ``dv``, which
+        is still the fault hook's site (module docstring).
 
     Raises
     ------
@@ -189,11 +189,10 @@ def verify_grads(saved: dict[str, Any], d_out: Any, grads: tuple[Any, ...], ctx:
         ``sites`` is empty or names a site outside :data:`GRAD_SITES`.
     """
     xp = array_module(d_out, *grads)  # TypeError unless all NumPy or all CuPy arrays
-    checks = [(site, lambda g, i=i: g[i], lambda g, i=i, columns=columns, rows=rows:
-               _grad_judged(xp, saved, g[i], columns, rows))
-              for site, i, columns, rows in _grad_checks(saved, d_out, sites)]
-    if not checks:
-        return grads
+    checks = [(site, lambda g, i=i: g[i], None if unjudged else (
+               lambda g, i=i, columns=columns, rows=rows:
+               _grad_judged(xp, saved, g[i], columns, rows)))
+              for site, i, columns, rows, unjudged in _grad_checks(saved, d_out, sites)]
     return _verified(ctx, checks, grads, lambda: fused_backward(saved, d_out, ctx))
 
 
@@ -213,8 +212,12 @@ def defer_grads(saved: dict[str, Any], d_out: Any, grads: tuple[Any, ...], ctx: 
                 sites: tuple[str, ...], defer: Deferred) -> None:
     """:func:`verify_grads` as :func:`defer_output` does :func:`verify_output`."""
     xp = array_module(d_out, *grads)
-    for site, i, columns, rows in _grad_checks(saved, d_out, sites):
+    for site, i, columns, rows, unjudged in _grad_checks(saved, d_out, sites):
         g = grads[i]
+        if unjudged:  # the fault hook's site all the same (as in verify_grads)
+            if ctx.fault_hook is not None:
+                ctx.fault_hook(site, g)
+            continue
         _hook_and_count(ctx, site, g)
         bad = xp.zeros((), bool)
         if columns is not None:
@@ -231,11 +234,12 @@ _Columns = Callable[[Any], tuple[Any, Any, Any]]
 
 
 def _grad_checks(saved: dict[str, Any], d_out: Any, sites: tuple[str, ...]
-                 ) -> list[tuple[str, int, _Columns | None, slice]]:
+                 ) -> list[tuple[str, int, _Columns | None, slice, bool]]:
     """The backward's final checks of ``sites``: ``(site, index of the gradient it checks, its
     column ratios (None where there is no prediction: dropout without the forward's sums), the
-    slice of ``saved["kv_sums"]`` its rows are judged against)`` (:func:`verify_grads`); a
-    check with neither part is left out."""
+    slice of ``saved["kv_sums"]`` its rows are judged against, whether it has neither part and
+    judges nothing)`` (:func:`verify_grads`); a check that judges nothing is still the fault
+    hook's site (an unchecked run's faults land where a checked run's do)."""
     unknown = [s for s in sites if s not in GRAD_SITES]
     if unknown or not sites:
         raise ValueError(f"sites must be some of {', '.join(GRAD_SITES)}, got {sites}")
@@ -246,7 +250,8 @@ def _grad_checks(saved: dict[str, Any], d_out: Any, sites: tuple[str, ...]
                        else None, slice(3, 6)))
     if DK_SITE in sites:
         checks.append((DK_SITE, 1, lambda dk: _dk_ratios(saved, d_out, dk), slice(0, 3)))
-    return [c for c in checks if c[2] is not None or saved.get("kv_sums") is not None]
+    rows = saved.get("kv_sums") is not None
+    return [(*c, c[2] is None and not rows) for c in checks]
 
 
 def _grad_judged(xp: Any, saved: dict[str, Any], g: Any, columns: _Columns | None,
@@ -293,9 +298,10 @@ def _given(x: Any | None) -> Any | None:
 
 
 #: One final check: its site, the array it checks of a result, and the judgment of a result,
-#: ``(worst |d|/tau, head, rows, cols, |d|, tau)``.
+#: ``(worst |d|/tau, head, rows, cols, |d|, tau)`` (None: the site has no check, its array the
+#: fault hook's alone).
 _Check = tuple[str, Callable[[Any], Any],
-               Callable[[Any], tuple[float, int, tuple, tuple, float, float]]]
+               Callable[[Any], tuple[float, int, tuple, tuple, float, float]] | None]
 
 
 def _verified(ctx: Context, checks: list[_Check], result: Any, redo: Callable[[], Any]) -> Any:
@@ -305,11 +311,12 @@ def _verified(ctx: Context, checks: list[_Check], result: Any, redo: Callable[[]
         if ctx.fault_hook is not None:
             for site, checked, _ in checks:
                 ctx.fault_hook(site, checked(result))
-        if ctx.check == "off":
+        judging = [(site, ratio) for site, _, ratio in checks if ratio is not None]
+        if ctx.check == "off" or not judging:
             return result
         if attempt == 0:
-            count_checked(ctx, tuple(site for site, _, _ in checks))
-        judged = [(site, ratio(result)) for site, _, ratio in checks]
+            count_checked(ctx, tuple(site for site, _ in judging))
+        judged = [(site, ratio(result)) for site, ratio in judging]
         bad = [(site, r) for site, r in judged if r[0] > 1]
         worst = max(r[0] for _, r in judged)
         if not bad:

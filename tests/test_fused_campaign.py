@@ -116,6 +116,9 @@ def test_campaign_with_masks_and_dropout(xp, mask, dropout):
     assert ("fused:dropout" in config.sites) == bool(dropout) and "fused:dV_out" in config.sites
     records = run_campaign(config, xp, progress=False)
     assert {r["site"] for r in records if r["kind"] != "none"} == set(config.sites)
+    # the unprotected runs' faults land too (with dropout the unchecked forward carries no sums
+    # for dV's final check, and its fault was never injected, yet counted as masked)
+    assert all(r["injected"] == 1 for r in records if r["kind"] != "none"), records
     faulted = [r for r in records if r["kind"] != "none" and r["protected"]]
     for r in faulted:
         assert r["trials"] == r["injected"] == 1, r
