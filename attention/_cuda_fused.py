@@ -283,10 +283,12 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     if n * nqb > INT32_MAX:
         raise ValueError(f"too many query blocks for one grid: {n} x {nqb}")
     params = cupy.asarray(numpy.concatenate([
-        coefficients(d, BR, arith), coefficients(lk, d, q.dtype, 2 * tiles),
+        coefficients(d, BR, arith), coefficients(lk, d, arith, 2 * tiles),
         coefficients(lk, 1, arith, 2 * tiles), probs_tolerance(arith)]))
     ve = _row_encodings(v) if check else None
     out = cupy.empty(q.shape, q.dtype)
+    # 16-bit data: the output in float32 for the kernel's check, before it is rounded
+    ws_o = cupy.empty(q.shape, arith) if check and arith != q.dtype else None
     lse, lse_lo = cupy.empty((n, lq), arith), cupy.empty((n, lq), arith)
     sums = cupy.empty((n, lq, 4)) if check else None
     rec = cupy.zeros((n * nqb, len(K.SITES), K.FIELDS))
@@ -297,8 +299,8 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
             (n * nqb,), (_THREADS,),
             (q, k, v, ve, visible, add, _stride(add), numpy.int32(lq), numpy.int32(lk),
              numpy.int32(d), numpy.float64(scale), numpy.int32(causal), numpy.int32(check),
-             numpy.int32(correct), *_dropout_args(drop, arith), params, desc, out, lse, lse_lo,
-             sums, rec, status))
+             numpy.int32(correct), *_dropout_args(drop, arith), params, desc, ws_o, out, lse,
+             lse_lo, sums, rec, status))
     if fault is not None:
         fault.record(desc)
     if defer is not None:  # non-finite inputs: the replay raises, or takes them repaired

@@ -10,7 +10,8 @@
 // by entry on the softmax invariant log P = z - m, z the masked scores as stored (fused:P);
 // l = alpha l + rowsum P (fused:rowsum, against sum P carried in float64); O_acc = alpha O_acc
 // + P V with V's row encodings carried through the same rescaling (fused:O_acc, judged on the
-// stored output). Attention dropout (thr > 0) as the CPU's: the keep decisions regenerated per
+// output O_acc / l in the arithmetic type, before it is rounded to T: 16-bit data stage it in the
+// workspace ws_o). Attention dropout (thr > 0) as the CPU's: the keep decisions regenerated per
 // tile from (seed, head, query, key) (keep_tile, bit for bit attention/dropout_hash.py), the P
 // check and l reading P before dropout, the product reading the dropped tile P_d = fl(P ks) keep
 // (fault site DROP_), O's carried checksums made from P and keep entry by entry as P_d is, so a
@@ -441,8 +442,8 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
                    const double* add, long long add_stride, int lq, int lk, int d, double scale,
                    int causal, int check, int correct, unsigned long long seed,
                    unsigned long long thr, double ks_in, const double* params, double* fault,
-                   T* out, typename Arith<T>::type* lse, typename Arith<T>::type* lse_lo,
-                   double* sums, double* rec, int* status) {
+                   typename Arith<T>::type* ws_o, T* out, typename Arith<T>::type* lse,
+                   typename Arith<T>::type* lse_lo, double* sums, double* rec, int* status) {
     typedef typename Arith<T>::type A;
     __shared__ Forward<A> sh;
     const int tid = threadIdx.x;
@@ -601,6 +602,10 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
             if (st == 1) continue;
         }
         T* ob = out + (static_cast<long long>(b) * lq + i0) * d;
+        // the output in the arithmetic type, which the check judges (16-bit data: staged in
+        // ws_o, as the backward's accumulators; else out itself), then rounded to T
+        A* wo = ws_o ? ws_o + (static_cast<long long>(b) * lq + i0) * d
+                     : reinterpret_cast<A*>(ob);
 #pragma unroll
         for (int e = 0; e < FPER; ++e) {  // ---- out = O_acc / l; m + log l as lse + lse_lo
             const int idx = tid + e * FNT, r = idx / d, c = idx % d;
@@ -608,7 +613,9 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
                 const A lr = sh.l[r];
                 // a row without a visible key (m = -inf) is 0, whatever a fault made l
                 const bool sees = lr > zero && sh.m[r] > neg_inf(zero);
-                ob[r * d + c] = narrow<T>(sees ? acc[e] / lr : zero);
+                const A x = sees ? acc[e] / lr : zero;
+                if (check && ws_o) wo[r * d + c] = x;
+                ob[r * d + c] = narrow<T>(x);
             }
         }
         if (tid < rows) {
@@ -632,11 +639,11 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
             }
         }
         __syncthreads();
-        if (check) {  // ---- the stored output's row checksums against the carried ones
+        if (check) {  // ---- the output's row checksums against the carried ones
             if (tid < rows) {
                 double o0 = 0.0, o1 = 0.0, o2 = 0.0;
                 for (int c = 0; c < d; ++c) {
-                    const double x = to_double(ob[tid * d + c]);
+                    const double x = to_double(wo[tid * d + c]);
                     o0 += x;
                     o1 += x * (static_cast<double>(c + 1) / d);
                     o2 += fabs(x);
