@@ -14,7 +14,7 @@ import torch
 
 from abftgemm.tensors import device_scope, to_tensor
 from abftgemm.report import Report
-from attention._torch_arrays import array, dropout_arrays, mask_array, threads
+from attention._torch_arrays import array, dropout_arrays, mask_array, recomputing, threads
 from attention._torch_state import Protection
 from attention.functional import attention_backward, attention_forward
 from attention.workspace import Workspace
@@ -41,12 +41,14 @@ def run_forward(protection: Protection, heads: int, query: torch.Tensor, key: to
     ``dropout``, ``dropout_keep`` is its mask ``(N * heads, L, S)``, True = kept, or the seed of
     the fused core's keep decisions (:func:`attention._torch_arrays.dropout_arrays`); ``core`` as
     :func:`attention.attention_forward` takes it; ``mask_grad``: the backward also makes the
-    gradients of the float masks. The call's findings become ``protection.last_report``, the
-    core that ran ``protection.last_core``."""
+    gradients of the float masks. The call's findings become ``protection.last_report`` (a
+    checkpointed forward recomputed in backward adds them to it), the core that ran
+    ``protection.last_core``."""
     call = _Call.of(heads, query, key, value, key_padding_mask, attn_mask, is_causal,
                     self_attention)
     workspace = protection.workspace(query.device)
-    report = Report()
+    # a checkpointed forward recomputed in backward adds its findings to the step's report
+    report = protection.last_report if recomputing() else Report()
     with device_scope(query), threads(query):
         params = _param_views(protection, in_w, in_b, out_w, out_b)
         x = array(query)

@@ -577,3 +577,40 @@ def test_last_report_is_the_last_pass_forward_and_backward():
     y.sum().backward()
     assert protection.last_report.checked["d_x"] == 1 and not protection.last_report.events
     assert torch.equal(y, second)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("call", [0, 1], ids=["forward", "recomputation"])
+def test_checkpointed_module_reports_every_repaired_fault(reentrant, call):
+    """Under activation checkpointing the module's forward runs again in backward: a fault
+    repaired in the first forward was dropped from ``last_report`` (the recomputation began a
+    report of its own, which the backward extended); one repaired in the recomputation is
+    there too. The step equals the unfaulted one."""
+    from torch.utils.checkpoint import checkpoint
+
+    from attention._torch_arrays import recomputing
+
+    gen = torch.Generator().manual_seed(5)
+    mine = MultiheadAttention(E, HEADS, batch_first=True, dtype=torch.float64)
+    x = torch.randn(N, L, E, dtype=torch.float64, generator=gen)
+    grads = []
+    for faulty in (False, True):
+        injected = []
+
+        def hook(site, c):
+            if faulty and site == "q_proj" and not injected and recomputing() == bool(call):
+                injected.append(site)
+                c.flat[0] = float("inf")
+
+        mine.fault_hook = hook
+        mine.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        y = checkpoint(lambda t: mine(t, t, t, need_weights=False)[0], xi,
+                       use_reentrant=reentrant)
+        y.sum().backward()
+        assert bool(injected) == faulty
+        assert mine.last_report.detected == faulty, mine.last_report.summary()
+        assert mine.last_report.checked["d_x"] == 1
+        grads.append((y.detach(), xi.grad, mine.in_proj_weight.grad.clone()))
+    for got, want in zip(*grads):
+        assert torch.equal(got, want)
