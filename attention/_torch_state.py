@@ -63,14 +63,34 @@ class Protection:
 
     def __init__(self, check: str = "correct", plan: CheckingPlan | None = None,
                  fault_hook: FaultHook | None = None):
-        if check not in abftgemm.CHECK_MODES:
-            raise ValueError(f"check must be one of {abftgemm.CHECK_MODES}, got {check!r}")
-        self.check, self.plan, self.fault_hook = check, plan or CheckingPlan(), fault_hook
+        self.check, self.plan, self.fault_hook = check, plan, fault_hook
         self.last_report = Report()
         self.last_core: str | None = None
         self._local = threading.local()
         self._memo: tuple[Any, Any] = (None, None)
         self.id = register(self)
+
+    @property
+    def check(self) -> str:
+        return self._check
+
+    @check.setter
+    def check(self, check: str) -> None:
+        if check not in abftgemm.CHECK_MODES:
+            raise ValueError(f"check must be one of {abftgemm.CHECK_MODES}, got {check!r}")
+        self._check = check
+
+    @property
+    def plan(self) -> CheckingPlan:
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: CheckingPlan | None) -> None:
+        """None: the default plan (every site on every call)."""
+        if plan is not None and not isinstance(plan, CheckingPlan):
+            raise TypeError(f"plan must be an attention.CheckingPlan or None, got "
+                            f"{type(plan).__name__}")
+        self._plan = CheckingPlan() if plan is None else plan
 
     def workspace(self, device: torch.device) -> Workspace:
         """The plans and buffers of the calling thread's calls on ``device`` (one workspace per

@@ -39,6 +39,14 @@ class SitePlan:
     every: int = 1
     probability: float = 1.0
 
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, (int, np.integer)) \
+                or self.every < 1:
+            raise ValueError(f"SitePlan: every must be an integer of at least 1, got "
+                             f"{self.every!r}")
+        if not 0 <= self.probability <= 1:  # NaN fails too
+            raise ValueError(f"SitePlan: probability must be in [0, 1], got {self.probability!r}")
+
 
 def _gemm_sites(table: tuple[Step, ...], variant: Variant) -> tuple[str, ...]:
     return tuple(s.site for s in steps(table, variant) if s.op.startswith("gemm"))
@@ -94,7 +102,11 @@ class CheckingPlan:
         self._rng = np.random.default_rng(self.seed)
 
     def with_frequencies(self, probabilities: Mapping[str, float]) -> "CheckingPlan":
-        """A copy whose sites are checked with the given probabilities."""
+        """A copy whose sites are checked with the given probabilities (``ValueError`` for a
+        site that is not one, or a probability outside [0, 1])."""
+        unknown = set(probabilities) - set(self.sites)
+        if unknown:
+            raise ValueError(f"unknown sites: {sorted(unknown)}; sites are {ALL_SITES}")
         sites = {s: replace(p, probability=float(probabilities.get(s, p.probability)))
                  for s, p in self.sites.items()}
         return CheckingPlan(sites, self.seed)

@@ -321,6 +321,21 @@ def test_plan_frequencies_and_adaptive_model():
     assert "every call" in plan.with_frequencies({"q_proj": 1.0}).table()
 
 
+@pytest.mark.parametrize("make, match", [
+    (lambda: SitePlan(every=0), "every must be an integer of at least 1"),
+    (lambda: SitePlan(every=1.5), "every must be an integer"),
+    (lambda: SitePlan(probability=float("nan")), r"probability must be in \[0, 1\]"),
+    (lambda: SitePlan(probability=-1), r"probability must be in \[0, 1\]"),
+    (lambda: CheckingPlan().with_frequencies({"q-proj": 0.0}), "unknown sites"),
+    (lambda: CheckingPlan().with_frequencies({"q_proj": 2.0}), r"probability must be in"),
+])
+def test_bad_site_plans_are_refused_when_made(make, match):
+    """``every=0`` failed at the first forward (a modulo by zero); a NaN or negative
+    probability turned checking off without a word; a misspelt site was dropped."""
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
 class RecordingPlan(CheckingPlan):
     """A checking plan that records every decision it draws, ``(site, checked)`` in call order."""
 

@@ -614,3 +614,27 @@ def test_checkpointed_module_reports_every_repaired_fault(reentrant, call):
         grads.append((y.detach(), xi.grad, mine.in_proj_weight.grad.clone()))
     for got, want in zip(*grads):
         assert torch.equal(got, want)
+
+
+def test_check_and_plan_set_through_the_module_are_validated():
+    """``plan = None`` on a module means the default plan (it failed at the next forward with
+    an AttributeError deep in the pass); a plan that is not one, or a bad check mode, is refused
+    when set, and the module keeps what it had."""
+    from attention import CheckingPlan
+    from attention.torch_core import ProtectedCore
+
+    mine = MultiheadAttention(E, HEADS, batch_first=True)
+    x = torch.randn(N, L, E)
+    mine.plan = None
+    assert isinstance(mine.plan, CheckingPlan)
+    mine(x, x, x)
+    assert mine.last_report.checked["q_proj"] > 0
+    kept = mine.plan
+    with pytest.raises(TypeError, match="plan must be an attention.CheckingPlan"):
+        mine.plan = "every"
+    with pytest.raises(ValueError, match="check must be one of"):
+        mine.check = "corect"
+    assert mine.plan is kept and mine.check == "correct"
+    core = ProtectedCore()
+    core.plan = None
+    assert isinstance(core.plan, CheckingPlan)
