@@ -87,11 +87,13 @@ def first_order(backward: Callable[..., Any]) -> Callable[..., Any]:
     """An eager ``autograd.Function.backward`` that refuses ``create_graph=True`` (grad mode on
     in the backward): the protected backward is not differentiable, and under
     ``once_differentiable`` a gradient of a loss linear in the output came back without a graph,
-    so a gradient penalty trained on the first-order gradient alone, silently (the custom
-    operators raise PyTorch's "no autograd formula" error there)."""
+    so a gradient penalty trained on the first-order gradient alone, silently; on the custom
+    operators' eager backward it names the cause, where PyTorch's "no autograd formula" error
+    came only when the first gradient was differentiated. Not while a compiler traces the
+    backward (its graph, not grad mode, decides there)."""
     @functools.wraps(backward)
     def checked(ctx: Any, *grads: Any) -> Any:
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             raise RuntimeError(
                 "second-order gradients (create_graph=True) are not supported by the protected "
                 "attention and linear layers: their backward is not differentiable")

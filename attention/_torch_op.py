@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from attention._torch_arrays import first_order
 from attention._torch_state import registered, saved_state, token_of
 
 
@@ -128,4 +129,4 @@ def _backward(ctx: Any, dy: torch.Tensor, d_weights: Any, d_token: Any) -> tuple
             None, None, None)
 
 
-mha_forward.register_autograd(_backward, setup_context=_setup_context)
+mha_forward.register_autograd(first_order(_backward), setup_context=_setup_context)

@@ -226,6 +226,10 @@ def _check_projection(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value "
                          f"{tuple(value.shape)} must be (N, L, E), (N, S, E), (N, S, E)")
     e = query.shape[2]
+    if out_w.dim() == 2 and out_w.shape[1] != e:  # the module's embedding dimension
+        raise ValueError(f"query's embedding dimension is {e}, the weights' "
+                         f"{out_w.shape[1]} (out_proj_weight {tuple(out_w.shape)}): the inputs "
+                         f"must be (N, L, {out_w.shape[1]})")
     if key.shape[0] != query.shape[0] or key.shape[2] != e:
         raise ValueError(f"key {tuple(key.shape)} must be (N, S, E) with query's N and E "
                          f"{(query.shape[0], e)}")

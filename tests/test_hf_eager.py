@@ -48,16 +48,21 @@ def test_eager_only_on_plain_tensors():
 @pytest.mark.parametrize("loss", ["quadratic", "linear"])
 def test_eager_backward_refuses_create_graph(loss):
     """``create_graph=True`` through the eager paths raises at once, naming it, for the linear
-    layer and the attention core: with a loss linear in the output, the gradient came back
-    without a graph, and a gradient penalty trained on the first-order gradient alone."""
+    layer, the attention core and the multi-head module: with a loss linear in the output, the
+    gradient came back without a graph, and a gradient penalty trained on the first-order
+    gradient alone (the module raised PyTorch's "no autograd formula" error, and only when the
+    first gradient was differentiated)."""
+    from attention.torch import MultiheadAttention
     from attention.torch_functional import Protection, attention_core
 
     x = torch.randn(4, 6, requires_grad=True)
     w, b = torch.randn(3, 6, requires_grad=True), torch.randn(3, requires_grad=True)
     q = torch.randn(1, 2, 3, 4, requires_grad=True)
+    e = torch.randn(2, 3, 8, requires_grad=True)
     outputs = (ProtectedLinearCore()(x, w, b, weight_in_out=False),
-               attention_core(q, q, q, protection=Protection())[0])
-    for y, wrt in zip(outputs, (x, q)):
+               attention_core(q, q, q, protection=Protection())[0],
+               MultiheadAttention(8, 2, batch_first=True)(e, e, e)[0])
+    for y, wrt in zip(outputs, (x, q, e)):
         value = y.pow(2).sum() if loss == "quadratic" else y.sum()
         with pytest.raises(RuntimeError, match="second-order gradients"):
             torch.autograd.grad(value, wrt, create_graph=True)

@@ -462,6 +462,10 @@ def test_bad_inputs_raise_clearly():
         mine(x[0, 0], x[0, 0], x[0, 0])
     with pytest.raises(ValueError, match="key must be 3-D"):
         mine(x, x[0], x[0])
+    narrow = x[..., :E // 2]  # the weights were blamed: "in_proj_weight ... must be ..."
+    with pytest.raises(ValueError, match=f"query's embedding dimension is {E // 2}, the weights' "
+                       f"{E}"):
+        mine(narrow, narrow, narrow)
     nested = torch.nested.nested_tensor([torch.randn(L, E), torch.randn(L - 1, E)])
     with pytest.raises(ValueError, match="nested tensor.*use_nested_tensor"):
         mine(nested, nested, nested)
