@@ -524,11 +524,17 @@ def settle_all(plans: list[ProtectedMatmul]) -> list[Report]:
     ------
     ValueError
         A plan is listed twice (nothing is settled).
+    TypeError
+        Something listed is not a :class:`ProtectedMatmul` (nothing is settled).
     UncorrectableError
         As :meth:`ProtectedMatmul.settle`: the first plan's that raised, once every plan is
         settled (none is left pending); its ``report`` holds every plan's findings, in order
         (the repairs of the plans that delivered among them).
     """
+    plans = list(plans)
+    wrong = [type(p).__name__ for p in plans if not isinstance(p, ProtectedMatmul)]
+    if wrong:
+        raise TypeError(f"settle_all takes ProtectedMatmul plans, got {', '.join(wrong)}")
     if len({id(p) for p in plans}) != len(plans):
         raise ValueError("settle_all: a plan is listed twice")
     for plan in plans:

@@ -41,6 +41,12 @@ class Context:
     def __post_init__(self) -> None:
         if self.check not in CHECK_MODES:
             raise ValueError(f"check must be one of {CHECK_MODES}, got {self.check!r}")
+        if self.fault_hook is not None and not callable(self.fault_hook):
+            raise TypeError(f"fault_hook must be callable (site, c), got "
+                            f"{type(self.fault_hook).__name__}")
+        if not isinstance(self.plan, CheckingPlan):
+            raise TypeError(f"plan must be an attention.CheckingPlan, got "
+                            f"{type(self.plan).__name__}")
 
     def mode(self, site: str) -> str:
         """The check mode of this call of ``site`` (advances the plan's counter)."""

@@ -178,6 +178,10 @@ def attention_backward(saved: dict[str, Any], dy: Any, ctx: Context, *,
         Same keys and shapes as ``params`` (the arrays of ``grads_out`` where given); after a
         forward with ``mask_grad=True`` also ``"attn_mask"``, float64 of the mask's shape.
     """
+    if not isinstance(saved, dict) or not isinstance(saved.get("inputs"), _Inputs):
+        raise TypeError("saved must be the dict attention_forward returned (the layer's cache), "
+                        f"got {type(saved).__name__}" + (
+                            f" with keys {sorted(saved)[:8]}" if isinstance(saved, dict) else ""))
     inp: _Inputs = saved["inputs"]
     if dy.shape != inp.x.shape or dy.dtype != inp.dtype:
         raise ValueError(f"dy must have shape {inp.x.shape} and dtype {inp.dtype}, "

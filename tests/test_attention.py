@@ -291,6 +291,13 @@ def test_bad_input_raises_clearly(xp):
         layer.forward(x, xp.ones(x.shape[:2], dtype=np.int32))
     with pytest.raises(TypeError, match="supports"):
         MultiHeadAttention(8, 2, dtype="int32", xp=xp)
+    # these failed deep in the pass: "'int' object is not callable", KeyError: 'inputs'
+    with pytest.raises(TypeError, match="fault_hook must be callable"):
+        layer.forward(x, fault_hook=3)
+    with pytest.raises(TypeError, match="saved must be the dict attention_forward returned"):
+        layer.backward(dy, {})
+    _, cache = layer.forward(x)
+    layer.backward(dy, cache)  # the layer goes on
 
 
 @pytest.mark.parametrize("xp", BACKENDS)

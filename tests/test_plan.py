@@ -632,6 +632,8 @@ def test_settle_all_settles_every_plan_and_waits_on_every_backend(xp, monkeypatc
         p.execute(a, b)
     with pytest.raises(ValueError, match="listed twice"):
         settle_all([plans[0], plans[0]])
+    with pytest.raises(TypeError, match="takes ProtectedMatmul plans, got int"):
+        settle_all([plans[0], 1])  # an AttributeError before, after settling had begun
     repair = plan_module.protect
 
     def failing(be, op, c, check, name, report, *rest):
