@@ -29,9 +29,9 @@ keys outnumber the window.
 Differences from ``"eager"``: a loss on the returned attention weights raises
 ``NotImplementedError`` (their gradient is not propagated); a query row whose keys are all
 masked gets probabilities 0 (eager: uniform over the masked keys); the dropout mask
-is drawn with PyTorch's generator but not from the same stream as eager's (on the CPU, in float32
-and float64, the seed of the fused core's keep decisions, :mod:`attention.dropout_hash`, so that
-the product runs on the fused core). T5's position bias is added to the scores, and trained
+is drawn with PyTorch's generator but not from the same stream as eager's (on the CPU the seed
+of the fused core's keep decisions, :mod:`attention.dropout_hash`, so that the product runs on the
+fused core). T5's position bias is added to the scores, and trained
 through the core's checked ``dS``. Attention sinks (gpt-oss's ``s_aux``: a learned logit per
 head in every query's softmax) join the product as one more key (:mod:`attention.sinks`), and
 are trained through the core's checked ``dK``. Refused with a clear error: head masks, Gemma

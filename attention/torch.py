@@ -70,8 +70,8 @@ device, dtype
     core : {"auto", "fused", "unfused"}
         The attention product between the projections (:func:`attention.attention_forward`'s
         ``core``): ``"auto"`` runs the fused core (:mod:`attention.fused`) where it applies
-        (CPU, any float dtype, 16-bit ones without dropout, ``need_weights=False``, no mask
-        that wants its gradient, no fault hook, every call checked), else the unfused sites;
+        (CPU, any float dtype, dropout included, ``need_weights=False``, no mask that wants
+        its gradient, no fault hook, every call checked), else the unfused sites;
         the others force one.
 
     Attributes

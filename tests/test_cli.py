@@ -250,3 +250,13 @@ def test_kind_minus_inf_is_a_value_not_a_flag() -> None:
     assert tuple(args.kinds) == ("-inf",)
     with pytest.raises(SystemExit):  # other words with a dash stay flags
         cli.build_parser().parse_args(["campaign", "--kinds", "-nan"])
+
+
+def test_sizes_past_memory_one_line_exit_2(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A size NumPy cannot allocate ended in a MemoryError traceback, exit 1."""
+    code = main(["campaign", "--backend", "numpy", "--out", str(tmp_path / "out"),
+                 "--no-progress", "--seq", "100000000000"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("abft campaign: error: not enough memory for these sizes")

@@ -126,7 +126,8 @@ class _BadFlags(ValueError):
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``abft`` and ``python -m attention``; returns the exit status.
 
-    Bad flags or values print one line on stderr and return 2.
+    Bad flags or values, and sizes past the machine's memory, print one line on stderr and
+    return 2.
     """
     args = build_parser().parse_args(argv)
     if args.backend is None:
@@ -140,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         return command[args.command](args)
     except _BadFlags as exc:
         print(f"abft {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except MemoryError as exc:  # sizes past this machine's memory (NumPy says how much)
+        print(f"abft {args.command}: error: not enough memory for these sizes ({exc}); "
+              "choose smaller ones", file=sys.stderr)
         return 2
 
 
