@@ -613,9 +613,20 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
                 const A lr = sh.l[r];
                 // a row without a visible key (m = -inf) is 0, whatever a fault made l
                 const bool sees = lr > zero && sh.m[r] > neg_inf(zero);
-                const A x = sees ? acc[e] / lr : zero;
-                if (check && ws_o) wo[r * d + c] = x;
-                ob[r * d + c] = narrow<T>(x);
+                ob[r * d + c] = narrow<T>(sees ? acc[e] / lr : zero);
+            }
+        }
+        // 16-bit data: the same values unrounded into ws_o, in a loop of their own (stored in the
+        // loop above, they made ptxas spill 876 bytes)
+        if (sizeof(T) < sizeof(A) && check && ws_o) {
+#pragma unroll
+            for (int e = 0; e < FPER; ++e) {
+                const int idx = tid + e * FNT, r = idx / d, c = idx % d;
+                if (r < rows) {
+                    const A lr = sh.l[r];
+                    const bool sees = lr > zero && sh.m[r] > neg_inf(zero);
+                    wo[r * d + c] = sees ? acc[e] / lr : zero;
+                }
             }
         }
         if (tid < rows) {
