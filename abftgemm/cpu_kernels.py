@@ -240,7 +240,7 @@ def as_float32(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     Without ``out`` a non-contiguous ``x`` is copied first; with it (a plan's workspace, which
     must not allocate) it is converted in place by NumPy.
     """
-    if x.dtype.itemsize != 2 or x.dtype.kind != "f" and x.dtype.name != "bfloat16":
+    if x.dtype.itemsize != 2 or (x.dtype.kind != "f" and x.dtype.name != "bfloat16"):
         raise TypeError(f"as_float32 converts 16-bit floats, not {x.dtype}")
     if out is not None and (out.shape != x.shape or out.dtype != np.float32):
         raise ValueError(f"as_float32: out is {out.dtype} {out.shape}, not float32 {x.shape}")
