@@ -523,7 +523,7 @@ def _dscores_ratio(ds: Any, p: Any, dp: Any, dd: Any, keep: Any, ks: Any, tol: A
         r1 = r2 = v = s = sw = pg = 0.0
         for j in range(cols):
             pj = np.float64(p[r, j])
-            g = np.float64(dp[r, j] * ks) * np.float64(keep[r, j]) if drop \
+            g = (np.float64(dp[r, j] * ks) if keep[r, j] else 0.0) if drop \
                 else np.float64(dp[r, j])
             x = np.float64(ds[r, j])
             t = pj * g
@@ -655,12 +655,14 @@ def _shift_rows(z: Any, lse: Any) -> None:
 @numba.njit(cache=True, fastmath=_FAST)
 def _dscores(p: Any, dp: Any, dd: Any, keep: Any, ks: Any, ds: Any) -> None:
     """``dS = P (dP - D[:, None])`` (unscaled); with dropout (``keep`` non-empty) ``dP`` is
-    ``fl(dP' ks) keep`` of the product ``dP'``, made entry by entry, never stored."""
+    ``fl(dP' ks)`` where kept, else 0, of the product ``dP'``, made entry by entry, never
+    stored."""
     if keep.shape[0] > 0:
+        zero = like(ks, 0.0)
         for r in range(p.shape[0]):
             x = dd[r]
             for j in range(p.shape[1]):
-                g = dp[r, j] * ks * like(ks, keep[r, j])
+                g = dp[r, j] * ks if keep[r, j] else zero  # a select: INF * 0 is NaN
                 ds[r, j] = p[r, j] * (g - x)
         return
     for r in range(p.shape[0]):

@@ -316,7 +316,8 @@ def _verified(ctx: Context, checks: list[_Check], result: Any, redo: Callable[[]
             return result
         if attempt == 0:
             count_checked(ctx, tuple(site for site, _ in judging))
-        judged = [(site, ratio(result)) for site, ratio in judging]
+        with np.errstate(all="ignore"):  # extremes judged here (an INF bound), not warned of
+            judged = [(site, ratio(result)) for site, ratio in judging]
         bad = [(site, r) for site, r in judged if r[0] > 1]
         worst = max(r[0] for _, r in judged)
         if not bad:

@@ -5,6 +5,7 @@ site with dropout on, and the core choice."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -347,3 +348,28 @@ def test_dv_final_check_with_dropout_after_an_unchecked_forward_judges_rows():
         (GRAD_SITE, "recomputed", (5,))]
     for g, c in zip(grads, clean):
         assert np.array_equal(g, c)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dropped_entry_whose_scaled_gradient_overflows_is_zero(xp, dtype):
+    """A dropped entry (keep 0) whose ``dP' / (1 - p)`` overflows: ``dP`` is 0 there, as the
+    unfused core makes it; the kernels and the dS check multiplied by keep (``INF * 0``, NaN),
+    so a clean backward reported faults and raised in ``check="correct"`` (and the final
+    check's own overflow warned)."""
+    big = {np.float32: 1e37, np.float64: 1e307}[dtype]
+    q = k = np.zeros((1, 1, 4), dtype)
+    v, do = np.ones((1, 1, 4), dtype), np.full((1, 1, 4), big, dtype)
+    p = 0.99
+    seed = next(s for s in range(1000) if not keep_mask(s, p, (1, 1, 1))[0, 0, 0])
+    for check in ("detect", "correct"):
+        ctx = Context(check=check)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out, saved = verify_output(*fused_forward(
+                *(xp.asarray(t) for t in (q, k, v)), ctx, dropout=p, dropout_seed=seed), ctx)
+            grads = verify_grads(saved, xp.asarray(do), fused_backward(saved, xp.asarray(do),
+                                                                       ctx), ctx)
+        assert not ctx.report.events, ctx.report.summary()
+        for g in grads:
+            assert not to_host(g).any()

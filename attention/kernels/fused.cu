@@ -809,7 +809,10 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
     if (checked_step(sh.votes, rt, DS_, check, correct, rows, i0, j0, [&](int a) {
             for (int e = tid; e < rows * cols; e += FNT) {
                 const int r = e / cols, j = e % cols;
-                const A g = drop ? sh.dp[r][j] * ks * static_cast<A>(sh.keep[r][j]) : sh.dp[r][j];
+                // a select, not a product with keep: dP' ks may overflow, and INF * 0 is NaN
+                const A g = !drop           ? sh.dp[r][j]
+                            : sh.keep[r][j] ? sh.dp[r][j] * ks
+                                            : static_cast<A>(0);
                 const A x = sh.p[r][j] * (g - ddh[i0 + r]);
                 sh.s[r][j] = inject(f, DS_, b, i0 + r, j0 + j, 0, a == 0 && first, x);
             }
@@ -819,9 +822,8 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
             double gabs = 0.0;
             for (int j = 0; j < cols; ++j) {
                 const double pj = to_double(sh.p[r][j]);
-                const double g = drop ? to_double(sh.dp[r][j] * ks) *
-                                            static_cast<double>(sh.keep[r][j])
-                                      : to_double(sh.dp[r][j]);
+                const double g = !drop ? to_double(sh.dp[r][j])
+                                 : sh.keep[r][j] ? to_double(sh.dp[r][j] * ks) : 0.0;
                 const double x = to_double(sh.s[r][j]);
                 r1 += pj * g;
                 r2 += pj;
