@@ -20,10 +20,14 @@ from abftgemm.encode import observe, predict
 from abftgemm.locate import Verdict, diagnose, verify
 from abftgemm.nonfinite import settle_unverifiable
 from abftgemm.operands import Operands
-from abftgemm.repair import repair_batch
+from abftgemm.repair import repair_batch, rounding_only
 from abftgemm.report import Report, announce
 
 _LEFT = "nothing: left in place (check='detect')"
+_ROUNDING = ("nothing: the product computed again is the same, and every element of its flagged "
+             "vectors within its rigorous rounding bound of the exact product (float64): its "
+             "rounding, one-sided beyond the threshold's statistical accumulation term, not a "
+             "fault")
 
 
 def protect(be: Backend, op: Operands, out: Any, check: str, name: str, report: Report,
@@ -49,7 +53,10 @@ def settle(be: Backend, op: Operands, out: Any, verdict: Verdict, check: str, na
     with np.errstate(all="ignore"):  # non-finite data is judged and reported, not warned about
         for b in ([] if verdict.clean else verdict.flagged_batches()):
             if check == "detect":
-                report.events.append(diagnose(verdict, b).event(name, b, "reported", _LEFT))
+                rounding = rounding_only(be, op, out, b, verdict)
+                report.events.append(diagnose(verdict, b).event(
+                    name, b, "passed-through" if rounding else "reported",
+                    _ROUNDING if rounding else _LEFT, pattern="rounding" if rounding else None))
                 continue
             repair_batch(be, op, out, b, verdict, name, report)
             repaired.append(b)

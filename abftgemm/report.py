@@ -7,9 +7,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
-Pattern = Literal["0D", "1R", "1C", "2D", "checksum", "input-nonfinite", "overflow"]
-#: Findings that are not faults: the output is legitimately non-finite and is delivered as is.
-PASSED_THROUGH = ("input-nonfinite", "overflow")
+Pattern = Literal["0D", "1R", "1C", "2D", "checksum", "input-nonfinite", "overflow", "rounding"]
+#: Findings that are not faults: the output is legitimately non-finite, or its rounding exceeds
+#: the checksum threshold's statistical term within its rigorous bound, and is delivered as is.
+PASSED_THROUGH = ("input-nonfinite", "overflow", "rounding")
 Action = Literal["corrected", "recomputed", "checksum-recomputed", "reported", "passed-through"]
 
 

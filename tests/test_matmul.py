@@ -409,3 +409,64 @@ def test_row_verification_by_the_consumer_repairs_the_product(xp, pattern, expec
         assert [e.pattern for e in report.events] == [expected]
     with pytest.raises(ValueError, match="no bias"):
         abftgemm.ProtectedMatmul(a, b, bias=b[0, 0], directions="rows by consumer")
+
+
+def _one_sided_rounding(kind: str, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Clean operands whose accumulation rounds every addend away in one direction: rows of
+    ``[1, u, ..., u]`` against ones (each ``u``, half an ulp of the partial sum 1, lost to ties
+    to even), or ``[1, u, ..., u, -1]``, whose float32 sum is 0 where the exact one is ``(k -
+    2) u``. The checksum threshold's accumulation term is statistical (``sqrt(k)``); these
+    reach about ``k / (16 sqrt(k))`` of it."""
+    dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": bfloat16}[kind]
+    a = np.full((4, k), 2.0 ** -12)
+    b = np.full((k, 4), 2.0 ** -12)
+    a[:, 0], b[0] = 1.0, 1.0
+    if kind != "float32":  # 16-bit data, float32 accumulation: the cancelling form
+        a[:, -1], b[-1] = -1.0, 1.0
+    if kind == "float16":  # above float16's underflow floor in the threshold: products 2**15
+        a, b = a * 2.0 ** 7, b * 2.0 ** 8
+    return a.astype(dtype), b.astype(dtype)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("kind,k", [("float32", 256), ("float16", 320), ("bfloat16", 320)])
+def test_clean_product_with_one_sided_rounding_is_not_a_fault(xp, kind, k):
+    """Clean data that the checksums flag (rounding one-sided beyond their statistical term):
+    ``check="correct"`` raised ``UncorrectableError`` (the recomputation repeats the rounding),
+    ``"detect"`` warned. Every element lies within its rigorous rounding bound of the exact
+    product, and the product is the same computed again: delivered as ``numpy.matmul`` gives
+    it, with a ``"rounding"`` finding that is not a fault (no warning, ``detected`` False)."""
+    import warnings
+
+    a, b = _one_sided_rounding(kind, k)
+    ga, gb = xp.asarray(a), xp.asarray(b)
+    flagged = False
+    for check in ("correct", "detect"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            c, report = abftgemm.matmul(ga, gb, check=check, return_report=True)
+        assert not report.detected, report.summary()
+        assert all(e.pattern == "rounding" and e.action == "passed-through"
+                   for e in report.events), report.summary()
+        flagged |= bool(report.events)
+        np.testing.assert_array_equal(to_host(c), to_host(xp.matmul(ga, gb)))
+    assert flagged  # the data does reach past the statistical term
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_a_fault_repeated_by_every_recomputation_still_raises_on_such_data(xp, monkeypatch):
+    """The rounding test does not pass a product that a fault keeps wrong: a GEMM that adds 1e-3
+    to one element on every call (far beyond that element's rounding bound, within what these
+    checksums allow)."""
+    a, b = _one_sided_rounding("float32", 256)
+    ga, gb = xp.asarray(a), xp.asarray(b)
+    be = abftgemm.backend.get_backend(xp)
+    gemm = be.gemm
+
+    def faulty(x, y, out, *args, **kwargs):
+        gemm(x, y, out, *args, **kwargs)
+        out[..., 1, 2] += 1e-3
+
+    monkeypatch.setattr(be, "gemm", faulty)
+    with pytest.raises(abftgemm.UncorrectableError):
+        abftgemm.matmul(ga, gb, check="correct")
