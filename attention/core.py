@@ -121,13 +121,20 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
         why_not = fused_unsupported(inp, ctx, dropout_keep, forced=core == "fused")
         if why_not is None:
             _, drop = for_core(np, dropout, None, dropout_seed, shape, rng, fused=True)
-            out, saved = verify_output(*fused_forward(
+            p, seed = drop or (0.0, None)
+            before = len(ctx.report.events)
+            out, saved = fused_forward(
                 q, k, v, ctx, scale=inp.scale, causal=inp.causal, attn_mask=inp.attn_add,
-                key_visible=inp.key_visible, dropout=drop[0] if drop else 0.0,
-                dropout_seed=drop[1] if drop else None,
-                workspace=workspace), ctx)
-            return out, {"inputs": inp, "core": "fused", "fused": saved, "probs": None,
-                         "probs_dropped": None}
+                key_visible=inp.key_visible, dropout=p, dropout_seed=seed, workspace=workspace)
+            if not overflowed(ctx.report, before, (out,)):
+                out, saved = verify_output(out, saved, ctx)
+                return out, {"inputs": inp, "core": "fused", "fused": saved, "probs": None,
+                             "probs_dropped": None}
+            # an output past the data's dtype (float16): the unfused core passes a genuine
+            # overflow through and tells it from a fault, on the same dropout decisions
+            return core_forward(q, k, v, ctx, scale=inp.scale, causal=causal,
+                                attn_mask=attn_mask, key_visible=key_visible, dropout=p,
+                                dropout_seed=seed, workspace=workspace, core="unfused")
         if core == "fused":
             raise ValueError(f"the fused attention core does not apply here: {why_not}")
     inp.dropout, _ = for_core(inp.xp, dropout, dropout_keep, dropout_seed, shape, rng,

@@ -432,7 +432,8 @@ class _Pass:
     def fused_core(self, step: Step) -> None:
         """The fused core (:mod:`attention.fused`): ``context_h`` and the rows' log-sum-exp
         ``lse``, every tile checked (its own sites; its findings go to this pass's report).
-        ``core="auto"`` on non-finite Q, K or V: the unfused core's steps instead (``lse`` None)."""
+        ``core="auto"`` on non-finite Q, K or V, or an output past the data's dtype: the unfused
+        core's steps instead (``lse`` None)."""
         inp, (q, k, v) = self.inp, (self.env[n] for n in step.ins)
         if (inp.core == "auto" or not self.per_site) and not self._defers() \
                 and finite_reason(q=q, k=k, v=v) is not None:
@@ -449,9 +450,17 @@ class _Pass:
         if visible is not None:  # (batch, seq_k) -> (batch * heads, seq_k)
             visible = inp.xp.repeat(visible, inp.n_heads, axis=0)
         p, seed = inp.fused_dropout or (0.0, None)
-        out, state = fused_forward(q, k, v, self._fused_context(), scale=inp.scale,
+        ctx = self._fused_context()
+        before = len(ctx.report.events)
+        out, state = fused_forward(q, k, v, ctx, scale=inp.scale,
                                    causal=inp.causal, key_visible=visible, attn_mask=inp.attn_add,
                                    dropout=p, dropout_seed=seed, workspace=self.ws, defer=defer)
+        if defer is None and inp.core == "auto" and overflowed(ctx.report, before, (out,)):
+            # an output past the data's dtype (float16): the unfused steps pass a genuine
+            # overflow through and tell it from a fault
+            self.env["lse"] = None
+            self.run(steps(CORE_FORWARD, self._unfused_variant()))
+            return
         self.env.update(zip(step.out.split(", "), (out, state["lse"])))
         inp.fused = {n: state[n] for n in ("scale", "causal", "visible", "add", "dropout",
                                            "lse_lo", "sums")}

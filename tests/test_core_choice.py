@@ -231,3 +231,35 @@ def test_torch_module_says_which_core_ran():
     assert forced.last_core == "unfused"
     with pytest.raises(ValueError, match="core must be one of"):
         ProtectedCore(core="flash")
+
+
+def test_float16_output_overflow_passes_through_as_on_the_unfused_core():
+    """A genuine float16 overflow of the output (``V = 65504``, kept and scaled by ``1 / (1 -
+    p)``): the fused core's final check could not tell it from a fault and raised
+    (``check="correct"``) or warned (``"detect"``); ``core="auto"`` now runs the unfused core,
+    which passes it through as plain math gives it, in ``attention.core`` and in the layer."""
+    import warnings
+
+    from attention import MultiHeadAttention
+    from attention.dropout_hash import keep_mask
+
+    p = 0.01
+    seed = next(s for s in range(100) if keep_mask(s, p, (1, 1, 1))[0, 0, 0])
+    q = k = np.zeros((1, 1, 1), np.float16)
+    v = np.full((1, 1, 1), 65504, np.float16)
+    layer = MultiHeadAttention(2, 1, dtype="float16", causal=False)
+    for name in layer.params:
+        layer.params[name][...] = 0
+    layer.params["wv"][0] = 65504
+    layer.params["wo"][...] = np.eye(2, dtype=np.float16)
+    for check in ("detect", "correct"):
+        ctx = Context(check=check)
+        layer.check = check
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out, saved = core_forward(q, k, v, ctx, dropout=p, dropout_seed=seed)
+            y, cache = layer.forward(np.array([[[1, 0]]], np.float16), dropout=p,
+                                     dropout_seed=seed)
+        assert saved["core"] == cache["core"] == "unfused"
+        assert np.isposinf(out).all() and not np.isfinite(y).any()
+        assert not ctx.report.detected and not layer.last_report.detected
