@@ -111,7 +111,12 @@ dtype, float64 checksums):
   queries summed over, vectors of length ``d``): the same coefficients for ``K``, plus ``R u``
   times ``S`` for the ``R`` roundings the tiling adds to every element (one addition of a tile's
   partial sum per tile; forward also one rescaling by ``alpha`` per tile: ``R = 2 T``, ``T``
-  tiles), and ``R`` more factors ``(1 + u)`` in the magnitude bound. The division by ``l`` is an
+  tiles), and ``R`` more factors ``(1 + u)`` in the magnitude bound. The statistical
+  ``KAPPA sqrt(K) u`` is raised to at least ``1.01 B u``, ``B`` the tile products' inner length
+  (at most 128): within one BLAS tile product rounding can be one-sided (one dominant key, the
+  others' probabilities near ``u``: every addend lost to ties to even), rigorously below
+  ``gamma_B``, which for ``K`` under about 256 exceeds the statistical term (a clean row at
+  ``K = 128`` reached 1.36 of it). The division by ``l`` is an
   output rounding (the ``c_obs`` term); ``oc`` is divided by the same ``l``;
 - ``rowsum``: ``l`` is a sum of positive terms, so ``S = sum P`` and the same rule applies with
   ``K`` = the keys, ``R = 2 T``;
@@ -247,7 +252,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     groups = (K.ForwardOperands(qw, kw, _transposed(kernels, kw, workspace, "k"), vw, ve),
               K.Mask(visible, add, dt.type(scale), causal),
               K.ForwardRules(check, correct, coefficients(d, K.BR, dt),
-                             coefficients(lk, d, dt, 2 * tiles),
+                             coefficients(lk, d, dt, 2 * tiles, min(lk, K.BC)),
                              coefficients(lk, 1, dt, 2 * tiles), probs_tolerance(dt)),
               K.Dropout(*kernel_dropout(drop, dt)), K.ForwardOutputs(out, lse, lse_lo, sums))
     with one_blas_thread():
@@ -299,8 +304,9 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
     groups = (K.BackwardOperands(q, k, v, d_out, out, lse, saved["lse_lo"]),
               K.Mask(saved["visible"], saved["add"], dt.type(saved["scale"]), saved["causal"]),
               K.BackwardRules(check, correct, coefficients(d, K.BC, dt),
-                              coefficients(lq, d, dt, -(-lq // K.BR)),
-                              coefficients(lk, d, dt, -(-lk // K.BC)), probs_tolerance(dt),
+                              coefficients(lq, d, dt, -(-lq // K.BR), min(lq, K.BR)),
+                              coefficients(lk, d, dt, -(-lk // K.BC), min(lk, K.BC)),
+                              probs_tolerance(dt),
                               dscores_tolerance(dt)),
               K.Dropout(*kernel_dropout(saved.get("dropout"), dt)),
               K.Gradients(dq, dk, dv, dqc, kvc))

@@ -386,7 +386,7 @@ def _output_coefficients(out: Any, saved: dict[str, Any]) -> np.ndarray:
     roundings per key tile), and the rounding to a 16-bit dtype."""
     lk = saved["k"].shape[1]
     _, bc = _tiles(out)
-    return _rows_coefficients(out, lk, 2 * -(-lk // bc), scaled=False)
+    return _rows_coefficients(out, lk, 2 * -(-lk // bc), min(lk, bc), scaled=False)
 
 
 def _grad_coefficients(g: Any, saved: dict[str, Any], rows: slice) -> np.ndarray:
@@ -396,21 +396,23 @@ def _grad_coefficients(g: Any, saved: dict[str, Any], rows: slice) -> np.ndarray
     lq = saved["q"].shape[1]
     br, _ = _tiles(g)
     scaled = rows.start == 0
-    coef = _rows_coefficients(g, lq, -(-lq // br), scaled)
+    coef = _rows_coefficients(g, lq, -(-lq // br), min(lq, br), scaled)
     if scaled:  # the kernel's absolute floor, scaled with the accumulator
         coef[2] *= max(1.0, float(saved["scale"]))
     return coef
 
 
-def _rows_coefficients(x: Any, k: int, roundings: int, scaled: bool) -> np.ndarray:
+def _rows_coefficients(x: Any, k: int, roundings: int, block: int,
+                       scaled: bool) -> np.ndarray:
     """The judging coefficients (:func:`attention._cpu_fused._ratio`) of the rows of a returned
     ``x`` against its kernel's carried row checksums: the kernel's accumulator check's (``k``
-    terms summed, ``roundings`` more by the tiling), one rounding more where the kernel scaled
+    terms summed, ``roundings`` more by the tiling, tile products of inner length ``block``:
+    :func:`attention.fused_rules.coefficients`), one rounding more where the kernel scaled
     the accumulator (``scaled``), and the rounding to a 16-bit dtype (subnormals: absolute, ``u
     tiny``)."""
     d = x.shape[2]
     wt = work_dtype(x.dtype)
-    coef = coefficients(k, d, wt, roundings)
+    coef = coefficients(k, d, wt, roundings, block)
     for u_out in ([unit_roundoff(wt)] if scaled else []) + (
             [unit_roundoff(x.dtype)] if x.dtype != wt else []):
         coef[0] += 1.01 * u_out

@@ -15,7 +15,8 @@ from abftgemm.backend import astype, to_host
 from abftgemm.checksums import SUPPORTED_DTYPES, accumulation_dtype, smallest_normal, \
     unit_roundoff
 from abftgemm.report import Event, UncorrectableError, announce
-from abftgemm.thresholds import magnitude_coefficient, safe_magnitude, threshold_coefficients
+from abftgemm.thresholds import (KAPPA, magnitude_coefficient, safe_magnitude,
+                                 threshold_coefficients)
 from attention import _cpu_fused as K
 from attention._cpu_vmath import EXP_FLUSH
 from attention.context import Context
@@ -38,7 +39,8 @@ _RECOMPUTES = {"fused:S": "the S tile", "fused:P": "the P tile",
                "fused:dV_acc": "the key block's dK and dV (its query sweep)"}
 
 
-def coefficients(k: int, length: int, dtype: np.dtype, roundings: int = 0) -> np.ndarray:
+def coefficients(k: int, length: int, dtype: np.dtype, roundings: int = 0,
+                 block: int = 0) -> np.ndarray:
     """``(c_obs, c_pred, floor, c_mag, safe)`` of one checked vector (:func:`_cpu_fused._ratio`).
 
     Parameters
@@ -51,16 +53,23 @@ def coefficients(k: int, length: int, dtype: np.dtype, roundings: int = 0) -> np
         The tiles' dtype (float32 or float64: :func:`attention.fused.work_dtype`).
     roundings : int
         Roundings the tiling adds to every element (see the module docstring).
+    block : int
+        For an accumulator of BLAS tile products, their inner length: the accumulation term is
+        at least its rigorous bound ``block u`` (rounding one-sided within a tile product, as
+        with one dominant key, exceeds the statistical ``KAPPA sqrt(k) u`` where ``k`` is
+        short; 0: the statistical term alone).
     """
-    return np.array(_coefficients(k, length, np.dtype(dtype), roundings))
+    return np.array(_coefficients(k, length, np.dtype(dtype), roundings, block))
 
 
 @functools.lru_cache(maxsize=512)
-def _coefficients(k: int, length: int, dtype: np.dtype, roundings: int) -> tuple[float, ...]:
+def _coefficients(k: int, length: int, dtype: np.dtype, roundings: int,
+                  block: int) -> tuple[float, ...]:
     """:func:`coefficients` as numbers, computed once per shape (each call of the fused core
     takes seven)."""
     c_obs, c_pred, floor, _ = threshold_coefficients(k, length, dtype)
     u = unit_roundoff(accumulation_dtype(dtype))
+    c_pred += max(0.0, 1.01 * block * u - KAPPA * u * math.sqrt(max(k, 1)))
     return (c_obs, c_pred + roundings * u, floor,
             magnitude_coefficient(k + roundings, length, dtype),
             safe_magnitude(k + roundings, dtype))

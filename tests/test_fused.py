@@ -430,3 +430,30 @@ def test_a_fault_in_the_sum_of_a_row_that_sees_no_key_changes_nothing():
     assert hit
     for g, c in zip(got, clean):
         assert np.array_equal(g, c)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("length", [128, 200])
+def test_one_dominant_key_is_not_flagged(dtype, length):
+    """One key dominant by a logit gap of 16.64 (the others' probabilities about ``2**-24``)
+    and ``V`` all ones: the ``P V`` tile product loses every small addend (ties to even), an
+    error near ``127 u`` per element, over the statistical ``KAPPA sqrt(L) u`` at short ``L``:
+    ``fused:O_acc`` and ``fused:out`` flagged a clean call (1.36 of their thresholds) and
+    ``check="correct"`` raised. The accumulators' threshold is at least the tile product's
+    rigorous bound."""
+    import warnings
+
+    from attention.fused_final import verify_grads, verify_output
+
+    d = 16
+    q = np.ones((1, length, d), dtype)
+    k = np.zeros((1, length, d), dtype)
+    k[0, 0, :] = 16.6355 / d
+    v = do = np.ones((1, length, d), dtype)
+    for check in ("detect", "correct"):
+        ctx = Context(check=check)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out, saved = verify_output(*fused_forward(q, k, v, ctx, scale=1.0), ctx)
+            verify_grads(saved, do, fused_backward(saved, do, ctx), ctx)
+        assert not ctx.report.events, ctx.report.summary()
