@@ -74,11 +74,19 @@ def name_for(model: Any) -> str:
     return NAME if getattr(model, "_supports_sdpa", False) else EAGER_MASKS
 
 
+class TransformersCore(ProtectedCore):
+    """The :class:`ProtectedCore` of a transformers attention module. Its class lives in this
+    module so that unpickling a protected model (``torch.load`` of the whole model, a worker
+    that ``torch.multiprocessing`` spawns with it) imports this module, which registers the
+    ``"abft"`` attention the model's config names (a fresh process failed with transformers'
+    "not a valid attention implementation")."""
+
+
 def core_of(module: torch.nn.Module) -> ProtectedCore:
     """The :class:`ProtectedCore` of an attention module (made with the defaults if missing)."""
     core = module.__dict__.get("abft_core")
     if core is None:
-        core = module.abft_core = ProtectedCore()
+        core = module.abft_core = TransformersCore()
     return core
 
 

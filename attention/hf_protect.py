@@ -27,7 +27,7 @@ from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
 
 import abftgemm
 from attention._torch_arrays import eager
-from attention.hf import core_of, name_for, not_allowed, weights_wanted
+from attention.hf import TransformersCore, core_of, name_for, not_allowed, weights_wanted
 from attention.hf_linear import (check_projections, check_swappable, protect_projections,
                                  swap_class)
 from attention.torch_core import ProtectedCore
@@ -122,7 +122,7 @@ def protect_pretrained(model: nn.Module, *, check: str = "correct", projections:
         model.set_attn_implementation(name_for(model))
     modules = list(_attention_modules(model))
     for _, m in modules:
-        m.abft_core = ProtectedCore(check)
+        m.abft_core = TransformersCore(check)
     if projections:
         protect_projections(model, [name for name, _ in modules], check=check, mlp=mlp)
     left = unprotected_attention(model, [name for name, _ in modules])

@@ -442,3 +442,24 @@ def test_padding_masks_reach_the_core_as_key_visibility(family, causal, monkeypa
     window = (False, None, False)
     assert set(calls) == ({padding, window} if family == "gpt-neo" else {padding})
     assert {c.last_core for c in attention_cores(model).values()} == {"fused"}
+
+
+@pytest.mark.parametrize("projections", [True, False], ids=["projections", "attention-only"])
+def test_a_protected_model_loads_in_a_fresh_process(tmp_path, projections):
+    """``torch.save`` of a whole protected model, ``torch.load`` and a forward in a new
+    interpreter (a checkpoint of the module, a worker ``torch.multiprocessing`` spawns with it):
+    unpickling never imported :mod:`attention.hf`, which registers ``"abft"``, and the forward
+    failed with transformers' "not a valid attention implementation"."""
+    from fresh_python import run_python
+
+    torch.manual_seed(0)
+    model = protect(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, n_positions=8, vocab_size=20)), projections=projections)
+    model.eval()
+    ids = torch.randint(0, 20, (2, 8))
+    want = model(ids).logits
+    torch.save({"model": model, "ids": ids, "want": want}, tmp_path / "m.pt")
+    run_python("-c", "import torch; s = torch.load(%r, weights_only=False); "
+               "torch.testing.assert_close(s['model'](s['ids']).logits, s['want'], rtol=0, "
+               "atol=0); assert s['model'].config._attn_implementation == 'abft'"
+               % str(tmp_path / "m.pt"))
