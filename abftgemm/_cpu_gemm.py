@@ -18,7 +18,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from abftgemm.threads import numba_pool_usable, one_blas_thread, scope_pool, scope_threads
+from abftgemm.threads import (numba_pool_usable, numba_threads, one_blas_thread, scope_pool,
+                              scope_threads)
 
 #: ``m n k`` above which a product runs split over the pool: OpenBLAS threads a GEMM from
 #: ``m n k > 2^18`` on (its ``GEMM_MULTITHREAD_THRESHOLD``), so no product it would thread is
@@ -39,7 +40,7 @@ def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     if threads < 2 or m * n * k <= POOL_MIN_WORK or not _pool_takes(a, b, out):
         np.matmul(a, b, out=out)
         return
-    numba.set_num_threads(threads)
+    numba_threads(threads)
     with one_blas_thread():
         _row_blocks(a, b, out, -(-m // threads))
 

@@ -70,6 +70,8 @@ _pinned_restore: list[tuple[Any, int]] = []
 _samples: deque[int] = deque(maxlen=SAMPLES)
 _sampled_at = -1.0
 _pool_forked_away = False  # this process was forked after its parent's GNU OpenMP pool ran
+_pool_launched = False  # numba's pool started by numba_threads (PyTorch's thread count kept)
+_launch_lock = threading.Lock()
 
 
 def set_threads(n: int | None) -> None:
@@ -293,6 +295,26 @@ def _sample() -> int:
     except (OSError, ValueError, IndexError):
         return 0
     return max(0, running - own)
+
+
+def numba_threads(n: int) -> None:
+    """``numba.set_num_threads(n)`` for the library's numba kernels. The first call launches
+    numba's pool with PyTorch's own thread count kept: numba's OpenMP layer sets the process's
+    OpenMP thread count as it starts, which PyTorch reads (``torch.get_num_threads()`` went
+    from a user's 1 to numba's pool size, 8 under ``NUMBA_NUM_THREADS=8`` on 2 cores)."""
+    global _pool_launched
+    import numba
+    from numba.np.ufunc import parallel
+
+    with _launch_lock:
+        if not _pool_launched:
+            torch = sys.modules.get("torch")
+            before = torch.get_num_threads() if torch is not None else None
+            parallel._launch_threads()
+            _pool_launched = True
+            if torch is not None and torch.get_num_threads() != before:
+                torch.set_num_threads(before)
+    numba.set_num_threads(n)
 
 
 def numba_pool_usable() -> bool:

@@ -143,7 +143,7 @@ import numpy as np
 from abftgemm.backend import is_cupy_array
 from abftgemm.checksums import SUPPORTED_DTYPES
 from abftgemm.cpu_kernels import all_finite
-from abftgemm.threads import current_policy, numba_pool_usable, one_blas_thread
+from abftgemm.threads import current_policy, numba_pool_usable, numba_threads, one_blas_thread
 from attention import _cpu_fused as K
 from attention.context import Context
 from attention.fused_deferred import Deferred
@@ -393,7 +393,7 @@ def _kernels() -> Any:
     (:func:`abftgemm.threads.numba_pool_usable`)."""
     if not numba_pool_usable():
         return K.SERIAL
-    numba.set_num_threads(min(current_policy(), numba.config.NUMBA_NUM_THREADS))
+    numba_threads(min(current_policy(), numba.config.NUMBA_NUM_THREADS))
     return K
 
 

@@ -189,3 +189,17 @@ def test_the_policy_holds_in_a_thread_other_than_the_first_to_set_it(fixed):
         worker.join()
         assert seen == [[1, 1]]
         assert blas_threads() == 2
+
+
+def test_numba_pool_launch_keeps_pytorchs_thread_count():
+    """numba's OpenMP pool, as it starts, set the process's OpenMP thread count, which PyTorch
+    reads: a user's ``torch.set_num_threads(1)`` became numba's pool size after the first
+    fused-core call (8 under ``NUMBA_NUM_THREADS=8`` on 2 cores). In a new process, since the
+    pool starts once."""
+    pytest.importorskip("torch")
+    run_python("-c", "import os; os.environ['NUMBA_NUM_THREADS'] = '4'; import torch; "
+               "torch.set_num_threads(1); assert torch.get_num_threads() == 1; "
+               "from attention.torch import MultiheadAttention; "
+               "m = MultiheadAttention(64, 4, batch_first=True); x = torch.randn(2, 384, 64); "
+               "m(x, x, x, need_weights=False); assert m.last_core == 'fused', m.last_core; "
+               "assert torch.get_num_threads() == 1, torch.get_num_threads()")
