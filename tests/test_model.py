@@ -152,3 +152,29 @@ def test_no_plan_is_made_after_the_first_training_step(xp) -> None:
     assert all(made[0]) and made[1] == made[2] == made[0], made
     # one plan per distinct product: 2 blocks run each MLP site, 15 products on 9 plans
     assert made[0][0] == len(MLP_SITES) + 3, made
+
+
+def test_training_warm_up_runs_each_scheduled_fault_kind_in_both_modes(tmp_path, monkeypatch):
+    """``abft train`` timed its runs after one clean warm-up step per mode: the paths a fault
+    takes compiled inside the timed runs, and a cold numba cache (a fresh clone) made a
+    protected run of 0.3 s take 20. The warm-up also runs each (kind, site) of the schedule,
+    unprotected and protected."""
+    from attention.experiments import train as train_module
+
+    seen = []
+    grads = train_module._Trainer.grads
+
+    def spy(self, step, check, fault, result):
+        if result.name == "warm-up":
+            seen.append((check, None if fault is None else (fault.kind, fault.site)))
+        return grads(self, step, check, fault, result)
+
+    monkeypatch.setattr(train_module._Trainer, "grads", spy)
+    config = train_module.TrainConfig(steps=12, batch=2, seq=8, d_model=16, n_heads=2,
+                                      n_layers=1, d_ff=16, fault_rate=0.5, checkpoint_every=4,
+                                      corpus_chars=200)
+    summary = train_module.train(config, np, tmp_path, progress=False)
+    kinds = {(f["kind"], f["site"]) for f in summary["schedule"]}
+    assert kinds
+    for check in ("off", "correct"):
+        assert {f for c, f in seen if c == check} == kinds | {None}

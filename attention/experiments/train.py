@@ -419,7 +419,7 @@ def train(config: TrainConfig, xp: Any, out: Path, progress: bool = True) -> dic
     else:
         schedule = fault_schedule(config, tuple(_trainer(config, data, len(chars), xp).sites()),
                                   layers=1)
-    _warm_up(config, data, len(chars), xp)
+    _warm_up(config, data, len(chars), xp, schedule)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # faults overflow
         runs = _all_runs(config, data, len(chars), xp, schedule, out, progress)
     reference = runs["fault_free"].losses
@@ -460,11 +460,18 @@ def _trainer(config: TrainConfig, data: np.ndarray, vocab: int, xp: Any) -> Any:
     return HFTrainer(config, data, vocab, "cpu" if xp is np else "cuda")
 
 
-def _warm_up(config: TrainConfig, data: np.ndarray, vocab: int, xp: Any) -> None:
-    """One step in each check mode so JIT compilation is not timed."""
+def _warm_up(config: TrainConfig, data: np.ndarray, vocab: int, xp: Any,
+             schedule: dict[int, ScheduledFault]) -> None:
+    """One step in each check mode, clean and with each kind of the schedule's faults at each
+    of its sites, so that JIT compilation is not timed: the paths a fault takes (the repair,
+    the non-finite model, a replay) compile on their first fault, which a cold cache (a fresh
+    clone) timed inside the runs (a protected run of 0.3 s took 20)."""
     trainer = _trainer(config, data, vocab, xp)
-    for check in ("off", "correct"):
-        trainer.grads(0, check, None, RunResult("warm-up", check, []))
+    kinds = {(f.kind, f.site, f.bit): f for f in schedule.values()}
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        for check in ("off", "correct"):
+            for fault in (None, *kinds.values()):
+                trainer.grads(0, check, fault, RunResult("warm-up", check, []))
 
 
 def overhead(runs: dict[str, RunResult]) -> dict[str, Any]:
