@@ -95,6 +95,8 @@ def checksums_of(x: Any, rows: bool = True) -> Checksums:
     xp = array_module(x)
     if x.ndim < 2:
         raise ValueError(f"checksums_of needs a matrix or a batch of matrices, got shape {x.shape}")
+    if not x.dtype.isnative:  # as matmul takes it: in native byte order
+        x = x.astype(x.dtype.newbyteorder("="))
     if x.dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(t) for t in SUPPORTED_DTYPES)
         raise TypeError(f"checksums_of: x has dtype {x.dtype}; abftgemm supports {names}")

@@ -32,18 +32,19 @@ re-verified product came to its thresholds.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from abftgemm.backend import Backend, to_host
+from abftgemm.checksums import smallest_normal, unit_roundoff
 from abftgemm.encode import observe, predict
 from abftgemm.locate import Diagnosis, Verdict, diagnose, verify
 from abftgemm.operands import Operands, item
 from abftgemm.report import Report, UncorrectableError
-from abftgemm.checksums import smallest_normal, unit_roundoff
-from abftgemm.thresholds import element_tolerance, growth_margin
+from abftgemm.thresholds import KAPPA, element_tolerance, growth_margin
 
 
 def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, site: str,
@@ -59,6 +60,7 @@ def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, 
             pattern="checksum"))
         return
     diagnosis = diagnose(fresh, 0)
+    first = view.copy()  # the delivered product, to tell rounding from a fault (step 5)
     if diagnosis.cells:
         rows, cols = (sorted(set(ix)) for ix in zip(*diagnosis.cells))
         held = (rows, []) if diagnosis.direction == "cols" else ([], cols)
@@ -83,9 +85,10 @@ def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, 
             "the whole product recomputed from the inputs", after), pattern="2D"))
         return
     flagged = diagnose(after, 0)
-    if _within_rounding(one, view[0], flagged.rows, flagged.cols):
-        # the recomputation verifies as the first product did: the same data, no fault in it
-        rounding = after.worst_ratio() == fresh.worst_ratio()
+    if _rounding_can_explain(one, verdict, after, b=b) and _within_rounding(
+            one, view[0], flagged.rows, flagged.cols):
+        # the first product bit for bit again: the same data, no fault was in it
+        rounding = _same_bits(one.xp, first, view)
         report.events.append(diagnosis.event(
             site, b, "passed-through" if rounding else "recomputed", _verified(
                 "the whole product recomputed from the inputs", after) + "; every element "
@@ -102,15 +105,44 @@ def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, 
 
 def rounding_only(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict) -> bool:
     """Whether batch item ``b`` of ``out``, flagged by ``verdict``, is a clean product whose
-    rounding the checksum threshold missed (``check="detect"``'s test before it reports): the
-    backend's GEMM again gives it bit for bit, and :func:`_within_rounding` holds on its
-    flagged vectors."""
+    rounding the checksum threshold missed (``check="detect"``'s test before it reports): it
+    still fails checksums derived afresh from the inputs (else a checksum was wrong: a
+    finding), by no more than rounding can reach, the backend's GEMM gives it again bit for bit
+    (a transient fault would not come back), and :func:`_within_rounding` holds on its flagged
+    vectors. A product of a caller's GEMM (``execute(gemm=...)``), which the backend's does not
+    repeat bit for bit, is never taken for rounding."""
     one = item(op, b)
-    again = one.xp.empty_like(out[b:b + 1])
+    view = out[b:b + 1]
+    fresh = _reverify(be, one, view, predict(be, one, None))
+    if fresh.clean or not _rounding_can_explain(one, verdict, fresh, b=b):
+        return False
+    again = one.xp.empty_like(view)
     be.gemm(one.a, one.b, again, one.bias)
-    diagnosis = diagnose(verdict, b)
-    return bool(one.xp.array_equal(again, out[b:b + 1])) and _within_rounding(
-        one, out[b], diagnosis.rows, diagnosis.cols)
+    diagnosis = diagnose(fresh, 0)
+    return _same_bits(one.xp, again, view) and _within_rounding(
+        one, view[0], diagnosis.rows, diagnosis.cols)
+
+
+def _rounding_can_explain(one: Operands, *verdicts: Verdict, b: int = 0) -> bool:
+    """Whether the worst ``|d| / threshold`` of batch item ``b`` of each verdict (the first
+    check's, whose predictions a handed-on encoding may have made, and one against predictions
+    derived afresh) is within what rounding can reach: the rigorous accumulation bound over the
+    threshold's statistical term, ``1.01 (k + 1) / (KAPPA sqrt(k))`` (with the output term, at
+    most 2 more)."""
+    k = max(one.k, 1)
+    reach = 1.01 * (k + 1) / (KAPPA * math.sqrt(k)) + 2
+    for i, verdict in zip((b,) + (0,) * len(verdicts), verdicts):
+        found = diagnose(verdict, i)
+        if not found.magnitude <= reach * found.threshold:  # NaN and INF fail
+            return False
+    return True
+
+
+def _same_bits(xp: Any, x: Any, y: Any) -> bool:
+    """``x`` and ``y`` bit for bit (``-0`` is not ``0``; NaNs of the same bits are the same;
+    any dtype, bfloat16 on CuPy included)."""
+    bits = np.dtype(f"u{x.dtype.itemsize}")
+    return bool(xp.array_equal(x.view(bits), y.view(bits)))
 
 
 def _within_rounding(one: Operands, c: Any, rows: Sequence[int], cols: Sequence[int]) -> bool:
@@ -121,16 +153,19 @@ def _within_rounding(one: Operands, c: Any, rows: Sequence[int], cols: Sequence[
     and the underflow floor (Higham, Lemma 3.1; :func:`growth_margin`). The checksum threshold
     takes the accumulation error as statistical (``sqrt(k)``): rounding that is one-sided
     within a BLAS block (addends of half an ulp of a partial sum, every one lost) exceeds it on
-    clean data, and a recomputation repeats it exactly. Step 5's last test, never the first:
-    a transient fault is gone after step 4's recomputation."""
+    clean data, and a recomputation repeats it exactly. An element within this bound is within
+    a clean GEMM's worst-case error: a fault that small cannot be told from rounding. With a
+    bias, ``u_out |A||B|`` more (the GEMM may round ``A B`` before adding it, as
+    :func:`abftgemm.thresholds.threshold` allows)."""
     if not rows and not cols:
         return False
     a, b = (to_host(x[0]).astype(np.float64) for x in (one.a, one.b))
     got = to_host(c).astype(np.float64)
     bias = to_host(one.bias).astype(np.float64) if one.bias is not None else np.zeros(one.n)
     k = max(one.k, 1)
-    c_acc = growth_margin(k, one.dtype) + 2.02 * (k + 1) * 2.0 ** -53
     u_out, floor = unit_roundoff(one.dtype), smallest_normal(one.dtype) * (k + 1)
+    c_acc = growth_margin(k, one.dtype) + 2.02 * (k + 1) * 2.0 ** -53 \
+        + (u_out if one.bias is not None else 0.0)
     with np.errstate(all="ignore"):  # INF and NaN fail the comparison
         for ix, x, y, g, e in ((list(rows), a[list(rows)], b, got[list(rows)], bias),
                                (list(cols), a, b[:, list(cols)], got[:, list(cols)],

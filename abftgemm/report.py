@@ -28,7 +28,10 @@ class Event:
         ``"0D"`` one element, ``"1R"`` one row, ``"1C"`` one column, ``"2D"`` anything wider,
         ``"checksum"`` the predicted checksum itself was wrong, ``"input-nonfinite"`` the inputs
         hold INF/NaN so the affected outputs are legitimately non-finite and were not checked,
-        ``"overflow"`` the exact product exceeds the dtype's range, so INF is the right answer.
+        ``"overflow"`` the exact product exceeds the dtype's range, so INF is the right answer,
+        ``"rounding"`` the checksums flagged a product whose every flagged element lies within
+        its rigorous rounding bound of the exact one, computed again bit for bit: rounding,
+        one-sided beyond the threshold's statistical term (docs/thresholds.md).
     rows, cols : tuple of int
         Output rows and columns involved (for ``input-nonfinite``: the unverifiable vectors).
     magnitude : float
@@ -87,7 +90,8 @@ class Report:
 
     @property
     def detected(self) -> bool:
-        """True when any fault (anything but non-finite inputs) was found."""
+        """True when any fault was found (anything but the findings of :data:`PASSED_THROUGH`:
+        non-finite inputs, overflow, rounding)."""
         return any(e.pattern not in PASSED_THROUGH for e in self.events)
 
     @property

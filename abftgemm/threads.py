@@ -310,7 +310,9 @@ def numba_threads(n: int) -> None:
         if not _pool_launched:
             torch = sys.modules.get("torch")
             before = torch.get_num_threads() if torch is not None else None
-            parallel._launch_threads()
+            launch = getattr(parallel, "_launch_threads", None)  # numba's, private
+            if launch is not None:
+                launch()
             _pool_launched = True
             if torch is not None and torch.get_num_threads() != before:
                 torch.set_num_threads(before)
@@ -325,7 +327,8 @@ def numba_pool_usable() -> bool:
 
 
 def _after_fork_in_child() -> None:
-    global _pool_forked_away
+    global _pool_forked_away, _launch_lock
+    _launch_lock = threading.Lock()  # a fork while another thread held it leaves it held
     parallel = sys.modules.get("numba.np.ufunc.parallel")
     if parallel is None or not parallel._is_initialized or _pool_forked_away:
         return

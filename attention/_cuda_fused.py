@@ -283,7 +283,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     if n * nqb > INT32_MAX:
         raise ValueError(f"too many query blocks for one grid: {n} x {nqb}")
     params = cupy.asarray(numpy.concatenate([
-        coefficients(d, BR, arith), coefficients(lk, d, arith, 2 * tiles),
+        coefficients(d, BR, arith, block=d), coefficients(lk, d, arith, 2 * tiles),
         coefficients(lk, 1, arith, 2 * tiles), probs_tolerance(arith)]))
     ve = _row_encodings(v) if check else None
     out = cupy.empty(q.shape, q.dtype)
@@ -326,7 +326,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
     check, correct = ctx.check != "off", ctx.check == "correct"
     nqb, nkb = cdiv(lq, BR), cdiv(lk, BC)
     params = cupy.asarray(numpy.concatenate([
-        coefficients(d, BC, arith), numpy.zeros(10), probs_tolerance(arith),
+        coefficients(d, BC, arith, block=d), numpy.zeros(10), probs_tolerance(arith),
         dscores_tolerance(arith, BC), coefficients(lq, d, arith, nqb),
         coefficients(lk, d, arith, nkb)]))
     dd = cupy.empty((n, lq), arith)

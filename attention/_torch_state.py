@@ -129,6 +129,9 @@ class Protection:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        for name in ("check", "plan"):  # a state pickled before they were properties
+            if name in state:
+                state[f"_{name}"] = state.pop(name)
         self.__dict__.update(state)
         self._local = threading.local()
         self.id = register(self)

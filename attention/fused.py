@@ -106,7 +106,8 @@ dtype, float64 checksums):
 
 - tile products (``S``, ``dP``: inner dimension ``d``, vectors of at most 64):
   :func:`abftgemm.thresholds.threshold_coefficients` ``(d, 64)`` as for any product, with the
-  magnitude bound and the safe magnitude of non-finite values;
+  magnitude bound and the safe magnitude of non-finite values, the accumulation term at least
+  its rigorous ``1.01 d u`` (below);
 - accumulated products (``O``, ``dK``, ``dV``, ``dQ``; inner dimension ``K`` = the keys or
   queries summed over, vectors of length ``d``): the same coefficients for ``K``, plus ``R u``
   times ``S`` for the ``R`` roundings the tiling adds to every element (one addition of a tile's
@@ -251,7 +252,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     status = np.zeros(n * nqb, np.int64)
     groups = (K.ForwardOperands(qw, kw, _transposed(kernels, kw, workspace, "k"), vw, ve),
               K.Mask(visible, add, dt.type(scale), causal),
-              K.ForwardRules(check, correct, coefficients(d, K.BR, dt),
+              K.ForwardRules(check, correct, coefficients(d, K.BR, dt, block=d),
                              coefficients(lk, d, dt, 2 * tiles, min(lk, K.BC)),
                              coefficients(lk, 1, dt, 2 * tiles), probs_tolerance(dt)),
               K.Dropout(*kernel_dropout(drop, dt)), K.ForwardOutputs(out, lse, lse_lo, sums))
@@ -303,7 +304,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
     status = np.zeros(n, np.int64)
     groups = (K.BackwardOperands(q, k, v, d_out, out, lse, saved["lse_lo"]),
               K.Mask(saved["visible"], saved["add"], dt.type(saved["scale"]), saved["causal"]),
-              K.BackwardRules(check, correct, coefficients(d, K.BC, dt),
+              K.BackwardRules(check, correct, coefficients(d, K.BC, dt, block=d),
                               coefficients(lq, d, dt, -(-lq // K.BR), min(lq, K.BR)),
                               coefficients(lk, d, dt, -(-lk // K.BC), min(lk, K.BC)),
                               probs_tolerance(dt),

@@ -263,3 +263,17 @@ def test_float16_output_overflow_passes_through_as_on_the_unfused_core():
         assert saved["core"] == cache["core"] == "unfused"
         assert np.isposinf(out).all() and not np.isfinite(y).any()
         assert not ctx.report.detected and not layer.last_report.detected
+
+
+def test_forced_fused_core_does_not_fall_back_on_an_output_overflow():
+    """``core="fused"`` keeps the fused core: a float16 output overflow raises there (the
+    fallback to the unfused core is ``"auto"``'s, as documented)."""
+    from abftgemm import UncorrectableError
+    from attention.dropout_hash import keep_mask
+
+    p = 0.01
+    seed = next(s for s in range(100) if keep_mask(s, p, (1, 1, 1))[0, 0, 0])
+    q = k = np.zeros((1, 1, 1), np.float16)
+    v = np.full((1, 1, 1), 65504, np.float16)
+    with pytest.raises(UncorrectableError):
+        core_forward(q, k, v, Context(), core="fused", dropout=p, dropout_seed=seed)

@@ -457,3 +457,24 @@ def test_one_dominant_key_is_not_flagged(dtype, length):
             out, saved = verify_output(*fused_forward(q, k, v, ctx, scale=1.0), ctx)
             verify_grads(saved, do, fused_backward(saved, do, ctx), ctx)
         assert not ctx.report.events, ctx.report.summary()
+
+
+def test_one_sided_rounding_in_the_score_tiles_is_not_flagged():
+    """``S = Q K^T`` of rows ``[1, 2**-12, ...]`` (head dim 128): every small product lost in
+    one direction, ``d u`` over the statistical ``KAPPA sqrt(d) u`` (1.34 of it): ``fused:S``
+    flagged a clean call and ``check="correct"`` raised. The tile products' threshold is at
+    least their rigorous bound, as the accumulators' is."""
+    import warnings
+
+    d = 128
+    row = np.full(d, 2.0 ** -12, np.float32)
+    row[0] = 1.0
+    q = k = np.tile(row, (1, 64, 1))
+    v = do = np.ones((1, 64, d), np.float32)
+    for check in ("detect", "correct"):
+        ctx = Context(check=check)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out, saved = verify_output(*fused_forward(q, k, v, ctx), ctx)
+            verify_grads(saved, do, fused_backward(saved, do, ctx), ctx)
+        assert not ctx.report.events, ctx.report.summary()

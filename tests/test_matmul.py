@@ -456,8 +456,9 @@ def test_clean_product_with_one_sided_rounding_is_not_a_fault(xp, kind, k):
 @pytest.mark.parametrize("xp", BACKENDS)
 def test_a_fault_repeated_by_every_recomputation_still_raises_on_such_data(xp, monkeypatch):
     """The rounding test does not pass a product that a fault keeps wrong: a GEMM that adds 1e-3
-    to one element on every call (far beyond that element's rounding bound, within what these
-    checksums allow)."""
+    to one element on every call (about 30 column thresholds, far beyond that element's
+    rounding bound), nor label a wrong handed-on checksum (detect mode) or a repaired transient
+    fault (correct mode) rounding."""
     a, b = _one_sided_rounding("float32", 256)
     ga, gb = xp.asarray(a), xp.asarray(b)
     be = abftgemm.backend.get_backend(xp)
@@ -470,3 +471,22 @@ def test_a_fault_repeated_by_every_recomputation_still_raises_on_such_data(xp, m
     monkeypatch.setattr(be, "gemm", faulty)
     with pytest.raises(abftgemm.UncorrectableError):
         abftgemm.matmul(ga, gb, check="correct")
+    monkeypatch.setattr(be, "gemm", gemm)
+    # a wrong handed-on encoding: the data verifies against fresh ones (it was "rounding")
+    sums = abftgemm.checksums_of(ga)
+    sums.cols[0, 0, 0] += 1.0
+    with pytest.warns(abftgemm.FaultDetectedWarning):
+        _, report = abftgemm.matmul(ga, gb, check="detect", a_checksums=sums,
+                                    return_report=True)
+    assert report.detected and {e.action for e in report.events} == {"reported"}
+    if xp is not np:  # the emulated cuBLAS sums these rows so that nothing flags
+        return
+    # a transient fault beside the rounding, repaired: reported as such, not as rounding
+    rng = np.random.default_rng(3)
+    rows = np.concatenate([a, rng.standard_normal((4, a.shape[1])).astype(a.dtype)])
+    hook = Fault("additive", "element", seed=1, magnitude=4e-5, times=1, row=6, col=1)
+    c, report = abftgemm.matmul(xp.asarray(rows), gb, check="correct", fault_hook=hook,
+                                return_report=True)
+    assert hook.injected and report.detected, report.summary()
+    assert not any(e.pattern == "rounding" for e in report.events), report.summary()
+    np.testing.assert_array_equal(to_host(c), to_host(xp.matmul(xp.asarray(rows), gb)))

@@ -621,8 +621,9 @@ def test_a_caller_gemm_is_judged_against_its_own_operands(xp, dtype):
 def test_settle_all_settles_every_plan_and_waits_on_every_backend(xp, monkeypatch):
     """``settle_all``: a plan listed twice is refused before anything is settled; a plan whose
     repair raises does not leave the others pending (they settle, then its error is raised, its
-    report holding the others' findings too: they were dropped); plans of NumPy and of ``xp`` are each waited for on their own backend (it waited on the
-    first plan's alone: a GPU verdict copy could be read before it arrived)."""
+    report holding the others' findings too: they were dropped); plans of NumPy and of ``xp``
+    are each waited for on their own backend (it waited on the first plan's alone: a GPU
+    verdict copy could be read before it arrived)."""
     from abftgemm import UncorrectableError, plan as plan_module
     from abftgemm.plan import settle_all
 

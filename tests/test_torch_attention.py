@@ -642,3 +642,16 @@ def test_check_and_plan_set_through_the_module_are_validated():
     core = ProtectedCore()
     core.plan = None
     assert isinstance(core.plan, CheckingPlan)
+
+
+def test_a_protection_pickled_before_check_and_plan_were_properties_loads():
+    """States pickled with ``check`` and ``plan`` as plain attributes load (the properties
+    shadowed them: ``AttributeError: _check``)."""
+    from attention import CheckingPlan
+    from attention.torch_functional import Protection
+
+    old = Protection.__new__(Protection)
+    state = Protection("detect").__getstate__()
+    state["check"], state["plan"] = state.pop("_check"), state.pop("_plan")
+    old.__setstate__(state)
+    assert old.check == "detect" and isinstance(old.plan, CheckingPlan)

@@ -471,7 +471,10 @@ def _warm_up(config: TrainConfig, data: np.ndarray, vocab: int, xp: Any,
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for check in ("off", "correct"):
             for fault in (None, *kinds.values()):
-                trainer.grads(0, check, fault, RunResult("warm-up", check, []))
+                try:
+                    trainer.grads(0, check, fault, RunResult("warm-up", check, []))
+                except UncorrectableError:  # as the runs take it (_run_plain)
+                    pass
 
 
 def overhead(runs: dict[str, RunResult]) -> dict[str, Any]:
