@@ -7,8 +7,8 @@ from typing import Any, Callable
 import numpy as np
 
 from abftgemm.backend import Backend, array_module, get_backend
-from abftgemm.checksums import SUPPORTED_DTYPES, Checksums, encoding_of, location_weights
-from abftgemm.operands import Operands
+from abftgemm.checksums import Checksums, encoding_of, location_weights
+from abftgemm.operands import Operands, float_dtype
 
 
 def predict(be: Backend, op: Operands, a_checksums: Checksums | None) -> tuple[Any, Any]:
@@ -95,11 +95,9 @@ def checksums_of(x: Any, rows: bool = True) -> Checksums:
     xp = array_module(x)
     if x.ndim < 2:
         raise ValueError(f"checksums_of needs a matrix or a batch of matrices, got shape {x.shape}")
-    if not x.dtype.isnative:  # as matmul takes it: in native byte order
-        x = x.astype(x.dtype.newbyteorder("="))
-    if x.dtype not in SUPPORTED_DTYPES:
-        names = ", ".join(str(t) for t in SUPPORTED_DTYPES)
-        raise TypeError(f"checksums_of: x has dtype {x.dtype}; abftgemm supports {names}")
+    dtype = float_dtype("x", x, "checksums_of")
+    if x.dtype != dtype:  # as matmul takes it: in native byte order
+        x = x.astype(dtype)
     r, c = x.shape[-2:]
     x3 = x.reshape(int(np.prod(x.shape[:-2], dtype=np.int64)), r, c)  # -1: ambiguous at size 0
     be = get_backend(xp)

@@ -148,12 +148,13 @@ def _arrays(a: Any, b: Any, bias: Any | None, out: Any | None) -> tuple[Any, Any
     return a, b, None if bias is None else np.asarray(bias), out
 
 
-def _float_dtype(label: str, x: Any) -> np.dtype:
-    """``x``'s dtype in native byte order if it is supported, else TypeError naming it."""
+def float_dtype(label: str, x: Any, caller: str = "matmul") -> np.dtype:
+    """``x``'s dtype in native byte order if it is supported, else TypeError naming it (and
+    ``caller``)."""
     dtype = x.dtype.newbyteorder("=")
     if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(t) for t in SUPPORTED_DTYPES)
-        raise TypeError(f"matmul: {label} has dtype {x.dtype}; abftgemm supports {names} "
+        raise TypeError(f"{caller}: {label} has dtype {x.dtype}; abftgemm supports {names} "
                         "(integer, bool, complex and object arrays are not promoted: cast first)")
     return dtype
 
@@ -161,7 +162,7 @@ def _float_dtype(label: str, x: Any) -> np.dtype:
 def _promoted(**arrays: Any) -> np.dtype:
     """The product's dtype: the common dtype when all agree (bfloat16 stays bfloat16, where
     NumPy computes in float32), else the first of NumPy's float matmul loops all cast to safely."""
-    dtypes = {_float_dtype(label, x) for label, x in arrays.items() if x is not None}
+    dtypes = {float_dtype(label, x) for label, x in arrays.items() if x is not None}
     if len(dtypes) == 1:
         return dtypes.pop()
     return next(t for t in _FLOAT_LOOPS if all(np.can_cast(d, t, "safe") for d in dtypes))

@@ -93,8 +93,8 @@ def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, 
             site, b, "passed-through" if rounding else "recomputed", _verified(
                 "the whole product recomputed from the inputs", after) + "; every element "
             "within its rigorous rounding bound of the exact product (float64)" + (
-                ", and the checksums as the first product's: its rounding, one-sided beyond "
-                "the threshold's statistical accumulation term, not a fault" if rounding
+                ", and bit for bit the product first delivered: its rounding, one-sided "
+                "beyond the threshold's statistical accumulation term, not a fault" if rounding
                 else ""), pattern="rounding" if rounding else "2D"))
         return
     report.events.append(diagnosis.event(site, b, "reported", _verified(
@@ -131,8 +131,8 @@ def _rounding_can_explain(one: Operands, *verdicts: Verdict, b: int = 0) -> bool
     most 2 more)."""
     k = max(one.k, 1)
     reach = 1.01 * (k + 1) / (KAPPA * math.sqrt(k)) + 2
-    for i, verdict in zip((b,) + (0,) * len(verdicts), verdicts):
-        found = diagnose(verdict, i)
+    for i, verdict in enumerate(verdicts):
+        found = diagnose(verdict, b if i == 0 else 0)
         if not found.magnitude <= reach * found.threshold:  # NaN and INF fail
             return False
     return True

@@ -304,18 +304,20 @@ def numba_threads(n: int) -> None:
     from a user's 1 to numba's pool size, 8 under ``NUMBA_NUM_THREADS=8`` on 2 cores)."""
     global _pool_launched
     import numba
-    from numba.np.ufunc import parallel
 
-    with _launch_lock:
-        if not _pool_launched:
-            torch = sys.modules.get("torch")
-            before = torch.get_num_threads() if torch is not None else None
-            launch = getattr(parallel, "_launch_threads", None)  # numba's, private
-            if launch is not None:
-                launch()
-            _pool_launched = True
-            if torch is not None and torch.get_num_threads() != before:
-                torch.set_num_threads(before)
+    if not _pool_launched:  # once per process: no lock on the calls after
+        with _launch_lock:
+            if not _pool_launched:
+                from numba.np.ufunc import parallel
+
+                torch = sys.modules.get("torch")
+                before = torch.get_num_threads() if torch is not None else None
+                launch = getattr(parallel, "_launch_threads", None)  # numba's, private
+                if launch is not None:
+                    launch()
+                _pool_launched = True
+                if torch is not None and torch.get_num_threads() != before:
+                    torch.set_num_threads(before)
     numba.set_num_threads(n)
 
 

@@ -442,8 +442,7 @@ class _Pass:
                 # (the replay's fused core raises). Detect and off modes leave such a fault in
                 # place: the unfused steps pass it through, as under "auto".
                 raise _Replay(self.settle())
-            self.env["lse"] = None
-            self.run(steps(CORE_FORWARD, self._unfused_variant()))
+            self._unfused_core()
             return
         defer = self._defer("fused core forward")
         visible = inp.key_visible
@@ -459,13 +458,17 @@ class _Pass:
                 and overflowed(ctx.report, before, (out,)):
             # an output past the data's dtype (float16): the unfused steps pass a genuine
             # overflow through and tell it from a fault
-            self.env["lse"] = None
-            self.run(steps(CORE_FORWARD, self._unfused_variant()))
+            self._unfused_core()
             return
         self.env.update(zip(step.out.split(", "), (out, state["lse"])))
         inp.fused = {n: state[n] for n in ("scale", "causal", "visible", "add", "dropout",
                                            "lse_lo", "sums")}
         self._fused_state = state
+
+    def _unfused_core(self) -> None:
+        """The unfused core's steps in place of the fused core's (``lse`` None)."""
+        self.env["lse"] = None
+        self.run(steps(CORE_FORWARD, self._unfused_variant()))
 
     def fused_check(self, step: Step) -> None:
         """The fused core's final check (:mod:`attention.fused_final`): forward, the output rows
