@@ -24,8 +24,7 @@ import numba
 import numpy as np
 
 from abftgemm.cpu_kernels import sum_column_prefix, sum_columns
-from attention._cpu_vmath import (exp_like, from_ordered_key, like, log2_split, log_like,
-                                   ordered_key)
+from attention._cpu_vmath import exp_like, from_ordered_key, like, ordered_key
 from attention.dropout_hash import GAMMA, MIX1, MIX2, SHIFT
 
 #: Query rows and keys per tile.
@@ -62,15 +61,6 @@ BackwardRules = namedtuple("BackwardRules", "check correct c_s c_kv c_q tol_p to
 Dropout = namedtuple("Dropout", "seed thr ks")
 ForwardOutputs = namedtuple("ForwardOutputs", "out lse lse_lo sums")
 Gradients = namedtuple("Gradients", "dq dk dv dqc kvc")
-
-#: The softmax invariant (:func:`_probs_ratio`) multiplies a row's mantissas, each taken in
-#: [sqrt(1/2), sqrt(2)): a product of ``BC`` of them stays within float32's normal range while
-#: ``BC / 2`` is below 126.
-_MANTISSAS = 2 * 125
-assert BC <= _MANTISSAS
-
-#: float64's unit roundoff: the rounding of the checks' own float64 sums.
-_U64 = 2.0 ** -53
 
 #: Reassociation and contraction let LLVM vectorize the sums (not ``fastmath=True``: the checks
 #: must see NaN and INF).
@@ -374,172 +364,115 @@ def _rowsum_ratio(oc: Any, l: Any, coef: Any, info: Any) -> float:
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
-def _probs_bad(pv: Any, x: Any, t0: Any, t1: Any, t2: Any, tiny: Any) -> Any:
-    """One entry of the softmax invariant, ``pv`` the stored ``P``, ``x = z - m``: 0 when it
-    holds, else at least 1. A normal ``pv`` needs ``|log pv - x| <= t0 + t1 |x|`` (and ``x``
-    above the flush ``t2`` less 1); one below ``tiny`` needs ``0 <= pv`` and ``x < t2 + 1`` (it
-    weighs under ``e * tiny``); NaN fails. Arithmetic on the comparisons, no branch, so the
-    tile's loop vectorizes."""
-    lp = log_like(pv if pv > tiny else tiny)  # selects, not max/abs: those keep NaN rules
-    d = lp - x
-    d = d if d >= 0 else -d
-    ax = x if x >= 0 else -x
-    by_log = np.float32(d > t0 + t1 * ax) + np.float32(x < t2 - 1)
-    small = np.float32(pv < 0) + np.float32(x >= t2 + 1)
-    normal = np.float32(pv >= tiny)
-    return normal * by_log + (1 - normal) * small + np.float32(pv != pv)
+def _probs_excess(pv: Any, x: Any, t0: Any, t1: Any, flush: Any, tiny: Any, half: Any,
+                  zero: Any) -> tuple:
+    """``(excess, tol)`` of one entry of the softmax check, ``pv`` the stored ``P``, ``x = z -
+    m``: ``excess = |pv - e| - tol`` (at most 0 when it holds; NaN for a NaN ``pv`` or ``x``)
+    with ``e = exp(xc / 2)^2``, ``xc = max(x, flush)`` (0 below the flush, where
+    :func:`exp_like` flushes too), and ``tol = (t0 + t1 |xc|) e + tiny``. The exponential made
+    again at half the argument shares no intermediate value with the one it checks, and lies
+    within 4 u of it for every float32 ``x`` above the flush (float64: 2.5 u), a third of
+    ``t0`` (bench/NOTES.md). Selects and arithmetic, no branch, so the tile's loop
+    vectorizes."""
+    xc = max(x, flush)  # NaN stays NaN (Python's max, vectorized too): so do tol and excess
+    h = exp_like(xc * half)
+    e = h * h if x >= flush else zero
+    tol = (t0 + t1 * (xc if xc >= zero else -xc)) * e + tiny
+    d = pv - e
+    return (d if d >= zero else -d) - tol, tol
 
 
 @numba.njit(cache=True, fastmath=_FAST)
 def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
-    """The softmax invariant of a tile, judged on what was stored, one ``log`` a row: ``sum_j
-    log p_ij = sum_j (z_ij - m_i)`` (``m`` the running max forward, the log-sum-exp backward),
-    within ``sum_j (tol[0] + tol[1] |z_ij - m_i|)``, every ``p_ij`` taken as at least ``f``,
-    the exponential of the flush ``tol[2]`` (in the data's precision), and every ``z_ij - m_i``
-    as at least that flush: an entry the exponential flushed to 0 counts as ``log f`` on both
-    sides and adds ``tol[0]`` alone to the tolerance. The left side is ``sum_j e_ij log 2 + log
-    prod_j m_ij`` from the entries' exponents and mantissas
-    (:func:`attention._cpu_vmath.log2_split`: bit operations and a product, no ``exp`` and no
-    per-entry ``log``), so it shares no work with the exponential it checks. INF and NaN
-    (exponent 128 or more: ``log 2`` times that against a non-positive ``z_ij - m_i``) fail; a
-    negative or too small entry counts as ``f``, which fails unless ``z_ij - m_i`` is within the
-    tolerance of the flush (an entry that weighs under ``e f``); a row with ``m_i = -inf`` must
-    be 0. The tolerance also covers the check's own float64 rounding (``log 2`` times the
-    exponents' sum, the ``log``, the sum of ``z_ij - m_i``), which counts for float64 data.
-    Returns the worst ratio (row sum against its tolerance; at least 1 for a row with ``m_i =
-    -inf`` that is not 0, and for a negative entry, which the sums would take as flushed: at a
-    hidden key, ``z_ij = -inf``, they would agree); when it exceeds 1, :func:`_probs_locate`
-    fills ``info`` (as :func:`_judge`: vector = row, position = key)."""
+    """The softmax check of a tile, judged on what was stored, entry by entry: ``p_ij =
+    exp(z_ij - m_i)`` within ``(tol[0] + tol[1] |z_ij - m_i|)`` of it, relatively, plus
+    ``tol[3]``, the smallest normal number (``m`` the running max forward, ``lse_lo``
+    backward, where ``z`` holds ``z - lse``); below the exponential's flush ``tol[2]`` the
+    entry must be at most ``tol[3]``; a row with ``m_i = -inf`` (no visible key) must be 0.
+    The exponential is made again at half the argument and squared (:func:`_probs_excess`),
+    one float32 pass of the tile for float32 data. Returns 0 when every entry holds, else the
+    worst ratio ``|p_ij - e_ij|`` to its tolerance (at least 1; INF for NaN) with ``info`` as
+    :func:`_judge` (vector = row, position = key)."""
     rows, cols = p.shape
-    flush = like(p, tol[2])
-    least = like(p, math.exp(np.float64(flush)))  # log least = flush within its rounding
-    # |e_ij - x_ij / log 2| <= 1/2 (log2 of the mantissa) + the entry's tolerance in log2 units
-    # (at most that of x = flush) + the rounding of x / log 2 (tol[1] is 8 u): an exponent moved
-    # by one fails it, unless its mantissa lies within that tolerance of sqrt(2)
-    inv_ln2 = like(p, 1 / math.log(2.0))
-    reach = like(p, 0.5 + (tol[0] + 1.5 * tol[1] * abs(tol[2])) / math.log(2.0))
-    bad = np.float32(0)
-    worst = 0.0
-    info[0], info[1], info[2], info[3], info[4] = 0.0, 0.0, 1.0, -1.0, -1.0
-    for r in range(rows):
-        mr, zr, pr = m[r], z[r], p[r]
-        es = raised = negative = moved = like(p, 0.0)
-        ms = like(p, 1.0)
-        for j in range(cols):  # the data's precision alone: eight float32 lanes
-            pv = pr[j]
-            low = pv < least
-            ex, mant = log2_split(least if low else pv)  # a select keeps NaN
-            es += ex
-            ms *= mant  # mantissas in [sqrt(1/2), sqrt(2)): see _MANTISSAS
-            raised += like(p, low)
-            negative += like(p, pv < 0)  # taken as flushed above: a hidden key's would pass
-            # each exponent against its z: the row sums miss exponents moved both ways (a bit
-            # flipped in a row of entries of either parity), which cancel in them
-            dev = ex - max(zr[j] - mr, flush) * inv_ln2
-            moved += like(p, (dev if dev >= 0 else -dev) > reach)
-        bad += np.float32(negative) + np.float32(moved)
-        lm = math.log(np.float64(ms))
-        xs = 0.0
-        for j in range(cols):  # the float64 sum in a loop of its own (four lanes)
-            xs += np.float64(max(zr[j] - mr, flush))
-        # every z_ij - m_i <= 0 (m_i is the row's max, or the log-sum-exp above it); the raised
-        # entries weigh no |z_ij - m_i| in the tolerance (log f = tol[2] within tol[0])
-        xa = max(abs(xs) + np.float64(raised) * tol[2], 0.0)
-        le = np.float64(es) * math.log(2.0)
-        lhs = le + lm
-        tau = tol[0] * cols + tol[1] * xa \
-            + _U64 * (2 * BC * abs(xs) + 4 * (abs(le) + abs(lm))) + tol[3]
-        e = abs(lhs - xs) / tau
-        if mr == -np.inf:  # after the loops, not before: a branch there costs them half again
-            e = 0.0
-            for j in range(cols):
-                bad += np.float32(pr[j] != 0)
-        if not e <= worst:
-            worst = e if e == e else math.inf
-            info[0], info[1], info[2], info[3] = worst, abs(lhs - xs), tau, r
-    if bad == 0 and worst <= 1:
-        return worst
-    located = _probs_locate(z, p, m, tol, info)
-    return max(worst, located, 1.0 + 2.0 ** -20) if bad > 0 else worst
-
-
-@numba.njit(cache=True, fastmath=_FAST)
-def _probs_locate(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
-    """The softmax invariant entry by entry (a ``log`` each; run when :func:`_probs_ratio` flags
-    a tile, to locate the entry): ``log p_ij = z_ij - m_i`` within ``tol[0] + tol[1] |z_ij -
-    m_i|``; an entry below ``tol[3]``, the smallest normal number, must have ``z_ij - m_i`` below
-    the exponential's flush or underflow ``tol[2]`` (:func:`_probs_bad`); a row with ``m_i =
-    -inf`` must be 0. Returns 0 when every entry holds, else the worst ratio (at least 1; INF
-    where the logarithm cannot measure it) with ``info`` as :func:`_judge` (vector = row,
-    position = key)."""
-    rows, cols = p.shape
-    t0, t1, t2, tiny = like(p, tol[0]), like(p, tol[1]), like(p, tol[2]), like(p, tol[3])
-    bad = np.float32(0)
+    t0, t1, flush, tiny = like(p, tol[0]), like(p, tol[1]), like(p, tol[2]), like(p, tol[3])
+    half, zero = like(p, 0.5), like(p, 0.0)
+    bad = zero
     for r in range(rows):
         mr, zr, pr = m[r], z[r], p[r]
         if mr == -np.inf:
             for j in range(cols):
-                bad += np.float32(pr[j] != 0)
-        else:
-            for j in range(cols):
-                bad += _probs_bad(pr[j], zr[j] - mr, t0, t1, t2, tiny)
+                bad += like(p, pr[j] != 0)
+            continue
+        for j in range(cols):
+            ex, _ = _probs_excess(pr[j], zr[j] - mr, t0, t1, flush, tiny, half, zero)
+            bad += zero if ex <= zero else ex  # a select, not max: NaN stays
     if bad == 0:
         return 0.0
     worst = 0.0
+    info[0], info[1], info[2], info[3], info[4] = 0.0, 0.0, 1.0, -1.0, -1.0
     for r in range(rows):  # rare: locate and measure for the report
         mr = m[r]
         for j in range(cols):
             pv = p[r, j]
             if mr == -np.inf:
-                e = 0.0 if pv == 0 else np.inf
+                e, mag, tau = (0.0 if pv == 0 else np.inf), abs(np.float64(pv)), 0.0
             else:
-                x = z[r, j] - mr
-                e = 0.0
-                if _probs_bad(pv, x, t0, t1, t2, tiny) > 0:
-                    e = abs(np.float64(log_like(pv)) - np.float64(x)) / \
-                        (tol[0] + tol[1] * abs(np.float64(x))) if pv >= tiny else np.inf
-                    e = max(e, 1.0 + 2.0 ** -20) if e == e else np.inf
+                ex, t = _probs_excess(pv, z[r, j] - mr, t0, t1, flush, tiny, half, zero)
+                tau = np.float64(t)
+                mag = np.float64(ex) + tau
+                e = mag / tau if ex > 0 else (0.0 if ex <= 0 else np.inf)
             if e > worst:
-                worst = e
-                info[0], info[1], info[2], info[3], info[4] = e, e, 1.0, r, j
+                worst = max(e, 1.0 + 2.0 ** -20)
+                info[0], info[1], info[2], info[3], info[4] = worst, mag, tau, r, j
     return worst
+
+
+@numba.njit(cache=True, fastmath=_FAST, inline="always")
+def _dscores_excess(dsv: Any, pv: Any, g: Any, x: Any, c: Any, tiny: Any, zero: Any) -> tuple:
+    """``(excess, tol)`` of one entry of the ``dS`` check: ``dS = p (g - D)`` made again as ``p
+    g - p D`` (another rounding, no intermediate value shared), ``excess = |dS - (p g - p D)| -
+    tol`` with ``tol = c (|p g| + |p D|) + tiny`` (NaN for a NaN entry)."""
+    pg = pv * g
+    pd = pv * x
+    d = dsv - (pg - pd)
+    tol = c * ((pg if pg >= zero else -pg) + (pd if pd >= zero else -pd)) + tiny
+    return (d if d >= zero else -d) - tol, tol
 
 
 @numba.njit(cache=True, fastmath=_FAST)
 def _dscores_ratio(ds: Any, p: Any, dp: Any, dd: Any, keep: Any, ks: Any, tol: Any,
                    info: Any) -> float:
-    """The softmax-backward invariants of a tile: with ``r1 = sum_j p dP``, ``r2 = sum_j p`` and
-    ``v = sum_j p dP^2`` (float64, from ``p`` and ``dP``, not from ``dS``), each row satisfies
-    ``sum_j dS = r1 - D r2`` and ``sum_j dS dP = v - D r1`` within ``tol[0]`` times its
-    magnitude plus ``tol[1]``. With dropout (``keep`` non-empty) ``dP`` is the gradient of the
-    probabilities before dropout, ``fl(dP' ks) keep`` of the product ``dP' = dO V^T`` (made here
-    as :func:`_dscores` makes it). Returns the worst ratio; ``info`` as :func:`_judge`."""
+    """The ``dS`` check of a tile, entry by entry: each ``dS_ij = p_ij (g_ij - D_i)`` (made by
+    :func:`_dscores`) lies within ``tol[0] (|p_ij g_ij| + |p_ij D_i|) + tol[1]`` of ``p_ij g_ij
+    - p_ij D_i`` (both roundings are at most ``2 u`` of that magnitude; ``tol[0]`` is ``8 u``).
+    ``g`` is ``dP``, or with dropout (``keep`` non-empty) ``fl(dP' ks)`` where kept, else 0, of
+    the product ``dP'`` (made here as :func:`_dscores` makes it). Returns 0 when every entry
+    holds, else the worst ratio to its tolerance (at least 1; INF for NaN) with ``info`` as
+    :func:`_judge` (vector = row, position = key)."""
     rows, cols = ds.shape
     drop = keep.shape[0] > 0
-    worst = 0.0
-    info[0], info[3], info[4] = 0.0, -1.0, -1.0
+    c, tiny, zero = like(ds, tol[0]), like(ds, tol[1]), like(ds, 0.0)
+    bad = zero
     for r in range(rows):
-        dr = np.float64(dd[r])
-        r1 = r2 = v = s = sw = pg = 0.0
+        x = dd[r]
         for j in range(cols):
-            pj = np.float64(p[r, j])
-            g = (np.float64(dp[r, j] * ks) if keep[r, j] else 0.0) if drop \
-                else np.float64(dp[r, j])
-            x = np.float64(ds[r, j])
-            t = pj * g
-            r1 += t
-            r2 += pj
-            v += t * g
-            s += x
-            sw += x * g
-            pg += pj * abs(g)
-        # the magnitudes sum_j p (|g| + |D|) and sum_j p (|g| + |D|) |g|, from the sums above
-        tau = tol[0] * (pg + abs(dr) * r2) + tol[1]
-        tauw = tol[0] * (v + abs(dr) * pg) + tol[1]
-        e = max(abs(s - (r1 - dr * r2)) / tau, abs(sw - (v - dr * r1)) / tauw)
-        if not e <= worst:
-            worst = e if e == e else np.inf
-            info[0], info[1], info[2], info[3] = worst, abs(s - (r1 - dr * r2)), tau, r
+            g = (dp[r, j] * ks if keep[r, j] else zero) if drop else dp[r, j]
+            ex, _ = _dscores_excess(ds[r, j], p[r, j], g, x, c, tiny, zero)
+            bad += zero if ex <= zero else ex
+    if bad == 0:
+        return 0.0
+    worst = 0.0
+    info[0], info[1], info[2], info[3], info[4] = 0.0, 0.0, 1.0, -1.0, -1.0
+    for r in range(rows):  # rare: locate and measure for the report
+        for j in range(cols):
+            g = (dp[r, j] * ks if keep[r, j] else zero) if drop else dp[r, j]
+            ex, t = _dscores_excess(ds[r, j], p[r, j], g, dd[r], c, tiny, zero)
+            tau = np.float64(t)
+            mag = np.float64(ex) + tau
+            e = mag / tau if ex > 0 else (0.0 if ex <= 0 else np.inf)
+            if e > worst:
+                worst = max(e, 1.0 + 2.0 ** -20)
+                info[0], info[1], info[2], info[3], info[4] = worst, mag, tau, r, j
     return worst
 
 

@@ -58,17 +58,14 @@ each tile array as computed and before it is checked):
     ``P = exp(z - m)`` (``z`` the scaled scores plus the additive mask, if any: the mask is
     added after the ``S`` check, and ``z`` as stored is what the invariant reads; ``m`` the
     running row max forward; backward ``z - lse`` is stored and ``m`` is ``lse_lo``), judged
-    on what was stored by the softmax invariant ``log P_ij = z_ij - m_i`` summed over each row's
-    normal entries: ``sum_j log P_ij`` is taken from the entries' exponents and the ``log`` of the
-    product of their mantissas (bit operations, one ``log`` per row), so the check shares no work
-    with the exponential, and a fault in ``P`` that would feed the output and its carried
-    checksum alike (common mode) is seen here. Entries below the smallest normal number need
-    ``z_ij - m_i`` below the exponential's flush (each entry, branch-free), and each entry's
-    exponent must be ``(z_ij - m_i) / log 2`` within 1/2 (its mantissa's ``log2``) and the
-    entry's tolerance (branch-free too): exponents moved both ways in one row (a bit flipped in
-    entries of either parity) cancel in the row's sum. An error these miss changes ``log
-    P_ij`` by less than the row's tolerance, about ``8 u sum_j |z_ij - m_i|``, or moves no
-    exponent: its effect on the output row is within the output check's own rounding bound.
+    on what was stored, entry by entry. On the CPU the exponential is made again at half the
+    argument and squared, ``e_ij = exp((z_ij - m_i) / 2)^2`` (the same polynomial at another
+    argument: no intermediate value is shared with the exponential it checks), and each entry
+    must lie within ``(8 u + 8 u |z_ij - m_i|) e_ij`` plus the smallest normal number of it (the
+    two agree within 4 u for every float32 argument); the CUDA kernels judge ``log P_ij = z_ij -
+    m_i`` within ``8 u + 8 u |z_ij - m_i|`` per entry. A fault in ``P`` that would feed the
+    output and its carried checksum alike (common mode) is seen here; an error this misses
+    changes one entry by less than its own rounding tolerance.
 ``fused:O_acc``
     The output accumulator. V's row checksums ``V 1``, ``V w`` and ``|V| 1`` (``w`` over the
     head dimension) are accumulated beside it, ``oc = alpha oc + P [V1, Vw, |V|1]`` in float64
@@ -82,9 +79,11 @@ each tile array as computed and before it is checked):
     ``dP = dO_blk V_blk^T``, row checksums predicted as ``dO_blk (V_blk^T E)``, ``E^T V_blk``
     encoded once per key block.
 ``fused:dS``
-    ``dS = P (dP - D)``, ``D = rowsum(dO O)``: per tile row, ``sum_j dS = sum P dP - D sum P``
-    and ``sum_j dS dP = sum P dP^2 - D sum P dP``, from ``P`` and ``dP`` in float64 (the
-    invariants of :mod:`attention.softmax`, per tile).
+    ``dS = P (dP - D)``, ``D = rowsum(dO O)``. On the CPU, entry by entry against ``P dP - P D``
+    (made again from ``P``, ``dP`` and ``D`` with other roundings) within ``8 u (|P dP| + |P
+    D|)``; in the CUDA kernels, per tile row, ``sum_j dS = sum P dP - D sum P`` and ``sum_j dS
+    dP = sum P dP^2 - D sum P dP`` from ``P`` and ``dP`` in float64 (the invariants of
+    :mod:`attention.softmax`, per tile).
 ``fused:dV_acc``, ``fused:dK_acc``, ``fused:dQ_acc``
     ``dV += P^T dO``, ``dK += dS^T Q``, ``dQ += dS K``: the row encodings of the other operand
     (``dO E``, ``Q E``, ``K E``, over the head dimension, made once per call) are carried through
@@ -149,7 +148,7 @@ from attention import _cpu_fused as K
 from attention.context import Context
 from attention.fused_deferred import Deferred
 from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, FUSED_SITES,  # noqa: F401
-                                   coefficients, dscores_tolerance, probs_tolerance)
+                                   coefficients, dscores_entry_tolerance, probs_tolerance)
 from attention.fused_rules import book as _book
 from attention.fused_rules import (additive_of, check_gradient, check_inputs, dropout_of,
                                    kernel_dropout, key_visible_of)
@@ -308,7 +307,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
                               coefficients(lq, d, dt, -(-lq // K.BR), min(lq, K.BR)),
                               coefficients(lk, d, dt, -(-lk // K.BC), min(lk, K.BC)),
                               probs_tolerance(dt),
-                              dscores_tolerance(dt)),
+                              dscores_entry_tolerance(dt)),
               K.Dropout(*kernel_dropout(saved.get("dropout"), dt)),
               K.Gradients(dq, dk, dv, dqc, kvc))
     with one_blas_thread():

@@ -76,21 +76,29 @@ def _coefficients(k: int, length: int, dtype: np.dtype, roundings: int,
 
 
 def probs_tolerance(dtype: np.dtype) -> np.ndarray:
-    """``(base, slope, flush, tiny)`` of the ``P`` invariant ``|log P_j - x_j| <= base + slope
-    |x_j|`` per entry (the CUDA kernels; the CPU's pass that locates a flagged entry), summed
-    over a row's normal entries on the CPU (``|sum_j (log P_j - x_j)| <= sum_j (base + slope
-    |x_j|)``); an entry below ``tiny``, the smallest normal number, needs ``x < flush``."""
+    """``(base, slope, flush, tiny)`` of the ``P`` check per entry: ``|log P_j - x_j| <= base +
+    slope |x_j|`` in the CUDA kernels (an entry below ``tiny``, the smallest normal number,
+    needs ``x < flush``); ``|P_j - e_j| <= (base + slope |x_j|) e_j + tiny`` on the CPU, ``e_j``
+    the exponential made again (0 below ``flush``)."""
     u = unit_roundoff(dtype)
     flush = EXP_FLUSH if np.dtype(dtype) == np.float32 else math.log(smallest_normal(dtype))
     return np.array([8 * u, 8 * u, flush, smallest_normal(dtype)])
 
 
 def dscores_tolerance(dtype: np.dtype, length: int = K.BC) -> np.ndarray:
-    """``(c, tiny)`` of the ``dS`` invariants: ``c`` times a row's magnitude (``length``: keys per
-    tile) plus ``tiny``, the smallest normal number: once a row on the CPU, whose arithmetic keeps
-    subnormal numbers, and twice per entry (weighted by ``|dP|`` in the weighted invariant) in the
-    CUDA kernels, whose float32 arithmetic flushes them to 0 (CuPy compiles with ``-ftz=true``)."""
+    """``(c, tiny)`` of the CUDA kernels' ``dS`` invariants: ``c`` times a row's magnitude
+    (``length``: keys per tile) plus ``tiny``, the smallest normal number, twice per entry
+    (weighted by ``|dP|`` in the weighted invariant): their float32 arithmetic flushes
+    subnormal numbers to 0 (CuPy compiles with ``-ftz=true``)."""
     return np.array([4 * unit_roundoff(dtype) + 4 * length * _U64, smallest_normal(dtype)])
+
+
+def dscores_entry_tolerance(dtype: np.dtype) -> np.ndarray:
+    """``(c, tiny)`` of the CPU's ``dS`` check, entry by entry: ``|dS - (P g - P D)| <= c (|P
+    g| + |P D|) + tiny`` (``g`` is ``dP``), ``c = 8 u``: ``dS = fl(P fl(g - D))`` and ``fl(fl(P
+    g) - fl(P D))`` each lie within ``2 u`` of that magnitude of the exact value; ``tiny``,
+    the smallest normal number, covers subnormal products."""
+    return np.array([8 * unit_roundoff(dtype), smallest_normal(dtype)])
 
 
 def check_causal(causal: bool, seq_q: int, seq_k: int) -> None:

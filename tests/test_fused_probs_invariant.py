@@ -1,7 +1,8 @@
-"""The fused CPU core's softmax invariant (``attention._cpu_fused._probs_ratio``) on one tile:
+"""The fused CPU core's softmax check (``attention._cpu_fused._probs_ratio``) on one tile:
 silent on the kernels' own probabilities (masked keys, entries the exponential flushes to 0,
 rows without a visible key), and flagging, with the entry located, every corruption of one
-stored probability that changes it by more than the rounding the check allows."""
+stored probability that changes it by more than the rounding the check allows, entry by
+entry."""
 from __future__ import annotations
 
 import numpy as np
@@ -104,3 +105,30 @@ def test_exponents_moved_both_ways_in_a_row_are_flagged(dtype, bits, seed):
     assert abs(moved.sum()) < 1e-9 and np.abs(moved).min() > 0.6  # cancels in the row's sum
     ratio, info = _ratio(z, m, bad)
     assert ratio > 1 and info[3] == r and info[4] in chosen
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("seed", range(4))
+def test_an_entry_is_judged_by_its_own_tolerance(dtype, seed):
+    """A relative change of 3 times an entry's tolerance, ``(8 u)(1 + |x|)``, is flagged at
+    that entry, though it is far below a row's summed tolerance (about ``8 u sum_j |x_j|``,
+    which a check of row sums allows: the check before this one); 0.4 times its tolerance
+    passes."""
+    z, m, p = _tile(dtype, seed)
+    u = np.finfo(dtype).eps / 2
+    with np.errstate(invalid="ignore"):
+        x = (z - m[:, None]).astype(np.float64)
+    rows = [r for r in range(K.BR) if np.isfinite(m[r]) and (np.isfinite(z[r]).sum() > 60)]
+    rng = np.random.default_rng(seed)
+    r = rows[rng.integers(len(rows))]
+    c = int(np.argmin(np.where(np.isfinite(x[r]), np.abs(x[r] + 2), np.inf)))  # x near -2
+    tol = 8 * u * (1 + abs(x[r, c]))
+    row_tol = 8 * u * np.abs(x[r][np.isfinite(x[r]) & (p[r] > 0)]).sum()
+    assert 3 * tol < row_tol / 4
+    for factor, flagged in ((3, True), (-3, True), (0.4, False)):
+        bad = p.copy()
+        bad[r, c] = p[r, c] * (1 + factor * tol)
+        ratio, info = _ratio(z, m, bad)
+        assert (ratio > 1) == flagged, factor
+        if flagged:
+            assert (info[3], info[4]) == (r, c)

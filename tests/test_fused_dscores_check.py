@@ -1,0 +1,74 @@
+"""The fused CPU core's ``dS`` check (``attention._cpu_fused._dscores_ratio``) on one tile:
+silent on the kernels' own ``dS = P (dP - D)`` (with and without dropout, with subnormal
+products), and flagging, with the entry located, every corruption of one stored entry larger
+than the rounding the check allows (``8 u`` of ``|P dP| + |P D|``)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attention import _cpu_fused as K
+from attention.fused_rules import dscores_entry_tolerance
+
+NO_KEEP = np.empty((0, 0), np.uint8)
+
+
+def _tile(dtype: type, seed: int, dropout: bool) -> tuple:
+    """``(p, dp, dd, keep, ks, ds)`` of one tile: probabilities of a masked softmax row block
+    (zeros and subnormal entries among them), ``dP``, ``D = rowsum(P dP)``, the keep tile (or
+    an empty one) and the kernels' ``dS``."""
+    rng = np.random.default_rng(seed)
+    z = rng.standard_normal((K.BR, K.BC)) * 3
+    z[rng.random(z.shape) < 0.2] = -np.inf
+    p = np.exp(z - z.max(axis=1, keepdims=True)).astype(dtype)
+    p[2, :10] = np.finfo(dtype).smallest_subnormal * 3
+    dp = (rng.standard_normal(p.shape) * 2).astype(dtype)
+    dd = (p * dp).sum(axis=1).astype(dtype)
+    keep = (rng.random(p.shape) < 0.8).astype(np.uint8) if dropout else NO_KEEP
+    ks = dtype(1 / 0.8) if dropout else dtype(1)
+    ds = np.empty_like(p)
+    K._dscores(p, dp, dd, keep, ks, ds)
+    return p, dp, dd, keep, ks, ds
+
+
+def _ratio(ds, p, dp, dd, keep, ks) -> tuple[float, np.ndarray]:
+    info = np.zeros(6)
+    return K._dscores_ratio(ds, p, dp, dd, keep, ks, dscores_entry_tolerance(ds.dtype),
+                            info), info
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dropout", [False, True])
+def test_clean_tiles_pass(dtype, dropout):
+    for seed in range(10):
+        p, dp, dd, keep, ks, ds = _tile(dtype, seed, dropout)
+        ratio, _ = _ratio(ds, p, dp, dd, keep, ks)
+        assert ratio == 0, seed
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dropout", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_one_corrupted_entry_is_flagged_and_located(dtype, dropout, seed):
+    """Corruptions of one stored ``dS`` entry: gross ones, and a relative change of 3 times
+    the entry's tolerance where ``dS`` is its full magnitude (``dP`` and ``D`` of opposite
+    signs); 0.4 times it passes. A check of row sums (the check before this one) passed the
+    small ones."""
+    p, dp, dd, keep, ks, ds = _tile(dtype, seed, dropout)
+    u = np.finfo(dtype).eps / 2
+    g = np.where(keep == 1, dp * ks, 0).astype(dtype) if dropout else dp
+    full = (p > 0.05) & (np.sign(g) == -np.sign(dd)[:, None]) & (np.abs(g) > 0.5)
+    cand = np.argwhere(full)
+    r, c = cand[np.random.default_rng(seed).integers(len(cand))]
+    v = ds[r, c]
+    for name, value, flagged in (("sign", -v, True), ("zero", 0.0, True), ("nan", np.nan, True),
+                                 ("inf", np.inf, True), ("doubled", 2 * v, True),
+                                 ("3 tolerances", v * (1 + 3 * 8 * u), True),
+                                 ("-3 tolerances", v * (1 - 3 * 8 * u), True),
+                                 ("0.4 tolerance", v * (1 + 0.4 * 8 * u), False)):
+        bad = ds.copy()
+        bad[r, c] = value
+        ratio, info = _ratio(bad, p, dp, dd, keep, ks)
+        assert (ratio > 1) == flagged, name
+        if flagged:
+            assert (info[3], info[4]) == (r, c), name
