@@ -1,0 +1,54 @@
+"""Figures are labelled by date, commit and machine, not by a work period (issue 27).
+
+The README, bench/NOTES.md and the file names under bench/results/ say when and where a figure
+was measured with a date, a commit and a machine. A label that only the person who wrote it can
+place ("this stop", "today", "yesterday", "round 2", a result file called ``...-final.json``)
+goes stale the day after: these tests fail on one.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Words that place a figure in a work period rather than at a date, commit and machine.
+WORK_PERIOD = re.compile(
+    r"\b(?:this|last|next|previous|that) (?:stop|session|round|phase|work period)\b"
+    r"|\bstop's\b|\b(?:session|stop|round|phase) \d+\b"
+    r"|\b(?:today|today's|yesterday|yesterday's|tonight)\b"
+    r"|\bthis (?:morning|afternoon|evening|night)(?:'s)?\b", re.IGNORECASE)
+
+#: Result names end in what was run: never in a relative label of the work that ran it.
+RELATIVE_SUFFIX = re.compile(r"-(?:final|after|before|new|old|latest|session\d*|stop\d*|"
+                             r"round\d*|phase\d*)(?:\.\w+)?$")
+
+
+@pytest.mark.parametrize("path", ["README.md", "bench/NOTES.md"])
+def test_figures_are_not_labelled_by_work_period(path):
+    lines = (ROOT / path).read_text(encoding="utf-8").splitlines()
+    found = [f"{path}:{n}: {line.strip()}" for n, line in enumerate(lines, 1)
+             if WORK_PERIOD.search(line)]
+    assert not found, "\n".join(found)
+
+
+def test_result_files_are_named_by_date_machine_and_commit():
+    wrong = []
+    for entry in sorted((ROOT / "bench" / "results").iterdir()):
+        name = entry.name
+        if not re.match(r"20\d\d-\d\d-\d\d-", name) or not re.search(r"\b[0-9a-f]{7}\b", name) \
+                or RELATIVE_SUFFIX.search(name):
+            wrong.append(name)
+    assert not wrong, wrong
+
+
+def test_the_patterns_catch_what_they_are_for():
+    assert WORK_PERIOD.search("6739a57 (before this stop)")
+    assert WORK_PERIOD.search("across this morning's runs")
+    assert WORK_PERIOD.search("85 ms yesterday")
+    assert not WORK_PERIOD.search("alternating in one session (AMD EPYC, 2 cores)")
+    assert not WORK_PERIOD.search("one run in a quiet phase of the machine")
+    assert RELATIVE_SUFFIX.search("2026-12-01-amd-epyc-attention-76e5b5c-final.json")
+    assert not RELATIVE_SUFFIX.search("2026-12-01-amd-epyc-attention-f4f15fe-run2.json")
