@@ -201,8 +201,8 @@ BACKWARD_OUTPUTS = ("dx", "d_key", "d_value")
 
 
 def _by_identity(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` memoized on its arguments, tables by identity (hashing a table of steps costs tens
-    of microseconds a call; the tables are constants)."""
+    """``fn`` memoized on its arguments, tables by identity (a table of steps is slow to hash at
+    every call, and the tables are constants)."""
     memo: dict[tuple, tuple[tuple, Any]] = {}
 
     @wraps(fn)

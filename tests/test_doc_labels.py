@@ -52,3 +52,30 @@ def test_the_patterns_catch_what_they_are_for():
     assert not WORK_PERIOD.search("one run in a quiet phase of the machine")
     assert RELATIVE_SUFFIX.search("2026-12-01-amd-epyc-attention-76e5b5c-final.json")
     assert not RELATIVE_SUFFIX.search("2026-12-01-amd-epyc-attention-f4f15fe-run2.json")
+
+
+#: A time or a speed-up in prose: ``3.1 ms``, ``0.3 s``, ``2x faster``, ``tens of microseconds``.
+TIMING = re.compile(r"\b\d+(?:\.\d+)?\s?(?:ms|us|µs|ns|s|sec|seconds|minutes)\b"
+                    r"|\b\d+(?:\.\d+)?\s?x (?:faster|slower)\b")
+#: The same in words, which prose may break over two lines.
+TIMING_WORDS = re.compile(r"\b(?:tens|hundreds|thousands) of\s+(?:micro|milli|nano)?seconds\b")
+#: Times that are settings or other libraries' numbers, not measurements of this code.
+NOT_MEASUREMENTS = ("taken at most every 0.1 s",  # threads.py: the load sampling interval
+                    "Hypothesis's default 200 ms deadline")  # testing.py: Hypothesis's setting
+
+
+def test_no_timing_figures_in_the_packages_source():
+    """Timing figures go stale in docstrings and comments: they live in bench/NOTES.md, with
+    the date, commit and machine that measured them."""
+    found = []
+    for path in sorted(p for package in ("abftgemm", "attention")
+                       for p in (ROOT / package).rglob("*") if p.suffix in (".py", ".cu", ".cuh")):
+        lines = [re.sub(r"^\s*(?:#|//)?\s*", "", ln)
+                 for ln in path.read_text(encoding="utf-8").splitlines()] + [""]
+        for n, (line, after) in enumerate(zip(lines, lines[1:]), 1):  # a figure split over two
+            both = f"{line} {after}"
+            words = TIMING_WORDS.search(both)
+            if (TIMING.search(line) or words and words.start() < len(line)) \
+                    and not any(s in both for s in NOT_MEASUREMENTS):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {line}")
+    assert not found, "\n".join(found)

@@ -465,7 +465,7 @@ def _warm_up(config: TrainConfig, data: np.ndarray, vocab: int, xp: Any,
     """One step in each check mode, clean and with each kind of the schedule's faults at each
     of its sites, so that JIT compilation is not timed: the paths a fault takes (the repair,
     the non-finite model, a replay) compile on their first fault, which a cold cache (a fresh
-    clone) timed inside the runs (a protected run of 0.3 s took 20)."""
+    clone) timed inside the runs (CHANGELOG.md, 2026-12-05, has the figures)."""
     trainer = _trainer(config, data, vocab, xp)
     kinds = {(f.kind, f.site, f.bit): f for f in schedule.values()}
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
