@@ -3,9 +3,10 @@
 The graph is read from the source with ``ast``, without importing anything. Its nodes are the
 modules of ``abftgemm`` and ``attention`` (subpackages included); an edge ``m -> n`` is any import
 statement in ``m`` that names ``n``: ``import n``, ``from n import x``, and ``from p import n``
-where ``n`` is the submodule ``p.n``. Imports inside functions count like those at module level:
-a deferred import hides a cycle from the interpreter at import time, not from a reader, and the
-two modules still depend on each other. Imports under ``if TYPE_CHECKING:`` do not count (they
+where ``n`` is the submodule ``p.n``, and ``importlib.import_module("n")`` with a literal name.
+Imports inside functions count like those at module level: a deferred import hides a cycle from
+the interpreter at import time, not from a reader, and the two modules still depend on each
+other. Imports under ``if TYPE_CHECKING:`` do not count (they
 never run). A package's ``__init__`` is an edge target only when it is named itself (``import
 abftgemm``, ``from abftgemm import matmul``), not because one of its submodules is imported.
 
@@ -50,8 +51,20 @@ def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             found.append(node)
+        elif _dynamic_import(node):  # importlib.import_module("m"): as ``import m``
+            found.append(ast.Import(names=[ast.alias(name=node.args[0].value)]))
         stack.extend(ast.iter_child_nodes(node))
     return found
+
+
+def _dynamic_import(node: ast.AST) -> bool:
+    """``importlib.import_module("m")`` or ``import_module("m")`` with a literal name."""
+    if not isinstance(node, ast.Call) or not node.args:
+        return False
+    func, name = node.func, node.args[0]
+    called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    return called == "import_module" and isinstance(name, ast.Constant) \
+        and isinstance(name.value, str)
 
 
 def _absolute(module: str, path: Path, node: ast.ImportFrom) -> str:
@@ -147,6 +160,8 @@ def test_graph_covers_both_packages():
     assert {"abftgemm", "abftgemm.plan", "attention", "attention.functional"} <= graph.keys()
     assert "abftgemm.backend" in graph["abftgemm.plan"]  # ``from abftgemm.backend import ...``
     assert "attention.softmax" in graph["attention.functional"]  # ``from attention import softmax``
+    # ``importlib.import_module("attention.experiments.plots")`` inside a function
+    assert "attention.experiments.plots" in graph["attention.experiments.cli"]
 
 
 @pytest.mark.parametrize("source, expected", [
