@@ -7,6 +7,7 @@ goes stale the day after: these tests fail on one.
 """
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -72,7 +73,7 @@ def test_no_timing_figures_in_the_packages_source():
                        for p in (ROOT / package).rglob("*") if p.suffix in (".py", ".cu", ".cuh")):
         lines = [re.sub(r"^\s*(?:#|//)?\s*", "", ln)
                  for ln in path.read_text(encoding="utf-8").splitlines()] + [""]
-        for n, (line, after) in enumerate(zip(lines, lines[1:]), 1):  # a figure split over two
+        for n, (line, after) in enumerate(itertools.pairwise(lines), 1):  # a figure split over two
             both = f"{line} {after}"
             words = TIMING_WORDS.search(both)
             if (TIMING.search(line) or words and words.start() < len(line)) \
