@@ -142,10 +142,12 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[frozenset[str]]:
                 low[node] = min(low[node], index[succ])
         if low[node] == index[node]:
             component = set()
-            while not component or member != node:
+            while True:
                 member = stack.pop()
                 on_stack.discard(member)
                 component.add(member)
+                if member == node:
+                    break
             if len(component) > 1:
                 found.append(frozenset(component))
 
