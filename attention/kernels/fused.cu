@@ -458,7 +458,11 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
     const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
     const double* addh = head_mask(add, add_stride, b);
     double* rt = rec + task * NSITES * FIELDS;
-    const FaultAt ft = load_fault(fault);
+    // the fault descriptor in shared memory, not in registers and a stack copy: the per-tile
+    // partial sums of O_acc take one register more, and the double build spilled 40 bytes
+    __shared__ FaultAt ft;
+    if (tid == 0) ft = load_fault(fault);
+    __syncthreads();
     const A sc = static_cast<A>(scale), zero = static_cast<A>(0), ks = static_cast<A>(ks_in);
     const bool drop = thr > 0;
     if (check)
@@ -583,10 +587,14 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
             for (int e = 0; e < FPER; ++e) {  // ---- O_acc = alpha O_acc + P V (P_d V)
                 const int idx = tid + e * FNT, r = idx / d, c = idx % d;
                 if (r < rows) {
-                    A t = sh.alpha[r] * acc[e];
+                    // the tile's product summed on its own, then added once: the thresholds'
+                    // rounding model (2 roundings a tile); summed into the running accumulator
+                    // key by key, one dominant key lost every later addend (~L u, flagged)
+                    A t = zero;
                     const A* pr = drop ? sh.s[r] : sh.p[r];
                     for (int j = 0; j < cols; ++j) t += pr[j] * widen(vb[(j0 + j) * d + c]);
-                    acc[e] = inject(ft, O_, b, i0 + r, c, step, attempt == 0, t);
+                    acc[e] = inject(ft, O_, b, i0 + r, c, step, attempt == 0,
+                                    sh.alpha[r] * acc[e] + t);
                 }
             }
         }
@@ -916,7 +924,9 @@ attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
     A* wk = ws_k + row0 * d;
     A* wv = ws_v + row0 * d;
     double* rt = rec + task * NSITES * FIELDS;
-    const FaultAt ft = load_fault(fault);
+    __shared__ FaultAt ft;  // as the forward's: in registers, the double build spilled
+    if (tid == 0) ft = load_fault(fault);
+    __syncthreads();
     const A sc = static_cast<A>(scale), zero = static_cast<A>(0), ks = static_cast<A>(ks_in);
     const bool drop = thr > 0;
     if (check) encode_key_block(sh, kh, vh, j0, cols, d);
@@ -946,14 +956,14 @@ attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
 #pragma unroll
             for (int e = 0; e < FPER; ++e) {  // ---- dV += P^T dO (P_d^T dO), dK += dS^T Q
                 const int idx = tid + e * FNT, j = idx / d, c = idx % d;
-                if (j < cols) {
-                    A tv = vacc[e], tk = kacc[e];
+                if (j < cols) {  // each tile's product added once (as the forward's O_acc)
+                    A tv = zero, tk = zero;
                     for (int r = 0; r < rows; ++r) {
                         tv += pd[r][j] * widen(doh[(i0 + r) * d + c]);
                         tk += sh.s[r][j] * widen(qh[(i0 + r) * d + c]);
                     }
-                    vacc[e] = inject(ft, DV_, b, j0 + j, c, step, attempt == 0, tv);
-                    kacc[e] = inject(ft, DK_, b, j0 + j, c, step, attempt == 0, tk);
+                    vacc[e] = inject(ft, DV_, b, j0 + j, c, step, attempt == 0, vacc[e] + tv);
+                    kacc[e] = inject(ft, DK_, b, j0 + j, c, step, attempt == 0, kacc[e] + tk);
                 }
             }
             if (check && tid < cols) {  // ---- their checksum columns, float64 (dV's from P, keep)
@@ -1065,10 +1075,10 @@ attn_fused_backward_q(const T* q, const T* k, const T* v, const T* d_out,
 #pragma unroll
             for (int e = 0; e < FPER; ++e) {  // ---- dQ += dS K
                 const int idx = tid + e * FNT, r = idx / d, c = idx % d;
-                if (r < rows) {
-                    A t = acc[e];
+                if (r < rows) {  // the tile's product added once (as the forward's O_acc)
+                    A t = zero;
                     for (int j = 0; j < cols; ++j) t += sh.s[r][j] * widen(kh[(j0 + j) * d + c]);
-                    acc[e] = inject(ft, DQ_, b, i0 + r, c, step, attempt == 0, t);
+                    acc[e] = inject(ft, DQ_, b, i0 + r, c, step, attempt == 0, acc[e] + t);
                 }
             }
             if (check && tid < rows) {  // ---- its checksum columns, float64
