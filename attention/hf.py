@@ -3,7 +3,8 @@
 Importing this module registers :func:`abft_attention_forward` with transformers'
 ``AttentionInterface`` and sdpa's boolean mask builder with its ``AttentionMaskInterface``, both
 under the name ``"abft"``, and the same function with eager's mask builder (4-D float masks,
-always made) under ``"abft_eager_masks"``: for models written for eager's masks alone
+left out only where they hide nothing: :func:`eager_masks_attention_forward`) under
+``"abft_eager_masks"``: for models written for eager's masks alone
 (transformers' ``_supports_sdpa = False``), whose own code may read the mask (a router's
 padding, an attention module that adds it to its scores) or need the causal triangle in it (a
 decoder whose modules say ``is_causal=False``). :func:`attention.torch.protect` picks the name by
@@ -63,8 +64,8 @@ NAMES = (NAME, EAGER_MASKS)
 _REFUSED = ("head_mask", "softcap", "sinks", "indices", "block_indices",
             "cu_seq_lens_q", "cu_seq_lens_k")
 
-__all__ = ["NAME", "EAGER_MASKS", "NAMES", "abft_attention_forward", "core_of", "name_for",
-           "weights_wanted"]
+__all__ = ["NAME", "EAGER_MASKS", "NAMES", "abft_attention_forward", "core_of",
+           "eager_masks_attention_forward", "name_for", "weights_wanted"]
 
 
 def name_for(model: Any) -> str:
@@ -171,6 +172,21 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     return out[..., :v_width].transpose(1, 2).contiguous(), weights if wanted else None
 
 
+def eager_masks_attention_forward(module: torch.nn.Module, query: torch.Tensor,
+                                  key: torch.Tensor, value: torch.Tensor,
+                                  attention_mask: torch.Tensor | None,
+                                  scaling: float | None = None, dropout: float = 0.0,
+                                  is_causal: bool | None = None,
+                                  **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`abft_attention_forward` as eager's attention function computes it: every causal
+    triangle and window is in eager's masks (transformers' eager builder leaves a mask out only
+    where it hides nothing), so a call without a mask hides nothing, whatever the module's or the
+    caller's ``is_causal`` (CLAP's and ALIGN's text encoders, which have no such flag, ran
+    causal without padding). Registered as :data:`EAGER_MASKS`."""
+    return abft_attention_forward(module, query, key, value, attention_mask, scaling, dropout,
+                                  is_causal=False, **kwargs)
+
+
 def weights_wanted() -> bool:
     """Whether the running forward may collect attention weights: True unless transformers'
     output collector (``output_attentions`` and its kin) is active and collects none, or the
@@ -200,5 +216,5 @@ def not_allowed(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 AttentionInterface.register(NAME, abft_attention_forward)
 AttentionMaskInterface.register(NAME, sdpa_mask)
-AttentionInterface.register(EAGER_MASKS, abft_attention_forward)
+AttentionInterface.register(EAGER_MASKS, eager_masks_attention_forward)
 AttentionMaskInterface.register(EAGER_MASKS, eager_mask)

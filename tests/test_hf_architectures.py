@@ -170,6 +170,31 @@ def test_models_written_for_eager_masks_get_them(name, config, model, options):
     assert any(c.last_report.checked for c in attention_cores(protected).values())
 
 
+@pytest.mark.parametrize("name", ["ClapText", "AlignText"])
+def test_eager_masks_left_out_hide_nothing(name):
+    """Without padding, transformers' eager mask builder hands the attention no mask. CLAP's and
+    ALIGN's text encoders (no sdpa support, attention modules without an ``is_causal`` flag) ran
+    causal there under ``"abft_eager_masks"``; eager attends to every key."""
+    if not hasattr(transformers, f"{name}Model"):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}Model")
+    config = getattr(transformers, f"{name}Config")(vocab_size=VOCAB, **BERT_LIKE, **NO_DROPOUT,
+                                                    attn_implementation="eager")
+    torch.manual_seed(0)
+    eager = getattr(transformers, f"{name}Model")(config).train()
+    model = protect(copy.deepcopy(eager))
+    assert model.config._attn_implementation == EAGER_MASKS
+    ids = batch()[0]
+    # (a squared layer norm's output would have a gradient of rounding noise alone)
+    weights = torch.randn(*ids.shape, 32, generator=torch.Generator().manual_seed(2))
+    runs = []
+    for m in (eager, model):
+        hidden = m(ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+        (hidden * weights).sum().backward()
+        runs.append((hidden.detach(), {n: p.grad for n, p in m.named_parameters()
+                                       if p.grad is not None}))
+    assert_same_step(runs[1], runs[0])
+
+
 def test_an_attention_module_behind_a_decorator_is_found():
     """Mllama's text cross-attention names the attention function inside a decorated forward:
     it was missed (no core at protect, so a ``check="detect"`` model ran it with a default
