@@ -135,16 +135,19 @@ def protect_pretrained(model: nn.Module, *, check: str = "correct", projections:
 
 def unprotected_attention(model: nn.Module, protected: list[str]) -> list[str]:
     """Names of the modules of ``model`` that look like attention modules (a class name ending
-    in ``Attention``, with parameters) and hold, and are held by, no protected attention module
-    ``protected``: attention computed by the model's own code (LongT5's local attention, GIT's
-    text decoder, PEGASUS-X's block attention), which :func:`protect_pretrained` cannot reach."""
+    in ``Attention``, or a forward that calls ``scaled_dot_product_attention`` itself; with
+    parameters) and hold, and are held by, no protected attention module ``protected``:
+    attention computed by the model's own code (LongT5's local attention, GIT's text decoder,
+    PEGASUS-X's block attention, AIMv2's attention pooling head), which
+    :func:`protect_pretrained` cannot reach."""
     def related(name: str) -> bool:
         return any(name == p or name.startswith(p + ".") or p.startswith(name + ".")
                    for p in protected)
 
     found = [name for name, m in model.named_modules()
-             if type(m).__name__.endswith("Attention") and not related(name)
-             and next(m.parameters(), None) is not None
+             if (type(m).__name__.endswith("Attention")
+                 or "scaled_dot_product_attention" in _forward_names(m))
+             and not related(name) and next(m.parameters(), None) is not None
              and not isinstance(m, nn.MultiheadAttention)]  # attention.torch.protect swaps it
     return [n for n in found if not any(f.startswith(n + ".") for f in found)]  # innermost
 
@@ -229,9 +232,15 @@ def _attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, m
         elif hasattr(m, "config") and hasattr(sys.modules.get(type(m).__module__),
                                               "ALL_ATTENTION_FUNCTIONS") and (
-                hasattr(m, "is_causal") or "ALL_ATTENTION_FUNCTIONS" in getattr(
-                    getattr(inspect.unwrap(type(m).forward), "__code__", None), "co_names", ())):
+                hasattr(m, "is_causal") or "ALL_ATTENTION_FUNCTIONS" in _forward_names(m)):
             yield name, m
+
+
+def _forward_names(module: nn.Module) -> tuple[str, ...]:
+    """The global and attribute names the code of ``module``'s class ``forward`` uses (behind
+    its decorators; none where it has no code object)."""
+    return getattr(getattr(inspect.unwrap(type(module).forward), "__code__", None),
+                   "co_names", ())
 
 
 def attention_cores(model: nn.Module) -> dict[str, ProtectedCore]:

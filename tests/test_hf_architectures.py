@@ -289,3 +289,17 @@ def test_attention_the_model_computes_itself_is_named_in_a_warning():
         model = protect(transformers.LongT5ForConditionalGeneration(config))
     assert attention_cores(model) and not any(n.startswith("encoder") for n in
                                               attention_cores(model))
+
+
+def test_attention_a_module_computes_with_sdpa_itself_is_named_in_a_warning():
+    """AIMv2's attention pooling head (a class not named ``...Attention``) calls
+    ``scaled_dot_product_attention`` in its own forward: it runs unprotected, and ``protect``
+    said nothing."""
+    if not hasattr(transformers, "Aimv2VisionModel"):
+        pytest.skip(f"transformers {transformers.__version__} has no AIMv2")
+    config = transformers.Aimv2VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=16, patch_size=4, use_head=True, attn_implementation="eager")
+    with pytest.warns(UserWarning, match=r"1 attention modules .* run unprotected \('head'"):
+        model = protect(transformers.Aimv2VisionModel(config))
+    assert "encoder.layers.0.attention" in attention_cores(model)
