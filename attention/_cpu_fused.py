@@ -382,6 +382,22 @@ def _probs_excess(pv: Any, x: Any, t0: Any, t1: Any, flush: Any, tiny: Any, half
     return (d if d >= zero else -d) - tol, tol
 
 
+@numba.njit(cache=True, inline="always")
+def _measured(ex: Any, t: Any, tiny: float) -> tuple:
+    """``(ratio, |d|, tau)`` for the report of an entry whose check gave ``(excess, tol)`` =
+    ``(ex, t)`` (:func:`_probs_excess`, :func:`_dscores_excess`): ratio 0 when it holds; a NaN
+    excess (a NaN entry, or a NaN argument) is ratio and ``|d|`` INF, as :func:`_ratio`
+    reports every non-finite observation (``|d| = nan`` said nothing), against ``t`` or, where
+    a NaN argument made ``t`` NaN too, ``tiny``, the least tolerance of an entry."""
+    tau = np.float64(t)
+    if ex <= 0:
+        return 0.0, np.float64(ex) + tau, tau
+    if ex > 0:
+        mag = np.float64(ex) + tau
+        return mag / tau, mag, tau
+    return np.inf, np.inf, tiny if math.isnan(tau) else tau
+
+
 @numba.njit(cache=True, fastmath=_FAST)
 def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
     """The softmax check of a tile, judged on what was stored, entry by entry: ``p_ij =
@@ -418,9 +434,9 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
                 e, mag, tau = (0.0 if pv == 0 else np.inf), abs(np.float64(pv)), 0.0
             else:
                 ex, t = _probs_excess(pv, z[r, j] - mr, t0, t1, flush, tiny, half, zero)
-                tau = np.float64(t)
-                mag = np.float64(ex) + tau
-                e = mag / tau if ex > 0 else (0.0 if ex <= 0 else np.inf)
+                e, mag, tau = _measured(ex, t, tol[3])
+            if math.isnan(mag):  # a NaN entry: |d| INF, as every non-finite observation (_ratio)
+                mag = np.inf
             if e > worst:
                 worst = max(e, 1.0 + 2.0 ** -20)
                 info[0], info[1], info[2], info[3], info[4] = worst, mag, tau, r, j
@@ -467,9 +483,7 @@ def _dscores_ratio(ds: Any, p: Any, dp: Any, dd: Any, keep: Any, ks: Any, tol: A
         for j in range(cols):
             g = (dp[r, j] * ks if keep[r, j] else zero) if drop else dp[r, j]
             ex, t = _dscores_excess(ds[r, j], p[r, j], g, dd[r], c, tiny, zero)
-            tau = np.float64(t)
-            mag = np.float64(ex) + tau
-            e = mag / tau if ex > 0 else (0.0 if ex <= 0 else np.inf)
+            e, mag, tau = _measured(ex, t, tol[1])
             if e > worst:
                 worst = max(e, 1.0 + 2.0 ** -20)
                 info[0], info[1], info[2], info[3], info[4] = worst, mag, tau, r, j

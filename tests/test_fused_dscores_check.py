@@ -72,3 +72,16 @@ def test_one_corrupted_entry_is_flagged_and_located(dtype, dropout, seed):
         assert (ratio > 1) == flagged, name
         if flagged:
             assert (info[3], info[4]) == (r, c), name
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_nan_entry_reports_an_infinite_difference(dtype):
+    """A NaN ``dS`` entry is flagged, located, and reported as the kernels report every
+    non-finite observation (:func:`attention._cpu_fused._ratio`): ``|d|`` INF against its
+    finite threshold, not ``|d| = nan``."""
+    p, dp, dd, keep, ks, ds = _tile(dtype, 0, False)
+    bad = ds.copy()
+    bad[4, 9] = np.nan
+    ratio, info = _ratio(bad, p, dp, dd, keep, ks)
+    assert ratio == np.inf and (info[3], info[4]) == (4, 9)
+    assert info[1] == np.inf and np.isfinite(info[2]) and info[2] > 0, info

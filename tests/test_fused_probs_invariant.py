@@ -132,3 +132,49 @@ def test_an_entry_is_judged_by_its_own_tolerance(dtype, seed):
         assert (ratio > 1) == flagged, factor
         if flagged:
             assert (info[3], info[4]) == (r, c)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_nan_entry_reports_an_infinite_difference(dtype):
+    """A NaN probability is reported as the kernels report every non-finite observation (the
+    CUDA kernels' ``probs_bad``, :func:`attention._cpu_fused._ratio`, this check before the
+    entry-wise one): ``|d|`` INF against a finite threshold, not ``|d| = nan`` (the excess of
+    a NaN entry is NaN, and so was the magnitude made from it). Also in a row without a
+    visible key, and where ``z - m`` itself is NaN (a NaN score left in place by
+    ``check='detect'``), whose tolerance was NaN too."""
+    z, m, p = _tile(dtype, 0)
+    cases = [(11, 3, "p"), (5, 7, "p"), (11, 4, "z")]
+    for r, c, what in cases:
+        zz, bad = z.copy(), p.copy()
+        if what == "p":
+            bad[r, c] = np.nan
+        else:
+            zz[r, c] = np.nan
+        ratio, info = _ratio(zz, m, bad)
+        assert ratio == np.inf and (info[3], info[4]) == (r, c), (r, c, what)
+        assert info[1] == np.inf, (r, c, what, info)
+        assert np.isfinite(info[2]) and info[2] >= 0, (r, c, what, info)
+
+
+def test_a_nan_probability_event_has_an_infinite_magnitude():
+    """End to end (the fault hook at ``fused:P``, ``check='detect'``): the event of a NaN
+    probability is located at it and reports ``|d|`` INF against a finite threshold."""
+    import warnings
+
+    from attention.context import Context
+    from attention.fused import fused_forward
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 40, 16)).astype(np.float32) for _ in range(3))
+
+    def hook(site, tile):
+        if site == "fused:P":
+            tile[9, 5] = np.nan
+
+    ctx = Context(check="detect", fault_hook=hook)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused_forward(q, k, v, ctx)
+    events = [e for e in ctx.report.events if e.site == "fused:P"]
+    assert len(events) == 1 and events[0].rows == (9,) and events[0].cols == (5,)
+    assert events[0].magnitude == np.inf and np.isfinite(events[0].threshold), events[0]
