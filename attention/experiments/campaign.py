@@ -6,8 +6,10 @@ a standalone GEMM ``"gemm"`` through :func:`abftgemm.matmul`), each fault kind o
 (``check="correct"``: protected, ``check="off"``: unprotected), ``trials`` seeded trials run one
 forward and one backward pass of a :class:`attention.MultiHeadAttention` (or one product) with a
 single :class:`abftgemm.faults.Fault` at that site.  Every trial is compared with the fault-free,
-unprotected run of the same layer on the same inputs: output ``y``, ``dx`` and every gradient
-(for ``"gemm"``: the product).  ``clean_trials`` runs without a fault measure false positives.
+unprotected run of the same layer on the same inputs, through the same code (with a fault hook
+that changes nothing: a hook sends float32's softmax backward through its unscaled ``dS``, which
+rounds differently): output ``y``, ``dx`` and every gradient (for ``"gemm"``: the product); the
+clean trials with the plain unprotected run.  ``clean_trials`` runs without a fault measure false positives.
 ``core="fused"`` (``--core fused``) runs the same trials on the fused attention core's internal
 sites and its final checks' sites instead (:mod:`attention.experiments.fused_campaign`).
 
@@ -277,6 +279,12 @@ class _Testbed:
                                            for s in (shape, shape, (m, k), (k, n)))
         self.reference = {site: self.run(site, "off", None).results
                           for site in ("layer", GEMM_SITE)}
+        # what a faulted trial is compared with: the fault-free run through the code a fault hook
+        # takes (with a hook, the softmax backward hands the hook its unscaled dS and scales it
+        # after, which rounds differently in float32 from the hook-free path: no fault that
+        # changed nothing could otherwise be "masked")
+        self.hooked = {site: self.run(site, "off", _no_fault).results
+                       for site in ("layer", GEMM_SITE)}
         self.atol = self._atol()
 
     def _atol(self) -> dict[str, dict[str, float]]:
@@ -318,12 +326,17 @@ class _Testbed:
             return Trial(report, True, None, bool(getattr(hook, "injected", False)))
         return Trial(report, False, results, bool(getattr(hook, "injected", False)))
 
-    def compare(self, site: str, results: dict[str, Any]) -> str:
+    def compare(self, site: str, results: dict[str, Any], faulted: bool = False) -> str:
         """``"equal"`` (bit-identical to the fault-free run), ``"within"`` (differs, within the
-        tolerance of the module docstring) or ``"beyond"``."""
+        tolerance of the module docstring) or ``"beyond"``; ``faulted``: a run with a fault
+        hook, compared with the fault-free run through the same code."""
         target = GEMM_SITE if site == GEMM_SITE else "layer"
-        return compare(self.xp, results, self.reference[target], self.atol[target],
-                       self.config.dtype)
+        reference = (self.hooked if faulted else self.reference)[target]
+        return compare(self.xp, results, reference, self.atol[target], self.config.dtype)
+
+
+def _no_fault(site: str, c: Any) -> None:
+    """A fault hook that changes nothing (the fault-free run of a faulted trial's code)."""
 
 
 def _nonfinite(results: dict[str, Any] | None, xp: Any) -> bool:
@@ -335,7 +348,8 @@ def _tally(record: Record, bench: Any, trial: Trial) -> None:
     n = record.counts
     report = trial.report
     detected = report.detected or trial.uncorrectable
-    verdict = "equal" if trial.results is None else bench.compare(record.site, trial.results)
+    verdict = "equal" if trial.results is None else \
+        bench.compare(record.site, trial.results, faulted=record.kind != "none")
     record.trials += 1
     n["injected"] += trial.injected
     n["detected"] += detected

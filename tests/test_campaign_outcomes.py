@@ -1,0 +1,61 @@
+"""The campaign's outcome classes judged against cases whose truth is known."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from abftgemm.faults import Fault
+from attention.experiments.campaign import CampaignConfig, Record, _tally
+from attention.experiments.campaign import testbed as make_testbed
+
+SMALL = dict(trials=1, clean_trials=0, batch=1, seq=8, d_model=16, n_heads=2, gemm=(8, 12, 8))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return make_testbed(CampaignConfig(**SMALL), np, 0)
+
+
+def _outcome(bench, site: str, check: str, hook) -> dict[str, int]:
+    record = Record(site, "additive", "element", check != "off", {})
+    with np.errstate(all="ignore"):
+        _tally(record, bench, bench.run(site, check, hook))
+    return {k: v for k, v in record.counts.items() if v}
+
+
+@pytest.mark.parametrize("check", ["off", "correct"])
+@pytest.mark.parametrize("site", ["q_proj", "d_probs", "softmax_backward", "gemm"])
+def test_a_fault_that_changes_nothing_is_masked(bench, site: str, check: str) -> None:
+    """An additive 1e-30 is absorbed by the float32 element it hits: every result is the
+    fault-free run's, bit for bit, so the trial is masked, not "silent, within bound" (a float32
+    layer run with a fault hook takes the softmax backward's unscaled dS, which rounds
+    differently from the hook-free path: the reference must be the hooked path's)."""
+    fault = Fault("additive", "element", seed=3, sites=site, magnitude=1e-30)
+    assert _outcome(bench, site, check, fault) == {"injected": 1, "masked": 1}
+
+
+@pytest.mark.parametrize("site", ["q_proj", "softmax", "gemm"])
+def test_known_truth(bench, site: str) -> None:
+    """A large fault unprotected is silent corruption; with check="detect" it is detected and
+    delivered wrong (miscorrected), never corrected; with check="correct" detected and repaired."""
+    def fault() -> Fault:
+        return Fault("additive", "element", seed=3, sites=site, magnitude=100.0)
+
+    assert _outcome(bench, site, "off", fault()) == {"injected": 1, "silent": 1}
+    with pytest.warns(Warning):
+        got = _outcome(bench, site, "detect", fault())
+    assert got["detected"] == got["miscorrected"] == 1
+    assert "corrected" not in got and "silent" not in got
+    got = _outcome(bench, site, "correct", fault())
+    assert got["detected"] == 1 and "miscorrected" not in got and "silent" not in got
+
+
+@pytest.mark.parametrize("mask", ["causal", "padding"])
+def test_fused_core_a_hook_that_changes_nothing_is_masked(mask: str) -> None:
+    """The fused core computes the same with and without a hook: its faulted trials may be
+    compared with the hook-free run (FusedTestbed.compare ignores ``faulted``)."""
+    config = CampaignConfig(**{**SMALL, "gemm": (32, 32, 32)}, core="fused", mask=mask)
+    bench = make_testbed(config, np, 0)
+    record = Record("fused:S", "additive", "element", True, {})
+    _tally(record, bench, bench.run("fused:S", "correct", lambda site, c: None))
+    assert record.counts["masked"] == 1
