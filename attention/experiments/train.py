@@ -28,21 +28,26 @@ Recovery overhead of checkpointing against protection (ATTNChecker reports up to
 
 with every ``T`` the wall time (``time.perf_counter``) of a whole run, JIT warm-up excluded; the
 pieces are reported alongside.  Every step synchronizes with the device when it reads the loss.
-Other load on the machine adds noise to these times.
+Other load on the machine adds noise to these times.  On the CPU every run's products use one
+BLAS thread count, the library's thread policy's at the start (``blas_threads`` in train.json):
+the protected products run at the policy's count, and ``check="off"`` ones at NumPy's own
+setting, which on a loaded machine made the unprotected runs slower and the protection overhead
+smaller than it is (even negative).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 from tqdm import tqdm
 
-from abftgemm import UncorrectableError
+from abftgemm import UncorrectableError, threads
 from abftgemm.backend import to_host
 from abftgemm.faults import Fault, bit_layout
 from attention import SITES
@@ -419,13 +424,15 @@ def train(config: TrainConfig, xp: Any, out: Path, progress: bool = True) -> dic
     else:
         schedule = fault_schedule(config, tuple(_trainer(config, data, len(chars), xp).sites()),
                                   layers=1)
-    _warm_up(config, data, len(chars), xp, schedule)
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # faults overflow
-        runs = _all_runs(config, data, len(chars), xp, schedule, out, progress)
+    with _one_thread_count(xp) as blas_threads:
+        _warm_up(config, data, len(chars), xp, schedule)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # faults overflow
+            runs = _all_runs(config, data, len(chars), xp, schedule, out, progress)
     reference = runs["fault_free"].losses
     summary = {
         "config": asdict(config),
         "backend": xp.__name__,
+        "blas_threads": blas_threads,
         "vocab": "".join(chars),
         "schedule": [asdict(f) for f in schedule.values()],
         "runs": {name: {**asdict(r), "max_abs_loss_diff": _max_diff(r.losses, reference),
@@ -435,6 +442,28 @@ def train(config: TrainConfig, xp: Any, out: Path, progress: bool = True) -> dic
     out.mkdir(parents=True, exist_ok=True)
     (out / "train.json").write_text(json.dumps(jsonable(summary), indent=2))
     return summary
+
+
+@contextlib.contextmanager
+def _one_thread_count(xp: Any) -> Iterator[int | None]:
+    """NumPy's BLAS and the library's thread policy fixed at one count for what runs inside
+    (None on a GPU): the policy's count now, never more than NumPy's BLAS is set to."""
+    if xp is not np:
+        yield None
+        return
+    from threadpoolctl import ThreadpoolController, threadpool_limits
+
+    before = threads.get_threads()
+    n = threads.current_policy()
+    caller = [lib.num_threads for lib in ThreadpoolController().select(user_api="blas")
+              .lib_controllers if lib.num_threads]
+    n = min([n, *caller])
+    threads.set_threads(n)
+    try:
+        with threadpool_limits(n, user_api="blas"):
+            yield n
+    finally:
+        threads.set_threads(before)
 
 
 def _all_runs(config: TrainConfig, data: np.ndarray, vocab: int, xp: Any,
@@ -539,6 +568,8 @@ def format_table(summary: dict[str, Any]) -> str:
     ratio = "n/a (protection not slower)" if o["ratio"] is None else f"{o['ratio']:.2f}x"
     lines += [
         "",
+        *([f"BLAS threads (every run): {summary['blas_threads']}"]
+          if summary.get("blas_threads") else []),
         f"protection overhead: {o['protection_seconds']:.2f} s "
         f"({_fmt(o['protection_overhead_pct'])}% of the fault-free run)",
         f"checkpoint/restore overhead: {o['checkpoint_seconds']:.2f} s "
