@@ -59,3 +59,10 @@ def test_fused_core_a_hook_that_changes_nothing_is_masked(mask: str) -> None:
     record = Record("fused:S", "additive", "element", True, {})
     _tally(record, bench, bench.run("fused:S", "correct", lambda site, c: None))
     assert record.counts["masked"] == 1
+
+
+def test_campaign_md_says_when_where_and_from_which_commit() -> None:
+    from attention.experiments.campaign import markdown
+
+    text = markdown([], None, CampaignConfig(**SMALL), "numpy")
+    assert " UTC on machine " in text and ", commit " in text

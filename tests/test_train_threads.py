@@ -59,3 +59,19 @@ def test_every_run_sees_the_same_blas_thread_count(tmp_path: Path,
     assert set(counts) >= {"fault_free", "protected", "checkpoint"}
     assert all(c == {1} for c in counts.values()), counts
     assert summary["blas_threads"] == 1
+
+
+def test_train_md_says_what_was_run(tmp_path: Path) -> None:
+    """train.md names the settings, the machine, the date and the commit it was made with
+    (it held the table alone: nothing said how many steps, which fault rate or seed)."""
+    from attention.experiments.cli import main
+
+    assert main(["train", "--backend", "numpy", "--out", str(tmp_path), "--no-progress",
+                 "--steps", "3", "--fault-rate", "0.5", "--batch", "2", "--seq", "8",
+                 "--d-model", "16", "--heads", "2", "--layers", "1", "--d-ff", "8",
+                 "--seed", "7"]) == 0
+    text = (tmp_path / "train.md").read_text()
+    for part in ("steps=3", "fault_rate=0.5", "seed=7", "backend numpy", "commit ", "machine "):
+        assert part in text, part
+    summary = __import__("json").loads((tmp_path / "train.json").read_text())
+    assert {"date", "commit", "machine"} <= set(summary["provenance"])

@@ -260,7 +260,8 @@ def _run_train(config: Any, args: argparse.Namespace) -> int:
           f"{config.fault_rate}", flush=True)
     summary = train.train(config, xp, args.out, progress=not args.no_progress)
     table = train.format_table(summary)
-    (args.out / "train.md").write_text("# Training under faults\n\n" + table + "\n")
+    (args.out / "train.md").write_text("# Training under faults\n\n" + train.describe(summary)
+                                       + "\n\n" + table + "\n")
     written = ["train.json", "train.md"]
     plots = _plots()
     if plots is not None:

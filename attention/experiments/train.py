@@ -433,6 +433,7 @@ def train(config: TrainConfig, xp: Any, out: Path, progress: bool = True) -> dic
         "config": asdict(config),
         "backend": xp.__name__,
         "blas_threads": blas_threads,
+        "provenance": provenance(),
         "vocab": "".join(chars),
         "schedule": [asdict(f) for f in schedule.values()],
         "runs": {name: {**asdict(r), "max_abs_loss_diff": _max_diff(r.losses, reference),
@@ -464,6 +465,44 @@ def _one_thread_count(xp: Any) -> Iterator[int | None]:
             yield n
     finally:
         threads.set_threads(before)
+
+
+def provenance() -> dict[str, str]:
+    """When, on what and from which commit an experiment ran: ``date`` (UTC), ``commit`` (of
+    the checkout the package runs from, ``-dirty`` with changes; ``unknown`` outside one) and
+    ``machine`` (CPU model and cores)."""
+    import datetime
+    import os
+    import platform
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True,
+                                  text=True, timeout=10, check=True).stdout.strip()
+        commit = git("rev-parse", "--short", "HEAD")
+        if git("status", "--porcelain", "--untracked-files=no"):
+            commit += "-dirty"
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next((line.split(":", 1)[1].strip() for line in info
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": commit, "machine": f"{cpu}, {os.cpu_count()} cores"}
+
+
+def describe(summary: dict[str, Any]) -> str:
+    """One line of train.md: the settings, backend and :func:`provenance` of ``summary``."""
+    settings = " ".join(f"{k}={v}" for k, v in summary["config"].items())
+    p = summary["provenance"]
+    return (f"Settings: {settings}; backend {summary['backend']}. Run {p['date']} on machine "
+            f"{p['machine']}, commit {p['commit']}.")
 
 
 def _all_runs(config: TrainConfig, data: np.ndarray, vocab: int, xp: Any,
