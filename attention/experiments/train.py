@@ -37,8 +37,12 @@ smaller than it is (even negative).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import math
+import os
+import platform
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -471,11 +475,6 @@ def provenance() -> dict[str, str]:
     """When, on what and from which commit an experiment ran: ``date`` (UTC), ``commit`` (of
     the checkout the package runs from, ``-dirty`` with changes; ``unknown`` outside one) and
     ``machine`` (CPU model and cores)."""
-    import datetime
-    import os
-    import platform
-    import subprocess
-
     root = Path(__file__).resolve().parents[2]
     try:
         def git(*args: str) -> str:
