@@ -8,8 +8,8 @@ wrong data. With ``check="detect"`` it leaves the data alone and announces every
 """
 from abftgemm.checksums import SUPPORTED_DTYPES, Checksums
 from abftgemm.encode import checksums_of
-from abftgemm.gemm import CHECK_MODES, matmul
-from abftgemm.plan import Counters, ProtectedMatmul, settle_all
+from abftgemm.gemm import matmul
+from abftgemm.plan import CHECK_MODES, Counters, ProtectedMatmul, settle_all
 from abftgemm.plan_cache import PlanCache, clear_plan_cache
 from abftgemm.report import Event, FaultDetectedWarning, Report, UncorrectableError
 from abftgemm.threads import get_threads, set_threads

@@ -14,13 +14,12 @@ from abftgemm.tensors import any_tensor, tensor_matmul
 from abftgemm.backend import array_module, get_backend
 from abftgemm.checksums import Checksums, check_checksums
 from abftgemm.operands import Operands
-from abftgemm.plan import DIRECTIONS
+from abftgemm.plan import CHECK_MODES, DIRECTIONS, check_option
 from abftgemm.plan_cache import PlanCache, default_plans
 from abftgemm.report import Report
 from abftgemm.threads import blas_scope
 
 FaultHook = Callable[[str, Any], None]
-CHECK_MODES = ("correct", "detect", "off")
 
 
 def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
@@ -111,10 +110,8 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
                              fault_hook=fault_hook, name=name, return_report=return_report,
                              a_checksums=a_checksums, return_checksums=return_checksums,
                              plans=plans)
-    if check not in CHECK_MODES:
-        raise ValueError(f"check must be one of {CHECK_MODES}, got {check!r}")
-    if directions not in DIRECTIONS:
-        raise ValueError(f"directions must be one of {DIRECTIONS}, got {directions!r}")
+    check_option("check", check, CHECK_MODES)
+    check_option("directions", directions, DIRECTIONS)
     if plans is not None and not isinstance(plans, PlanCache):
         raise TypeError(f"plans must be an abftgemm.PlanCache, got {type(plans).__name__}")
     if fault_hook is not None and not callable(fault_hook):

@@ -39,12 +39,22 @@ from abftgemm.thresholds import safe_magnitude, threshold_coefficients
 from abftgemm.verdicts import Ledger
 
 FaultHook = Callable[[str, Any], None]
+#: What a check does with a finding (:func:`abftgemm.matmul`): repair it, report it, or no check.
+CHECK_MODES = ("correct", "detect", "off")
 DIRECTIONS = ("columns", "both")
 #: What a plan may verify besides :data:`DIRECTIONS`: the rows its consumer observes.
 CONSUMER_ROWS = "rows by consumer"
 PLAN_DIRECTIONS = DIRECTIONS + (CONSUMER_ROWS,)
 #: What ``a_triangle`` may promise.
 TRIANGLES = (None, "lower", "upper")
+
+
+def check_option(name: str, value: Any, allowed: tuple) -> Any:
+    """``value``, or ``ValueError`` naming the option ``name``, what it ``allowed`` and what it
+    got: the one validation of the library's string options (``check``, ``directions``, ...)."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value
 
 
 @dataclass
@@ -161,10 +171,8 @@ class ProtectedMatmul:
         if check not in ("correct", "detect"):
             raise ValueError(f"check must be 'correct' or 'detect' for a plan, got {check!r} "
                              "(check='off' needs no plan: use abftgemm.matmul)")
-        if directions not in PLAN_DIRECTIONS:
-            raise ValueError(f"directions must be one of {PLAN_DIRECTIONS}, got {directions!r}")
-        if a_triangle not in TRIANGLES:
-            raise ValueError(f"a_triangle must be one of {TRIANGLES}, got {a_triangle!r}")
+        check_option("directions", directions, PLAN_DIRECTIONS)
+        check_option("a_triangle", a_triangle, TRIANGLES)
         consumer = directions == CONSUMER_ROWS
         if out_triangle not in (None, "lower") or out_triangle and not consumer:
             raise ValueError(f"out_triangle must be None, or 'lower' with directions="

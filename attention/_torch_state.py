@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 import abftgemm
+from abftgemm.plan import check_option
 from abftgemm.report import Report
 from attention.context import Context
 from attention.plan import CheckingPlan
@@ -76,8 +77,7 @@ class Protection:
 
     @check.setter
     def check(self, check: str) -> None:
-        if check not in abftgemm.CHECK_MODES:
-            raise ValueError(f"check must be one of {abftgemm.CHECK_MODES}, got {check!r}")
+        check_option("check", check, abftgemm.CHECK_MODES)
         self._check = check
 
     @property

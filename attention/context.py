@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from abftgemm.plan import CHECK_MODES, check_option
 from abftgemm.report import Report
 from attention.plan import CheckingPlan
 
 FaultHook = Callable[[str, Any], None]
-CHECK_MODES = ("correct", "detect", "off")
 
 
 @dataclass
@@ -39,8 +39,7 @@ class Context:
     trace: list | None = None
 
     def __post_init__(self) -> None:
-        if self.check not in CHECK_MODES:
-            raise ValueError(f"check must be one of {CHECK_MODES}, got {self.check!r}")
+        check_option("check", self.check, CHECK_MODES)
         if self.fault_hook is not None and not callable(self.fault_hook):
             raise TypeError(f"fault_hook must be callable (site, c), got "
                             f"{type(self.fault_hook).__name__}")

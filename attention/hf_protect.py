@@ -26,6 +26,7 @@ from torch import nn
 from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
 
 import abftgemm
+from abftgemm.plan import check_option
 from attention._torch_arrays import eager
 from attention.hf import TransformersCore, core_of, name_for, not_allowed, weights_wanted
 from attention.hf_linear import (check_projections, check_swappable, protect_projections,
@@ -159,8 +160,7 @@ def check_pretrained(model: nn.Module, *, check: str = "correct", projections: b
     before it protects any."""
     if mlp and not projections:
         raise ValueError("protect: mlp=True needs projections=True")
-    if check not in abftgemm.CHECK_MODES:
-        raise ValueError(f"check must be one of {abftgemm.CHECK_MODES}, got {check!r}")
+    check_option("check", check, abftgemm.CHECK_MODES)
     capped = [name for name, m in model.named_modules()
               if getattr(m, "attn_logit_softcapping", None) is not None]
     if capped:  # Gemma 2's tanh cap of the scores: refused now, not at the first forward

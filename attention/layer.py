@@ -16,7 +16,7 @@ import numpy as np
 
 import abftgemm
 from abftgemm.checksums import check_dtype
-from abftgemm.plan import Counters
+from abftgemm.plan import Counters, check_option
 from abftgemm.report import Report, register_library_package
 from attention.context import Context
 from attention.functional import PARAM_KEYS, attention_backward, attention_forward
@@ -89,8 +89,7 @@ class MultiHeadAttention:
                  plan: CheckingPlan | None = None, core: str = "auto"):
         if n_heads <= 0 or d_model <= 0 or d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be a positive multiple of n_heads ({n_heads})")
-        if check not in abftgemm.CHECK_MODES:
-            raise ValueError(f"check must be one of {abftgemm.CHECK_MODES}, got {check!r}")
+        check_option("check", check, abftgemm.CHECK_MODES)
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
         check_core(core)
         self.causal, self.xp, self.check, self.core = causal, xp, check, core
