@@ -22,7 +22,7 @@ def predict(be: Backend, op: Operands, a_checksums: Checksums | None) -> tuple[A
     b_rows = _row_encoding_of_b(be, op)
     a_cols = None if a_checksums is None else a_checksums.cols
     if a_cols is None:
-        batch = max(op.a.shape[0], b_rows.shape[1])
+        batch = op.batch  # not max(a's, b's): an empty batch broadcasts a b of batch 1
         enc_a = xp.empty((batch, op.k, 5), dtype=np.float64)
         pred_row = xp.empty((batch, op.m, 5), dtype=np.float64)
         be.both_reduce(op.a, None, b_rows, enc_a, pred_row)
@@ -53,7 +53,8 @@ def _add_bias_to_cols(op: Operands, pred_col: Any) -> None:
     bias = op.bias.astype(np.float64)
     m = op.m
     pred_col[..., 0] += m * bias
-    pred_col[..., 1] += (m + 1) / 2 * bias  # sum of the location weights (i+1)/m
+    # the sum of the location weights (i+1)/m: (m+1)/2, and 0 without rows (no bias term)
+    pred_col[..., 1] += ((m + 1) / 2 if m else 0.0) * bias
     pred_col[..., 2] += m * op.xp.abs(bias)
 
 
@@ -77,8 +78,6 @@ def observe(be: Backend, out: Any) -> tuple[Any, Any]:
 
 def _reduce(fn: Callable, x: Any, coef: Any, batch: int, vectors: int) -> Any:
     xp = array_module(x)
-    if coef is not None:
-        batch = max(batch, x.shape[0], coef.shape[1])
     out = xp.empty((batch, vectors, 5), dtype=np.float64)
     fn(x, coef, out)
     return out

@@ -211,17 +211,24 @@ def test_checksums_hand_on_to_the_next_product(xp):
 @pytest.mark.parametrize("xp", BACKENDS)
 @pytest.mark.parametrize("a_shape,b_shape", [((0, 3, 4), (4, 5)), ((3, 4), (4, 0)),
                                              ((3, 0), (0, 5)), ((2, 3, 0), (0, 5)),
-                                             ((0, 4), (4, 5))])
-def test_empty_dimensions_execute_and_settle(xp, a_shape, b_shape):
+                                             ((0, 4), (4, 5)), ((0, 3, 4), (1, 4, 5))])
+@pytest.mark.parametrize("directions", ["columns", "both"])
+def test_empty_dimensions_execute_and_settle(xp, a_shape, b_shape, directions):
+    """With directions="both" and in abftgemm.verify (the two-direction prediction): an empty
+    batch had been taken as max(a's, b's) = 1, not 0, judging uninitialized checksums of a batch
+    item that does not exist (IndexError on NumPy, ValueError from the CUDA reductions); and a
+    bias over m = 0 rows had added (m+1)/2 * bias to the weighted column checksums (the sum of
+    zero location weights is 0), a false 'rounding' event on an empty product."""
     a, b = xp.ones(a_shape, dtype=np.float32), xp.ones(b_shape, dtype=np.float32)
     bias = xp.full(b_shape[-1], 2.0, dtype=np.float32)
     for with_bias in (None, bias):
-        plan = ProtectedMatmul(a, b, bias=with_bias)
+        plan = ProtectedMatmul(a, b, bias=with_bias, directions=directions)
         c = plan.execute(a, b, bias=with_bias)
-        assert not plan.settle().events
+        assert not plan.settle(checksums=True)[0].events
         want = _host(a) @ _host(b) + (0 if with_bias is None else 2)
         assert c.shape == want.shape
         np.testing.assert_array_equal(_host(c), want)
+        assert abftgemm.verify(c, a, b, bias=with_bias).clean
     if 0 not in c.shape:  # an empty inner dimension: the product is the bias, still verified
         plan.execute(a, b, bias=bias, fault_hook=Fault("nan", "element", seed=0))
         assert plan.settle().corrected == 1
