@@ -809,7 +809,8 @@ def _additive(xp: Any, mask: Any | None, rows: int, seq_q: int, seq_k: int) -> A
     else:
         raise TypeError(f"attn_mask must be boolean (True = not allowed) or float, got "
                         f"{mask.dtype}")
-    return xp.ascontiguousarray(add.reshape((-1, seq_q, seq_k)))
+    # explicit leading length: -1 is ambiguous when seq_q or seq_k is 0
+    return xp.ascontiguousarray(add.reshape((rows if add.ndim == 3 else 1, seq_q, seq_k)))
 
 
 def check_mask_grad(attn_mask: Any | None, core: str) -> None:

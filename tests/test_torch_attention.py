@@ -493,6 +493,27 @@ def test_empty_inputs_return_what_stock_returns(empty):
             assert got[1].shape == want[1].shape
 
 
+@pytest.mark.parametrize("mask", ["bool-2d", "float-2d", "bool-3d"])
+@pytest.mark.parametrize("empty", ["query", "key"])
+def test_masks_over_empty_sequences_match_torch(empty, mask):
+    """An ``attn_mask`` of a zero-length query or key sequence is taken as stock takes it (its
+    reshape to ``(-1, L, S)`` was ambiguous: NumPy's ValueError "cannot reshape array of size
+    0")."""
+    dtype = torch.float64
+    stock, mine = pair(dtype)
+    seq_q, seq_k = (0, S) if empty == "query" else (L, 0)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(N, seq_q, E, generator=gen, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(N, seq_k, E, generator=gen, dtype=dtype, requires_grad=True)
+            for _ in range(2))
+    shape = (N * HEADS, seq_q, seq_k) if mask.endswith("3d") else (seq_q, seq_k)
+    attn_mask = torch.zeros(shape, dtype=torch.bool if mask.startswith("bool") else dtype)
+    # stock's own sdpa path refuses a 3-D mask over no keys (its reshape to -1 is ambiguous)
+    for need in (True,) if shape == (N * HEADS, L, 0) else (True, False):
+        kw = dict(attn_mask=attn_mask, need_weights=need, average_attn_weights=False)
+        compare(fwd_bwd(mine, q, k, v, **kw), fwd_bwd(stock, q, k, v, **kw), dtype, terms=E)
+
+
 @pytest.mark.parametrize("weights", [True, False], ids=["unfused", "fused"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("mask", ["float-2d", "float-padding+float-2d", "bool-padding"])
