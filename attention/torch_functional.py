@@ -275,7 +275,7 @@ def _key_padding(mask: torch.Tensor, seq_q: int, seq_k: int, causal: bool
     (the last query's, which a causal mask hides nothing more from), ``causal`` whether the mask
     also hides the keys after each query; ``(None, causal)`` otherwise. Compared in the mask's own
     shape (its broadcast axes are not expanded)."""
-    if mask.dim() < 2 or mask.shape[-1] != seq_k:
+    if mask.dim() < 2 or mask.shape[-1] != seq_k or seq_q == 0:  # no query: no last row
         return None, causal
     hidden = mask[..., -1:, :]
     if mask.shape[-2] == 1 or torch.equal(mask, hidden.expand_as(mask)):

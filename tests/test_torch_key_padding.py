@@ -135,3 +135,19 @@ def test_compiled_calls_take_the_mask_whole_and_equal_eager(core_calls):
         torch.testing.assert_close(got, product(q, k, v, mask), rtol=1e-12, atol=1e-12)
     explained = torch._dynamo.explain(product)(q, k, v, other)
     assert explained.graph_break_count == 0
+
+
+@pytest.mark.parametrize("mask_shape", [(0, 4), (2, 0, 4)])
+def test_a_boolean_mask_over_no_query_is_taken(mask_shape):
+    """A boolean ``attn_mask`` over an empty query sequence: the output is empty, as PyTorch's
+    ``scaled_dot_product_attention`` gives it (the mask's last query row is empty, and ``torch.
+    equal`` of empty tensors is True, so the mask read as key padding of 0 rows and its
+    expansion raised)."""
+    q = torch.randn(2, 0, 4, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 4, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = torch.zeros(mask_shape, dtype=torch.bool)
+    out, _ = attention_core(q, k, v, protection=Protection(), attn_mask=mask)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~mask)
+    assert out.shape == expected.shape == (2, 0, 4)
+    out.sum().backward()
+    assert k.grad is not None and torch.count_nonzero(k.grad) == 0
