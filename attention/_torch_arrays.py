@@ -49,7 +49,8 @@ def autocast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     once, so self-attention's one input stays one tensor."""
     given = [t for t in tensors if t is not None]
     device = given[0].device.type
-    if not torch.is_autocast_enabled(device) or not all(t.is_floating_point() for t in given):
+    if not _autocast_available(device) or not torch.is_autocast_enabled(device) \
+            or not all(t.is_floating_point() for t in given):
         return tensors
     dtype = torch.get_autocast_dtype(device)
     cast: dict[int, torch.Tensor] = {}
@@ -57,6 +58,13 @@ def autocast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         if id(t) not in cast:
             cast[id(t)] = t if t.dtype == torch.float64 else t.to(dtype)
     return tuple(None if t is None else cast[id(t)] for t in tensors)
+
+
+def _autocast_available(device: str) -> bool:
+    """Whether ``torch.autocast`` knows device type ``device``: ``torch.is_autocast_enabled``
+    raises for the others (``meta``, on which the layers compute shapes only)."""
+    available = getattr(torch.amp, "is_autocast_available", None)  # PyTorch >= 2.4
+    return device in ("cpu", "cuda") if available is None else available(device)
 
 
 def dropout_arrays(drawn: torch.Tensor | None) -> tuple[Any, int | None]:

@@ -92,3 +92,25 @@ def test_float64_stays_float64_under_autocast_as_in_torch():
     for got, want in pairs:
         assert got.dtype == want.dtype == torch.float64
         assert (got - want).abs().max().item() <= 1e-12 * want.abs().max().item()
+
+
+def test_layers_on_the_meta_device_compute_shapes_as_torchs():
+    """On ``meta`` tensors (shape inference, models built under accelerate's
+    ``init_empty_weights``) the protected linear layer and attention give the shapes PyTorch's
+    give, forward and backward: not ``torch.is_autocast_enabled``'s "unknown device type for
+    autocast" (autocast knows no meta device)."""
+    from attention.torch import MultiheadAttention
+    from attention.torch_linear import ProtectedLinearCore
+
+    weight = torch.ones(3, 5, device="meta", requires_grad=True)
+    bias = torch.ones(3, device="meta", requires_grad=True)
+    x = torch.ones(2, 4, 5, device="meta", requires_grad=True)
+    y = ProtectedLinearCore()(x, weight, bias, weight_in_out=False)
+    assert y.device.type == "meta" and y.shape == (2, 4, 3)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and weight.grad.shape == weight.shape
+    assert bias.grad.shape == bias.shape
+    mha = MultiheadAttention(8, 2, batch_first=True).to("meta")
+    q = torch.ones(2, 4, 8, device="meta")
+    assert mha(q, q, q)[0].shape == torch.nn.MultiheadAttention(
+        8, 2, batch_first=True, device="meta")(q, q, q)[0].shape == (2, 4, 8)
