@@ -56,7 +56,10 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
         layout; its dtype must accept the result under ``casting="same_kind"``; for NumPy its
         leading dimensions may broadcast the result's, for CuPy its shape is the result's. A bad
         ``out`` raises before anything is written. If the call raises
-        :class:`UncorrectableError`, the contents of ``out`` are unspecified.
+        :class:`UncorrectableError`, the contents of ``out`` are unspecified. A tensor ``out``
+        has its version counter advanced (as PyTorch's ``out=``: a backward that saved it
+        raises); an expanded one (elements sharing memory) and an inference tensor outside
+        ``torch.inference_mode`` raise ValueError, as PyTorch refuses them.
     bias : array (n,), optional
         Added to every row of the product, inside the protection (``a @ b + bias``); promoted
         together with ``a`` and ``b``.

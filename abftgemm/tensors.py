@@ -124,11 +124,45 @@ def tensor_matmul(matmul: Callable[..., Any], a: Any, b: Any, out: Any | None,
     as a tensor (``out`` itself when given), followed by the report and checksums as arrays."""
     if is_tensor(a) and is_tensor(b) and a.dtype != b.dtype:  # as torch.matmul: no promotion
         raise TypeError(f"matmul: a and b must have the same dtype, got {a.dtype} and {b.dtype}")
+    written = out if is_tensor(out) else None
+    if written is not None:
+        _check_out(written)
     with device_scope(next(x for x in (a, b, out, bias) if is_tensor(x))):
         arrays = {label: None if x is None else to_array(x, label) if is_tensor(x) else x
                   for label, x in (("a", a), ("b", b), ("out", out), ("bias", bias))}
-        result = matmul(arrays["a"], arrays["b"], arrays["out"], bias=arrays["bias"], **options)
+        try:
+            result = matmul(arrays["a"], arrays["b"], arrays["out"], bias=arrays["bias"],
+                            **options)
+        except (TypeError, ValueError):
+            raise  # refused before anything was written
+        except BaseException:
+            _written(written)  # out's contents are unspecified: it may have been written
+            raise
+        _written(written)
         extras = result[1:] if isinstance(result, tuple) else ()
         c = result[0] if isinstance(result, tuple) else result
         c = out if out is not None else to_tensor(c)
     return (c, *extras) if extras else c
+
+
+def _check_out(out: Any) -> None:
+    """Refuse, as PyTorch's ``out=`` does, an ``out`` that PyTorch forbids writing in place:
+    an inference tensor outside ``torch.inference_mode``, or one whose elements share memory
+    (an expanded tensor: each element would receive the last of the values written to it)."""
+    torch = sys.modules["torch"]
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError("matmul: out is an inference tensor, which cannot be written in place "
+                         "outside torch.inference_mode(); pass a tensor made outside it (or clone "
+                         "it)")
+    if any(stride == 0 and size > 1 for stride, size in zip(out.stride(), out.shape)):
+        raise ValueError(f"matmul: out (shape {tuple(out.shape)}, strides {out.stride()}) has "
+                         "elements that share memory (an expanded tensor); pass a tensor with "
+                         "memory of its own for each element (clone it)")
+
+
+def _written(out: Any | None) -> None:
+    """Tell autograd that tensor ``out`` was written in place (its version counter, as
+    PyTorch's ``out=`` and in-place operations advance it), so that a backward that saved it
+    raises instead of reading the new values."""
+    if out is not None:
+        sys.modules["torch"]._C._increment_version([out])

@@ -111,3 +111,40 @@ def test_verify_takes_a_tensor_product_and_flags_a_changed_element():
     c[1, 3, 5] += 50.0
     result = abftgemm.verify(c, a, b)
     assert not result.clean and result.report.detected
+
+
+def test_out_written_in_place_advances_its_version_as_torchs_out():
+    """``out`` is written through NumPy/CuPy, behind autograd: its version counter must advance
+    as under ``torch.matmul(..., out=)``, or a backward that saved ``out`` silently reads the
+    product in place of the values it saved (a wrong gradient, no error)."""
+    a, b = _ints((4, 5), torch.float32, "cpu", 9), _ints((5, 3), torch.float32, "cpu", 10)
+    w = torch.zeros((4, 3), requires_grad=True)
+    y = w.exp()  # saves y for its backward
+    with torch.no_grad():
+        abftgemm.matmul(a, b, y)
+    assert y._version > 0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    out = torch.empty((4, 3))
+    with pytest.raises(ValueError):  # refused: nothing written, no new version
+        abftgemm.matmul(a, b.T, out)
+    assert out._version == 0
+
+
+def test_outs_torch_refuses_to_write_are_refused_before_writing():
+    """An expanded ``out`` (elements sharing memory: each would hold the last value written to
+    it) and an inference tensor outside inference mode, which ``torch.matmul(..., out=)``
+    refuses, are refused, unwritten."""
+    a, b = _ints((4, 5), torch.float32, "cpu", 11), _ints((5, 3), torch.float32, "cpu", 12)
+    expanded = torch.full((1, 3), 7.0).expand(4, 3)
+    with pytest.raises(ValueError, match="share memory"):
+        abftgemm.matmul(a, b, expanded)
+    assert bool((expanded == 7.0).all())
+    with torch.inference_mode():
+        inference = torch.full((4, 3), 7.0)
+    with pytest.raises(ValueError, match="inference tensor"):
+        abftgemm.matmul(a, b, inference)
+    assert bool((inference == 7.0).all())
+    with torch.inference_mode():  # inside it, as torch.matmul
+        assert abftgemm.matmul(a, b, inference) is inference
+    torch.testing.assert_close(inference, a @ b, rtol=0, atol=0)
