@@ -121,7 +121,22 @@ def to_tensor(x: Any) -> Any:
 def tensor_matmul(matmul: Callable[..., Any], a: Any, b: Any, out: Any | None,
                   bias: Any | None, **options: Any) -> Any:
     """``matmul`` on the arrays behind tensors ``a``, ``b`` (and ``out``, ``bias``); the result
-    as a tensor (``out`` itself when given), followed by the report and checksums as arrays."""
+    as a tensor (``out`` itself when given), followed by the report and checksums as arrays.
+
+    Never traced by ``torch.compile``: the call is a graph break, run as written (Dynamo
+    tracing into the NumPy and Numba code of the protection failed on its own internals, or
+    would rewrite it); ``fullgraph=True`` raises."""
+    run = _UNTRACED.get("tensor_matmul")
+    if run is None:
+        run = _UNTRACED["tensor_matmul"] = sys.modules["torch"].compiler.disable(_tensor_matmul)
+    return run(matmul, a, b, out, bias, **options)
+
+
+_UNTRACED: dict[str, Callable[..., Any]] = {}
+
+
+def _tensor_matmul(matmul: Callable[..., Any], a: Any, b: Any, out: Any | None,
+                   bias: Any | None, **options: Any) -> Any:
     if is_tensor(a) and is_tensor(b) and a.dtype != b.dtype:  # as torch.matmul: no promotion
         raise TypeError(f"matmul: a and b must have the same dtype, got {a.dtype} and {b.dtype}")
     written = out if is_tensor(out) else None

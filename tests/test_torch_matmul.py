@@ -7,6 +7,7 @@ import pytest
 import abftgemm
 from abftgemm.faults import Fault
 from tests.conftest import GPU
+from fresh_python import run_python
 
 torch = pytest.importorskip("torch", reason="torch is an optional extra (pip install '.[torch]')")
 
@@ -148,3 +149,17 @@ def test_outs_torch_refuses_to_write_are_refused_before_writing():
     with torch.inference_mode():  # inside it, as torch.matmul
         assert abftgemm.matmul(a, b, inference) is inference
     torch.testing.assert_close(inference, a @ b, rtol=0, atol=0)
+
+
+def test_a_compiled_function_that_calls_it_runs_the_protected_product_untraced():
+    """``torch.compile`` of a function calling ``abftgemm.matmul`` on tensors: the call is a
+    graph break run as written. Traced, Dynamo failed on its first call in a process (an
+    AssertionError from its bytecode analysis, inside Numba's first compilation), so in a
+    fresh interpreter."""
+    run_python("-c", """
+import torch, abftgemm
+a, b = torch.arange(20.0).reshape(4, 5), torch.arange(15.0).reshape(5, 3)
+f = torch.compile(lambda a, b: abftgemm.matmul(a, b) * 2, backend="eager")
+torch.testing.assert_close(f(a, b), (a @ b) * 2, rtol=0, atol=0)
+torch.testing.assert_close(f(b.T, a.T), (b.T @ a.T) * 2, rtol=0, atol=0)
+""")
