@@ -182,6 +182,9 @@ device, dtype
         if self_attention:
             k = v = q
         if key_padding_mask is not None and not batched:
+            if key_padding_mask.dim() != 1:
+                raise ValueError(f"key_padding_mask of an unbatched query must be 1-D (seq_k,), "
+                                 f"got shape {tuple(key_padding_mask.shape)}")
             key_padding_mask = key_padding_mask.unsqueeze(0)
         y, weights = multi_head_attention(
             q, k, v, self.num_heads, self.in_proj_weight, self.in_proj_bias,

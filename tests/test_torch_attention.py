@@ -676,3 +676,12 @@ def test_a_protection_pickled_before_check_and_plan_were_properties_loads():
     state["check"], state["plan"] = state.pop("_check"), state.pop("_plan")
     old.__setstate__(state)
     assert old.check == "detect" and isinstance(old.plan, CheckingPlan)
+
+
+def test_an_unbatched_query_with_a_2d_key_padding_mask_is_told_its_own_shape():
+    """An unbatched (2-D) query takes a 1-D key padding mask, as ``nn.MultiheadAttention``
+    says; the error named the shape after a batch dimension was added ("got (1, 1, 3)")."""
+    mha = MultiheadAttention(8, 2)
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match=r"must be 1-D \(seq_k,\), got shape \(1, 3\)"):
+        mha(x, x, x, key_padding_mask=torch.zeros(1, 3, dtype=torch.bool))
