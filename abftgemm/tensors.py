@@ -13,6 +13,7 @@ those tensors before and after (tensors written in place, gradients handed to au
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -126,13 +127,13 @@ def tensor_matmul(matmul: Callable[..., Any], a: Any, b: Any, out: Any | None,
     Never traced by ``torch.compile``: the call is a graph break, run as written (Dynamo
     tracing into the NumPy and Numba code of the protection failed on its own internals, or
     would rewrite it); ``fullgraph=True`` raises."""
-    run = _UNTRACED.get("tensor_matmul")
-    if run is None:
-        run = _UNTRACED["tensor_matmul"] = sys.modules["torch"].compiler.disable(_tensor_matmul)
-    return run(matmul, a, b, out, bias, **options)
+    return _untraced()(matmul, a, b, out, bias, **options)
 
 
-_UNTRACED: dict[str, Callable[..., Any]] = {}
+@functools.cache
+def _untraced() -> Callable[..., Any]:
+    """:func:`_tensor_matmul` behind ``torch.compiler.disable``, made once."""
+    return sys.modules["torch"].compiler.disable(_tensor_matmul)
 
 
 def _tensor_matmul(matmul: Callable[..., Any], a: Any, b: Any, out: Any | None,

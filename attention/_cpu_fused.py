@@ -430,13 +430,12 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
         mr = m[r]
         for j in range(cols):
             pv = p[r, j]
-            if mr == -np.inf:
-                e, mag, tau = (0.0 if pv == 0 else np.inf), abs(np.float64(pv)), 0.0
+            if mr == -np.inf:  # a NaN entry: |d| INF, as every non-finite observation (_ratio)
+                mag = abs(np.float64(pv)) if pv == pv else np.inf
+                e, tau = (0.0 if pv == 0 else np.inf), 0.0
             else:
                 ex, t = _probs_excess(pv, z[r, j] - mr, t0, t1, flush, tiny, half, zero)
                 e, mag, tau = _measured(ex, t, tol[3])
-            if math.isnan(mag):  # a NaN entry: |d| INF, as every non-finite observation (_ratio)
-                mag = np.inf
             if e > worst:
                 worst = max(e, 1.0 + 2.0 ** -20)
                 info[0], info[1], info[2], info[3], info[4] = worst, mag, tau, r, j

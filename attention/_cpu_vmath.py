@@ -125,13 +125,6 @@ def log_like(x: Any) -> Any:
     raise NotImplementedError("only callable from numba-compiled code")
 
 
-def log2_split(x: Any) -> Any:
-    """``(e, m)`` with ``x = m * 2**e``, ``m`` in [sqrt(1/2), sqrt(2)), both in the precision of
-    ``x``, a positive normal number (numba only; a float32 INF or NaN gives ``e`` of 128 or more
-    and a finite ``m``). Bit operations for float32, so a loop of them vectorizes."""
-    raise NotImplementedError("only callable from numba-compiled code")
-
-
 def _expf(x):  # noqa: ANN001, ANN202 (numba compares signatures)
     xc = min(max(x, np.float32(EXP_FLUSH)), np.float32(88.72283))
     n = np.floor(xc * np.float32(1.44269504088896341) + np.float32(0.5))
@@ -175,18 +168,6 @@ def _like_impl(x, v):  # noqa: ANN001, ANN202 (numba compares signatures)
     if (x.dtype if isinstance(x, types.Array) else x) == types.float32:
         return lambda x, v: np.float32(v)
     return lambda x, v: np.float64(v)
-
-
-@overload(log2_split, inline="always")
-def _log2_split_impl(x):  # noqa: ANN001, ANN202
-    if x == types.float32:
-        return lambda x: _log2_split(x)
-
-    def split64(x):  # noqa: ANN001, ANN202
-        m, e = math.frexp(x)
-        low = m < 0.7071067811865476
-        return np.float64(e - low), m * 2.0 if low else m
-    return split64
 
 
 @overload(log_like, inline="always")

@@ -63,6 +63,7 @@ from attention.experiments.flags import option
 from attention.experiments.hf_models import FAMILIES
 from attention.experiments.outcomes import (NOISE_FACTOR, TOLERANCES, Trial,
                                             absolute_tolerances, compare)
+from attention.experiments.provenance import provenance_line
 
 GEMM_SITE = "gemm"
 #: Sites of a campaign by default: the layer's GEMM and invariant sites, then a standalone GEMM.
@@ -626,7 +627,7 @@ def markdown(records: list[dict[str, Any]], prop: dict[str, dict[str, np.ndarray
         "# Fault-injection campaign",
         f"Backend {backend}, dtype {config.dtype}, {what}; {config.trials} trial(s) per (site, "
         f"kind, pattern, mode), {config.clean_trials} clean protected trial(s) per target; seed "
-        f"{config.seed}. " + _provenance_line(),
+        f"{config.seed}. " + provenance_line(),
         GLOSSARY,
         f"The bound: a trial's results ({results}) differ "
         f"beyond it when |r - r_ref| > {rtol:g}·|r_ref| + atol for some element, atol = "
@@ -640,13 +641,6 @@ def markdown(records: list[dict[str, Any]], prop: dict[str, dict[str, np.ndarray
         parts += ["## Propagation of one unprotected element fault (batch 0, head 0)",
                   STAGE_LEGEND, propagation_table(prop)]
     return "\n\n".join(parts) + "\n"
-
-
-def _provenance_line() -> str:
-    from attention.experiments.train import provenance
-
-    p = provenance()
-    return f"Run {p['date']} on machine {p['machine']}, commit {p['commit']}."
 
 
 def _sum(records: list[dict[str, Any]], site: str, protected: bool,

@@ -37,12 +37,8 @@ smaller than it is (even negative).
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import math
-import os
-import platform
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,6 +54,7 @@ from attention import SITES
 from attention.experiments.flags import option
 from attention.experiments.hf_models import FAMILIES, HFTrainer
 from attention.experiments.model import GPT, MLP_SITES, GPTConfig
+from attention.experiments.provenance import provenance, provenance_line
 
 FAULT_KINDS: tuple[str, ...] = ("inf", "-inf", "nan", "near-inf", "bitflip")
 FAULT_SITES: tuple[str, ...] = SITES + MLP_SITES
@@ -471,37 +468,11 @@ def _one_thread_count(xp: Any) -> Iterator[int | None]:
         threads.set_threads(before)
 
 
-def provenance() -> dict[str, str]:
-    """When, on what and from which commit an experiment ran: ``date`` (UTC), ``commit`` (of
-    the checkout the package runs from, ``-dirty`` with changes; ``unknown`` outside one) and
-    ``machine`` (CPU model and cores)."""
-    root = Path(__file__).resolve().parents[2]
-    try:
-        def git(*args: str) -> str:
-            return subprocess.run(["git", "-C", str(root), *args], capture_output=True,
-                                  text=True, timeout=10, check=True).stdout.strip()
-        commit = git("rev-parse", "--short", "HEAD")
-        if git("status", "--porcelain", "--untracked-files=no"):
-            commit += "-dirty"
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu = next((line.split(":", 1)[1].strip() for line in info
-                        if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": commit, "machine": f"{cpu}, {os.cpu_count()} cores"}
-
-
 def describe(summary: dict[str, Any]) -> str:
     """One line of train.md: the settings, backend and :func:`provenance` of ``summary``."""
     settings = " ".join(f"{k}={v}" for k, v in summary["config"].items())
-    p = summary["provenance"]
-    return (f"Settings: {settings}; backend {summary['backend']}. Run {p['date']} on machine "
-            f"{p['machine']}, commit {p['commit']}.")
+    return (f"Settings: {settings}; backend {summary['backend']}. "
+            f"{provenance_line(summary['provenance'])}")
 
 
 def _all_runs(config: TrainConfig, data: np.ndarray, vocab: int, xp: Any,
