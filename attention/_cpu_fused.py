@@ -24,7 +24,7 @@ import numba
 import numpy as np
 
 from abftgemm.cpu_kernels import sum_column_prefix, sum_columns
-from attention._cpu_vmath import exp_like, from_ordered_key, like, ordered_key
+from attention._cpu_vmath import exp_like, exp_unflushed, from_ordered_key, like, ordered_key
 from attention.dropout_hash import GAMMA, MIX1, MIX2, SHIFT
 
 #: Query rows and keys per tile.
@@ -364,20 +364,18 @@ def _rowsum_ratio(oc: Any, l: Any, coef: Any, info: Any) -> float:
 
 
 @numba.njit(cache=True, fastmath=_FAST, inline="always")
-def _probs_excess(pv: Any, x: Any, t0: Any, t1: Any, flush: Any, tiny: Any, half: Any,
+def _probs_excess(pv: Any, x: Any, t0: Any, flush: Any, tiny: Any, half: Any,
                   zero: Any) -> tuple:
     """``(excess, tol)`` of one entry of the softmax check, ``pv`` the stored ``P``, ``x = z -
     m``: ``excess = |pv - e| - tol`` (at most 0 when it holds; NaN for a NaN ``pv`` or ``x``)
-    with ``e = exp(xc / 2)^2``, ``xc = max(x, flush)`` (0 below the flush, where
-    :func:`exp_like` flushes too), and ``tol = (t0 + t1 |xc|) e + tiny``. The exponential made
-    again at half the argument shares no intermediate value with the one it checks, and lies
-    within 4 u of it for every float32 ``x`` above the flush (float64: 2.5 u), a third of
-    ``t0`` (bench/NOTES.md). Selects and arithmetic, no branch, so the tile's loop
-    vectorizes."""
-    xc = max(x, flush)  # NaN stays NaN (Python's max, vectorized too): so do tol and excess
-    h = exp_like(xc * half)
-    e = h * h if x >= flush else zero
-    tol = (t0 + t1 * (xc if xc >= zero else -xc)) * e + tiny
+    with ``e = exp(x / 2)^2``, 0 below the flush (where :func:`exp_like` flushes too), and
+    ``tol = t0 e + tiny``. The exponential made again at half the argument shares no
+    intermediate value with the one it checks, and lies within 4 u of it for every float32
+    ``x`` above the flush (float64: 2.5 u), half of ``t0`` (bench/NOTES.md). Selects and
+    arithmetic, no branch, so the tile's loop vectorizes."""
+    h = exp_unflushed(max(x, flush) * half)  # a NaN x stays NaN (Python's max), and so does e
+    e = zero if x < flush else h * h
+    tol = t0 * e + tiny
     d = pv - e
     return (d if d >= zero else -d) - tol, tol
 
@@ -401,8 +399,8 @@ def _measured(ex: Any, t: Any, tiny: float) -> tuple:
 @numba.njit(cache=True, fastmath=_FAST)
 def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
     """The softmax check of a tile, judged on what was stored, entry by entry: ``p_ij =
-    exp(z_ij - m_i)`` within ``(tol[0] + tol[1] |z_ij - m_i|)`` of it, relatively, plus
-    ``tol[3]``, the smallest normal number (``m`` the running max forward, ``lse_lo``
+    exp(z_ij - m_i)`` within ``tol[0]`` of it, relatively, plus ``tol[3]``, the smallest
+    normal number (``m`` the running max forward, ``lse_lo``
     backward, where ``z`` holds ``z - lse``); below the exponential's flush ``tol[2]`` the
     entry must be at most ``tol[3]``; a row with ``m_i = -inf`` (no visible key) must be 0.
     The exponential is made again at half the argument and squared (:func:`_probs_excess`),
@@ -410,7 +408,7 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
     worst ratio ``|p_ij - e_ij|`` to its tolerance (at least 1; INF for NaN) with ``info`` as
     :func:`_judge` (vector = row, position = key)."""
     rows, cols = p.shape
-    t0, t1, flush, tiny = like(p, tol[0]), like(p, tol[1]), like(p, tol[2]), like(p, tol[3])
+    t0, flush, tiny = like(p, tol[0]), like(p, tol[2]), like(p, tol[3])
     half, zero = like(p, 0.5), like(p, 0.0)
     bad = zero
     for r in range(rows):
@@ -420,7 +418,7 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
                 bad += like(p, pr[j] != 0)
             continue
         for j in range(cols):
-            ex, _ = _probs_excess(pr[j], zr[j] - mr, t0, t1, flush, tiny, half, zero)
+            ex, _ = _probs_excess(pr[j], zr[j] - mr, t0, flush, tiny, half, zero)
             bad += zero if ex <= zero else ex  # a select, not max: NaN stays
     if bad == 0:
         return 0.0
@@ -434,7 +432,7 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
                 mag = abs(np.float64(pv)) if pv == pv else np.inf
                 e, tau = (0.0 if pv == 0 else np.inf), 0.0
             else:
-                ex, t = _probs_excess(pv, z[r, j] - mr, t0, t1, flush, tiny, half, zero)
+                ex, t = _probs_excess(pv, z[r, j] - mr, t0, flush, tiny, half, zero)
                 e, mag, tau = _measured(ex, t, tol[3])
             if e > worst:
                 worst = max(e, 1.0 + 2.0 ** -20)

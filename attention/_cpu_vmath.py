@@ -7,7 +7,8 @@ and ``math.log`` are scalar library calls (``expf`` cost most of a softmax row),
 
 - :func:`exp_like` and :func:`log_like` are inline polynomial versions for float32 (Cephes'
   ``expf``/``logf`` coefficients; 1 and 2 ulp from float64 references over the ranges used),
-  and ``math.exp``/``math.log`` for float64 layers;
+  and ``math.exp``/``math.log`` for float64 layers; :func:`exp_unflushed` is :func:`exp_like`
+  without its flush, for arguments known to lie above it;
 - :func:`ordered_key` maps a float to an integer of its width and of the same order, so that a
   max over floats runs as an integer max reduction, which LLVM vectorizes
   (:func:`from_ordered_key` maps the largest back; a float32 row's max then runs eight lanes
@@ -100,6 +101,13 @@ def exp_like(x: Any) -> Any:
     raise NotImplementedError("only callable from numba-compiled code")
 
 
+def exp_unflushed(x: Any) -> Any:
+    """``exp(x)`` in the precision of ``x`` (numba only) for ``x`` above :data:`EXP_FLUSH`'s
+    half (float32: at most 88.7; a NaN gives NaN): :func:`exp_like` without its flush, for a
+    check that makes the exponential again at half the argument."""
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
 def ordered_key(v: Any) -> Any:
     """An integer of ``v``'s width (int32 for float32, int64 for float64) in the order of ``v``
     among floats that are not NaN (-inf lowest; a positive NaN lands above +inf, a negative one
@@ -125,8 +133,9 @@ def log_like(x: Any) -> Any:
     raise NotImplementedError("only callable from numba-compiled code")
 
 
-def _expf(x):  # noqa: ANN001, ANN202 (numba compares signatures)
-    xc = min(max(x, np.float32(EXP_FLUSH)), np.float32(88.72283))
+@numba.njit(cache=True, inline="always")
+def _exp_poly(xc: Any) -> Any:
+    """Cephes' ``expf`` of a float32 ``xc`` in [-87.3, 88.72]."""
     n = np.floor(xc * np.float32(1.44269504088896341) + np.float32(0.5))
     r = xc - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
     p = np.float32(1.9875691500e-4)
@@ -136,7 +145,16 @@ def _expf(x):  # noqa: ANN001, ANN202 (numba compares signatures)
     p = p * r + np.float32(1.6666665459e-1)
     p = p * r + np.float32(5.0000001201e-1)
     p = p * r * r + r + np.float32(1.0)
-    return p * _pow2(n) * np.float32(x >= np.float32(EXP_FLUSH))
+    return p * _pow2(n)
+
+
+def _expf(x):  # noqa: ANN001, ANN202 (numba compares signatures)
+    xc = min(max(x, np.float32(EXP_FLUSH)), np.float32(88.72283))
+    return _exp_poly(xc) * np.float32(x >= np.float32(EXP_FLUSH))
+
+
+def _expf_unflushed(x):  # noqa: ANN001, ANN202
+    return _exp_poly(min(x, np.float32(88.72283)))  # NaN stays NaN (Python's min)
 
 
 def _logf(x):  # noqa: ANN001, ANN202 (numba compares signatures)
@@ -160,6 +178,13 @@ def _logf(x):  # noqa: ANN001, ANN202 (numba compares signatures)
 def _exp_like_impl(x):  # noqa: ANN001, ANN202 (numba compares signatures)
     if x == types.float32:
         return _expf
+    return lambda x: math.exp(x)
+
+
+@overload(exp_unflushed, inline="always")
+def _exp_unflushed_impl(x):  # noqa: ANN001, ANN202
+    if x == types.float32:
+        return _expf_unflushed
     return lambda x: math.exp(x)
 
 

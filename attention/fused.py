@@ -61,9 +61,9 @@ each tile array as computed and before it is checked):
     on what was stored, entry by entry. On the CPU the exponential is made again at half the
     argument and squared, ``e_ij = exp((z_ij - m_i) / 2)^2`` (the same polynomial at another
     argument: no intermediate value is shared with the exponential it checks), and each entry
-    must lie within ``(8 u + 8 u |z_ij - m_i|) e_ij`` plus the smallest normal number of it (the
-    two agree within 4 u for every float32 argument); the CUDA kernels judge ``log P_ij = z_ij -
-    m_i`` within ``8 u + 8 u |z_ij - m_i|`` per entry. A fault in ``P`` that would feed the
+    must lie within ``8 u e_ij`` plus the smallest normal number of it (the two agree within 4 u
+    for every float32 argument); the CUDA kernels judge ``log P_ij = z_ij - m_i`` within ``8 u
+    + 8 u |z_ij - m_i|`` per entry. A fault in ``P`` that would feed the
     output and its carried checksum alike (common mode) is seen here; an error this misses
     changes one entry by less than its own rounding tolerance.
 ``fused:O_acc``
@@ -120,18 +120,16 @@ dtype, float64 checksums):
   output rounding (the ``c_obs`` term); ``oc`` is divided by the same ``l``;
 - ``rowsum``: ``l`` is a sum of positive terms, so ``S = sum P`` and the same rule applies with
   ``K`` = the keys, ``R = 2 T``;
-- ``P``: the exponential of :mod:`attention._cpu_vmath` is within 1 ulp (``math.exp`` for
-  float64), so ``|log P_ij - x| <= 2u + 4u |x|`` for ``x = z_ij - m_i`` (recomputed by the check
-  exactly as the exponential got it); the product of a row's at most 64 mantissas, rounded in
-  the data's dtype, adds at most ``1.01 u`` per entry to the logarithm, the float64 ``log`` and
-  sums nothing that counts. The tolerance is twice the sum, ``sum_j (8u + 8u |x_j|)`` over the
-  row's normal entries (``sum_j |x_j| = |sum_j x_j|``: every ``x_j <= 0``, ``m_i`` being the
-  row's max forward and the log-sum-exp, at least that max, backward) (the entry-by-entry pass
-  that locates a flagged entry uses ``8u + 8u |x|`` per entry with the 2-ulp float32 ``log``);
-- ``dS``: ``fl(P fl(dP - D))`` errs by at most ``2.01 u P (|dP| + |D|)`` per element; the float64
-  sums of at most 64 terms add ``64 u64`` each; the tolerance is twice the sum, ``(4u + 4 * 64
-  u64) * sum_j P (|dP| + |D|)`` (times ``|dP|`` for the weighted invariant) plus the smallest
-  normal number per term for underflow.
+- ``P``, per entry: on the CPU ``|P_ij - e_ij| <= 8u e_ij`` plus the smallest normal number,
+  ``e_ij`` made again from the same ``x = z_ij - m_i``: the two exponentials agree within 4 u
+  for every float32 ``x`` (all of them run; ``math.exp`` for float64: 2.5 u), half the
+  tolerance. The CUDA kernels judge ``|log P_ij - x| <= 8u + 8u |x|``;
+- ``dS``: on the CPU per entry, ``|dS - (P g - P D)| <= 8u (|P g| + |P D|)`` plus the smallest
+  normal number (``g = dP``; both roundings lie within ``2u`` of that magnitude). The CUDA
+  kernels' row invariants: ``fl(P fl(dP - D))`` errs by at most ``2.01 u P (|dP| + |D|)`` per
+  element; the float64 sums of at most 64 terms add ``64 u64`` each; the tolerance is twice
+  the sum, ``(4u + 4 * 64 u64) * sum_j P (|dP| + |D|)`` (times ``|dP|`` for the weighted
+  invariant) plus the smallest normal number per term for underflow.
 """
 from __future__ import annotations
 

@@ -333,7 +333,8 @@ __device__ __forceinline__ void inject_tile(A (*tile)[FBC], const FaultAt& ft, i
     }
 }
 
-// One entry of the softmax invariant (attention._cpu_fused._probs_bad), pv the stored P and
+// One entry of the softmax invariant (judged on the logarithm; the CPU's _probs_excess makes the
+// exponential again instead), pv the stored P and
 // x = z - m: 0 when it holds, else its ratio (at least 1 + 2^-20, INF where the logarithm cannot
 // measure it). t = (base, slope, flush, tiny).
 template <typename A> __device__ double probs_bad(A pv, A x, const double* t) {
