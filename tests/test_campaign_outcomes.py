@@ -57,8 +57,32 @@ def test_fused_core_a_hook_that_changes_nothing_is_masked(mask: str) -> None:
     config = CampaignConfig(**{**SMALL, "gemm": (32, 32, 32)}, core="fused", mask=mask)
     bench = make_testbed(config, np, 0)
     record = Record("fused:S", "additive", "element", True, {})
-    _tally(record, bench, bench.run("fused:S", "correct", lambda site, c: None))
-    assert record.counts["masked"] == 1
+    fault = Fault("additive", "element", seed=3, sites="fused:S", magnitude=1e-30)
+    _tally(record, bench, bench.run("fused:S", "correct", fault))
+    assert record.counts["masked"] == 1 and record.counts["injected"] == 1
+
+
+class _NeverFires:
+    """A fault hook whose site is never reached: it runs and never fires."""
+
+    injected = False
+
+    def __call__(self, site, tile) -> None:
+        pass
+
+
+@pytest.mark.parametrize("site", ["q_proj", "gemm"])
+def test_a_fault_that_never_fired_is_no_outcome(bench, site: str) -> None:
+    """A faulted trial whose fault never fired says nothing of protection: it counts as
+    ``not_fired``, not as masked (its results equal the fault-free run's), and campaign.md
+    says so."""
+    from attention.experiments.campaign import markdown
+
+    assert _outcome(bench, site, "correct", _NeverFires()) == {"not_fired": 1}
+    record = Record(site, "additive", "element", True, {})
+    _tally(record, bench, bench.run(site, "correct", _NeverFires()))
+    text = markdown([record.as_dict()], None, CampaignConfig(**SMALL), "numpy")
+    assert f"**Faults that never fired** (trials counted in no outcome): {site} 1." in text
 
 
 def test_campaign_md_says_when_where_and_from_which_commit() -> None:

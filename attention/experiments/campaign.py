@@ -13,7 +13,9 @@ clean trials with the plain unprotected run.  ``clean_trials`` runs without a fa
 ``core="fused"`` (``--core fused``) runs the same trials on the fused attention core's internal
 sites and its final checks' sites instead (:mod:`attention.experiments.fused_campaign`).
 
-Outcome of a trial: each trial counts in exactly one of these five (see :data:`OUTCOMES`)::
+Outcome of a trial: each trial whose fault fired (every clean trial) counts in exactly one of
+these four (see :data:`OUTCOMES`); a faulted trial whose fault never fired (its site was not
+reached) counts in none of them, as ``not_fired``::
 
     detected             protection flagged something (an event, or UncorrectableError)
     silent               nothing flagged, and some result differs from the fault-free run by more
@@ -70,10 +72,12 @@ GEMM_SITE = "gemm"
 DEFAULT_SITES: tuple[str, ...] = SITES + tuple(INVARIANT_SITES) + (GEMM_SITE,)
 #: The cores a campaign faults: the layer (its unfused attention core) or the fused core alone.
 CORES: tuple[str, ...] = ("unfused", "fused")
-#: The outcomes of the module docstring: every trial counts in exactly one.
+#: The outcomes of the module docstring: every trial counts in exactly one, but a faulted trial
+#: whose fault never fired (``not_fired``), which counts in none.
 OUTCOMES: tuple[str, ...] = ("detected", "silent", "silent_within_bound", "masked")
 COUNTS: tuple[str, ...] = (
-    "injected", *OUTCOMES, "detected_at_site", "corrected", "corrected_elements", "recomputed",
+    "injected", "not_fired", *OUTCOMES, "detected_at_site", "corrected", "corrected_elements",
+    "recomputed",
     "uncorrectable", "miscorrected", "nonfinite_output", "false_positives",
 )
 
@@ -349,10 +353,15 @@ def _tally(record: Record, bench: Any, trial: Trial) -> None:
     n = record.counts
     report = trial.report
     detected = report.detected or trial.uncorrectable
-    verdict = "equal" if trial.results is None else \
-        bench.compare(record.site, trial.results, faulted=record.kind != "none")
+    faulted = record.kind != "none"
     record.trials += 1
     n["injected"] += trial.injected
+    if faulted and not trial.injected:  # no fault ran: not an outcome of one
+        n["not_fired"] += 1
+        n["false_positives"] += detected
+        return
+    verdict = "equal" if trial.results is None else \
+        bench.compare(record.site, trial.results, faulted=faulted)
     n["detected"] += detected
     n["detected_at_site"] += record.site in report.sites
     n["corrected"] += report.corrected > 0
@@ -364,7 +373,7 @@ def _tally(record: Record, bench: Any, trial: Trial) -> None:
     n["masked"] += verdict == "equal" and not detected
     n["miscorrected"] += verdict == "beyond" and detected
     n["nonfinite_output"] += _nonfinite(trial.results, bench.xp)
-    n["false_positives"] += detected and record.kind == "none"
+    n["false_positives"] += detected and not faulted
 
 
 def _fault_seed(seed: int, *parts: Any) -> int:
@@ -548,6 +557,19 @@ def site_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def not_fired_lines(records: list[dict[str, Any]]) -> list[str]:
+    """A line for the summary when faulted trials never fired their fault (no outcome counts
+    them), else none."""
+    missed = {}
+    for r in records:
+        if r["not_fired"]:
+            missed[r["site"]] = missed.get(r["site"], 0) + r["not_fired"]
+    if not missed:
+        return []
+    return ["**Faults that never fired** (trials counted in no outcome): " +
+            ", ".join(f"{site} {n}" for site, n in missed.items()) + "."]
+
+
 def coverage_table(records: list[dict[str, Any]]) -> str:
     """Protected detection rate (detected/trials over patterns) per site and kind."""
     kinds = list(dict.fromkeys(r["kind"] for r in records if r["kind"] != "none"))
@@ -593,12 +615,15 @@ Outcomes (every trial counts in exactly one of the first four):
   more than the bound (a fault below the detection threshold that still moved some values).
 - **masked**: nothing flagged, every result bit-identical to the fault-free run.
 
+A faulted trial whose fault never fired (the run did not reach its site) counts in none of them;
+the summary says how many there were, if any.
+
 Overlapping **detected**: **corrected** (elements rebuilt from checksums), **recomputed** (rows,
 columns or tiles recomputed from the inputs), **uncorrectable** (`UncorrectableError` raised, no
 result delivered), **miscorrected** (delivered, still beyond the bound). **non-finite output**:
 y, dx or a gradient holds INF/NaN. **trials per mode**: trials with protection on
 (`check="correct"`), and as many with it off (`check="off"`), on the same inputs and faults.
-**false positives**: fault-free protected trials flagged anywhere."""
+**false positives**: protected trials flagged anywhere that ran no fault."""
 
 #: campaign.md's legend of the propagation table.
 STAGE_LEGEND = """\
@@ -634,6 +659,7 @@ def markdown(records: list[dict[str, Any]], prop: dict[str, dict[str, np.ndarray
         f"max({scale:g}·max|r_ref|, {NOISE_FACTOR:g}·(rounding error of the fault-free run "
         "against float64)), r_ref the unprotected fault-free run.",
         "## Outcomes per site (summed over kinds and patterns)", site_table(records),
+        *not_fired_lines(records),
         "## Protected coverage: detected / trials", coverage_table(records),
         "## Clean runs", clean_table(records),
     ]

@@ -214,7 +214,8 @@ def _run_campaign(config: Any, args: argparse.Namespace) -> int:
         if prop is not None:
             plots.propagation_grid(prop, out / "propagation.png")
             written.append("propagation.png")
-    tables = [campaign.site_table(records), campaign.clean_table(records)]
+    tables = [campaign.site_table(records), *campaign.not_fired_lines(records),
+              campaign.clean_table(records)]
     if prop is not None:
         tables.append(campaign.propagation_table(prop))
     print(*tables, sep="\n\n")
