@@ -158,7 +158,7 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         Which implementation of :mod:`attention.core` runs: ``"auto"`` the fused core where it
         applies (CPU, any float dtype, no mask that wants its
         gradient, no fault hook, every call checked, ``need_weights=False``), else the unfused
-        one; the others force one.
+        one; the others force one (``"fused"`` raises ``ValueError`` with ``need_weights``).
     sinks : tensor, optional
         Attention sinks (gpt-oss's): one logit per head, broadcastable to the leading
         dimensions ``(...)``, joined to every query's scores (unscaled, unmasked) in the
@@ -181,6 +181,9 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         raise TypeError(f"query, key and value must have one dtype, got {query.dtype}, "
                         f"{key.dtype}, {value.dtype}")
     check_core(core)
+    if core == "fused" and need_weights:  # as the layers refuse it (fused_choice.static_reason)
+        raise ValueError("the fused attention core does not apply here: the attention weights "
+                         "were asked for (the fused core makes none)")
     if not 0 <= dropout_p <= 1:
         raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p}")
     n = 1

@@ -233,6 +233,24 @@ def test_torch_module_says_which_core_ran():
         ProtectedCore(core="flash")
 
 
+def test_torch_core_forced_fused_refuses_the_weights():
+    """``core="fused"`` forces the fused core, which makes no attention weights: asked for them,
+    ``attention_core`` and ``ProtectedCore`` raise as the layer and the PyTorch module do (they
+    ran the unfused core in its place, saying nothing but ``last_core``)."""
+    torch = pytest.importorskip("torch")
+    from attention.torch_core import ProtectedCore
+    from attention.torch_functional import Protection, attention_core
+    q = torch.randn(1, 2, 6, 8)
+    protection = Protection()
+    with pytest.raises(ValueError, match="weights"):
+        attention_core(q, q, q, protection=protection, need_weights=True, core="fused")
+    assert protection.last_core is None
+    with pytest.raises(ValueError, match="weights"):
+        ProtectedCore(core="fused")(q, q, q, need_weights=True)
+    out, weights = attention_core(q, q, q, protection=protection, need_weights=True)
+    assert protection.last_core == "unfused" and weights.shape == (1, 2, 6, 6)
+
+
 def test_float16_output_overflow_passes_through_as_on_the_unfused_core():
     """A genuine float16 overflow of the output (``V = 65504``, kept and scaled by ``1 / (1 -
     p)``): the fused core's final check could not tell it from a fault and raised
