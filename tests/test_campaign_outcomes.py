@@ -85,6 +85,23 @@ def test_a_fault_that_never_fired_is_no_outcome(bench, site: str) -> None:
     assert f"**Faults that never fired** (trials counted in no outcome): {site} 1." in text
 
 
+@pytest.mark.parametrize("site, pattern", [("fused:O_acc", "element"), ("fused:dS", "element"),
+                                           ("fused:out", "tile"), ("fused:dropout", "row")])
+def test_a_subnormal_where_every_result_is_zero_is_within_bound(site: str, pattern: str) -> None:
+    """With dropout 1 every result of the fused core is exactly 0, so the tolerance's terms (a
+    multiple of ``max |r_ref|`` and of the run's rounding error) were 0 and a mantissa flip of a
+    zero (bit 51 of a float64: 1.1e-308, a subnormal, below the checks' absolute floors, and
+    what it becomes downstream) counted as silent corruption; it is within the bound."""
+    config = CampaignConfig(**{**SMALL, "gemm": (32, 32, 32)}, core="fused", dtype="float64",
+                            dropout=1.0)
+    bench = make_testbed(config, np, 0)
+    record = Record(site, "bitflip-mant", pattern, True, {})
+    fault = Fault("bitflip", pattern, seed=3, sites=site, bit=51)
+    _tally(record, bench, bench.run(site, "correct", fault))
+    assert fault.injected and not any(fault.injected[0].old)
+    assert record.counts["silent"] == 0 and record.counts["silent_within_bound"] == 1
+
+
 def test_campaign_md_says_when_where_and_from_which_commit() -> None:
     from attention.experiments.campaign import markdown
 

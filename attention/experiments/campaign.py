@@ -35,9 +35,12 @@ unprotected run cannot flag anything, so it cannot have a false positive.
 
 The tolerance ("differs beyond"): ``|r - r_ref| > rtol * |r_ref| + atol`` for any element of any
 result ``r`` (NaN differs from everything), where ``atol = max(atol_scale * max|r_ref|,
-NOISE_FACTOR * noise)`` and ``noise = max|r_ref - r_exact|`` is the rounding error of the
-fault-free run itself against the float64 reference (:mod:`attention.reference`; ``a @ b`` in
-float64 for ``"gemm"``).  ``(rtol, atol_scale)`` come from :data:`TOLERANCES` by dtype -- for
+NOISE_FACTOR * noise, tiny / u)`` and ``noise = max|r_ref - r_exact|`` is the rounding error of
+the fault-free run itself against the float64 reference (:mod:`attention.reference`; ``a @ b``
+in float64 for ``"gemm"``); ``tiny`` and ``u`` are the smallest normal number and the unit
+roundoff of the arithmetic (float64 for float64 data, else float32): the checks' thresholds
+have absolute floors of the lengths summed times ``tiny``, which a result that is exactly 0
+everywhere (dropout 1) meets with no other term.  ``(rtol, atol_scale)`` come from :data:`TOLERANCES` by dtype -- for
 float32 ``(1e-4, 1e-4)``: a corrected element is rebuilt as checksum minus the sum of the
 others, which carries a rounding error of a few ``eps * sum|row|``; a thousand times the float32
 rounding unit relative to the largest value is damage, not rounding.  The noise term matters for

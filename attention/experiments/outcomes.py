@@ -10,6 +10,7 @@ import numpy as np
 
 from abftgemm import Report
 from abftgemm.backend import to_host
+from abftgemm.checksums import smallest_normal, unit_roundoff
 
 #: ``dtype name -> (rtol, atol_scale)`` of the "differs" test (see the campaign's docstring).
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -34,13 +35,19 @@ class Trial:
 def absolute_tolerances(reference: dict[str, Any], exact: dict[str, np.ndarray],
                         dtype: str) -> dict[str, float]:
     """Per result of the fault-free run ``reference``: ``atol = max(atol_scale max|r_ref|,
-    NOISE_FACTOR max|r_ref - r_exact|)`` (``exact``: the float64 results, host arrays)."""
+    NOISE_FACTOR max|r_ref - r_exact|, tiny / u)`` (``exact``: the float64 results, host arrays;
+    ``tiny`` and ``u`` the smallest normal number and the unit roundoff of the arithmetic,
+    float64 for float64 data, else float32: the checks' thresholds have absolute floors of the
+    lengths summed times ``tiny``, so a change that small passes them by design; a result that is
+    exactly 0 everywhere has no other term)."""
     _, scale = TOLERANCES[dtype]
+    arith = np.float64 if dtype == "float64" else np.float32
+    tiny = smallest_normal(arith) / unit_roundoff(arith)
     atol = {}
     for key, r in reference.items():
         r = to_host(r).astype(np.float64)
         noise = float(np.abs(r - exact[key]).max())
-        atol[key] = max(scale * float(np.abs(r).max()), NOISE_FACTOR * noise)
+        atol[key] = max(scale * float(np.abs(r).max()), NOISE_FACTOR * noise, tiny)
     return atol
 
 
