@@ -172,6 +172,27 @@ def test_non_finite_gradient_passes_through_as_on_the_unfused_core():
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+def test_check_off_leaves_a_fault_in_the_fused_backward_in_place():
+    """``check="off"`` runs the fused core's tiles unchecked and leaves a fault where it lands,
+    in its backward as in its forward (which never falls back to the unfused core in that mode):
+    an INF put into a ``dS`` tile reaches the gradients. The backward took any non-finite
+    gradient for an overflow and ran again on the unfused core, which hid the fault."""
+    from attention import MultiHeadAttention
+
+    q, k, v, do = _data(np.random.default_rng(8), 1, 20, 20, 8)
+    ctx = Context("off", fault_hook=Fault("inf", "element", seed=1, sites="fused:dS"))
+    out, saved = core_forward(q, k, v, ctx, core="fused")
+    grads = core_backward(saved, do, ctx)
+    assert saved["core"] == "fused" and ctx.fault_hook.injected
+    assert not np.isfinite(grads[0]).all() and "fused:dS" not in ctx.report.checked
+    layer = MultiHeadAttention(16, 2, core="fused", check="off")
+    x = np.random.default_rng(9).standard_normal((1, 12, 16)).astype(np.float32)
+    y, cache = layer.forward(x)
+    fault = Fault("inf", "element", seed=1, sites="fused:dS")
+    dx, _ = layer.backward(np.ones_like(y), cache, fault_hook=fault)
+    assert fault.injected and not np.isfinite(dx).all()
+
+
 @pytest.mark.parametrize("xp", BACKENDS)
 @pytest.mark.parametrize("low", [-1e4, -1e9, float(np.finfo(np.float32).min)])
 def test_a_row_lowered_at_every_key_gets_the_unfused_cores_gradient(xp, low):
