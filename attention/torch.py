@@ -16,7 +16,8 @@ Supported: self- and cross-attention (``key is value`` or not), boolean and floa
 ``key_padding_mask`` (True = ignore), batch-first and sequence-first, unbatched inputs, ``bias``,
 ``need_weights`` with ``average_attn_weights``, ``is_causal``, dtypes float16, bfloat16, float32,
 float64, CPU and CUDA tensors, attention ``dropout`` in training mode (the mask, or on the CPU
-the seed of the fused core's keep decisions, drawn with PyTorch's generator, so
+and with ``core="fused"`` the seed of the fused core's keep decisions, drawn with PyTorch's
+generator, so
 ``torch.manual_seed`` reproduces a run; :mod:`attention.dropout`, :mod:`attention.dropout_hash`).
 Not supported (a clear error names the argument): ``add_bias_kv``, ``add_zero_attn``,
 ``kdim``/``vdim`` other than ``embed_dim``, nested tensors.

@@ -208,8 +208,9 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 def _dropout_draw(shape: tuple[int, int, int], query: torch.Tensor, p: float,
                   need_weights: bool, core: str) -> torch.Tensor | None:
     """The dropout the operators take (None for ``p == 0``), drawn with PyTorch's generator (so
-    ``torch.manual_seed`` reproduces it): on the CPU (where the fused core may run), unless
-    ``core="unfused"``, the seed of its keep decisions, an int64 tensor ``(1,)``
+    ``torch.manual_seed`` reproduces it): where the fused core may run (on the CPU unless
+    ``core="unfused"``; on any device with ``core="fused"``, whose CUDA kernels take a seed and
+    refuse a mask), the seed of its keep decisions, an int64 tensor ``(1,)``
     (``torch.randint`` on the default generator; :mod:`attention.dropout_hash`), which the
     unfused core, if it runs, materializes; else the mask ``(n, L, S)``, True = kept
     (``torch.rand(shape) >= p`` on the tensors' device). The draw does not depend on which core
@@ -217,7 +218,7 @@ def _dropout_draw(shape: tuple[int, int, int], query: torch.Tensor, p: float,
     not): activation checkpointing's recomputation drops what the forward dropped."""
     if p == 0:
         return None
-    if query.device.type == "cpu" and core != "unfused":
+    if core == "fused" or (query.device.type == "cpu" and core != "unfused"):
         return torch.randint(0, 2 ** 62, (1,), dtype=torch.int64)
     return torch.rand(shape, device=query.device) >= p
 

@@ -184,3 +184,31 @@ def test_a_fault_with_dropout_on_is_repaired():
         y, g = run(Fault("nan", "element", seed=1, sites=site))
         assert site in mine.last_report.sites, mine.last_report.summary()
         assert torch.allclose(y, y0, atol=1e-12) and torch.allclose(g, g0, atol=1e-12)
+
+
+def test_forced_fused_core_draws_a_seed_on_any_device():
+    """``core="fused"`` runs the fused core wherever the data are (CuPy data run its CUDA
+    kernels, whose dropout takes a seed, not a mask): the draw is its seed on every device. On
+    CUDA tensors it was a mask, which the forced fused core refuses ("an explicit dropout
+    mask"), so the module and ``attention_core`` raised in training with dropout on a GPU. The
+    stand-in query has what the draw reads of a CUDA tensor (no GPU here)."""
+    from types import SimpleNamespace
+
+    from attention.torch_functional import _dropout_draw
+
+    cuda = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    drawn = _dropout_draw((2, 3, 4), cuda, 0.5, False, "fused")
+    assert drawn.dtype == torch.int64 and tuple(drawn.shape) == (1,)
+    cpu = torch.zeros(1)
+    for core, seed in (("auto", True), ("fused", True), ("unfused", False)):
+        drawn = _dropout_draw((2, 3, 4), cpu, 0.5, False, core)
+        assert (tuple(drawn.shape) == (1,)) == seed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_forced_fused_core_trains_with_dropout_on_a_gpu():
+    module = MultiheadAttention(16, 2, dropout=0.3, batch_first=True, core="fused").cuda()
+    x = torch.randn(2, 10, 16, device="cuda", requires_grad=True)
+    y, _ = module(x, x, x, need_weights=False)
+    y.sum().backward()
+    assert module.last_core == "fused" and torch.isfinite(x.grad).all()
