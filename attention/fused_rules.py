@@ -215,6 +215,7 @@ def count_checked(ctx: Context, sites: tuple[str, ...]) -> None:
 def book_findings(ctx: Context, rec: np.ndarray, status: np.ndarray, batch_of: Any) -> None:
     """:func:`book`'s events and its raise, without counting the checks."""
     report = ctx.report
+    non_finite = False  # a tile still INF or NaN after its recomputation
     for t, s in zip(*np.nonzero(rec[:, :, K.FLAGS])):
         r = rec[t, s]
         site = K.SITES[s]
@@ -224,6 +225,7 @@ def book_findings(ctx: Context, rec: np.ndarray, status: np.ndarray, batch_of: A
         if ctx.check == "detect":
             action, verified = "reported", "left in place (check='detect')"
         elif failed:
+            non_finite = non_finite or not math.isfinite(r[K.AFTER])
             action = "reported"
             verified = (f"recomputed {_RECOMPUTES[site]}, which still failed its check: worst "
                         f"|d|/threshold {r[K.AFTER]:.3g}")
@@ -239,8 +241,11 @@ def book_findings(ctx: Context, rec: np.ndarray, status: np.ndarray, batch_of: A
         if ctx.check == "detect":
             announce(event)
     if (status < 0).any():
-        raise UncorrectableError("the fused attention core could not verify a recomputed tile",
-                                 report)
+        raise UncorrectableError(
+            "the fused attention core could not verify a recomputed tile" + (
+                "; it still holds INF or NaN, which an overflow of the tile arithmetic (float32 "
+                "for 16-bit data) also gives (the unfused core, core='unfused', passes an "
+                "overflow through as plain math gives it)" if non_finite else ""), report)
 
 
 def dropout_of(p: float, seed: int | None) -> tuple[float, int] | None:

@@ -272,6 +272,18 @@ def test_persistent_fault_raises(site):
         _run(q, k, v, do, ctx)
 
 
+def test_an_overflow_in_the_tiles_raises_saying_so():
+    """An overflow inside the float32 tiles raises UncorrectableError, saying so (README): with
+    V and dO of 1e20 (finite float32 data) the backward's ``dP = dO V^T`` passes float32's
+    largest number, the ``dS`` check flags INF, and its recomputation is INF again. The error
+    said only that a recomputed tile could not be verified, as for a persistent fault."""
+    q, k, v, do = _data(np.random.default_rng(5), 1, 20, 20, 8)
+    v, do = v * np.float32(1e20), do * np.float32(1e20)
+    out, saved = fused_forward(q, k, v, Context())
+    with pytest.raises(UncorrectableError, match="overflow of the tile arithmetic"):
+        fused_backward(saved, do, Context())
+
+
 def test_located_element_of_a_score_fault():
     q, k, v, do = _data(np.random.default_rng(6), 1, 100, 100, 16)
     fault = Fault("additive", "element", sites="fused:S", row=5, col=7, magnitude=100.0)
