@@ -461,7 +461,10 @@ def _dscores_ratio(ds: Any, p: Any, dp: Any, dd: Any, keep: Any, ks: Any, tol: A
     ``g`` is ``dP``, or with dropout (``keep`` non-empty) ``fl(dP' ks)`` where kept, else 0, of
     the product ``dP'`` (made here as :func:`_dscores` makes it). Returns 0 when every entry
     holds, else the worst ratio to its tolerance (at least 1; INF for NaN) with ``info`` as
-    :func:`_judge` (vector = row, position = key)."""
+    :func:`_judge` (vector = row, position = key). A tile the first pass flags is judged again
+    in float64, which also decides entries whose products ``P g`` and ``P D`` overflow the
+    data's dtype while ``dS`` does not (``P`` a little above 1, ``g`` and ``D`` near its
+    largest number)."""
     rows, cols = ds.shape
     drop = keep.shape[0] > 0
     c, tiny, zero = like(ds, tol[0]), like(ds, tol[1]), like(ds, 0.0)
@@ -476,10 +479,11 @@ def _dscores_ratio(ds: Any, p: Any, dp: Any, dd: Any, keep: Any, ks: Any, tol: A
         return 0.0
     worst = 0.0
     info[0], info[1], info[2], info[3], info[4] = 0.0, 0.0, 1.0, -1.0, -1.0
-    for r in range(rows):  # rare: locate and measure for the report
+    for r in range(rows):  # rare: locate and measure for the report, in float64
         for j in range(cols):
             g = (dp[r, j] * ks if keep[r, j] else zero) if drop else dp[r, j]
-            ex, t = _dscores_excess(ds[r, j], p[r, j], g, dd[r], c, tiny, zero)
+            ex, t = _dscores_excess(np.float64(ds[r, j]), np.float64(p[r, j]), np.float64(g),
+                                    np.float64(dd[r]), tol[0], tol[1], 0.0)
             e, mag, tau = _measured(ex, t, tol[1])
             if e > worst:
                 worst = max(e, 1.0 + 2.0 ** -20)

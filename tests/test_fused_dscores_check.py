@@ -85,3 +85,25 @@ def test_a_nan_entry_reports_an_infinite_difference(dtype):
     ratio, info = _ratio(bad, p, dp, dd, keep, ks)
     assert ratio == np.inf and (info[3], info[4]) == (4, 9)
     assert info[1] == np.inf and np.isfinite(info[2]) and info[2] > 0, info
+
+
+def test_products_that_overflow_where_ds_does_not_pass():
+    """``P`` a little above 1 (the backward's ``exp(z - lse)`` at a row's max, ``lse`` rounded
+    down) with ``dP`` and ``D`` near float32's largest number, of one sign: ``dS = P (dP - D)``
+    is finite and right, but the check's ``P dP`` and ``P D`` overflow (INF - INF is NaN),
+    which flagged the clean entry. The flagged tile is judged again in float64, which holds;
+    a corrupted entry beside it is still flagged and located."""
+    p, dp, dd, _, _, _ = _tile(np.float32, 0, False)
+    big = np.finfo(np.float32).max
+    p[4, :] = 0
+    p[4, 7] = np.float32(1.0000001)
+    dp[4, :] = big
+    dp[4, 7] = np.nextafter(big, np.float32(0))
+    dd[4] = big
+    ds = np.empty_like(p)
+    K._dscores(p, dp, dd, NO_KEEP, np.float32(1), ds)
+    assert np.isfinite(ds[4]).all()
+    assert _ratio(ds, p, dp, dd, NO_KEEP, np.float32(1))[0] == 0
+    ds[9, 3] = ds[9, 3] * 2 + 1
+    ratio, info = _ratio(ds, p, dp, dd, NO_KEEP, np.float32(1))
+    assert ratio > 1 and (info[3], info[4]) == (9, 3)
