@@ -21,8 +21,9 @@ VOCAB, WIDTH, HEADS, SEQ = 100, 32, 4, 12
 RTOL32 = 1e-5
 #: 16-bit autocast: a few units of the dtype's roundoff (bfloat16 2^-8, float16 2^-11) of the
 #: largest element (both models round every product and activation to the dtype, in different
-#: orders).
-RTOL_16 = {torch.bfloat16: 5 * 2.0 ** -8, torch.float16: 5 * 2.0 ** -11}
+#: orders; GPT-Neo's float16 out_proj.bias gradient, a sum over the batch's tokens, reached 5.5
+#: units with an Intel Xeon's AVX-512 BLAS kernels).
+RTOL_16 = {torch.bfloat16: 5 * 2.0 ** -8, torch.float16: 8 * 2.0 ** -11}
 #: float16 gradients of tiny models fall below its smallest normal number (2^-14), where it keeps
 #: an absolute spacing of 2^-24: a few of those spacings per element, summed over the batch's
 #: tokens (measured up to 9 x 2^-24). bfloat16 has float32's range.
@@ -56,24 +57,25 @@ def step(model, ids, mask):
                                    for n, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_close(actual, expected, rtol=RTOL32, floor=0.0, atol=0.0):
+def assert_close(actual, expected, rtol=RTOL32, floor=0.0, atol=0.0, name=""):
     """``|actual - expected| <= rtol * (max |expected| + floor) + atol`` element-wise at worst."""
-    assert torch.isfinite(actual).all()
+    assert torch.isfinite(actual).all(), name
     err = (actual - expected).abs().max().item()
     scale = expected.abs().max().item() + floor
     assert err <= rtol * scale + atol, \
-        f"max error {err:.3g} > {rtol:.1g} * {scale:.3g} + {atol:.1g}"
+        f"{name}: max error {err:.3g} > {rtol:.1g} * {scale:.3g} + {atol:.1g}"
 
 
 def assert_same_step(got, want, rtol=RTOL32, atol=0.0):
     """Logits and gradients close; a gradient that is zero in exact arithmetic (the key bias's:
     softmax ignores a constant added to a row) is rounding noise, judged against 1e-3 of the
     model's largest gradient; ``atol``: an absolute error allowed besides (see ATOL_16)."""
-    assert_close(got[0], want[0], rtol)
+    assert_close(got[0], want[0], rtol, name="logits")
     assert got[1].keys() == want[1].keys()
     largest = max(g.abs().max().item() for g in want[1].values())
     for name in want[1]:
-        assert_close(got[1][name], want[1][name], rtol, floor=1e-3 * largest, atol=atol)
+        assert_close(got[1][name], want[1][name], rtol, floor=1e-3 * largest, atol=atol,
+                     name=name)
 
 
 @pytest.fixture(scope="module")
