@@ -27,13 +27,10 @@ from typing import Any
 
 import numpy as np
 
-try:  # bfloat16 for NumPy arrays; optional at run time, installed with the package.
-    from ml_dtypes import bfloat16
-except ImportError:  # pragma: no cover - ml_dtypes is a declared dependency
-    bfloat16 = None
+from ml_dtypes import bfloat16, finfo  # finfo: NumPy's, bfloat16's included
 
 SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
-    np.dtype(t) for t in (np.float16, np.float32, np.float64, bfloat16) if t is not None)
+    np.dtype(t) for t in (np.float16, np.float32, np.float64, bfloat16))
 
 
 def location_weights(length: int, xp: Any = np) -> Any:
@@ -90,18 +87,12 @@ def accumulation_dtype(dtype: np.dtype) -> np.dtype:
 
 def unit_roundoff(dtype: np.dtype) -> float:
     """Half the machine epsilon of ``dtype`` (round-to-nearest relative error bound)."""
-    dtype = np.dtype(dtype)
-    if bfloat16 is not None and dtype == np.dtype(bfloat16):
-        return 2.0 ** -8
-    return float(np.finfo(dtype).eps) / 2
+    return float(finfo(np.dtype(dtype)).eps) / 2
 
 
 def smallest_normal(dtype: np.dtype) -> float:
     """Smallest positive normal number of ``dtype``."""
-    dtype = np.dtype(dtype)
-    if bfloat16 is not None and dtype == np.dtype(bfloat16):
-        return float(np.finfo(np.float32).tiny)
-    return float(np.finfo(dtype).tiny)
+    return float(finfo(np.dtype(dtype)).tiny)
 
 
 def check_dtype(dtype: np.dtype) -> np.dtype:

@@ -56,6 +56,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import numpy as np
+from ml_dtypes import finfo  # NumPy's, bfloat16's included
 
 from abftgemm.backend import array_module
 
@@ -85,16 +86,6 @@ _CONSTANTS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 FaultHook = Callable[[str, Any], None]
 
 
-def _finfo(dtype: Any) -> np.finfo:
-    """``finfo`` of a NumPy float dtype or of ``ml_dtypes.bfloat16``."""
-    dtype = np.dtype(dtype)
-    if dtype.name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.finfo(dtype)
-    return np.finfo(dtype)
-
-
 def bit_layout(dtype: Any) -> tuple[int, int]:
     """Return ``(mantissa_bits, exponent_bits)`` of a floating-point dtype.
 
@@ -109,7 +100,7 @@ def bit_layout(dtype: Any) -> tuple[int, int]:
         E.g. ``(10, 5)`` for float16, ``(7, 8)`` for bfloat16, ``(23, 8)`` for float32.  The sign
         is the one remaining (top) bit.
     """
-    info = _finfo(dtype)
+    info = finfo(np.dtype(dtype))
     return int(info.nmant), int(info.nexp)
 
 
@@ -135,7 +126,7 @@ def bit_name(dtype: Any, bit: int) -> str:
 
 def near_inf_value(dtype: Any) -> float:
     """The magnitude ``"near-inf"`` sets: ``min(1e10, 0.5 * finfo(dtype).max)``."""
-    return min(1e10, 0.5 * float(_finfo(dtype).max))
+    return min(1e10, 0.5 * float(finfo(np.dtype(dtype)).max))
 
 
 def _width(dtype: Any) -> int:

@@ -6,20 +6,19 @@ the verdict; the rare path (:mod:`abftgemm.rare_path`) runs only when that verdi
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from abftgemm.tensors import any_tensor, tensor_matmul
 from abftgemm.backend import array_module, get_backend
 from abftgemm.checksums import Checksums, check_checksums
+from abftgemm.faults import FaultHook
 from abftgemm.operands import Operands
 from abftgemm.plan import CHECK_MODES, DIRECTIONS, check_option
 from abftgemm.plan_cache import PlanCache, default_plans
 from abftgemm.report import Report
 from abftgemm.threads import blas_scope
-
-FaultHook = Callable[[str, Any], None]
 
 
 def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,

@@ -32,13 +32,13 @@ import numpy as np
 from abftgemm.backend import Backend, Workspace, get_backend, is_cupy_array, reads_counted_by
 from abftgemm.checksums import Checksums, check_checksums
 from abftgemm.consumer_rows import ConsumerRows
+from abftgemm.faults import FaultHook
 from abftgemm.operands import Operands
 from abftgemm.rare_path import protect
 from abftgemm.report import Report, UncorrectableError
 from abftgemm.thresholds import safe_magnitude, threshold_coefficients
 from abftgemm.verdicts import Ledger
 
-FaultHook = Callable[[str, Any], None]
 #: What a check does with a finding (:func:`abftgemm.matmul`): repair it, report it, or no check.
 CHECK_MODES = ("correct", "detect", "off")
 DIRECTIONS = ("columns", "both")

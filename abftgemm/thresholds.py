@@ -26,8 +26,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import ml_dtypes
 import numpy as np
+from ml_dtypes import finfo
 
 from abftgemm.checksums import accumulation_dtype, smallest_normal, unit_roundoff
 
@@ -122,7 +122,7 @@ def element_tolerance(pred_abs: Any, k: int, dtype: np.dtype) -> Any:
 
 def largest_finite(dtype: np.dtype) -> float:
     """Largest finite value of ``dtype`` (bfloat16 included)."""
-    return float(ml_dtypes.finfo(np.dtype(dtype)).max)
+    return float(finfo(np.dtype(dtype)).max)
 
 
 def growth_margin(k: int, dtype: np.dtype) -> float:
