@@ -20,8 +20,8 @@ import numpy
 
 from abftgemm import kernels
 from abftgemm._cuda_plan import CudaWorkspace
-from abftgemm.cuda_kernels import (DATA_TYPES, INT32_MAX, Matrices, bits, cdiv, matrices,
-                                   plain_math, raw_module, strided_batched)
+from abftgemm.cuda_kernels import (DATA_TYPES, INT32_MAX, cdiv, gemm, matrices, plain_math,
+                                   raw_module, split_rows)
 
 if TYPE_CHECKING:
     from abftgemm.backend import ColumnThresholds
@@ -114,46 +114,19 @@ class CupyBackend:
         self, a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray, bias: cupy.ndarray | None,
         triangle: str | None = None, out_triangle: str | None = None,
     ) -> None:
-        """``out[i] = a[i or 0] @ b[i or 0] (+ bias)`` through ``cublasGemmStridedBatchedEx``.
-
-        Parameters
-        ----------
-        a, b
-            ``(batch or 1, m, k)`` and ``(batch or 1, k, n)``, row-major or transposed matrices.
-        out
-            C-contiguous ``(batch, m, n)``, same dtype as ``a`` and ``b``; overwritten.
-        bias
-            None or ``(n,)``, added to every row.
-        triangle, out_triangle
-            ``a`` is zero outside this triangle, or only this triangle of the product is
-            wanted (see backend.py). Not used yet: the whole product runs (block-skipping
-            launches are for when they can be measured on a GPU), and :meth:`row_limits` says
-            so.
+        """``out[i] = a[i or 0] @ b[i or 0] (+ bias)`` through ``cublasGemmStridedBatchedEx``
+        (:func:`abftgemm.cuda_kernels.gemm`; the operands as in :mod:`abftgemm.backend`,
+        row-major or transposed matrices read in place). ``triangle`` and ``out_triangle`` are
+        not used yet: the whole product runs (block-skipping launches are for when they can be
+        measured on a GPU), and :meth:`row_limits` says so.
         """
         dtype = _check_gemm(a, b, out, bias)
-        batch, m, n = out.shape
-        k = a.shape[2]
         if out.size == 0:
             return
-        if bias is not None:
-            # Broadcast the bias into out and let cuBLAS accumulate onto it (beta = 1).
-            bits(out)[...] = bits(bias)
-        if k == 0:
-            if bias is None:
-                bits(out).fill(0)  # all-zero bits are +0.0 in every float format
-            return
-        self._strided_batched(matrices(a), matrices(b), out, m, n, k, dtype, bias is not None)
-
-    def _strided_batched(
-        self, a: Matrices, b: Matrices, out: cupy.ndarray, m: int, n: int, k: int,
-        dtype: str, accumulate: bool,
-    ) -> None:
-        """:func:`strided_batched` on CuPy's shared handle, its pointer and math modes set for
-        the call and restored after it."""
-        handle = cupy.cuda.device.get_cublas_handle()
+        handle = cupy.cuda.device.get_cublas_handle()  # shared: its modes restored after
         restore = plain_math(handle)
         try:
-            strided_batched(handle, a, b, out, m, n, k, dtype, accumulate)
+            gemm(handle, a, b, out, bias, dtype)
         finally:
             restore()
 
@@ -255,7 +228,8 @@ class CupyBackend:
         """Launch abft_col_reduce: vectors strided by ``ld``, long ones split across blocks."""
         batch = out.shape[0]
         col_blocks = cdiv(vectors, _COL_BLOCK[0])
-        chunks, chunk_rows = self._column_chunks(batch * col_blocks, length)
+        chunks, chunk_rows = split_rows(batch * col_blocks, length,
+                                        _BLOCKS_PER_SM * self._sm_count, _COL_MIN_ROWS)
         if chunks > 1:
             total = batch * vectors
             init = self._kernel(kernels.REDUCE_INIT)
@@ -264,14 +238,6 @@ class CupyBackend:
         kernel((batch * chunks * col_blocks,), _COL_BLOCK,
                args + (numpy.int32(vectors), numpy.int32(length), numpy.int32(col_blocks),
                        numpy.int32(chunks), numpy.int32(chunk_rows)))
-
-    def _column_chunks(self, blocks: int, length: int) -> tuple[int, int]:
-        """``(chunks, rows per chunk)``: split columns until the grid fills the device."""
-        target = _BLOCKS_PER_SM * self._sm_count
-        if blocks >= target or length < 2 * _COL_MIN_ROWS:
-            return 1, length
-        chunk_rows = cdiv(length, min(cdiv(target, blocks), length // _COL_MIN_ROWS))
-        return cdiv(length, chunk_rows), chunk_rows
 
     def _kernel(self, name: str) -> cupy.RawKernel:
         """Kernel ``name`` of reduce.cu on this device (compiled on first use, then cached)."""

@@ -24,7 +24,7 @@ from cupy_backends.cuda.libs import cublas
 
 from abftgemm import kernels
 from abftgemm.checksums import encoding_of
-from abftgemm.cuda_kernels import PLAIN_MATH, bits, cdiv, matrices, raw_module, strided_batched
+from abftgemm.cuda_kernels import PLAIN_MATH, cdiv, gemm, matrices, raw_module, split_rows
 
 if TYPE_CHECKING:
     from abftgemm._cuda import CupyBackend
@@ -56,14 +56,16 @@ class CudaWorkspace:
             return
         self._coefficients, self._safe = thresholds
         batch, m, k, n = op.batch, op.m, op.k, op.n
-        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        target = _BLOCKS_PER_SM * cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._slabs = cdiv(k, _SLAB)
         # One a for every batch item is encoded once: batch blocks fewer, so more row chunks.
         self._a_items = 1 if op.a.shape[0] == 1 else batch
-        self._a_chunks, self._a_chunk_rows = _chunks(self._a_items * self._slabs, m, sms)
+        self._a_chunks, self._a_chunk_rows = split_rows(self._a_items * self._slabs, m, target,
+                                                        _MIN_CHUNK_ROWS)
         self._tile = 32 * (16 // op.dtype.itemsize)
         self._tiles = cdiv(n, self._tile)
-        self._c_chunks, self._c_chunk_rows = _chunks(batch * self._tiles, m, sms)
+        self._c_chunks, self._c_chunk_rows = split_rows(batch * self._tiles, m, target,
+                                                        _MIN_CHUNK_ROWS)
         self._enc_acc = self._zeros((self._a_items, self._slabs, 3, _SLAB), numpy.float64)
         self._slab_count = self._zeros((self._a_items, self._slabs), numpy.uint32)
         self._pred = self._zeros((batch, 3, n), numpy.float64)
@@ -91,21 +93,10 @@ class CudaWorkspace:
     def gemm(self, op: Any, c: cupy.ndarray, triangle: str | None = None) -> None:
         """``c = op.a @ op.b (+ op.bias)`` on the plan's handle and the current stream (the whole
         product, whatever ``triangle`` promises; see the backend's ``gemm``)."""
-        batch, m, n = c.shape
-        k = op.a.shape[2]
         self._stream = cupy.cuda.get_current_stream()
-        if op.bias is not None:
-            self._counters.launches += 1
-            bits(c)[...] = bits(op.bias)
-        if c.size == 0 or k == 0:
-            if op.bias is None and c.size:
-                self._counters.launches += 1
-                bits(c).fill(0)
-            return
-        self._counters.launches += 1
-        cublas.setStream(self._handle, cupy.cuda.get_current_stream().ptr)
-        strided_batched(self._handle, self._matrices(op.a), self._matrices(op.b), c, m, n, k,
-                        self._dtype, op.bias is not None)
+        cublas.setStream(self._handle, self._stream.ptr)
+        self._counters.launches += gemm(self._handle, op.a, op.b, c, op.bias, self._dtype,
+                                        self._matrices)
 
     def _matrices(self, x: cupy.ndarray) -> Any:
         """:func:`abftgemm.cuda_kernels.matrices` of an operand, its copy (a layout cuBLAS
@@ -205,15 +196,6 @@ class CudaWorkspace:
         """Observed column encoding of the last product, ``(3, batch, n)``, as the observation
         wrote it (the workspace)."""
         return self._obs
-
-
-def _chunks(blocks: int, rows: int, sms: int) -> tuple[int, int]:
-    """``(chunks, rows per chunk)`` splitting ``rows`` until ``blocks * chunks`` fills the GPU."""
-    target = _BLOCKS_PER_SM * sms
-    if blocks == 0 or blocks >= target or rows < 2 * _MIN_CHUNK_ROWS:
-        return 1, max(rows, 1)
-    chunk_rows = cdiv(rows, min(cdiv(target, blocks), rows // _MIN_CHUNK_ROWS))
-    return cdiv(rows, chunk_rows), chunk_rows
 
 
 def _kernel(name: str) -> cupy.RawKernel:

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
 from ml_dtypes import bfloat16, finfo  # finfo: NumPy's, bfloat16's included
 
 SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(

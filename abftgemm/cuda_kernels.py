@@ -96,6 +96,36 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def split_rows(blocks: int, rows: int, target: int, min_rows: int) -> tuple[int, int]:
+    """``(chunks, rows per chunk)``: ``rows`` split into chunks of at least ``min_rows`` until
+    ``blocks * chunks`` reaches ``target`` blocks (the grid fills the device)."""
+    if blocks == 0 or blocks >= target or rows < 2 * min_rows:
+        return 1, max(rows, 1)
+    chunk_rows = cdiv(rows, min(cdiv(target, blocks), rows // min_rows))
+    return cdiv(rows, chunk_rows), chunk_rows
+
+
+def gemm(handle: int, a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray,
+         bias: cupy.ndarray | None, dtype: str,
+         as_matrices: Callable[[cupy.ndarray], Matrices] = matrices) -> int:
+    """``out[i] = a[i or 0] @ b[i or 0] (+ bias)`` into the C-contiguous ``(batch, m, n)``
+    ``out`` on ``handle`` (set up as :func:`strided_batched` needs); returns the launches. The
+    bias is broadcast into ``out`` and cuBLAS accumulates onto it (beta = 1); with ``k == 0``
+    the product is the bias, or zeros."""
+    m, n, k = out.shape[1], out.shape[2], a.shape[2]
+    launches = 0
+    if bias is not None:
+        launches += 1
+        bits(out)[...] = bits(bias)
+    if out.size == 0 or k == 0:
+        if bias is None and out.size:
+            launches += 1
+            bits(out).fill(0)  # all-zero bits are +0.0 in every float format
+        return launches
+    strided_batched(handle, as_matrices(a), as_matrices(b), out, m, n, k, dtype, bias is not None)
+    return launches + 1
+
+
 def strided_batched(handle: int, a: Matrices, b: Matrices, out: cupy.ndarray, m: int, n: int,
                     k: int, dtype: str, accumulate: bool) -> None:
     """Row-major ``out = a @ b (+ out)`` as column-major ``out^T = b^T a^T`` on ``handle``, which
