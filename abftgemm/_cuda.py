@@ -147,17 +147,11 @@ class CupyBackend:
         return CudaWorkspace(self, op, counters, thresholds, verdicts)
 
     def col_reduce(self, x: cupy.ndarray, coef: cupy.ndarray | None, out: cupy.ndarray) -> None:
-        """Checksums of every column of ``x`` ``(batch or 1, r, c)`` into ``out`` ``(batch, c, 5)``.
-
-        See :mod:`abftgemm.backend` for the five fields and ``coef`` ``(3, batch or 1, r)``.
-        """
+        """See :mod:`abftgemm.backend`: ``x`` ``(batch or 1, r, c)``, ``out`` ``(batch, c, 5)``."""
         self._reduce(x, coef, out, along_rows=False)
 
     def row_reduce(self, x: cupy.ndarray, coef: cupy.ndarray | None, out: cupy.ndarray) -> None:
-        """Checksums of every row of ``x`` ``(batch or 1, r, c)`` into ``out`` ``(batch, r, 5)``.
-
-        See :mod:`abftgemm.backend` for the five fields and ``coef`` ``(3, batch or 1, c)``.
-        """
+        """See :mod:`abftgemm.backend`: ``x`` ``(batch or 1, r, c)``, ``out`` ``(batch, r, 5)``."""
         self._reduce(x, coef, out, along_rows=True)
 
     def both_reduce(self, x: cupy.ndarray, col_coef: cupy.ndarray | None,

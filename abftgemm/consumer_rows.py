@@ -17,7 +17,7 @@ import numpy as np
 
 from abftgemm.backend import Backend
 from abftgemm.encode import predict_rows
-from abftgemm.locate import verify_rows
+from abftgemm.locate import verify
 from abftgemm.operands import Operands
 from abftgemm.rare_path import settle
 from abftgemm.report import Report
@@ -112,5 +112,5 @@ class ConsumerRows:
         if self.row_limits is not None:
             self._be.complete_lower(op.a, op.b, c)
             self._be.row_reduce(c, None, self.observed)
-        verdict = verify_rows(self._be, op, predict_rows(self._be, op), self.observed)
+        verdict = verify(self._be, op, None, predict_rows(self._be, op), None, self.observed)
         settle(self._be, op, c, verdict, check, name, report)

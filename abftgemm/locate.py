@@ -93,22 +93,17 @@ class Verdict:
 
 def verify(be: Backend, op: Operands, pred_col: Any, pred_row: Any, obs_col: Any,
            obs_row: Any) -> Verdict:
-    """Compare predicted and observed checksums of every vector; one host transfer of counts."""
+    """Compare predicted and observed checksums of every vector; one host transfer of counts.
+    With ``pred_col`` None the rows only (the column side absent: never flagged, never
+    confirming), for products whose consumer observed their rows on the way through."""
     bias = op.bias is not None
     counts = op.xp.zeros(2, dtype=np.int64)
-    cols = _side(be, pred_col, obs_col, op.k, op.m, op.dtype, bias, counts)
     rows = _side(be, pred_row, obs_row, op.k, op.n, op.dtype, bias, counts)
-    n_bad, n_unverifiable = (int(c) for c in to_host(counts))
-    return Verdict(cols, rows, n_bad, n_unverifiable)
-
-
-def verify_rows(be: Backend, op: Operands, pred_row: Any, obs_row: Any) -> Verdict:
-    """Like :func:`verify` with the row checksums only (the column side is absent: never flagged,
-    never confirming), for products whose consumer observed their rows on the way through."""
-    counts = op.xp.zeros(2, dtype=np.int64)
-    rows = _side(be, pred_row, obs_row, op.k, op.n, op.dtype, op.bias is not None, counts)
-    absent = op.xp.zeros((rows.bad.shape[0], op.n), dtype=bool)
-    cols = Side(None, None, None, absent, absent, op.m)
+    if pred_col is None:
+        absent = op.xp.zeros((rows.bad.shape[0], op.n), dtype=bool)
+        cols = Side(None, None, None, absent, absent, op.m)
+    else:
+        cols = _side(be, pred_col, obs_col, op.k, op.m, op.dtype, bias, counts)
     n_bad, n_unverifiable = (int(c) for c in to_host(counts))
     return Verdict(cols, rows, n_bad, n_unverifiable)
 

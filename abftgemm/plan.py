@@ -374,30 +374,27 @@ class ProtectedMatmul:
         """With the verdict on the host: report, run the rare path if it flagged anything, and
         deliver the product into an ``out`` it was not computed in (the rare path's reads of
         the device counted in ``counters.host_reads``)."""
-        with reads_counted_by(self.counters):
-            return self._deliver(checksums)
-
-    def _deliver(self, checksums: bool) -> Report | tuple[Report, Checksums]:
         pending, self._pending = self._pending, None
-        op, c = pending.op, pending.c
-        report, sums = Report(), None
-        if self._rows is not None:
-            if self._rows.flagged():
+        with reads_counted_by(self.counters):
+            op, c = pending.op, pending.c
+            report, sums = Report(), None
+            if self._rows is not None:
+                if self._rows.flagged():
+                    self.counters.rare_paths += 1
+                    self._rows.rare_path(op, c, self.check, pending.name, report)
+            elif self._verify_columns and not self._work.verdict_flagged():
+                sums = Checksums(cols=self._work.observed_cols()) if checksums else None
+            else:
                 self.counters.rare_paths += 1
-                self._rows.rare_path(op, c, self.check, pending.name, report)
-        elif self._verify_columns and not self._work.verdict_flagged():
-            sums = Checksums(cols=self._work.observed_cols()) if checksums else None
-        else:
-            self.counters.rare_paths += 1
-            sums = protect(self._be, op, c, self.check, pending.name, report,
-                           pending.a_checksums)
-            self.counters.copies += 2  # its encodings, out of the observed records
-            if self._verify_columns:  # the fast path hands on column encodings only
-                sums = Checksums(cols=sums.cols)
-        report.checked[pending.name] = op.batch
-        if op.out is not None and not op.direct:
-            op.deliver(c)
-        return (report, sums) if checksums else report
+                sums = protect(self._be, op, c, self.check, pending.name, report,
+                               pending.a_checksums)
+                self.counters.copies += 2  # its encodings, out of the observed records
+                if self._verify_columns:  # the fast path hands on column encodings only
+                    sums = Checksums(cols=sums.cols)
+            report.checked[pending.name] = op.batch
+            if op.out is not None and not op.direct:
+                op.deliver(c)
+            return (report, sums) if checksums else report
 
     def reset_constant(self, a: Any, b: Any, bias: Any | None = None) -> None:
         """Recompute the encoding of the constant ``a`` (after the weight changed); ``b`` and
