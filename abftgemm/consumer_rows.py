@@ -70,10 +70,6 @@ class ConsumerRows:
         rows = (op.batch, op.m)
         self._judged = (alloc(rows), alloc(rows, bool), alloc(rows, bool))
 
-    def gemm(self, op: Operands, c: Any) -> None:
-        """The product's row prefixes (with :attr:`row_limits`; one launch)."""
-        self._be.gemm(op.a, op.b, c, None, out_triangle="lower")
-
     def predict(self, op: Operands, b_rows: Any | None) -> int:
         """Predicted row checksums of the product; returns the launches it took: the prediction,
         which reads ``b_rows`` ``(3, 1 or b's batch, k)`` in place when it is handed on (1);

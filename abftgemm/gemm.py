@@ -125,9 +125,12 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
     plan = None if check == "off" else plans.find(a, b, bias, check, directions)
     if plan is None:
         op = Operands.prepare(a, b, bias, out)
-        if check == "off" or op.batch * op.m * op.n == 0:
-            result = op.deliver(_product(op, fault_hook, name))
-            return _with_extras(result, report, None, return_report, return_checksums)
+        if check == "off" or op.batch * op.m * op.n == 0:  # the unprotected GEMM
+            buf = op.buffer()
+            get_backend(op.xp).gemm(op.a, op.b, buf, op.bias)
+            if fault_hook is not None:
+                fault_hook(name, buf.reshape(op.batch_shape + (op.m, op.n)))
+            return _with_extras(op.deliver(buf), report, None, return_report, return_checksums)
         plan = plans.plan(op, check, directions, (a, b, bias))
     try:
         with blas_scope():  # the thread count decided once for the GEMM and the rare path
@@ -149,12 +152,3 @@ def _with_extras(result: Any, report: Report, checksums: Checksums | None, retur
                  return_checksums: bool) -> Any:
     extras = ([report] if return_report else []) + ([checksums] if return_checksums else [])
     return (result, *extras) if extras else result
-
-
-def _product(op: Operands, fault_hook: FaultHook | None, name: str) -> Any:
-    """The unprotected GEMM into ``op``'s ``(batch, m, n)`` buffer, seen by ``fault_hook``."""
-    buf = op.buffer()
-    get_backend(op.xp).gemm(op.a, op.b, buf, op.bias)
-    if fault_hook is not None:
-        fault_hook(name, buf.reshape(op.batch_shape + (op.m, op.n)))
-    return buf

@@ -170,7 +170,7 @@ def _promoted(**arrays: Any) -> np.dtype:
 
 def _check_out(xp: Any, out: Any, shape: tuple[int, ...], core: int, dtype: np.dtype) -> None:
     """Raise unless ``out`` can receive a result of ``shape`` and ``dtype`` (see ``prepare``)."""
-    if _module_of(out) is not xp:
+    if not (is_cupy_array(out) if xp is not np else isinstance(out, np.ndarray)):
         raise TypeError(f"matmul: out must be a {xp.__name__} array like the operands, "
                         f"got {type(out).__name__}")
     loop, result_loop = out.shape[:out.ndim - core], shape[:len(shape) - core]
@@ -190,13 +190,6 @@ def _check_out(xp: Any, out: Any, shape: tuple[int, ...], core: int, dtype: np.d
             xp is not np and out.dtype.name == "bfloat16" and dtype != out.dtype):
         raise TypeError(f"matmul: cannot cast the {dtype} product to out's dtype {out.dtype} "
                         "with casting rule 'same_kind'")
-
-
-def _module_of(x: Any) -> Any:
-    """``numpy`` or ``cupy`` for an ndarray, None for anything else."""
-    if is_cupy_array(x):
-        return array_module(x)
-    return np if isinstance(x, np.ndarray) else None
 
 
 def _writable_in_place(xp: Any, out: Any, op: Operands) -> bool:

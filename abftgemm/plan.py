@@ -276,8 +276,8 @@ class ProtectedMatmul:
             self.counters.launches += 1 + (op.bias is not None)
         if gemm is not None:
             gemm()
-        elif self.row_limits is not None:
-            self._rows.gemm(op, c)
+        elif self.row_limits is not None:  # the product's row prefixes
+            self._be.gemm(op.a, op.b, c, None, out_triangle="lower")
         else:
             self._work.gemm(op, c, self._a_triangle)
         if fault_hook is not None:
@@ -286,12 +286,10 @@ class ProtectedMatmul:
             self.counters.launches += self._rows.predict(
                 op, None if b_rows is None else b_rows.rows)
         elif self._verify_columns:
-            if a_checksums is not None and a_checksums.cols is not None:
+            given = a_checksums is not None and a_checksums.cols is not None
+            if given:
                 self._work.set_encoding(a_checksums.cols)
-                encode_a = False
-            else:
-                encode_a = not self._constant_a
-            self._work.predict(op, encode_a)
+            self._work.predict(op, not given and not self._constant_a)
             self._work.observe_flag(c)
         self._pending = _Pending(op, c, a_checksums, name)
         return op.restore(c) if op.out is None else op.out
@@ -437,8 +435,8 @@ class ProtectedMatmul:
                 return op
         op = Operands.prepare(a, b, bias, out)
         if signature_of(op) != self._signature:
-            raise ValueError(f"{self.name}: operands {_describe(op)} do not match the plan "
-                             f"({_describe_signature(self._signature)})")
+            raise ValueError(f"{self.name}: operands {_describe(signature_of(op))} do not match "
+                             f"the plan ({_describe(self._signature)})")
         return op
 
 
@@ -592,10 +590,6 @@ def signature_of(op: Operands) -> tuple:
     return (op.xp.__name__, op.dtype, op.a.shape, op.b.shape, op.shape, bias)
 
 
-def _describe(op: Operands) -> str:
-    return _describe_signature(signature_of(op))
-
-
-def _describe_signature(sig: tuple) -> str:
+def _describe(sig: tuple) -> str:
     xp, dtype, a, b, _, bias = sig
     return f"{xp} {dtype} {a} @ {b}" + ("" if bias is None else f" + bias {bias}")

@@ -70,7 +70,8 @@ class PlanCache:
         ``arrays``: the ``(a, b, bias)`` that ``op`` was prepared from, whose layout is remembered
         for :meth:`find`.
         """
-        key = (signature_of(op), _device(op.xp), check, directions)
+        device = op.xp.cuda.Device().id if op.xp.__name__ == "cupy" else -1
+        key = (signature_of(op), device, check, directions)
         plan = self._plans.get(key)
         if plan is None:
             # made from the caller's arrays: the plan takes their layout without validation
@@ -123,7 +124,3 @@ def _layout_key(a: Any, b: Any, bias: Any | None, check: str, directions: str) -
     """What identifies arrays' layout and the options (None for anything but arrays)."""
     key = layout_key(a, b, bias)
     return None if key is None else key + (check, directions)
-
-
-def _device(xp: Any) -> int:
-    return xp.cuda.Device().id if xp.__name__ == "cupy" else -1

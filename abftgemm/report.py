@@ -98,7 +98,9 @@ class Report:
     def corrected(self) -> int:
         """Number of output elements the checksums located and that were recomputed (action
         ``"corrected"``)."""
-        return sum(len(_cells(e)) for e in self.events if e.action == "corrected")
+        # one per row for 1C, per column for 1R and 0D
+        return sum(len(e.rows if e.pattern == "1C" else e.cols) for e in self.events
+                   if e.action == "corrected")
 
     @property
     def recomputed(self) -> int:
@@ -121,11 +123,6 @@ class Report:
         head = (f"detected={self.detected} corrected={self.corrected} "
                 f"recomputed={self.recomputed} checked={sum(self.checked.values())}")
         return "\n".join([head, *(f"  {e}" for e in self.events)])
-
-
-def _cells(e: Event) -> tuple[int, ...]:
-    """The elements an event touched (one per row for 1C, per column for 1R and 0D)."""
-    return e.rows if e.pattern == "1C" else e.cols
 
 
 class UncorrectableError(RuntimeError):

@@ -147,17 +147,25 @@ class blas_scope:
         self.numba_pool = numba_pool
 
     def __enter__(self) -> None:
+        global _active, _scope_count
         depth = getattr(_local, "depth", 0)
         if not depth:
-            _enter(self.torch_threads)
+            with _lock:
+                _active += 1
+                if _active == 1:
+                    _scope_count = _lower(_blas(), current_policy(self.torch_threads), _restore)
             _local.pool = self.numba_pool
         _local.depth = depth + 1
 
     def __exit__(self, *exc: object) -> None:
+        global _active
         _local.depth -= 1
         if not _local.depth:
             _local.pool = False
-            _exit()
+            with _lock:
+                _active -= 1
+                if not _active:
+                    _put_back(_restore)
 
 
 def scope_pool() -> bool:
@@ -166,27 +174,10 @@ def scope_pool() -> bool:
     return getattr(_local, "pool", False)
 
 
-def _enter(torch_threads: int) -> None:
-    global _active, _scope_count
-    with _lock:
-        _active += 1
-        if _active > 1:
-            return
-        _scope_count = _lower(_blas(), current_policy(torch_threads), _restore)
-
-
 def scope_threads() -> int:
     """The thread count of the open :class:`blas_scope` (the caller's lower setting counted);
     :func:`current_policy` when none is open."""
     return _scope_count if _active else current_policy()
-
-
-def _exit() -> None:
-    global _active
-    with _lock:
-        _active -= 1
-        if not _active:
-            _put_back(_restore)
 
 
 def _lower(libs: list[Any], n: int, restore: list[tuple[Any, int]]) -> int:
