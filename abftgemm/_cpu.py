@@ -223,8 +223,7 @@ class CpuBackend:
         out[...] = acc
 
     def row_limits(self, m: int, n: int, dtype: Any) -> np.ndarray | None:
-        """How far each row of an ``out_triangle="lower"`` product is computed (see
-        :func:`abftgemm._cpu_triangles.row_limits`); None when every row is whole (always for
+        """:func:`abftgemm._cpu_triangles.row_limits`; None when every row is whole (always for
         16-bit products)."""
         if np.dtype(dtype) not in (np.float32, np.float64):
             return None
@@ -232,16 +231,13 @@ class CpuBackend:
         return None if (limits == n).all() else limits
 
     def complete_lower(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-        """Compute the part of ``out = a @ b`` an ``out_triangle`` product left out (there are
-        :meth:`row_limits`, so float32/float64)."""
+        """See :class:`abftgemm.backend.RowPrefixes` (float32/float64: there are limits)."""
         complete_lower(a, b, out)
 
     def predict_lower_rows(self, a: np.ndarray, b: np.ndarray, limits: np.ndarray,
                            enc: np.ndarray, pred: np.ndarray) -> None:
-        """The predicted row checksums ``pred`` ``(batch, m, 5)`` (the fields of ``row_reduce(a,
-        coef)``) of an ``out_triangle`` product, row ``i`` over its first ``limits[i]`` columns,
-        with the default location weights of the whole row; ``enc`` is a ``(3, k)`` float64
-        workspace."""
+        """See :class:`abftgemm.backend.RowPrefixes`: the fields of ``row_reduce(a, coef)``, with
+        the default location weights of the whole row."""
         _predict_lower_rows(a, *rows_first(b), _default_weights(b.shape[-1]), limits, enc,
                             pred)
 

@@ -28,20 +28,9 @@ Allocate = Callable[..., Any]
 
 
 class ConsumerRows:
-    """Workspaces and launches of the row verification of one planned product.
-
-    Parameters
-    ----------
-    be : Backend
-    op : Operands
-        The planned operands (no bias).
-    out_triangle : {None, "lower"}
-        Only entries ``j <= i`` of the product are wanted. Where the backend skips the rest (the
-        CPU, float32/float64), row ``i`` is computed and verified up to :attr:`row_limits`
-        ``[i]`` only, and the consumer observes each row up to there.
-    alloc : callable ``(shape, dtype=float64)``
-        The plan's counted allocation of a zeroed array.
-    """
+    """Workspaces and launches of the row verification of one planned product: its operands
+    ``op`` (no bias) and ``out_triangle`` as :class:`~abftgemm.plan.ProtectedMatmul` takes them;
+    ``alloc(shape, dtype=float64)``, the plan's counted allocation of a zeroed array."""
 
     def __init__(self, be: Backend, op: Operands, out_triangle: str | None, alloc: Allocate,
                  counters: Any, verdict: Slot):

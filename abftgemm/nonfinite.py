@@ -68,27 +68,11 @@ _RECOMPUTED = ("the faulty elements recomputed from the inputs; then each checke
 
 def settle_unverifiable(be: Backend, op: Operands, out: Any, verdict: Verdict, check: str,
                         site: str, report: Report) -> list[int]:
-    """Settle every element that no judged vector covers; report what it is.
-
-    Parameters
-    ----------
-    be, op : the backend and the product's operands
-    out : array (batch, m, n)
-        The delivered product; faulty elements are replaced in place when ``check == "correct"``.
-    verdict : Verdict
-        The product's verification (its unverifiable rows and columns).
-    check : {"correct", "detect"}
-    site : str
-    report : Report
-        Receives ``input-nonfinite`` and ``overflow`` events, and the faults found.
-
-    Returns
-    -------
-    list of int
-        Batch indices whose product was modified. Raises
-        :class:`~abftgemm.report.UncorrectableError` when a recomputed element is still not one
-        rounding allows.
-    """
+    """Settle every element of ``out`` ``(batch, m, n)`` that no vector ``verdict`` judged
+    covers; ``report`` receives ``input-nonfinite`` and ``overflow`` events, and the faults found,
+    which ``check == "correct"`` replaces in place. Returns the batch indices whose product was
+    modified; raises :class:`~abftgemm.report.UncorrectableError` when a recomputed element is
+    still not one rounding allows."""
     repaired = []
     for b in verdict.unverifiable_batches():
         rows, cols = verdict.unverifiable(b)

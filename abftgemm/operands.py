@@ -58,30 +58,11 @@ class Operands:
 
     @classmethod
     def prepare(cls, a: Any, b: Any, bias: Any | None = None, out: Any | None = None) -> "Operands":
-        """Validate and normalize ``a @ b (+ bias)`` into ``out``; raise before touching anything.
-
-        Parameters
-        ----------
-        a, b : array or array-like
-            NumPy or CuPy arrays (NumPy array-likes, e.g. lists, are converted; CuPy operands
-            need CuPy arrays throughout, as in ``cupy.matmul``) of float16, bfloat16, float32 or
-            float64, any byte order. Mixed dtypes promote as ``np.matmul`` does.
-        bias : array (n,), optional
-            Promoted together with the operands.
-        out : array, optional
-            Receives the result (NumPy: its leading dimensions may broadcast the result's, as in
-            ``np.matmul``; CuPy: exactly the result's shape, as in ``cupy.matmul``). Any layout;
-            its dtype must accept the result under ``casting="same_kind"``.
-
-        Raises
-        ------
-        TypeError
-            An unsupported dtype (named), ``np.matrix`` or a masked array, mixed NumPy and CuPy
-            operands, or an ``out`` of the wrong kind or dtype.
-        ValueError
-            A 0-d operand, mismatched inner or batch dimensions, or an ``out`` of the wrong shape
-            or read-only.
-        """
+        """Validate and normalize ``a @ b (+ bias)`` into ``out`` (each as :func:`abftgemm.matmul`
+        takes it); raise before touching anything: TypeError for an unsupported dtype (named),
+        ``np.matrix`` or a masked array, mixed NumPy and CuPy operands, or an ``out`` of the wrong
+        kind or dtype; ValueError for a 0-d operand, mismatched inner or batch dimensions, or an
+        ``out`` of the wrong shape or read-only."""
         a, b, bias, out = _arrays(a, b, bias, out)
         xp = array_module(a, b, bias)
         for label, x in (("a", a), ("b", b)):

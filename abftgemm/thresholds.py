@@ -81,28 +81,14 @@ def magnitude_coefficient(k: int, length: int, dtype: np.dtype) -> float:
 
 def threshold(pred_abs: Any, obs_abs: Any, k: int, length: int, dtype: np.dtype,
               bias: bool = False) -> Any:
-    """Per-vector detection threshold for the plain checksum difference ``d1``.
+    """Per-vector detection threshold (float64, ``pred_abs``'s shape) for the plain checksum
+    difference ``d1`` of vectors of ``length`` elements of a product of inner dimension ``k`` and
+    output ``dtype``: ``pred_abs`` is ``S``, the predicted sum of ``|A_ic||B_cj|`` over the
+    vector (plus ``|bias|`` terms), ``obs_abs`` the sum of ``|C|`` over it as delivered.
 
-    Parameters
-    ----------
-    pred_abs : array, float64
-        ``S``: the predicted sum of ``|A_ic||B_cj|`` over the vector (plus ``|bias|`` terms).
-    obs_abs : array, float64
-        Sum of ``|C|`` over the vector as delivered.
-    k : int
-        Inner dimension of the product.
-    length : int
-        Number of elements in the vector.
-    dtype : numpy dtype
-        Output dtype.
-    bias : bool
-        The product had a bias added. cuBLAS may round ``A @ B`` to the output dtype before
-        adding the bias (seen with bfloat16 on an H200: |d|/tau = 1.24 without this term), so a
-        second output rounding of up to ``u_out * sum |A||B|`` is allowed for.
-
-    Returns
-    -------
-    array, float64, same shape as ``pred_abs``.
+    ``bias``: the product had a bias added. cuBLAS may round ``A @ B`` to the output dtype before
+    adding the bias (seen with bfloat16 on an H200: |d|/tau = 1.24 without this term), so a
+    second output rounding of up to ``u_out * sum |A||B|`` is allowed for.
     """
     c_obs, c_pred, floor, _ = threshold_coefficients(k, length, dtype, bias)
     return c_obs * obs_abs + c_pred * pred_abs + floor
