@@ -82,9 +82,7 @@ def encode_cols(a: Any, a_transposed: bool, weights_m: Any, rows: Any, enc: Any)
         if a_transposed:
             _row_sums_as_columns(a[i], weights_m, rows, e)
         else:
-            e[0][:] = 0.0
-            e[1][:] = 0.0
-            e[2][:] = 0.0
+            enc[:, i] = 0.0
             sum_columns(a[i], weights_m, 0, a.shape[1], e)
 
 
@@ -100,10 +98,8 @@ def observe_flag_cols(c: Any, weights_m: Any, pred: Any, c_obs: float, c_pred: f
     """
     total = 0
     for t in range(c.shape[0]):
+        obs[:, t] = 0.0
         o = fields(obs, t)
-        o[0][:] = 0.0
-        o[1][:] = 0.0
-        o[2][:] = 0.0
         sum_columns(c[t], weights_m, 0, c.shape[1], o)
         for j in range(counts.shape[0]):
             counts[j] = 0.0
@@ -125,10 +121,8 @@ def observe_flag_cols_bits(bits: Any, table: Any, weights_m: Any, pred: Any, c_o
     block = scratch.shape[0]
     total = 0
     for t in range(bits.shape[0]):
+        obs[:, t] = 0.0
         o = fields(obs, t)
-        o[0][:] = 0.0
-        o[1][:] = 0.0
-        o[2][:] = 0.0
         for i0 in range(0, m, block):
             rows = min(block, m - i0)
             for i in range(rows):

@@ -463,14 +463,11 @@ class _Layout:
     def of(cls, a: Any, b: Any, bias: Any | None, op: Operands) -> "_Layout | None":
         """The layout of planned arrays ``a``, ``b``, ``bias`` that ``op`` only reshapes;
         None for anything else (array-likes, promotions, 1-D operands, broadcasts)."""
-        if layout_key(a, b, bias) is None:
+        if (layout_key(a, b, bias) is None
+                or any(x is not None and x.dtype != op.dtype for x in (a, b, bias))
+                or a.ndim < 2 or b.ndim < 2 or a.size != op.a.size or b.size != op.b.size):
             return None
-        kind = type(a)
-        if any(x is not None and x.dtype != op.dtype for x in (a, b, bias)):
-            return None
-        if a.ndim < 2 or b.ndim < 2 or a.size != op.a.size or b.size != op.b.size:
-            return None
-        return cls(kind, op.dtype, a.shape, b.shape, None if bias is None else bias.shape, op.xp,
+        return cls(type(a), op.dtype, a.shape, b.shape, None if bias is None else bias.shape, op.xp,
                    op.a.shape, op.b.shape, op.batch_shape, op.shape)
 
     def operands(self, a: Any, b: Any, bias: Any | None, out: Any | None) -> Operands | None:
