@@ -71,12 +71,12 @@ def _row_reduce(x: Any, coef: Any, out: Any) -> None:
 def _both_reduce(x: Any, ccoef: Any, rcoef: Any, out_col: Any, out_row: Any) -> None:
     """Column and row reductions of every batch item in one read of it from memory.
 
-    ``ccoef``/``rcoef`` are encodings ``(3, batch or 1, L)`` (field-major, so the inner loops
-    read them contiguously) or the default location weights ``(L,)``. The rows go through in blocks of
-    64 that stay in cache for their second use. With default row coefficients a block's row sums
-    stream it in one row at a time, then its column sums re-read it; with coefficient vectors the
-    column sums stream it in, then its row sums re-read it four rows at a time, each coefficient
-    loaded once per four rows. Each is the fastest order measured (bench/NOTES.md).
+    ``ccoef``/``rcoef`` are encodings ``(3, batch or 1, L)`` (field-major, so the inner loops read
+    them contiguously) or the default location weights ``(L,)``. The rows go through in blocks of 64
+    that stay in cache for their second use. With default row coefficients a block's row sums stream
+    it in one row at a time, then its column sums re-read it; with coefficient vectors the column
+    sums stream it in, then its row sums re-read it four rows at a time, each coefficient loaded
+    once per four rows. Each is the fastest order measured (bench/NOTES.md).
     """
     nrows = x.shape[1]
     p = np.empty((3, x.shape[2]))

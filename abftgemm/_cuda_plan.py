@@ -1,13 +1,13 @@
 """GPU workspaces and launches of a planned product (abftgemm/kernels/plan.cu).
 
-Everything is allocated when the plan is made: the accumulators and counters of the two
-verification kernels (which leave them zeroed for the next execute), the observed checksums, the
-cumulative verdict in a slot of the plan's verdict ledger (:mod:`abftgemm.verdicts`: on the
-device, with a pinned host copy), and a cuBLAS handle of the plan's
-own in host pointer mode without TF32 and without reduced-precision reductions, so that no shared handle state is read or changed per call.
-An execute is the GEMM (one cuBLAS call; a bias adds one broadcast copy before it) and two kernel
-launches, with no allocation and no synchronization; settle copies the ledger (the verdicts of
-every plan that shares it) into pinned memory asynchronously and waits for that copy only.
+Everything is allocated when the plan is made: the accumulators and counters of the two verification
+kernels (which leave them zeroed for the next execute), the observed checksums, the cumulative
+verdict in a slot of the plan's verdict ledger (:mod:`abftgemm.verdicts`: on the device, with a
+pinned host copy), and a cuBLAS handle of the plan's own in host pointer mode without TF32 and
+without reduced-precision reductions, so that no shared handle state is read or changed per call. An
+execute is the GEMM (one cuBLAS call; a bias adds one broadcast copy before it) and two kernel
+launches, with no allocation and no synchronization; settle copies the ledger (the verdicts of every
+plan that shares it) into pinned memory asynchronously and waits for that copy only.
 
 Operands are used in place when cuBLAS can read them (row-major or transposed matrices, any
 leading dimension); other layouts are copied (an allocation per execute, as for an unplanned

@@ -18,8 +18,9 @@ batch dimension is either the full batch or 1 (broadcast):
     Those limits, ``(m,)`` int64, or None when every row is computed whole (always, on the
     GPU). A backend that returns limits also implements :class:`RowPrefixes`.
 ``col_reduce(x, coef, out)`` / ``row_reduce(x, coef, out)``
-    One pass over ``x`` producing, per column (resp. row) vector ``v`` of length ``L``, five float64
-    numbers ``[sum(c0*v), sum(c1*v), sum(c2*|v|), count(!isfinite(v)), last non-finite index or -1]``.
+    One pass over ``x`` producing, per column (resp. row) vector ``v`` of length ``L``, five
+    float64 numbers
+    ``[sum(c0*v), sum(c1*v), sum(c2*|v|), count(!isfinite(v)), last non-finite index or -1]``.
     ``coef`` is an encoding (:mod:`abftgemm.checksums`), float64 ``(3, batch or 1, L)`` whose
     field vectors are contiguous (last axis), read in place; or None for the defaults ``c0=1,
     c1=(index+1)/L, c2=1``.
@@ -159,8 +160,8 @@ def is_cupy_array(x: object) -> bool:
 
 
 #: The counters of the block :func:`reads_counted_by` opened last in this thread (or task).
-_READ_COUNTERS: contextvars.ContextVar[Any] = contextvars.ContextVar("abftgemm_read_counters",
-                                                                    default=None)
+_READ_COUNTERS: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "abftgemm_read_counters", default=None)
 
 
 @contextlib.contextmanager

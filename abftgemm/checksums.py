@@ -36,8 +36,8 @@ def location_weights(length: int, xp: Any = np) -> Any:
     """Location weights ``(l+1)/length``, ``l = 0..length-1``, float64.
 
     A single error ``e`` at position ``p`` shifts the plain checksum by ``e`` and the weighted one
-    by ``e * w_p``, so ``p = length * d_weighted / d_plain - 1``. Normalizing to ``(0, 1]`` keeps the
-    weighted sum no larger than the plain one: with weights ``1..L`` a near-INF float64 error
+    by ``e * w_p``, so ``p = length * d_weighted / d_plain - 1``. Normalizing to ``(0, 1]`` keeps
+    the weighted sum no larger than the plain one: with weights ``1..L`` a near-INF float64 error
     (~1e308) overflowed the weighted sum and could no longer be located.
     """
     return xp.arange(1, length + 1, dtype=np.float64) / length

@@ -1,8 +1,8 @@
 """The entry point: :func:`matmul`, a protected ``a @ b``.
 
-:func:`matmul` executes and settles a cached plan (:mod:`abftgemm.plan_cache`): on the fast
-path one GEMM and two verification launches that read ``a``, ``b`` and the product once each, then one host read of
-the verdict; the rare path (:mod:`abftgemm.rare_path`) runs only when that verdict flags.
+:func:`matmul` executes and settles a cached plan (:mod:`abftgemm.plan_cache`): on the fast path one
+GEMM and two verification launches that read ``a``, ``b`` and the product once each, then one host
+read of the verdict; the rare path (:mod:`abftgemm.rare_path`) runs only when that verdict flags.
 """
 from __future__ import annotations
 

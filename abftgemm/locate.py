@@ -22,7 +22,7 @@ LOCATION_SLACK = 0.25
 
 @dataclass
 class Side:
-    """Verification of one direction (columns or rows), shape ``(batch, vectors)``, on the device."""
+    """Verification of one direction (columns or rows), ``(batch, vectors)``, on the device."""
 
     pred: Any        # (batch, vectors, 5) predicted checksums (None: direction not checked)
     obs: Any         # (batch, vectors, 5) observed checksums (None: direction not checked)

@@ -1,13 +1,14 @@
 """Planned protected products: plan once, then execute many times with nothing but the work.
 
 :class:`ProtectedMatmul` validates and plans a product once (shapes, dtype, bias, check mode),
-allocates every workspace and precomputes what does not change. Each :meth:`~ProtectedMatmul.execute`
-then runs the GEMM and, on the default ``directions="columns"`` fast path, two verification
-launches (predict the column checksums from the operands; observe the product's column checksums
-and judge every column on the same read), with no allocation (given ``out=``) and no host
-synchronization. :meth:`~ProtectedMatmul.settle` reads the verdict (two counts per batch item) and
-only when something was flagged runs the rare path: full two-direction verification, location,
-repair and recomputation (:mod:`abftgemm.rare_path`), exactly as an unplanned product would.
+allocates every workspace and precomputes what does not change. Each
+:meth:`~ProtectedMatmul.execute` then runs the GEMM and, on the default ``directions="columns"``
+fast path, two verification launches (predict the column checksums from the operands; observe the
+product's column checksums and judge every column on the same read), with no allocation (given
+``out=``) and no host synchronization. :meth:`~ProtectedMatmul.settle` reads the verdict (two counts
+per batch item) and only when something was flagged runs the rare path: full two-direction
+verification, location, repair and recomputation (:mod:`abftgemm.rare_path`), exactly as an
+unplanned product would.
 
 Why one direction on the fast path: weighted column checksums alone detect an error, locate it
 in its column, and correct a single element or a whole bad row; the row direction is needed only

@@ -1,9 +1,9 @@
 """The plans behind :func:`abftgemm.matmul`: a :class:`PlanCache`, keyed by what a plan fixes.
 
 Repeated products of one layout (the same shapes, dtype, device, bias presence, check mode and
-directions) reuse one :class:`~abftgemm.plan.ProtectedMatmul` and so its workspaces, with nothing
-to validate or allocate beyond the result. The key holds no site name: the plan takes each call's
-name for its fault hook and report (``ProtectedMatmul.execute``), so a model with any number of sites
+directions) reuse one :class:`~abftgemm.plan.ProtectedMatmul` and so its workspaces, with nothing to
+validate or allocate beyond the result. The key holds no site name: the plan takes each call's name
+for its fault hook and report (``ProtectedMatmul.execute``), so a model with any number of sites
 needs one plan per distinct product, and :func:`abftgemm.matmul` executes and settles each call
 before the next, so sites of one signature never hold one plan at the same time.
 

@@ -52,7 +52,7 @@ def to_array(t: Any, label: str) -> Any:
         t = t.resolve_neg().resolve_conj()
     bf16 = t.dtype == torch.bfloat16
     if t.is_cpu and not bf16:
-        return t.detach().numpy()  # NumPy's own view of the CPU memory: as DLPack, at a tenth the cost
+        return t.detach().numpy()  # NumPy's own view of the memory: as DLPack, a tenth the cost
     if t.device.type not in ("cpu", "cuda"):
         raise TypeError(f"matmul: {label} is on {t.device}; abftgemm takes CPU and CUDA tensors")
     boolean = t.dtype == torch.bool  # some PyTorch versions export no bool through DLPack

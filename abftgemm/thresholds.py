@@ -6,10 +6,11 @@ fault the two differ only by rounding:
 
 - accumulation inside the GEMM: each ``C_ij`` is a length-``k`` dot product accumulated in
   ``u_acc`` (float32 for 16- and 32-bit data, float64 for float64). Probabilistic error analysis
-  (Higham & Mary) bounds it by ``lambda * sqrt(k) * u_acc * P_ij`` with ``P_ij = sum_c |A_ic B_cj|``.
-  Summed over the vector WITHOUT assuming independence between rows (identical rows, such as
-  padding tokens, round identically) this is ``KAPPA * sqrt(k) * u_acc * S_j``, ``S_j = sum_i P_ij``,
-  which the prediction pass computes exactly as ``(1^T |A|) |B_:j|``;
+  (Higham & Mary) bounds it by ``lambda * sqrt(k) * u_acc * P_ij`` with
+  ``P_ij = sum_c |A_ic B_cj|``. Summed over the vector WITHOUT assuming independence between rows
+  (identical rows, such as padding tokens, round identically) this is
+  ``KAPPA * sqrt(k) * u_acc * S_j``, ``S_j = sum_i P_ij``, which the prediction pass computes
+  exactly as ``(1^T |A|) |B_:j|``;
 - rounding of each output element to the output dtype: at most ``u_out * |C_ij|``, so
   ``u_out * sum_i |C_ij|`` in total, a rigorous bound taken from the delivered data (a fault of size
   ``delta`` raises it by only ``u_out * delta``; a non-finite fault is flagged separately);
