@@ -1,0 +1,543 @@
+"""The public GEMM API at its edges (abftgemm.matmul, ProtectedMatmul, verify, abftgemm.testing):
+plans shared by threads, odd layouts and options, refused calls, the testing helpers.
+
+Tests marked xfail(strict=True) are known bugs, each named in its reason.
+"""
+from __future__ import annotations
+
+import shutil
+import threading
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import abftgemm
+from abftgemm import ProtectedMatmul
+from abftgemm import testing as at
+from abftgemm.backend import to_host
+from abftgemm.faults import Fault
+from conftest import BACKENDS
+
+
+def _f32(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+@pytest.mark.xfail(strict=True, reason="ProtectedMatmul.execute checks self._pending before the "
+                   "GEMM and sets it only after the GEMM, the fault hook and the verification "
+                   "launches, with no lock: a second thread's execute on the same plan while "
+                   "one is in flight is accepted instead of refused with RuntimeError")
+def test_a_second_execute_of_a_shared_plan_while_one_is_in_flight_is_refused():
+    rng = np.random.default_rng(0)
+    a1, b1, a2, b2 = _f32(rng, 32, 16), _f32(rng, 16, 24), _f32(rng, 32, 16), _f32(rng, 16, 24)
+    plan = ProtectedMatmul(a1, b1)
+    in_flight, go_on = threading.Event(), threading.Event()
+
+    def slow_gemm_hook(site, c):  # stands for a GEMM that takes a while in the first thread
+        in_flight.set()
+        go_on.wait(10)
+
+    first = threading.Thread(target=lambda: plan.execute(a1, b1, fault_hook=slow_gemm_hook))
+    first.start()
+    try:
+        assert in_flight.wait(10)
+        with pytest.raises(RuntimeError):
+            plan.execute(a2, b2, out=np.empty((32, 24), np.float32))
+    finally:
+        go_on.set()
+        first.join()
+        plan.abandon()
+
+
+@pytest.mark.xfail(strict=True, reason="the same race: the second execute's pending product is "
+                   "overwritten by the first's, so its settle reports the other call and its "
+                   "out (not written in place: Fortran order) is never filled, silently")
+def test_two_threads_sharing_a_plan_never_get_wrong_data_silently():
+    rng = np.random.default_rng(1)
+    a1, b1, a2, b2 = _f32(rng, 32, 16), _f32(rng, 16, 24), _f32(rng, 16 * 2, 16), _f32(rng, 16, 24)
+    plan = ProtectedMatmul(a1, b1)
+    in_flight, go_on = threading.Event(), threading.Event()
+    out1 = np.asfortranarray(np.full((32, 24), np.nan, np.float32))
+    out2 = np.asfortranarray(np.full((32, 24), np.nan, np.float32))
+    outcome = {}
+
+    def hook(site, c):
+        in_flight.set()
+        go_on.wait(10)
+
+    def first_thread():
+        plan.execute(a1, b1, out=out1, fault_hook=hook, name="first")
+
+    first = threading.Thread(target=first_thread)
+    first.start()
+    assert in_flight.wait(10)
+    try:
+        plan.execute(a2, b2, out=out2, name="second")  # should have been refused
+    except RuntimeError:
+        outcome["refused"] = True
+    go_on.set()
+    first.join()
+    if outcome.get("refused"):
+        report = plan.settle()
+        np.testing.assert_allclose(out1, a1 @ b1, rtol=1e-5, atol=1e-5)
+        return
+    report = plan.settle()  # the second call's settle, from its own thread
+    # whatever the library does, the call that settled must have its own result and report
+    assert list(report.checked) == ["second"], report.checked
+    np.testing.assert_allclose(out2, a2 @ b2, rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_from_several_threads_right_results_and_own_reports():
+    errors = []
+
+    def worker(t):
+        rng = np.random.default_rng(t)
+        for i in range(12):
+            a, b = _f32(rng, 48, 40), _f32(rng, 40, 32)
+            out = np.asfortranarray(np.empty((48, 32), np.float32)) if i % 2 else None
+            fault = Fault("bitflip", "element", seed=7 * t + i, bit=30) if i % 3 == 0 else None
+            name = f"t{t}i{i}"
+            if t == 0 and i % 4 == 0:
+                abftgemm.set_threads(1 if i % 8 else None)
+            c, rep = abftgemm.matmul(a, b, out=out, return_report=True, fault_hook=fault,
+                                     name=name)
+            if out is not None and c is not out:
+                errors.append((name, "not out"))
+            if not np.allclose(c, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4):
+                errors.append((name, "wrong values"))
+            if set(rep.checked) != {name} or any(e.site != name for e in rep.events):
+                errors.append((name, "report of another call", rep.summary()))
+            if rep.detected != (fault is not None):
+                errors.append((name, "detected", rep.detected))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    try:
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+    finally:
+        abftgemm.set_threads(None)
+    assert not errors, errors[:3]
+
+
+# --------------------------------------------------------------------------- abftgemm.testing
+
+
+@pytest.mark.xfail(strict=True, reason="abftgemm.testing.operand_pairs(float16, "
+                   "integer_valued=False) promises 'no subnormals' but draws float32-width "
+                   "floats and casts them: values below float16's smallest normal (6.1e-5) "
+                   "become float16 subnormals")
+@settings(max_examples=300, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(ab=at.operand_pairs(np.float16, integer_valued=False))
+def test_operand_pairs_float16_has_no_subnormals(ab):
+    tiny = np.finfo(np.float16).tiny
+    for x in ab:
+        x32 = x.astype(np.float32)
+        assert not ((x32 != 0) & (np.abs(x32) < tiny)).any(), x
+
+
+@pytest.mark.xfail(strict=True, reason="abftgemm.testing.silent_error_bound unpacks "
+                   "c_clean.shape[-2:] into (m, n): with a 1-D operand (a product of shape "
+                   "(m,), (n,) or ()) it raises ValueError 'not enough values to unpack', "
+                   "where checksum_error_ratio and assert_protected take 1-D operands")
+@pytest.mark.parametrize("shapes", [((3, 4), (4,)), ((4,), (4, 3)), ((4,), (4,))],
+                         ids=["2d@1d", "1d@2d", "1d@1d"])
+def test_silent_error_bound_takes_1d_operands(shapes):
+    a, b = np.ones(shapes[0], np.float32), np.ones(shapes[1], np.float32)
+    c = abftgemm.matmul(a, b)
+    bound = at.silent_error_bound(a, b, c)
+    assert np.shape(bound) == np.shape(c)
+    assert (np.asarray(bound) > 0).all()
+
+
+@pytest.mark.xfail(strict=True, reason="abftgemm.testing.matmul_shapes draws k from "
+                   "integers(min_side, max_k or max_side): max_k=0 (empty inner dimension, "
+                   "with min_side=0) is taken as 'not given' and k up to max_side is drawn")
+@settings(max_examples=50, deadline=None, database=None)
+@given(shapes=at.matmul_shapes(min_side=0, max_k=0))
+def test_matmul_shapes_honours_max_k_zero(shapes):
+    a_shape, b_shape = shapes
+    assert a_shape[-1] == 0 and b_shape[-2] == 0
+
+
+@pytest.mark.xfail(strict=True, reason="abftgemm.testing.assert_matches_reference never compares "
+                   "shapes: np.testing.assert_array_equal broadcasts a 0-d (or size-1) c, so a "
+                   "scalar passes for a (3, 5) product whose elements all equal it, and a (1, 1) "
+                   "array for vector @ vector's 0-d result (assert_protected checks the shape)")
+@pytest.mark.parametrize("case", ["scalar for (3, 5)", "(1, 1) for vector @ vector"])
+def test_assert_matches_reference_fails_on_a_wrong_shape(case):
+    if case == "scalar for (3, 5)":
+        a, b, wrong = np.ones((3, 4), np.float32), np.ones((4, 5), np.float32), np.float32(4)
+    else:
+        a = b = np.ones(4, np.float32)
+        wrong = np.full((1, 1), 4, np.float32)
+    at.assert_matches_reference(abftgemm.matmul(a, b), a, b)
+    with pytest.raises(AssertionError):
+        at.assert_matches_reference(wrong, a, b)
+
+
+@pytest.mark.xfail(strict=True, reason="the abftgemm.testing helpers compute |a| @ |b| and the "
+                   "reference outside np.errstate: with an INF input they emit NumPy's "
+                   "RuntimeWarning 'invalid value encountered in matmul', which a test suite "
+                   "run with warnings as errors turns into a failure of a correct product "
+                   "(abftgemm.matmul itself stays silent there)")
+@pytest.mark.parametrize("helper", ["assert_matches_reference", "assert_protected",
+                                    "checksum_error_ratio", "silent_error_bound"])
+def test_testing_helpers_accept_inf_inputs_with_warnings_as_errors(helper):
+    a = np.array([[np.inf, 1.0], [1.0, 2.0]], np.float32)
+    b = np.ones((2, 2), np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c, report = abftgemm.matmul(a, b, return_report=True)
+        if helper == "assert_matches_reference":
+            at.assert_matches_reference(c, a, b)
+        elif helper == "assert_protected":
+            at.assert_protected(c, a, b, report)
+        elif helper == "checksum_error_ratio":
+            assert (at.checksum_error_ratio(c, c, a, b) == 0).all()
+        else:
+            at.silent_error_bound(a, b, c)
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def _sequential_float32_product(a, b):
+    """a @ b as a naive GEMM computes it: each dot product summed term by term in float32."""
+    terms = a.astype(np.float32)[:, :, None] * b.astype(np.float32)[None, :, :]
+    return np.cumsum(terms, axis=1, dtype=np.float32)[:, -1, :]
+
+
+@pytest.mark.xfail(strict=True, reason="verify() flags as a '2D' fault a clean float32 product "
+                   "summed in another order (term by term, as np.einsum and naive GEMM kernels "
+                   "do) of constant operands at k=4096: |d|/tau = 1.26, though every element "
+                   "lies within 16% of the rigorous rounding bound gamma_(k+1)|A||B| + u|C|; "
+                   "the rare path's 'rounding' finding needs the library's own recomputation "
+                   "to repeat c bit for bit, which a product from elsewhere never does")
+def test_verify_accepts_a_clean_product_summed_in_another_order():
+    # np.einsum("ik,kj->ij", a, b) gave the same c on the 2-core AMD EPYC of this hunt; the
+    # explicit term-by-term sum keeps the case independent of einsum's SIMD order
+    k = 4096
+    a, b = np.full((8, k), 0.1, np.float32), np.ones((k, 8), np.float32)
+    c = _sequential_float32_product(a, b)
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    u = 2.0 ** -24
+    gamma = (k + 1) * u / (1 - (k + 1) * u)
+    rigorous = gamma * (np.abs(a).astype(np.float64) @ np.abs(b)) + u * np.abs(c)
+    assert (np.abs(c - exact) <= rigorous).all()  # a clean product: within Higham's bound
+    result = abftgemm.verify(c, a, b)
+    assert result.clean, result.report.summary()
+    assert result.worst_ratio < 1
+
+
+@pytest.mark.xfail(strict=True, reason="a data fault that only its row's checksum can see (its "
+                   "column holds a huge element, so the column threshold is far above it) is "
+                   "reported with pattern 'checksum' ('the predicted checksum itself was "
+                   "wrong'), rows [5] cols []: in verify(), which derives every checksum from a "
+                   "and b itself, and in check='detect' (data left in place as if it were fine)")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_data_fault_seen_by_its_row_only_is_not_called_a_checksum_fault(dtype):
+    rng = np.random.default_rng(0)
+    big = 1e300 if dtype == np.float64 else 1e37
+    a, b = rng.random((8, 6)).astype(dtype), rng.random((6, 5)).astype(dtype)
+    a[2, :] = big  # column sums dominated by row 2: column thresholds far above O(1) errors
+    c = a @ b
+    c[5, 1] = c[5, 1] * 3 + 1  # a data fault of about 23, far above row 5's threshold
+    result = abftgemm.verify(c, a, b)
+    assert result.report.detected
+    patterns = [e.pattern for e in result.report.events]
+    assert "checksum" not in patterns, result.report.summary()
+    assert any(5 in e.rows for e in result.report.events)
+
+
+@pytest.mark.xfail(strict=True, reason="the same misdiagnosis on matmul's default column path: "
+                   "one element off by 3.3 in column 1 (threshold 5e-14), while a column of b "
+                   "at 1e300 puts every row threshold far above it, is reported as pattern "
+                   "'checksum' at rows [] cols [1] in check='detect' (and 'checksum' -> "
+                   "recomputed in check='correct'): not located, and called a checksum fault")
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("directions", ["columns", "both"])
+def test_a_data_fault_seen_by_its_column_only_is_located_not_called_a_checksum(xp, directions):
+    rng = np.random.default_rng(0)
+    a, b = rng.random((8, 6)), rng.random((6, 5))
+    b[:, 2] = 1e300  # every row sum dominated by column 2
+    a, b = xp.asarray(a), xp.asarray(b)
+
+    def fault(site, c):
+        c[5, 1] = c[5, 1] * 3 + 1
+
+    with pytest.warns(abftgemm.FaultDetectedWarning):
+        c, report = abftgemm.matmul(a, b, check="detect", directions=directions,
+                                    fault_hook=fault, return_report=True)
+    assert report.detected
+    assert "checksum" not in [e.pattern for e in report.events], report.summary()
+    assert any(1 in e.cols for e in report.events)
+
+
+@pytest.mark.xfail(strict=True, reason="the same misdiagnosis with moderate data: float32 "
+                   "a (64, 256) @ b (256, 64), standard normal, with one outlier column of b "
+                   "scaled by 1e4 (as activation outlier channels are): an error of 1.0 in "
+                   "c[10, 5] (|c| ~ 16, column threshold 0.08) is reported as 'checksum' at "
+                   "rows [] cols [5], unlocated, in check='detect' and by verify()")
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("how", ["matmul detect", "verify"])
+def test_an_outlier_column_makes_a_located_fault_a_checksum_finding(xp, how):
+    rng = np.random.default_rng(0)
+    a, b = _f32(rng, 64, 256), _f32(rng, 256, 64)
+    b[:, 0] *= 1e4
+    a, b = xp.asarray(a), xp.asarray(b)
+
+    def fault(site, c):
+        c[10, 5] += 1.0
+
+    if how == "verify":
+        c = abftgemm.matmul(a, b, check="off")
+        fault("verify", c)
+        report = abftgemm.verify(c, a, b).report
+    else:
+        with pytest.warns(abftgemm.FaultDetectedWarning):
+            _, report = abftgemm.matmul(a, b, check="detect", fault_hook=fault,
+                                        return_report=True)
+    assert report.detected
+    assert [(e.pattern, e.rows, e.cols) for e in report.events] == [("0D", (10,), (5,))], \
+        report.summary()
+
+
+# --------------------------------------------------------------------------- plan state
+
+
+@pytest.mark.xfail(strict=True, reason="CpuWorkspace.gemm sets _converted=True (the float32 "
+                   "copies of 16-bit operands are this product's); an execute interrupted "
+                   "after the GEMM (its fault_hook raised) and abandon() leave it set, so the "
+                   "next execute with a caller's gemm= predicts from the previous operands' "
+                   "copies: the clean product flags and runs the rare path")
+def test_an_abandoned_16bit_execute_leaves_no_stale_operand_copies():
+    rng = np.random.default_rng(0)
+    a1, b1, a2, b2 = (rng.standard_normal(s).astype(np.float16)
+                      for s in ((16, 8), (8, 12), (16, 8), (8, 12)))
+    plan = ProtectedMatmul(a1, b1)
+
+    def failing_hook(site, c):
+        raise KeyError("the caller's hook failed")
+
+    with pytest.raises(KeyError):
+        plan.execute(a1, b1, fault_hook=failing_hook)
+    plan.abandon()
+    out = np.empty((16, 12), np.float16)
+
+    def callers_gemm():
+        out[...] = np.matmul(a2, b2)
+
+    before = plan.counters.rare_paths
+    plan.execute(a2, b2, out=out, gemm=callers_gemm)
+    report = plan.settle()
+    assert not report.detected
+    assert plan.counters.rare_paths == before, "a clean product ran the rare path"
+
+
+@pytest.mark.xfail(strict=True, reason="abftgemm.testing.assert_matches_reference compares only "
+                   "np.isfinite(c) with np.isfinite(a @ b) where the reference is not finite: "
+                   "-inf (or NaN) where a @ b is +inf passes")
+@pytest.mark.parametrize("wrong", [-np.inf, np.nan], ids=["-inf", "nan"])
+def test_assert_matches_reference_fails_on_a_wrong_infinity(wrong):
+    a = np.array([[np.inf, 1.0]], np.float32)
+    b = np.ones((2, 1), np.float32)
+    at.assert_matches_reference(abftgemm.matmul(a, b), a, b)  # +inf: right
+    with pytest.raises(AssertionError):
+        at.assert_matches_reference(np.array([[wrong]], np.float32), a, b)
+
+
+@pytest.mark.xfail(strict=True, reason="abftgemm.testing.assert_protected (via "
+                   "checksum_error_ratio) leaves out every element whose fault-free value is "
+                   "not finite, so a delivered -inf or NaN where the plain product is +inf "
+                   "passes, although the library guarantees that the user's INF/NaN pass "
+                   "through exactly as the plain product gives them (a flipped infinity's sign "
+                   "is caught and recomputed)")
+@pytest.mark.parametrize("wrong", [-np.inf, np.nan], ids=["-inf", "nan"])
+def test_assert_protected_fails_on_a_wrong_infinity(wrong):
+    a = np.array([[np.inf, 1.0], [1.0, 2.0]], np.float32)
+    b = np.ones((2, 2), np.float32)
+    c, report = abftgemm.matmul(a, b, return_report=True)
+    at.assert_protected(c, a, b, report)
+    bad = c.copy()
+    bad[0, 0] = wrong
+    with pytest.raises(AssertionError):
+        at.assert_protected(bad, a, b, abftgemm.Report())
+
+
+_CONCURRENT_CUDA_ON_CPU = """
+import sys, threading
+sys.path.insert(0, {tests!r})
+import numpy as np
+from cuda_on_cpu import standin
+with standin.installed() as cp:
+    import abftgemm
+    errors = []
+    def worker(t):
+        rng = np.random.default_rng(t)
+        for i in range(40):
+            a = rng.standard_normal((24, 16)).astype(np.float32)
+            b = rng.standard_normal((16, 20)).astype(np.float32)
+            c = abftgemm.matmul(cp.asarray(a), cp.asarray(b))
+            if not np.allclose(cp.asnumpy(c), a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4):
+                errors.append((t, i))
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors, errors
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="cupy-on-cpu needs g++")
+@pytest.mark.xfail(strict=True, reason="test harness, not the library: the cupy-on-cpu SIMT "
+                   "runtime (tests/cuda_on_cpu/launch.py, simt_runtime.cpp) is not thread-safe; "
+                   "abftgemm.matmul on CuPy-stand-in arrays from 3 Python threads at once "
+                   "kills the process (segfault / 'double free or corruption'), so no "
+                   "concurrency body can run on the third backend")
+def test_matmul_from_several_threads_on_cupy_on_cpu():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fresh_python import env_with_checkout
+
+    tests = str(Path(__file__).resolve().parent)
+    done = subprocess.run([sys.executable, "-c", _CONCURRENT_CUDA_ON_CPU.format(tests=tests)],
+                          env=env_with_checkout(), capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+
+
+@pytest.mark.xfail(strict=True, reason="matmul's plan is evicted and released (PlanCache.plan "
+                   "releases the least recently used plan) by products its fault_hook runs on 8 "
+                   "other layouts, while its own execute is between the GEMM and the "
+                   "prediction: the call dies with AttributeError \"'NoneType' object has no "
+                   "attribute 'predict'\" instead of finishing (or refusing clearly)")
+def test_a_fault_hook_that_runs_other_products_does_not_break_the_running_call():
+    rng = np.random.default_rng(0)
+    a, b = _f32(rng, 16, 8), _f32(rng, 8, 12)
+    abftgemm.clear_plan_cache()
+
+    def hook_running_other_products(site, c):  # e.g. a recorder computing references
+        for i in range(10):
+            abftgemm.matmul(np.ones((i + 1, 3), np.float32), np.ones((3, 2), np.float32))
+
+    try:
+        c = abftgemm.matmul(a, b, fault_hook=hook_running_other_products)
+    finally:
+        abftgemm.clear_plan_cache()
+    np.testing.assert_allclose(c, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.xfail(strict=True, reason="abftgemm.matmul short-cuts an empty product (batch*m*n "
+                   "== 0) before planning: return_checksums=True gives None instead of the "
+                   "Checksums the docstring promises (ProtectedMatmul.settle(checksums=True) on "
+                   "the same product gives Checksums(cols=zeros (3, 1, n))), and the report's "
+                   "checked stays empty where the plan's says 1")
+@pytest.mark.parametrize("shapes", [((0, 3), (3, 4)), ((2, 0, 3), (3, 4))], ids=["m=0", "m=0 batched"])
+def test_return_checksums_of_an_empty_product_are_checksums(shapes):
+    a, b = np.ones(shapes[0], np.float32), np.ones(shapes[1], np.float32)
+    plan = ProtectedMatmul(a, b)
+    plan.execute(a, b)
+    plan_report, plan_sums = plan.settle(checksums=True)
+    c, report, sums = abftgemm.matmul(a, b, return_report=True, return_checksums=True)
+    assert isinstance(sums, abftgemm.Checksums), sums
+    np.testing.assert_array_equal(sums.cols, plan_sums.cols)
+    assert report.checked == plan_report.checked
+
+
+@pytest.mark.xfail(strict=True, reason="ProtectedMatmul.execute does not validate fault_hook "
+                   "(abftgemm.matmul does: 'fault_hook must be callable'); it calls it after the "
+                   "GEMM, so a non-callable hook fails with \"'int' object is not callable\" "
+                   "after the product was already written into out")
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_execute_refuses_a_non_callable_fault_hook_before_writing_out(xp):
+    rng = np.random.default_rng(0)
+    a, b = xp.asarray(_f32(rng, 6, 5)), xp.asarray(_f32(rng, 5, 4))
+    plan = ProtectedMatmul(a, b)
+    out = xp.full((6, 4), 7.0, np.float32)
+    with pytest.raises(TypeError, match="fault_hook"):
+        plan.execute(a, b, out=out, fault_hook=3)
+    assert (to_host(out) == 7).all(), "a refused execute wrote out"
+
+
+@pytest.mark.xfail(strict=True, reason="ProtectedMatmul(counters=..., verdicts=...) are not "
+                   "validated: a wrong object fails deep inside with AttributeError "
+                   "(\"'int' object has no attribute 'plans'\" / \"... 'stale'\") instead of "
+                   "a TypeError naming the argument")
+@pytest.mark.parametrize("argument", ["counters", "verdicts"])
+def test_plan_refuses_wrong_counters_or_verdicts_clearly(argument):
+    a, b = np.ones((3, 4), np.float32), np.ones((4, 5), np.float32)
+    with pytest.raises(TypeError, match=argument):
+        plan = ProtectedMatmul(a, b, **{argument: 5})
+        plan.execute(a, b)
+        plan.settle()
+
+
+# --------------------------------------------------------------------------- held: regressions
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("pattern", [None, "element", "column"])
+def test_a_reused_plan_delivers_into_an_out_that_overlaps_its_operands(xp, pattern):
+    """out = a, out = a's transpose, out overlapping a in part, bias a row of out: each execute
+    of one plan computes from the operands as they were, repairs, then delivers."""
+    rng = np.random.default_rng(5)
+    a0, b0 = _f32(rng, 8, 8), _f32(rng, 8, 8)
+    plan = ProtectedMatmul(xp.asarray(a0), xp.asarray(b0), bias=xp.asarray(_f32(rng, 8)))
+    for case in ("out=a", "out=b", "out=a.T", "overlap", "bias=out[3]"):
+        buf = xp.asarray(np.concatenate([a0, _f32(rng, 4, 8)]))
+        a, b, out = buf[:8], xp.asarray(b0.copy()), None
+        bias = xp.asarray(_f32(rng, 8))
+        if case == "out=a":
+            out = a
+        elif case == "out=b":
+            out = b
+        elif case == "out=a.T":
+            out = a.T
+        elif case == "overlap":
+            out = buf[4:12]
+        else:
+            out = xp.asarray(_f32(rng, 8, 8))
+            bias = out[3]
+        want = a0.astype(np.float64) @ b0 + to_host(bias).astype(np.float64)
+        fault = None if pattern is None else Fault("bitflip", pattern, seed=1, bit=30)
+        got = plan.execute(a, b, bias=bias, out=out, fault_hook=fault)
+        report = plan.settle()
+        assert got is out, case
+        np.testing.assert_allclose(to_host(out), want, rtol=1e-5, atol=1e-5, err_msg=case)
+        assert report.detected == (fault is not None), (case, report.summary())
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_refused_calls_on_a_cached_layout_modify_nothing(xp):
+    """Once matmul has a plan for the layout (the path that skips validation), a refused call
+    raises before writing out, and leaves the operands and the plan as they were."""
+    rng = np.random.default_rng(6)
+    a, b = xp.asarray(_f32(rng, 3, 6, 5)), xp.asarray(_f32(rng, 5, 4))
+    a0, b0 = to_host(a).copy(), to_host(b).copy()
+    abftgemm.matmul(a, b, out=xp.empty((3, 6, 4), np.float32))  # caches the plan
+    out = xp.full((3, 6, 4), 7.0, np.float32)
+    bad = [dict(bias=xp.ones(5, np.float32)), dict(bias=xp.ones((1, 4), np.float32)),
+           dict(a_checksums=abftgemm.Checksums(cols=xp.ones((3, 2, 5)))),
+           dict(a_checksums=abftgemm.Checksums(cols=xp.ones((3, 3, 5), np.float32))),
+           dict(check="fix"), dict(directions="rows"), dict(fault_hook=3), dict(plans={})]
+    for kwargs in bad:
+        with pytest.raises((TypeError, ValueError)):
+            abftgemm.matmul(a, b, out=out, **kwargs)
+        assert (to_host(out) == 7).all(), kwargs
+    for wrong_out in (xp.zeros((3, 6, 5), np.float32), xp.zeros((3, 6, 4), np.int32)):
+        with pytest.raises((TypeError, ValueError)):
+            abftgemm.matmul(a, b, out=wrong_out)
+        assert not to_host(wrong_out).any()
+    np.testing.assert_array_equal(to_host(a), a0)
+    np.testing.assert_array_equal(to_host(b), b0)
+    c, report = abftgemm.matmul(a, b, out=out, return_report=True,
+                                fault_hook=Fault("nan", "element", seed=3))
+    assert c is out and report.corrected == 1
+    np.testing.assert_allclose(to_host(out), a0.astype(np.float64) @ b0, rtol=1e-5, atol=1e-5)
