@@ -264,7 +264,10 @@ class CpuWorkspace:
         """Nothing to free beyond the arrays, which go with the workspace object."""
 
     def abandon(self) -> None:
-        """Nothing to forget: each observation overwrites the verdict."""
+        """Forget the float32 copies of a 16-bit execute that stopped before its prediction
+        (each observation overwrites the verdict), and an encoding handed on to it."""
+        self._converted = False
+        self._given = None
 
     def ready_verdict(self) -> None:
         """The verdict is already in host memory."""

@@ -25,6 +25,7 @@ so that tests can prove the structure on the CPU, where the kernel boundaries ar
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -180,6 +181,10 @@ class ProtectedMatmul:
                              f"{CONSUMER_ROWS!r}; got {out_triangle!r} with {directions!r}")
         if consumer and bias is not None:
             raise ValueError(f"{name}: a plan with directions={CONSUMER_ROWS!r} takes no bias")
+        for arg, given, kind in (("counters", counters, Counters), ("verdicts", verdicts, Ledger)):
+            if given is not None and not isinstance(given, kind):
+                raise TypeError(f"{arg} must be an abftgemm {kind.__name__} or None, got "
+                                f"{type(given).__name__}")
         op = Operands.prepare(a, b, bias)
         self.check, self.directions, self.name = check, directions, name
         self.counters = Counters() if counters is None else counters
@@ -202,6 +207,13 @@ class ProtectedMatmul:
         self.observed = None if self._rows is None else self._rows.observed
         self.row_limits = None if self._rows is None else self._rows.row_limits
         self._pending: _Pending | None = None
+        #: Held from an execute's start to its settle, abandon or failure: one in flight.
+        self._claim = threading.Lock()
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an execute has started and is not yet settled or abandoned."""
+        return self._claim.locked()
 
     def _zeros(self, shape: tuple[int, ...], dtype: Any = np.float64) -> Any:
         self.counters.allocations += 1
@@ -248,12 +260,34 @@ class ProtectedMatmul:
         -------
         array
             The product (``out`` when given). Do not trust it before :meth:`settle` returns.
+
+        Raises
+        ------
+        RuntimeError
+            While an execute of this plan is in flight (not yet settled or abandoned), in this
+            thread or another: a plan serves one thread at a time.
+        TypeError
+            When ``fault_hook`` or ``gemm`` is not callable (before anything is written).
         """
         name = self.name if name is None else name
         check_checksums(a_checksums, "a_checksums")
         check_checksums(b_rows, "b_rows")
-        if self._pending is not None:
-            raise RuntimeError(f"{self.name}: settle() the previous execute first")
+        for arg, fn in (("fault_hook", fault_hook), ("gemm", gemm)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{arg} must be callable, got {type(fn).__name__}")
+        if not self._claim.acquire(blocking=False):
+            raise RuntimeError(f"{self.name}: an execute of this plan is in flight (settle() or "
+                               "abandon() it first; a plan serves one thread at a time)")
+        try:
+            return self._execute(a, b, bias, out, fault_hook, a_checksums, b_rows, gemm, name)
+        except BaseException:
+            self._forget()
+            raise
+
+    def _execute(self, a: Any, b: Any, bias: Any | None, out: Any | None,
+                 fault_hook: FaultHook | None, a_checksums: Checksums | None,
+                 b_rows: Checksums | None, gemm: Callable[[], None] | None, name: str) -> Any:
+        """:meth:`execute` once the plan is claimed."""
         op = self._planned(a, b, bias, out)
         for given, used in ((a, op.a), (b, op.b)):  # a copy into the batch layout, counted
             self.counters.allocations += used.size > 0 and not op.xp.may_share_memory(given, used)
@@ -327,9 +361,17 @@ class ProtectedMatmul:
 
     def abandon(self) -> None:
         """Forget an execute that will not be settled (its caller failed in between)."""
-        if self._pending is not None and self._verify_columns:
+        if self._pending is not None:
+            self._forget()
+
+    def _forget(self) -> None:
+        """Drop the execute in flight, what it left in the workspace and the claim on the plan
+        (an abandon, or an execute that failed midway)."""
+        if self._work is not None and self._verify_columns:
             self._work.abandon()
         self._pending = None
+        if self._claim.locked():
+            self._claim.release()
 
     def settle(self, *, checksums: bool = False) -> Report | tuple[Report, Checksums]:
         """Read the verdict of the last execute; repair (or report) what it flagged.
@@ -374,6 +416,14 @@ class ProtectedMatmul:
         deliver the product into an ``out`` it was not computed in (the rare path's reads of
         the device counted in ``counters.host_reads``)."""
         pending, self._pending = self._pending, None
+        try:
+            return self._deliver(pending, checksums)
+        finally:
+            self._claim.release()
+
+    def _deliver(self, pending: _Pending,
+                 checksums: bool) -> Report | tuple[Report, Checksums]:
+        """:meth:`_finish_settle`'s report, rare path and delivery."""
         with reads_counted_by(self.counters):
             op, c = pending.op, pending.c
             report, sums = Report(), None
@@ -410,6 +460,8 @@ class ProtectedMatmul:
         self._work = None
         self._signature = None
         self._pending = None
+        if self._claim.locked():
+            self._claim.release()
 
     def __enter__(self) -> "ProtectedMatmul":
         return self

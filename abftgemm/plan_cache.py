@@ -81,7 +81,8 @@ class PlanCache:
             self._plans[key] = plan
             while self.capacity is not None and len(self._plans) > self.capacity:
                 evicted_key, evicted = self._plans.popitem(last=False)
-                evicted.release()
+                if not evicted.in_flight:  # one in flight (a fault hook's own products) runs on
+                    evicted.release()
                 for stale in [k for k, p in self._layouts.items() if p == evicted_key]:
                     del self._layouts[stale]
         self._plans.move_to_end(key)

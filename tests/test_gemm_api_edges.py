@@ -28,10 +28,6 @@ def _f32(rng, *shape):
 # --------------------------------------------------------------------------- concurrency
 
 
-@pytest.mark.xfail(strict=True, reason="ProtectedMatmul.execute checks self._pending before the "
-                   "GEMM and sets it only after the GEMM, the fault hook and the verification "
-                   "launches, with no lock: a second thread's execute on the same plan while "
-                   "one is in flight is accepted instead of refused with RuntimeError")
 def test_a_second_execute_of_a_shared_plan_while_one_is_in_flight_is_refused():
     rng = np.random.default_rng(0)
     a1, b1, a2, b2 = _f32(rng, 32, 16), _f32(rng, 16, 24), _f32(rng, 32, 16), _f32(rng, 16, 24)
@@ -54,9 +50,6 @@ def test_a_second_execute_of_a_shared_plan_while_one_is_in_flight_is_refused():
         plan.abandon()
 
 
-@pytest.mark.xfail(strict=True, reason="the same race: the second execute's pending product is "
-                   "overwritten by the first's, so its settle reports the other call and its "
-                   "out (not written in place: Fortran order) is never filled, silently")
 def test_two_threads_sharing_a_plan_never_get_wrong_data_silently():
     rng = np.random.default_rng(1)
     a1, b1, a2, b2 = _f32(rng, 32, 16), _f32(rng, 16, 24), _f32(rng, 16 * 2, 16), _f32(rng, 16, 24)
@@ -311,11 +304,6 @@ def test_an_outlier_column_makes_a_located_fault_a_checksum_finding(xp, how):
 # --------------------------------------------------------------------------- plan state
 
 
-@pytest.mark.xfail(strict=True, reason="CpuWorkspace.gemm sets _converted=True (the float32 "
-                   "copies of 16-bit operands are this product's); an execute interrupted "
-                   "after the GEMM (its fault_hook raised) and abandon() leave it set, so the "
-                   "next execute with a caller's gemm= predicts from the previous operands' "
-                   "copies: the clean product flags and runs the rare path")
 def test_an_abandoned_16bit_execute_leaves_no_stale_operand_copies():
     rng = np.random.default_rng(0)
     a1, b1, a2, b2 = (rng.standard_normal(s).astype(np.float16)
@@ -413,11 +401,6 @@ def test_matmul_from_several_threads_on_cupy_on_cpu():
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
 
 
-@pytest.mark.xfail(strict=True, reason="matmul's plan is evicted and released (PlanCache.plan "
-                   "releases the least recently used plan) by products its fault_hook runs on 8 "
-                   "other layouts, while its own execute is between the GEMM and the "
-                   "prediction: the call dies with AttributeError \"'NoneType' object has no "
-                   "attribute 'predict'\" instead of finishing (or refusing clearly)")
 def test_a_fault_hook_that_runs_other_products_does_not_break_the_running_call():
     rng = np.random.default_rng(0)
     a, b = _f32(rng, 16, 8), _f32(rng, 8, 12)
@@ -451,10 +434,6 @@ def test_return_checksums_of_an_empty_product_are_checksums(shapes):
     assert report.checked == plan_report.checked
 
 
-@pytest.mark.xfail(strict=True, reason="ProtectedMatmul.execute does not validate fault_hook "
-                   "(abftgemm.matmul does: 'fault_hook must be callable'); it calls it after the "
-                   "GEMM, so a non-callable hook fails with \"'int' object is not callable\" "
-                   "after the product was already written into out")
 @pytest.mark.parametrize("xp", BACKENDS)
 def test_execute_refuses_a_non_callable_fault_hook_before_writing_out(xp):
     rng = np.random.default_rng(0)
@@ -466,10 +445,6 @@ def test_execute_refuses_a_non_callable_fault_hook_before_writing_out(xp):
     assert (to_host(out) == 7).all(), "a refused execute wrote out"
 
 
-@pytest.mark.xfail(strict=True, reason="ProtectedMatmul(counters=..., verdicts=...) are not "
-                   "validated: a wrong object fails deep inside with AttributeError "
-                   "(\"'int' object has no attribute 'plans'\" / \"... 'stale'\") instead of "
-                   "a TypeError naming the argument")
 @pytest.mark.parametrize("argument", ["counters", "verdicts"])
 def test_plan_refuses_wrong_counters_or_verdicts_clearly(argument):
     a, b = np.ones((3, 4), np.float32), np.ones((4, 5), np.float32)
