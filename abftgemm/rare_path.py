@@ -44,16 +44,18 @@ def protect(be: Backend, op: Operands, out: Any, check: str, name: str, report: 
 
 
 def settle(be: Backend, op: Operands, out: Any, verdict: Verdict, check: str, name: str,
-           report: Report, announce_findings: bool = True) -> list[int]:
+           report: Report, announce_findings: bool = True, computed_here: bool = True) -> list[int]:
     """Report what ``verdict`` found; with ``check == "correct"`` repair every flagged batch item
     in place (or raise); with ``check == "detect"`` announce every finding as a
-    :class:`~abftgemm.report.FaultDetectedWarning`. Returns the batch indices that were repaired."""
+    :class:`~abftgemm.report.FaultDetectedWarning`. ``computed_here``: ``out`` came from the
+    backend's GEMM (False: from elsewhere, :func:`abftgemm.verify`; see
+    :func:`abftgemm.repair.rounding_only`). Returns the batch indices that were repaired."""
     first_new = len(report.events)
     repaired = []
     with np.errstate(all="ignore"):  # non-finite data is judged and reported, not warned about
         for b in ([] if verdict.clean else verdict.flagged_batches()):
             if check == "detect":
-                rounding = rounding_only(be, op, out, b, verdict)
+                rounding = rounding_only(be, op, out, b, verdict, computed_here)
                 report.events.append(diagnose(verdict, b).event(
                     name, b, "passed-through" if rounding else "reported",
                     _ROUNDING if rounding else _LEFT, pattern="rounding" if rounding else None))

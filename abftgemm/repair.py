@@ -103,24 +103,29 @@ def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, 
                              report)
 
 
-def rounding_only(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict) -> bool:
+def rounding_only(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict,
+                  computed_here: bool = True) -> bool:
     """Whether batch item ``b`` of ``out``, flagged by ``verdict``, is a clean product whose
     rounding the checksum threshold missed (``check="detect"``'s test before it reports): it
     still fails checksums derived afresh from the inputs (else a checksum was wrong: a
-    finding), by no more than rounding can reach, the backend's GEMM gives it again bit for bit
-    (a transient fault would not come back), and :func:`_within_rounding` holds on its flagged
-    vectors. A product of a caller's GEMM (``execute(gemm=...)``), which the backend's does not
-    repeat bit for bit, is never taken for rounding."""
+    finding), by no more than rounding can reach, :func:`_within_rounding` holds on its flagged
+    vectors and, when the backend's GEMM made it (``computed_here``), that GEMM gives it again
+    bit for bit (a transient fault would not come back). A product of a caller's GEMM
+    (``execute(gemm=...)``), which the backend's does not repeat bit for bit, is never taken
+    for rounding; one given to :func:`abftgemm.verify` (``computed_here`` False) is, on the
+    rigorous bound alone, which holds in any summation order."""
     one = item(op, b)
     view = out[b:b + 1]
     fresh = _reverify(be, one, view, predict(be, one, None))
     if fresh.clean or not _rounding_can_explain(one, verdict, fresh, b=b):
         return False
-    again = one.xp.empty_like(view)
-    be.gemm(one.a, one.b, again, one.bias)
+    if computed_here:
+        again = one.xp.empty_like(view)
+        be.gemm(one.a, one.b, again, one.bias)
+        if not _same_bits(one.xp, again, view):
+            return False
     diagnosis = diagnose(fresh, 0)
-    return _same_bits(one.xp, again, view) and _within_rounding(
-        one, view[0], diagnosis.rows, diagnosis.cols)
+    return _within_rounding(one, view[0], diagnosis.rows, diagnosis.cols)
 
 
 def _rounding_can_explain(one: Operands, *verdicts: Verdict, b: int = 0) -> bool:

@@ -52,7 +52,10 @@ class Verification:
     @property
     def worst_ratio(self) -> float:
         """Largest ``diff / threshold`` over the finite differences of both directions (how
-        close the data comes to being flagged; clean data stays below 1)."""
+        close the data comes to being flagged). Clean data stays below 1 unless its rounding
+        is one-sided beyond the threshold's statistical term (a sum of addends each lost to
+        the partial sum, as sequential float32 sums of equal terms do); the report then names
+        it ``"rounding"``, every flagged element within the rigorous rounding bound."""
         with np.errstate(invalid="ignore", divide="ignore"):  # INF / INF: not finite, left out
             ratios = [d / t for d, t in ((self.col_diff, self.col_threshold),
                                          (self.row_diff, self.row_threshold))]
@@ -104,7 +107,8 @@ def verify(c: Any, a: Any, b: Any, *, bias: Any | None = None,
     obs_col, obs_row = observe(be, view)
     pred_col, pred_row = predict(be, op, None)
     verdict = verify_sides(be, op, pred_col, pred_row, obs_col, obs_row)
-    settle(be, op, view, verdict, "detect", name, report, announce_findings=False)
+    settle(be, op, view, verdict, "detect", name, report, announce_findings=False,
+           computed_here=False)
     report.checked[name] = op.batch
     return Verification(report, *_margins(verdict.cols), *_margins(verdict.rows))
 

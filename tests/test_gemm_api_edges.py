@@ -206,12 +206,6 @@ def _sequential_float32_product(a, b):
     return np.cumsum(terms, axis=1, dtype=np.float32)[:, -1, :]
 
 
-@pytest.mark.xfail(strict=True, reason="verify() flags as a '2D' fault a clean float32 product "
-                   "summed in another order (term by term, as np.einsum and naive GEMM kernels "
-                   "do) of constant operands at k=4096: |d|/tau = 1.26, though every element "
-                   "lies within 16% of the rigorous rounding bound gamma_(k+1)|A||B| + u|C|; "
-                   "the rare path's 'rounding' finding needs the library's own recomputation "
-                   "to repeat c bit for bit, which a product from elsewhere never does")
 def test_verify_accepts_a_clean_product_summed_in_another_order():
     # np.einsum("ik,kj->ij", a, b) gave the same c on the 2-core AMD EPYC of this hunt; the
     # explicit term-by-term sum keeps the case independent of einsum's SIMD order
@@ -225,7 +219,8 @@ def test_verify_accepts_a_clean_product_summed_in_another_order():
     assert (np.abs(c - exact) <= rigorous).all()  # a clean product: within Higham's bound
     result = abftgemm.verify(c, a, b)
     assert result.clean, result.report.summary()
-    assert result.worst_ratio < 1
+    # one-sided rounding beyond the threshold's statistical term: named, not a fault
+    assert result.worst_ratio < 1 or {e.pattern for e in result.report.events} == {"rounding"}
 
 
 @pytest.mark.xfail(strict=True, reason="a data fault that only its row's checksum can see (its "
