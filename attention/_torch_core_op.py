@@ -169,12 +169,14 @@ def run_core_forward(protection: Protection, q: torch.Tensor, k: torch.Tensor, v
                      core: str, mask_grad: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, _CoreSaved]:
     """The body of ``abftgemm::attention_core``: its findings become
-    ``protection.last_report`` (a checkpointed forward recomputed in backward adds them to it),
-    the implementation it ran ``protection.last_core``."""
+    ``protection.last_report`` (a checkpointed forward recomputed in backward adds them to it)
+    and are added to ``protection.total_report``, the implementation it ran
+    ``protection.last_core``."""
     workspace = protection.workspace(q.device)
     # a checkpointed forward recomputed in backward adds its findings to the step's report
-    report = protection.last_report if recomputing() else Report()
-    context = protection.context(report)
+    found = Report()
+    report = protection.last_report if recomputing() else found
+    context = protection.context(found)
     keep_array, seed = dropout_arrays(keep)
     padding = mask is not None and mask.dtype == torch.bool and mask.dim() == 3 \
         and mask.shape[1] == 1
@@ -194,6 +196,9 @@ def run_core_forward(protection: Protection, q: torch.Tensor, k: torch.Tensor, v
         probs = saved["probs"] if dropped is None else dropped
         weights = to_tensor(probs).clone() if need_weights else q.new_empty(0)
         out = to_tensor(out)
+    if report is not found:
+        report.extend(found)
+    protection.record(found)
     protection.last_report, protection.last_core = report, saved["core"]
     return out, weights, _CoreSaved(protection, saved, report, workspace)
 
@@ -204,16 +209,20 @@ def run_core_backward(state: _CoreSaved, d_out: torch.Tensor, q: torch.Tensor, k
     """The body of ``abftgemm::attention_core_backward``: the inputs and the forward's output
     are read from the tensors given here (those autograd kept); ``mask`` is the float mask whose
     gradient the forward was asked for (``mask_grad``), else None and the fourth result empty.
-    The findings extend the forward's report, which becomes ``protection.last_report`` again."""
+    The findings extend the forward's report, which becomes ``protection.last_report`` again,
+    and ``protection.total_report``."""
     inputs = state.saved["inputs"]
     inputs.q, inputs.k, inputs.v = array(q), array(k), array(v)
     # (not the unfused core's stand-in, which a checkpointed recomputation on it hands back)
     if state.saved["core"] == "fused" and (out.numel() < 2 or any(out.stride())):
         state.saved["fused"]["out"] = array(out)
-    context = state.protection.context(state.report)
+    found = Report()
+    context = state.protection.context(found)
     with device_scope(d_out), threads(d_out):
         grads = core_backward(state.saved, array(d_out), context, workspace=state.workspace)
         result = tuple(to_tensor(g) for g in grads[:3])
         d_mask = to_tensor(grads[3]).to(mask.dtype) if mask is not None else q.new_empty(0)
+    state.report.extend(found)
+    state.protection.record(found)
     state.protection.last_report = state.report
     return (*result, d_mask)

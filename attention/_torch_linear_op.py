@@ -136,6 +136,7 @@ def run_forward(protection: LinearProtection, x: torch.Tensor, weight: torch.Ten
         pass_ = _Pass(protection, x.device, report)
         pass_.product("forward", x, m, y, bias)
         pass_.settle()
+    protection.record(report)
     if recomputing():  # a checkpointed forward again: the step's findings so far stay
         protection.last_report.extend(report)
     else:
@@ -172,6 +173,7 @@ def run_backward(protection: LinearProtection, dy: torch.Tensor, x: torch.Tensor
             ones = _ones_for(protection, dy)
             pass_.product("d_bias", ones, dy, db.view(1, n_out), constant=ones)
         pass_.settle()
+    protection.record(report)
     protection.last_report.extend(report)
     return dx, dw, db
 

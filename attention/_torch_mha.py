@@ -42,18 +42,19 @@ def run_forward(protection: Protection, heads: int, query: torch.Tensor, key: to
     the fused core's keep decisions (:func:`attention._torch_arrays.dropout_arrays`); ``core`` as
     :func:`attention.attention_forward` takes it; ``mask_grad``: the backward also makes the
     gradients of the float masks. The call's findings become ``protection.last_report`` (a
-    checkpointed forward recomputed in backward adds them to it), the core that ran
-    ``protection.last_core``."""
+    checkpointed forward recomputed in backward adds them to it) and are added to
+    ``protection.total_report``, the core that ran ``protection.last_core``."""
     call = _Call.of(heads, query, key, value, key_padding_mask, attn_mask, is_causal,
                     self_attention)
     workspace = protection.workspace(query.device)
     # a checkpointed forward recomputed in backward adds its findings to the step's report
-    report = protection.last_report if recomputing() else Report()
+    found = Report()
+    report = protection.last_report if recomputing() else found
     with device_scope(query), threads(query):
         params = _param_views(protection, in_w, in_b, out_w, out_b)
         x = array(query)
         cross = {} if self_attention else {"key": array(key), "value": array(value)}
-        context = protection.context(report)
+        context = protection.context(found)
         keep, seed = dropout_arrays(dropout_keep)
         y, saved = attention_forward(params, x, context, n_heads=heads,
                                      causal=call.causal, key_visible=call.key_visible,
@@ -67,6 +68,9 @@ def run_forward(protection: Protection, heads: int, query: torch.Tensor, key: to
         dropped = saved["probs_dropped"]
         call.probs = saved["probs"] if dropped is None else dropped
         weights = call.weights(average) if need_weights else query.new_empty(0)
+    if report is not found:
+        report.extend(found)
+    protection.record(found)
     protection.last_report, protection.last_core = report, saved["core"]
     return y, weights, _Saved(protection, call, saved, report, workspace)
 
@@ -80,13 +84,15 @@ def run_backward(state: _Saved, dy: torch.Tensor, query: torch.Tensor, key: torc
     d_attn_mask)``; ``d_key`` and ``d_value`` empty in self-attention, a mask's gradient empty
     unless the forward made it (``mask_grad``) and that mask is float. The inputs and parameters
     are read from the tensors given here (those of the forward, which autograd kept). The
-    findings extend the forward's report, which becomes ``protection.last_report`` again."""
+    findings extend the forward's report, which becomes ``protection.last_report`` again, and
+    ``protection.total_report``."""
     inputs = state.saved["inputs"]
     inputs.x = array(query)
     inputs.key, inputs.value = (inputs.x, inputs.x) if state.call.self_attention else \
         (array(key), array(value))
     inputs.params = params_of(in_w, in_b, out_w, out_b)
-    context = state.protection.context(state.report)
+    found = Report()
+    context = state.protection.context(found)
     # The core writes the parameter gradients straight into torch's layout (transposed views
     # of these buffers: no copies, no concatenation).
     d_in_w, d_out_w = torch.empty_like(in_w), torch.empty_like(out_w)
@@ -103,6 +109,8 @@ def run_backward(state: _Saved, dy: torch.Tensor, query: torch.Tensor, key: torc
         else:
             d_inputs = tuple(to_tensor(d) for d in dx)
         d_masks = state.call.mask_grads(grads.get("attn_mask"), key_padding_mask, attn_mask, dy)
+    state.report.extend(found)
+    state.protection.record(found)
     state.protection.last_report = state.report
     return (*d_inputs, d_in_w, d_in_b, d_out_w, d_out_b, *d_masks)
 

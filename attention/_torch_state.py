@@ -54,7 +54,14 @@ class Protection:
     last_report : abftgemm.Report
         The findings of the last pass: those of the last forward, extended by its backward once
         autograd runs it (the backward of an earlier forward makes that forward's report the last
-        one). The same meaning as :attr:`attention.MultiHeadAttention.last_report`.
+        one). The same meaning as :attr:`attention.MultiHeadAttention.last_report`. A step that
+        calls the protection twice (a shared layer, as ALBERT's) ends with the first call's
+        report here: the second call's findings are in :attr:`total_report`.
+    total_report : abftgemm.Report
+        Every finding of every call since it was last replaced, each once: each forward's,
+        each backward's, each forward recomputed by activation checkpointing. Nothing resets
+        it; set it to a new ``Report()`` where a step (or an epoch) begins, and read it after
+        the step's backward to see all of that step's findings, however many calls it made.
     last_core : str or None
         ``"fused"`` or ``"unfused"``: the implementation the last attention product ran
         (:func:`attention.torch_functional.attention_core`); None before any.
@@ -66,8 +73,10 @@ class Protection:
                  fault_hook: FaultHook | None = None):
         self.check, self.plan, self.fault_hook = check, plan, fault_hook
         self.last_report = Report()
+        self.total_report = Report()
         self.last_core: str | None = None
         self._local = threading.local()
+        self._total_lock = threading.Lock()
         self._memo: tuple[Any, Any] = (None, None)
         self.id = register(self)
 
@@ -104,6 +113,11 @@ class Protection:
             ws = spaces[device] = Workspace()
         return ws
 
+    def record(self, found: Report) -> None:
+        """Add one call's findings (a forward's or a backward's) to :attr:`total_report`."""
+        with self._total_lock:
+            self.total_report.extend(found)
+
     def context(self, report: Report) -> Context:
         """The context of one call whose findings go to ``report``."""
         return Context(self.check, self.plan, self.fault_hook, report)
@@ -125,15 +139,17 @@ class Protection:
         state = self.__dict__.copy()
         state["_memo"] = (None, None)
         state["fault_hook"] = None
-        del state["id"], state["_local"]
+        del state["id"], state["_local"], state["_total_lock"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for name in ("check", "plan"):  # a state pickled before they were properties
             if name in state:
                 state[f"_{name}"] = state.pop(name)
+        state.setdefault("total_report", Report())  # pickled before it existed
         self.__dict__.update(state)
         self._local = threading.local()
+        self._total_lock = threading.Lock()
         self.id = register(self)
 
 

@@ -78,15 +78,21 @@ device, dtype
     Attributes
     ----------
     protection : attention.torch_functional.Protection
-        What its calls run under; ``check``, ``plan``, ``fault_hook``, ``last_report`` and
-        ``last_core`` are its attributes, read and set through the module.
+        What its calls run under; ``check``, ``plan``, ``fault_hook``, ``last_report``,
+        ``total_report`` and ``last_core`` are its attributes, read and set through the module.
     fault_hook : callable ``(site, c)`` or None
         Called with every site's raw product (a NumPy or CuPy array sharing the GEMM output)
         before verification, forward and backward; the sites are ``attention.SITES`` (plus
         ``attention.CROSS_SITES`` in cross-attention), ``attention.INVARIANT_SITES`` and, with
         dropout in training, ``"dropout"``.
     last_report : abftgemm.Report
-        The findings of the last pass: the last forward's, extended by its backward.
+        The findings of the last pass: the last forward's, extended by its backward. A module
+        called twice in a step (a shared layer, an encoder reused) ends the step with its first
+        call's report here, since autograd runs that call's backward last.
+    total_report : abftgemm.Report
+        Every finding of every call (each forward, backward and checkpointed recomputation)
+        since it was last replaced: set ``module.total_report = abftgemm.Report()`` where a
+        step begins and read it after the backward to see all of the step's findings.
     last_core : str or None
         ``"fused"`` or ``"unfused"``: the attention product the last forward ran (the
         protection's).
@@ -96,6 +102,7 @@ device, dtype
     plan = ProtectionAttribute()
     fault_hook = ProtectionAttribute()
     last_report = ProtectionAttribute()
+    total_report = ProtectionAttribute()
     last_core = ProtectionAttribute()
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,

@@ -38,14 +38,18 @@ class ProtectedCore:
     Attributes
     ----------
     protection : attention.torch_functional.Protection
-        What its calls run under; ``check``, ``plan``, ``fault_hook``, ``last_report`` and
-        ``last_core`` are its attributes, read and set through the module.
+        What its calls run under; ``check``, ``plan``, ``fault_hook``, ``last_report``,
+        ``total_report`` and ``last_core`` are its attributes, read and set through the module.
     fault_hook : callable ``(site, c)`` or None
         Sees every raw product of :data:`attention.core.CORE_SITES` and the softmax steps
         (:data:`attention.core.CORE_INVARIANT_SITES`; ``"dropout"`` with dropout) before
         verification, forward and backward.
     last_report : abftgemm.Report
         The findings of the last pass: the last forward's, extended by its backward.
+    total_report : abftgemm.Report
+        Every call's findings, forward and backward, since it was last replaced (a model that
+        calls one attention module twice in a step has both calls' here; see
+        :attr:`attention.torch_functional.Protection.total_report`).
     last_core : str or None
         ``"fused"`` or ``"unfused"``: the implementation the last forward ran.
     """
@@ -54,6 +58,7 @@ class ProtectedCore:
     plan = ProtectionAttribute()
     fault_hook = ProtectionAttribute()
     last_report = ProtectionAttribute()
+    total_report = ProtectionAttribute()
     last_core = ProtectionAttribute()
 
     def __init__(self, check: str = "correct", plan: CheckingPlan | None = None,

@@ -61,19 +61,24 @@ class ProtectedLinearCore:
     ----------
     protection : attention._torch_state.LinearProtection
         What its calls run under (plans and buffers per device, the weight's encodings);
-        ``check``, ``fault_hook`` and ``last_report`` are its attributes, read and set through
-        the layer.
+        ``check``, ``fault_hook``, ``last_report`` and ``total_report`` are its attributes,
+        read and set through the layer.
     fault_hook : callable ``(site, c)`` or None
         Sees every raw product (a NumPy or CuPy array sharing its memory) before verification;
         ``site`` one of :data:`LINEAR_SITES`: ``forward`` ``(N, out)``, ``d_input`` ``(N, in)``,
         ``d_weight`` in the weight's layout, ``d_bias`` ``(1, out)``.
     last_report : abftgemm.Report
         Findings of the last forward, extended by the backward that follows it.
+    total_report : abftgemm.Report
+        Every call's findings, forward and backward, since it was last replaced (a layer called
+        twice in a step has both calls' here; see
+        :attr:`attention.torch_functional.Protection.total_report`).
     """
 
     check = ProtectionAttribute()
     fault_hook = ProtectionAttribute()
     last_report = ProtectionAttribute()
+    total_report = ProtectionAttribute()
 
     def __init__(self, check: str = "correct"):
         self.protection = LinearProtection(check)

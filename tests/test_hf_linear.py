@@ -288,3 +288,32 @@ def test_16_bit_products_lost_to_zeros_are_found(dtype, bias):
     assert (y.double() - want).abs().max() < 0.1
     assert (x.grad.double() - torch.ones(16, 24, dtype=torch.float64) @ w.detach().double()
             ).abs().max() < 0.1
+
+
+def test_a_layer_called_twice_in_a_step_keeps_every_finding_in_total_report():
+    """A protected projection applied twice in one step (a shared layer, as ALBERT's):
+    ``last_report`` holds the second forward's findings and both backwards', so a fault repaired
+    in the first forward was in no report the user could reach; ``total_report`` holds every
+    call's findings, each once, until the user replaces it."""
+    from abftgemm.report import Report
+
+    torch.manual_seed(0)
+    core = ProtectedLinearCore("correct")
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    calls = []
+
+    def hook(site, c):
+        calls.append(site)
+        if calls == ["forward"]:
+            c[0, 0] = float("inf")
+
+    core.fault_hook = hook
+    core.total_report = Report()
+    y = core(torch.tanh(core(x, w, None, False)), w, None, False)
+    y.sum().backward()
+    assert calls.count("forward") == 2 and calls.count("d_weight") == 2
+    assert not core.last_report.events  # the second forward's, both backwards'
+    total = core.total_report
+    assert total.sites == {"forward"}, total.summary()
+    assert total.checked["forward"] == 2 and total.checked["d_weight"] == 2

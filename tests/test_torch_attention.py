@@ -604,6 +604,56 @@ def test_last_report_is_the_last_pass_forward_and_backward():
     assert torch.equal(y, second)
 
 
+def test_a_module_called_twice_in_a_step_keeps_every_finding_in_total_report():
+    """A module called twice in one step (a shared layer, as ALBERT's): autograd runs the
+    second call's backward first, then the first's, whose report ends as ``last_report``; a
+    fault repaired in the second call's backward (the first ``d_x`` that runs) was in no report
+    the user could reach. ``total_report`` holds every call's findings (forward and backward,
+    each once) until the user replaces it."""
+    from abftgemm.report import Report
+
+    gen = torch.Generator().manual_seed(6)
+    mine = MultiheadAttention(E, HEADS, batch_first=True, dtype=torch.float64)
+    x = torch.randn(N, L, E, dtype=torch.float64, generator=gen, requires_grad=True)
+    seen = []
+
+    def hook(site, c):
+        seen.append(site)
+        if site == "d_x" and seen.count("d_x") == 1:  # the second call's backward
+            c.flat[0] = float("inf")
+
+    mine.fault_hook = hook
+    mine.total_report = Report()
+    first, _ = mine(x, x, x, need_weights=False)
+    second, _ = mine(first, first, first, need_weights=False)
+    second.sum().backward()
+    assert seen.count("d_x") >= 2  # (the repaired pass is replayed: 3)
+    assert not mine.last_report.events  # the first call's, as documented
+    total = mine.total_report
+    assert total.sites == {"d_x"} and total.corrected >= 1, total.summary()
+    once = mine.last_report.checked  # the first call's checks, forward and backward
+    # (the repaired d_x counts its first check and its replay's)
+    assert total.checked["d_x"] >= 2 and {s: n for s, n in total.checked.items() if s != "d_x"} \
+        == {s: 2 * n for s, n in once.items() if s != "d_x"}
+    assert mine.protection.total_report is total
+    mine.total_report = Report()
+    mine(x, x, x, need_weights=False)
+    assert mine.total_report.checked == mine.last_report.checked
+    assert not mine.total_report.events
+
+    # the core alone (Hugging Face attention modules' ProtectedCore): the same
+    from attention.torch_functional import Protection, attention_core
+
+    seen.clear()
+    protection = Protection(fault_hook=lambda site, c: hook("d_x" if site == "d_q" else site, c))
+    q = x.view(N, L, HEADS, E // HEADS).transpose(1, 2)
+    out, _ = attention_core(q, q, q, protection=protection)
+    out, _ = attention_core(out, out, out, protection=protection)
+    out.sum().backward()
+    assert not protection.last_report.events
+    assert protection.total_report.sites == {"d_q"}, protection.total_report.summary()
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("call", [0, 1], ids=["forward", "recomputation"])
 def test_checkpointed_module_reports_every_repaired_fault(reentrant, call):
@@ -613,6 +663,7 @@ def test_checkpointed_module_reports_every_repaired_fault(reentrant, call):
     there too. The step equals the unfaulted one."""
     from torch.utils.checkpoint import checkpoint
 
+    from abftgemm.report import Report
     from attention._torch_arrays import recomputing
 
     gen = torch.Generator().manual_seed(5)
@@ -629,6 +680,7 @@ def test_checkpointed_module_reports_every_repaired_fault(reentrant, call):
 
         mine.fault_hook = hook
         mine.zero_grad()
+        mine.total_report = Report()
         xi = x.clone().requires_grad_(True)
         y = checkpoint(lambda t: mine(t, t, t, need_weights=False)[0], xi,
                        use_reentrant=reentrant)
@@ -636,6 +688,9 @@ def test_checkpointed_module_reports_every_repaired_fault(reentrant, call):
         assert bool(injected) == faulty
         assert mine.last_report.detected == faulty, mine.last_report.summary()
         assert mine.last_report.checked["d_x"] == 1
+        # the step's every call (forward, recomputation, backward), each once
+        assert mine.total_report.checked == mine.last_report.checked
+        assert mine.total_report.events == mine.last_report.events
         grads.append((y.detach(), xi.grad, mine.in_proj_weight.grad.clone()))
     for got, want in zip(*grads):
         assert torch.equal(got, want)
