@@ -410,6 +410,27 @@ def test_adaptive_frequencies_extremes():
         adaptive_frequencies(-1.0, vulnerability, cost, target=0.0)
 
 
+@pytest.mark.parametrize("core", ["unfused", "fused"])
+@pytest.mark.parametrize("site", ["q_proj", "scores", "d_x"])
+def test_a_repaired_pass_counts_each_check_once(site, core):
+    """A pass whose settle repaired a product is replayed, every site checked again; the report
+    counted the repaired site's checks twice (the first run's and the replay's: ``q_proj`` 4 in
+    a batch of 2, ``scores`` 16 for 8 heads' products) and every other site's once. ``checked``
+    says how many products the delivered pass verified, as a clean call's."""
+    if core == "fused" and site == "scores":
+        pytest.skip("the fused core has no scores site")
+    layer = MultiHeadAttention(16, 4, core=core)
+    x = np.random.default_rng(0).standard_normal((2, 6, 16)).astype(np.float32)
+    y, cache = layer.forward(x)
+    layer.backward(np.ones_like(y), cache)
+    clean = dict(layer.last_report.checked)
+    fault = Fault("bitflip", "element", seed=1, bit=30, sites={site})
+    y, cache = layer.forward(x, fault_hook=fault)
+    layer.backward(np.ones_like(y), cache, fault_hook=fault)
+    assert layer.last_report.sites == {site} and fault.injected
+    assert layer.last_report.checked == clean
+
+
 @pytest.mark.parametrize("xp", BACKENDS)
 def test_last_report_is_the_last_pass_forward_and_backward(xp):
     """``last_report`` holds the last forward's findings, extended by its backward; the backward of
