@@ -182,7 +182,7 @@ def run_core_forward(protection: Protection, q: torch.Tensor, k: torch.Tensor, v
         and mask.shape[1] == 1
     visible = mask[:, 0].logical_not() if padding else None
     mask = None if padding else mask
-    with device_scope(q), threads(q):
+    with protection.errors_recorded(), device_scope(q), threads(q):
         out, saved = core_forward(array(q), array(k), array(v), context, scale=scale,
                                   causal=is_causal,
                                   attn_mask=None if mask is None else mask_array(mask),
@@ -218,7 +218,7 @@ def run_core_backward(state: _CoreSaved, d_out: torch.Tensor, q: torch.Tensor, k
         state.saved["fused"]["out"] = array(out)
     found = Report()
     context = state.protection.context(found)
-    with device_scope(d_out), threads(d_out):
+    with state.protection.errors_recorded(), device_scope(d_out), threads(d_out):
         grads = core_backward(state.saved, array(d_out), context, workspace=state.workspace)
         result = tuple(to_tensor(g) for g in grads[:3])
         d_mask = to_tensor(grads[3]).to(mask.dtype) if mask is not None else q.new_empty(0)

@@ -132,7 +132,7 @@ def run_forward(protection: LinearProtection, x: torch.Tensor, weight: torch.Ten
     m = _matrix(weight, weight_in_out)
     y = x.new_empty(x.shape[0], m.shape[1])
     report = Report()
-    with device_scope(x), threads(x), np.errstate(all="ignore"):
+    with protection.errors_recorded(), device_scope(x), threads(x), np.errstate(all="ignore"):
         pass_ = _Pass(protection, x.device, report)
         pass_.product("forward", x, m, y, bias)
         pass_.settle()
@@ -160,7 +160,8 @@ def run_backward(protection: LinearProtection, dy: torch.Tensor, x: torch.Tensor
         else empty.clone()
     db = dy.new_empty(n_out) if need_bias else empty.clone()
     report = Report()
-    with device_scope(dy), threads(dy), np.errstate(all="ignore"):
+    with protection.errors_recorded(), device_scope(dy), threads(dy), \
+            np.errstate(all="ignore"):
         pass_ = _Pass(protection, dy.device, report)
         if need_input and left:
             pass_.product("d_input", m, dy.t(), dx.t(), constant=weight,

@@ -50,7 +50,7 @@ def run_forward(protection: Protection, heads: int, query: torch.Tensor, key: to
     # a checkpointed forward recomputed in backward adds its findings to the step's report
     found = Report()
     report = protection.last_report if recomputing() else found
-    with device_scope(query), threads(query):
+    with protection.errors_recorded(), device_scope(query), threads(query):
         params = _param_views(protection, in_w, in_b, out_w, out_b)
         x = array(query)
         cross = {} if self_attention else {"key": array(key), "value": array(value)}
@@ -98,7 +98,7 @@ def run_backward(state: _Saved, dy: torch.Tensor, query: torch.Tensor, key: torc
     d_in_w, d_out_w = torch.empty_like(in_w), torch.empty_like(out_w)
     d_in_b = torch.empty(in_w.shape[0], dtype=in_w.dtype, device=in_w.device)
     d_out_b = torch.empty(out_w.shape[0], dtype=in_w.dtype, device=in_w.device)
-    with device_scope(dy), threads(dy):
+    with state.protection.errors_recorded(), device_scope(dy), threads(dy):
         grads_out = {k: v for k, v in params_of(d_in_w, d_in_b, d_out_w, d_out_b).items()
                      if k != "w_qkv"}
         dx, grads = attention_backward(state.saved, array(dy), context,

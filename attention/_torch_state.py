@@ -9,17 +9,18 @@ holder object that carries the state; the state lives exactly as long as the tok
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 import abftgemm
 from abftgemm.plan import check_option
-from abftgemm.report import Report
+from abftgemm.report import Report, UncorrectableError
 from attention.context import Context
 from attention.plan import CheckingPlan
 from attention.workspace import Workspace
@@ -61,7 +62,9 @@ class Protection:
         Every finding of every call since it was last replaced, each once: each forward's,
         each backward's, each forward recomputed by activation checkpointing. Nothing resets
         it; set it to a new ``Report()`` where a step (or an epoch) begins, and read it after
-        the step's backward to see all of that step's findings, however many calls it made.
+        the step's backward to see all of that step's findings, however many calls it made. A
+        call that raises :class:`abftgemm.UncorrectableError` adds the error's report (and
+        leaves ``last_report`` as it was).
     last_core : str or None
         ``"fused"`` or ``"unfused"``: the implementation the last attention product ran
         (:func:`attention.torch_functional.attention_core`); None before any.
@@ -117,6 +120,16 @@ class Protection:
         """Add one call's findings (a forward's or a backward's) to :attr:`total_report`."""
         with self._total_lock:
             self.total_report.extend(found)
+
+    @contextlib.contextmanager
+    def errors_recorded(self) -> Iterator[None]:
+        """Within the block, an :class:`abftgemm.UncorrectableError` adds its report to
+        :attr:`total_report` on its way out (the call that raised it records nothing else)."""
+        try:
+            yield
+        except UncorrectableError as exc:
+            self.record(exc.report)
+            raise
 
     def context(self, report: Report) -> Context:
         """The context of one call whose findings go to ``report``."""

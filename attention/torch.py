@@ -92,7 +92,8 @@ device, dtype
     total_report : abftgemm.Report
         Every finding of every call (each forward, backward and checkpointed recomputation)
         since it was last replaced: set ``module.total_report = abftgemm.Report()`` where a
-        step begins and read it after the backward to see all of the step's findings.
+        step begins and read it after the backward to see all of the step's findings (a
+        call that raises ``UncorrectableError`` adds the error's report).
     last_core : str or None
         ``"fused"`` or ``"unfused"``: the attention product the last forward ran (the
         protection's).

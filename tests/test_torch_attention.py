@@ -652,6 +652,32 @@ def test_a_module_called_twice_in_a_step_keeps_every_finding_in_total_report():
     assert protection.total_report.sites == {"d_q"}, protection.total_report.summary()
 
 
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_call_that_raises_adds_its_findings_to_total_report(where):
+    """A call that raises ``UncorrectableError`` (a fault at the fused core's scores tile that
+    persists through its recomputation) adds the error's findings to ``total_report``: a loop
+    that skips such a step still sees them there; the next call's report is clean."""
+    from abftgemm import UncorrectableError
+    from abftgemm.report import Report
+
+    gen = torch.Generator().manual_seed(7)
+    mine = MultiheadAttention(E, HEADS, batch_first=True, core="fused")
+    x = torch.randn(N, L, E, generator=gen, requires_grad=True)
+    site = "fused:S" if where == "forward" else "fused:dP"
+    mine.fault_hook = Fault("nan", "element", seed=1, sites={site}, times=None)
+    mine.total_report = Report()
+    with pytest.raises(UncorrectableError) as raised:
+        y, _ = mine(x, x, x, need_weights=False)
+        y.sum().backward()
+    assert raised.value.report.sites == {site}
+    assert mine.total_report.sites == {site}, mine.total_report.summary()
+    assert len(mine.total_report.events) >= len(raised.value.report.events)
+    mine.fault_hook = None
+    y, _ = mine(x, x, x, need_weights=False)
+    y.sum().backward()
+    assert not mine.last_report.events and mine.last_report.checked["d_x"] == 1
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("call", [0, 1], ids=["forward", "recomputation"])
 def test_checkpointed_module_reports_every_repaired_fault(reentrant, call):
