@@ -26,7 +26,8 @@ from torch.autograd.function import once_differentiable
 
 from attention._torch_arrays import (array, dropout_arrays, eager, first_order, mask_array,
                                      recomputing, refuse_weights_gradient, threads)
-from attention._torch_state import Protection, registered, saved_state, token_of
+from attention._torch_state import (Protection, inputs_key, registered, saved_state,
+                                    token_of)
 from attention.core import core_backward, core_forward
 from attention.workspace import Workspace
 
@@ -176,7 +177,8 @@ def run_core_forward(protection: Protection, q: torch.Tensor, k: torch.Tensor, v
     # a checkpointed forward recomputed in backward adds its findings to the step's report
     found = Report()
     report = protection.last_report if recomputing() else found
-    context = protection.context(found)
+    modes = protection.decisions(inputs_key(q, k, v), recomputing())
+    context = protection.context(found, modes)
     keep_array, seed = dropout_arrays(keep)
     padding = mask is not None and mask.dtype == torch.bool and mask.dim() == 3 \
         and mask.shape[1] == 1

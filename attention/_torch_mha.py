@@ -15,7 +15,7 @@ import torch
 from abftgemm.tensors import device_scope, to_tensor
 from abftgemm.report import Report
 from attention._torch_arrays import array, dropout_arrays, mask_array, recomputing, threads
-from attention._torch_state import Protection
+from attention._torch_state import Protection, inputs_key
 from attention.functional import attention_backward, attention_forward
 from attention.workspace import Workspace
 
@@ -54,7 +54,8 @@ def run_forward(protection: Protection, heads: int, query: torch.Tensor, key: to
         params = _param_views(protection, in_w, in_b, out_w, out_b)
         x = array(query)
         cross = {} if self_attention else {"key": array(key), "value": array(value)}
-        context = protection.context(found)
+        modes = protection.decisions(inputs_key(query, key, value), recomputing())
+        context = protection.context(found, modes)
         keep, seed = dropout_arrays(dropout_keep)
         y, saved = attention_forward(params, x, context, n_heads=heads,
                                      causal=call.causal, key_visible=call.key_visible,

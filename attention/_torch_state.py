@@ -9,6 +9,7 @@ holder object that carries the state; the state lives exactly as long as the tok
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import threading
@@ -22,11 +23,13 @@ import abftgemm
 from abftgemm.plan import check_option
 from abftgemm.report import Report, UncorrectableError
 from attention.context import Context
-from attention.plan import CheckingPlan
+from attention.plan import ALL_SITES, CheckingPlan
 from attention.workspace import Workspace
 
 FaultHook = Callable[[str, Any], None]
 
+#: How many forwards' check decisions a :class:`Protection` keeps for their recomputations.
+KEPT_DECISIONS = 64
 _REGISTERED: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _IDS = itertools.count()
 _STATES: "weakref.WeakValueDictionary[int, _Holder]" = weakref.WeakValueDictionary()
@@ -80,6 +83,7 @@ class Protection:
         self.last_core: str | None = None
         self._local = threading.local()
         self._total_lock = threading.Lock()
+        self._decided: collections.OrderedDict = collections.OrderedDict()
         self._memo: tuple[Any, Any] = (None, None)
         self.id = register(self)
 
@@ -131,9 +135,30 @@ class Protection:
             self.record(exc.report)
             raise
 
-    def context(self, report: Report) -> Context:
-        """The context of one call whose findings go to ``report``."""
-        return Context(self.check, self.plan, self.fault_hook, report)
+    def context(self, report: Report, modes: dict[str, str] | None = None) -> Context:
+        """The context of one call whose findings go to ``report`` (``modes``: its sites'
+        check decisions, :class:`attention.context.Context`'s)."""
+        return Context(self.check, self.plan, self.fault_hook, report, modes=modes)
+
+    def decisions(self, key: Any, recomputing: bool) -> dict[str, str]:
+        """The check decisions of a forward on the inputs ``key`` names (their memory, shapes,
+        strides and dtypes), a dict its context fills as the plan is drawn. A forward keeps
+        them under ``key`` (the last :data:`KEPT_DECISIONS` forwards'); activation
+        checkpointing's recomputation of it (``recomputing``) repeats them, so it checks
+        what its forward checked, and the plan's schedule advances once per forward, as for
+        a replay. A recomputation whose forward's decisions are not found (inputs copied
+        between the two) checks every site: its tensors feed the backward."""
+        if not recomputing:
+            modes: dict[str, str] = {}
+            with self._total_lock:
+                self._decided[key] = modes
+                self._decided.move_to_end(key)
+                while len(self._decided) > KEPT_DECISIONS:
+                    self._decided.popitem(last=False)
+            return modes
+        with self._total_lock:
+            kept = self._decided.get(key)
+        return dict(kept) if kept is not None else {site: self.check for site in ALL_SITES}
 
     def memo(self, key: Any, make: Callable[[], Any]) -> Any:
         """``make()``, kept while ``key`` stays the same (one entry, read and replaced whole, so
@@ -152,7 +177,7 @@ class Protection:
         state = self.__dict__.copy()
         state["_memo"] = (None, None)
         state["fault_hook"] = None
-        del state["id"], state["_local"], state["_total_lock"]
+        del state["id"], state["_local"], state["_total_lock"], state["_decided"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -163,6 +188,7 @@ class Protection:
         self.__dict__.update(state)
         self._local = threading.local()
         self._total_lock = threading.Lock()
+        self._decided = collections.OrderedDict()
         self.id = register(self)
 
 
@@ -183,6 +209,13 @@ class LinearProtection(Protection):
         state = super().__getstate__()
         state["encoded"], state["ones"] = {}, {}
         return state
+
+
+def inputs_key(*tensors: torch.Tensor) -> tuple:
+    """What names a forward's inputs for its recomputation's check decisions
+    (:meth:`Protection.decisions`): their memory, shapes, strides and dtypes (a checkpointed
+    forward is recomputed on the same tensors)."""
+    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
 
 
 def register(owner: Any) -> int:
@@ -239,3 +272,4 @@ class ProtectionAttribute:
 
     def __set__(self, obj: Any, value: Any) -> None:
         setattr(obj.protection, self.name, value)
+

@@ -30,6 +30,11 @@ class Context:
         Receives ``(step, taken)`` for every step a pass ran, in order (the pass that delivered:
         a replay's): :class:`attention.passes.Step` and what it took or made of the encodings,
         as :func:`attention.passes.checksums` says of the table.
+    modes : dict, optional
+        Site -> check mode already decided for this call: a site found here takes it without
+        drawing from the plan, a site drawn is recorded here (activation checkpointing's
+        recomputation of a forward repeats that forward's decisions:
+        :meth:`attention.torch_functional.Protection.decisions`).
     """
 
     check: str = "correct"
@@ -37,6 +42,7 @@ class Context:
     fault_hook: FaultHook | None = None
     report: Report = field(default_factory=Report)
     trace: list | None = None
+    modes: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         check_option("check", self.check, CHECK_MODES)
@@ -48,7 +54,13 @@ class Context:
                             f"{type(self.plan).__name__}")
 
     def mode(self, site: str) -> str:
-        """The check mode of this call of ``site`` (advances the plan's counter)."""
+        """The check mode of this call of ``site`` (advances the plan's counter, unless
+        ``modes`` holds the site's decision)."""
         if self.check == "off":
             return "off"
-        return self.check if self.plan.should_check(site) else "off"
+        if self.modes is not None and site in self.modes:
+            return self.modes[site]
+        mode = self.check if self.plan.should_check(site) else "off"
+        if self.modes is not None:
+            self.modes[site] = mode
+        return mode

@@ -720,6 +720,52 @@ def test_checkpointed_module_reports_every_repaired_fault(reentrant, call):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpointed_recomputation_repeats_its_forwards_check_decisions(reentrant):
+    """Under a plan that checks every other call, activation checkpointing's recomputation drew
+    its own decisions, the second call of the schedule: the forward was checked, the
+    recomputation (whose tensors the backward reads) never, so a fault there reached the
+    gradients in every step (weight gradient off by 1.5). The recomputation repeats its
+    forward's decisions, as a replay does: the schedule advances once per step."""
+    from torch.utils.checkpoint import checkpoint
+
+    from attention import CheckingPlan
+    from attention._torch_arrays import recomputing
+    from attention.plan import SitePlan
+
+    gen = torch.Generator().manual_seed(8)
+    plan = CheckingPlan({s: SitePlan(every=2) for s in SITES})
+    mine = MultiheadAttention(E, HEADS, batch_first=True, dtype=torch.float64, plan=plan)
+    ref = MultiheadAttention(E, HEADS, batch_first=True, dtype=torch.float64)
+    ref.load_state_dict(mine.state_dict())
+    x = torch.randn(N, L, E, dtype=torch.float64, generator=gen)
+    injected = []
+
+    def hook(site, c):  # a fault in the first step's recomputation only
+        if site == "q_proj" and recomputing() and not injected:
+            injected.append(site)
+            c.flat[0] += 1e3
+
+    mine.fault_hook = hook
+    checked = []
+    for _ in range(3):
+        mine.zero_grad()
+        ref.zero_grad()
+        xi, xr = (x.clone().requires_grad_(True) for _ in range(2))
+        y = checkpoint(lambda t: mine(t, t, t, need_weights=False)[0], xi,
+                       use_reentrant=reentrant)
+        y.sum().backward()
+        ref(xr, xr, xr, need_weights=False)[0].sum().backward()
+        checked.append(mine.last_report.checked.get("q_proj", 0))
+        if len(checked) == 1:
+            assert injected and mine.last_report.sites == {"q_proj"}, \
+                mine.last_report.summary()
+            assert torch.allclose(mine.in_proj_weight.grad, ref.in_proj_weight.grad,
+                                  rtol=1e-9, atol=1e-9)
+    once = checked[0] // 2  # the forward's checks, repeated by the recomputation
+    assert once > 0 and checked == [2 * once, 0, 2 * once]
+
+
 def test_check_and_plan_set_through_the_module_are_validated():
     """``plan = None`` on a module means the default plan (it failed at the next forward with
     an AttributeError deep in the pass); a plan that is not one, or a bad check mode, is refused
