@@ -120,10 +120,6 @@ def test_matmul_from_several_threads_right_results_and_own_reports():
 # --------------------------------------------------------------------------- abftgemm.testing
 
 
-@pytest.mark.xfail(strict=True, reason="abftgemm.testing.operand_pairs(float16, "
-                   "integer_valued=False) promises 'no subnormals' but draws float32-width "
-                   "floats and casts them: values below float16's smallest normal (6.1e-5) "
-                   "become float16 subnormals")
 @settings(max_examples=300, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(ab=at.operand_pairs(np.float16, integer_valued=False))
