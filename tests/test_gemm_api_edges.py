@@ -373,11 +373,6 @@ with standin.installed() as cp:
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="cupy-on-cpu needs g++")
-@pytest.mark.xfail(strict=True, reason="test harness, not the library: the cupy-on-cpu SIMT "
-                   "runtime (tests/cuda_on_cpu/launch.py, simt_runtime.cpp) is not thread-safe; "
-                   "abftgemm.matmul on CuPy-stand-in arrays from 3 Python threads at once "
-                   "kills the process (segfault / 'double free or corruption'), so no "
-                   "concurrency body can run on the third backend")
 def test_matmul_from_several_threads_on_cupy_on_cpu():
     import subprocess
     import sys

@@ -51,11 +51,13 @@ class RawModule:
         self._lib: ctypes.CDLL | None = None
 
     def _library(self) -> ctypes.CDLL:
-        if self._lib is None:
-            memory.runtime()  # the hooks, before the module that calls them
-            path = build.kernel_library(self.code, self.name_expressions, defines=self._defines)
-            self._lib = ctypes.CDLL(str(path))
-        return self._lib
+        with memory.LOCK:  # one build and load per module, even when threads ask at once
+            if self._lib is None:
+                memory.runtime()  # the hooks, before the module that calls them
+                path = build.kernel_library(self.code, self.name_expressions,
+                                            defines=self._defines)
+                self._lib = ctypes.CDLL(str(path))
+            return self._lib
 
     def get_function(self, name: str) -> "RawKernel":
         if name not in self.name_expressions:
@@ -130,8 +132,10 @@ class RawKernel:
         launch = _Launch(self.name.encode(), (ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b),
                          int(self._ftz), n, values, sizes, pointers,
                          ctypes.cast(error, ctypes.c_char_p), len(error))
-        self.launches += 1
-        if self._entry(ctypes.byref(launch)) != 0:
+        with memory.LOCK:  # the runtime runs one launch at a time
+            self.launches += 1
+            failed = self._entry(ctypes.byref(launch)) != 0
+        if failed:
             raise SimtError(error.value.decode(errors="replace"))
         for a in args:
             if isinstance(a, ndarray) and not a._alloc.guards_intact():

@@ -4,6 +4,7 @@ bytes read before anything wrote them)."""
 from __future__ import annotations
 
 import ctypes
+import threading
 import weakref
 
 import numpy as np
@@ -33,12 +34,24 @@ class _Runtime:
 
 _RUNTIME: _Runtime | None = None
 
+#: The SIMT runtime is single-threaded by design (one launch at a time, global scheduler state and
+#: allocation table): every call into it, and every library build and load, holds this lock, so
+#: launches from several Python threads are serialized. Reentrant: a finalizer that unregisters
+#: an allocation may run in a thread that holds it.
+LOCK = threading.RLock()
+
 
 def runtime() -> ctypes.CDLL:
     global _RUNTIME
-    if _RUNTIME is None:
-        _RUNTIME = _Runtime()
-    return _RUNTIME.lib
+    with LOCK:
+        if _RUNTIME is None:
+            _RUNTIME = _Runtime()
+        return _RUNTIME.lib
+
+
+def _locked(call, *args):
+    with LOCK:
+        return call(*args)
 
 
 class Allocation:
@@ -60,18 +73,18 @@ class Allocation:
         if fresh:
             self.bytes.fill(UNSET_BYTE)
         lib = runtime()
-        lib.simt_register(self.ptr, self.nbytes, GUARD, int(fresh))
-        weakref.finalize(self, lib.simt_unregister, self.ptr)
+        _locked(lib.simt_register, self.ptr, self.nbytes, GUARD, int(fresh))
+        weakref.finalize(self, _locked, lib.simt_unregister, self.ptr)
 
     def mark_written(self) -> None:
-        runtime().simt_mark_written(self.ptr)
+        _locked(runtime().simt_mark_written, self.ptr)
 
     def is_fresh(self) -> bool:
-        return bool(runtime().simt_is_fresh(self.ptr))
+        return bool(_locked(runtime().simt_is_fresh, self.ptr))
 
     def read_bytes(self) -> int:
         """Bytes kernels have read from this allocation so far (device memory traffic)."""
-        return int(runtime().simt_read_bytes(self.ptr))
+        return int(_locked(runtime().simt_read_bytes, self.ptr))
 
     def guards_intact(self) -> bool:
         start = self.ptr - self._buffer.ctypes.data
