@@ -53,9 +53,13 @@ def dtypes() -> st.SearchStrategy[np.dtype]:
 @st.composite
 def matmul_shapes(draw: Any, max_side: int = 12, max_batch_dims: int = 2, min_side: int = 1,
                   max_k: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes ``(a_shape, b_shape)`` of a valid (batched, broadcasting) product."""
+    """Shapes ``(a_shape, b_shape)`` of a valid (batched, broadcasting) product.
+
+    ``m`` and ``n`` lie in ``[min_side, max_side]``, the inner dimension ``k`` in
+    ``[min_side, max_k]`` (``max_k=None``: ``max_side``; ``max_k=0`` with ``min_side=0``: always 0).
+    """
     m, n = draw(st.integers(min_side, max_side)), draw(st.integers(min_side, max_side))
-    k = draw(st.integers(min_side, max_k or max_side))
+    k = draw(st.integers(min_side, max_k if max_k is not None else max_side))
     batch = draw(hnp.array_shapes(min_dims=0, max_dims=max_batch_dims, min_side=1, max_side=3))
     a_batch = tuple(d if draw(st.booleans()) else 1 for d in batch)
     b_batch = tuple(d if draw(st.booleans()) else 1 for d in batch)

@@ -144,9 +144,6 @@ def test_silent_error_bound_takes_1d_operands(shapes):
     assert (np.asarray(bound) > 0).all()
 
 
-@pytest.mark.xfail(strict=True, reason="abftgemm.testing.matmul_shapes draws k from "
-                   "integers(min_side, max_k or max_side): max_k=0 (empty inner dimension, "
-                   "with min_side=0) is taken as 'not given' and k up to max_side is drawn")
 @settings(max_examples=50, deadline=None, database=None)
 @given(shapes=at.matmul_shapes(min_side=0, max_k=0))
 def test_matmul_shapes_honours_max_k_zero(shapes):
