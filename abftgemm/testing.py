@@ -124,22 +124,33 @@ def assert_matches_reference(c: Any, a: Any, b: Any) -> None:
     assert (err <= tol[finite]).all(), f"max error {err.max()} exceeds tolerance"
 
 
+def _as_matrices(a: Any, b: Any) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    """``a`` and ``b`` on the host in float64, 1-D ones as a row and a column, and the
+    ``(..., m, n)`` shape of their product."""
+    a_h, b_h = to_host(a), to_host(b)
+    a2 = a_h[None, :] if a_h.ndim == 1 else a_h
+    b2 = b_h[:, None] if b_h.ndim == 1 else b_h
+    full = np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2]) + (a2.shape[-2], b2.shape[-1])
+    return a2.astype(np.float64), b2.astype(np.float64), full
+
+
 def silent_error_bound(a: Any, b: Any, c_clean: Any) -> np.ndarray:
     """Per element of the product, the largest error a check may let pass as rounding noise.
 
     It is the larger of the thresholds of the element's row and column, computed from the clean
     product with the same model :func:`abftgemm.matmul` uses: a single error must clear both, but
     two errors of opposite sign in one column cancel in its checksum, so each need only stay under
-    its row's threshold (and vice versa).
+    its row's threshold (and vice versa). 1-D operands count as a row (``a``) or a column
+    (``b``), as in :func:`abftgemm.matmul`; the result has the shape of ``c_clean``.
     """
-    a64, b64 = to_host(a).astype(np.float64), to_host(b).astype(np.float64)
-    c = to_host(c_clean).astype(np.float64)
+    a64, b64, full = _as_matrices(a, b)
+    clean = np.asarray(to_host(c_clean))
+    c = clean.astype(np.float64).reshape(full)
     p = np.matmul(np.abs(a64), np.abs(b64))
-    k, (m, n) = a64.shape[-1], c.shape[-2:]
-    dtype = to_host(c_clean).dtype
-    tau_col = threshold(p.sum(-2), np.abs(c).sum(-2), k, m, dtype)[..., None, :]
-    tau_row = threshold(p.sum(-1), np.abs(c).sum(-1), k, n, dtype)[..., :, None]
-    return np.maximum(tau_col, tau_row)
+    k, (m, n) = a64.shape[-1], full[-2:]
+    tau_col = threshold(p.sum(-2), np.abs(c).sum(-2), k, m, clean.dtype)[..., None, :]
+    tau_row = threshold(p.sum(-1), np.abs(c).sum(-1), k, n, clean.dtype)[..., :, None]
+    return np.maximum(tau_col, tau_row).reshape(clean.shape)
 
 
 def checksum_error_ratio(c: Any, c_clean: Any, a: Any, b: Any,
@@ -162,13 +173,9 @@ def checksum_error_ratio(c: Any, c_clean: Any, a: Any, b: Any,
     numpy.ndarray (batch,)
         The largest ``(|sum| - slack) / tau`` over the vectors and both sums of each item.
     """
-    a_h, b_h = to_host(a), to_host(b)
-    a2 = a_h[None, :] if a_h.ndim == 1 else a_h  # 1-D operands as matrices: (m, n) per item
-    b2 = b_h[:, None] if b_h.ndim == 1 else b_h
-    full = np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2]) + (a2.shape[-2], b2.shape[-1])
+    a64, b64, full = _as_matrices(a, b)  # 1-D operands as matrices: (m, n) per item
     clean = np.asarray(to_host(c_clean)).reshape(full)
     got = np.asarray(to_host(c)).reshape(full)
-    a64, b64 = a2.astype(np.float64), b2.astype(np.float64)
     p = np.broadcast_to(np.matmul(np.abs(a64), np.abs(b64)), full)
     k, (m, n), dtype = a64.shape[-1], full[-2:], clean.dtype
     clean64, got64 = clean.astype(np.float64), got.astype(np.float64)

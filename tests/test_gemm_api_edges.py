@@ -130,10 +130,6 @@ def test_operand_pairs_float16_has_no_subnormals(ab):
         assert not ((x32 != 0) & (np.abs(x32) < tiny)).any(), x
 
 
-@pytest.mark.xfail(strict=True, reason="abftgemm.testing.silent_error_bound unpacks "
-                   "c_clean.shape[-2:] into (m, n): with a 1-D operand (a product of shape "
-                   "(m,), (n,) or ()) it raises ValueError 'not enough values to unpack', "
-                   "where checksum_error_ratio and assert_protected take 1-D operands")
 @pytest.mark.parametrize("shapes", [((3, 4), (4,)), ((4,), (4, 3)), ((4,), (4,))],
                          ids=["2d@1d", "1d@2d", "1d@1d"])
 def test_silent_error_bound_takes_1d_operands(shapes):
