@@ -108,7 +108,8 @@ def reference(a: Any, b: Any) -> np.ndarray:
 
 
 def assert_matches_reference(c: Any, a: Any, b: Any) -> None:
-    """Assert ``c`` is ``a @ b`` up to the rounding the threshold model allows (NaN where INF/NaN).
+    """Assert ``c`` is ``a @ b`` (its shape too) up to the rounding the threshold model allows
+    (NaN where INF/NaN).
 
     For fault-free products (no ``fault_hook``, or ``check="off"``). With a fault injected use
     :func:`assert_protected`: a flip of a low mantissa bit changes an element by less than any
@@ -116,8 +117,10 @@ def assert_matches_reference(c: Any, a: Any, b: Any) -> None:
     """
     a64, b64 = to_host(a).astype(np.float64), to_host(b).astype(np.float64)
     ref = np.matmul(a64, b64)
-    tol = element_tolerance(np.matmul(np.abs(a64), np.abs(b64)), a64.shape[-1], to_host(c).dtype)
-    got = to_host(c).astype(np.float64)
+    c_h = np.asarray(to_host(c))
+    assert c_h.shape == ref.shape, f"c has shape {c_h.shape}, a @ b {ref.shape}"
+    tol = element_tolerance(np.matmul(np.abs(a64), np.abs(b64)), a64.shape[-1], c_h.dtype)
+    got = c_h.astype(np.float64)
     finite = np.isfinite(ref)
     np.testing.assert_array_equal(np.isfinite(got), finite)
     err = np.abs(got - ref)[finite]
