@@ -108,8 +108,10 @@ def reference(a: Any, b: Any) -> np.ndarray:
 
 
 def assert_matches_reference(c: Any, a: Any, b: Any) -> None:
-    """Assert ``c`` is ``a @ b`` (its shape too) up to the rounding the threshold model allows
-    (NaN where INF/NaN).
+    """Assert ``c`` is ``a @ b`` (its shape too) up to the rounding the threshold model allows.
+
+    Where ``a @ b`` (computed in float64) is INF or NaN, ``c`` must hold the same (NaN for NaN,
+    an infinity of the same sign): the user's INF/NaN pass through exactly.
 
     For fault-free products (no ``fault_hook``, or ``check="off"``). With a fault injected use
     :func:`assert_protected`: a flip of a low mantissa bit changes an element by less than any
@@ -123,6 +125,8 @@ def assert_matches_reference(c: Any, a: Any, b: Any) -> None:
     got = c_h.astype(np.float64)
     finite = np.isfinite(ref)
     np.testing.assert_array_equal(np.isfinite(got), finite)
+    np.testing.assert_array_equal(got[~finite], ref[~finite],  # NaN equals NaN here
+                                  err_msg="INF/NaN of c differ from those of a @ b")
     err = np.abs(got - ref)[finite]
     assert (err <= tol[finite]).all(), f"max error {err.max()} exceeds tolerance"
 
@@ -168,8 +172,9 @@ def checksum_error_ratio(c: Any, c_clean: Any, a: Any, b: Any,
     rounding (below ``tau`` by calibration), so ratios above 2 must have been detected. Each
     element of ``c`` and ``c_clean`` may also carry its own rounding (a recomputed
     element): twice :func:`abftgemm.thresholds.element_tolerance` per element is allowed for on
-    top. A non-finite element where ``c_clean`` is finite gives ``inf``; elements whose
-    fault-free value is not finite are not compared.
+    top. A non-finite element where ``c_clean`` is finite gives ``inf``, and so does an element
+    where ``c_clean`` is INF or NaN that differs from it (NaN matches NaN; an infinity must keep
+    its sign): the user's INF/NaN pass through exactly, so no check lets such a change pass.
 
     Returns
     -------
@@ -183,6 +188,7 @@ def checksum_error_ratio(c: Any, c_clean: Any, a: Any, b: Any,
     k, (m, n), dtype = a64.shape[-1], full[-2:], clean.dtype
     clean64, got64 = clean.astype(np.float64), got.astype(np.float64)
     compared = np.isfinite(clean64)
+    changed = ~compared & (got64 != clean64) & ~(np.isnan(got64) & np.isnan(clean64))
     with np.errstate(invalid="ignore"):
         err = np.where(compared, got64 - clean64, 0.0)
     slack = 2 * element_tolerance(p, k, dtype)
@@ -201,6 +207,7 @@ def checksum_error_ratio(c: Any, c_clean: Any, a: Any, b: Any,
             for total in (err.sum(axis), (err * w).sum(axis)):
                 ratio = np.where(np.isfinite(total), (np.abs(total) - allowed) / tau, np.inf)
                 worst = np.maximum(worst, ratio.reshape(batch, -1).max(-1, initial=0.0))
+    worst[changed.reshape(batch, -1).any(-1)] = np.inf
     return worst
 
 
@@ -216,9 +223,10 @@ def assert_protected(c: Any, a: Any, b: Any, report: Report, c_clean: Any | None
     vector's threshold (see :func:`checksum_error_ratio`). A single undetected error is thus under
     about two thresholds of its column; several errors in one column may each be larger when
     their sums cancel (the trade of the column fast path, docs/detection.md). Non-finite
-    elements where the fault-free product is finite always fail. With ``check="correct"``
-    nothing is left reported, so every larger error fails the assertion: it must have been
-    repaired.
+    elements where the fault-free product is finite always fail, as do elements where it is INF
+    or NaN that differ from it (NaN matches NaN; an infinity must keep its sign). With
+    ``check="correct"`` nothing is left reported, so every larger error fails the assertion: it
+    must have been repaired.
 
     Use it, rather than :func:`assert_matches_reference`, whenever a fault was injected.
 

@@ -308,9 +308,6 @@ def test_an_abandoned_16bit_execute_leaves_no_stale_operand_copies():
     assert plan.counters.rare_paths == before, "a clean product ran the rare path"
 
 
-@pytest.mark.xfail(strict=True, reason="abftgemm.testing.assert_matches_reference compares only "
-                   "np.isfinite(c) with np.isfinite(a @ b) where the reference is not finite: "
-                   "-inf (or NaN) where a @ b is +inf passes")
 @pytest.mark.parametrize("wrong", [-np.inf, np.nan], ids=["-inf", "nan"])
 def test_assert_matches_reference_fails_on_a_wrong_infinity(wrong):
     a = np.array([[np.inf, 1.0]], np.float32)
@@ -320,12 +317,6 @@ def test_assert_matches_reference_fails_on_a_wrong_infinity(wrong):
         at.assert_matches_reference(np.array([[wrong]], np.float32), a, b)
 
 
-@pytest.mark.xfail(strict=True, reason="abftgemm.testing.assert_protected (via "
-                   "checksum_error_ratio) leaves out every element whose fault-free value is "
-                   "not finite, so a delivered -inf or NaN where the plain product is +inf "
-                   "passes, although the library guarantees that the user's INF/NaN pass "
-                   "through exactly as the plain product gives them (a flipped infinity's sign "
-                   "is caught and recomputed)")
 @pytest.mark.parametrize("wrong", [-np.inf, np.nan], ids=["-inf", "nan"])
 def test_assert_protected_fails_on_a_wrong_infinity(wrong):
     a = np.array([[np.inf, 1.0], [1.0, 2.0]], np.float32)
