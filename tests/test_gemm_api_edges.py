@@ -159,11 +159,6 @@ def test_assert_matches_reference_fails_on_a_wrong_shape(case):
         at.assert_matches_reference(wrong, a, b)
 
 
-@pytest.mark.xfail(strict=True, reason="the abftgemm.testing helpers compute |a| @ |b| and the "
-                   "reference outside np.errstate: with an INF input they emit NumPy's "
-                   "RuntimeWarning 'invalid value encountered in matmul', which a test suite "
-                   "run with warnings as errors turns into a failure of a correct product "
-                   "(abftgemm.matmul itself stays silent there)")
 @pytest.mark.parametrize("helper", ["assert_matches_reference", "assert_protected",
                                     "checksum_error_ratio", "silent_error_bound"])
 def test_testing_helpers_accept_inf_inputs_with_warnings_as_errors(helper):
