@@ -455,13 +455,11 @@ class ProtectedMatmul:
 
     def release(self) -> None:
         """Free the workspaces; the plan cannot execute afterwards."""
+        self._forget()
         if self._work is not None:
             self._work.release()
         self._work = None
         self._signature = None
-        self._pending = None
-        if self._claim.locked():
-            self._claim.release()
 
     def __enter__(self) -> "ProtectedMatmul":
         return self

@@ -198,10 +198,8 @@ def run_core_forward(protection: Protection, q: torch.Tensor, k: torch.Tensor, v
         probs = saved["probs"] if dropped is None else dropped
         weights = to_tensor(probs).clone() if need_weights else q.new_empty(0)
         out = to_tensor(out)
-    if report is not found:
-        report.extend(found)
-    protection.record(found)
-    protection.last_report, protection.last_core = report, saved["core"]
+    protection.book(found, report)
+    protection.last_core = saved["core"]
     return out, weights, _CoreSaved(protection, saved, report, workspace)
 
 
@@ -224,7 +222,5 @@ def run_core_backward(state: _CoreSaved, d_out: torch.Tensor, q: torch.Tensor, k
         grads = core_backward(state.saved, array(d_out), context, workspace=state.workspace)
         result = tuple(to_tensor(g) for g in grads[:3])
         d_mask = to_tensor(grads[3]).to(mask.dtype) if mask is not None else q.new_empty(0)
-    state.report.extend(found)
-    state.protection.record(found)
-    state.protection.last_report = state.report
+    state.protection.book(found, state.report)
     return (*result, d_mask)

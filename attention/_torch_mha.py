@@ -69,10 +69,8 @@ def run_forward(protection: Protection, heads: int, query: torch.Tensor, key: to
         dropped = saved["probs_dropped"]
         call.probs = saved["probs"] if dropped is None else dropped
         weights = call.weights(average) if need_weights else query.new_empty(0)
-    if report is not found:
-        report.extend(found)
-    protection.record(found)
-    protection.last_report, protection.last_core = report, saved["core"]
+    protection.book(found, report)
+    protection.last_core = saved["core"]
     return y, weights, _Saved(protection, call, saved, report, workspace)
 
 
@@ -110,9 +108,7 @@ def run_backward(state: _Saved, dy: torch.Tensor, query: torch.Tensor, key: torc
         else:
             d_inputs = tuple(to_tensor(d) for d in dx)
         d_masks = state.call.mask_grads(grads.get("attn_mask"), key_padding_mask, attn_mask, dy)
-    state.report.extend(found)
-    state.protection.record(found)
-    state.protection.last_report = state.report
+    state.protection.book(found, state.report)
     return (*d_inputs, d_in_w, d_in_b, d_out_w, d_out_b, *d_masks)
 
 

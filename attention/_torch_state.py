@@ -125,6 +125,15 @@ class Protection:
         with self._total_lock:
             self.total_report.extend(found)
 
+    def book(self, found: Report, report: Report) -> None:
+        """A forward's or backward's findings ``found``: into its call's ``report`` (which
+        becomes :attr:`last_report`; ``found`` itself for a forward's own report) and
+        :attr:`total_report`."""
+        if report is not found:
+            report.extend(found)
+        self.record(found)
+        self.last_report = report
+
     @contextlib.contextmanager
     def errors_recorded(self) -> Iterator[None]:
         """Within the block, an :class:`abftgemm.UncorrectableError` adds its report to

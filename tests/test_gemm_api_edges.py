@@ -216,11 +216,15 @@ def test_a_data_fault_seen_by_its_row_only_is_not_called_a_checksum_fault(dtype)
     a[2, :] = big  # column sums dominated by row 2: column thresholds far above O(1) errors
     c = a @ b
     c[5, 1] = c[5, 1] * 3 + 1  # a data fault of about 23, far above row 5's threshold
-    result = abftgemm.verify(c, a, b)
-    assert result.report.detected
-    patterns = [e.pattern for e in result.report.events]
-    assert "checksum" not in patterns, result.report.summary()
-    assert any(5 in e.rows for e in result.report.events)
+    _assert_data_fault_located(abftgemm.verify(c, a, b).report, "rows", 5)
+
+
+def _assert_data_fault_located(report, axis: str, index: int) -> None:
+    """The report flags a data fault, calls none of its findings a checksum fault, and names
+    ``index`` among the ``axis`` ("rows" or "cols") of one."""
+    assert report.detected
+    assert "checksum" not in [e.pattern for e in report.events], report.summary()
+    assert any(index in getattr(e, axis) for e in report.events), report.summary()
 
 
 @pytest.mark.xfail(strict=True, reason="the same misdiagnosis on matmul's default column path: "
@@ -242,9 +246,7 @@ def test_a_data_fault_seen_by_its_column_only_is_located_not_called_a_checksum(x
     with pytest.warns(abftgemm.FaultDetectedWarning):
         c, report = abftgemm.matmul(a, b, check="detect", directions=directions,
                                     fault_hook=fault, return_report=True)
-    assert report.detected
-    assert "checksum" not in [e.pattern for e in report.events], report.summary()
-    assert any(1 in e.cols for e in report.events)
+    _assert_data_fault_located(report, "cols", 1)
 
 
 @pytest.mark.xfail(strict=True, reason="the same misdiagnosis with moderate data: float32 "
