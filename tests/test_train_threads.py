@@ -31,19 +31,21 @@ def test_every_run_sees_the_same_blas_thread_count(tmp_path: Path,
         return gemm(self, *args, **kwargs)
 
     def named(function):
-        def wrapped(trainer, name, *args, **kwargs):
-            run[0] = name
-            return function(trainer, name, *args, **kwargs)
+        """``function``'s steps, each counted under its run's name (the runs interleave)."""
+        def wrapped(trainer, result, *args, **kwargs):
+            steps = function(trainer, result, *args, **kwargs)
+            while True:
+                run[0] = result.name
+                try:
+                    new = next(steps)
+                except StopIteration:
+                    return
+                yield new
         return wrapped
 
-    def checkpointed(*args, **kwargs):
-        run[0] = "checkpoint"
-        return run_checkpointed(*args, **kwargs)
-
-    run_checkpointed = train._run_checkpointed
     monkeypatch.setattr(type(backend.get_backend(np)), "gemm", counting_gemm)
-    monkeypatch.setattr(train, "_run_plain", named(train._run_plain))
-    monkeypatch.setattr(train, "_run_checkpointed", checkpointed)
+    monkeypatch.setattr(train, "_plain_steps", named(train._plain_steps))
+    monkeypatch.setattr(train, "_checkpointed_steps", named(train._checkpointed_steps))
     # the policy gives the library's products 1 thread (as on a loaded machine), NumPy's BLAS
     # is at 2 (its default on two cores)
     before = threads.get_threads()
@@ -75,3 +77,26 @@ def test_train_md_says_what_was_run(tmp_path: Path) -> None:
         assert part in text, part
     summary = __import__("json").loads((tmp_path / "train.json").read_text())
     assert {"date", "commit", "machine"} <= set(summary["provenance"])
+
+
+def test_the_runs_take_turns_step_by_step(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The four runs interleave their steps, so that other load on the machine reaches each run
+    alike (run one after another, the protection overhead of a few-second run swung between
+    -7% and +16%); each run's time is its own steps' time."""
+    order: list[tuple[str, int]] = []
+    grads = train._Trainer.grads
+
+    def logged(self, step, check, fault, result):
+        order.append((result.name, step))
+        return grads(self, step, check, fault, result)
+
+    monkeypatch.setattr(train._Trainer, "grads", logged)
+    config = train.TrainConfig(steps=3, batch=2, seq=8, d_model=16, n_heads=2, n_layers=1,
+                               d_ff=8, fault_rate=0.0, checkpoint_every=2)
+    summary = train.train(config, np, tmp_path, progress=False)
+    runs = ["fault_free", "unprotected", "protected", "checkpoint"]
+    timed = [entry for entry in order if entry[0] != "warm-up"]
+    assert timed == [(name, step) for step in range(3) for name in runs]
+    assert all(0 < summary["runs"][name]["seconds"] for name in runs)
+    assert summary["runs"]["protected"]["losses"] == summary["runs"]["fault_free"]["losses"]
