@@ -376,8 +376,7 @@ def _probs_excess(pv: Any, x: Any, t0: Any, flush: Any, tiny: Any, half: Any,
     h = exp_unflushed(max(x, flush) * half)  # a NaN x stays NaN (Python's max), and so does e
     e = zero if x < flush else h * h
     tol = t0 * e + tiny
-    d = pv - e
-    return (d if d >= zero else -d) - tol, tol
+    return abs(pv - e) - tol, tol
 
 
 @numba.njit(cache=True, inline="always")
@@ -419,7 +418,7 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
             continue
         for j in range(cols):
             ex, _ = _probs_excess(pr[j], zr[j] - mr, t0, flush, tiny, half, zero)
-            bad += zero if ex <= zero else ex  # a select, not max: NaN stays
+            bad += zero if zero > ex else ex  # one vmaxps(0, ex): a NaN ex stays
     if bad == 0:
         return 0.0
     worst = 0.0
@@ -448,8 +447,8 @@ def _dscores_excess(dsv: Any, pv: Any, g: Any, x: Any, c: Any, tiny: Any, zero: 
     pg = pv * g
     pd = pv * x
     d = dsv - (pg - pd)
-    tol = c * ((pg if pg >= zero else -pg) + (pd if pd >= zero else -pd)) + tiny
-    return (d if d >= zero else -d) - tol, tol
+    tol = c * (abs(pg) + abs(pd)) + tiny
+    return abs(d) - tol, tol
 
 
 @numba.njit(cache=True, fastmath=_FAST)
@@ -474,7 +473,7 @@ def _dscores_ratio(ds: Any, p: Any, dp: Any, dd: Any, keep: Any, ks: Any, tol: A
         for j in range(cols):
             g = (dp[r, j] * ks if keep[r, j] else zero) if drop else dp[r, j]
             ex, _ = _dscores_excess(ds[r, j], p[r, j], g, x, c, tiny, zero)
-            bad += zero if ex <= zero else ex
+            bad += zero if zero > ex else ex
     if bad == 0:
         return 0.0
     worst = 0.0

@@ -116,7 +116,7 @@ MUTATIONS: tuple[Mutation, ...] = (
                "        do_sums = _column_sums(d_out, sees)"),), True,
              tests=("tests/test_fused_dropout.py", "-k", "dv_final")),
     Mutation("fused P check: a NaN entry passes", "attention/_cpu_fused.py",
-             (("            bad += zero if ex <= zero else ex  # a select, not max: NaN stays",
+             (("            bad += zero if zero > ex else ex  # one vmaxps(0, ex): a NaN ex stays",
                "            bad += ex if ex > zero else zero"),), True,
              tests=("tests/test_fused_probs_invariant.py",)),
     Mutation("softmax forward tolerance x10", "attention/softmax.py",
