@@ -1,4 +1,4 @@
-"""Verify checksums, locate faulty elements and classify them (0D / 1R / 1C / 2D / checksum).
+"""Verify checksums, locate faulty elements and classify them (0D / 1R / 1C / 2D).
 
 :func:`verify` runs on the device for the whole batch and leaves a :class:`Verdict`; only when it
 flags something does :func:`diagnose` pull the flagged vectors of one batch item to the host and
@@ -7,7 +7,7 @@ decide which elements the checksums can locate.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -112,7 +112,7 @@ def verify(be: Backend, op: Operands, pred_col: Any, pred_row: Any, obs_col: Any
 class Diagnosis:
     """What one batch item's flags mean, on the host."""
 
-    pattern: str                 # 0D, 1R, 1C, 2D or checksum
+    pattern: str                 # 0D, 1R, 1C or 2D (nothing located)
     cells: list[tuple[int, int]]  # elements the checksums locate (empty: none located)
     direction: str               # "cols" or "rows": which checksums located the cells
     rows: tuple[int, ...]        # flagged or located rows
@@ -129,62 +129,91 @@ class Diagnosis:
 
 def diagnose(verdict: Verdict, b: int) -> Diagnosis:
     """Classify the flags of batch item ``b`` and pick the elements the checksums locate."""
-    K, k_loc, k_ok = _flagged(verdict.cols, b)
-    R, r_loc, r_ok = _flagged(verdict.rows, b)
+    by_cols, by_rows = _flagged(verdict.cols, b), _flagged(verdict.rows, b)
     magnitude, tau = _worst(verdict, b)
-    by_cols = _consistent(K, k_loc, R, r_ok)
-    by_rows = _consistent(R, r_loc, K, k_ok)
-    if by_cols:
-        cells, direction = [(int(r), int(j)) for j, r in zip(K, k_loc)], "cols"
-    elif by_rows:
-        cells, direction = [(int(i), int(c)) for i, c in zip(R, r_loc)], "rows"
+    if _consistent(by_cols, by_rows):
+        cells, direction = [(int(r), int(j)) for j, r in zip(by_cols.idx, by_cols.loc)], "cols"
+    elif _consistent(by_rows, by_cols):
+        cells, direction = [(int(i), int(c)) for i, c in zip(by_rows.idx, by_rows.loc)], "rows"
     else:
         cells, direction = [], ""
-    rows = sorted(set(map(int, R)) | {i for i, _ in cells})
-    cols = sorted(set(map(int, K)) | {j for _, j in cells})
-    if cells:
-        pattern = cell_pattern(cells)
-    elif len(K) == 0 or len(R) == 0:
-        # One direction flags, the other (fully verifiable) sees nothing: the predicted checksum
-        # is suspect, or errors cancel in the silent direction. Repair decides which.
-        pattern = "checksum"
-    else:
-        pattern = "2D"
+    rows = sorted(set(map(int, by_rows.idx)) | {i for i, _ in cells})
+    cols = sorted(set(map(int, by_cols.idx)) | {j for _, j in cells})
+    # Nothing located: several errors in a vector, errors cancelling in a direction that could
+    # see each of them, or a wrong predicted checksum, which only checksums derived afresh from
+    # the inputs tell apart (the rare path's "checksum": repair.py, rare_path.py).
+    pattern = cell_pattern(cells) if cells else "2D"
     return Diagnosis(pattern, cells, direction, tuple(rows), tuple(cols), magnitude, tau)
 
 
-def _flagged(side: Side, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Flagged vector indices of batch ``b``, their located positions (-1: none), verifiability."""
+class _Flags(NamedTuple):
+    """The flags of one direction of one batch item, on the host."""
+
+    idx: np.ndarray   # flagged vector indices
+    loc: np.ndarray   # their located positions (-1: none)
+    size: np.ndarray  # their |plain difference| (NaN/INF: non-finite)
+    tau: np.ndarray   # every vector's threshold (INF where the direction is absent)
+    ok: np.ndarray    # every vector's verifiability
+
+
+def _flagged(side: Side, b: int) -> _Flags:
+    """Flagged vectors of batch ``b``, their located positions and sizes, and every vector's
+    threshold and verifiability."""
     bad = to_host(side.bad[b])
     idx = bad.nonzero()[0]
     diff = to_host(side.diff[b][idx]) if len(idx) else np.zeros((0, 2))
     nonfinite = to_host(side.nonfinite[b][idx]) if len(idx) else np.zeros((0, 2))
-    loc = np.full(len(idx), -1, dtype=np.int64)
-    for t in range(len(idx)):
-        count, last = nonfinite[t]
-        if count == 1:
-            loc[t] = int(last)
-        elif count == 0 and diff[t, 0] != 0 and np.isfinite(diff[t]).all():
-            pos = diff[t, 1] / diff[t, 0] * side.length - 1
-            r = round(pos) if np.isfinite(pos) else -1
-            if 0 <= r < side.length and abs(pos - r) <= LOCATION_SLACK:
-                loc[t] = r
-    ok = to_host(side.verifiable[b if side.verifiable.shape[0] > 1 else 0])
-    return idx, loc, ok
+    loc = np.array([_locate(d, nf, side.length) for d, nf in zip(diff, nonfinite)],
+                   dtype=np.int64)
+    at = b if side.verifiable.shape[0] > 1 else 0
+    ok = to_host(side.verifiable[at])
+    tau = np.full(ok.shape, np.inf) if side.tau is None else to_host(side.tau[at])
+    return _Flags(idx, loc, np.abs(diff[:, 0]), tau, ok)
 
 
-def _consistent(flagged: np.ndarray, located: np.ndarray, other_flagged: np.ndarray,
-                other_ok: np.ndarray) -> bool:
-    """Do the flagged vectors of one direction locate every faulty element?
+def _locate(diff: np.ndarray, nonfinite: np.ndarray, length: int) -> int:
+    """The position one flagged vector's differences ``[plain, weighted]`` and non-finite
+    ``[count, last index]`` locate: the one non-finite element, or the weighted-to-plain
+    ratio's integer; -1 when they locate none."""
+    count, last = nonfinite
+    if count == 1:
+        return int(last)
+    if count == 0 and diff[0] != 0 and np.isfinite(diff).all():
+        pos = diff[1] / diff[0] * length - 1
+        r = round(pos) if np.isfinite(pos) else -1
+        if 0 <= r < length and abs(pos - r) <= LOCATION_SLACK:
+            return r
+    return -1
 
-    Every flagged vector must locate one element; each located position must be flagged in the
-    other direction too (or be unverifiable there); and every vector flagged in the other
-    direction must be explained by one of the located elements.
+
+def _consistent(mine: _Flags, other: _Flags) -> bool:
+    """Do the flagged vectors of one direction (``mine``) locate every faulty element?
+
+    Every flagged vector must locate one element; the other direction's vector through each
+    located element must be flagged too, or unable to see it (:func:`_blind`); and every vector
+    flagged in the other direction must be explained by one of the located elements.
     """
-    if len(flagged) == 0 or (located < 0).any():
+    if len(mine.idx) == 0 or (mine.loc < 0).any():
         return False
-    confirmed = np.isin(located, other_flagged) | ~other_ok[located]
-    return bool(confirmed.all() and np.isin(other_flagged, located).all())
+    confirmed = np.isin(mine.loc, other.idx) | _blind(mine, other)
+    return bool(confirmed.all() and np.isin(other.idx, mine.loc).all())
+
+
+def _blind(mine: _Flags, other: _Flags) -> np.ndarray:
+    """Per flagged vector of ``mine``: whether the other direction's vector through its located
+    element could miss an error there, so that its silence is no evidence against it.
+
+    A single error ``e`` in a vector of threshold ``tau`` leaves a plain difference within
+    ``tau`` of ``e`` (clean rounding stays within the threshold), so ``|e| >= |d| - tau``; the
+    other vector, of threshold ``tau_o``, holds ``e`` plus rounding up to ``tau_o`` and is sure
+    to flag it only when ``|e| > 2 tau_o``. It is blind when it is unverifiable, or when
+    ``|d| - tau <= 2 tau_o``: a threshold far above the error (a huge element elsewhere in it,
+    an outlier column of ``b``) hides a data fault the located direction sees plainly. A
+    non-finite difference is seen by every verifiable vector.
+    """
+    with np.errstate(invalid="ignore"):  # INF - INF: seen
+        hidden = mine.size - mine.tau[mine.idx] <= 2 * other.tau[mine.loc]
+    return ~other.ok[mine.loc] | hidden
 
 
 def cell_pattern(cells: list[tuple[int, int]]) -> str:

@@ -20,7 +20,7 @@ from abftgemm.encode import observe, predict
 from abftgemm.locate import Verdict, diagnose, verify
 from abftgemm.nonfinite import settle_unverifiable
 from abftgemm.operands import Operands
-from abftgemm.repair import repair_batch, rounding_only
+from abftgemm.repair import finding_in_place, repair_batch
 from abftgemm.report import Report, announce
 
 _LEFT = "nothing: left in place (check='detect')"
@@ -28,6 +28,9 @@ _ROUNDING = ("nothing: the product computed again is the same, and every element
              "vectors within its rigorous rounding bound of the exact product (float64): its "
              "rounding, one-sided beyond the threshold's statistical accumulation term, not a "
              "fault")
+_VERIFIED = {"data": _LEFT, "rounding": _ROUNDING, "checksum": (
+    "nothing: the data verifies against checksums derived afresh from the inputs; the "
+    "predicted checksum was wrong, the data left as computed")}
 
 
 def protect(be: Backend, op: Operands, out: Any, check: str, name: str, report: Report,
@@ -49,16 +52,16 @@ def settle(be: Backend, op: Operands, out: Any, verdict: Verdict, check: str, na
     in place (or raise); with ``check == "detect"`` announce every finding as a
     :class:`~abftgemm.report.FaultDetectedWarning`. ``computed_here``: ``out`` came from the
     backend's GEMM (False: from elsewhere, :func:`abftgemm.verify`; see
-    :func:`abftgemm.repair.rounding_only`). Returns the batch indices that were repaired."""
+    :func:`abftgemm.repair.finding_in_place`). Returns the batch indices that were repaired."""
     first_new = len(report.events)
     repaired = []
     with np.errstate(all="ignore"):  # non-finite data is judged and reported, not warned about
         for b in ([] if verdict.clean else verdict.flagged_batches()):
             if check == "detect":
-                rounding = rounding_only(be, op, out, b, verdict, computed_here)
+                finding = finding_in_place(be, op, out, b, verdict, computed_here)
                 report.events.append(diagnose(verdict, b).event(
-                    name, b, "passed-through" if rounding else "reported",
-                    _ROUNDING if rounding else _LEFT, pattern="rounding" if rounding else None))
+                    name, b, "passed-through" if finding == "rounding" else "reported",
+                    _VERIFIED[finding], pattern=None if finding == "data" else finding))
                 continue
             repair_batch(be, op, out, b, verdict, name, report)
             repaired.append(b)

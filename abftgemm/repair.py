@@ -103,21 +103,33 @@ def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, 
                              report)
 
 
-def rounding_only(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict,
-                  computed_here: bool = True) -> bool:
-    """Whether batch item ``b`` of ``out``, flagged by ``verdict``, is a clean product whose
-    rounding the checksum threshold missed (``check="detect"``'s test before it reports): it
-    still fails checksums derived afresh from the inputs (else a checksum was wrong: a
-    finding), by no more than rounding can reach, :func:`_within_rounding` holds on its flagged
-    vectors and, when the backend's GEMM made it (``computed_here``), that GEMM gives it again
-    bit for bit (a transient fault would not come back). A product of a caller's GEMM
-    (``execute(gemm=...)``), which the backend's does not repeat bit for bit, is never taken
-    for rounding; one given to :func:`abftgemm.verify` (``computed_here`` False) is, on the
-    rigorous bound alone, which holds in any summation order."""
+def finding_in_place(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict,
+                     computed_here: bool = True) -> str:
+    """What flagged batch item ``b`` of ``out`` holds, for ``check="detect"``'s report (``out``
+    is not modified): ``"checksum"`` when it verifies against checksums derived afresh from the
+    inputs (the predicted checksums were wrong, the data is not), ``"rounding"`` when it is a
+    clean product whose rounding the checksum threshold missed (:func:`_rounding_only`), else
+    ``"data"``: a fault in the data, as :func:`~abftgemm.locate.diagnose` classifies it."""
     one = item(op, b)
     view = out[b:b + 1]
     fresh = _reverify(be, one, view, predict(be, one, None))
-    if fresh.clean or not _rounding_can_explain(one, verdict, fresh, b=b):
+    if fresh.clean:
+        return "checksum"
+    return "rounding" if _rounding_only(be, one, view, verdict, fresh, b, computed_here) else "data"
+
+
+def _rounding_only(be: Backend, one: Operands, view: Any, verdict: Verdict, fresh: Verdict, b: int,
+                   computed_here: bool) -> bool:
+    """Whether ``view``, batch item ``b`` of a product that ``verdict`` flags and that still
+    fails checksums derived afresh from the inputs (``fresh``), is a clean product whose
+    rounding the checksum threshold missed: it fails them by no more than rounding can reach,
+    :func:`_within_rounding` holds on its flagged vectors and, when the backend's GEMM made it
+    (``computed_here``), that GEMM gives it again bit for bit (a transient fault would not come
+    back). A product of a caller's GEMM (``execute(gemm=...)``), which the backend's does not
+    repeat bit for bit, is never taken for rounding; one given to :func:`abftgemm.verify`
+    (``computed_here`` False) is, on the rigorous bound alone, which holds in any summation
+    order."""
+    if not _rounding_can_explain(one, verdict, fresh, b=b):
         return False
     if computed_here:
         again = one.xp.empty_like(view)

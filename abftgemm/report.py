@@ -26,7 +26,8 @@ class Event:
         Flat index into the product's batch dimensions (0 for a 2-D product).
     pattern : str
         ``"0D"`` one element, ``"1R"`` one row, ``"1C"`` one column, ``"2D"`` anything wider,
-        ``"checksum"`` the predicted checksum itself was wrong, ``"input-nonfinite"`` the inputs
+        ``"checksum"`` the predicted checksum itself was wrong (the data verifies against
+        checksums derived afresh from the inputs), ``"input-nonfinite"`` the inputs
         hold INF/NaN so the affected outputs are legitimately non-finite and were not checked,
         ``"overflow"`` the exact product exceeds the dtype's range, so INF is the right answer,
         ``"rounding"`` the checksums flagged a product whose every flagged element lies within

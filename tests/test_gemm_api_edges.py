@@ -12,6 +12,7 @@ import warnings
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import abftgemm
 from abftgemm import ProtectedMatmul
@@ -203,11 +204,6 @@ def test_verify_accepts_a_clean_product_summed_in_another_order():
     assert result.worst_ratio < 1 or {e.pattern for e in result.report.events} == {"rounding"}
 
 
-@pytest.mark.xfail(strict=True, reason="a data fault that only its row's checksum can see (its "
-                   "column holds a huge element, so the column threshold is far above it) is "
-                   "reported with pattern 'checksum' ('the predicted checksum itself was "
-                   "wrong'), rows [5] cols []: in verify(), which derives every checksum from a "
-                   "and b itself, and in check='detect' (data left in place as if it were fine)")
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_a_data_fault_seen_by_its_row_only_is_not_called_a_checksum_fault(dtype):
     rng = np.random.default_rng(0)
@@ -227,11 +223,6 @@ def _assert_data_fault_located(report, axis: str, index: int) -> None:
     assert any(index in getattr(e, axis) for e in report.events), report.summary()
 
 
-@pytest.mark.xfail(strict=True, reason="the same misdiagnosis on matmul's default column path: "
-                   "one element off by 3.3 in column 1 (threshold 5e-14), while a column of b "
-                   "at 1e300 puts every row threshold far above it, is reported as pattern "
-                   "'checksum' at rows [] cols [1] in check='detect' (and 'checksum' -> "
-                   "recomputed in check='correct'): not located, and called a checksum fault")
 @pytest.mark.parametrize("xp", BACKENDS)
 @pytest.mark.parametrize("directions", ["columns", "both"])
 def test_a_data_fault_seen_by_its_column_only_is_located_not_called_a_checksum(xp, directions):
@@ -249,11 +240,6 @@ def test_a_data_fault_seen_by_its_column_only_is_located_not_called_a_checksum(x
     _assert_data_fault_located(report, "cols", 1)
 
 
-@pytest.mark.xfail(strict=True, reason="the same misdiagnosis with moderate data: float32 "
-                   "a (64, 256) @ b (256, 64), standard normal, with one outlier column of b "
-                   "scaled by 1e4 (as activation outlier channels are): an error of 1.0 in "
-                   "c[10, 5] (|c| ~ 16, column threshold 0.08) is reported as 'checksum' at "
-                   "rows [] cols [5], unlocated, in check='detect' and by verify()")
 @pytest.mark.parametrize("xp", BACKENDS)
 @pytest.mark.parametrize("how", ["matmul detect", "verify"])
 def test_an_outlier_column_makes_a_located_fault_a_checksum_finding(xp, how):
@@ -276,6 +262,95 @@ def test_an_outlier_column_makes_a_located_fault_a_checksum_finding(xp, how):
     assert report.detected
     assert [(e.pattern, e.rows, e.cols) for e in report.events] == [("0D", (10,), (5,))], \
         report.summary()
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("directions", ["columns", "both"])
+def test_a_data_fault_seen_by_its_column_only_is_corrected_in_place(xp, directions):
+    rng = np.random.default_rng(0)
+    a, b = rng.random((8, 6)), rng.random((6, 5))
+    b[:, 2] = 1e300  # every row threshold far above the fault
+    a, b = xp.asarray(a), xp.asarray(b)
+
+    def fault(site, c):
+        c[5, 1] = c[5, 1] * 3 + 1
+
+    c, report = abftgemm.matmul(a, b, directions=directions, fault_hook=fault,
+                                return_report=True)
+    assert [(e.pattern, e.rows, e.cols, e.action) for e in report.events] == [
+        ("0D", (5,), (1,), "corrected")], report.summary()
+    np.testing.assert_allclose(to_host(c), to_host(a) @ to_host(b), rtol=1e-12)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("check", ["detect", "correct"])
+@pytest.mark.parametrize("outlier_in", ["b's columns", "a's rows"])
+@settings(deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_single_data_fault_beside_an_outlier_is_located_and_repaired(
+        xp, check, outlier_in, data):
+    """One element off by at least 1 (far beyond its column's and row's rounding) while an
+    outlier row of ``a`` or column of ``b`` (scaled by 1e4) raises the thresholds of the other
+    direction above it: one 0D finding at that element, never a checksum one, corrected in
+    place with check="correct". An outlier row of ``a`` hides the fault from the columns, so
+    only the rows (directions="both") see it."""
+    m, k, n = 32, 64, 24
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1), label="seed"))
+    a, b = _f32(rng, m, k), _f32(rng, k, n)
+    by_cols = outlier_in == "b's columns"
+    outlier = data.draw(st.integers(0, (n if by_cols else m) - 1), label="outlier")
+    if by_cols:
+        b[:, outlier] *= 1e4
+    else:
+        a[outlier, :] *= 1e4
+    i = data.draw(st.integers(0, m - 1).filter(lambda i: by_cols or i != outlier), label="i")
+    j = data.draw(st.integers(0, n - 1).filter(lambda j: j != outlier or not by_cols), label="j")
+    error = data.draw(st.floats(1, 1e3) | st.floats(-1e3, -1), label="error")
+
+    def fault(site, c):
+        c[i, j] += np.float32(error)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", abftgemm.FaultDetectedWarning)
+        c, report = abftgemm.matmul(xp.asarray(a), xp.asarray(b), check=check, fault_hook=fault,
+                                    directions="columns" if by_cols else "both",
+                                    return_report=True)
+    action = "corrected" if check == "correct" else "reported"
+    assert [(e.pattern, e.rows, e.cols, e.action) for e in report.events] == [
+        ("0D", (i,), (j,), action)], report.summary()
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    wrong = np.abs(to_host(c) - a64 @ b64) > 1e-5 * (np.abs(a64) @ np.abs(b64))
+    assert [tuple(map(int, ij)) for ij in zip(*wrong.nonzero())] == (
+        [] if check == "correct" else [(i, j)])
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("check", ["detect", "correct"])
+def test_a_wrong_passed_checksum_that_locates_a_row_is_still_a_checksum_finding(xp, check):
+    """A passed column encoding of ``a`` wrong at one column of ``a`` as an error in row 7 of
+    ``a @ b`` would be: every flagged column of the product locates row 7, whose row threshold
+    (an outlier column of ``b``) is too high to see it; the data verifies against checksums
+    derived afresh from the inputs, so the finding is the checksum's, and the data is left as
+    computed."""
+    rng = np.random.default_rng(3)
+    m, k, n = 16, 32, 12
+    a, b = _f32(rng, m, k), _f32(rng, k, n)
+    b[:, 0] *= 1e4
+    b[4, 0] = 0  # the outlier column does not see the wrong encoding of a's column 4
+    a, b = xp.asarray(a), xp.asarray(b)
+    sums = abftgemm.checksums_of(a, rows=False)
+    cols = sums.cols.copy()
+    cols[0, 0, 4] += 0.1  # predicted errors up to 0.33: columns' thresholds 1e-3, rows' 0.5
+    cols[1, 0, 4] += 0.1 * 8 / m  # the weighted sum's change of an error in row 7
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", abftgemm.FaultDetectedWarning)
+        c, report = abftgemm.matmul(a, b, check=check, return_report=True,
+                                    a_checksums=abftgemm.Checksums(cols=cols))
+    action = "checksum-recomputed" if check == "correct" else "reported"
+    assert [(e.pattern, e.action) for e in report.events] == [("checksum", action)], \
+        report.summary()
+    np.testing.assert_array_equal(to_host(c), to_host(abftgemm.matmul(a, b, check="off")))
 
 
 # --------------------------------------------------------------------------- plan state
@@ -380,20 +455,24 @@ def test_a_fault_hook_that_runs_other_products_does_not_break_the_running_call()
     np.testing.assert_allclose(c, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="abftgemm.matmul short-cuts an empty product (batch*m*n "
-                   "== 0) before planning: return_checksums=True gives None instead of the "
-                   "Checksums the docstring promises (ProtectedMatmul.settle(checksums=True) on "
-                   "the same product gives Checksums(cols=zeros (3, 1, n))), and the report's "
-                   "checked stays empty where the plan's says 1")
-@pytest.mark.parametrize("shapes", [((0, 3), (3, 4)), ((2, 0, 3), (3, 4))], ids=["m=0", "m=0 batched"])
-def test_return_checksums_of_an_empty_product_are_checksums(shapes):
-    a, b = np.ones(shapes[0], np.float32), np.ones(shapes[1], np.float32)
-    plan = ProtectedMatmul(a, b)
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("directions", ["columns", "both"])
+@pytest.mark.parametrize("shapes", [((0, 3), (3, 4)), ((2, 0, 3), (3, 4)), ((3, 4), (4, 0)),
+                                    ((0, 3, 4), (4, 5))],
+                         ids=["m=0", "m=0 batched", "n=0", "batch=0"])
+def test_return_checksums_of_an_empty_product_are_checksums(xp, directions, shapes):
+    a, b = xp.ones(shapes[0], np.float32), xp.ones(shapes[1], np.float32)
+    plan = ProtectedMatmul(a, b, directions=directions)
     plan.execute(a, b)
     plan_report, plan_sums = plan.settle(checksums=True)
-    c, report, sums = abftgemm.matmul(a, b, return_report=True, return_checksums=True)
+    c, report, sums = abftgemm.matmul(a, b, directions=directions, return_report=True,
+                                      return_checksums=True)
     assert isinstance(sums, abftgemm.Checksums), sums
-    np.testing.assert_array_equal(sums.cols, plan_sums.cols)
+    assert c.shape == np.matmul(np.ones(shapes[0]), np.ones(shapes[1])).shape
+    for got, want in ((sums.cols, plan_sums.cols), (sums.rows, plan_sums.rows)):
+        assert (got is None) == (want is None)
+        if want is not None:
+            np.testing.assert_array_equal(to_host(got), to_host(want))
     assert report.checked == plan_report.checked
 
 
