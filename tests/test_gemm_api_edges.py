@@ -304,9 +304,13 @@ def test_a_single_data_fault_beside_an_outlier_is_located_and_repaired(
         b[:, outlier] *= 1e4
     else:
         a[outlier, :] *= 1e4
-    i = data.draw(st.integers(0, m - 1).filter(lambda i: by_cols or i != outlier), label="i")
-    j = data.draw(st.integers(0, n - 1).filter(lambda j: j != outlier or not by_cols), label="j")
-    error = data.draw(st.floats(1, 1e3) | st.floats(-1e3, -1), label="error")
+    i = data.draw(st.sampled_from([r for r in range(m) if by_cols or r != outlier]), label="i")
+    j = data.draw(st.sampled_from([c for c in range(n) if c != outlier or not by_cols]),
+                  label="j")
+    # 1 to 1e3 against the other direction's thresholds of 1 to 2: some errors only one
+    # direction can see, others both
+    error = data.draw(st.sampled_from([1.0, -1.0]), label="sign") * 10.0 ** data.draw(
+        st.floats(0, 3), label="log10 |error|")
 
     def fault(site, c):
         c[i, j] += np.float32(error)
