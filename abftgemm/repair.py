@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -104,7 +104,7 @@ def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, 
 
 
 def finding_in_place(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict,
-                     computed_here: bool = True) -> str:
+                     computed_here: bool = True) -> Literal["checksum", "rounding", "data"]:
     """What flagged batch item ``b`` of ``out`` holds, for ``check="detect"``'s report (``out``
     is not modified): ``"checksum"`` when it verifies against checksums derived afresh from the
     inputs (the predicted checksums were wrong, the data is not), ``"rounding"`` when it is a
