@@ -51,8 +51,10 @@ FIELDS = 8
 ForwardOperands = namedtuple("ForwardOperands", "q k kt v ve")
 BackwardOperands = namedtuple("BackwardOperands", "q k v do o lse lse_lo")
 #: ``visible`` ``(n, Lk)`` bool or an empty ``(1, 0)``; ``add`` ``(n or 1, Lq, Lk)`` float64 or an
-#: empty ``(1, 0, 0)``; ``scale`` in the data's dtype.
-Mask = namedtuple("Mask", "visible add scale causal")
+#: empty ``(1, 0, 0)``; ``keys`` a per-key additive mask ``(m, Lk)`` float64 (``m`` divides
+#: ``n``; head ``b`` reads row ``b // heads``) or an empty ``(1, 0)``; ``scale`` in the data's
+#: dtype.
+Mask = namedtuple("Mask", "visible add keys heads scale causal")
 #: Whether to check and correct, and the sites' coefficients (:func:`attention.fused_rules.
 #: coefficients`) and tolerances.
 ForwardRules = namedtuple("ForwardRules", "check correct c_s c_o c_l tol_p")
@@ -494,29 +496,48 @@ def _dscores_ratio(ds: Any, p: Any, dp: Any, dd: Any, keep: Any, ks: Any, tol: A
 
 
 @numba.njit(cache=True, fastmath=_FAST)
-def _mask(s: Any, scale: Any, i0: int, j0: int, causal: bool, visible: Any, add: Any) -> None:
-    """``s = scale * s (+ add)`` in place, ``-inf`` where masked: keys ``j > i`` (``causal``) and
-    keys that ``visible`` (empty: all) hides. ``add`` ``(seq_q, seq_k)`` float64 (or an empty
-    ``(0, 0)``: none) is added to the scaled score in float64 and the sum rounded to the data's
-    dtype, as the unfused softmax does (:mod:`attention._cpu_softmax`)."""
+def _mask(s: Any, scale: Any, i0: int, j0: int, causal: bool, visible: Any, add: Any,
+          keys: Any) -> None:
+    """``s = scale * s (+ add + keys)`` in place, ``-inf`` where masked: keys ``j > i``
+    (``causal``) and keys that ``visible`` (empty: all) hides. ``add`` ``(seq_q, seq_k)``
+    float64 (or an empty ``(0, 0)``: none) and ``keys`` ``(seq_k,)`` float64, the per-key mask
+    every query row adds (or empty: none), are summed in float64 first (:func:`_mask_row`), that
+    sum added to the scaled score in float64 and the result rounded to the data's dtype, as the
+    unfused softmax does with both folded into one float64 mask (:mod:`attention._cpu_softmax`):
+    bit for bit the same scores."""
     rows, cols = s.shape
     ninf = like(scale, -np.inf)
+    both = np.empty(cols if add.shape[1] and keys.size else 0)
     for r in range(rows):
         lim = min(cols, i0 + r - j0 + 1) if causal else cols
         lim = max(lim, 0)
         row = s[r]
         for j in range(lim):
             row[j] *= scale
-        if add.shape[1]:
-            ar = add[i0 + r]
+        if add.shape[1] or keys.size:
+            extra = _mask_row(add, keys, i0 + r, j0, cols, both)
             for j in range(lim):
-                row[j] = like(scale, row[j] + ar[j0 + j])
+                row[j] = like(scale, row[j] + extra[j])
         for j in range(lim, cols):
             row[j] = ninf
         if visible.size:
             for j in range(lim):
                 if not visible[j0 + j]:
                     row[j] = ninf
+
+
+@numba.njit(cache=True)
+def _mask_row(add: Any, keys: Any, i: int, j0: int, cols: int, both: Any) -> Any:
+    """The float64 mask query row ``i`` adds to keys ``[j0, j0 + cols)``: ``add[i]``'s, or
+    ``keys``', or (both given) their sum ``add[i, j] + keys[j]`` written into ``both`` (no
+    ``fastmath``: the sum is rounded once, before the score is added, as a folded mask's)."""
+    if not keys.size:
+        return add[i, j0:j0 + cols]
+    if not add.shape[1]:
+        return keys[j0:j0 + cols]
+    for j in range(cols):
+        both[j] = add[i, j0 + j] + keys[j0 + j]
+    return both
 
 
 @numba.njit(cache=True, fastmath=_FAST)
@@ -701,7 +722,7 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
     dropped tile, the softmax denominator the tile before dropout. Returns 0, or -1 when a
     recomputation did not verify."""
     q, k, kt, v, ve = ops
-    visible, add, scale, causal = mask
+    visible, add, keys, heads, scale, causal = mask
     check, correct, c_s, c_o, c_l, tol_p = rules
     seed, thr, ks = drop
     out, lse, lse_lo, sums = outs
@@ -712,6 +733,7 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
     qb = q[b, i0:i1]
     vis = visible[b] if visible.shape[1] else visible[0]
     addh = add[b] if add.shape[0] > 1 else add[0]
+    keysh = keys[b // heads] if keys.shape[1] else keys[0]
     dt = q.dtype
     qenc = np.zeros((3, d))
     if check:
@@ -760,7 +782,7 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
                     break
             if st < 0:
                 return -1
-            _mask(s, scale, i0, j0, causal, vis, addh)
+            _mask(s, scale, i0, j0, causal, vis, addh, keysh)
             _new_max(s, m, alpha)
             for a in range(2):
                 _exp_rows(s, m, p)
@@ -818,7 +840,7 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
     ``dK += dS^T Q`` (``do_kv``) and ``dQ += dS K`` (``do_q``), unscaled, each accumulator with
     its checksum columns carried beside it. With dropout (``thr`` > 0; ``kbuf`` a buffer of the
     tile's keep decisions) FlashAttention-2's: ``dV += (P keep ks)^T dO`` and ``dS = P (dP keep
-    ks - D)``. ``mask``: this head's ``(visible, add, scale, causal)``; ``keys``: the key
+    ks - D)``. ``mask``: this head's ``(visible, add, keys, scale, causal)``; ``keys``: the key
     block's transposes and column encodings ``(kt, vt, kenc, venc)`` (:func:`_key_block`);
     ``head``: the head's ``(dd, qe, ke, doe)`` (:func:`_head_rows`); ``work``: the head's
     buffers ``(bufs, kbuf, pred, obs, info)``; ``blocks``: the key block's accumulators ``(dkb,
@@ -826,7 +848,7 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
     verify."""
     q, k, v, do, _, lse, lse_lo = ops
     dd, qe, ke, doe = head
-    vis, addh, scale, causal = mask
+    vis, addh, keysh, scale, causal = mask
     check, correct, c_s, _, _, tol_p, tol_ds = rules
     seed, thr, ks = drop
     kt, vt, kenc, venc = keys
@@ -855,7 +877,7 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
             break
     if st < 0:
         return -1
-    _mask(s, scale, i0, j0, causal, vis, addh)
+    _mask(s, scale, i0, j0, causal, vis, addh, keysh)
     _shift_rows(s, lse_i)  # z - lse; P = exp((z - lse) - lse_lo), checked against it
     for a in range(2):
         _exp_rows(s, lo_i, p)
@@ -919,7 +941,7 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
     checks the returned arrays against them); returns 0, or -1 when a recomputation did not
     verify."""
     q, k, v = ops.q, ops.k, ops.v
-    visible, add, scale, causal = mask
+    visible, add, keys, heads, scale, causal = mask
     check, correct, _, c_kv, c_q, _, _ = rules
     dq, dk, dv, dqc, kvc = grads
     lq, d = q.shape[1], q.shape[2]
@@ -927,7 +949,8 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
     dt = q.dtype
     vis = visible[b] if visible.shape[1] else visible[0]
     addh = add[b] if add.shape[0] > 1 else add[0]
-    head_mask = (vis, addh, scale, causal)
+    keysh = keys[b // heads] if keys.shape[1] else keys[0]
+    head_mask = (vis, addh, keysh, scale, causal)
     kenc, venc = np.zeros((3, d)), np.zeros((3, d))
     kvt = np.empty((2, d * BC), dt)
     bufs = np.empty((5, BR * BC), dt)

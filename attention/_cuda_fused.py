@@ -44,8 +44,8 @@ from attention.fused_deferred import Deferred
 from attention.fused_rules import (BACKWARD_SITES, BAD_ADDITIVE, FORWARD_SITES, additive_bad,
                                    additive_of, book, book_findings, check_gradient,
                                    check_inputs, coefficients, count_checked, dropout_of,
-                                   dscores_tolerance, kernel_dropout, key_visible_of,
-                                   probs_tolerance)
+                                   dscores_tolerance, kernel_dropout, key_additive_bad,
+                                   key_additive_of, key_visible_of, probs_tolerance)
 
 BR = 32  # query rows per block (FBR in fused.cu)
 BC = 32  # keys per tile (FBC)
@@ -257,8 +257,8 @@ def _sweep(site: str, row: int, lq: int, lk: int, causal: bool) -> int:
 def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = None,
                   causal: bool = False, key_visible: Any | None = None,
                   attn_mask: Any | None = None, dropout: float = 0.0,
-                  dropout_seed: int | None = None, defer: Deferred | None = None
-                  ) -> tuple[cupy.ndarray, dict[str, Any]]:
+                  dropout_seed: int | None = None, defer: Deferred | None = None,
+                  key_add: Any | None = None) -> tuple[cupy.ndarray, dict[str, Any]]:
     """:func:`attention.fused.fused_forward` for CuPy arrays (float16, bfloat16, float32 or
     float64, head dim at most :data:`MAX_HEAD_DIM`); ``saved["lse"]`` and ``saved["lse_lo"]`` are
     float32 below float64, ``saved["sums"]`` the output rows' carried checksums and kept sums
@@ -267,13 +267,17 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     Dropout's keep decisions are the CPU core's for the same seed; ``ks = 1 / (1 - p)`` is
     rounded to the tile arithmetic's dtype. With ``defer`` (an attention pass's), the
     finiteness of the inputs and the kernel's records are judged at the pass's settle
-    (:mod:`attention.fused_deferred`), not read here."""
+    (:mod:`attention.fused_deferred`), not read here; so are the masks' values."""
     fault = _fault(ctx)
     scale, visible = _validate(q, k, v, scale, causal, key_visible, defer is None)
     drop = dropout_of(dropout, dropout_seed)
     add = None if attn_mask is None else additive_of(cupy, attn_mask, q, k, defer is None)
     if defer is not None and add is not None:
         defer.add(additive_bad(cupy, add, q.dtype), _refuse_mask)
+    keys, key_heads = (None, 1) if key_add is None else \
+        key_additive_of(cupy, key_add, q, k, add, defer is None)
+    if defer is not None and keys is not None:
+        defer.add(key_additive_bad(cupy, keys, add, q.dtype), _refuse_mask)
     n, lq, d = q.shape
     lk = k.shape[1]
     arith = _arith(q.dtype)
@@ -297,7 +301,8 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     with q.device:
         _kernel(q.device.id, kernels.FUSED_FORWARD, q.dtype.name)(
             (n * nqb,), (_THREADS,),
-            (q, k, v, ve, visible, add, _stride(add), numpy.int32(lq), numpy.int32(lk),
+            (q, k, v, ve, visible, add, _stride(add), keys, numpy.int32(key_heads),
+             numpy.int32(lq), numpy.int32(lk),
              numpy.int32(d), numpy.float64(scale), numpy.int32(causal), numpy.int32(check),
              numpy.int32(correct), *_dropout_args(drop, arith), params, desc, ws_o, out, lse,
              lse_lo, sums, rec, status))
@@ -308,7 +313,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     _book(ctx, rec, status, lambda t: t // nqb, FORWARD_SITES, check, defer)
     return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "lse_lo": lse_lo,
                  "scale": scale, "causal": causal, "visible": visible, "add": add,
-                 "dropout": drop, "sums": sums}
+                 "keys": keys, "key_heads": key_heads, "dropout": drop, "sums": sums}
 
 
 def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
@@ -349,7 +354,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
         kv_sites = tuple(s for s in BACKWARD_SITES if s != "fused:dQ_acc")
         desc_kv = fault.descriptor(_with_dropout(kv_sites, drop), arith)
         desc_q = fault.descriptor(("fused:dQ_acc",), arith)
-    mask = (saved["add"], _stride(saved["add"]))
+    mask = (saved["add"], _stride(saved["add"]), saved["keys"], numpy.int32(saved["key_heads"]))
     common = (numpy.int32(lq), numpy.int32(lk), numpy.int32(d), numpy.float64(saved["scale"]),
               numpy.int32(saved["causal"]), numpy.int32(check), numpy.int32(correct),
               *_dropout_args(drop, arith), params)

@@ -45,7 +45,7 @@ def run_forward(protection: Protection, heads: int, query: torch.Tensor, key: to
     checkpointed forward recomputed in backward adds them to it) and are added to
     ``protection.total_report``, the core that ran ``protection.last_core``."""
     call = _Call.of(heads, query, key, value, key_padding_mask, attn_mask, is_causal,
-                    self_attention)
+                    self_attention, mask_grad)
     workspace = protection.workspace(query.device)
     # a checkpointed forward recomputed in backward adds its findings to the step's report
     found = Report()
@@ -59,7 +59,8 @@ def run_forward(protection: Protection, heads: int, query: torch.Tensor, key: to
         keep, seed = dropout_arrays(dropout_keep)
         y, saved = attention_forward(params, x, context, n_heads=heads,
                                      causal=call.causal, key_visible=call.key_visible,
-                                     attn_mask=call.attn_mask, dropout=dropout,
+                                     attn_mask=call.attn_mask, key_add=call.key_add,
+                                     dropout=dropout,
                                      dropout_keep=keep, dropout_seed=seed, workspace=workspace,
                                      need_weights=need_weights, core=core,
                                      mask_grad=mask_grad and call.attn_mask is not None
@@ -151,14 +152,21 @@ class _Call:
     @classmethod
     def of(cls, heads: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None,
-           is_causal: bool, self_attention: bool) -> "_Call":
-        """Batch-first ``q``, ``k``, ``v`` (N, L|S, E) and the masks as the core takes them."""
+           is_causal: bool, self_attention: bool, mask_grad: bool = False) -> "_Call":
+        """Batch-first ``q``, ``k``, ``v`` (N, L|S, E) and the masks as the core takes them: a
+        boolean key padding mask as ``key_visible``, a float one as ``key_add`` (N, S), O(S) per
+        batch item, which the fused core adds to every query row and the unfused core folds in
+        itself, unless ``mask_grad``: then it is folded into ``attn_mask`` here, a float (N *
+        heads, L, S) array (:func:`_attn_mask`), whose gradient the unfused core returns and
+        :meth:`mask_grads` sums to the padding's."""
         n, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
         key_visible, float_padding = _padding(key_padding_mask, n, seq_k)
-        mask = _attn_mask(attn_mask, float_padding, heads, n, seq_q, seq_k, q.dtype)
-        return cls(self_attention=self_attention, key_visible=key_visible,
+        folded = float_padding if mask_grad else None
+        mask = _attn_mask(attn_mask, folded, heads, n, seq_q, seq_k)
+        key_add = None if float_padding is None or mask_grad else mask_array(float_padding)
+        return cls(self_attention=self_attention, key_visible=key_visible, key_add=key_add,
                    attn_mask=mask, causal=bool(is_causal) and attn_mask is None,
-                   shape=(n, seq_q, seq_k), heads=heads, folded=float_padding is not None)
+                   shape=(n, seq_q, seq_k), heads=heads, folded=folded is not None)
 
     def mask_grads(self, grad: Any | None, key_padding_mask: torch.Tensor | None,
                    attn_mask: torch.Tensor | None, like: torch.Tensor
@@ -202,9 +210,10 @@ def _padding(mask: torch.Tensor | None, n: int, seq_k: int) -> tuple[Any, torch.
 
 
 def _attn_mask(mask: torch.Tensor | None, float_padding: torch.Tensor | None, heads: int,
-               n: int, seq_q: int, seq_k: int, dtype: torch.dtype) -> Any:
+               n: int, seq_q: int, seq_k: int) -> Any:
     """``attn_mask`` as the core takes it (boolean or float array, 2-D or 3-D); a float key
-    padding mask is folded in as a float (N * heads, L, S) mask, the way torch merges them."""
+    padding mask given here (one whose gradient is wanted) is folded in as a float64 (N * heads,
+    L, S) mask, the way torch merges them."""
     if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(f"attn_mask must be bool or float, got {mask.dtype}")
     if mask is not None and tuple(mask.shape) not in ((seq_q, seq_k), (n * heads, seq_q, seq_k)):

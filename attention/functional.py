@@ -47,8 +47,8 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
                       need_weights: bool = False, dropout: float = 0.0,
                       dropout_keep: Any | None = None, rng: Any | None = None,
                       workspace: Workspace | None = None, core: str = "auto",
-                      dropout_seed: int | None = None, mask_grad: bool = False
-                      ) -> tuple[Any, dict[str, Any]]:
+                      dropout_seed: int | None = None, mask_grad: bool = False,
+                      key_add: Any | None = None) -> tuple[Any, dict[str, Any]]:
     """Multi-head attention output, every GEMM protected.
 
     Parameters
@@ -114,6 +114,12 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
         :func:`attention_backward` also returns the gradient of the float ``attn_mask`` (a
         learned position bias), as ``grads["attn_mask"]``: the unfused core runs (the gradient
         is its checked ``dS``).
+    key_add : float array (batch, seq_k), optional
+        A float key padding mask: added to the scaled scores of every query row of every head of
+        its batch item (``-inf``: not allowed), after ``attn_mask`` (their float64 sum is added,
+        as PyTorch merges the two). The fused core reads it as it is, O(seq_k) per item (no
+        ``(batch*heads, seq_q, seq_k)`` array); the unfused core folds it into its float64
+        additive mask of that shape when it runs.
 
     Returns
     -------
@@ -126,11 +132,12 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
         before the backward.
     """
     check_core(core)
-    inp = _Inputs.of(params, x, key, value, key_visible, attn_mask, n_heads, causal)
+    inp = _Inputs.of(params, x, key, value, key_visible, attn_mask, n_heads, causal, key_add)
     if mask_grad:
         check_mask_grad(attn_mask, core)
     why_not = "core='unfused'" if core == "unfused" or mask_grad else static_reason(
-        inp.xp, inp.dtype, inp.attn_add, ctx, dropout_keep, core == "fused", need_weights)
+        inp.xp, inp.dtype, inp.mask_add, ctx, dropout_keep, core == "fused", need_weights,
+        inp.key_add)
     if why_not is None and causal and inp.key.shape[1] != x.shape[1]:
         why_not = "causal=True with seq_q != seq_k (the fused core's causal mask is square)"
     if core == "fused" and why_not is not None:
@@ -453,8 +460,9 @@ class _Pass:
         ctx = self._fused_context()
         before = len(ctx.report.events)
         out, state = fused_forward(q, k, v, ctx, scale=inp.scale,
-                                   causal=inp.causal, key_visible=visible, attn_mask=inp.attn_add,
-                                   dropout=p, dropout_seed=seed, workspace=self.ws, defer=defer)
+                                   causal=inp.causal, key_visible=visible, attn_mask=inp.mask_add,
+                                   dropout=p, dropout_seed=seed, workspace=self.ws, defer=defer,
+                                   key_add=inp.key_add)
         if defer is None and inp.core == "auto" and ctx.check != "off" \
                 and overflowed(ctx.report, before, (out,)):
             # an output past the data's dtype (float16): the unfused steps pass a genuine
@@ -462,8 +470,8 @@ class _Pass:
             self._unfused_core()
             return
         self.env.update(zip(step.out.split(", "), (out, state["lse"])))
-        inp.fused = {n: state[n] for n in ("scale", "causal", "visible", "add", "dropout",
-                                           "lse_lo", "sums")}
+        inp.fused = {n: state[n] for n in ("scale", "causal", "visible", "add", "keys",
+                                           "key_heads", "dropout", "lse_lo", "sums")}
         self._fused_state = state
 
     def _unfused_core(self) -> None:
@@ -727,15 +735,31 @@ def _as_3d(a: Any, b: Any) -> tuple[Any, Any]:
 
 
 class _Inputs:
-    """Validated inputs of a forward call (kept in ``saved`` for backward)."""
+    """Validated inputs of a forward call (kept in ``saved`` for backward). The masks: ``mask_add``
+    (``attn_mask`` as a float64 additive array, or None) and ``key_add`` (the float key padding
+    mask, float64 ``(batch, seq_k)``, or None) as the fused core takes them, and
+    :attr:`attn_add`, both folded into one, as the unfused core's steps read it."""
 
     def __init__(self, **kw: Any):
         self.__dict__.update(kw)
+        self._folded: Any | None = None
+
+    @property
+    def attn_add(self) -> Any | None:
+        """The unfused core's additive mask: ``mask_add``, with ``key_add`` folded in as a
+        float64 ``(batch * heads, seq_q, seq_k)`` array, made on first use (never where only the
+        fused core runs)."""
+        if self.key_add is None:
+            return self.mask_add
+        if self._folded is None:
+            self._folded = _folded(self.xp, self.mask_add, self.key_add, self.n_heads,
+                                   self.x.shape[1])
+        return self._folded
 
     @classmethod
     def of(cls, params: dict[str, Any], x: Any, key: Any | None, value: Any | None,
            key_visible: Any | None, attn_mask: Any | None, n_heads: int,
-           causal: bool) -> "_Inputs":
+           causal: bool, key_add: Any | None = None) -> "_Inputs":
         xp = array_module(x)
         wq = params["wq"]
         d_model = wq.shape[0]
@@ -790,7 +814,8 @@ class _Inputs:
                 raise TypeError(f"mask must be boolean (True = attend), got {key_visible.dtype}")
         add = _additive(xp, attn_mask, batch * n_heads, seq_q, seq_k)
         return cls(xp=xp, x=x, key=key if cross else x, value=value if cross else x,
-                   cross=cross, key_visible=key_visible, attn_add=add, n_heads=n_heads,
+                   cross=cross, key_visible=key_visible, mask_add=add,
+                   key_add=_key_additive(xp, key_add, batch, seq_k), n_heads=n_heads,
                    head_dim=d_model // n_heads, d_model=d_model, causal=causal,
                    dtype=x.dtype, params=params, batch=batch,
                    scale=1 / math.sqrt(d_model // n_heads))
@@ -814,6 +839,34 @@ def _additive(xp: Any, mask: Any | None, rows: int, seq_q: int, seq_k: int) -> A
                         f"{mask.dtype}")
     # explicit leading length: -1 is ambiguous when seq_q or seq_k is 0
     return xp.ascontiguousarray(add.reshape((rows if add.ndim == 3 else 1, seq_q, seq_k)))
+
+
+def _key_additive(xp: Any, mask: Any | None, batch: int, seq_k: int) -> Any | None:
+    """The float key padding mask ``key_add`` as a C-contiguous float64 ``(batch, seq_k)`` array
+    (or None)."""
+    if mask is None:
+        return None
+    if array_module(mask) is not xp:
+        raise TypeError("key_add must live on the same array module as x")
+    if mask.shape != (batch, seq_k):
+        raise ValueError(f"key_add must have shape {(batch, seq_k)} (batch, seq_k), got "
+                         f"{mask.shape}")
+    if mask.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"key_add must be float (added to the scores), got {mask.dtype}")
+    return xp.ascontiguousarray(astype(mask, np.float64))
+
+
+def _folded(xp: Any, add: Any | None, keys: Any, heads: int, seq_q: int) -> Any:
+    """``add`` ``(1 or batch * heads, seq_q, seq_k)`` (None: 0) plus the per-key mask ``keys``
+    ``(batch, seq_k)`` on every query row of each item's heads, float64 ``(batch * heads, seq_q,
+    seq_k)``: ``0 + add``, then ``+ keys``, as PyTorch merges ``attn_mask`` and a float
+    ``key_padding_mask``."""
+    batch, seq_k = keys.shape
+    out = xp.zeros((batch * heads, seq_q, seq_k))
+    if add is not None:
+        out += add
+    out.reshape(batch, heads, seq_q, seq_k)[...] += keys[:, None, None, :]
+    return out
 
 
 def check_mask_grad(attn_mask: Any | None, core: str) -> None:

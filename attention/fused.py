@@ -149,7 +149,7 @@ from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, FUSED_SITES,  
                                    coefficients, dscores_entry_tolerance, probs_tolerance)
 from attention.fused_rules import book as _book
 from attention.fused_rules import (additive_of, check_gradient, check_inputs, dropout_of,
-                                   kernel_dropout, key_visible_of)
+                                   kernel_dropout, key_additive_of, key_visible_of)
 from attention.workspace import Workspace
 
 #: The data dtypes: float16 and bfloat16 (``ml_dtypes``, as :mod:`abftgemm.tensors` hands PyTorch's
@@ -160,13 +160,16 @@ SUPPORTED = SUPPORTED_DTYPES
 DROPOUT_HOOK_SITE = K.HOOK_SITES[K.DROP_]
 #: The kernels' "no additive mask": an empty (1, 0, 0) float64 array.
 _NO_ADD = np.zeros((1, 0, 0))
+#: The kernels' "no per-key additive mask": an empty (1, 0) float64 array.
+_NO_KEYS = np.zeros((1, 0))
 
 
 def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = None,
                   causal: bool = False, key_visible: Any | None = None,
                   attn_mask: Any | None = None, dropout: float = 0.0,
                   dropout_seed: int | None = None, workspace: Workspace | None = None,
-                  defer: Deferred | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+                  defer: Deferred | None = None, key_add: Any | None = None
+                  ) -> tuple[np.ndarray, dict[str, Any]]:
     """``softmax(scale q k^T + mask) v`` in tiles, every tile checked (module docstring).
 
     Parameters
@@ -189,7 +192,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         Float mask added to the scaled scores after the scores' check (``-inf``: not allowed;
         NaN and ``+inf`` are refused). Added in float64, the sum rounded to the data's dtype.
         The softmax invariant is judged on these masked scores (module docstring). Combines
-        with ``causal`` and ``key_visible``.
+        with ``causal``, ``key_visible`` and ``key_add``.
     dropout : float
         Attention dropout probability in ``[0, 1]`` (0: none): the output is
         ``(P * keep / (1 - p)) v``, ``keep`` regenerated per tile from ``dropout_seed``
@@ -205,6 +208,14 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     defer : Deferred, optional
         An attention pass's (:mod:`attention.fused_deferred`): CuPy data's checks are read at
         the pass's settle, not here. NumPy data's are host memory, read here at no cost.
+    key_add : ndarray (m, seq_k), optional
+        Float per-key mask added to every query row's scaled scores, ``m`` dividing ``n``: heads
+        ``b`` with ``b // (n / m) = h`` read row ``h`` (a float key padding mask ``(batch,
+        seq_k)``, shared by a batch item's heads; O(seq_k) per item, never expanded to the
+        scores' shape). Refused as ``attn_mask`` is, alone and summed with it. Where both are
+        given, their float64 sum ``attn_mask + key_add`` is added to the scaled score and the
+        result rounded once: the scores, and so every result, equal bit for bit those of one
+        ``attn_mask`` holding that sum (a folded mask).
 
     Returns
     -------
@@ -213,7 +224,8 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     saved : dict
         What :func:`fused_backward` needs: the inputs (not copied), ``out`` and ``lse``, the row
         log-sum-exp ``(n, seq_q)`` (``-inf`` for a row that sees no key; float32 for 16-bit
-        data), ``lse_lo``, what ``lse`` rounded away (module docstring), ``dropout``, ``(p,
+        data), ``lse_lo``, what ``lse`` rounded away (module docstring), the masks as the
+        kernels read them (``visible``, ``add``, ``keys`` and ``key_heads``), ``dropout``, ``(p,
         seed)`` or None, and ``sums`` ``(n, seq_q, 4)`` (float64; None with ``check="off"``):
         the output rows' checksums the kernel carried, which
         :func:`attention.fused_final.verify_output` checks the returned ``out`` against, and
@@ -230,10 +242,12 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         return _cuda_fused.fused_forward(q, k, v, ctx, scale=scale, causal=causal,
                                          key_visible=key_visible, attn_mask=attn_mask,
                                          dropout=dropout, dropout_seed=dropout_seed,
-                                         defer=defer)
+                                         defer=defer, key_add=key_add)
     scale, visible = _validate(q, k, v, scale, causal, key_visible)
     drop = dropout_of(dropout, dropout_seed)
     add = _NO_ADD if attn_mask is None else additive_of(np, attn_mask, q, k)
+    keys, heads = (_NO_KEYS, 1) if key_add is None else \
+        key_additive_of(np, key_add, q, k, None if attn_mask is None else add)
     n, lq, d = q.shape
     lk, dt = k.shape[1], work_dtype(q.dtype)
     check, correct = ctx.check != "off", ctx.check == "correct"
@@ -248,7 +262,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     rec = np.zeros((n * nqb, len(K.SITES), K.FIELDS))
     status = np.zeros(n * nqb, np.int64)
     groups = (K.ForwardOperands(qw, kw, _transposed(kernels, kw, workspace, "k"), vw, ve),
-              K.Mask(visible, add, dt.type(scale), causal),
+              K.Mask(visible, add, keys, heads, dt.type(scale), causal),
               K.ForwardRules(check, correct, coefficients(d, K.BR, dt, block=d),
                              coefficients(lk, d, dt, 2 * tiles, min(lk, K.BC)),
                              coefficients(lk, 1, dt, 2 * tiles), probs_tolerance(dt)),
@@ -265,8 +279,8 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         with np.errstate(over="ignore"):  # an overflow of q's dtype: the callers judge it
             out = out.astype(q.dtype)
     return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "lse_lo": lse_lo,
-                 "scale": scale, "causal": causal, "visible": visible, "add": add, "dropout": drop,
-                 "sums": sums if check else None}
+                 "scale": scale, "causal": causal, "visible": visible, "add": add, "keys": keys,
+                 "key_heads": heads, "dropout": drop, "sums": sums if check else None}
 
 
 def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
@@ -300,7 +314,8 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
     rec = np.zeros((n, len(K.SITES), K.FIELDS))
     status = np.zeros(n, np.int64)
     groups = (K.BackwardOperands(q, k, v, d_out, out, lse, saved["lse_lo"]),
-              K.Mask(saved["visible"], saved["add"], dt.type(saved["scale"]), saved["causal"]),
+              K.Mask(saved["visible"], saved["add"], saved["keys"], saved["key_heads"],
+                     dt.type(saved["scale"]), saved["causal"]),
               K.BackwardRules(check, correct, coefficients(d, K.BC, dt, block=d),
                               coefficients(lq, d, dt, -(-lq // K.BR), min(lq, K.BR)),
                               coefficients(lk, d, dt, -(-lk // K.BC), min(lk, K.BC)),

@@ -11,7 +11,7 @@ import numpy as np
 from abftgemm.cpu_kernels import all_finite as cpu_all_finite
 from attention.context import Context
 from attention.fused import SUPPORTED as FUSED_DTYPES
-from attention.fused_rules import additive_ok
+from attention.fused_rules import additive_ok, key_additive_bad
 from attention.passes import CORE_BACKWARD, CORE_FORWARD
 
 #: The ``core`` choices: ``"auto"`` the fused core where it applies, else the unfused one.
@@ -28,10 +28,12 @@ def check_core(core: str) -> None:
 
 def static_reason(xp: Any, dtype: np.dtype, attn_add: Any | None, ctx: Context,
                   dropout_keep: Any | None = None, forced: bool = False,
-                  need_weights: bool = False) -> str | None:
+                  need_weights: bool = False, key_add: Any | None = None) -> str | None:
     """Why the fused core cannot run a product, from what is known before its operands exist
     (None when it can): it takes float16, bfloat16, float32 or float64 data (16-bit data
     computed in float32), an additive mask (:func:`attention.fused_rules.additive_ok`) or none,
+    and a per-key one ``key_add`` (float64 ``(batch, seq_k)``) or none, the two and their sums
+    all of them additive masks it takes (:func:`attention.fused_rules.key_additive_bad`),
     attention dropout with its keep decisions drawn from a seed (not a given mask
     ``dropout_keep``: the unfused core applies that), no attention weights, and checks every
     tile on every call. NumPy data run its CPU kernels; CuPy data its CUDA kernels
@@ -48,6 +50,9 @@ def static_reason(xp: Any, dtype: np.dtype, attn_add: Any | None, ctx: Context,
     # CuPy data's mask is judged by the fused CUDA core (in a pass, on the device).
     if attn_add is not None and xp is np and not additive_ok(xp, attn_add, dtype):
         return "an attn_mask holding NaN, +inf or values that overflow the scores"
+    if key_add is not None and xp is np and key_additive_bad(xp, key_add, attn_add, dtype):
+        return "a float key padding mask holding NaN, +inf or values that overflow the scores " \
+               "(alone or added to attn_mask)"
     if dropout_keep is not None:
         return "an explicit dropout mask, dropout_keep (the unfused core applies it; the fused " \
                "core draws its own keep decisions from a seed)"

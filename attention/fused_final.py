@@ -148,11 +148,11 @@ def verify_output(out: Any, saved: dict[str, Any], ctx: Context) -> tuple[Any, d
     array_module(out)  # TypeError for anything but a NumPy or CuPy array
 
     def redo() -> tuple[Any, dict[str, Any]]:
-        visible, add = (_given(saved[name]) for name in ("visible", "add"))
+        visible, add, keys = (_given(saved[name]) for name in ("visible", "add", "keys"))
         p, seed = saved.get("dropout") or (0.0, None)
         return fused_forward(saved["q"], saved["k"], saved["v"], ctx, scale=saved["scale"],
                              causal=saved["causal"], key_visible=visible, attn_mask=add,
-                             dropout=p, dropout_seed=seed)
+                             dropout=p, dropout_seed=seed, key_add=keys)
 
     return _verified(ctx, [(OUTPUT_SITE, lambda r: r[0], lambda r: _output_ratio(*r))],
                      (out, saved), redo)

@@ -177,6 +177,44 @@ def additive_of(xp: Any, attn_mask: Any, q: Any, k: Any, read_values: bool = Tru
     return add
 
 
+def key_additive_of(xp: Any, key_add: Any, q: Any, k: Any, add: Any | None,
+                    read_values: bool = True) -> tuple[Any, int]:
+    """``(keys, heads)``: the per-key additive mask ``key_add`` (float, ``(m, seq_k)``, ``m``
+    dividing ``n``: heads ``[h m', (h + 1) m')`` with ``m' = n / m`` share row ``h``, as the
+    heads of one batch item share its key padding) as a C-contiguous float64 array of ``xp``,
+    and ``m'``; its values checked with ``read_values``, alone and summed with ``add`` (the
+    checked float64 ``(1 or n, seq_q, seq_k)`` additive mask, or None) as the kernels sum them
+    (:func:`key_additive_bad`)."""
+    n, lk = q.shape[0], k.shape[1]
+    if not isinstance(key_add, xp.ndarray):
+        raise TypeError(f"key_add must be a {xp.__name__} array, got {type(key_add).__name__}")
+    if key_add.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"key_add must be a float array (added to the scores), got "
+                        f"{key_add.dtype}")
+    if key_add.ndim != 2 or key_add.shape[1] != lk or not key_add.shape[0] \
+            or n % key_add.shape[0]:
+        raise ValueError(f"key_add must have shape (m, {lk}) with m dividing {n}, got "
+                         f"{key_add.shape}")
+    keys = xp.ascontiguousarray(astype(key_add, np.float64))
+    if read_values and bool(to_host(key_additive_bad(xp, keys, add, q.dtype))):
+        raise ValueError(BAD_ADDITIVE)
+    return keys, n // keys.shape[0]
+
+
+def key_additive_bad(xp: Any, keys: Any, add: Any | None, dtype: np.dtype) -> Any:
+    """:func:`additive_bad` of the float64 per-key mask ``keys`` ``(m, seq_k)`` and of its sums
+    with ``add`` ``(1 or n, seq_q, seq_k)`` (None: none), the mask the kernels add, as a 0-d
+    bool array of ``xp``, not read: each head's largest sum is its column maxima of ``add`` plus
+    its row of ``keys`` (O(L) memory, no folded array)."""
+    bad = additive_bad(xp, keys, dtype)
+    if add is None or not add.size:
+        return bad
+    m, lk = keys.shape
+    tops = add.max(axis=1)
+    tops = tops.reshape(1, 1, lk) if tops.shape[0] == 1 else tops.reshape(m, -1, lk)
+    return bad | additive_bad(xp, tops + keys[:, None, :], dtype)
+
+
 #: Why an additive mask is refused (:func:`additive_ok`).
 BAD_ADDITIVE = ("attn_mask holds NaN, +inf or values beyond the tile arithmetic's largest number "
                 "(the fused core takes -inf for \"not allowed\" and finite values)")

@@ -5,8 +5,9 @@
 //
 // Forward: one block of FNT threads per (head, query block of FBR rows); key tiles of FBC. Per
 // tile: S = Q_blk K_blk^T with its column checksums predicted from the query block's column
-// encoding (fused:S); the masks (causal, key_visible, an additive float64 mask added to the
-// scaled scores after the S check: masked_score); the online softmax; P = exp(z - m) judged entry
+// encoding (fused:S); the masks (causal, key_visible, an additive float64 mask and a per-key
+// float64 mask of each batch item, key padding, added to the scaled scores after the S check:
+// masked_score); the online softmax; P = exp(z - m) judged entry
 // by entry on the softmax invariant log P = z - m, z the masked scores as stored (fused:P);
 // l = alpha l + rowsum P (fused:rowsum, against sum P carried in float64); O_acc = alpha O_acc
 // + P V with V's row encodings carried through the same rescaling (fused:O_acc, judged on the
@@ -385,19 +386,30 @@ __device__ __forceinline__ void probs_tile(A (*p)[FBC], A (*z)[FBC], const A* m,
     }
 }
 
-// sc * s plus the additive mask's entry add_row[j] (add_row null: no mask), added in double (z
-// widened through its bits: -ftz would flush a subnormal z) and rounded to A, as
+// sc * s plus the additive mask's entry add_row[j] and the per-key mask's key_row[j] (either null:
+// none), the two summed in double first (as a mask folded from both holds them), that sum added
+// in double (z widened through its bits: -ftz would flush a subnormal z) and rounded to A once, as
 // attention/_cpu_fused._mask. The S check has already judged s.
 template <typename A>
-__device__ __forceinline__ A masked_score(A s, A sc, bool seen, const double* add_row, int j) {
+__device__ __forceinline__ A masked_score(A s, A sc, bool seen, const double* add_row,
+                                          const double* key_row, int j) {
     if (!seen) return neg_inf(sc);
     const A z = s * sc;
-    return add_row ? static_cast<A>(to_double(z) + add_row[j]) : z;
+    if (!add_row && !key_row) return z;
+    const double m = !key_row ? add_row[j] : !add_row ? key_row[j] : add_row[j] + key_row[j];
+    return static_cast<A>(to_double(z) + m);
 }
 
 // The additive mask of head b: add (1 or n, lq, lk) float64, stride 0 or lq * lk; null: none.
 __device__ __forceinline__ const double* head_mask(const double* add, long long stride, int b) {
     return add ? add + stride * b : nullptr;
+}
+
+// Head b's row of the per-key mask keys (m, lk) float64, shared by key_heads consecutive heads
+// (the heads of one batch item); null: none.
+__device__ __forceinline__ const double* head_keys(const double* keys, int key_heads, int b,
+                                                   int lk) {
+    return keys ? keys + static_cast<long long>(b / key_heads) * lk : nullptr;
 }
 
 // Row i of a head's additive mask from key j0 on (null: none).
@@ -440,7 +452,8 @@ __global__ void attn_fused_encode_rows(const T* x, long long rows, int d, double
 template <typename T>
 __global__ void __launch_bounds__(FNT)
 attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const bool* visible,
-                   const double* add, long long add_stride, int lq, int lk, int d, double scale,
+                   const double* add, long long add_stride, const double* keys,
+                   int key_heads, int lq, int lk, int d, double scale,
                    int causal, int check, int correct, unsigned long long seed,
                    unsigned long long thr, double ks_in, const double* params, double* fault,
                    typename Arith<T>::type* ws_o, T* out, typename Arith<T>::type* lse,
@@ -458,6 +471,7 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
     const double* vb_enc = ve + static_cast<long long>(b) * lk * 3;
     const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
     const double* addh = head_mask(add, add_stride, b);
+    const double* keyh = head_keys(keys, key_heads, b, lk);
     double* rt = rec + task * NSITES * FIELDS;
     // the fault descriptor in shared memory, not in registers and a stack copy: the per-tile
     // partial sums of O_acc take one register more, and the double build spilled 40 bytes
@@ -525,10 +539,11 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
                 const int r = tid;
                 const int lim = causal ? max(0, min(cols, i0 + r - j0 + 1)) : cols;
                 const double* add_row = mask_row(addh, i0 + r, lk, j0);
+                const double* key_row = keyh ? keyh + j0 : nullptr;
                 A mx = sh.m[r];
                 for (int j = 0; j < cols; ++j) {
                     const A z = masked_score(sh.s[r][j], sc, j < lim && (!vis || vis[j0 + j]),
-                                             add_row, j);
+                                             add_row, key_row, j);
                     sh.s[r][j] = z;
                     mx = z > mx ? z : mx;
                 }
@@ -759,7 +774,7 @@ __device__ void vote_product_row(Votes& votes, A (*tile)[FBC], const T* left,
 // One tile (query rows [i0, i0 + rows), keys [j0, j0 + cols)) of head b: S, P, dP and dS into sh.s
 // (dS), sh.p, sh.dp, each checked and recomputed once when flagged. qh, kh, vh, doh, lseh, loh (the
 // log-sum-exp as lse + lse_lo), ddh: head b's rows; addh: head b's additive mask (lq x lk), or
-// null. first: the first computation of the tile in this kernel (faults that do not persist hit it
+// null; keyh: head b's per-key mask (lk), or null. first: the first computation of the tile in this kernel (faults that do not persist hit it
 // only); tiles: inject at tile sites. Dropout when thr > 0 (seed, thr: keep_tile's; ks = 1 / (1 -
 // p)): the tile's keep decisions into sh.keep, and FlashAttention-2's dS = P (fl(dP ks) keep - D),
 // the dropped dP made entry by entry from sh.dp and sh.keep, never stored. Returns 0, or -1 when a
@@ -767,8 +782,8 @@ __device__ void vote_product_row(Votes& votes, A (*tile)[FBC], const T* left,
 template <typename T, typename A>
 __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T* vh,
                              const T* doh, const A* lseh, const A* loh, const A* ddh,
-                             const bool* vis,
-                             const double* addh, int lq, int lk, int i0, int rows, int j0,
+                             const bool* vis, const double* addh, const double* keyh,
+                             int lq, int lk, int i0, int rows, int j0,
                              int cols, int d, A sc, bool causal, bool check, bool correct,
                              unsigned long long seed, unsigned long long thr, A ks,
                              const double* params, const FaultAt& ft, bool tiles, bool first,
@@ -800,11 +815,12 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
         const int r = tid;
         const int lim = causal ? max(0, min(cols, i0 + r - j0 + 1)) : cols;
         const double* add_row = mask_row(addh, i0 + r, lk, j0);
+        const double* key_row = keyh ? keyh + j0 : nullptr;
         const A hi = lseh[i0 + r];
         const A shift = hi == neg_inf(hi) ? static_cast<A>(0) : hi;
         for (int j = 0; j < cols; ++j)
             sh.s[r][j] = masked_score(sh.s[r][j], sc, j < lim && (!vis || vis[j0 + j]), add_row,
-                                      j) - shift;
+                                      key_row, j) - shift;
     }
     // ---- P = exp((z - lse) - lse_lo), checked by the softmax invariant
     if (checked_step(sh.votes, rt, P_, check, correct, rows, i0, j0, [&](int a) {
@@ -898,7 +914,8 @@ attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
                        const typename Arith<T>::type* lse,
                        const typename Arith<T>::type* lse_lo, const typename Arith<T>::type* dd,
                        const double* qe, const double* doe, const bool* visible,
-                       const double* add, long long add_stride, int lq, int lk,
+                       const double* add, long long add_stride, const double* keys,
+                       int key_heads, int lq, int lk,
                        int d, double scale, int causal, int check, int correct,
                        unsigned long long seed, unsigned long long thr, double ks_in,
                        const double* params, double* fault, typename Arith<T>::type* ws_k,
@@ -921,6 +938,7 @@ attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
     const A* ddh = dd + static_cast<long long>(b) * lq;
     const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
     const double* addh = head_mask(add, add_stride, b);
+    const double* keyh = head_keys(keys, key_heads, b, lk);
     const long long row0 = static_cast<long long>(b) * lk + j0;
     A* wk = ws_k + row0 * d;
     A* wv = ws_v + row0 * d;
@@ -941,7 +959,8 @@ attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
         int st = 0;
         for (int i0 = first_i, step = 0; i0 < lq; i0 += FBR, ++step) {
             const int rows = min(FBR, lq - i0);
-            st = backward_tile(sh, qh, kh, vh, doh, lseh, loh, ddh, vis, addh, lq, lk, i0, rows,
+            st = backward_tile(sh, qh, kh, vh, doh, lseh, loh, ddh, vis, addh, keyh, lq, lk, i0,
+                               rows,
                                j0, cols, d, sc, causal != 0, check != 0, correct != 0, seed, thr,
                                ks, params, ft, true, attempt == 0, rt, b);
             if (st < 0) break;
@@ -1032,7 +1051,8 @@ attn_fused_backward_q(const T* q, const T* k, const T* v, const T* d_out,
                       const typename Arith<T>::type* lse,
                       const typename Arith<T>::type* lse_lo, const typename Arith<T>::type* dd,
                       const double* ke, const bool* visible, const double* add,
-                      long long add_stride, int lq, int lk, int d, double scale,
+                      long long add_stride, const double* keys, int key_heads, int lq,
+                      int lk, int d, double scale,
                       int causal, int check, int correct, unsigned long long seed,
                       unsigned long long thr, double ks_in, const double* params, double* fault,
                       typename Arith<T>::type* ws_q, T* dq, double* rec, int* status) {
@@ -1052,6 +1072,7 @@ attn_fused_backward_q(const T* q, const T* k, const T* v, const T* d_out,
     const A* ddh = dd + static_cast<long long>(b) * lq;
     const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
     const double* addh = head_mask(add, add_stride, b);
+    const double* keyh = head_keys(keys, key_heads, b, lk);
     const long long row0 = static_cast<long long>(b) * lq + i0;
     A* wq = ws_q + row0 * d;
     double* rt = rec + task * NSITES * FIELDS;
@@ -1069,7 +1090,8 @@ attn_fused_backward_q(const T* q, const T* k, const T* v, const T* d_out,
             const int cols = min(FBC, jend - j0);
             __syncthreads();  // the previous tile's checks are done with the encodings
             if (check) encode_key_block(sh, kh, vh, j0, cols, d);
-            st = backward_tile(sh, qh, kh, vh, doh, lseh, loh, ddh, vis, addh, lq, lk, i0, rows,
+            st = backward_tile(sh, qh, kh, vh, doh, lseh, loh, ddh, vis, addh, keyh, lq, lk, i0,
+                               rows,
                                j0, cols, d, sc, causal != 0, check != 0, correct != 0, seed, thr,
                                ks, params, ft, false, attempt == 0, rt, b);
             if (st < 0) break;
