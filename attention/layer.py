@@ -112,7 +112,8 @@ class MultiHeadAttention:
                 key: Any | None = None, value: Any | None = None, attn_mask: Any | None = None,
                 check: str | None = None, dropout: float = 0.0, dropout_keep: Any | None = None,
                 rng: Any | None = None, need_weights: bool = False,
-                dropout_seed: int | None = None) -> tuple[Any, dict[str, Any]]:
+                dropout_seed: int | None = None, key_add: Any | None = None
+                ) -> tuple[Any, dict[str, Any]]:
         """Attention output for ``x`` (see :func:`attention.functional.attention_forward`).
 
         Parameters
@@ -136,6 +137,9 @@ class MultiHeadAttention:
             (fused core) otherwise (:func:`attention.functional.attention_forward`).
         need_weights : bool
             Keep the attention probabilities in ``cache["probs"]`` (the unfused product runs).
+        key_add : float array (batch, seq_k), optional
+            Float key-padding mask, added to every query's scaled scores (``-inf``: not
+            allowed); O(seq_k) per batch item on the fused core.
 
         Returns
         -------
@@ -152,7 +156,8 @@ class MultiHeadAttention:
                                      attn_mask=attn_mask, dropout=dropout,
                                      dropout_keep=dropout_keep, rng=rng,
                                      workspace=self._workspace, need_weights=need_weights,
-                                     core=self.core, dropout_seed=dropout_seed)
+                                     core=self.core, dropout_seed=dropout_seed,
+                                     key_add=key_add)
         self.last_report = saved["report"] = ctx.report
         self.last_core = saved["core"]
         return y, saved

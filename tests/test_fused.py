@@ -192,15 +192,85 @@ def test_additive_mask_with_key_visible_and_wide_values():
         assert np.all(np.abs(g - w) <= t), np.max(np.abs(g - w) / t)
 
 
+def folded(add, keys, lq):
+    """``add`` (None: 0; broadcastable to ``(n, lq, lk)``) plus the per-key mask ``keys``
+    ``(batch, lk)`` on every query row of each item's ``n / batch`` heads: float64 ``(n, lq,
+    lk)``, summed as PyTorch merges ``attn_mask`` and a float ``key_padding_mask``."""
+    batch, lk = keys.shape
+    n = add.shape[0] if add is not None and add.ndim == 3 else batch
+    out = np.zeros((n, lq, lk))
+    if add is not None:
+        out += add
+    out.reshape(batch, -1, lq, lk)[...] += keys[:, None, None, :]
+    return out
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+@given(data=st.data(), causal=st.booleans(), attn=st.sampled_from(["none", "shared", "per-head"]),
+       visible=st.booleans(), dtype=st.sampled_from([np.float32, np.float64]),
+       seed=st.integers(0, 2**31))
+def test_per_key_mask_equals_its_folded_mask(xp, data, causal, attn, visible, dtype, seed):
+    """A per-key mask ``key_add`` ``(batch, lk)``, shared by each batch item's heads (``-inf``
+    allowed, a key hidden from every query of a head), beside ``attn_mask`` (none, 2-D or
+    per head), ``key_visible`` and causality: outputs and gradients equal bit for bit those of
+    one ``attn_mask`` folded from both in float64, the kernels adding ``attn_mask + key_add``
+    summed first (CPU kernels, and the CUDA kernels on cupy-on-cpu)."""
+    small = xp is not np
+    batch = data.draw(st.integers(1, 2), label="batch")
+    heads = data.draw(st.integers(1, 2 if small else 3), label="heads")
+    lq = data.draw(st.integers(1, 40 if small else 150), label="lq")
+    lk = lq if causal else data.draw(st.integers(1, 40 if small else 150), label="lk")
+    d = data.draw(st.sampled_from([8, 16] if small else [8, 16, 64]), label="d")
+    rng = np.random.default_rng(seed)
+    n = batch * heads
+    q, k, v, do = _data(rng, n, lq, lk, d, dtype)
+    keys = additive_mask(rng, (batch, lk), spread=5.0)
+    add = {"none": None, "shared": additive_mask(rng, (lq, lk)),
+           "per-head": additive_mask(rng, (n, lq, lk))}[attn]
+    kw = {"causal": causal}
+    if visible:
+        kw["key_visible"] = xp.asarray(rng.random((n, lk)) < 0.8)
+    ins = [xp.asarray(t) for t in (q, k, v, do)]
+    ctx, ctx_folded = Context(), Context()
+    got = _run(*ins, ctx, attn_mask=None if add is None else xp.asarray(add),
+               key_add=xp.asarray(keys), **kw)
+    want = _run(*ins, ctx_folded, attn_mask=xp.asarray(folded(add, keys, lq)), **kw)
+    assert not ctx.report.events and not ctx_folded.report.events, ctx.report.summary()
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_array_equal(to_host(g), to_host(w), err_msg=name)
+
+
+def test_bad_per_key_mask():
+    q, k, v, _ = _data(np.random.default_rng(0), 4, 8, 6, 8)
+    top = float(np.finfo(np.float32).max)
+    for bad, match in ((np.zeros((3, 6)), "m dividing"), (np.zeros((2, 7)), "shape"),
+                       (np.zeros((2, 6), bool), "float"), ([[0.0] * 6] * 2, "numpy array"),
+                       (np.full((2, 6), np.nan), "NaN"), (np.full((2, 6), np.inf), "\\+inf"),
+                       (np.full((2, 6), 1e300), "largest")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            fused_forward(q, k, v, Context(), key_add=bad)
+    # each within the float32 range, their sum (what the kernels add) beyond it
+    add = np.zeros((8, 6))
+    add[3, 2] = 0.75 * top
+    keys = np.zeros((2, 6))
+    keys[1, 2] = 0.75 * top
+    fused_forward(q, k, v, Context(), attn_mask=add, key_add=keys[::-1].copy() * 0.3)
+    with pytest.raises(ValueError, match="largest"):
+        fused_forward(q, k, v, Context(), attn_mask=add, key_add=keys)
+
+
+@pytest.mark.parametrize("masks", ["attn_mask", "attn_mask+key_add"])
 @pytest.mark.parametrize("site", HOOK_SITES)
-def test_fault_under_an_additive_mask_is_corrected(site):
+def test_fault_under_an_additive_mask_is_corrected(site, masks):
     rng = np.random.default_rng(12)
     q, k, v, do = _data(rng, 2, 130, 130, 32)
-    add = additive_mask(rng, (130, 130))
-    clean = _run(q, k, v, do, Context(), causal=True, attn_mask=add)
+    kw = {"causal": True, "attn_mask": additive_mask(rng, (130, 130))}
+    if masks == "attn_mask+key_add":
+        kw["key_add"] = additive_mask(rng, (1, 130), hidden=0.1)
+    clean = _run(q, k, v, do, Context(), **kw)
     fault = Fault("near-inf", "element", seed=3, sites=site)
     ctx = Context(fault_hook=fault)
-    got = _run(q, k, v, do, ctx, causal=True, attn_mask=add)
+    got = _run(q, k, v, do, ctx, **kw)
     assert fault.injected and site in ctx.report.sites, ctx.report.summary()
     assert all(e.action == "recomputed" for e in ctx.report.events)
     for g, c in zip(got, clean):

@@ -123,15 +123,18 @@ def test_key_visible_and_fully_masked_rows(xp):
 @pytest.mark.parametrize("site,phase", [("fused:S", "forward"), ("fused:P", "forward"),
                                         ("fused:P", "backward"), ("fused:dS", "backward"),
                                         ("fused:dQ_acc", "backward")])
-def test_fault_under_an_additive_mask_is_corrected(xp, site, phase):
+@pytest.mark.parametrize("masks", ["attn_mask", "attn_mask+key_add"])
+def test_fault_under_an_additive_mask_is_corrected(xp, site, phase, masks):
     rng = np.random.default_rng(12)
     q, k, v, do = _data(rng, 2, 70, 70, 16)
-    add = xp.asarray(additive_mask(rng, (2, 70, 70)))
-    clean = _run(xp, q, k, v, do, Context(), causal=True, attn_mask=add)
+    kw = {"causal": True, "attn_mask": xp.asarray(additive_mask(rng, (2, 70, 70)))}
+    if masks == "attn_mask+key_add":
+        kw["key_add"] = xp.asarray(additive_mask(rng, (1, 70), hidden=0.1))
+    clean = _run(xp, q, k, v, do, Context(), **kw)
     fault = _fault(site, "near-inf", 0.0)
     ctx, quiet = Context(fault_hook=fault), Context()
     first, second = (ctx, quiet) if phase == "forward" else (quiet, ctx)
-    got = _run(xp, q, k, v, do, first, second, causal=True, attn_mask=add)
+    got = _run(xp, q, k, v, do, first, second, **kw)
     assert fault.hits == 1 and site in ctx.report.sites, ctx.report.summary()
     for g, c in zip(got, clean):
         assert np.array_equal(g, c)
@@ -144,6 +147,19 @@ def test_bad_additive_mask(xp):
                        (np.full((8, 6), 1e300), "largest"), (np.zeros((8, 6), bool), "float")):
         with pytest.raises((TypeError, ValueError), match=match):
             fused_forward(q, k, v, Context(), attn_mask=xp.asarray(bad))
+
+
+@pytest.mark.parametrize("xp", CUDA)
+def test_bad_per_key_mask(xp):
+    q, k, v, _ = (xp.asarray(t) for t in _data(np.random.default_rng(0), 2, 8, 6, 8))
+    for bad, match in ((np.zeros((3, 6)), "m dividing"), (np.full((2, 6), np.nan), "NaN"),
+                       (np.full((1, 6), 1e300), "largest"), (np.zeros((2, 6), bool), "float")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            fused_forward(q, k, v, Context(), key_add=xp.asarray(bad))
+    big = np.full((1, 6), 0.75 * float(np.finfo(np.float32).max))
+    with pytest.raises(ValueError, match="largest"):  # each in range, their sum beyond
+        fused_forward(q, k, v, Context(), attn_mask=xp.asarray(np.tile(big, (8, 1))),
+                      key_add=xp.asarray(big))
 
 
 @pytest.mark.parametrize("xp", CUDA)

@@ -167,3 +167,32 @@ def test_a_row_lowered_at_every_key_equals_the_unfused_core(xp):
     assert layer.cores == ["fused"] and not layer.events
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("xp", CUDA)
+def test_a_float_key_padding_mask_equals_its_folded_mask(xp):
+    """A float key padding mask ``key_add`` ``(batch, seq_k)`` reaches the CUDA kernels as it is
+    (no ``(batch * heads, L, S)`` array) and gives bit for bit the pass of the float64 mask
+    folded from it and ``attn_mask``; the unfused core, which folds it itself, agrees."""
+    x, dy = _data(9)
+    rng = np.random.default_rng(9)
+    add = rng.standard_normal((24, 24))
+    keys = rng.standard_normal((2, 24))
+    keys[1, 3:7] = -np.inf
+    fold = np.repeat(add[None] + keys[:, None, :], 2, axis=0)  # (batch * heads, L, S)
+    got, layer = _step(xp, x, dy, attn_mask=xp.asarray(add), key_add=xp.asarray(keys))
+    assert layer.cores == ["fused"] and not layer.events
+    _equal(got, _step(xp, x, dy, attn_mask=xp.asarray(fold))[0])
+    unfused, _ = _step(xp, x, dy, core="unfused", attn_mask=xp.asarray(add),
+                       key_add=xp.asarray(keys))
+    for g, w in zip(got, unfused):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("xp", CUDA)
+def test_a_per_key_mask_overflowing_with_attn_mask_is_refused_at_the_settle(xp):
+    x, _ = _data(10)
+    big = np.full((24, 24), 0.75 * float(np.finfo(np.float32).max))
+    layer = MultiHeadAttention(16, 2, xp=xp, core="fused")
+    with pytest.raises(ValueError, match="largest"):
+        layer.forward(xp.asarray(x), attn_mask=xp.asarray(big), key_add=xp.asarray(big[:2]))
