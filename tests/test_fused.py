@@ -192,12 +192,11 @@ def test_additive_mask_with_key_visible_and_wide_values():
         assert np.all(np.abs(g - w) <= t), np.max(np.abs(g - w) / t)
 
 
-def folded(add, keys, lq):
+def folded(add, keys, n, lq):
     """``add`` (None: 0; broadcastable to ``(n, lq, lk)``) plus the per-key mask ``keys``
     ``(batch, lk)`` on every query row of each item's ``n / batch`` heads: float64 ``(n, lq,
     lk)``, summed as PyTorch merges ``attn_mask`` and a float ``key_padding_mask``."""
     batch, lk = keys.shape
-    n = add.shape[0] if add is not None and add.ndim == 3 else batch
     out = np.zeros((n, lq, lk))
     if add is not None:
         out += add
@@ -234,7 +233,7 @@ def test_per_key_mask_equals_its_folded_mask(xp, data, causal, attn, visible, dt
     ctx, ctx_folded = Context(), Context()
     got = _run(*ins, ctx, attn_mask=None if add is None else xp.asarray(add),
                key_add=xp.asarray(keys), **kw)
-    want = _run(*ins, ctx_folded, attn_mask=xp.asarray(folded(add, keys, lq)), **kw)
+    want = _run(*ins, ctx_folded, attn_mask=xp.asarray(folded(add, keys, n, lq)), **kw)
     assert not ctx.report.events and not ctx_folded.report.events, ctx.report.summary()
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         np.testing.assert_array_equal(to_host(g), to_host(w), err_msg=name)
