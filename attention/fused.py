@@ -8,7 +8,8 @@ lse_lo)``: where an additive mask lowers every key of a row by far more than ``l
 padded with -1e9), ``lse`` alone has lost ``log l``. Heads are the leading axis: ``(n,
 L, d)`` with ``n`` = batch * heads, as :mod:`attention.core` takes them. No ``L x L`` buffer is
 ever made (an additive mask is the caller's, read tile by tile; one not in float64 is converted
-once); the tiles are ``BR x BC`` = 128 x 128 (:mod:`attention._cpu_fused`, numba kernels in
+once; a per-key mask ``key_add``, a float key padding mask, is one row of keys per batch item);
+the tiles are ``BR x BC`` = 128 x 128 (:mod:`attention._cpu_fused`, numba kernels in
 parallel over (head, query block) forward and over heads backward, so no two threads write one
 accumulator; the tile products call BLAS, single-threaded, through numba's ``np.dot``).
 CuPy arrays run the same algorithm and checks in CUDA kernels (:mod:`attention._cuda_fused`,

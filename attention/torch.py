@@ -167,7 +167,10 @@ device, dtype
         key, value : tensor (S, E), (S, N, E), or (N, S, E) when ``batch_first``
             The same tensor object as ``query`` for self-attention.
         key_padding_mask : bool or float tensor (N, S) or (S,), optional
-            True (or the float added) for keys to ignore.
+            True (or the float added) for keys to ignore. A float mask reaches the fused core as
+            it is, O(S) per batch item; one that requires grad is folded into a float64 (N *
+            num_heads, L, S) mask and runs the unfused core, whose checked ``dS``, summed over
+            heads and queries, is its gradient.
         need_weights : bool
             Also return the attention weights.
         attn_mask : bool or float tensor (L, S) or (N * num_heads, L, S), optional

@@ -62,7 +62,10 @@ def multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     protection : Protection
         What the call runs under; its ``last_report`` receives the findings.
     key_padding_mask : bool or float tensor (N, S), optional
-        True (or the float added) for keys to ignore.
+        True (or the float added) for keys to ignore. A float mask reaches the fused core as it
+        is, O(S) per batch item; one that requires grad is folded into a float64 (N *
+        num_heads, L, S) mask and runs the unfused core, whose checked ``dS``, summed over heads
+        and queries, is its gradient.
     attn_mask : bool or float tensor (L, S) or (N * num_heads, L, S), optional
         True = not allowed; a float mask is added to the scaled scores.
     need_weights : bool
