@@ -50,12 +50,13 @@ def _run(step: int, calls: int, q: Any, k: Any, s: Any, p: Any, m: Any, alpha: A
     nokeep = np.empty((0, 0), np.uint8)
     visible = np.ones(0, np.bool_)
     add = np.zeros((0, 0))
+    keys = np.zeros(0)
     w = K._weights(s.shape[0])
     for _ in range(calls):
         if step == 0 or step == 7:
             K._dot(q, kt, s)
         elif step == 1:
-            K._mask(s, scale, 0, 0, False, visible, add)
+            K._mask(s, scale, 0, 0, False, visible, add, keys)
         elif step == 2:
             K._new_max(s, m, alpha)
         elif step == 3:
