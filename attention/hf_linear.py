@@ -123,11 +123,19 @@ def _projections(model: nn.Module, attention: list[str],
 
 
 def _layer_of(modules: dict[str, nn.Module], name: str) -> tuple[str, str]:
-    """``(layer, block)``: the names of the ``ModuleList`` item holding module ``name`` and of
-    that item's child holding it."""
+    """``(layer, block)``: the names of the ``ModuleList`` item holding module ``name`` that holds
+    the layer's feed-forward layers, and of the child of the innermost such item holding it (the
+    attention block). The layer is the innermost item holding a projection outside the block:
+    T5's blocks keep their sublayers (attention, feed-forward) in a ``ModuleList`` of their own,
+    whose attention item holds no feed-forward layer."""
     parts = name.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        if isinstance(modules[".".join(parts[:i])], nn.ModuleList):
-            return ".".join(parts[:i + 1]), ".".join(parts[:i + 2])
-    raise ValueError(f"protect: the attention module {name!r} is in no layer of a ModuleList, "
-                     "so its projections cannot be found")
+    items = [".".join(parts[:i + 1]) for i in range(len(parts) - 1, 0, -1)
+             if isinstance(modules[".".join(parts[:i])], nn.ModuleList)]
+    if not items:
+        raise ValueError(f"protect: the attention module {name!r} is in no layer of a "
+                         "ModuleList, so its projections cannot be found")
+    block = ".".join(parts[:items[0].count(".") + 2])
+    layer = next((item for item in items
+                  if any(type(m) in _KINDS and not sub.startswith(block + ".")
+                         for sub, m in modules[item].named_modules(prefix=item))), items[0])
+    return layer, block

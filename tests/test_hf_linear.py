@@ -317,3 +317,34 @@ def test_a_layer_called_twice_in_a_step_keeps_every_finding_in_total_report():
     total = core.total_report
     assert total.sites == {"forward"}, total.summary()
     assert total.checked["forward"] == 2 and total.checked["d_weight"] == 2
+
+
+def test_t5_feed_forward_layers_are_protected_with_mlp():
+    """T5's blocks keep their attention and feed-forward sublayers in a ``ModuleList`` of their
+    own (``encoder.block.0.layer.0.SelfAttention``, ``encoder.block.0.layer.1.DenseReluDense``):
+    ``mlp=True`` looked for the feed-forward layers in the attention's sublayer alone and left
+    every ``DenseReluDense`` unprotected, silently. They are protected with ``mlp=True`` (not
+    without it), and the step equals eager's."""
+    config = transformers.T5Config(vocab_size=100, d_model=32, d_ff=64, num_layers=2,
+                                   num_heads=4, d_kv=8, dropout_rate=0.0,
+                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+                                   attn_implementation="eager")
+    torch.manual_seed(0)
+    eager = transformers.T5ForConditionalGeneration(config).train()
+    feed_forward = [f"{stack}.block.{i}.layer.{sub}.DenseReluDense.{w}"
+                    for stack, sub in (("encoder", 1), ("decoder", 2)) for i in range(2)
+                    for w in ("wi", "wo")]
+    attention_only = projection_cores(protect(copy.deepcopy(eager)))
+    assert not set(feed_forward) & set(attention_only)
+    model = protect(copy.deepcopy(eager), mlp=True)
+    cores = projection_cores(model)
+    assert set(cores) == set(attention_only) | set(feed_forward)
+    ids, mask = batch()
+    runs = []
+    for m in (eager, model):
+        logits = m(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits
+        logits.pow(2).mean().backward()
+        runs.append((logits.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    assert_same_step(runs[1], runs[0])
+    assert all(cores[name].last_report.checked == {s: 1 for s in LINEAR_SITES[:3]}
+               for name in feed_forward)  # no biases: forward, d_input, d_weight
