@@ -4,11 +4,13 @@ In each transformer layer (a module of a ``ModuleList``, such as ``transformer.h
 ``bert.encoder.layer.0``), the ``nn.Linear`` and GPT-2 ``Conv1D`` modules inside the layer's child
 that holds the attention module are its attention projections (BERT/RoBERTa: ``query``, ``key``,
 ``value`` and ``output.dense``; GPT-2: ``c_attn`` and ``c_proj``; GPT-Neo: ``q_proj``, ``k_proj``,
-``v_proj``, ``out_proj``); the layer's other ones are its feed-forward layers (BERT/RoBERTa:
-``intermediate.dense`` and ``output.dense``; GPT-2 and GPT-Neo: ``mlp.c_fc`` and ``mlp.c_proj``).
+``v_proj``, ``out_proj``; Falcon's ``FalconLinear`` modules too); the layer's other ones are its
+feed-forward layers (BERT/RoBERTa: ``intermediate.dense`` and ``output.dense``; GPT-2 and
+GPT-Neo: ``mlp.c_fc`` and ``mlp.c_proj``).
 
-A protected projection has its class swapped for :class:`ProtectedLinear` or
-:class:`ProtectedConv1D` (a subclass whose forward runs the checked products of
+A protected projection has its class swapped for :class:`ProtectedLinear`,
+:class:`ProtectedConv1D` or (Falcon's ``FalconLinear``) :class:`ProtectedFalconLinear` (a
+subclass whose forward runs the checked products of
 :class:`attention.torch_linear.ProtectedLinearCore`, kept in its attribute ``abft_linear``): the
 module, its Parameters, ``state_dict`` keys and ``save_pretrained`` files stay the same.
 """
@@ -19,12 +21,13 @@ from typing import Iterator
 
 import torch
 from torch import nn
+from transformers.models.falcon.modeling_falcon import FalconLinear
 from transformers.pytorch_utils import Conv1D
 
 from attention.torch_linear import ProtectedLinearCore
 
-__all__ = ["ProtectedLinear", "ProtectedConv1D", "protect_projections", "projection_cores",
-           "check_swappable", "swap_class"]
+__all__ = ["ProtectedLinear", "ProtectedConv1D", "ProtectedFalconLinear", "protect_projections",
+           "projection_cores", "check_swappable", "swap_class"]
 
 
 class ProtectedLinear(nn.Linear):
@@ -41,7 +44,13 @@ class ProtectedConv1D(Conv1D):
         return self.abft_linear(x, self.weight, self.bias, weight_in_out=True)
 
 
-_PROTECTED = {nn.Linear: ProtectedLinear, Conv1D: ProtectedConv1D}
+class ProtectedFalconLinear(ProtectedLinear, FalconLinear):
+    """Falcon's ``FalconLinear`` (``x W^T``, then ``+ b``: ``nn.Linear``'s product, its bias
+    added after the product's rounding) on checked products (the bias inside the protection)."""
+
+
+_PROTECTED = {nn.Linear: ProtectedLinear, Conv1D: ProtectedConv1D,
+              FalconLinear: ProtectedFalconLinear}
 #: The module classes that are protected (exactly these: not other subclasses), or already are.
 _KINDS = (*_PROTECTED, *_PROTECTED.values())
 

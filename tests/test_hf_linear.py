@@ -348,3 +348,34 @@ def test_t5_feed_forward_layers_are_protected_with_mlp():
     assert_same_step(runs[1], runs[0])
     assert all(cores[name].last_report.checked == {s: 1 for s in LINEAR_SITES[:3]}
                for name in feed_forward)  # no biases: forward, d_input, d_weight
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_falcon_projections_are_protected(bias):
+    """Falcon's projections are ``FalconLinear`` (an ``nn.Linear`` subclass computing
+    ``x W^T + b``), which ``protect`` skipped as not exactly ``nn.Linear``: a protected Falcon
+    had no protected projection at all, silently. They are protected (still ``FalconLinear``),
+    the step equals eager's and a fault in one is repaired."""
+    if not hasattr(transformers, "FalconForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Falcon")
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    config = transformers.FalconConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                       num_attention_heads=4, bias=bias, bos_token_id=0,
+                                       eos_token_id=0, attn_implementation="eager")
+    torch.manual_seed(0)
+    eager = transformers.FalconForCausalLM(config).train()
+    want = step(eager, *batch())
+    attention = ["transformer.h.0.self_attention." + n for n in ("query_key_value", "dense")]
+    feed_forward = ["transformer.h.0.mlp." + n for n in ("dense_h_to_4h", "dense_4h_to_h")]
+    for mlp in (False, True):
+        model = protect(copy.deepcopy(eager), mlp=mlp)
+        cores = projection_cores(model)
+        assert sorted(n for n in cores if ".0." in n) == sorted(
+            attention + feed_forward if mlp else attention)
+        assert all(isinstance(model.get_submodule(n), FalconLinear)
+                   and isinstance(model.get_submodule(n), ProtectedLinear) for n in cores)
+        got = step(model, *batch())
+        assert_same_step(got, want)
+        assert all(core.last_report.checked["forward"] == 1 for core in cores.values())
+    assert_fault_repaired(model, projection_cores, attention[0], "d_input", got, want)
