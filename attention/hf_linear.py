@@ -27,7 +27,7 @@ from transformers.pytorch_utils import Conv1D
 from attention.torch_linear import ProtectedLinearCore
 
 __all__ = ["ProtectedLinear", "ProtectedConv1D", "ProtectedFalconLinear", "protect_projections",
-           "projection_cores", "check_swappable", "swap_class"]
+           "projection_cores", "check_swappable", "swap_class", "unprotected_weights"]
 
 
 class ProtectedLinear(nn.Linear):
@@ -113,6 +113,21 @@ def swap_class(module: nn.Module, cls: type) -> None:
     module.__class__ = cls
     if "_old_forward" in vars(module):
         module._old_forward = types.MethodType(cls.forward, module)
+
+
+def unprotected_weights(model: nn.Module, attention: list[str], mlp: bool) -> list[str]:
+    """Names of the modules in the scope :func:`protect_projections` covers (the attention blocks
+    of the attention modules named in ``attention``; with ``mlp``, their whole layers) that hold
+    a weight of their own (a parameter of two or more dimensions; not an embedding's table) and
+    are not protected projections: weights whose products run unprotected (JetMoE's attention
+    experts, the experts and routers of mixture-of-experts feed-forward layers), in the order of
+    ``model.named_modules()``."""
+    modules = dict(model.named_modules())
+    scopes = [_layer_of(modules, name)[0 if mlp else 1] for name in attention]
+    return [name for name, m in modules.items()
+            if any(name.startswith(scope + ".") for scope in scopes)
+            and type(m) not in _KINDS and not isinstance(m, nn.Embedding)
+            and any(p.dim() >= 2 for p in m.parameters(recurse=False))]
 
 
 def projection_cores(model: nn.Module) -> dict[str, ProtectedLinearCore]:

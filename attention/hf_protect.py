@@ -30,7 +30,7 @@ from abftgemm.plan import check_option
 from attention._torch_arrays import eager
 from attention.hf import TransformersCore, core_of, name_for, not_allowed, weights_wanted
 from attention.hf_linear import (check_projections, check_swappable, protect_projections,
-                                 swap_class)
+                                 swap_class, unprotected_weights)
 from attention.torch_core import ProtectedCore
 
 __all__ = ["protect_pretrained", "ProtectedGPTNeoSelfAttention", "attention_cores"]
@@ -112,6 +112,13 @@ def protect_pretrained(model: nn.Module, *, check: str = "correct", projections:
         For a model that neither calls registered attention functions nor is GPT-Neo, whose
         attention caps its scores (Gemma 2's ``attn_logit_softcapping``), or whose projections
         cannot be found or swapped; the model is left as it was (:func:`check_pretrained`).
+
+    Warns
+    -----
+    UserWarning
+        Naming the attention modules that compute their attention themselves
+        (:func:`unprotected_attention`) and the modules holding weights in the protected scope
+        that are not protected (:func:`attention.hf_linear.unprotected_weights`).
     """
     check_pretrained(model, check=check, projections=projections, mlp=mlp)
     neo = [m for _, m in model.named_modules() if isinstance(m, GPTNeoSelfAttention)]
@@ -126,6 +133,14 @@ def protect_pretrained(model: nn.Module, *, check: str = "correct", projections:
         m.abft_core = TransformersCore(check)
     if projections:
         protect_projections(model, [name for name, _ in modules], check=check, mlp=mlp)
+        weights = unprotected_weights(model, [name for name, _ in modules], mlp)
+        if weights:
+            warnings.warn(f"protect: {len(weights)} modules of {type(model).__name__} in its "
+                          f"protected {'layers' if mlp else 'attention blocks'} hold weights "
+                          f"that run unprotected ({weights[0]!r} first, a "
+                          f"{type(model.get_submodule(weights[0])).__name__}): only nn.Linear, "
+                          "GPT-2's Conv1D and Falcon's FalconLinear are protected", UserWarning,
+                          stacklevel=3)
     left = unprotected_attention(model, [name for name, _ in modules])
     if left:
         warnings.warn(f"protect: {len(left)} attention modules of {type(model).__name__} compute "

@@ -303,3 +303,33 @@ def test_attention_a_module_computes_with_sdpa_itself_is_named_in_a_warning():
     with pytest.warns(UserWarning, match=r"1 attention modules .* run unprotected \('head'"):
         model = protect(transformers.Aimv2VisionModel(config))
     assert "encoder.layers.0.attention" in attention_cores(model)
+
+
+@pytest.mark.parametrize("name,mlp,first", [
+    # mixture of attention heads: its query and output projections are experts' weights
+    ("jetmoe", False, "model.layers.0.self_attention.experts.input_linear"),
+    # mixture of experts: the feed-forward experts and their router
+    ("gpt-oss", True, "model.layers.0.mlp.router"),
+    ("deepseek-v3", True, "model.layers.1.mlp.experts"),
+])
+def test_weights_protect_cannot_reach_are_named_in_a_warning(name, mlp, first):
+    """Projections held as weights of modules other than ``nn.Linear`` (JetMoE's attention
+    experts, the experts and routers of mixture-of-experts feed-forward layers) run
+    unprotected: ``protect`` said nothing (JetMoE's query and output projections, every
+    expert with ``mlp=True``). It warns, naming them; what it protects is unchanged."""
+    eager = _build(name)
+    with pytest.warns(UserWarning, match=r"\d+ modules .* hold weights that run unprotected "
+                                         rf"\({re.escape(repr(first))} first"):
+        model = protect(copy.deepcopy(eager), mlp=mlp)
+    assert_same_step(step(model, *batch()), step(eager, *batch()))
+
+
+@pytest.mark.parametrize("name", ["gpt-oss", "qwen2"])
+def test_protect_warns_of_nothing_it_protects(name):
+    """No warning where every weight in the protected scope is protected (gpt-oss's experts
+    lie outside its attention blocks)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        protect(_build(name))
