@@ -110,7 +110,8 @@ def protect_pretrained(model: nn.Module, *, check: str = "correct", projections:
     ------
     ValueError
         For a model that neither calls registered attention functions nor is GPT-Neo, whose
-        attention caps its scores (Gemma 2's ``attn_logit_softcapping``), or whose projections
+        attention caps its scores (Gemma 2's ``attn_logit_softcapping``) or selects its keys
+        with an indexer (DeepSeek-V3.2's sparse attention), or whose projections
         cannot be found or swapped; the model is left as it was (:func:`check_pretrained`).
 
     Warns
@@ -182,6 +183,12 @@ def check_pretrained(model: nn.Module, *, check: str = "correct", projections: b
         raise ValueError(f"protect: {type(model).__name__} caps its attention scores "
                          f"({capped[0]!r} first): the 'abft' attention does not support "
                          "'softcap'")
+    sparse = [name for name, m in model.named_modules()
+              if getattr(m, "indexer", None) is not None and hasattr(m, "config")]
+    if sparse:  # DeepSeek-V3.2's sparse attention: its keys for 'abft' come as 'indices'
+        raise ValueError(f"protect: {type(model).__name__} selects the keys of its attention "
+                         f"with an indexer ({sparse[0]!r} first): the 'abft' attention does "
+                         "not support 'indices'")
     neo = [(name, m) for name, m in model.named_modules() if isinstance(m, GPTNeoSelfAttention)]
     for name, m in neo:
         check_swappable(name, m)

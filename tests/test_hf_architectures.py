@@ -250,11 +250,17 @@ def test_t5_trains_its_relative_position_bias_equal_to_eager():
 @pytest.mark.parametrize("name,match", [
     ("gemma2", "softcap"),  # the scores' tanh cap is not part of the protected product
     ("bloom", "does not call the attention function"),  # ALiBi inside its own attention module
+    # an indexer selects each query's keys (sparse attention); it was accepted, and every
+    # forward of the switched model then raised
+    ("deepseek-v3.2", "'indices'"),
 ])
 def test_refused_with_a_clear_error(name, match):
     config_class, model_class, options = {
         "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(LLAMA_LIKE, head_dim=8)),
         "bloom": ("BloomConfig", "BloomForCausalLM", dict(hidden_size=32, n_layer=2, n_head=4)),
+        "deepseek-v3.2": ("DeepseekV32Config", "DeepseekV32ForCausalLM",
+                          dict(ARCHITECTURES["deepseek-v3"][2], index_topk=4, index_head_dim=16,
+                               index_n_heads=2)),
     }[name]
     if not hasattr(transformers, model_class):
         pytest.skip(f"transformers {transformers.__version__} has no {model_class}")
@@ -269,7 +275,7 @@ def test_refused_with_a_clear_error(name, match):
         assert re.search(match, str(exc)), exc
         assert model.config._attn_implementation == "eager"
         return
-    assert name != "gemma2", "the cap is seen in the modules: refused at protect"
+    assert name not in ("gemma2", "deepseek-v3.2"), "seen in the modules: refused at protect"
     with pytest.raises(ValueError, match=match):  # refused at the first call
         model(**inputs)
 
