@@ -17,6 +17,7 @@ import copy
 import inspect
 import math
 import sys
+import threading
 import warnings
 from typing import Any, Iterator
 
@@ -36,6 +37,11 @@ from attention.torch_core import ProtectedCore
 __all__ = ["protect_pretrained", "ProtectedGPTNeoSelfAttention", "attention_cores"]
 
 
+#: Per thread, ``{id(module): output_attentions}`` of the GPT-Neo attention forwards running in
+#: it (one model may serve several threads at once: the flag is the call's, not the module's).
+_WEIGHTS_ASKED = threading.local()
+
+
 class ProtectedGPTNeoSelfAttention(GPTNeoSelfAttention):
     """GPT-Neo's self-attention with its attention product on the protected core (unscaled
     scores, the module's causal or local window mask, the model's additive mask, its attention
@@ -47,13 +53,19 @@ class ProtectedGPTNeoSelfAttention(GPTNeoSelfAttention):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 layer_past: Any = None, use_cache: bool = False, output_attentions: bool = False,
                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """GPTNeoSelfAttention's forward, noting whether this call returns attention weights."""
-        self._abft_weights = bool(output_attentions)
+        """GPTNeoSelfAttention's forward, noting (for this thread) whether this call returns
+        attention weights."""
+        asked = vars(_WEIGHTS_ASKED).setdefault("calls", {})
+        outer = asked.get(id(self))
+        asked[id(self)] = bool(output_attentions)
         try:
             return super().forward(hidden_states, attention_mask, layer_past, use_cache,
                                    output_attentions, **kwargs)
         finally:
-            del self._abft_weights
+            if outer is None:
+                del asked[id(self)]
+            else:
+                asked[id(self)] = outer
 
     def _attn(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -67,7 +79,7 @@ class ProtectedGPTNeoSelfAttention(GPTNeoSelfAttention):
             hidden = self.bias[:, :, seq_k - seq_q:seq_k, :seq_k].logical_not()
             mask = hidden if attention_mask is None else \
                 _merged(not_allowed(attention_mask), hidden)
-        wanted = self.__dict__.get("_abft_weights", True) and weights_wanted()
+        wanted = vars(_WEIGHTS_ASKED).get("calls", {}).get(id(self), True) and weights_wanted()
         out, weights = core_of(self)(query, key, value, mask, 1.0, causal, need_weights=wanted,
                                      dropout=self.attn_dropout.p if self.training else 0.0)
         return out.to(dtype), weights.to(dtype) if wanted else None

@@ -463,3 +463,38 @@ def test_a_protected_model_loads_in_a_fresh_process(tmp_path, projections):
                "torch.testing.assert_close(s['model'](s['ids']).logits, s['want'], rtol=0, "
                "atol=0); assert s['model'].config._attn_implementation == 'abft'"
                % str(tmp_path / "m.pt"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_model_serves_several_threads_with_and_without_weights(family):
+    """One protected model called from four threads at once, two of them asking for the
+    attention weights: each call's logits are the single-threaded ones, with weights exactly where
+    asked. GPT-Neo's protected attention kept "weights asked for" on the module, which every
+    thread shared: a call got none though it asked, and a thread's clean-up failed with
+    ``AttributeError`` after another's."""
+    import threading
+
+    model = protect(build(family).eval())
+    ids, mask = batch()
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+    start, failed = threading.Barrier(4), []
+
+    def worker(weights):
+        start.wait()
+        try:
+            for _ in range(3):
+                with torch.no_grad():
+                    out = model(ids, attention_mask=mask, output_attentions=weights)
+                assert_close(out.logits, want, name="logits")
+                assert all((a is not None) == weights for a in out.attentions or [None]), \
+                    f"output_attentions={weights}"
+        except Exception as exc:  # reported by the test's thread
+            failed.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i % 2 == 0,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failed, failed
