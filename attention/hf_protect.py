@@ -29,7 +29,8 @@ from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
 import abftgemm
 from abftgemm.plan import check_option
 from attention._torch_arrays import eager
-from attention.hf import TransformersCore, core_of, name_for, not_allowed, weights_wanted
+from attention.hf import (NAMES, TransformersCore, core_of, name_for, not_allowed,
+                          weights_wanted)
 from attention.hf_linear import (check_projections, check_swappable, protect_projections,
                                  swap_class, unprotected_weights)
 from attention.torch_core import ProtectedCore
@@ -140,7 +141,7 @@ def protect_pretrained(model: nn.Module, *, check: str = "correct", projections:
             swap_class(m, ProtectedGPTNeoSelfAttention)
     if not neo:
         _own_config(model)
-        model.set_attn_implementation(name_for(model))
+        _switch(model)
     modules = list(_attention_modules(model))
     for _, m in modules:
         m.abft_core = TransformersCore(check)
@@ -214,10 +215,10 @@ def check_pretrained(model: nn.Module, *, check: str = "correct", projections: b
         previous = model.config._attn_implementation
         shared = _own_config(model)
         try:
-            model.set_attn_implementation(name_for(model))
+            _switch(model)
             modules = list(_attention_modules(model))
             stale = [(name, _implementation(m)) for name, m in modules
-                     if _implementation(m) not in (None, name_for(model))]
+                     if _implementation(m) not in (None, *NAMES)]
         finally:
             model.set_attn_implementation(previous)
             for m, config in shared:
@@ -233,6 +234,18 @@ def check_pretrained(model: nn.Module, *, check: str = "correct", projections: b
         names = [name for name, _ in modules]
     if projections:
         check_projections(model, names, mlp)
+
+
+def _switch(model: nn.Module) -> None:
+    """Switch ``model`` to its protected attention implementation (:func:`attention.hf.name_for`),
+    and each transformers model inside it whose own differs to that one: a sub-model written for
+    eager's masks alone inside a model that supports sdpa's (Gemma 4's audio tower, whose own
+    attention reads eager's float mask) gets :data:`attention.hf.EAGER_MASKS`."""
+    model.set_attn_implementation(name_for(model))
+    for m in model.modules():
+        if isinstance(m, transformers.PreTrainedModel) and _implementation(m) != name_for(m) \
+                and m._can_set_attn_implementation():
+            m.set_attn_implementation(name_for(m))
 
 
 def _implementation(module: nn.Module) -> str | None:

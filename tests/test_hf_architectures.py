@@ -14,7 +14,7 @@ from hf_models import torch, transformers  # skips this module without them
 from attention.hf import EAGER_MASKS, name_for  # noqa: E402
 from attention.hf_protect import attention_cores  # noqa: E402
 from attention.torch import protect  # noqa: E402
-from hf_models import VOCAB, assert_same_step, batch, step  # noqa: E402
+from hf_models import VOCAB, assert_close, assert_same_step, batch, step  # noqa: E402
 
 #: name: (config class, model class, config arguments besides the vocabulary and eager
 #: attention); 2 layers, width 32, 4 heads (2 key/value heads where the model has the option),
@@ -339,3 +339,39 @@ def test_protect_warns_of_nothing_it_protects(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         protect(_build(name))
+
+
+def test_a_sub_model_written_for_eager_masks_gets_them():
+    """Gemma 4's audio tower does not support sdpa (its chunked attention reads eager's float
+    mask), though the model around it does: ``protect`` switched it to ``"abft"`` with the rest,
+    and its forward failed on sdpa's boolean mask (``TypeError``). Each sub-model gets the
+    protected implementation it supports: the audio tower eager's masks, equal to eager."""
+    if not hasattr(transformers, "Gemma4ForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 4")
+    config = transformers.Gemma4Config(
+        text_config=dict(LLAMA_LIKE, vocab_size=300, head_dim=8, sliding_window=4,
+                         layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, head_dim=8),
+        audio_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          subsampling_conv_channels=(8, 4), output_proj_dims=32,
+                          attention_chunk_size=4, attention_context_left=5,
+                          attention_context_right=0),
+        attn_implementation="eager")
+    torch.manual_seed(0)
+    eager = transformers.Gemma4ForConditionalGeneration(config).eval()
+    with pytest.warns(UserWarning, match="run unprotected"):  # the audio tower's attention
+        model = protect(copy.deepcopy(eager))
+    assert model.config._attn_implementation == "abft"
+    assert model.config.audio_config._attn_implementation == EAGER_MASKS
+    features = torch.randn(2, 40, 8, generator=torch.Generator().manual_seed(1))
+    valid = torch.ones(2, 40, dtype=torch.bool)
+    valid[1, 30:] = False
+    ids, mask = batch()
+    with torch.no_grad():
+        audio, logits = ([m.model.audio_tower(features, attention_mask=valid).last_hidden_state
+                          for m in (eager, model)],
+                         [m(input_ids=ids, attention_mask=mask).logits for m in (eager, model)])
+    assert_close(audio[1], audio[0], name="audio tower")
+    keep = mask.bool()
+    assert_close(logits[1][keep], logits[0][keep], name="logits")
