@@ -16,7 +16,8 @@ hook and last report live in a :class:`attention.torch_core.ProtectedCore` in it
 ``abft_core`` (made with ``check="correct"`` on first use; :func:`attention.torch.protect` makes
 them for a whole model).
 
-Masks: none (with the module's ``is_causal``, or the ``is_causal`` keyword), 4-D boolean
+Masks: none (with the module's ``is_causal``, or the ``is_causal`` keyword; a module without
+the flag is not causal, as eager), 4-D boolean
 (True = attend, as transformers' sdpa masks) or 4-D float masks added to the scores (eager's
 masks and custom ones); values at or below half the dtype's lowest finite value are taken as
 "not allowed". A boolean mask that is key padding (the same keys hidden from every query, with
@@ -113,7 +114,8 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     dropout : float
         Attention dropout probability (transformers passes 0 outside training).
     is_causal : bool, optional
-        Overrides ``module.is_causal``; applies only without a mask and for ``L > 1``.
+        Overrides ``module.is_causal`` (False where the module has no such flag); applies only
+        without a mask and for ``L > 1``.
     **kwargs
         ``position_bias`` (T5's, ``(batch or 1, heads, L, S)``) is added to the scores, with its
         gradient when it requires one (the unfused core then runs: that gradient is its
@@ -152,7 +154,9 @@ def abft_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
             raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key heads")
         key, value = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
     seq_q, seq_k = query.shape[2], key.shape[2]
-    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    # a module without the flag is not causal, as eager computes it (sdpa's default, causal, made
+    # Mllama's text cross-attention causal where it had no mask)
+    causal = getattr(module, "is_causal", False) if is_causal is None else bool(is_causal)
     causal = causal and attention_mask is None and seq_q > 1
     mask = not_allowed(attention_mask)
     if causal and seq_q != seq_k:  # sdpa's is_causal: query i sees keys 0..i (transformers

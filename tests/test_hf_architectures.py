@@ -375,3 +375,30 @@ def test_a_sub_model_written_for_eager_masks_gets_them():
     assert_close(audio[1], audio[0], name="audio tower")
     keep = mask.bool()
     assert_close(logits[1][keep], logits[0][keep], name="logits")
+
+
+def test_an_attention_module_without_a_causal_flag_is_not_causal():
+    """Mllama's text cross-attention has no ``is_causal`` flag and, without a cross-attention
+    mask, gets no mask: it ran causal (sdpa's default for a module without the flag; each text
+    token saw only the first image tokens), where eager attends to every key. A module without
+    the flag is not causal: the step equals eager's."""
+    if not hasattr(transformers, "MllamaForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Mllama")
+    config = transformers.MllamaTextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1],
+        pad_token_id=0, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    torch.manual_seed(0)
+    eager = transformers.MllamaForCausalLM(config).train()
+    with torch.no_grad():  # (zero at initialization: the cross-attention would add nothing)
+        eager.model.layers[1].cross_attn_attn_gate.fill_(0.5)
+    model = protect(copy.deepcopy(eager))
+    ids, mask = batch()
+    image = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(2))
+    runs = []
+    for m in (eager, model):
+        logits = m(input_ids=ids, attention_mask=mask, cross_attention_states=image).logits
+        logits[mask.bool()].pow(2).mean().backward()
+        runs.append((logits[mask.bool()].detach(),
+                     {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    assert_same_step(runs[1], runs[0])
