@@ -6,7 +6,8 @@ that holds the attention module are its attention projections (BERT/RoBERTa: ``q
 ``value`` and ``output.dense``; GPT-2: ``c_attn`` and ``c_proj``; GPT-Neo: ``q_proj``, ``k_proj``,
 ``v_proj``, ``out_proj``; Falcon's ``FalconLinear`` modules too); the layer's other ones are its
 feed-forward layers (BERT/RoBERTa: ``intermediate.dense`` and ``output.dense``; GPT-2 and
-GPT-Neo: ``mlp.c_fc`` and ``mlp.c_proj``).
+GPT-Neo: ``mlp.c_fc`` and ``mlp.c_proj``), as are, with ``mlp``, the linear layers of the
+``ModuleList``'s items that hold no attention module (a hybrid model's other layers).
 
 A protected projection has its class swapped for :class:`ProtectedLinear`,
 :class:`ProtectedConv1D` or (Falcon's ``FalconLinear``) :class:`ProtectedFalconLinear` (a
@@ -116,15 +117,13 @@ def swap_class(module: nn.Module, cls: type) -> None:
 
 
 def unprotected_weights(model: nn.Module, attention: list[str], mlp: bool) -> list[str]:
-    """Names of the modules in the scope :func:`protect_projections` covers (the attention blocks
-    of the attention modules named in ``attention``; with ``mlp``, their whole layers) that hold
-    a weight of their own (a parameter of two or more dimensions; not an embedding's table) and
-    are not protected projections: weights whose products run unprotected (JetMoE's attention
-    experts, the experts and routers of mixture-of-experts feed-forward layers), in the order of
-    ``model.named_modules()``."""
-    modules = dict(model.named_modules())
-    scopes = [_layer_of(modules, name)[0 if mlp else 1] for name in attention]
-    return [name for name, m in modules.items()
+    """Names of the modules in the scope :func:`protect_projections` covers (:func:`_scopes`)
+    that hold a weight of their own (a parameter of two or more dimensions; not an embedding's
+    table) and are not protected projections: weights whose products run unprotected (JetMoE's
+    attention experts, the experts and routers of mixture-of-experts feed-forward layers), in the
+    order of ``model.named_modules()``."""
+    scopes = _scopes(model, attention, mlp)
+    return [name for name, m in model.named_modules()
             if any(name.startswith(scope + ".") for scope in scopes)
             and type(m) not in _KINDS and not isinstance(m, nn.Embedding)
             and any(p.dim() >= 2 for p in m.parameters(recurse=False))]
@@ -138,12 +137,25 @@ def projection_cores(model: nn.Module) -> dict[str, ProtectedLinearCore]:
 
 def _projections(model: nn.Module, attention: list[str],
                  mlp: bool) -> Iterator[tuple[str, nn.Module]]:
+    scopes = _scopes(model, attention, mlp)
+    for name, m in model.named_modules():
+        if type(m) in _KINDS and any(name.startswith(scope + ".") for scope in scopes):
+            yield name, m
+
+
+def _scopes(model: nn.Module, attention: list[str], mlp: bool) -> list[str]:
+    """The names of the modules whose linear layers :func:`protect_projections` protects: the
+    attention block of each attention module named in ``attention``; with ``mlp``, each one's
+    whole layer, and the other items of the ``ModuleList`` holding it (a hybrid model's layers
+    without attention: LFM2's convolution layers, Qwen3-Next's linear attention, Jamba's Mamba
+    layers, with feed-forward layers of their own)."""
     modules = dict(model.named_modules())
-    for name in attention:
-        layer, block = _layer_of(modules, name)
-        for sub, m in modules[layer].named_modules(prefix=layer):
-            if type(m) in _KINDS and (mlp or sub.startswith(block + ".")):
-                yield sub, m
+    scopes = [_layer_of(modules, name)[0 if mlp else 1] for name in attention]
+    if mlp:
+        for layer in list(scopes):
+            stack = layer.rsplit(".", 1)[0]
+            scopes += [f"{stack}.{key}" for key, _ in modules[stack].named_children()]
+    return list(dict.fromkeys(scopes))
 
 
 def _layer_of(modules: dict[str, nn.Module], name: str) -> tuple[str, str]:

@@ -379,3 +379,30 @@ def test_falcon_projections_are_protected(bias):
         assert_same_step(got, want)
         assert all(core.last_report.checked["forward"] == 1 for core in cores.values())
     assert_fault_repaired(model, projection_cores, attention[0], "d_input", got, want)
+
+
+def test_feed_forward_layers_of_layers_without_attention_are_protected_with_mlp():
+    """A hybrid model's layers without an attention module (LFM2's convolution layers; Qwen3-Next's
+    linear attention and Jamba's Mamba layers alike) have feed-forward layers too: ``mlp=True``
+    protected those of the attention layers only, and left the others unprotected, silently.
+    With ``mlp=True`` every linear layer of the other layers is protected (they hold no attention
+    block to tell apart), and the step equals eager's."""
+    if not hasattr(transformers, "Lfm2ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no LFM2")
+    config = transformers.Lfm2Config(vocab_size=100, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, layer_types=["conv", "full_attention"],
+                                     block_auto_adjust_ff_dim=False, attn_implementation="eager")
+    torch.manual_seed(0)
+    eager = transformers.Lfm2ForCausalLM(config).train()
+    want = step(eager, *batch())
+    conv_layer = ["model.layers.0." + n for n in ("conv.in_proj", "conv.out_proj",
+                                                  "feed_forward.w1", "feed_forward.w2",
+                                                  "feed_forward.w3")]
+    assert not set(conv_layer) & set(projection_cores(protect(copy.deepcopy(eager))))
+    with pytest.warns(UserWarning, match=r"'model\.layers\.0\.conv\.conv' first, a Conv1d"):
+        model = protect(copy.deepcopy(eager), mlp=True)  # (its convolution runs unprotected)
+    cores = projection_cores(model)
+    assert set(conv_layer) <= set(cores)
+    assert_same_step(step(model, *batch()), want)
+    assert all(cores[name].last_report.checked["forward"] == 1 for name in conv_layer)
