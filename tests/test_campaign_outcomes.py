@@ -107,3 +107,21 @@ def test_campaign_md_says_when_where_and_from_which_commit() -> None:
 
     text = markdown([], None, CampaignConfig(**SMALL), "numpy")
     assert " UTC on machine " in text and ", commit " in text
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_bit_flips_hit_the_bits_of_the_dtype_the_site_holds(dtype: str) -> None:
+    """The softmax backward hands its hook the unscaled dS in float32 for 16-bit data, but the
+    campaign placed its bit flips by the data's layout: "bitflip-exp" flipped float32's
+    mantissa bit 14 (float16), "bitflip-mant" its bit 9, a change of 2^-14 that the rounding to
+    float16 undid (masked, unprotected). The GEMM sites hold the data's dtype."""
+    from attention.experiments.campaign import run_campaign
+
+    config = CampaignConfig(**{**SMALL, "dtype": dtype}, sites=("q_proj", "softmax_backward"),
+                            kinds=("bitflip-exp", "bitflip-mant"), patterns=("element",))
+    bits = {(r["site"], r["kind"]): r["fault"]["bit"]
+            for r in run_campaign(config, np, progress=False) if r["kind"] != "none"}
+    mantissa = 10 if dtype == "float16" else 7  # bit 14 is the top exponent bit of both
+    assert bits == {("q_proj", "bitflip-exp"): 14, ("q_proj", "bitflip-mant"): mantissa - 1,
+                    ("softmax_backward", "bitflip-exp"): 30,
+                    ("softmax_backward", "bitflip-mant"): 22}

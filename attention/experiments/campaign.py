@@ -61,6 +61,7 @@ from tqdm import tqdm
 import abftgemm
 from abftgemm import Report, UncorrectableError
 from abftgemm.backend import to_host
+from abftgemm.checksums import accumulation_dtype
 from abftgemm.faults import PATTERNS, Fault, bit_layout, chain
 from attention import INVARIANT_SITES, SITES, MultiHeadAttention, reference
 from attention.experiments import fused_campaign
@@ -425,8 +426,7 @@ def run_campaign(config: CampaignConfig, xp: Any, progress: bool = True) -> list
     problem = backend_problem(config, xp)
     if problem:
         raise ValueError(problem)
-    kinds = {site: fault_kinds(config.dtype if config.core == "unfused" else
-                               fused_campaign.site_dtype(config.dtype, site), config.additive)
+    kinds = {site: fault_kinds(site_dtype(config, site), config.additive)
              for site in config.sites}
     faulty = {(site, kind, pattern, protected): Record(site, kind, pattern, protected,
                                                        dict(kinds[site][kind]))
@@ -456,6 +456,21 @@ def _trials(config: CampaignConfig, xp: Any, kinds: dict[str, dict[str, dict[str
                 fault = bench.fault(site, kinds[site][kind], pattern, seed)
                 _tally(faulty[site, kind, pattern, protected], bench, bench.run(site, check, fault))
                 bar.update()
+
+
+#: Layer sites whose fault hook sees the accumulation dtype, not the data's: the softmax
+#: backward hands it its unscaled dS (float32 for 16-bit data).
+ACCUMULATED_SITES: tuple[str, ...] = ("softmax_backward",)
+
+
+def site_dtype(config: CampaignConfig, site: str) -> np.dtype:
+    """The dtype of the elements a fault at ``site`` hits, whose layout places the bit flips of
+    :func:`fault_kinds`: the data's, the accumulation dtype at :data:`ACCUMULATED_SITES`, and on
+    the fused core :func:`attention.experiments.fused_campaign.site_dtype`."""
+    if config.core == "fused":
+        return fused_campaign.site_dtype(config.dtype, site)
+    data = np.dtype(config.dtype)
+    return accumulation_dtype(data) if site in ACCUMULATED_SITES else data
 
 
 def backend_problem(config: CampaignConfig, xp: Any) -> str | None:
