@@ -234,6 +234,23 @@ def test_a_step_non_finite_without_a_fault_ends_the_checkpoint_run(tmp_path: Pat
     assert runs["unprotected"]["max_abs_loss_diff"] == "nan"  # JSON's spelling of NaN
 
 
+def test_a_run_whose_loss_became_non_finite_is_not_trained(tmp_path: Path) -> None:
+    """The fault-free and protected runs go on past a non-finite loss (only the unprotected run
+    stops), and train.md and train.json called them "trained" with a final loss of NaN."""
+    status = main(["train", "--backend", "numpy", "--out", str(tmp_path), "--no-progress",
+                   "--steps", "4", "--fault-rate", "0", "--lr", "1e30", "--batch", "2",
+                   "--layers", "1", "--d-ff", "8", *TINY_LAYER])
+    assert status == 0
+    runs = json.loads((tmp_path / "train.json").read_text())["runs"]
+    for name in ("fault_free", "protected"):
+        losses = runs[name]["losses"]
+        first = next(i for i, x in enumerate(losses) if x == "nan")
+        assert runs[name]["non_trainable_at"] == first, name
+        assert len(losses) == 4 and losses[-1] == "nan"  # the run went on
+    table = (tmp_path / "train.md").read_text()
+    assert "| trained |" not in table, table
+
+
 def test_a_value_given_twice_is_one_cell() -> None:
     config = CampaignConfig(sites=("gemm", "gemm"), kinds=("inf", "inf", "nan"),
                             patterns=("element", "element"))

@@ -264,7 +264,8 @@ class RunResult:
     uncorrectable_retries : int
         Steps re-run after :class:`abftgemm.UncorrectableError`.
     non_trainable_at : int or None
-        First step whose loss was non-finite (unprotected run; it stops there).
+        First step whose loss was non-finite (the unprotected run stops there, the fault-free and
+        protected runs go on; the checkpoint run's: a step non-finite again on replay).
     restores : list of dict
         Checkpoint run: ``{"at": failed step, "from": checkpoint step}`` per reload.
     replayed_steps : int
@@ -333,7 +334,8 @@ class _Trainer:
 def _plain_steps(trainer: _Trainer, result: RunResult, schedule: dict[int, ScheduledFault],
                  stop_on_nonfinite: bool) -> Iterator[bool]:
     """A run without checkpoints (fault-free, unprotected or protected), one step per ``next``;
-    yields True for each new step."""
+    yields True for each new step. Its first non-finite loss is its ``non_trainable_at``; with
+    ``stop_on_nonfinite`` the run ends there, else it goes on."""
     for step in range(trainer.config.steps):
         try:
             loss, grads = trainer.grads(step, result.check, schedule.get(step), result)
@@ -341,9 +343,11 @@ def _plain_steps(trainer: _Trainer, result: RunResult, schedule: dict[int, Sched
             result.uncorrectable_retries += 1
             loss, grads = trainer.grads(step, result.check, None, result)
         result.losses[step] = loss
-        if stop_on_nonfinite and not math.isfinite(loss):
-            result.non_trainable_at = step
-            return
+        if not math.isfinite(loss):
+            if result.non_trainable_at is None:
+                result.non_trainable_at = step
+            if stop_on_nonfinite:
+                return
         trainer.opt.step(grads)
         yield True
 
