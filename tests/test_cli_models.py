@@ -71,6 +71,24 @@ def test_propagation_campaign_of_a_transformers_model(family: str, tmp_path: Pat
     assert "became non-trainable" in (tmp_path / "campaign.md").read_text()
 
 
+def test_propagation_campaign_says_what_was_run(tmp_path: Path) -> None:
+    """campaign.md and campaign.json of a --model campaign held the tables and records alone:
+    nothing said which sizes, steps, trials or seed, nor when, on what machine and from which
+    commit it ran (the layer's campaign.md and train.md/train.json do)."""
+    status = main(["campaign", "--backend", "numpy", "--model", "gpt2", "--out", str(tmp_path),
+                   "--no-progress", "--trials", "1", "--steps", "2", "--layers", "1",
+                   "--kinds", "nan", "--seed", "3", *TINY])
+    assert status == 0
+    text = (tmp_path / "campaign.md").read_text()
+    for part in ("steps=2", "trials=1", "layers=1", "seq=8", "d_model=16", "seed=3",
+                 "PyTorch on cpu", " UTC on machine ", ", commit "):
+        assert part in text, part
+    result = json.loads((tmp_path / "campaign.json").read_text())
+    assert {"date", "commit", "machine"} <= set(result["provenance"])
+    assert result["config"]["steps"] == 2 and result["config"]["kinds"] == ["nan"]
+    assert result["device"] == "cpu"
+
+
 def test_first_layer_sites():
     names = ["m.h.0.attn:scores", "m.h.1.attn:scores", "m.h.10.attn:d_q", "m.h.0.attn.c:fwd"]
     assert first_layer_sites(names) == ["m.h.0.attn:scores", "m.h.0.attn.c:fwd"]

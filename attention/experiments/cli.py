@@ -241,7 +241,7 @@ def _run_model_campaign(config: Any, args: argparse.Namespace) -> int:
     (out / "campaign.json").write_text(json.dumps(jsonable(result), indent=1))
     table = hf_campaign.markdown(result)
     (out / "campaign.md").write_text(f"# Fault propagation in training: {config.model}\n\n"
-                                     f"{table}\n")
+                                     f"{hf_campaign.describe(result)}\n\n{table}\n")
     print(table)
     print(f"\nwrote {out}/campaign.json, campaign.md")
     return 0

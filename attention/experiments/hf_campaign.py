@@ -25,12 +25,16 @@ from tqdm import tqdm
 from abftgemm.faults import Fault
 from attention.experiments.campaign import fault_kinds
 from attention.experiments.hf_models import HFTrainer
+from attention.experiments.provenance import provenance, provenance_line
 from attention.experiments.train import RunResult, TrainConfig, synthetic_corpus
 
 #: The fault strikes during this step (after one clean step: the model has an optimizer state).
 FAULT_STEP = 1
 #: Length of the synthetic training text.
 CORPUS_CHARS = 20000
+#: The campaign settings a transformers family uses (the others do not apply to it).
+SETTINGS: tuple[str, ...] = ("model", "layers", "steps", "trials", "kinds", "additive", "batch",
+                             "seq", "d_model", "n_heads", "seed")
 
 
 def first_layer_sites(sites: list[str]) -> list[str]:
@@ -52,7 +56,9 @@ def run(config: Any, device: str = "cpu", progress: bool = True) -> dict[str, An
     Returns
     -------
     dict
-        ``{"model", "sites", "fault_free": [loss per step], "records": [...]}``; a record holds
+        ``{"model", "config" (the :data:`SETTINGS`), "device", "provenance"
+        (:func:`attention.experiments.provenance.provenance`), "sites", "fault_free": [loss per
+        step], "records": [...]}``; a record holds
         ``site, kind, trial, protected, fired, non_trainable_at, steps_to_non_trainable,
         detected, corrected, recomputed, max_abs_loss_diff``.
     """
@@ -89,7 +95,18 @@ def run(config: Any, device: str = "cpu", progress: bool = True) -> dict[str, An
                 "detected": result.detected, "corrected": result.corrected,
                 "recomputed": result.recomputed,
                 "max_abs_loss_diff": max(d if math.isfinite(d) else math.inf for d in diffs)})
-    return {"model": config.model, "sites": sites, "fault_free": fault_free, "records": records}
+    return {"model": config.model, "config": {k: getattr(config, k) for k in SETTINGS},
+            "device": device, "provenance": provenance(), "sites": sites,
+            "fault_free": fault_free, "records": records}
+
+
+def describe(result: dict[str, Any]) -> str:
+    """One line of campaign.md: the settings, device and provenance of :func:`run`'s
+    ``result``."""
+    settings = " ".join(f"{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}"
+                        for k, v in result["config"].items())
+    return (f"Settings: {settings}; PyTorch on {result['device']}. "
+            f"{provenance_line(result['provenance'])}")
 
 
 def _train(trainer: HFTrainer, steps: int, check: str,
