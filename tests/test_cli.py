@@ -202,6 +202,28 @@ def test_without_matplotlib_plots_are_skipped(tmp_path: Path, monkeypatch: pytes
     assert (tmp_path / "train.json").exists() and not (tmp_path / "loss.png").exists()
 
 
+def test_a_previous_runs_figures_do_not_stay_with_this_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Into an --out that held a layer campaign, a fused core's campaign (no propagation) left
+    the layer's propagation.png beside its own files, and a run without matplotlib the previous
+    coverage.png and loss.png: figures of another run, passing for this one's."""
+    quick = ["--backend", "numpy", "--out", str(tmp_path), "--no-progress", "--trials", "1",
+             "--clean-trials", "0", *TINY_LAYER, "--kinds", "nan", "--patterns", "element"]
+    assert main(["campaign", *quick, "--sites", "gemm"]) == 0
+    assert (tmp_path / "propagation.png").exists() and (tmp_path / "coverage.png").exists()
+    assert main(["campaign", *quick, "--core", "fused", "--sites", "fused:out"]) == 0
+    assert not (tmp_path / "propagation.png").exists() and (tmp_path / "coverage.png").exists()
+    train = ["train", "--backend", "numpy", "--out", str(tmp_path), "--no-progress", "--steps",
+             "1", "--batch", "2", "--layers", "1", "--d-ff", "8", *TINY_LAYER]
+    assert main(train) == 0 and (tmp_path / "loss.png").exists()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # "import matplotlib" now fails
+    monkeypatch.delitem(sys.modules, "attention.experiments.plots", raising=False)
+    assert main(train) == 0 and not (tmp_path / "loss.png").exists()
+    assert main(["campaign", *quick, "--sites", "gemm"]) == 0
+    assert not (tmp_path / "coverage.png").exists()
+    assert (tmp_path / "campaign.json").exists() and (tmp_path / "train.json").exists()
+
+
 @pytest.mark.parametrize("command", ["campaign", "train", "bench", "demo"])
 @pytest.mark.parametrize("where", ["file", "below-a-file"])
 def test_out_that_cannot_be_a_folder_is_refused_before_any_work(

@@ -36,6 +36,11 @@ PLOTS_HINT = 'pip install "abftgemm[plots]"'
 BENCH_SCRIPTS: tuple[str, ...] = ("gemm.py", "attention.py")
 #: The repository's bench/ folder (attention/experiments/cli.py -> repository root).
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
+#: The files ``abft campaign`` and ``abft train`` may write under ``--out``; a run removes those
+#: it does not write itself (:func:`_drop_stale`).
+OUTPUTS: dict[str, tuple[str, ...]] = {
+    "campaign": ("campaign.json", "campaign.md", "coverage.png", "propagation.png"),
+    "train": ("train.json", "train.md", "loss.png")}
 
 
 def gpu_usable() -> bool:
@@ -214,6 +219,7 @@ def _run_campaign(config: Any, args: argparse.Namespace) -> int:
         if prop is not None:
             plots.propagation_grid(prop, out / "propagation.png")
             written.append("propagation.png")
+    _drop_stale(out, "campaign", written)
     tables = [campaign.site_table(records), *campaign.not_fired_lines(records),
               campaign.clean_table(records)]
     if prop is not None:
@@ -242,6 +248,7 @@ def _run_model_campaign(config: Any, args: argparse.Namespace) -> int:
     table = hf_campaign.markdown(result)
     (out / "campaign.md").write_text(f"# Fault propagation in training: {config.model}\n\n"
                                      f"{hf_campaign.describe(result)}\n\n{table}\n")
+    _drop_stale(out, "campaign", ("campaign.json", "campaign.md"))
     print(table)
     print(f"\nwrote {out}/campaign.json, campaign.md")
     return 0
@@ -268,9 +275,19 @@ def _run_train(config: Any, args: argparse.Namespace) -> int:
     if plots is not None:
         plots.loss_curves(summary, args.out / "loss.png")
         written.append("loss.png")
+    _drop_stale(args.out, "train", written)
     print(table)
     print(f"\nwrote {args.out}/" + ", ".join(written))
     return 0
+
+
+def _drop_stale(out: Path, command: str, written: list[str] | tuple[str, ...]) -> None:
+    """Remove the files of :data:`OUTPUTS` ``[command]`` under ``out`` that this run did not
+    write: a previous run's (a layer campaign's propagation.png beside a fused core's campaign,
+    a figure where matplotlib is now missing) would pass for this run's."""
+    for name in OUTPUTS[command]:
+        if name not in written:
+            (out / name).unlink(missing_ok=True)
 
 
 def _bench(args: argparse.Namespace) -> int:
