@@ -125,3 +125,18 @@ def test_bit_flips_hit_the_bits_of_the_dtype_the_site_holds(dtype: str) -> None:
     assert bits == {("q_proj", "bitflip-exp"): 14, ("q_proj", "bitflip-mant"): mantissa - 1,
                     ("softmax_backward", "bitflip-exp"): 30,
                     ("softmax_backward", "bitflip-mant"): 22}
+
+
+def test_campaign_md_states_the_bound_the_verdicts_used() -> None:
+    """campaign.md gave the bound's atol as max(atol_scale max|r_ref|, 10 noise) without its
+    absolute floor ``tiny / u``: with dropout 1 every result is 0, the stated bound was 0, yet a
+    subnormal change counted within it."""
+    from attention.experiments.campaign import markdown
+
+    config = CampaignConfig(**{**SMALL, "gemm": (32, 32, 32)}, core="fused", dtype="float64",
+                            dropout=1.0)
+    bench = make_testbed(config, np, 0)
+    floor = set(bench.atol.values())
+    assert len(floor) == 1 and floor.pop() > 0  # every result 0: the floor alone
+    text = " ".join(markdown([], None, config, "numpy").split())
+    assert f"{bench.atol['out']:.3g}" in text, text

@@ -67,7 +67,7 @@ from attention import INVARIANT_SITES, SITES, MultiHeadAttention, reference
 from attention.experiments import fused_campaign
 from attention.experiments.flags import option
 from attention.experiments.hf_models import FAMILIES
-from attention.experiments.outcomes import (NOISE_FACTOR, TOLERANCES, Trial,
+from attention.experiments.outcomes import (NOISE_FACTOR, TOLERANCES, Trial, absolute_floor,
                                             absolute_tolerances, compare)
 from attention.experiments.provenance import provenance_line
 
@@ -675,7 +675,8 @@ def markdown(records: list[dict[str, Any]], prop: dict[str, dict[str, np.ndarray
         f"The bound: a trial's results ({results}) differ "
         f"beyond it when |r - r_ref| > {rtol:g}·|r_ref| + atol for some element, atol = "
         f"max({scale:g}·max|r_ref|, {NOISE_FACTOR:g}·(rounding error of the fault-free run "
-        "against float64)), r_ref the unprotected fault-free run.",
+        f"against float64), {absolute_floor(config.dtype):.3g} (the checks' absolute floor)), "
+        "r_ref the unprotected fault-free run.",
         "## Outcomes per site (summed over kinds and patterns)", site_table(records),
         *not_fired_lines(records),
         "## Protected coverage: detected / trials", coverage_table(records),

@@ -32,6 +32,13 @@ class Trial:
     injected: bool
 
 
+def absolute_floor(dtype: str) -> float:
+    """The absolute floor ``tiny / u`` of :func:`absolute_tolerances` for ``dtype`` data (the
+    arithmetic's: float64 for float64 data, else float32)."""
+    arith = np.float64 if dtype == "float64" else np.float32
+    return smallest_normal(arith) / unit_roundoff(arith)
+
+
 def absolute_tolerances(reference: dict[str, Any], exact: dict[str, np.ndarray],
                         dtype: str) -> dict[str, float]:
     """Per result of the fault-free run ``reference``: ``atol = max(atol_scale max|r_ref|,
@@ -41,8 +48,7 @@ def absolute_tolerances(reference: dict[str, Any], exact: dict[str, np.ndarray],
     lengths summed times ``tiny``, so a change that small passes them by design; a result that is
     exactly 0 everywhere has no other term)."""
     _, scale = TOLERANCES[dtype]
-    arith = np.float64 if dtype == "float64" else np.float32
-    tiny = smallest_normal(arith) / unit_roundoff(arith)
+    tiny = absolute_floor(dtype)
     atol = {}
     for key, r in reference.items():
         r = to_host(r).astype(np.float64)
