@@ -66,7 +66,7 @@ from abftgemm.faults import PATTERNS, Fault, bit_layout, chain
 from attention import INVARIANT_SITES, SITES, MultiHeadAttention, reference
 from attention.experiments import fused_campaign
 from attention.experiments.flags import option
-from attention.experiments.hf_models import FAMILIES
+from attention.experiments.hf_models import FAMILIES, SEED_LIMIT
 from attention.experiments.outcomes import (NOISE_FACTOR, TOLERANCES, Trial, absolute_floor,
                                             absolute_tolerances, compare)
 from attention.experiments.provenance import provenance_line
@@ -143,6 +143,7 @@ class CampaignConfig:
         causal) and attention dropout probability in ``[0, 1]`` (default 0); ``core="fused"``
         only.
     seed : int
+        At least 0 (below 2**64 with a transformers ``model``).
     model : str
         ``"layer"``: this module's campaign of the attention layer. A transformers family
         (:data:`attention.experiments.hf_models.FAMILIES`): the training-propagation campaign of
@@ -208,6 +209,9 @@ class CampaignConfig:
                              f"{self.model}")
         if self.core not in CORES:
             raise ValueError(f"--core must be one of {', '.join(CORES)}, got {self.core}")
+        if self.model != "layer" and self.seed >= SEED_LIMIT:
+            raise ValueError(f"--seed of --model {self.model} must be below 2**64 (torch's "
+                             f"seeds), got {self.seed}")
         if self.core == "fused" and self.model != "layer":
             raise ValueError("--core fused faults the fused attention core alone: --model layer")
         if self.mask not in fused_campaign.MASKS:

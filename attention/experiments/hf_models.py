@@ -31,6 +31,8 @@ FAMILIES: tuple[str, ...] = ("bert", "roberta", "gpt2", "gpt-neo", "llama")
 MASKED_LM = ("bert", "roberta")
 #: Share of the positions a masked language model predicts per batch.
 MASK_SHARE = 0.15
+#: Seeds :func:`build` takes are below this (``torch.manual_seed`` refuses larger ones).
+SEED_LIMIT = 2 ** 64
 
 
 def build(family: str, *, vocab: int, seq: int, d_model: int, n_heads: int, n_layers: int,
