@@ -242,6 +242,32 @@ def test_out_that_cannot_be_a_folder_is_refused_before_any_work(
     assert blocker.read_text() == "not a folder"
 
 
+@pytest.mark.parametrize("command", ["campaign", "train"])
+@pytest.mark.parametrize("why", ["name too long", "read-only"])
+def test_out_that_cannot_be_made_is_refused_before_any_work(
+        command: str, why: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """A folder name the file system refuses (longer than its 255 bytes) ended in an OSError
+    traceback; a folder it cannot create (a read-only mount: os.access can pass, /proc) was
+    created after all the work, which ended in a traceback."""
+    import errno
+
+    from attention.experiments import campaign, train
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the command ran")
+    monkeypatch.setattr(campaign, "run_campaign", no_work)
+    monkeypatch.setattr(train, "train", no_work)
+    out = tmp_path / ("x" * 300 if why == "name too long" else "out")
+    if why == "read-only":
+        def refuse(self, *args, **kwargs):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        monkeypatch.setattr(Path, "mkdir", refuse)
+    assert main([command, "--out", str(out), "--backend", "numpy", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"abft {command}: error: --out {out}: " in err, err
+
+
 def test_a_step_non_finite_without_a_fault_ends_the_checkpoint_run(tmp_path: Path) -> None:
     """A learning rate that makes the loss non-finite with no fault: checkpoint/restore replays
     the same step to the same result, and the run ends there (it looped forever), non-trainable;

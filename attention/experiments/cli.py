@@ -154,16 +154,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _output_folder(out: Path) -> None:
-    """Raise :class:`_BadFlags` when ``--out`` cannot become a folder: a file at it or above it.
-    Nothing is created here (a bad flag leaves no folder behind); the commands create it."""
+    """Raise :class:`_BadFlags` when ``--out`` cannot become a folder: a file at it or above it,
+    or a name the file system refuses. Nothing is created here (a bad flag leaves no folder
+    behind); the commands create it (:func:`_make_output`)."""
     for part in (out, *out.parents):
-        if part.exists():
+        try:
+            exists = part.exists()
+        except OSError as exc:  # a name the file system refuses (too long)
+            raise _BadFlags(f"--out {out}: {exc.strerror or exc}") from None
+        if exists:
             if not part.is_dir():
                 raise _BadFlags(f"--out {out}: a file is in the way ({part}); --out names a "
                                 "folder")
             if not os.access(part, os.W_OK | os.X_OK):
                 raise _BadFlags(f"--out {out}: cannot write in {part}")
             return
+
+
+def _make_output(out: Path) -> None:
+    """Create the folder ``--out`` once the flags are judged, before any work; raise
+    :class:`_BadFlags` when the file system refuses it (a name too long, a read-only mount)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _BadFlags(f"--out {out}: {exc.strerror or exc}") from None
 
 
 def _config(config: type[T], args: argparse.Namespace) -> T:
@@ -202,13 +216,13 @@ def _run_campaign(config: Any, args: argparse.Namespace) -> int:
     problem = campaign.backend_problem(config, xp)
     if problem:
         raise _BadFlags(problem)
+    out: Path = args.out
+    _make_output(out)
     print(f"campaign: {config.core} core, backend {args.backend}, {config.trials} trial(s) per "
           f"cell, {len(config.sites)} sites x {len(config.kinds)} kinds x "
           f"{len(config.patterns)} patterns x 2 modes", flush=True)
     records = campaign.run_campaign(config, xp, progress=not args.no_progress)
     prop = campaign.propagation(config, xp) if config.core == "unfused" else None
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
     (out / "campaign.json").write_text(json.dumps(records, indent=1))
     (out / "campaign.md").write_text(campaign.markdown(records, prop, config, args.backend))
     written = ["campaign.json", "campaign.md"]
@@ -238,12 +252,12 @@ def _run_model_campaign(config: Any, args: argparse.Namespace) -> int:
     from attention.experiments.train import jsonable
 
     device = "cpu" if args.backend == "numpy" else "cuda"
+    out: Path = args.out
+    _make_output(out)
     print(f"campaign: {config.model} ({config.layers} layers), PyTorch on {device}, "
           f"{config.trials} trial(s) per (site, kind), {len(config.kinds)} kinds x 2 modes, "
           f"{config.steps} steps per run", flush=True)
     result = hf_campaign.run(config, device, progress=not args.no_progress)
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
     (out / "campaign.json").write_text(json.dumps(jsonable(result), indent=1))
     table = hf_campaign.markdown(result)
     (out / "campaign.md").write_text(f"# Fault propagation in training: {config.model}\n\n"
@@ -264,6 +278,7 @@ def _run_train(config: Any, args: argparse.Namespace) -> int:
     from attention.experiments import train
 
     xp = array_module(args.backend)
+    _make_output(args.out)
     print(f"train: backend {args.backend}, {config.steps} steps x 4 runs, fault rate "
           f"{config.fault_rate}", flush=True)
     summary = train.train(config, xp, args.out, progress=not args.no_progress)
