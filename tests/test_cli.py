@@ -268,6 +268,23 @@ def test_out_that_cannot_be_made_is_refused_before_any_work(
     assert err.count("\n") == 1 and f"abft {command}: error: --out {out}: " in err, err
 
 
+@pytest.mark.parametrize("missing", ["transformers", "torch"])
+@pytest.mark.parametrize("command", ["campaign", "train"])
+def test_a_transformers_model_without_the_hf_extra_says_how_to_get_it(
+        command: str, missing: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """--model FAMILY without transformers (or PyTorch) ended in a ModuleNotFoundError
+    traceback from inside the run, leaving an empty --out behind."""
+    monkeypatch.setitem(sys.modules, missing, None)  # "import <missing>" now fails
+    out = tmp_path / "out"
+    assert main([command, "--backend", "numpy", "--model", "gpt2", "--out", str(out),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and 'pip install "abftgemm[hf]"' in err, err
+    assert f"abft {command}: error: --model gpt2 needs" in err and missing in err, err
+    assert not out.exists()
+
+
 def test_a_step_non_finite_without_a_fault_ends_the_checkpoint_run(tmp_path: Path) -> None:
     """A learning rate that makes the loss non-finite with no fault: checkpoint/restore replays
     the same step to the same result, and the run ends there (it looped forever), non-trainable;

@@ -33,6 +33,8 @@ from attention.experiments.flags import add_flags, from_args
 T = TypeVar("T")
 #: How to get the plots when matplotlib is missing.
 PLOTS_HINT = 'pip install "abftgemm[plots]"'
+#: How to get a transformers ``--model`` when PyTorch or transformers is missing.
+HF_HINT = 'pip install "abftgemm[hf]"'
 BENCH_SCRIPTS: tuple[str, ...] = ("gemm.py", "attention.py")
 #: The repository's bench/ folder (attention/experiments/cli.py -> repository root).
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
@@ -171,6 +173,17 @@ def _output_folder(out: Path) -> None:
             return
 
 
+def _need_hf(model: str) -> None:
+    """Raise :class:`_BadFlags`, saying how to get them, when the transformers ``--model``
+    finds PyTorch or transformers missing."""
+    for name in ("torch", "transformers"):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            raise _BadFlags(f"--model {model} needs PyTorch and transformers; "
+                            f"{exc.name or name} is not installed ({HF_HINT})") from None
+
+
 def _make_output(out: Path) -> None:
     """Create the folder ``--out`` once the flags are judged, before any work; raise
     :class:`_BadFlags` when the file system refuses it (a name too long, a read-only mount)."""
@@ -251,6 +264,7 @@ def _run_model_campaign(config: Any, args: argparse.Namespace) -> int:
     from attention.experiments import hf_campaign
     from attention.experiments.train import jsonable
 
+    _need_hf(config.model)
     device = "cpu" if args.backend == "numpy" else "cuda"
     out: Path = args.out
     _make_output(out)
@@ -277,6 +291,8 @@ def _train(args: argparse.Namespace) -> int:
 def _run_train(config: Any, args: argparse.Namespace) -> int:
     from attention.experiments import train
 
+    if config.model != "gpt":
+        _need_hf(config.model)
     xp = array_module(args.backend)
     _make_output(args.out)
     print(f"train: backend {args.backend}, {config.steps} steps x 4 runs, fault rate "
