@@ -99,7 +99,12 @@ def test_first_layer_sites():
                                    ["campaign", "--model", "gpt2", "--steps", "1"],
                                    # past torch.manual_seed's range: a ValueError traceback
                                    ["train", "--model", "gpt2", "--seed", str(2 ** 64)],
-                                   ["campaign", "--model", "bert", "--seed", str(2 ** 64)]])
+                                   ["campaign", "--model", "bert", "--seed", str(2 ** 64)],
+                                   # Llama's rotary positions need heads of an even width: a
+                                   # RuntimeError traceback from inside the first step
+                                   ["train", "--model", "llama", "--d-model", "6", "--heads", "2"],
+                                   ["campaign", "--model", "llama", "--d-model", "6", "--heads",
+                                    "2"]])
 def test_bad_model_flags_exit_2(flags: list[str], tmp_path: Path,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:

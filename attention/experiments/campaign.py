@@ -66,7 +66,7 @@ from abftgemm.faults import PATTERNS, Fault, bit_layout, chain
 from attention import INVARIANT_SITES, SITES, MultiHeadAttention, reference
 from attention.experiments import fused_campaign
 from attention.experiments.flags import option
-from attention.experiments.hf_models import FAMILIES, SEED_LIMIT
+from attention.experiments.hf_models import FAMILIES, SEED_LIMIT, size_problem
 from attention.experiments.outcomes import (NOISE_FACTOR, TOLERANCES, Trial, absolute_floor,
                                             absolute_tolerances, compare)
 from attention.experiments.provenance import provenance_line
@@ -123,7 +123,8 @@ class CampaignConfig:
         Fault-free protected trials (false positives), at least 0.
     batch, seq, d_model, n_heads : int
         Attention layer and input sizes: ``seq >= 2``, ``d_model`` a multiple of ``n_heads``
-        with at least 2 columns per head (the propagation fault hits column 1 of head 0).
+        with at least 2 columns per head (the propagation fault hits column 1 of head 0; an
+        even number for ``model="llama"``).
     gemm : tuple of int
         ``(m, k, n)`` of the standalone product.
     dtype : str
@@ -209,6 +210,9 @@ class CampaignConfig:
                              f"{self.model}")
         if self.core not in CORES:
             raise ValueError(f"--core must be one of {', '.join(CORES)}, got {self.core}")
+        problem = size_problem(self.model, self.d_model, self.n_heads)
+        if problem:
+            raise ValueError(problem)
         if self.model != "layer" and self.seed >= SEED_LIMIT:
             raise ValueError(f"--seed of --model {self.model} must be below 2**64 (torch's "
                              f"seeds), got {self.seed}")

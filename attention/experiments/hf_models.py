@@ -35,6 +35,17 @@ MASK_SHARE = 0.15
 SEED_LIMIT = 2 ** 64
 
 
+def size_problem(family: str, d_model: int, n_heads: int) -> str | None:
+    """Why a ``family`` model cannot have heads of ``d_model / n_heads`` columns, or None:
+    Llama's rotary positions turn pairs of a head's columns (an odd width fails in its first
+    step)."""
+    width = d_model // n_heads
+    if family == "llama" and width % 2:
+        return (f"--model llama turns pairs of a head's columns: --d-model / --heads must be "
+                f"even, got {d_model} / {n_heads} = {width}")
+    return None
+
+
 def build(family: str, *, vocab: int, seq: int, d_model: int, n_heads: int, n_layers: int,
           d_ff: int, seed: int, attn_implementation: str = "eager", dropout: float = 0.0) -> Any:
     """A ``family`` model with random weights from ``seed``, in training mode.
