@@ -76,16 +76,16 @@ def test_propagation_campaign_says_what_was_run(tmp_path: Path) -> None:
     nothing said which sizes, steps, trials or seed, nor when, on what machine and from which
     commit it ran (the layer's campaign.md and train.md/train.json do)."""
     status = main(["campaign", "--backend", "numpy", "--model", "gpt2", "--out", str(tmp_path),
-                   "--no-progress", "--trials", "1", "--steps", "2", "--layers", "1",
+                   "--no-progress", "--trials", "1", "--steps", "3", "--layers", "1",
                    "--kinds", "nan", "--seed", "3", *TINY])
     assert status == 0
     text = (tmp_path / "campaign.md").read_text()
-    for part in ("steps=2", "trials=1", "layers=1", "seq=8", "d_model=16", "seed=3",
+    for part in ("steps=3", "trials=1", "layers=1", "seq=8", "d_model=16", "seed=3",
                  "PyTorch on cpu", " UTC on machine ", ", commit "):
         assert part in text, part
     result = json.loads((tmp_path / "campaign.json").read_text())
     assert {"date", "commit", "machine"} <= set(result["provenance"])
-    assert result["config"]["steps"] == 2 and result["config"]["kinds"] == ["nan"]
+    assert result["config"]["steps"] == 3 and result["config"]["kinds"] == ["nan"]
     assert result["device"] == "cpu"
 
 
@@ -97,6 +97,9 @@ def test_first_layer_sites():
 @pytest.mark.parametrize("flags", [["train", "--model", "gpt3"],
                                    ["train", "--model", "gpt2", "--dtype", "float64"],
                                    ["campaign", "--model", "gpt2", "--steps", "1"],
+                                   # the fault strikes in the last step: a NaN gradient's
+                                   # damage is never seen ("0% non-trainable")
+                                   ["campaign", "--model", "gpt2", "--steps", "2"],
                                    # past torch.manual_seed's range: a ValueError traceback
                                    ["train", "--model", "gpt2", "--seed", str(2 ** 64)],
                                    ["campaign", "--model", "bert", "--seed", str(2 ** 64)],

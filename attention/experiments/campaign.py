@@ -152,7 +152,9 @@ class CampaignConfig:
         blocks, ``steps`` training steps per run (at every protected product of the first layer;
         ``sites``, ``patterns``, ``clean_trials``, ``gemm`` and ``dtype`` do not apply).
     layers, steps : int
-        See ``model`` (a family's only).
+        See ``model`` (a family's only); ``steps`` at least 3: the fault strikes in step 1
+        (:data:`attention.experiments.hf_campaign.FAULT_STEP`), and a fault in its backward
+        pass shows only in the loss of the step after.
 
     Raises
     ------
@@ -180,7 +182,8 @@ class CampaignConfig:
                         "transformers model of that family (needs the [hf] extra)",
                         choices=("layer",) + FAMILIES)
     layers: int = option(2, "transformer blocks of a --model family")
-    steps: int = option(6, "training steps per run of a --model family (the fault in step 1)")
+    steps: int = option(6, "training steps per run of a --model family (the fault in step 1; "
+                        "at least 3: a faulty gradient shows in a later step's loss)")
     core: str = option("unfused", "attention core to fault: the layer's (unfused) sites, or the "
                        "fused core's internal tile sites", choices=CORES)
     mask: str = option("causal", "the fused core's mask (--core fused)",
@@ -192,7 +195,7 @@ class CampaignConfig:
                     "--batch": (self.batch, 1), "--seq": (self.seq, 2),
                     "--d-model": (self.d_model, 1), "--heads": (self.n_heads, 1),
                     "--gemm": (min(self.gemm), 1), "--layers": (self.layers, 1),
-                    "--steps": (self.steps, 2), "--seed": (self.seed, 0)}
+                    "--steps": (self.steps, 3), "--seed": (self.seed, 0)}
         for flag, (value, low) in at_least.items():
             if value < low:
                 raise ValueError(f"{flag} must be at least {low}, got {value}")
