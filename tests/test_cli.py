@@ -285,6 +285,24 @@ def test_a_transformers_model_without_the_hf_extra_says_how_to_get_it(
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", ["campaign", "train"])
+def test_a_transformers_model_on_the_gpu_without_cuda_in_pytorch_is_refused(
+        command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """--backend cupy runs a --model family with PyTorch on "cuda": where CuPy sees a GPU but
+    PyTorch has no CUDA (a CPU-only build) the run ended in a traceback from inside it."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(cli, "gpu_usable", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "out"
+    assert main([command, "--backend", "cupy", "--model", "gpt2", "--out", str(out),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"abft {command}: error: --model gpt2" in err, err
+    assert "--backend numpy" in err and not out.exists()
+
+
 def test_a_step_non_finite_without_a_fault_ends_the_checkpoint_run(tmp_path: Path) -> None:
     """A learning rate that makes the loss non-finite with no fault: checkpoint/restore replays
     the same step to the same result, and the run ends there (it looped forever), non-trainable;

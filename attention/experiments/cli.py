@@ -173,15 +173,22 @@ def _output_folder(out: Path) -> None:
             return
 
 
-def _need_hf(model: str) -> None:
-    """Raise :class:`_BadFlags`, saying how to get them, when the transformers ``--model``
-    finds PyTorch or transformers missing."""
+def _need_hf(model: str, backend: str) -> None:
+    """Raise :class:`_BadFlags` when the transformers ``--model`` cannot run: PyTorch or
+    transformers missing (saying how to get them), or ``--backend cupy`` (PyTorch on
+    ``"cuda"``) with a PyTorch that sees no CUDA device (a CPU-only build)."""
     for name in ("torch", "transformers"):
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as exc:
             raise _BadFlags(f"--model {model} needs PyTorch and transformers; "
                             f"{exc.name or name} is not installed ({HF_HINT})") from None
+    import torch
+
+    if backend == "cupy" and not torch.cuda.is_available():
+        raise _BadFlags(f"--model {model} with --backend cupy trains with PyTorch on the GPU, "
+                        "but this PyTorch sees no CUDA device (a CPU-only build?); "
+                        "--backend numpy runs it on the CPU")
 
 
 def _make_output(out: Path) -> None:
@@ -264,7 +271,7 @@ def _run_model_campaign(config: Any, args: argparse.Namespace) -> int:
     from attention.experiments import hf_campaign
     from attention.experiments.train import jsonable
 
-    _need_hf(config.model)
+    _need_hf(config.model, args.backend)
     device = "cpu" if args.backend == "numpy" else "cuda"
     out: Path = args.out
     _make_output(out)
@@ -292,7 +299,7 @@ def _run_train(config: Any, args: argparse.Namespace) -> int:
     from attention.experiments import train
 
     if config.model != "gpt":
-        _need_hf(config.model)
+        _need_hf(config.model, args.backend)
     xp = array_module(args.backend)
     _make_output(args.out)
     print(f"train: backend {args.backend}, {config.steps} steps x 4 runs, fault rate "
