@@ -89,6 +89,22 @@ def test_propagation_campaign_says_what_was_run(tmp_path: Path) -> None:
     assert result["device"] == "cpu"
 
 
+def test_propagation_campaign_with_a_seq_past_its_corpus(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The campaign's corpus has CORPUS_CHARS characters: a --seq within 2 of it (20000 and
+    more) ended in a traceback, "ValueError: --corpus-chars must be at least ...", a flag
+    abft campaign does not have. The corpus now grows to fit."""
+    from attention.experiments import hf_campaign
+
+    monkeypatch.setattr(hf_campaign, "CORPUS_CHARS", 9)
+    status = main(["campaign", "--backend", "numpy", "--model", "gpt2", "--out", str(tmp_path),
+                   "--no-progress", "--trials", "1", "--steps", "3", "--layers", "1",
+                   "--kinds", "nan", *TINY])
+    assert status == 0
+    records = json.loads((tmp_path / "campaign.json").read_text())["records"]
+    assert records and all(r["fired"] for r in records)
+
+
 def test_first_layer_sites():
     names = ["m.h.0.attn:scores", "m.h.1.attn:scores", "m.h.10.attn:d_q", "m.h.0.attn.c:fwd"]
     assert first_layer_sites(names) == ["m.h.0.attn:scores", "m.h.0.attn.c:fwd"]

@@ -30,7 +30,7 @@ from attention.experiments.train import RunResult, TrainConfig, synthetic_corpus
 
 #: The fault strikes during this step (after one clean step: the model has an optimizer state).
 FAULT_STEP = 1
-#: Length of the synthetic training text.
+#: Length of the synthetic training text (longer where ``seq`` needs it: ``seq + 2``).
 CORPUS_CHARS = 20000
 #: The campaign settings a transformers family uses (the others do not apply to it).
 SETTINGS: tuple[str, ...] = ("model", "layers", "steps", "trials", "kinds", "additive", "batch",
@@ -62,13 +62,14 @@ def run(config: Any, device: str = "cpu", progress: bool = True) -> dict[str, An
         ``site, kind, trial, protected, fired, non_trainable_at, steps_to_non_trainable,
         detected, corrected, recomputed, max_abs_loss_diff``.
     """
-    text = synthetic_corpus(CORPUS_CHARS, config.seed)
+    corpus_chars = max(CORPUS_CHARS, config.seq + 2)
+    text = synthetic_corpus(corpus_chars, config.seed)
     chars = sorted(set(text))
     data = np.array([chars.index(c) for c in text], dtype=np.int64)
     settings = TrainConfig(model=config.model, seq=config.seq, batch=config.batch,
                            d_model=config.d_model, n_heads=config.n_heads,
                            n_layers=config.layers, d_ff=2 * config.d_model, seed=config.seed,
-                           corpus_chars=CORPUS_CHARS)
+                           corpus_chars=corpus_chars)
 
     def trainer() -> HFTrainer:
         return HFTrainer(settings, data, len(chars), device)
