@@ -105,6 +105,20 @@ def test_propagation_campaign_with_a_seq_past_its_corpus(tmp_path: Path,
     assert records and all(r["fired"] for r in records)
 
 
+@pytest.mark.parametrize("command", ["train", "campaign"])
+def test_a_model_past_memory_one_line_exit_2(command: str, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """PyTorch reports an allocation it cannot make as a RuntimeError ("DefaultCPUAllocator:
+    can't allocate memory"), not a MemoryError: a --model too large for the machine ended in
+    that traceback instead of abft's one line (as NumPy's MemoryError gets)."""
+    code = main([command, "--backend", "numpy", "--model", "gpt2", "--out", str(tmp_path),
+                 "--no-progress", "--d-model", str(10 ** 9), "--heads", "2", "--seq", "4",
+                 "--batch", "1", "--layers", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"abft {command}: error: not enough memory for these sizes"), err
+
+
 def test_first_layer_sites():
     names = ["m.h.0.attn:scores", "m.h.1.attn:scores", "m.h.10.attn:d_q", "m.h.0.attn.c:fwd"]
     assert first_layer_sites(names) == ["m.h.0.attn:scores", "m.h.0.attn.c:fwd"]

@@ -149,10 +149,24 @@ def main(argv: list[str] | None = None) -> int:
     except _BadFlags as exc:
         print(f"abft {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except MemoryError as exc:  # sizes past this machine's memory (NumPy says how much)
+    except (MemoryError, RuntimeError) as exc:  # sizes past this machine's memory
+        if not _out_of_memory(exc):
+            raise
         print(f"abft {args.command}: error: not enough memory for these sizes ({exc}); "
               "choose smaller ones", file=sys.stderr)
         return 2
+
+
+#: What PyTorch's CPU allocator says when an allocation fails (a RuntimeError, not a
+#: MemoryError).
+_TORCH_CPU_OOM = "DefaultCPUAllocator: can't allocate memory"
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says an allocation failed: a MemoryError (NumPy, CuPy), PyTorch's
+    ``OutOfMemoryError`` (CUDA) or its CPU allocator's RuntimeError."""
+    return (isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+            or _TORCH_CPU_OOM in str(exc))
 
 
 def _output_folder(out: Path) -> None:
