@@ -190,6 +190,18 @@ def test_help_lists_defaults_and_choices(capsys: pytest.CaptureFixture[str]) -> 
         assert default in flat, default
 
 
+@pytest.mark.parametrize("command", [[], ["campaign"], ["train"], ["bench"], ["demo"]])
+def test_help_is_plain_text(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` prints the docstrings' first lines without their reST markup (it showed
+    ":func:`train`" and "``abft train``")."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for markup in ("``", ":func:", ":class:", ":mod:", ":data:"):
+        assert markup not in out, (markup, out)
+
+
 def test_without_matplotlib_plots_are_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # "import matplotlib" now fails

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,17 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="array backend (default: cupy when a GPU is usable, else numpy)")
     common.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
-    parser = _Parser(prog="abft", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="abft", description=_plain(__doc__.split("\n\n")[0]))
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     camp = sub.add_parser("campaign", parents=[common], help="fault-injection campaign",
-                          description=(CampaignConfig.__doc__ or "").splitlines()[0])
+                          description=_plain((CampaignConfig.__doc__ or "").splitlines()[0]))
     camp.add_argument("--out", type=Path, default=Path("out/campaign"),
                       help="output folder (default: out/campaign)")
     add_flags(camp, CampaignConfig)
 
     train = sub.add_parser("train", parents=[common], help="training under faults",
-                           description=(TrainConfig.__doc__ or "").splitlines()[0])
+                           description=_plain((TrainConfig.__doc__ or "").splitlines()[0]))
     train.add_argument("--out", type=Path, default=Path("out/train"),
                        help="output folder (default: out/train)")
     add_flags(train, TrainConfig)
@@ -124,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="output folder (default: out/demo)")
     demo.add_argument("--seed", type=int, default=0, help="seed of everything random (default: 0)")
     return parser
+
+
+def _plain(text: str) -> str:
+    """A docstring's line as ``--help`` prints it: reST roles and literals as plain words
+    (``:func:`train``` -> ``train``, ````abft```` -> ``abft``)."""
+    return re.sub(r":\w+:`~?([^`]+)`", r"\1", text).replace("``", "")
 
 
 class _BadFlags(ValueError):
