@@ -100,3 +100,23 @@ def test_the_runs_take_turns_step_by_step(tmp_path: Path,
     assert timed == [(name, step) for step in range(3) for name in runs]
     assert all(0 < summary["runs"][name]["seconds"] for name in runs)
     assert summary["runs"]["protected"]["losses"] == summary["runs"]["fault_free"]["losses"]
+
+
+def test_a_fault_in_the_last_backward_is_not_called_trained(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """A NaN in the last step's weight gradient shows in no loss, but leaves the unprotected
+    run's weights NaN: that run is non-trainable at ``steps`` (it was reported "trained"), the
+    protected one trained."""
+    config = train.TrainConfig(steps=2, batch=2, seq=8, d_model=16, n_heads=2, n_layers=1,
+                               d_ff=8, fault_rate=0.0, checkpoint_every=1)
+
+    def schedule(config, sites=train.FAULT_SITES, layers=None):
+        return {1: train.ScheduledFault(step=1, kind="nan", site="d_wq", layer=0, seed=3)}
+
+    monkeypatch.setattr(train, "fault_schedule", schedule)
+    runs = train.train(config, np, tmp_path, progress=False)["runs"]
+    assert runs["unprotected"]["faults_injected"] == 1
+    assert runs["unprotected"]["non_trainable_at"] == 2
+    assert runs["protected"]["non_trainable_at"] is None
+    assert runs["fault_free"]["non_trainable_at"] is None

@@ -232,6 +232,12 @@ class HFTrainer:
         return math.isfinite(loss) and all(bool(torch.isfinite(p.grad).all())
                                            for p in self.model.parameters() if p.grad is not None)
 
+    def weights_finite(self) -> bool:
+        """Whether every weight is finite."""
+        import torch
+
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+
     def sites(self) -> list[str]:
         """The full names of every protected product one training step runs, in call order."""
         from abftgemm.faults import Recorder

@@ -272,7 +272,8 @@ class RunResult:
         Steps re-run after :class:`abftgemm.UncorrectableError`.
     non_trainable_at : int or None
         First step whose loss was non-finite (the unprotected run stops there, the fault-free and
-        protected runs go on; the checkpoint run's: a step non-finite again on replay).
+        protected runs go on; the checkpoint run's: a step non-finite again on replay), or the
+        number of steps when only the last update left a weight non-finite.
     restores : list of dict
         Checkpoint run: ``{"at": failed step, "from": checkpoint step}`` per reload.
     replayed_steps : int
@@ -337,12 +338,19 @@ class _Trainer:
         total = sum(self.xp.abs(g).sum(dtype=np.float64) for g in grads.values())
         return math.isfinite(loss) and math.isfinite(float(total))
 
+    def weights_finite(self) -> bool:
+        """Whether every weight is finite (one device sync)."""
+        return math.isfinite(float(sum(self.xp.abs(p).sum(dtype=np.float64)
+                                       for p in self.params.values())))
+
 
 def _plain_steps(trainer: _Trainer, result: RunResult, schedule: dict[int, ScheduledFault],
                  stop_on_nonfinite: bool) -> Iterator[bool]:
     """A run without checkpoints (fault-free, unprotected or protected), one step per ``next``;
     yields True for each new step. Its first non-finite loss is its ``non_trainable_at``; with
-    ``stop_on_nonfinite`` the run ends there, else it goes on."""
+    ``stop_on_nonfinite`` the run ends there, else it goes on. A run whose losses stayed finite
+    but whose last update left a weight non-finite (a fault in the last step's backward, which
+    no loss shows) is non-trainable at ``steps``, the step it cannot take."""
     for step in range(trainer.config.steps):
         try:
             loss, grads = trainer.grads(step, result.check, schedule.get(step), result)
@@ -357,6 +365,8 @@ def _plain_steps(trainer: _Trainer, result: RunResult, schedule: dict[int, Sched
                 return
         trainer.opt.step(grads)
         yield True
+    if result.non_trainable_at is None and not trainer.weights_finite():
+        result.non_trainable_at = trainer.config.steps  # the last update broke the weights
 
 
 def _checkpointed_steps(trainer: _Trainer, result: RunResult,
