@@ -57,6 +57,15 @@ def step(model, ids, mask):
                                    for n, p in model.named_parameters() if p.grad is not None}
 
 
+def seq2seq_step(model, ids, mask):
+    """Logits and every parameter's gradient of an encoder-decoder model's loss, its decoder fed
+    the input ids."""
+    logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits
+    logits.pow(2).mean().backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()
+                             if p.grad is not None}
+
+
 def assert_close(actual, expected, rtol=RTOL32, floor=0.0, atol=0.0, name=""):
     """``|actual - expected| <= rtol * (max |expected| + floor) + atol`` element-wise at worst."""
     assert torch.isfinite(actual).all(), name

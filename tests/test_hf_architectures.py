@@ -14,7 +14,8 @@ from hf_models import torch, transformers  # skips this module without them
 from attention.hf import EAGER_MASKS, name_for  # noqa: E402
 from attention.hf_protect import attention_cores  # noqa: E402
 from attention.torch import protect  # noqa: E402
-from hf_models import VOCAB, assert_close, assert_same_step, batch, step  # noqa: E402
+from hf_models import (VOCAB, assert_close, assert_same_step, batch, seq2seq_step,  # noqa: E402
+                       step)
 
 #: name: (config class, model class, config arguments besides the vocabulary and eager
 #: attention); 2 layers, width 32, 4 heads (2 key/value heads where the model has the option),
@@ -195,16 +196,21 @@ def test_eager_masks_left_out_hide_nothing(name):
     assert_same_step(runs[1], runs[0])
 
 
+def _mllama_text_config():
+    """A tiny Mllama text model's config, its layer 1 a cross-attention layer."""
+    if not hasattr(transformers, "MllamaForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Mllama")
+    return transformers.MllamaTextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1],
+        pad_token_id=0, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+
+
 def test_an_attention_module_behind_a_decorator_is_found():
     """Mllama's text cross-attention names the attention function inside a decorated forward:
     it was missed (no core at protect, so a ``check="detect"`` model ran it with a default
     ``"correct"`` core made at first use, and its projections unprotected)."""
-    if not hasattr(transformers, "MllamaForCausalLM"):
-        pytest.skip(f"transformers {transformers.__version__} has no Mllama")
-    config = transformers.MllamaTextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1],
-        pad_token_id=0, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    config = _mllama_text_config()
     torch.manual_seed(0)
     model = protect(transformers.MllamaForCausalLM(config), check="detect")
     cores = attention_cores(model)
@@ -230,11 +236,7 @@ def test_t5_trains_its_relative_position_bias_equal_to_eager():
             raise
         pytest.skip(f"transformers {transformers.__version__}: {exc}")
     ids, mask = batch()
-    runs = []
-    for m in (eager, model):
-        logits = m(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits
-        logits.pow(2).mean().backward()
-        runs.append((logits.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    runs = [seq2seq_step(m, ids, mask) for m in (eager, model)]
     assert_same_step(runs[1], runs[0])
     bias = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
     assert runs[1][1][bias].abs().sum() > 0
@@ -382,12 +384,7 @@ def test_an_attention_module_without_a_causal_flag_is_not_causal():
     mask, gets no mask: it ran causal (sdpa's default for a module without the flag; each text
     token saw only the first image tokens), where eager attends to every key. A module without
     the flag is not causal: the step equals eager's."""
-    if not hasattr(transformers, "MllamaForCausalLM"):
-        pytest.skip(f"transformers {transformers.__version__} has no Mllama")
-    config = transformers.MllamaTextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1],
-        pad_token_id=0, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    config = _mllama_text_config()
     torch.manual_seed(0)
     eager = transformers.MllamaForCausalLM(config).train()
     with torch.no_grad():  # (zero at initialization: the cross-attention would add nothing)

@@ -15,7 +15,8 @@ from attention.torch import fault_hook, protect  # noqa: E402
 from attention._torch_linear_op import weight_on_left  # noqa: E402
 from attention.torch_linear import LINEAR_SITES, ProtectedLinearCore  # noqa: E402
 from hf_models import (FAMILIES, OncePerSite, assert_close,  # noqa: E402,F401
-                       assert_fault_repaired, assert_same_step, batch, build, eager_runs, step)
+                       assert_fault_repaired, assert_same_step, batch, build, eager_runs,
+                       seq2seq_step, step)
 
 #: The protected projections of layer 0, attention block first, then the feed-forward layers.
 LAYER0 = {
@@ -340,11 +341,7 @@ def test_t5_feed_forward_layers_are_protected_with_mlp():
     cores = projection_cores(model)
     assert set(cores) == set(attention_only) | set(feed_forward)
     ids, mask = batch()
-    runs = []
-    for m in (eager, model):
-        logits = m(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits
-        logits.pow(2).mean().backward()
-        runs.append((logits.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    runs = [seq2seq_step(m, ids, mask) for m in (eager, model)]
     assert_same_step(runs[1], runs[0])
     assert all(cores[name].last_report.checked == {s: 1 for s in LINEAR_SITES[:3]}
                for name in feed_forward)  # no biases: forward, d_input, d_weight
