@@ -722,6 +722,9 @@ template <typename A> struct Backward {
     unsigned char keep[FBR][FBC];  // dropout: the tile's keep decisions
     double acc_enc[FBR > FBC ? FBR : FBC][3];  // the checksum columns beside the accumulator
     Votes votes;
+    // head b's per-key mask (lk), or null: in shared memory, not a register live through every
+    // tile (as a kernel argument of backward_tile it spilled 24-52 bytes)
+    const double* keys;
 };
 
 // Column encodings of the key block's rows [j0, j0 + cols) of K and V (weights (j + 1) / cols).
@@ -774,7 +777,8 @@ __device__ void vote_product_row(Votes& votes, A (*tile)[FBC], const T* left,
 // One tile (query rows [i0, i0 + rows), keys [j0, j0 + cols)) of head b: S, P, dP and dS into sh.s
 // (dS), sh.p, sh.dp, each checked and recomputed once when flagged. qh, kh, vh, doh, lseh, loh (the
 // log-sum-exp as lse + lse_lo), ddh: head b's rows; addh: head b's additive mask (lq x lk), or
-// null; keyh: head b's per-key mask (lk), or null. first: the first computation of the tile in this kernel (faults that do not persist hit it
+// null; sh.keys: head b's per-key mask (lk), or null. first: the first computation of the tile
+// in this kernel (faults that do not persist hit it
 // only); tiles: inject at tile sites. Dropout when thr > 0 (seed, thr: keep_tile's; ks = 1 / (1 -
 // p)): the tile's keep decisions into sh.keep, and FlashAttention-2's dS = P (fl(dP ks) keep - D),
 // the dropped dP made entry by entry from sh.dp and sh.keep, never stored. Returns 0, or -1 when a
@@ -782,7 +786,7 @@ __device__ void vote_product_row(Votes& votes, A (*tile)[FBC], const T* left,
 template <typename T, typename A>
 __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T* vh,
                              const T* doh, const A* lseh, const A* loh, const A* ddh,
-                             const bool* vis, const double* addh, const double* keyh,
+                             const bool* vis, const double* addh,
                              int lq, int lk, int i0, int rows, int j0,
                              int cols, int d, A sc, bool causal, bool check, bool correct,
                              unsigned long long seed, unsigned long long thr, A ks,
@@ -815,7 +819,7 @@ __device__ int backward_tile(Backward<A>& sh, const T* qh, const T* kh, const T*
         const int r = tid;
         const int lim = causal ? max(0, min(cols, i0 + r - j0 + 1)) : cols;
         const double* add_row = mask_row(addh, i0 + r, lk, j0);
-        const double* key_row = keyh ? keyh + j0 : nullptr;
+        const double* key_row = sh.keys ? sh.keys + j0 : nullptr;
         const A hi = lseh[i0 + r];
         const A shift = hi == neg_inf(hi) ? static_cast<A>(0) : hi;
         for (int j = 0; j < cols; ++j)
@@ -938,13 +942,15 @@ attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
     const A* ddh = dd + static_cast<long long>(b) * lq;
     const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
     const double* addh = head_mask(add, add_stride, b);
-    const double* keyh = head_keys(keys, key_heads, b, lk);
     const long long row0 = static_cast<long long>(b) * lk + j0;
     A* wk = ws_k + row0 * d;
     A* wv = ws_v + row0 * d;
     double* rt = rec + task * NSITES * FIELDS;
     __shared__ FaultAt ft;  // as the forward's: in registers, the double build spilled
-    if (tid == 0) ft = load_fault(fault);
+    if (tid == 0) {
+        ft = load_fault(fault);
+        sh.keys = head_keys(keys, key_heads, b, lk);
+    }
     __syncthreads();
     const A sc = static_cast<A>(scale), zero = static_cast<A>(0), ks = static_cast<A>(ks_in);
     const bool drop = thr > 0;
@@ -959,7 +965,7 @@ attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
         int st = 0;
         for (int i0 = first_i, step = 0; i0 < lq; i0 += FBR, ++step) {
             const int rows = min(FBR, lq - i0);
-            st = backward_tile(sh, qh, kh, vh, doh, lseh, loh, ddh, vis, addh, keyh, lq, lk, i0,
+            st = backward_tile(sh, qh, kh, vh, doh, lseh, loh, ddh, vis, addh, lq, lk, i0,
                                rows,
                                j0, cols, d, sc, causal != 0, check != 0, correct != 0, seed, thr,
                                ks, params, ft, true, attempt == 0, rt, b);
@@ -1072,7 +1078,7 @@ attn_fused_backward_q(const T* q, const T* k, const T* v, const T* d_out,
     const A* ddh = dd + static_cast<long long>(b) * lq;
     const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
     const double* addh = head_mask(add, add_stride, b);
-    const double* keyh = head_keys(keys, key_heads, b, lk);
+    if (tid == 0) sh.keys = head_keys(keys, key_heads, b, lk);  // read after the tile loop's sync
     const long long row0 = static_cast<long long>(b) * lq + i0;
     A* wq = ws_q + row0 * d;
     double* rt = rec + task * NSITES * FIELDS;
@@ -1090,7 +1096,7 @@ attn_fused_backward_q(const T* q, const T* k, const T* v, const T* d_out,
             const int cols = min(FBC, jend - j0);
             __syncthreads();  // the previous tile's checks are done with the encodings
             if (check) encode_key_block(sh, kh, vh, j0, cols, d);
-            st = backward_tile(sh, qh, kh, vh, doh, lseh, loh, ddh, vis, addh, keyh, lq, lk, i0,
+            st = backward_tile(sh, qh, kh, vh, doh, lseh, loh, ddh, vis, addh, lq, lk, i0,
                                rows,
                                j0, cols, d, sc, causal != 0, check != 0, correct != 0, seed, thr,
                                ks, params, ft, false, attempt == 0, rt, b);
