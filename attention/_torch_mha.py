@@ -160,7 +160,8 @@ class _Call:
         heads, L, S) array (:func:`_attn_mask`), whose gradient the unfused core returns and
         :meth:`mask_grads` sums to the padding's."""
         n, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
-        key_visible, float_padding = _padding(key_padding_mask, n, seq_k)
+        check_masks(key_padding_mask, attn_mask, heads, n, seq_q, seq_k)
+        key_visible, float_padding = _padding(key_padding_mask)
         folded = float_padding if mask_grad else None
         mask = _attn_mask(attn_mask, folded, heads, n, seq_q, seq_k)
         key_add = None if float_padding is None or mask_grad else mask_array(float_padding)
@@ -195,17 +196,31 @@ class _Call:
         return probs.mean(dim=1) if average else probs.clone()
 
 
-def _padding(mask: torch.Tensor | None, n: int, seq_k: int) -> tuple[Any, torch.Tensor | None]:
-    """(boolean key_visible array or None, float additive padding (N, S) or None)."""
+def check_masks(key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None,
+                heads: int, n: int, seq_q: int, seq_k: int) -> None:
+    """Raise ``TypeError`` for a mask neither bool nor float, ``ValueError`` for one of a shape
+    the forward does not take (``key_padding_mask`` ``(N, S)``, ``attn_mask`` ``(L, S)`` or ``(N
+    * heads, L, S)``). :func:`attention.torch_functional.multi_head_attention` checks them before
+    it draws its dropout, so that a refused call leaves PyTorch's generator as it was."""
+    for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+        if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():
+            raise TypeError(f"{name} must be bool or float, got {mask.dtype}")
+    if key_padding_mask is not None and tuple(key_padding_mask.shape) != (n, seq_k):
+        raise ValueError(f"key_padding_mask must have shape {(n, seq_k)} (batch, seq_k), got "
+                         f"{tuple(key_padding_mask.shape)}")
+    if attn_mask is not None and tuple(attn_mask.shape) != (seq_q, seq_k) \
+            and tuple(attn_mask.shape) != (n * heads, seq_q, seq_k):
+        raise ValueError(f"attn_mask must have shape {(seq_q, seq_k)} or "
+                         f"{(n * heads, seq_q, seq_k)}, got {tuple(attn_mask.shape)}")
+
+
+def _padding(mask: torch.Tensor | None) -> tuple[Any, torch.Tensor | None]:
+    """(boolean key_visible array or None, float additive padding (N, S) or None) of a
+    :func:`check_masks`-checked key padding mask."""
     if mask is None:
         return None, None
-    if tuple(mask.shape) != (n, seq_k):
-        raise ValueError(f"key_padding_mask must have shape {(n, seq_k)} (batch, seq_k), got "
-                         f"{tuple(mask.shape)}")
     if mask.dtype == torch.bool:
         return array(mask.logical_not()), None
-    if not mask.is_floating_point():
-        raise TypeError(f"key_padding_mask must be bool or float, got {mask.dtype}")
     return None, mask
 
 
@@ -213,12 +228,7 @@ def _attn_mask(mask: torch.Tensor | None, float_padding: torch.Tensor | None, he
                n: int, seq_q: int, seq_k: int) -> Any:
     """``attn_mask`` as the core takes it (boolean or float array, 2-D or 3-D); a float key
     padding mask given here (one whose gradient is wanted) is folded in as a float64 (N * heads,
-    L, S) mask, the way torch merges them."""
-    if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(f"attn_mask must be bool or float, got {mask.dtype}")
-    if mask is not None and tuple(mask.shape) not in ((seq_q, seq_k), (n * heads, seq_q, seq_k)):
-        raise ValueError(f"attn_mask must have shape {(seq_q, seq_k)} or "
-                         f"{(n * heads, seq_q, seq_k)}, got {tuple(mask.shape)}")
+    L, S) mask, the way torch merges them (``mask`` checked by :func:`check_masks`)."""
     if float_padding is None:
         return None if mask is None else mask_array(mask)
     add = torch.zeros((n * heads, seq_q, seq_k), dtype=torch.float64, device=float_padding.device)

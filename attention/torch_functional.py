@@ -22,6 +22,7 @@ import torch
 
 from attention import _torch_core_op, _torch_op
 from attention._torch_arrays import autocast, eager
+from attention._torch_mha import check_masks
 from attention._torch_state import Protection
 from attention.fused_choice import check_core
 from attention.fused_rules import check_causal
@@ -95,6 +96,14 @@ def multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     check_core(core)
     if not 0 <= dropout_p <= 1:
         raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p}")
+    # every argument refused before the dropout is drawn: a refused call leaves PyTorch's
+    # generator as it was (as torch's own attention does)
+    check_masks(key_padding_mask, attn_mask, num_heads, *query.shape[:2], key.shape[1])
+    mask_grad = _needs_grad(key_padding_mask, attn_mask)
+    why_not = _fused_refusal(need_weights, mask_grad, bool(is_causal) and attn_mask is None
+                             and query.shape[1] != key.shape[1])
+    if core == "fused" and why_not is not None:
+        raise ValueError(f"the fused attention core does not apply here: {why_not}")
     self_attention = query is key and key is value
     query, key, value, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias = autocast(
         query, key, value, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias)
@@ -107,9 +116,22 @@ def multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     y, weights, _ = _torch_op.mha_forward(
         protection.id, query, key, value, in_proj_weight, in_proj_bias, out_proj_weight,
         out_proj_bias, key_padding_mask, attn_mask, num_heads, self_attention, bool(is_causal),
-        need_weights, average_attn_weights, keep, float(dropout_p), core,
-        _needs_grad(key_padding_mask, attn_mask))
+        need_weights, average_attn_weights, keep, float(dropout_p), core, mask_grad)
     return y, (weights if need_weights else None)
+
+
+def _fused_refusal(need_weights: bool, mask_grad: bool, causal_across: bool) -> str | None:
+    """Why the fused core refuses a multi-head call whatever its data (``causal_across``:
+    ``is_causal`` without ``attn_mask`` where ``L != S``), or None; the reasons of
+    :func:`attention.fused_choice.static_reason` and :func:`attention.attention_forward`
+    that :func:`multi_head_attention` checks before it draws its dropout."""
+    if need_weights:
+        return "the attention weights were asked for (the fused core makes none)"
+    if mask_grad:
+        return "a float mask requires grad (the fused core keeps no L x L array for its gradient)"
+    if causal_across:
+        return "causal=True with seq_q != seq_k (the fused core's causal mask is square)"
+    return None
 
 
 def _needs_grad(*masks: torch.Tensor | None) -> bool:

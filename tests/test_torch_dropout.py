@@ -123,6 +123,47 @@ def test_reproducible_with_manual_seed_and_weights_after_dropout():
     assert 0.15 < zeros < 0.45, zeros
 
 
+#: Calls refused for their arguments: (keyword arguments, whether stock refuses them too).
+REFUSED = {
+    "attn_mask-shape": (lambda: {"attn_mask": torch.zeros(L, L + 1, dtype=torch.bool)}, True),
+    "key_padding_mask-shape": (
+        lambda: {"key_padding_mask": torch.zeros(N, L + 1, dtype=torch.bool)}, True),
+    "int-attn_mask": (lambda: {"attn_mask": torch.zeros(L, L, dtype=torch.int64)}, True),
+    "fused-weights": (lambda: {"need_weights": True}, False),
+    "fused-learned-mask": (lambda: {"attn_mask": torch.zeros(L, L, dtype=torch.float64,
+                                                             requires_grad=True),
+                                    "need_weights": False}, False),
+    "fused-causal-across-lengths": (lambda: {"key": torch.zeros(N, L + 1, E, dtype=torch.float64),
+                                             "is_causal": True, "need_weights": False}, False),
+}
+
+
+@pytest.mark.parametrize("core", ["auto", "unfused", "fused"])
+@pytest.mark.parametrize("refused", REFUSED)
+def test_a_refused_call_leaves_the_generator_as_stock_does(core, refused):
+    """A call refused for its arguments draws no dropout: PyTorch's generator is where stock
+    ``nn.MultiheadAttention``'s refusal leaves it (untouched), so the run after it drops what
+    it would have (the refused call drew its dropout first, shifting every later draw)."""
+    make, stock_refuses = REFUSED[refused]
+    if refused.startswith("fused") and core != "fused":
+        pytest.skip("only the forced fused core refuses it")
+    stock, mine = modules(0.5)
+    stock.train(), mine.train()
+    mine.core = core
+    x = torch.randn(N, L, E, dtype=torch.float64)
+    after = []
+    for module in (stock, mine) if stock_refuses else (mine,):
+        torch.manual_seed(3)
+        kw = make()
+        key = kw.pop("key", x)
+        with pytest.raises((RuntimeError, AssertionError, ValueError, TypeError)):
+            module(x, key, key, **kw)
+        after.append(torch.rand(3))
+    torch.manual_seed(3)
+    untouched = torch.rand(3)
+    assert all(torch.equal(a, untouched) for a in after)
+
+
 def encoder():
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True)  # dropout 0.1
