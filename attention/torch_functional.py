@@ -209,6 +209,10 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if core == "fused" and need_weights:  # as the layers refuse it (fused_choice.static_reason)
         raise ValueError("the fused attention core does not apply here: the attention weights "
                          "were asked for (the fused core makes none)")
+    if core == "fused" and _needs_grad(attn_mask):  # refused before the dropout is drawn
+        raise ValueError("the fused attention core does not apply here: a float attn_mask "
+                         "requires grad (it keeps no L x L array, so it cannot return the "
+                         "gradient of attn_mask; use core='auto' or 'unfused')")
     if not 0 <= dropout_p <= 1:
         raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p}")
     n = 1
@@ -218,8 +222,9 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     q, k, v = (t.reshape(n, t.shape[-2], d).contiguous() for t in (query, key, value))
     mask, is_causal = _core_mask(attn_mask, lead, n, seq_q, seq_k, bool(is_causal))
     scale = 1 / d ** 0.5 if scale is None else float(scale)
+    # the core's error, with the caller's lengths, before the dropout is drawn
+    check_causal(is_causal, seq_q, seq_k)
     if sinks is not None:
-        check_causal(is_causal, seq_q, seq_k)  # the core's error, with the caller's lengths
         q, k, v, mask = with_sink(q, k, v, mask, sink_logits(sinks, lead, n), scale)
     keep = _dropout_draw((n, q.shape[1], k.shape[1]), q, float(dropout_p), need_weights, core)
     out, weights = _torch_core_op.apply_core(protection, q, k, v, mask, scale, is_causal,

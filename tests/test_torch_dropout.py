@@ -164,6 +164,24 @@ def test_a_refused_call_leaves_the_generator_as_stock_does(core, refused):
     assert all(torch.equal(a, untouched) for a in after)
 
 
+@pytest.mark.parametrize("refused", ["causal-across-lengths", "fused-learned-mask"])
+def test_a_refused_attention_core_call_leaves_the_generator_alone(refused):
+    """``attention_core`` with dropout refuses ``is_causal`` across lengths and a learned mask
+    on the forced fused core before it draws its dropout (it drew first, then raised)."""
+    from attention.torch_functional import Protection, attention_core
+
+    q, k = torch.randn(2, L, 4, dtype=torch.float64), torch.randn(2, L + 1, 4, dtype=torch.float64)
+    kw = {"causal-across-lengths": {"is_causal": True},
+          "fused-learned-mask": {"core": "fused", "attn_mask": torch.zeros(
+              L, L + 1, dtype=torch.float64, requires_grad=True)}}[refused]
+    torch.manual_seed(3)
+    with pytest.raises(ValueError):
+        attention_core(q, k, k, protection=Protection(), dropout_p=0.5, **kw)
+    after = torch.rand(3)
+    torch.manual_seed(3)
+    assert torch.equal(after, torch.rand(3))
+
+
 def encoder():
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True)  # dropout 0.1
