@@ -96,14 +96,10 @@ def multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     check_core(core)
     if not 0 <= dropout_p <= 1:
         raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p}")
-    # every argument refused before the dropout is drawn: a refused call leaves PyTorch's
-    # generator as it was (as torch's own attention does)
-    check_masks(key_padding_mask, attn_mask, num_heads, *query.shape[:2], key.shape[1])
     mask_grad = _needs_grad(key_padding_mask, attn_mask)
-    why_not = _fused_refusal(need_weights, mask_grad, bool(is_causal) and attn_mask is None
-                             and query.shape[1] != key.shape[1])
-    if core == "fused" and why_not is not None:
-        raise ValueError(f"the fused attention core does not apply here: {why_not}")
+    if not torch.compiler.is_compiling():  # compiled, the operator refuses them: a plain error
+        _refuse_before_draw(query, key, num_heads, key_padding_mask, attn_mask, need_weights,
+                            bool(is_causal), core, mask_grad)
     self_attention = query is key and key is value
     query, key, value, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias = autocast(
         query, key, value, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias)
@@ -120,18 +116,27 @@ def multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return y, (weights if need_weights else None)
 
 
-def _fused_refusal(need_weights: bool, mask_grad: bool, causal_across: bool) -> str | None:
-    """Why the fused core refuses a multi-head call whatever its data (``causal_across``:
-    ``is_causal`` without ``attn_mask`` where ``L != S``), or None; the reasons of
-    :func:`attention.fused_choice.static_reason` and :func:`attention.attention_forward`
-    that :func:`multi_head_attention` checks before it draws its dropout."""
+def _refuse_before_draw(query: torch.Tensor, key: torch.Tensor, heads: int,
+                        key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None,
+                        need_weights: bool, is_causal: bool, core: str, mask_grad: bool) -> None:
+    """Raise for the masks the operators refuse (:func:`attention._torch_mha.check_masks`) and
+    for what the forced fused core refuses whatever the data (the reasons of
+    :func:`attention.fused_choice.static_reason` and :func:`attention.attention_forward` that
+    the arguments decide), before :func:`multi_head_attention` draws its dropout: a refused call
+    leaves PyTorch's generator as it was, as torch's own attention does."""
+    check_masks(key_padding_mask, attn_mask, heads, *query.shape[:2], key.shape[1])
+    if core != "fused":
+        return
+    why_not = None
     if need_weights:
-        return "the attention weights were asked for (the fused core makes none)"
-    if mask_grad:
-        return "a float mask requires grad (the fused core keeps no L x L array for its gradient)"
-    if causal_across:
-        return "causal=True with seq_q != seq_k (the fused core's causal mask is square)"
-    return None
+        why_not = "the attention weights were asked for (the fused core makes none)"
+    elif mask_grad:
+        why_not = "a float mask requires grad (the fused core keeps no L x L array for its " \
+            "gradient)"
+    elif is_causal and attn_mask is None and query.shape[1] != key.shape[1]:
+        why_not = "causal=True with seq_q != seq_k (the fused core's causal mask is square)"
+    if why_not is not None:
+        raise ValueError(f"the fused attention core does not apply here: {why_not}")
 
 
 def _needs_grad(*masks: torch.Tensor | None) -> bool:
@@ -209,7 +214,8 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if core == "fused" and need_weights:  # as the layers refuse it (fused_choice.static_reason)
         raise ValueError("the fused attention core does not apply here: the attention weights "
                          "were asked for (the fused core makes none)")
-    if core == "fused" and _needs_grad(attn_mask):  # refused before the dropout is drawn
+    compiling = torch.compiler.is_compiling()  # compiled, the operator refuses: a plain error
+    if core == "fused" and _needs_grad(attn_mask) and not compiling:  # before the dropout's draw
         raise ValueError("the fused attention core does not apply here: a float attn_mask "
                          "requires grad (it keeps no L x L array, so it cannot return the "
                          "gradient of attn_mask; use core='auto' or 'unfused')")
@@ -222,8 +228,8 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     q, k, v = (t.reshape(n, t.shape[-2], d).contiguous() for t in (query, key, value))
     mask, is_causal = _core_mask(attn_mask, lead, n, seq_q, seq_k, bool(is_causal))
     scale = 1 / d ** 0.5 if scale is None else float(scale)
-    # the core's error, with the caller's lengths, before the dropout is drawn
-    check_causal(is_causal, seq_q, seq_k)
+    if sinks is not None or not compiling:  # the core's error, with the caller's lengths,
+        check_causal(is_causal, seq_q, seq_k)  # before the dropout is drawn
     if sinks is not None:
         q, k, v, mask = with_sink(q, k, v, mask, sink_logits(sinks, lead, n), scale)
     keep = _dropout_draw((n, q.shape[1], k.shape[1]), q, float(dropout_p), need_weights, core)

@@ -60,6 +60,16 @@ def test_the_protected_core_is_one_opaque_node_of_the_graph():
     assert not any("numpy" in t for t in targets)
 
 
+def test_a_compiled_call_with_a_bad_mask_raises_the_eager_error():
+    """The masks checked before the dropout's draw are not checked while the compiler traces
+    (a raise there stops it with ``Unsupported``): the operator refuses them, as eager."""
+    module = MultiheadAttention(8, 2, batch_first=True, dropout=0.5)
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 5, 8)
+    with pytest.raises(ValueError, match="attn_mask must have shape"):
+        compiled(x, x, x, attn_mask=torch.zeros(5, 6, dtype=torch.bool))
+
+
 def test_the_compiled_module_still_corrects_a_fault():
     model, x = encoder(), torch.randn(2, 8, 32)
     y, grads = step(model, x)
