@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     Bad flags or values, and sizes past the machine's memory, print one line on stderr and
     return 2. Unless the environment sets it, ``OMP_WAIT_POLICY`` is ``passive`` in this
     process: the runs alternate NumPy's BLAS pool (the unprotected products) with numba's
-    OpenMP pool (the fused attention core), and with both spinning after their work, each at 2
-    threads on 2 cores, a step of the demo's GPT took 26-49 ms instead of 4-8 (bench/NOTES.md).
+    OpenMP pool (the fused attention core), and with both spinning after their work each waits
+    for the cores the other holds (bench/NOTES.md).
     """
     args = build_parser().parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before numba's OpenMP pool starts
