@@ -66,7 +66,7 @@ from abftgemm.faults import PATTERNS, Fault, bit_layout, chain
 from attention import INVARIANT_SITES, SITES, MultiHeadAttention, reference
 from attention.experiments import fused_campaign
 from attention.experiments.flags import option
-from attention.experiments.hf_models import FAMILIES, SEED_LIMIT, size_problem
+from attention.experiments.hf_models import FAMILIES, model_problem
 from attention.experiments.outcomes import (NOISE_FACTOR, TOLERANCES, Trial, absolute_floor,
                                             absolute_tolerances, compare)
 from attention.experiments.provenance import provenance_line
@@ -213,12 +213,9 @@ class CampaignConfig:
                              f"{self.model}")
         if self.core not in CORES:
             raise ValueError(f"--core must be one of {', '.join(CORES)}, got {self.core}")
-        problem = size_problem(self.model, self.d_model, self.n_heads)
+        problem = model_problem(self.model, self.d_model, self.n_heads, self.seed)
         if problem:
             raise ValueError(problem)
-        if self.model != "layer" and self.seed >= SEED_LIMIT:
-            raise ValueError(f"--seed of --model {self.model} must be below 2**64 (torch's "
-                             f"seeds), got {self.seed}")
         if self.core == "fused" and self.model != "layer":
             raise ValueError("--core fused faults the fused attention core alone: --model layer")
         if self.mask not in fused_campaign.MASKS:

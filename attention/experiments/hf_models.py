@@ -35,14 +35,19 @@ MASK_SHARE = 0.15
 SEED_LIMIT = 2 ** 64
 
 
-def size_problem(family: str, d_model: int, n_heads: int) -> str | None:
-    """Why a ``family`` model cannot have heads of ``d_model / n_heads`` columns, or None:
-    Llama's rotary positions turn pairs of a head's columns (an odd width fails in its first
-    step)."""
+def model_problem(model: str, d_model: int, n_heads: int, seed: int) -> str | None:
+    """Why ``--model model`` cannot be built with these flags, or None (always None for a model
+    that is not one of :data:`FAMILIES`): Llama's rotary positions turn pairs of a head's
+    columns (an odd width fails in its first step), and ``torch.manual_seed`` refuses seeds from
+    :data:`SEED_LIMIT` on."""
+    if model not in FAMILIES:
+        return None
     width = d_model // n_heads
-    if family == "llama" and width % 2:
+    if model == "llama" and width % 2:
         return (f"--model llama turns pairs of a head's columns: --d-model / --heads must be "
                 f"even, got {d_model} / {n_heads} = {width}")
+    if seed >= SEED_LIMIT:
+        return f"--seed of --model {model} must be below 2**64 (torch's seeds), got {seed}"
     return None
 
 

@@ -53,7 +53,7 @@ from abftgemm.backend import to_host
 from abftgemm.faults import Fault, bit_layout
 from attention import SITES
 from attention.experiments.flags import option
-from attention.experiments.hf_models import FAMILIES, SEED_LIMIT, HFTrainer, size_problem
+from attention.experiments.hf_models import FAMILIES, HFTrainer, model_problem
 from attention.experiments.model import GPT, MLP_SITES, GPTConfig
 from attention.experiments.provenance import provenance, provenance_line
 
@@ -164,12 +164,9 @@ class TrainConfig:
         if self.model != "gpt" and self.dtype != "float32":
             raise ValueError(f"--model {self.model} trains in float32 only, got --dtype "
                              f"{self.dtype}")
-        problem = size_problem(self.model, self.d_model, self.n_heads)
+        problem = model_problem(self.model, self.d_model, self.n_heads, self.seed)
         if problem:
             raise ValueError(problem)
-        if self.model != "gpt" and self.seed >= SEED_LIMIT:
-            raise ValueError(f"--seed of --model {self.model} must be below 2**64 (torch's "
-                             f"seeds), got {self.seed}")
 
 
 @dataclass(frozen=True)
