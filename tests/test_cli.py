@@ -28,7 +28,7 @@ def campaign(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]
                    "--sites", "q_proj", "scores", "softmax", "d_k", "gemm",
                    "--kinds", *EXTREME, "additive", "--patterns", "element", "row", "tile"])
     assert status == 0
-    return out, json.loads((out / "campaign.json").read_text())
+    return out, json.loads((out / "campaign.json").read_text())["records"]
 
 
 def test_campaign_writes_its_files(campaign: tuple[Path, list[dict]]) -> None:
@@ -42,6 +42,18 @@ def test_campaign_writes_its_files(campaign: tuple[Path, list[dict]]) -> None:
                  "**masked**", "**miscorrected**", "**false positives**", "**AS** attention scores",
                  "**AP** attention probabilities", "**CL** context", "**O** output"):
         assert term in " ".join(text.split()), term
+
+
+def test_campaign_json_says_what_ran(campaign: tuple[Path, list[dict]]) -> None:
+    """campaign.json holds the settings, the backend and the provenance beside the records
+    (it was the bare list of records)."""
+    out, records = campaign
+    result = json.loads((out / "campaign.json").read_text())
+    assert (result["model"], result["backend"]) == ("layer", "numpy")
+    assert result["config"]["trials"] == 2 and result["config"]["sites"] == [
+        "q_proj", "scores", "softmax", "d_k", "gemm"]
+    assert set(result["provenance"]) == {"date", "commit", "machine"}
+    assert result["records"] == records and records
 
 
 def test_campaign_records(campaign: tuple[Path, list[dict]]) -> None:

@@ -167,7 +167,7 @@ def test_cli_core_fused(tmp_path: Path):
                    "--d-model", "16", "--heads", "2", "--batch", "1", "--sites", "fused:P",
                    "fused:dK_acc", "--kinds", "nan", "bitflip-exp", "--patterns", "element"])
     assert status == 0
-    records = json.loads((out / "campaign.json").read_text())
+    records = json.loads((out / "campaign.json").read_text())["records"]
     assert {r["site"] for r in records} == {"fused:P", "fused:dK_acc", "fused"}
     text = (out / "campaign.md").read_text()
     assert "fused attention core (causal), 2 heads of seq=70 x head_dim=8" in text
@@ -180,7 +180,7 @@ def test_cli_core_fused(tmp_path: Path):
     assert status == 0
     assert "fused attention core (causal, ALiBi biases, dropout 0.25), 2 heads of seq=40" in \
         (out / "campaign.md").read_text()
-    (cell,) = [r for r in json.loads((out / "campaign.json").read_text())
+    (cell,) = [r for r in json.loads((out / "campaign.json").read_text())["records"]
                if r["protected"] and r["kind"] != "none"]
     assert (cell["site"], cell["injected"], cell["detected"]) == ("fused:dropout", 1, 1)
 

@@ -250,9 +250,12 @@ def _campaign(args: argparse.Namespace) -> int:
 
 
 def _run_campaign(config: Any, args: argparse.Namespace) -> int:
+    import dataclasses
     import json
 
     from attention.experiments import campaign
+    from attention.experiments.provenance import provenance
+    from attention.experiments.train import jsonable
 
     if config.model != "layer":
         return _run_model_campaign(config, args)
@@ -268,7 +271,9 @@ def _run_campaign(config: Any, args: argparse.Namespace) -> int:
           f"{len(config.patterns)} patterns x 2 modes", flush=True)
     records = campaign.run_campaign(config, xp, progress=not args.no_progress)
     prop = campaign.propagation(config, xp) if config.core == "unfused" else None
-    (out / "campaign.json").write_text(json.dumps(records, indent=1))
+    result = {"model": "layer", "config": dataclasses.asdict(config), "backend": args.backend,
+              "provenance": provenance(), "records": records}
+    (out / "campaign.json").write_text(json.dumps(jsonable(result), indent=1))
     (out / "campaign.md").write_text(campaign.markdown(records, prop, config, args.backend))
     written = ["campaign.json", "campaign.md"]
     plots = _plots()
