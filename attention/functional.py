@@ -23,7 +23,7 @@ from abftgemm.checksums import SUPPORTED_DTYPES, Checksums, accumulation_dtype
 from abftgemm.plan import CONSUMER_ROWS, settle_all
 from abftgemm.report import Event, Report, UncorrectableError, announce
 from abftgemm.threads import blas_scope
-from attention import softmax, softmax_steps
+from attention import softmax_steps
 from attention.context import Context
 from attention.dropout import Dropout, DropoutStep, for_core
 from attention.dropout_hash import keep_mask
@@ -35,6 +35,7 @@ from attention.fused_final import (OUTPUT_SITE, defer_grads, defer_output, verif
                                    verify_output)
 from attention.passes import (BACKWARD_OUTPUTS, CORE_BACKWARD, CORE_FORWARD, FORWARD_OUTPUT,
                               PARAM_KEYS, Step, Variant, carried, layer, steps)
+from attention.softmax import Verdict
 from attention.workspace import Workspace
 
 _WEIGHTS = ("wq", "wk", "wv", "wo")
@@ -637,7 +638,7 @@ class _Pass:
         if any(e.action in _REPAIRS for e in found.events):
             redo()
 
-    def invariant(self, site: str, verdict: softmax.Verdict | None, recheck: Any) -> None:
+    def invariant(self, site: str, verdict: Verdict | None, recheck: Any) -> None:
         """An invariant check's verdict, read at the settle (at once in a replay, where a
         failure recomputes once: ``recheck`` returns the new verdict)."""
         if verdict is None:

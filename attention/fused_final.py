@@ -307,6 +307,7 @@ _Check = tuple[str, Callable[[Any], Any],
 def _verified(ctx: Context, checks: list[_Check], result: Any, redo: Callable[[], Any]) -> Any:
     """The hook on each check's array, the checks, and the report: ``result``, or ``redo()``'s
     once every check verifies it (a flag at any check recomputes the whole pass)."""
+    first: list[tuple[str, Any]] = []  # the first attempt's flags, reported after the second
     for attempt in range(2):
         if ctx.fault_hook is not None:
             for site, checked, _ in checks:
