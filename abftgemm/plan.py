@@ -1,27 +1,19 @@
 """Planned protected products: plan once, then execute many times with nothing but the work.
 
-:class:`ProtectedMatmul` validates and plans a product once (shapes, dtype, bias, check mode),
-allocates every workspace and precomputes what does not change. Each
-:meth:`~ProtectedMatmul.execute` then runs the GEMM and, on the default ``directions="columns"``
-fast path, two verification launches (predict the column checksums from the operands; observe the
-product's column checksums and judge every column on the same read), with no allocation (given
-``out=``) and no host synchronization. :meth:`~ProtectedMatmul.settle` reads the verdict (two counts
-per batch item) and only when something was flagged runs the rare path: full two-direction
-verification, location, repair and recomputation (:mod:`abftgemm.rare_path`), exactly as an
+:class:`ProtectedMatmul` validates a product's layout once, allocates every workspace and
+precomputes what does not change. Each :meth:`~ProtectedMatmul.execute` runs the GEMM and, with
+the default ``directions="columns"``, two verification launches (predict the column checksums from
+the operands; observe the product's and judge every column on the same read), with no allocation
+(given ``out=``) and no host synchronization. :meth:`~ProtectedMatmul.settle` reads the verdict and
+only when something was flagged runs the rare path (:mod:`abftgemm.rare_path`), exactly as an
 unplanned product would.
 
-Why one direction on the fast path: weighted column checksums alone detect an error, locate it
-in its column, and correct a single element or a whole bad row; the row direction is needed only
-to repair a bad column, and the rare path computes it then. Reading ``a``, ``b`` and the product
-once each instead of ``a`` and ``b`` twice is what brings the CPU overhead near the memory floor
-(docs/design.md). ``directions="both"`` keeps the stronger two-direction check on every call
-(all of it at :meth:`~ProtectedMatmul.settle`); docs/detection.md compares the two.
-``directions="rows by consumer"`` leaves the observation to the kernel that reads the product
-anyway (:mod:`abftgemm.consumer_rows`): the execute predicts the row checksums, the consumer
-observes them into :attr:`~ProtectedMatmul.observed` and calls :meth:`~ProtectedMatmul.judge`.
-
-Counters (:class:`Counters`) record the launches, workspace allocations and host syncs of a plan,
-so that tests can prove the structure on the CPU, where the kernel boundaries are the GPU's.
+Weighted column checksums alone detect an error, locate it in its column and correct a single
+element or a whole bad row; only a bad column needs the rows, which the rare path computes then.
+Reading ``a``, ``b`` and the product once each is what brings the CPU overhead near the memory
+floor (docs/design.md; docs/detection.md compares ``directions="both"``). With ``"rows by
+consumer"`` the kernel that reads the product anyway observes its rows
+(:mod:`abftgemm.consumer_rows`).
 """
 from __future__ import annotations
 
@@ -46,17 +38,13 @@ CHECK_MODES = ("correct", "detect", "off")
 DIRECTIONS = ("columns", "both")
 #: What a plan may verify besides :data:`DIRECTIONS`: the rows its consumer observes.
 CONSUMER_ROWS = "rows by consumer"
-PLAN_DIRECTIONS = DIRECTIONS + (CONSUMER_ROWS,)
-#: What ``a_triangle`` may promise.
-TRIANGLES = (None, "lower", "upper")
 
 
-def check_option(name: str, value: Any, allowed: tuple) -> Any:
-    """``value``, or ``ValueError`` naming the option ``name``, what it ``allowed`` and what it
-    got: the one validation of the library's string options (``check``, ``directions``, ...)."""
+def check_option(name: str, value: Any, allowed: tuple) -> None:
+    """The one validation of the library's string options (``check``, ``directions``, ...): a
+    ``ValueError`` naming the option, what it allows and what it got."""
     if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    return value
 
 
 @dataclass
@@ -66,35 +54,26 @@ class Counters:
     Attributes
     ----------
     launches : int
-        Kernel launches: the GEMM counts as one (on the CPU including the float32 copies a 16-bit
-        product needs, as the unprotected product makes them too), adding a bias as one more,
-        and each verification kernel as one.
+        Kernel launches: the GEMM (with the float32 copies of a 16-bit CPU product), adding a
+        bias, and each verification kernel.
     allocations : int
-        Arrays allocated by the plan: workspaces at planning; per execute an output when ``out``
-        is not a C-contiguous array it can write, and a copy of an operand whose layout the
-        product cannot read in place (a batch broadcast in part, ``(2, 1, m, k) @ (1, 3, k,
-        n)``; on the GPU negative strides, copied for the GEMM and for the prediction).
+        Arrays allocated: workspaces at planning; per execute an output when ``out`` is not a
+        C-contiguous array the plan can write, and a copy of an operand the product cannot read
+        in place (a batch broadcast in part; on the GPU negative strides).
     syncs : int
-        Host synchronizations (reads of device results by the host; one per clean settle).
+        Host synchronizations (one per clean settle).
     rare_paths : int
-        Settles that ran the full two-direction path (verify, locate, repair, recompute; its
-        launches are not in ``launches``): every settle of a ``directions="both"`` plan, and of
-        a column plan only when its fast path flagged something (never for a clean product).
+        Settles that ran the full two-direction path (its launches not in ``launches``): every
+        settle of ``directions="both"``, and of a column plan only when its fast path flagged.
     plans : int
-        Plans made with these counters (a workspace whose plans are reused makes none in steady
-        state).
+        Plans made with these counters (none in a reused cache's steady state).
     copies : int
         Checksum encodings copied (:mod:`abftgemm.checksums`): a handed-on encoding whose field
-        vectors are not contiguous, copied before a kernel reads it; an encoding made out of a
-        reduction's records (a constant ``a`` on the GPU, ``b``'s row encoding a consumer-rows
-        plan reads ``b`` for, the rare path's); an encoding kept beyond the workspace that holds
-        it. Handed-on encodings in the one layout are read where they were written: none.
+        vectors are not contiguous, one made out of a reduction's records or kept beyond its
+        workspace.
     host_reads : int
-        Device-to-host transfers of verdicts: one per fetch of a verdict ledger page
-        (:mod:`abftgemm.verdicts`; plans that share a ledger, and the checks that reserve slots
-        in it, are read in one: one per :func:`settle_all` of an attention pass), and the
-        details of a failed check that others read (the attention softmax checks). Zero on the
-        CPU, where every verdict is host memory already: nothing is transferred.
+        Device-to-host transfers of verdicts: one per ledger page fetched
+        (:mod:`abftgemm.verdicts`), and the details of a failed check that others read.
     """
 
     launches: int = 0
@@ -112,18 +91,17 @@ class ProtectedMatmul:
     Parameters
     ----------
     a, b : array
-        Operands (NumPy or CuPy) whose shapes, dtype and array module the plan is made for; as in
-        :func:`abftgemm.matmul` (batch dimensions broadcast; 1-D operands allowed).
+        Operands (NumPy or CuPy) of the shapes, dtype and array module the plan is made for, as
+        :func:`abftgemm.matmul` takes them.
     bias : array (n,), optional
-        Planned with a bias: every execute adds one (``a @ b + bias``) inside the protection.
+        Planned with a bias: every execute adds one inside the protection.
     check : {"correct", "detect"}
         What :meth:`settle` does with a finding: repair (or raise), or report only.
     directions : {"columns", "both", "rows by consumer"}
-        ``"columns"`` (default): the fast path verifies column checksums only (see the module
-        docstring). ``"both"``: rows and columns on every call. ``"rows by consumer"``: the
-        execute predicts the row checksums; the kernel that consumes the product observes them
-        on its read into :attr:`observed` and calls :meth:`judge` (no bias;
-        :mod:`abftgemm.consumer_rows`).
+        ``"columns"`` (default): the fast path verifies column checksums only. ``"both"``: rows
+        and columns on every call. ``"rows by consumer"``: the execute predicts the row
+        checksums; the kernel that consumes the product observes them into :attr:`observed` and
+        calls :meth:`judge` (no bias; :mod:`abftgemm.consumer_rows`).
     name : str
         Site name in reports and for ``fault_hook``.
     constant_a : bool
@@ -131,32 +109,27 @@ class ProtectedMatmul:
         here, and again only after :meth:`reset_constant`.
     a_triangle : {None, "lower", "upper"}
         A promise that every ``a`` is zero outside this triangle of its last two axes
-        (``"lower"``: ``a[..., i, j] == 0`` for ``j > i``, such as causal attention
-        probabilities; ``"upper"``: for ``j < i``, their transpose). The GEMM then multiplies
-        only the blocks the triangle can hold (on the CPU; the GPU runs the whole product). The
-        verification reads ``a`` whole, so it still sees what the promise says is zero.
+        (``"lower"``: ``a[..., i, j] == 0`` for ``j > i``, as causal attention probabilities;
+        ``"upper"``: for ``j < i``). The CPU's GEMM then multiplies only the blocks the triangle
+        can hold; the verification reads ``a`` whole, so it still sees a broken promise.
     out_triangle : {None, "lower"}
         With ``"rows by consumer"``: only entries ``j <= i`` of the product are read (causal
         attention's scores and ``dP``). Where the backend skips the rest (the CPU,
-        float32/float64), row ``i`` is computed and verified up to :attr:`row_limits` ``[i]``
-        only, and the consumer observes each row up to there; what lies beyond is never written
-        nor read (a fault there changes nothing). The rare path completes the product first.
+        float32/float64), row ``i`` is computed, observed and verified up to
+        :attr:`row_limits` ``[i]`` only. The rare path completes the product first.
     counters : Counters, optional
-        Counters to add to (several plans may share one, e.g. the sites of a layer); default a
-        new one, :attr:`counters`.
+        Counters to add to (several plans may share one); default a new one, :attr:`counters`.
     verdicts : Ledger, optional
         Where the plan's verdict counts live (:mod:`abftgemm.verdicts`): plans that share one
-        are read from the device together, one transfer for all of them at
-        :func:`settle_all`; default a ledger of the plan's own.
+        are read from the device in one transfer at :func:`settle_all`; default its own.
 
     Attributes
     ----------
     observed : array (batch, m, 5) or None
         With ``"rows by consumer"``: where the consumer writes the row checksums it observed
-        (the fields of a backend's ``row_reduce`` with default weights).
+        (as a backend's ``row_reduce`` with default weights).
     row_limits : array (m,) or None
-        With ``out_triangle``: how many leading columns of each row are computed, observed and
-        verified; None: every row whole.
+        With ``out_triangle``: how many leading columns of each row are verified; None: all.
 
     Examples
     --------
@@ -173,8 +146,8 @@ class ProtectedMatmul:
         if check not in ("correct", "detect"):
             raise ValueError(f"check must be 'correct' or 'detect' for a plan, got {check!r} "
                              "(check='off' needs no plan: use abftgemm.matmul)")
-        check_option("directions", directions, PLAN_DIRECTIONS)
-        check_option("a_triangle", a_triangle, TRIANGLES)
+        check_option("directions", directions, DIRECTIONS + (CONSUMER_ROWS,))
+        check_option("a_triangle", a_triangle, (None, "lower", "upper"))
         consumer = directions == CONSUMER_ROWS
         if out_triangle not in (None, "lower") or out_triangle and not consumer:
             raise ValueError(f"out_triangle must be None, or 'lower' with directions="
@@ -219,8 +192,6 @@ class ProtectedMatmul:
         self.counters.allocations += 1
         return self._be.xp.zeros(shape, dtype=dtype)
 
-    # ------------------------------------------------------------------ public
-
     def execute(self, a: Any, b: Any, *, bias: Any | None = None, out: Any | None = None,
                 fault_hook: FaultHook | None = None, a_checksums: Checksums | None = None,
                 b_rows: Checksums | None = None, gemm: Callable[[], None] | None = None,
@@ -234,27 +205,23 @@ class ProtectedMatmul:
         out : array, optional
             Receives the result, as :func:`abftgemm.matmul`'s ``out``. A C-contiguous array of
             the product's shape and dtype that overlaps no operand receives it directly; any
-            other valid ``out`` receives the verified product at :meth:`settle` (the product is
-            computed in a new array, as without ``out``: the only allocation of an execute).
+            other receives it at :meth:`settle`, computed in a new array (as without ``out``).
         fault_hook : callable ``(site, c)``, optional
             Sees the raw product before verification (fault injection).
         a_checksums : Checksums, optional
             Column encoding of ``a`` ``(3, 1 or a's batch, k)`` handed on from an earlier product
             (``a_checksums.cols``): skips the read of ``a``. Read in place when its last axis is
-            contiguous (else copied once, counted in :attr:`Counters.copies`).
+            contiguous (else copied, counted in :attr:`Counters.copies`).
         b_rows : Checksums, optional
             With ``"rows by consumer"``: ``b_rows.rows``, the row encoding of ``b``
-            ``(3, 1 or b's batch, k)`` handed on from an earlier product, read in place as
-            ``a_checksums``; without it ``b`` is read once more (not used with
-            :attr:`row_limits`).
+            ``(3, 1 or b's batch, k)``, taken as ``a_checksums`` is; without it ``b`` is read
+            once more (not used with :attr:`row_limits`).
         gemm : callable, optional
-            Writes ``a @ b (+ bias)`` into ``out`` (which it needs, written directly), in place
-            of the plan's own GEMM: for example the framework's GEMM on the tensors behind the
-            arrays, run on its own threads. The verification checks what it wrote like any
-            product.
+            Writes ``a @ b (+ bias)`` into ``out`` (which it needs, written directly) instead of
+            the plan's GEMM (say the framework's, on the tensors behind the arrays); verified
+            like any product.
         name : str, optional
-            The site of this execute, for ``fault_hook`` and the report (default: the plan's
-            ``name``), so that one plan serves every site of its signature.
+            The site of this execute, for ``fault_hook`` and the report (default: the plan's).
 
         Returns
         -------
@@ -264,10 +231,12 @@ class ProtectedMatmul:
         Raises
         ------
         RuntimeError
-            While an execute of this plan is in flight (not yet settled or abandoned), in this
-            thread or another: a plan serves one thread at a time.
+            While an execute of this plan is in flight (not yet settled or abandoned), in any
+            thread.
         TypeError
             When ``fault_hook`` or ``gemm`` is not callable (before anything is written).
+        ValueError
+            When the operands, ``out`` or a handed-on encoding do not fit the plan.
         """
         name = self.name if name is None else name
         check_checksums(a_checksums, "a_checksums")
@@ -298,13 +267,10 @@ class ProtectedMatmul:
             self.counters.allocations += 1
         if a_checksums is not None and self._constant_a:
             raise ValueError(f"{name}: a_checksums given to a plan with a constant a")
-        if a_checksums is not None and a_checksums.cols is not None:
-            _check_encoding(op.a, op.k, a_checksums.cols, name, "a_checksums.cols",
-                            "the column encoding of a")
-            a_checksums = Checksums(cols=self._readable(a_checksums.cols))
-        if b_rows is not None and b_rows.rows is not None:
-            _check_encoding(op.b, op.k, b_rows.rows, name, "b_rows.rows", "the row encoding of b")
-            b_rows = Checksums(rows=self._readable(b_rows.rows))
+        a_cols = self._handed_on(op.a, op.k, None if a_checksums is None else a_checksums.cols,
+                                 f"{name}: a_checksums.cols", "the column encoding of a")
+        b_enc = self._handed_on(op.b, op.k, None if b_rows is None else b_rows.rows,
+                                f"{name}: b_rows.rows", "the row encoding of b")
         c = op.buffer()
         self._ledger.stale = True
         if gemm is not None or self.row_limits is not None:  # else the workspace counts it
@@ -318,15 +284,13 @@ class ProtectedMatmul:
         if fault_hook is not None:
             fault_hook(name, c.reshape(op.batch_shape + (op.m, op.n)))
         if self._rows is not None:
-            self.counters.launches += self._rows.predict(
-                op, None if b_rows is None else b_rows.rows)
+            self.counters.launches += self._rows.predict(op, b_enc)
         elif self._verify_columns:
-            given = a_checksums is not None and a_checksums.cols is not None
-            if given:
-                self._work.set_encoding(a_checksums.cols)
-            self._work.predict(op, not given and not self._constant_a)
+            if a_cols is not None:
+                self._work.set_encoding(a_cols)
+            self._work.predict(op, a_cols is None and not self._constant_a)
             self._work.observe_flag(c)
-        self._pending = _Pending(op, c, a_checksums, name)
+        self._pending = _Pending(op, c, None if a_cols is None else Checksums(cols=a_cols), name)
         return op.restore(c) if op.out is None else op.out
 
     def judge(self) -> None:
@@ -340,23 +304,17 @@ class ProtectedMatmul:
         self._rows.judge()
 
     def observed_checksums(self) -> Checksums:
-        """Column encoding ``(3, batch, n)`` of the last executed product, as its verification
-        launch observed it: what :meth:`settle` hands on, available before it (to chain products
-        whose settles are batched; trusted only once the settle is clean). A workspace view,
-        valid until the next execute; ``directions="columns"`` plans only."""
-        if self._pending is None or not self._verify_columns:
-            raise RuntimeError(f"{self.name}: no executed column-verified product to read")
-        return Checksums(cols=self._work.observed_cols())
+        """Column encoding ``(3, batch, n)`` of the last executed product as observed: what
+        :meth:`settle` hands on, available before it (trusted only once the settle is clean).
+        A workspace view, valid until the next execute; ``directions="columns"`` plans only."""
+        return Checksums(cols=self._executed_columns().observed_cols())
 
     def a_encoding(self) -> Checksums | None:
         """Column encoding ``(3, batch or 1, k)`` of ``a`` as the last execute's prediction used
-        it (made from ``a``, handed on, or constant), to hand on to another product of the same
-        ``a`` as its ``a_checksums``: a workspace view, valid until the next execute. None where
-        the backend keeps no whole encoding (the GPU, of an ``a`` its kernel encoded: it keeps
-        partial sums only). ``directions="columns"`` plans only."""
-        if self._pending is None or not self._verify_columns:
-            raise RuntimeError(f"{self.name}: no executed column-verified product to read")
-        cols = self._work.a_encoding()
+        it, to hand on to another product of the same ``a``: a workspace view, valid until the
+        next execute; None where the backend kept partial sums only (the GPU, of an ``a`` its
+        kernel encoded). ``directions="columns"`` plans only."""
+        cols = self._executed_columns().a_encoding()
         return None if cols is None else Checksums(cols=cols)
 
     def abandon(self) -> None:
@@ -365,8 +323,7 @@ class ProtectedMatmul:
             self._forget()
 
     def _forget(self) -> None:
-        """Drop the execute in flight, what it left in the workspace and the claim on the plan
-        (an abandon, or an execute that failed midway)."""
+        """Drop the execute in flight, what it left in the workspace and the claim on the plan."""
         if self._work is not None and self._verify_columns:
             self._work.abandon()
         self._pending = None
@@ -394,10 +351,7 @@ class ProtectedMatmul:
         UncorrectableError
             When ``check="correct"`` and no verified result could be delivered.
         """
-        self._start_settle()
-        self._ledger.fetch()
-        self.counters.syncs += 1
-        self._be.synchronize()
+        _fetch_verdicts([self])
         return self._finish_settle(checksums)
 
     def _start_settle(self) -> None:
@@ -412,38 +366,30 @@ class ProtectedMatmul:
             self._work.ready_verdict()
 
     def _finish_settle(self, checksums: bool) -> Report | tuple[Report, Checksums]:
-        """With the verdict on the host: report, run the rare path if it flagged anything, and
-        deliver the product into an ``out`` it was not computed in (the rare path's reads of
-        the device counted in ``counters.host_reads``)."""
+        """With the verdict on the host: report, repair what it flagged, deliver into ``out``."""
         pending, self._pending = self._pending, None
+        report, sums = Report(), None
         try:
-            return self._deliver(pending, checksums)
+            with reads_counted_by(self.counters):
+                op, c, name = pending.op, pending.c, pending.name
+                if self._rows is not None:
+                    if self._rows.flagged():
+                        self.counters.rare_paths += 1
+                        self._rows.rare_path(op, c, self.check, name, report)
+                elif self._verify_columns and not self._work.verdict_flagged():
+                    sums = Checksums(cols=self._work.observed_cols()) if checksums else None
+                else:
+                    self.counters.rare_paths += 1
+                    sums = protect(self._be, op, c, self.check, name, report, pending.a_checksums)
+                    self.counters.copies += 2  # its encodings, out of the observed records
+                    if self._verify_columns:  # the fast path hands on column encodings only
+                        sums = Checksums(cols=sums.cols)
+                report.checked[name] = op.batch
+                if op.out is not None and not op.direct:
+                    op.deliver(c)
         finally:
             self._claim.release()
-
-    def _deliver(self, pending: _Pending,
-                 checksums: bool) -> Report | tuple[Report, Checksums]:
-        """:meth:`_finish_settle`'s report, rare path and delivery."""
-        with reads_counted_by(self.counters):
-            op, c = pending.op, pending.c
-            report, sums = Report(), None
-            if self._rows is not None:
-                if self._rows.flagged():
-                    self.counters.rare_paths += 1
-                    self._rows.rare_path(op, c, self.check, pending.name, report)
-            elif self._verify_columns and not self._work.verdict_flagged():
-                sums = Checksums(cols=self._work.observed_cols()) if checksums else None
-            else:
-                self.counters.rare_paths += 1
-                sums = protect(self._be, op, c, self.check, pending.name, report,
-                               pending.a_checksums)
-                self.counters.copies += 2  # its encodings, out of the observed records
-                if self._verify_columns:  # the fast path hands on column encodings only
-                    sums = Checksums(cols=sums.cols)
-            report.checked[pending.name] = op.batch
-            if op.out is not None and not op.direct:
-                op.deliver(c)
-            return (report, sums) if checksums else report
+        return (report, sums) if checksums else report
 
     def reset_constant(self, a: Any, b: Any, bias: Any | None = None) -> None:
         """Recompute the encoding of the constant ``a`` (after the weight changed); ``b`` and
@@ -458,8 +404,7 @@ class ProtectedMatmul:
         self._forget()
         if self._work is not None:
             self._work.release()
-        self._work = None
-        self._signature = None
+        self._work = self._signature = None
 
     def __enter__(self) -> "ProtectedMatmul":
         return self
@@ -467,11 +412,26 @@ class ProtectedMatmul:
     def __exit__(self, *exc: object) -> None:
         self.release()
 
-    # ----------------------------------------------------------------- private
+    def _executed_columns(self) -> Workspace:
+        """The workspace of an executed ``directions="columns"`` plan."""
+        if self._pending is None or not self._verify_columns:
+            raise RuntimeError(f"{self.name}: no executed column-verified product to read")
+        return self._work
 
-    def _readable(self, enc: Any) -> Any:
-        """A handed-on encoding as the kernels read it: itself when each field vector is
-        contiguous, else a contiguous copy (counted)."""
+    def _handed_on(self, x: Any, k: int, enc: Any | None, what: str, of: str) -> Any | None:
+        """Handed-on encoding ``enc`` of operand ``x``, checked (the GPU kernels read it by its
+        strides, unchecked) and with contiguous field vectors (else a counted copy)."""
+        if enc is None:
+            return None
+        rows = x.shape[0]
+        shape = getattr(enc, "shape", None)
+        if (type(enc) is not type(x) or enc.dtype != np.float64 or len(shape) != 3
+                or shape[0] != 3 or shape[2] != k or shape[1] not in (1, rows)):
+            got = (f"{type(enc).__name__} {getattr(enc, 'dtype', '')} of shape {shape}"
+                   if shape is not None else type(enc).__name__)
+            batch = "1" if rows == 1 else f"1 or {rows}"
+            raise ValueError(f"{what} must be a float64 {type(x).__module__.split('.')[0]} "
+                             f"array of shape (3, {batch}, {k}), {of}; got {got}")
         if enc.shape[2] < 2 or enc.strides[2] == enc.itemsize:
             return enc
         self.counters.copies += 1
@@ -480,30 +440,21 @@ class ProtectedMatmul:
     def _planned(self, a: Any, b: Any, bias: Any | None, out: Any | None = None) -> Operands:
         if self._signature is None:
             raise RuntimeError(f"{self.name}: the plan was released")
-        if self._layout is not None:
-            op = self._layout.operands(a, b, bias, out)
-            if op is not None:
-                return op
-        op = Operands.prepare(a, b, bias, out)
-        if signature_of(op) != self._signature:
-            raise ValueError(f"{self.name}: operands {_describe(signature_of(op))} do not match "
-                             f"the plan ({_describe(self._signature)})")
+        op = None if self._layout is None else self._layout.operands(a, b, bias, out)
+        if op is None:
+            op = Operands.prepare(a, b, bias, out)
+            if signature_of(op) != self._signature:
+                raise ValueError(f"{self.name}: operands {signature_of(op)} do not match the "
+                                 f"plan ({self._signature})")
         return op
 
 
 @dataclass(frozen=True)
 class _Layout:
-    """The planned operands' array type, dtype and shapes, to accept an execute's operands
-    without re-validating them when they match exactly (arrays of the planned type, dtype and
-    shapes, bias C-contiguous, a writable out of the product's shape): the common case, a
-    few comparisons instead of what :meth:`Operands.prepare` checks. It keeps shapes,
-    not the planning arrays."""
+    """The planned arrays' :func:`layout_key` and the shapes ``Operands.prepare`` made of them:
+    arrays of exactly that layout, the common case, are taken without a full validation."""
 
-    kind: type
-    dtype: np.dtype
-    a_shape: tuple[int, ...]
-    b_shape: tuple[int, ...]
-    bias_shape: tuple[int, ...] | None
+    key: tuple
     xp: Any
     a3_shape: tuple[int, ...]
     b3_shape: tuple[int, ...]
@@ -512,28 +463,21 @@ class _Layout:
 
     @classmethod
     def of(cls, a: Any, b: Any, bias: Any | None, op: Operands) -> "_Layout | None":
-        """The layout of planned arrays ``a``, ``b``, ``bias`` that ``op`` only reshapes;
-        None for anything else (array-likes, promotions, 1-D operands, broadcasts)."""
-        if (layout_key(a, b, bias) is None
-                or any(x is not None and x.dtype != op.dtype for x in (a, b, bias))
+        """The layout of arrays that ``op`` only reshapes (not array-likes, promotions, 1-D
+        operands, broadcasts: None)."""
+        key = layout_key(a, b, bias)
+        if (key is None or any(x is not None and x.dtype != op.dtype for x in (a, b, bias))
                 or a.ndim < 2 or b.ndim < 2 or a.size != op.a.size or b.size != op.b.size):
             return None
-        return cls(type(a), op.dtype, a.shape, b.shape, None if bias is None else bias.shape, op.xp,
-                   op.a.shape, op.b.shape, op.batch_shape, op.shape)
+        return cls(key, op.xp, op.a.shape, op.b.shape, op.batch_shape, op.shape)
 
     def operands(self, a: Any, b: Any, bias: Any | None, out: Any | None) -> Operands | None:
         """``Operands`` of arrays of exactly this layout, else None (validate them fully)."""
-        kind, dtype = self.kind, self.dtype
-        if not (type(a) is kind and type(b) is kind and a.dtype == dtype and b.dtype == dtype
-                and a.shape == self.a_shape and b.shape == self.b_shape):
+        if layout_key(a, b, bias) != self.key or bias is not None and not bias.flags.c_contiguous:
             return None
-        if (bias is None) != (self.bias_shape is None) or bias is not None and not (
-                type(bias) is kind and bias.dtype == dtype and bias.shape == self.bias_shape
-                and bias.flags.c_contiguous):
-            return None
-        if out is not None and not (type(out) is kind and out.dtype == dtype
+        if out is not None and not (type(out) is type(a) and out.dtype == a.dtype
                                     and out.shape == self.shape
-                                    and (kind is not np.ndarray or out.flags.writeable)):
+                                    and (self.xp is not np or out.flags.writeable)):
             return None
         return Operands(self.xp, a.reshape(self.a3_shape), b.reshape(self.b3_shape), bias,
                         self.batch_shape, self.shape, out)
@@ -542,8 +486,7 @@ class _Layout:
 def layout_key(*arrays: Any | None) -> tuple | None:
     """What identifies the layout of NumPy or CuPy ``arrays`` (None entries allowed): their array
     type and device, and each one's dtype and shape. None for anything else (array-likes, a mix
-    of array types). A plan takes arrays of the layout it was made from without validating them
-    (:class:`_Layout`); plan caches are keyed by this."""
+    of array types). Plan caches are keyed by this."""
     first = arrays[0]
     kind = type(first)
     if kind is np.ndarray:
@@ -552,19 +495,21 @@ def layout_key(*arrays: Any | None) -> tuple | None:
         device = first.device.id
     else:
         return None
-    if any(x is not None and type(x) is not kind for x in arrays):
-        return None
-    return (kind, device) + tuple(None if x is None else (x.dtype, x.shape) for x in arrays)
+    key = [kind, device]
+    for x in arrays:  # a loop: faster than generators, on every call of a small product
+        if x is not None and type(x) is not kind:
+            return None
+        key.append(None if x is None else (x.dtype, x.shape))
+    return tuple(key)
 
 
 def settle_all(plans: list[ProtectedMatmul]) -> list[Report]:
     """Settle several executed plans with one host synchronization.
 
-    The verdict copies of every plan are queued, one per distinct :class:`Ledger` among the plans
-    (plans that share one are read in one transfer), the host waits once, and each plan then
-    reports (running its rare path if flagged), in order. Plans of several backends (CPU and
-    GPU) are waited for on each; each distinct :class:`Counters` among the plans (plans may
-    share one) counts one sync per backend its plans run on.
+    The verdict copies of every plan are queued, one per distinct :class:`Ledger` among the plans,
+    the host waits once per backend (CPU and GPU), and each plan then reports (running its rare
+    path if flagged), in order. Each distinct :class:`Counters` among the plans counts one sync
+    per backend its plans run on.
 
     Returns
     -------
@@ -579,8 +524,7 @@ def settle_all(plans: list[ProtectedMatmul]) -> list[Report]:
         Something listed is not a :class:`ProtectedMatmul` (nothing is settled).
     UncorrectableError
         As :meth:`ProtectedMatmul.settle`: the first plan's that raised, once every plan is
-        settled (none is left pending); its ``report`` holds every plan's findings, in order
-        (the repairs of the plans that delivered among them).
+        settled (none is left pending); its ``report`` holds every plan's findings, in order.
     """
     plans = list(plans)
     wrong = [type(p).__name__ for p in plans if not isinstance(p, ProtectedMatmul)]
@@ -588,14 +532,7 @@ def settle_all(plans: list[ProtectedMatmul]) -> list[Report]:
         raise TypeError(f"settle_all takes ProtectedMatmul plans, got {', '.join(wrong)}")
     if len({id(p) for p in plans}) != len(plans):
         raise ValueError("settle_all: a plan is listed twice")
-    for plan in plans:
-        plan._start_settle()
-    for ledger in {id(p._ledger): p._ledger for p in plans}.values():
-        ledger.fetch()
-    for counters, _ in {(id(p.counters), id(p._be)): (p.counters, p._be) for p in plans}.values():
-        counters.syncs += 1
-    for backend in {id(p._be): p._be for p in plans}.values():
-        backend.synchronize()
+    _fetch_verdicts(plans)
     reports, failure = [], None
     for plan in plans:
         try:
@@ -611,6 +548,18 @@ def settle_all(plans: list[ProtectedMatmul]) -> list[Report]:
     return reports
 
 
+def _fetch_verdicts(plans: list[ProtectedMatmul]) -> None:
+    """Copy the plans' verdicts to the host: one fetch per ledger, one wait per backend."""
+    for plan in plans:
+        plan._start_settle()
+    for ledger in {id(p._ledger): p._ledger for p in plans}.values():
+        ledger.fetch()
+    for counters, _ in {(id(p.counters), id(p._be)): (p.counters, p._be) for p in plans}.values():
+        counters.syncs += 1
+    for backend in {id(p._be): p._be for p in plans}.values():
+        backend.synchronize()
+
+
 @dataclass
 class _Pending:
     op: Operands
@@ -619,25 +568,7 @@ class _Pending:
     name: str  # the site of this execute
 
 
-def _check_encoding(x: Any, k: int, enc: Any, name: str, what: str, of: str) -> None:
-    """A handed-on encoding of operand ``x`` must be float64 ``(3, 1 or x's batch, k)`` on the
-    operands' array module (the GPU kernels read it by its strides, unchecked)."""
-    rows = x.shape[0]
-    shape = getattr(enc, "shape", None)
-    if (type(enc) is not type(x) or enc.dtype != np.float64 or len(shape) != 3
-            or shape[0] != 3 or shape[2] != k or shape[1] not in (1, rows)):
-        got = (f"{type(enc).__name__} {getattr(enc, 'dtype', '')} of shape {shape}"
-               if shape is not None else type(enc).__name__)
-        batch = "1" if rows == 1 else f"1 or {rows}"
-        raise ValueError(f"{name}: {what} must be a float64 {type(x).__module__.split('.')[0]} "
-                         f"array of shape (3, {batch}, {k}), {of}; got {got}")
-
-
-def signature_of(op: Operands) -> tuple:
-    bias = None if op.bias is None else op.bias.shape
-    return (op.xp.__name__, op.dtype, op.a.shape, op.b.shape, op.shape, bias)
-
-
-def _describe(sig: tuple) -> str:
-    xp, dtype, a, b, _, bias = sig
-    return f"{xp} {dtype} {a} @ {b}" + ("" if bias is None else f" + bias {bias}")
+def signature_of(op: Operands) -> str:
+    """What a plan fixes of its operands, as its error messages name it."""
+    bias = "" if op.bias is None else f" + bias {op.bias.shape}"
+    return f"{op.xp.__name__} {op.dtype} {op.a.shape} @ {op.b.shape} -> {op.shape}{bias}"
