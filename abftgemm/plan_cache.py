@@ -1,24 +1,17 @@
 """The plans behind :func:`abftgemm.matmul`: a :class:`PlanCache`, keyed by what a plan fixes.
 
-Repeated products of one layout (the same shapes, dtype, device, bias presence, check mode and
-directions) reuse one :class:`~abftgemm.plan.ProtectedMatmul` and so its workspaces, with nothing to
-validate or allocate beyond the result. The key holds no site name: the plan takes each call's name
-for its fault hook and report (``ProtectedMatmul.execute``), so a model with any number of sites
-needs one plan per distinct product, and :func:`abftgemm.matmul` executes and settles each call
-before the next, so sites of one signature never hold one plan at the same time.
+Repeated products of one layout (shapes, dtype, device, bias presence, check mode and directions)
+reuse one :class:`~abftgemm.plan.ProtectedMatmul` and its workspaces. The key holds no site name:
+the plan takes each call's name, and :func:`abftgemm.matmul` settles each call before the next, so
+sites of one signature never hold one plan at the same time.
 
-A caller that runs many products (a model's training step) owns a :class:`PlanCache` and passes
-it as ``matmul(..., plans=cache)``: unbounded by default, so no plan is rebuilt in steady state
-(``cache.counters.plans`` counts the plans made). Without one, each thread has a default cache of
-the :data:`CAPACITY` most recently used plans (a plan's workspaces are small next to its product,
-except 16-bit products on the CPU, whose float32 copies of the operands and the product live in
-the plan). A cache serves one thread at a time: a plan has one execute in flight.
+A caller that runs many products (a model's training step) owns a :class:`PlanCache`, unbounded by
+default, and passes it as ``matmul(..., plans=cache)``. Without one, each thread has a default
+cache of the :data:`CAPACITY` most recently used plans (a plan's workspaces are small next to its
+product, except a 16-bit CPU plan's float32 copies). A cache serves one thread at a time.
 
-:meth:`PlanCache.find` finds the plan of arrays seen before without validating them again: the
-cache remembers the layouts (array type, dtype, shapes) of the calls that made or reused a plan,
-and the plan, made from the first call's arrays, takes arrays of that exact layout as they are.
-That saves ``Operands.prepare``, whose full validation costs more than a small product's checks
-(bench/NOTES.md).
+:meth:`PlanCache.find` finds the plan of arrays of a layout seen before without validating them
+again: ``Operands.prepare`` costs more than a small product's checks.
 """
 from __future__ import annotations
 
@@ -64,18 +57,16 @@ class PlanCache:
         return len(self._plans)
 
     def plan(self, op: Operands, check: str, directions: str,
-             arrays: tuple[Any, Any, Any] | None = None) -> ProtectedMatmul:
-        """The plan for ``op`` (validated operands) and these options, made on first use.
-
-        ``arrays``: the ``(a, b, bias)`` that ``op`` was prepared from, whose layout is remembered
-        for :meth:`find`.
-        """
+             arrays: tuple[Any, Any, Any]) -> ProtectedMatmul:
+        """The plan for ``op`` (validated operands) and these options, made on first use;
+        ``arrays``, the ``(a, b, bias)`` that ``op`` was prepared from: their layout is
+        remembered for :meth:`find`."""
         device = op.xp.cuda.Device().id if op.xp.__name__ == "cupy" else -1
         key = (signature_of(op), device, check, directions)
         plan = self._plans.get(key)
         if plan is None:
             # made from the caller's arrays: the plan takes their layout without validation
-            a, b, bias = (op.a, op.b, op.bias) if arrays is None else arrays
+            a, b, bias = arrays
             plan = ProtectedMatmul(a, b, bias=bias, check=check, directions=directions,
                                    counters=self.counters)
             self._plans[key] = plan
@@ -86,17 +77,17 @@ class PlanCache:
                 for stale in [k for k, p in self._layouts.items() if p == evicted_key]:
                     del self._layouts[stale]
         self._plans.move_to_end(key)
-        layout_key = None if arrays is None else _layout_key(*arrays, check, directions)
-        if layout_key is not None:
-            self._layouts[layout_key] = key
+        layout = layout_key(*arrays)
+        if layout is not None:
+            self._layouts[layout, check, directions] = key
         return plan
 
     def find(self, a: Any, b: Any, bias: Any | None, check: str,
              directions: str) -> ProtectedMatmul | None:
         """The plan made or used for arrays of this layout and these options, found without
         validating them; None for anything else (validate with ``Operands.prepare``)."""
-        key = _layout_key(a, b, bias, check, directions)
-        plan_key = None if key is None else self._layouts.get(key)
+        layout = layout_key(a, b, bias)
+        plan_key = None if layout is None else self._layouts.get((layout, check, directions))
         if plan_key is None:
             return None
         self._plans.move_to_end(plan_key)
@@ -119,9 +110,3 @@ def default_plans() -> PlanCache:
 def clear_plan_cache() -> None:
     """Release every plan of the calling thread's default cache (frees their workspaces)."""
     default_plans().clear()
-
-
-def _layout_key(a: Any, b: Any, bias: Any | None, check: str, directions: str) -> tuple | None:
-    """What identifies arrays' layout and the options (None for anything but arrays)."""
-    key = layout_key(a, b, bias)
-    return None if key is None else key + (check, directions)
