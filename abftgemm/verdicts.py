@@ -1,15 +1,10 @@
 """One buffer for the verdicts of several checks, read from the device once.
 
-A pass of several checked steps (the planned products of an attention layer, its softmax checks)
-leaves one verdict per check on the device. Read one by one they cost one device-to-host
-transfer each; a :class:`Ledger` gives every check a :class:`Slot` of one shared page of
-``uint64`` counts at planning, the kernels add into their slots, and :meth:`Ledger.fetch` copies
-the page to pinned host memory in one transfer, from which every check then reads its own
-verdict. On the CPU the page is host memory and a fetch transfers nothing.
-
-A page holds :data:`PAGE_SLOTS` counts; a ledger whose checks need more opens another page (one
-more transfer per fetch). The fetch is counted in ``counters.host_reads``
-(:class:`abftgemm.plan.Counters`).
+A :class:`Ledger` gives every check of a pass (the planned products of an attention layer, its
+softmax checks) a :class:`Slot` of a shared page of ``uint64`` counts; the kernels add into their
+slots, and :meth:`Ledger.fetch` copies each page to pinned host memory in one transfer (counted in
+``counters.host_reads``) instead of one per check. On the CPU the page is host memory and a fetch
+transfers nothing.
 """
 from __future__ import annotations
 
@@ -47,17 +42,18 @@ class Slot:
         self.ledger.stale = True
 
     def read(self) -> np.ndarray:
-        """The counts on the host: fetched first (with a synchronization) when a launch may have
-        changed them since the ledger's last fetch."""
+        """The counts on the host: fetched first (and waited for) when a launch may have changed
+        them since the ledger's last fetch."""
         if self.ledger.stale:
             self.ledger.fetch()
-            self.ledger.synchronize()
+            if self.ledger.xp is not np:
+                self.ledger.xp.cuda.get_current_stream().synchronize()
         return self.host
 
 
 class Ledger:
     """Pages of ``uint64`` verdict counts on one array module, shared by the checks that
-    reserve slots in it.
+    reserve slots in it (a new page when the last is full: one more transfer per fetch).
 
     Parameters
     ----------
@@ -80,8 +76,10 @@ class Ledger:
             raise ValueError(f"a slot holds 1 to {PAGE_SLOTS} counts, not {n}")
         if self._used + n > PAGE_SLOTS:
             self.counters.allocations += 1
-            device = self.xp.zeros(PAGE_SLOTS, np.uint64)
-            host = device if self.xp is np else _pinned(PAGE_SLOTS)
+            device = host = self.xp.zeros(PAGE_SLOTS, np.uint64)
+            if self.xp is not np:
+                import cupyx  # only reached with CuPy arrays in play
+                host = cupyx.zeros_pinned((PAGE_SLOTS,), np.uint64)
             self._pages.append((device, host))
             self._used = 0
         device, host = self._pages[-1]
@@ -98,14 +96,3 @@ class Ledger:
         for device, host in self._pages:
             self.counters.host_reads += 1
             device.get(stream=stream, out=host, blocking=False)
-
-    def synchronize(self) -> None:
-        """Wait for the fetch (the current stream); nothing to wait for on the CPU."""
-        if self.xp is not np:
-            self.xp.cuda.get_current_stream().synchronize()
-
-
-def _pinned(n: int) -> np.ndarray:
-    import cupyx  # only reached with CuPy arrays in play
-
-    return cupyx.zeros_pinned((n,), np.uint64)
