@@ -1,10 +1,9 @@
 """abftgemm: checksum-protected (ABFT) matrix products for NumPy and CuPy arrays.
 
 ``abftgemm.matmul(a, b)`` is a drop-in for ``xp.matmul`` that detects, locates and corrects silent
-errors in the product (INF, NaN, near-INF and, beyond those, errors down to the rounding noise),
-recomputes what checksums cannot repair, and raises :class:`UncorrectableError` rather than return
-wrong data. With ``check="detect"`` it leaves the data alone and announces every finding as a
-:class:`FaultDetectedWarning`.
+errors in the product down to the rounding noise, recomputes what checksums cannot repair, and
+raises :class:`UncorrectableError` rather than return wrong data; with ``check="detect"`` it
+announces every finding as a :class:`FaultDetectedWarning` and leaves the data alone.
 """
 from abftgemm.checksums import SUPPORTED_DTYPES, Checksums
 from abftgemm.encode import checksums_of

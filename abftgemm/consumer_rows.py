@@ -1,13 +1,11 @@
 """The row verification of a planned product whose consumer observes its rows.
 
-Reading a product only to verify it can cost a large part of its GEMM (attention scores on a
-GPU). A :class:`abftgemm.ProtectedMatmul` planned with ``directions="rows by consumer"`` keeps a
-:class:`ConsumerRows`: at execute it predicts the product's row checksums from the operands; the
-kernel that consumes the product then fills :attr:`ConsumerRows.observed` with the row checksums
-of what it read (the fields of a backend's ``row_reduce`` with default weights), and
-:meth:`ConsumerRows.judge` counts the flagged rows on the device (one launch). Nothing reaches
-the host until the plan settles; a flag runs :meth:`ConsumerRows.rare_path`, the full row
-verification and repair. The module knows nothing about its consumers.
+Reading a product only to verify it can cost a large part of its GEMM (attention scores on a GPU).
+A plan with ``directions="rows by consumer"`` keeps a :class:`ConsumerRows`: at execute it
+predicts the product's row checksums; the kernel that consumes the product fills
+:attr:`ConsumerRows.observed` with the row checksums of what it read, and
+:meth:`ConsumerRows.judge` counts the flagged rows on the device. A flag found when the plan
+settles runs :meth:`ConsumerRows.rare_path`. The module knows nothing about its consumers.
 """
 from __future__ import annotations
 
@@ -24,24 +22,21 @@ from abftgemm.report import Report
 from abftgemm.thresholds import safe_magnitude, threshold_coefficients
 from abftgemm.verdicts import Slot
 
-Allocate = Callable[..., Any]
-
 
 class ConsumerRows:
     """Workspaces and launches of the row verification of one planned product: its operands
     ``op`` (no bias) and ``out_triangle`` as :class:`~abftgemm.plan.ProtectedMatmul` takes them;
     ``alloc(shape, dtype=float64)``, the plan's counted allocation of a zeroed array."""
 
-    def __init__(self, be: Backend, op: Operands, out_triangle: str | None, alloc: Allocate,
-                 counters: Any, verdict: Slot):
+    def __init__(self, be: Backend, op: Operands, out_triangle: str | None,
+                 alloc: Callable[..., Any], counters: Any, verdict: Slot):
         self._be = be
         self._counters = counters
         self._slot = verdict
         self.verdict_made = False
         self._coefficients = threshold_coefficients(op.k, op.n, op.dtype, False)
         self._safe = safe_magnitude(op.k, op.dtype)
-        #: How many leading columns of each row are computed, observed and verified, ``(m,)``;
-        #: None: every row whole.
+        #: How many leading columns of each row are verified, ``(m,)``; None: all.
         self.row_limits = None if out_triangle is None else be.row_limits(op.m, op.n, op.dtype)
         if self.row_limits is None:
             self._b_rows = alloc((op.b.shape[0], op.k, 5))
@@ -50,21 +45,18 @@ class ConsumerRows:
         else:  # the encoding of b's leading columns, grown by the prediction
             self._enc = alloc((3, op.k))
         self._pred = alloc((op.batch, op.m, 5))
-        #: The consumer writes the observed row checksums of the product here, ``(batch, m, 5)``
-        #: (of each row's first ``row_limits[i]`` entries when :attr:`row_limits` is set).
+        #: Where the consumer writes the row checksums it observed, ``(batch, m, 5)``.
         self.observed = alloc((op.batch, op.m, 5))
         # the flagged and unverifiable rows, counted in the ledger slot (int64 on the CPU)
         self._verdict = verdict.device if be.xp is not np else verdict.device.view(np.int64)
-        # The judge's per-row threshold, flag and verifiability (written, never read here).
-        rows = (op.batch, op.m)
+        rows = (op.batch, op.m)  # the judge's per-row threshold, flag and verifiability
         self._judged = (alloc(rows), alloc(rows, bool), alloc(rows, bool))
 
     def predict(self, op: Operands, b_rows: Any | None) -> int:
-        """Predicted row checksums of the product; returns the launches it took: the prediction,
-        which reads ``b_rows`` ``(3, 1 or b's batch, k)`` in place when it is handed on (1);
-        else first a read of ``b`` for its row records and their copy into an encoding (3,
-        the copy counted); with :attr:`row_limits`, one prediction that encodes ``b``'s leading
-        columns as it goes."""
+        """Predict the product's row checksums from ``b_rows`` ``(3, 1 or b's batch, k)`` when
+        handed on, else from ``b``'s row encoding made first (counted copy); with
+        :attr:`row_limits`, in one launch that encodes ``b``'s leading columns as it goes.
+        Returns the launches it took."""
         self.verdict_made = False  # judge() ran since this prediction
         if self.row_limits is not None:
             self._be.predict_lower_rows(op.a, op.b, self.row_limits, self._enc, self._pred)
@@ -87,8 +79,7 @@ class ConsumerRows:
                       out=self._judged)
 
     def flagged(self) -> bool:
-        """Whether the judged rows flagged: the slot as the ledger's last fetch copied it (the
-        plan's settle fetched it)."""
+        """Whether the judged rows flagged, as the ledger's last fetch copied them."""
         return bool(self._slot.host.any())
 
     def rare_path(self, op: Operands, c: Any, check: str, name: str, report: Report) -> None:

@@ -1,12 +1,10 @@
 """The rare path of every protected product: verify both directions, then settle the verdict.
 
-:func:`protect` observes and predicts the column and row checksums of a delivered product and judges
-them (:mod:`abftgemm.locate`); :func:`settle` reports what the verdict found and, with
+:func:`protect` observes and predicts the column and row checksums of a delivered product and
+judges them (:mod:`abftgemm.locate`); :func:`settle` reports what the verdict found and, with
 ``check="correct"``, repairs every flagged batch item in place (:mod:`abftgemm.repair`), settles the
-elements no checksum can judge (:mod:`abftgemm.nonfinite`), or raises. Written once, array-module
-generic on top of the backends' primitives (:mod:`abftgemm.backend`): what a plan's settle runs when
-its fast path flags (:mod:`abftgemm.plan`, and :mod:`abftgemm.consumer_rows` for rows its consumer
-observed), the check of ``directions="both"``, and :func:`abftgemm.verify`'s.
+elements no checksum can judge (:mod:`abftgemm.nonfinite`), or raises. What a plan's settle runs
+when its fast path flags, the check of ``directions="both"``, and :func:`abftgemm.verify`'s.
 """
 from __future__ import annotations
 
