@@ -31,73 +31,66 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
     and corrects faults.
 
     NumPy's semantics hold for NumPy arrays and CuPy's for CuPy arrays (shapes, broadcasting,
-    1-D operands, zero sizes, ``out``), with these deliberate differences: only float dtypes
-    (float16, bfloat16, float32, float64) are accepted, integer/bool/complex/object operands raise
-    TypeError instead of being computed or promoted to float64; bfloat16 @ bfloat16 returns
-    bfloat16 (NumPy computes it in float32 and returns float32); ``np.matrix`` and masked arrays
-    raise TypeError; other ndarray subclasses come back as plain arrays; NumPy's ``casting``,
+    1-D operands, zero sizes, ``out``), except: only float dtypes are accepted (integer, bool,
+    complex and object operands raise TypeError instead of being promoted to float64); bfloat16
+    @ bfloat16 returns bfloat16 (NumPy returns float32); ``np.matrix`` and masked arrays raise
+    TypeError, other ndarray subclasses come back as plain arrays; NumPy's ``casting``,
     ``order``, ``dtype``, ``subok`` and ``axes`` keywords are not taken.
 
     Parameters
     ----------
     a : array or array-like (..., m, k) or (k,)
         NumPy or CuPy array of float16, bfloat16 (ml_dtypes), float32 or float64, any byte order;
-        NumPy array-likes (lists, objects with ``__array__``) are converted; CuPy operands need
-        CuPy arrays throughout, as ``cupy.matmul`` does. PyTorch tensors (CPU or CUDA, not
-        recording gradients) are used in place (no copies) and the result is a tensor; the
-        ``fault_hook`` and the checksums still see NumPy/CuPy arrays sharing their memory.
+        NumPy array-likes are converted; CuPy operands need CuPy arrays throughout. PyTorch
+        tensors (CPU or CUDA, not recording gradients) are used in place and the result is a
+        tensor; ``fault_hook`` and the checksums see NumPy/CuPy arrays sharing their memory.
     b : array or array-like (..., k, n) or (k,)
-        Same array module as ``a``; batch dimensions broadcast as in ``matmul``. Mixed float
-        dtypes promote as ``np.matmul`` promotes (float16 with float32 -> float32, bfloat16 with
-        float16 or float32 -> float32, anything with float64 -> float64).
+        Same array module as ``a``; batch dimensions broadcast and mixed float dtypes promote as
+        in ``np.matmul`` (bfloat16 with float16 or float32 -> float32).
     out : array, optional
         Receives the result, which is returned (positional or keyword, as in ``np.matmul``). Any
         layout; its dtype must accept the result under ``casting="same_kind"``; for NumPy its
         leading dimensions may broadcast the result's, for CuPy its shape is the result's. A bad
-        ``out`` raises before anything is written. If the call raises
-        :class:`UncorrectableError`, the contents of ``out`` are unspecified. A tensor ``out``
-        has its version counter advanced (as PyTorch's ``out=``: a backward that saved it
-        raises); an expanded one (elements sharing memory) and an inference tensor outside
+        ``out`` raises before anything is written; after :class:`UncorrectableError` its
+        contents are unspecified. A tensor ``out`` has its version counter advanced (as
+        PyTorch's ``out=``); an expanded one and an inference tensor outside
         ``torch.inference_mode`` raise ValueError, as PyTorch refuses them.
     bias : array (n,), optional
-        Added to every row of the product, inside the protection (``a @ b + bias``); promoted
+        Added to every row of the product inside the protection (``a @ b + bias``); promoted
         together with ``a`` and ``b``.
     check : {"correct", "detect", "off"}
         ``"correct"``: detect, locate, repair from checksums, recompute what they cannot repair,
         raise :class:`UncorrectableError` if no correct result can be delivered. ``"detect"``:
-        report, never modify, and announce every finding as a :class:`FaultDetectedWarning`
-        (whether or not the report is returned). ``"off"``: the plain product.
+        report, never modify, and announce every finding as a :class:`FaultDetectedWarning`.
+        ``"off"``: the plain product.
     directions : {"columns", "both"}
-        What every call verifies. ``"columns"`` (default): the column checksums, which detect
-        and locate a bad element or a bad row on one read of ``a``, ``b`` and the product; the
-        row checksums are computed only when a column flags (to repair a bad column).
-        ``"both"``: rows and columns on every call, which also detects errors that clear the row
-        threshold but not the column one (docs/detection.md compares the two).
+        ``"columns"`` (default): verify the column checksums, which detect and locate a bad
+        element or row on one read of ``a``, ``b`` and the product (the rows are computed only
+        to repair a bad column). ``"both"``: rows and columns on every call, which also detects
+        errors that clear only the row threshold (docs/detection.md compares the two).
     fault_hook : callable ``(site, c)``, optional
-        Called with ``name`` and the raw product, shape ``(..., m, n)``, after the GEMM and before
+        Called with ``name`` and the raw product ``(..., m, n)`` after the GEMM and before
         verification; it may modify ``c`` in place (fault injection).
     name : str
         Site name used in reports and passed to ``fault_hook``.
     return_report : bool
         Also return the :class:`Report`.
     a_checksums : Checksums, optional
-        Encoding handed on from an earlier product: ``a_checksums.cols`` (column encoding of
-        ``a``, batch dimensions flattened: shape ``(3, batch or 1, k)``) replaces the read of
-        ``a``.
+        Encoding handed on from an earlier product: ``a_checksums.cols``, the column encoding of
+        ``a`` ``(3, batch or 1, k)`` (batch dimensions flattened), replaces the read of ``a``.
     return_checksums : bool
         Also return the :class:`Checksums` of the delivered product (flattened batch), ready to
-        pass to the next product: its column encoding (and the row encoding with
-        ``directions="both"``).
+        pass to the next product: its column encoding (and rows with ``directions="both"``).
     plans : PlanCache, optional
         Where the planned product is kept and found again (keyed by the product's layout and
-        the options, not by ``name``): a cache the caller owns and uses from one thread, such
-        as one per model; by default the calling thread's cache of the 8 most recently used.
+        options, not by ``name``): a cache the caller owns and uses from one thread; by default
+        the calling thread's cache of the 8 most recently used.
 
     Returns
     -------
     c : array (..., m, n)
         The product, in ``a``'s array module (``out`` when given; a NumPy scalar for NumPy
-        vector @ vector, a 0-d array for CuPy). Followed by ``report`` and/or ``checksums`` when
+        vector @ vector, a 0-d array for CuPy), followed by ``report`` and/or ``checksums`` when
         requested, in that order.
 
     Raises
