@@ -9,7 +9,7 @@ settles runs :meth:`ConsumerRows.rare_path`. The module knows nothing about its 
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -25,11 +25,10 @@ from abftgemm.verdicts import Slot
 
 class ConsumerRows:
     """Workspaces and launches of the row verification of one planned product: its operands
-    ``op`` (no bias) and ``out_triangle`` as :class:`~abftgemm.plan.ProtectedMatmul` takes them;
-    ``alloc(shape, dtype=float64)``, the plan's counted allocation of a zeroed array."""
+    ``op`` (no bias) and ``out_triangle`` as :class:`~abftgemm.plan.ProtectedMatmul` takes them."""
 
-    def __init__(self, be: Backend, op: Operands, out_triangle: str | None,
-                 alloc: Callable[..., Any], counters: Any, verdict: Slot):
+    def __init__(self, be: Backend, op: Operands, out_triangle: str | None, counters: Any,
+                 verdict: Slot):
         self._be = be
         self._counters = counters
         self._slot = verdict
@@ -39,18 +38,22 @@ class ConsumerRows:
         #: How many leading columns of each row are verified, ``(m,)``; None: all.
         self.row_limits = None if out_triangle is None else be.row_limits(op.m, op.n, op.dtype)
         if self.row_limits is None:
-            self._b_rows = alloc((op.b.shape[0], op.k, 5))
+            self._b_rows = self._zeros((op.b.shape[0], op.k, 5))
             # the row encoding of b out of those records, when none is handed on
-            self._b_enc = alloc((3, op.b.shape[0], op.k))
+            self._b_enc = self._zeros((3, op.b.shape[0], op.k))
         else:  # the encoding of b's leading columns, grown by the prediction
-            self._enc = alloc((3, op.k))
-        self._pred = alloc((op.batch, op.m, 5))
+            self._enc = self._zeros((3, op.k))
+        self._pred = self._zeros((op.batch, op.m, 5))
         #: Where the consumer writes the row checksums it observed, ``(batch, m, 5)``.
-        self.observed = alloc((op.batch, op.m, 5))
+        self.observed = self._zeros((op.batch, op.m, 5))
         # the flagged and unverifiable rows, counted in the ledger slot (int64 on the CPU)
         self._verdict = verdict.device if be.xp is not np else verdict.device.view(np.int64)
         rows = (op.batch, op.m)  # the judge's per-row threshold, flag and verifiability
-        self._judged = (alloc(rows), alloc(rows, bool), alloc(rows, bool))
+        self._judged = (self._zeros(rows), self._zeros(rows, bool), self._zeros(rows, bool))
+
+    def _zeros(self, shape: tuple[int, ...], dtype: Any = np.float64) -> Any:
+        self._counters.allocations += 1
+        return self._be.xp.zeros(shape, dtype=dtype)
 
     def predict(self, op: Operands, b_rows: Any | None) -> int:
         """Predict the product's row checksums from ``b_rows`` ``(3, 1 or b's batch, k)`` when

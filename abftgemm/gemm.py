@@ -69,10 +69,10 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
         to repair a bad column). ``"both"``: rows and columns on every call, which also detects
         errors that clear only the row threshold (docs/detection.md compares the two).
     fault_hook : callable ``(site, c)``, optional
-        Called with ``name`` and the raw product ``(..., m, n)`` after the GEMM and before
-        verification; it may modify ``c`` in place (fault injection).
+        Called with ``name`` and the raw product ``(..., m, n)`` before verification; it may
+        modify ``c`` in place (fault injection).
     name : str
-        Site name used in reports and passed to ``fault_hook``.
+        Site name in reports and for ``fault_hook``.
     return_report : bool
         Also return the :class:`Report`.
     a_checksums : Checksums, optional
@@ -82,9 +82,8 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
         Also return the :class:`Checksums` of the delivered product (flattened batch), ready to
         pass to the next product: its column encoding (and rows with ``directions="both"``).
     plans : PlanCache, optional
-        Where the planned product is kept and found again (keyed by the product's layout and
-        options, not by ``name``): a cache the caller owns and uses from one thread; by default
-        the calling thread's cache of the 8 most recently used.
+        Where the planned product is kept (keyed by layout and options, not ``name``): a cache
+        the caller owns and uses from one thread; default the thread's cache of 8 plans.
 
     Returns
     -------
@@ -114,7 +113,6 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
     check_checksums(a_checksums, "a_checksums")
     report, checksums = Report(), None
     plans = default_plans() if plans is None else plans
-    # a layout seen before takes its cached plan without validation (plan_cache.py)
     plan = None if check == "off" else plans.find(a, b, bias, check, directions)
     if plan is None:
         op = Operands.prepare(a, b, bias, out)

@@ -175,7 +175,7 @@ class ProtectedMatmul:
                                                         self._ledger)
         if self._verify_columns and constant_a:
             self._work.encode(op.a)
-        self._rows = ConsumerRows(self._be, op, out_triangle, self._zeros, self.counters,
+        self._rows = ConsumerRows(self._be, op, out_triangle, self.counters,
                                   self._ledger.reserve(2)) if consumer else None
         self.observed = None if self._rows is None else self._rows.observed
         self.row_limits = None if self._rows is None else self._rows.row_limits
@@ -188,10 +188,6 @@ class ProtectedMatmul:
         """Whether an execute has started and is not yet settled or abandoned."""
         return self._claim.locked()
 
-    def _zeros(self, shape: tuple[int, ...], dtype: Any = np.float64) -> Any:
-        self.counters.allocations += 1
-        return self._be.xp.zeros(shape, dtype=dtype)
-
     def execute(self, a: Any, b: Any, *, bias: Any | None = None, out: Any | None = None,
                 fault_hook: FaultHook | None = None, a_checksums: Checksums | None = None,
                 b_rows: Checksums | None = None, gemm: Callable[[], None] | None = None,
@@ -203,15 +199,14 @@ class ProtectedMatmul:
         a, b, bias : array
             Operands of the planned shapes and dtype (``bias`` if and only if planned with one).
         out : array, optional
-            Receives the result, as :func:`abftgemm.matmul`'s ``out``. A C-contiguous array of
-            the product's shape and dtype that overlaps no operand receives it directly; any
-            other receives it at :meth:`settle`, computed in a new array (as without ``out``).
+            As :func:`abftgemm.matmul`'s. A C-contiguous array of the product's shape and dtype
+            that overlaps no operand receives the product directly; any other at :meth:`settle`.
         fault_hook : callable ``(site, c)``, optional
             Sees the raw product before verification (fault injection).
         a_checksums : Checksums, optional
-            Column encoding of ``a`` ``(3, 1 or a's batch, k)`` handed on from an earlier product
-            (``a_checksums.cols``): skips the read of ``a``. Read in place when its last axis is
-            contiguous (else copied, counted in :attr:`Counters.copies`).
+            ``a_checksums.cols``, the column encoding of ``a`` ``(3, 1 or a's batch, k)`` handed
+            on from an earlier product, read in place of ``a`` (copied, and counted in
+            :attr:`Counters.copies`, when its last axis is not contiguous).
         b_rows : Checksums, optional
             With ``"rows by consumer"``: ``b_rows.rows``, the row encoding of ``b``
             ``(3, 1 or b's batch, k)``, taken as ``a_checksums`` is; without it ``b`` is read
@@ -300,7 +295,6 @@ class ProtectedMatmul:
             raise RuntimeError(f"{self.name}: judge() needs an executed plan with directions="
                                f"{CONSUMER_ROWS!r}")
         self.counters.launches += 1
-        self._ledger.stale = True
         self._rows.judge()
 
     def observed_checksums(self) -> Checksums:
@@ -506,10 +500,9 @@ def layout_key(*arrays: Any | None) -> tuple | None:
 def settle_all(plans: list[ProtectedMatmul]) -> list[Report]:
     """Settle several executed plans with one host synchronization.
 
-    The verdict copies of every plan are queued, one per distinct :class:`Ledger` among the plans,
-    the host waits once per backend (CPU and GPU), and each plan then reports (running its rare
-    path if flagged), in order. Each distinct :class:`Counters` among the plans counts one sync
-    per backend its plans run on.
+    The verdict copies are queued, one per distinct :class:`Ledger` among the plans, the host
+    waits once per backend (each distinct :class:`Counters` counts one sync per backend), and
+    each plan then reports (running its rare path if flagged), in order.
 
     Returns
     -------
