@@ -1,9 +1,5 @@
-"""The entry point: :func:`matmul`, a protected ``a @ b``.
-
-:func:`matmul` executes and settles a cached plan (:mod:`abftgemm.plan_cache`): on the fast path one
-GEMM and two verification launches that read ``a``, ``b`` and the product once each, then one host
-read of the verdict; the rare path (:mod:`abftgemm.rare_path`) runs only when that verdict flags.
-"""
+"""The entry point: :func:`matmul`, a protected ``a @ b``, which executes and settles a cached
+plan (:mod:`abftgemm.plan_cache`, :mod:`abftgemm.plan`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -111,7 +107,7 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
     if fault_hook is not None and not callable(fault_hook):
         raise TypeError(f"fault_hook must be callable (site, c), got {type(fault_hook).__name__}")
     check_checksums(a_checksums, "a_checksums")
-    report, checksums = Report(), None
+    checksums = None
     plans = default_plans() if plans is None else plans
     plan = None if check == "off" else plans.find(a, b, bias, check, directions)
     if plan is None:
@@ -121,7 +117,7 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
             get_backend(op.xp).gemm(op.a, op.b, buf, op.bias)
             if fault_hook is not None:
                 fault_hook(name, buf.reshape(op.batch_shape + (op.m, op.n)))
-            return _with_extras(op.deliver(buf), report, None, return_report, return_checksums)
+            return _with_extras(op.deliver(buf), Report(), None, return_report, return_checksums)
         plan = plans.plan(op, check, directions, (a, b, bias))
     try:
         with blas_scope():  # the thread count decided once for the GEMM and the rare path

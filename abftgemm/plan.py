@@ -10,10 +10,8 @@ unplanned product would.
 
 Weighted column checksums alone detect an error, locate it in its column and correct a single
 element or a whole bad row; only a bad column needs the rows, which the rare path computes then.
-Reading ``a``, ``b`` and the product once each is what brings the CPU overhead near the memory
-floor (docs/design.md; docs/detection.md compares ``directions="both"``). With ``"rows by
-consumer"`` the kernel that reads the product anyway observes its rows
-(:mod:`abftgemm.consumer_rows`).
+Reading ``a``, ``b`` and the product once each brings the CPU overhead near the memory floor
+(docs/design.md; docs/detection.md compares ``directions="both"``).
 """
 from __future__ import annotations
 

@@ -74,8 +74,7 @@ class PlanCache:
                 evicted_key, evicted = self._plans.popitem(last=False)
                 if not evicted.in_flight:  # one in flight (a fault hook's own products) runs on
                     evicted.release()
-                for stale in [k for k, p in self._layouts.items() if p == evicted_key]:
-                    del self._layouts[stale]
+                self._layouts = {k: p for k, p in self._layouts.items() if p != evicted_key}
         self._plans.move_to_end(key)
         layout = layout_key(*arrays)
         if layout is not None:
