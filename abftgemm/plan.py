@@ -328,10 +328,9 @@ class ProtectedMatmul:
         Parameters
         ----------
         checksums : bool
-            Also return the encodings of the delivered product, ready to hand on (as the
-            ``a_checksums`` of a next product): ``Checksums(cols=...)`` on the default path (a
-            view of a workspace, valid until the next execute); rows too with
-            ``directions="both"``; none with ``"rows by consumer"``.
+            Also return the encodings of the delivered product, to hand on as the next product's
+            ``a_checksums``: columns (on the default path a workspace view, valid until the next
+            execute), rows too with ``directions="both"``, none with ``"rows by consumer"``.
 
         Returns
         -------
