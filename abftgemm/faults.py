@@ -1,24 +1,24 @@
 """Seeded fault injectors that plug into ``fault_hook``.
 
 ``abftgemm.matmul(a, b, fault_hook=hook, name=...)`` (and the attention layers, at sites such as
-``"q_proj"``, ``"scores"``, ``"context"``, ``"dq"``) call ``hook(site, c)`` with the raw GEMM
-product ``c`` -- a C-contiguous ``(..., m, n)`` NumPy or CuPy array -- after the GEMM and before
-verification.  A :class:`Fault` is such a hook: it corrupts ``c`` in place, reproducibly from its
-seed, and records every change in :attr:`Fault.injected`.
+``"q_proj"``, ``"scores"``, ``"dq"``) call ``hook(site, c)`` with the raw product ``c``, a
+C-contiguous ``(..., m, n)`` NumPy or CuPy array, after the GEMM and before verification. A
+:class:`Fault` corrupts ``c`` in place, reproducibly from its seed, and records every change in
+:attr:`Fault.injected`. Only the selected elements travel to the host and back, so the injectors
+work unchanged on CuPy arrays.
 
 Kinds (:data:`KINDS`), applied to every element the pattern selects:
 
 ``"bitflip"``
-    Flip one bit (``bit``; 0 is the least significant mantissa bit, the sign is the top bit; drawn
-    from the seed when not given).  High exponent bits give huge values, INF or NaN; low mantissa
-    bits give tiny errors.  See :func:`bit_layout` and :func:`bit_name`.
+    Flip bit ``bit`` (0 is the least significant mantissa bit, the sign the top one; see
+    :func:`bit_name`). High exponent bits give huge values, INF or NaN; low mantissa bits tiny
+    errors. Exact for float16, bfloat16, float32 and float64 (the unsigned-integer view is flipped).
 ``"multibit"``
-    Flip several distinct bits (``bits``, or ``nbits`` positions drawn from the seed, 2 to 4 when
-    neither is given).
+    Flip several distinct bits (``bits``, or ``nbits`` drawn positions).
 ``"inf"``, ``"-inf"``, ``"nan"``
     Set the element to that value.
 ``"near-inf"``
-    Set a large finite value, ``min(1e10, 0.5 * finfo(dtype).max)``, with the sign of the original.
+    Set :func:`near_inf_value` with the sign of the original.
 ``"additive"``
     Add ``magnitude`` (rounded to the dtype, so a tiny magnitude may leave a large value unchanged).
 ``"scale"``
@@ -31,16 +31,9 @@ Patterns (:data:`PATTERNS`), within one matrix ``c[batch]`` of the batch:
 ``"row"`` / ``"column"``
     The whole row ``row`` / column ``col``.
 ``"tile"``
-    The ``tile = (height, width)`` rectangle (default 4x4) whose top-left corner is ``(row, col)``,
-    clipped to the matrix.
+    The ``tile``-sized rectangle whose top-left corner is ``(row, col)``, clipped to the matrix.
 ``"warp"``
-    The 32 consecutive elements of row ``row`` that start at the multiple of 32 at or below ``col``,
-    clipped to the row.
-
-``batch``, ``row`` and ``col`` are drawn uniformly from the seeded generator unless given.  Bit
-flips work on the unsigned-integer view of the same width, so they are exact for float16, bfloat16
-(``ml_dtypes``), float32 and float64.  Only the selected elements travel to the host and back; ``c``
-is never copied wholesale, so the injectors work unchanged on CuPy arrays.
+    The 32 elements of row ``row`` from the multiple of 32 at or below ``col``, clipped to the row.
 
 Example
 -------
@@ -60,19 +53,8 @@ from ml_dtypes import finfo  # NumPy's, bfloat16's included
 
 from abftgemm.backend import array_module
 
-__all__ = [
-    "KINDS",
-    "PATTERNS",
-    "Call",
-    "Fault",
-    "Injection",
-    "FaultHook",
-    "Recorder",
-    "bit_layout",
-    "bit_name",
-    "chain",
-    "near_inf_value",
-]
+__all__ = ["KINDS", "PATTERNS", "Call", "Fault", "Injection", "FaultHook", "Recorder",
+           "bit_layout", "bit_name", "chain", "near_inf_value"]
 
 KINDS: tuple[str, ...] = (
     "bitflip", "multibit", "inf", "-inf", "nan", "near-inf", "additive", "scale",
@@ -246,10 +228,8 @@ class Fault:
         self._skipped = 0
         if min(self.tile) < 1:
             raise ValueError(f"'tile' must be positive, got {self.tile}")
-        if isinstance(self.sites, str):
-            self.sites = frozenset((self.sites,))
-        elif self.sites is not None:
-            self.sites = frozenset(self.sites)
+        if self.sites is not None:
+            self.sites = frozenset([self.sites] if isinstance(self.sites, str) else self.sites)
         self._rng = np.random.default_rng(self.seed)
 
     def __call__(self, site: str, c: Any) -> None:
@@ -262,8 +242,7 @@ class Fault:
         batch, rows, cols = self._region(c.shape)
         bits = self._bits(c.dtype)
         old, new = _apply(c, batch + (rows, cols), lambda x: self._corrupt(x, bits))
-        r, k = np.meshgrid(np.arange(rows.start, rows.stop), np.arange(cols.start, cols.stop),
-                           indexing="ij")
+        r, k = np.mgrid[rows, cols]
         self.injected.append(Injection(
             site=site, kind=self.kind, pattern=self.pattern, batch=batch,
             rows=r.ravel().tolist(), cols=k.ravel().tolist(),
@@ -295,9 +274,8 @@ class Fault:
 
     def _batch(self, batch_shape: tuple[int, ...]) -> tuple[int, ...]:
         if isinstance(self.batch, tuple):
-            if len(self.batch) != len(batch_shape) or not all(
-                0 <= i < size for i, size in zip(self.batch, batch_shape)
-            ):
+            in_range = all(0 <= i < size for i, size in zip(self.batch, batch_shape))
+            if len(self.batch) != len(batch_shape) or not in_range:
                 raise IndexError(f"batch index {self.batch} is out of range for {batch_shape}")
             return tuple(int(i) for i in self.batch)
         flat = self._position(self.batch, math.prod(batch_shape), "batch")
@@ -336,18 +314,13 @@ class Fault:
             mask = udtype(sum(1 << b for b in bits))
             return (old.view(udtype) ^ mask).view(old.dtype)
         wide = old.astype(np.float64)
-        with np.errstate(over="ignore", invalid="ignore"):
-            return self._set(wide, old.dtype).astype(old.dtype)
-
-    def _set(self, wide: np.ndarray, dtype: np.dtype) -> np.ndarray:
-        """New float64 values for non-bit kinds from the old values ``wide`` (float64)."""
         if self.kind in _CONSTANTS:
-            return np.full_like(wide, _CONSTANTS[self.kind])
+            return np.full_like(old, _CONSTANTS[self.kind])
         if self.kind == "near-inf":
-            return np.copysign(near_inf_value(dtype), wide)
-        if self.kind == "additive":
-            return wide + self.magnitude
-        return wide * self.factor
+            return np.copysign(near_inf_value(old.dtype), wide).astype(old.dtype)
+        with np.errstate(over="ignore", invalid="ignore"):
+            new = wide + self.magnitude if self.kind == "additive" else wide * self.factor
+            return new.astype(old.dtype)
 
 
 def _apply(c: Any, index: tuple, corrupt: Callable[[np.ndarray], np.ndarray]
