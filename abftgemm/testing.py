@@ -11,10 +11,8 @@ Which assertion when:
 - :func:`assert_matches_reference` for a product computed without faults: rounding only.
   Under injected faults it fails on low-mantissa bit flips that no check can see.
 
-Hypothesis's default 200 ms deadline per example does not fit the first examples of a process,
-during which numba compiles (or loads from its cache) the kernels each dtype and layout needs
-(seconds; a minute or more with a cold cache, as on a fresh CI runner): use
-``@settings(deadline=None)``, as the README's recipe does.
+Use ``@settings(deadline=None)``: the first examples of a process wait for numba to compile (or
+load) the kernels, far beyond Hypothesis's default 200 ms deadline.
 
 >>> from hypothesis import given, settings
 >>> @settings(deadline=None)
@@ -95,11 +93,9 @@ def faults(draw: Any, kinds: tuple[str, ...] = KINDS, patterns: tuple[str, ...] 
            sites: Any = None) -> Fault:
     """A seeded :class:`~abftgemm.faults.Fault` of any kind and pattern."""
     kind = draw(st.sampled_from(kinds))
-    extra: dict[str, Any] = {}
-    if kind == "additive":
-        extra["magnitude"] = draw(st.sampled_from([1.0, -3.0, 1e3, 0.5]))
+    magnitude = draw(st.sampled_from([1.0, -3.0, 1e3, 0.5])) if kind == "additive" else 1.0
     return Fault(kind, draw(st.sampled_from(patterns)), seed=draw(st.integers(0, 2**31 - 1)),
-                 sites=sites, **extra)
+                 sites=sites, magnitude=magnitude)
 
 
 def reference(a: Any, b: Any) -> np.ndarray:
@@ -111,18 +107,14 @@ def assert_matches_reference(c: Any, a: Any, b: Any) -> None:
     """Assert ``c`` is ``a @ b`` (its shape too) up to the rounding the threshold model allows.
 
     Where ``a @ b`` (computed in float64) is INF or NaN, ``c`` must hold the same (NaN for NaN,
-    an infinity of the same sign): the user's INF/NaN pass through exactly.
-
-    For fault-free products (no ``fault_hook``, or ``check="off"``). With a fault injected use
-    :func:`assert_protected`: a flip of a low mantissa bit changes an element by less than any
-    check can tell from rounding, stays in the output by design, and fails this assertion.
+    an infinity of the same sign). For fault-free products only: see the module docstring.
     """
-    a64, b64 = to_host(a).astype(np.float64), to_host(b).astype(np.float64)
-    c_h = np.asarray(to_host(c))
+    c_h = to_host(c)
     with np.errstate(invalid="ignore", over="ignore"):  # INF/NaN inputs give INF/NaN, quietly
-        ref, p = np.matmul(a64, b64), np.matmul(np.abs(a64), np.abs(b64))
+        ref = reference(a, b)
     assert c_h.shape == ref.shape, f"c has shape {c_h.shape}, a @ b {ref.shape}"
-    tol = element_tolerance(p, a64.shape[-1], c_h.dtype)
+    p, k = _abs_product(a, b)
+    tol = element_tolerance(p, k, c_h.dtype).reshape(ref.shape)
     got = c_h.astype(np.float64)
     finite = np.isfinite(ref)
     np.testing.assert_array_equal(np.isfinite(got), finite)
@@ -132,31 +124,28 @@ def assert_matches_reference(c: Any, a: Any, b: Any) -> None:
     assert (err <= tol[finite]).all(), f"max error {err.max()} exceeds tolerance"
 
 
-def _as_matrices(a: Any, b: Any) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
-    """``a`` and ``b`` on the host in float64, 1-D ones as a row and a column, and the
-    ``(..., m, n)`` shape of their product."""
-    a_h, b_h = to_host(a), to_host(b)
+def _abs_product(a: Any, b: Any) -> tuple[np.ndarray, int]:
+    """``|a| @ |b|`` in float64 on the host, 1-D operands as a row and a column, and ``k``."""
+    a_h, b_h = np.abs(to_host(a).astype(np.float64)), np.abs(to_host(b).astype(np.float64))
     a2 = a_h[None, :] if a_h.ndim == 1 else a_h
     b2 = b_h[:, None] if b_h.ndim == 1 else b_h
-    full = np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2]) + (a2.shape[-2], b2.shape[-1])
-    return a2.astype(np.float64), b2.astype(np.float64), full
+    with np.errstate(invalid="ignore", over="ignore"):  # INF/NaN inputs give INF/NaN, quietly
+        return np.matmul(a2, b2), a2.shape[-1]
 
 
 def silent_error_bound(a: Any, b: Any, c_clean: Any) -> np.ndarray:
     """Per element of the product, the largest error a check may let pass as rounding noise.
 
-    It is the larger of the thresholds of the element's row and column, computed from the clean
-    product with the same model :func:`abftgemm.matmul` uses: a single error must clear both, but
-    two errors of opposite sign in one column cancel in its checksum, so each need only stay under
-    its row's threshold (and vice versa). 1-D operands count as a row (``a``) or a column
-    (``b``), as in :func:`abftgemm.matmul`; the result has the shape of ``c_clean``.
+    The larger of the thresholds of the element's row and column (the model
+    :func:`abftgemm.matmul` uses, from the clean product): two errors of opposite sign in one
+    column cancel in its checksum, so each need only stay under its row's threshold. The result
+    has the shape of ``c_clean``.
     """
-    a64, b64, full = _as_matrices(a, b)
-    clean = np.asarray(to_host(c_clean))
-    c = clean.astype(np.float64).reshape(full)
-    k, (m, n) = a64.shape[-1], full[-2:]
+    p, k = _abs_product(a, b)
+    clean = to_host(c_clean)
+    c = clean.astype(np.float64).reshape(p.shape)
+    m, n = p.shape[-2:]
     with np.errstate(invalid="ignore", over="ignore"):  # INF/NaN inputs give INF/NaN, quietly
-        p = np.matmul(np.abs(a64), np.abs(b64))
         tau_col = threshold(p.sum(-2), np.abs(c).sum(-2), k, m, clean.dtype)[..., None, :]
         tau_row = threshold(p.sum(-1), np.abs(c).sum(-1), k, n, clean.dtype)[..., :, None]
     return np.maximum(tau_col, tau_row).reshape(clean.shape)
@@ -166,40 +155,36 @@ def checksum_error_ratio(c: Any, c_clean: Any, a: Any, b: Any,
                          directions: str = "columns") -> np.ndarray:
     """Per batch item, how far the errors of ``c`` go beyond what the checks let pass unflagged.
 
-    For every verified vector (the columns; the rows too with ``directions="both"``) of the
-    ``(..., m, n)`` products, the error ``e = c - c_clean`` is summed plainly and with the
-    location weights ``(l+1)/L`` -- exactly what the checksum differences see -- and compared
-    with the vector's threshold ``tau`` (the model :func:`abftgemm.matmul` uses). A product
-    passes its checks unflagged only if every such sum stays under ``tau`` plus the vector's own
-    rounding (below ``tau`` by calibration), so ratios above 2 must have been detected. Each
-    element of ``c`` and ``c_clean`` may also carry its own rounding (a recomputed
-    element): twice :func:`abftgemm.thresholds.element_tolerance` per element is allowed for on
-    top. A non-finite element where ``c_clean`` is finite gives ``inf``, and so does an element
-    where ``c_clean`` is INF or NaN that differs from it (NaN matches NaN; an infinity must keep
-    its sign): the user's INF/NaN pass through exactly, so no check lets such a change pass.
+    For every verified vector (the columns; the rows too with ``directions="both"``), the error
+    ``c - c_clean`` is summed plainly and with the location weights ``(l+1)/L``, as the checksum
+    differences see it, and compared with the vector's threshold ``tau``. A product passes its
+    checks unflagged only if every such sum stays under ``tau`` plus the vector's own rounding
+    (below ``tau`` by calibration), so ratios above 2 must have been detected. Twice
+    :func:`abftgemm.thresholds.element_tolerance` per element is allowed on top (a recomputed
+    element carries its own rounding). A non-finite element where ``c_clean`` is finite gives
+    ``inf``, as does one that differs from an INF/NaN of ``c_clean`` (NaN matches NaN; an
+    infinity must keep its sign): INF/NaN pass through exactly.
 
     Returns
     -------
     numpy.ndarray (batch,)
         The largest ``(|sum| - slack) / tau`` over the vectors and both sums of each item.
     """
-    a64, b64, full = _as_matrices(a, b)  # 1-D operands as matrices: (m, n) per item
-    clean = np.asarray(to_host(c_clean)).reshape(full)
-    got = np.asarray(to_host(c)).reshape(full)
-    k, (m, n), dtype = a64.shape[-1], full[-2:], clean.dtype
+    p, k = _abs_product(a, b)  # 1-D operands as matrices: (m, n) per item
+    clean = to_host(c_clean).reshape(p.shape)
+    got = to_host(c).reshape(p.shape)
+    (m, n), dtype = p.shape[-2:], clean.dtype
     clean64, got64 = clean.astype(np.float64), got.astype(np.float64)
     compared = np.isfinite(clean64)
     changed = ~compared & (got64 != clean64) & ~(np.isnan(got64) & np.isnan(clean64))
     with np.errstate(invalid="ignore", over="ignore"):  # INF/NaN inputs give INF/NaN, quietly
-        p = np.broadcast_to(np.matmul(np.abs(a64), np.abs(b64)), full)
         err = np.where(compared, got64 - clean64, 0.0)
     slack = 2 * element_tolerance(p, k, dtype)
-    batch = math.prod(full[:-2])
+    batch = math.prod(p.shape[:-2])
     worst = np.zeros(batch)
     if batch == 0 or m == 0 or n == 0:
         return worst
-    axes = [(-2, m, n)] + ([(-1, n, m)] if directions == "both" else [])
-    for axis, length, _ in axes:
+    for axis, length in [(-2, m)] + ([(-1, n)] if directions == "both" else []):
         w = np.arange(1, length + 1) / length
         w = w[:, None] if axis == -2 else w[None, :]
         tau = threshold(np.where(compared, p, 0).sum(axis),
@@ -219,18 +204,12 @@ def assert_protected(c: Any, a: Any, b: Any, report: Report, c_clean: Any | None
     library's guarantee.
 
     The guarantee is what the checksums see: in every batch item the report does not mark as
-    detected (an event with action ``"reported"``, i.e. ``check="detect"``), the errors of ``c``
-    against the fault-free product sum, over every verified vector (every column; every row too
-    with ``directions="both"``), plainly and location-weighted, to no more than twice the
-    vector's threshold (see :func:`checksum_error_ratio`). A single undetected error is thus under
-    about two thresholds of its column; several errors in one column may each be larger when
-    their sums cancel (the trade of the column fast path, docs/detection.md). Non-finite
-    elements where the fault-free product is finite always fail, as do elements where it is INF
-    or NaN that differ from it (NaN matches NaN; an infinity must keep its sign). With
-    ``check="correct"`` nothing is left reported, so every larger error fails the assertion: it
-    must have been repaired.
-
-    Use it, rather than :func:`assert_matches_reference`, whenever a fault was injected.
+    detected (an event with action ``"reported"``, i.e. ``check="detect"``), the
+    :func:`checksum_error_ratio` of ``c`` against the fault-free product is at most 2. A single
+    undetected error is thus under about two thresholds of its column; several errors in one
+    column may each be larger when their sums cancel (the trade of the column fast path,
+    docs/detection.md). With ``check="correct"`` nothing is left reported, so every larger error
+    fails the assertion: it must have been repaired.
 
     Parameters
     ----------
@@ -247,8 +226,8 @@ def assert_protected(c: Any, a: Any, b: Any, report: Report, c_clean: Any | None
         What the call verified (the ``directions`` given to :func:`abftgemm.matmul`).
     """
     clean = matmul(a, b, check="off") if c_clean is None else c_clean
-    got, want = np.asarray(to_host(c)), np.asarray(to_host(clean))
-    assert got.shape == want.shape, f"c has shape {got.shape}, the product {want.shape}"
+    got, want = np.shape(c), np.shape(clean)
+    assert got == want, f"c has shape {got}, the product {want}"
     ratio = checksum_error_ratio(c, clean, a, b, directions)
     reported = {e.batch for e in report.events if e.action == "reported"}
     unexplained = [i for i in np.flatnonzero(ratio > 2).tolist() if i not in reported]
