@@ -26,13 +26,12 @@ class Event:
         Flat index into the product's batch dimensions (0 for a 2-D product).
     pattern : str
         ``"0D"`` one element, ``"1R"`` one row, ``"1C"`` one column, ``"2D"`` anything wider,
-        ``"checksum"`` the predicted checksum itself was wrong (the data verifies against
-        checksums derived afresh from the inputs), ``"input-nonfinite"`` the inputs
-        hold INF/NaN so the affected outputs are legitimately non-finite and were not checked,
-        ``"overflow"`` the exact product exceeds the dtype's range, so INF is the right answer,
-        ``"rounding"`` the checksums flagged a product whose every flagged element lies within
-        its rigorous rounding bound of the exact one, computed again bit for bit: rounding,
-        one-sided beyond the threshold's statistical term (docs/thresholds.md).
+        ``"checksum"`` the predicted checksum itself was wrong (the data verifies against fresh
+        ones), ``"input-nonfinite"`` the inputs hold INF/NaN so the affected outputs were not
+        checked, ``"overflow"`` the exact product exceeds the dtype's range (INF is right),
+        ``"rounding"`` every flagged element lies within its rigorous rounding bound, computed
+        again bit for bit (one-sided rounding beyond the threshold's statistical term,
+        docs/thresholds.md).
     rows, cols : tuple of int
         Output rows and columns involved (for ``input-nonfinite``: the unverifiable vectors).
     magnitude : float
@@ -41,18 +40,16 @@ class Event:
     threshold : float
         The rounding-error threshold that difference was compared against (for the same vector).
     action : str
-        ``"corrected"`` (the elements the checksums located were recomputed from the inputs, so
-        they carry a clean product's rounding, and the product then verified),
-        ``"recomputed"`` (rows, columns, the whole product or a softmax step recomputed from the
-        inputs), ``"checksum-recomputed"`` (the predicted checksum was wrong; the data verified
-        against fresh ones and was left alone), ``"reported"`` (left in place: check="detect",
-        or nothing could be made to verify) or ``"passed-through"``.
+        ``"corrected"`` (the located elements were recomputed from the inputs and the product
+        then verified), ``"recomputed"`` (rows, columns, the whole product or a softmax step
+        recomputed from the inputs), ``"checksum-recomputed"`` (the data verified against fresh
+        checksums and was left alone), ``"reported"`` (left in place: check="detect", or nothing
+        could be made to verify) or ``"passed-through"``.
     verified : str
-        What was done and what was checked afterwards, in words: which values were recomputed,
-        and the re-verification that followed with the tolerance it was judged against (for a
-        product, the largest checksum ``|d|/threshold`` over its rows and columns). Nothing
-        beyond that statement is vouched for: an element no check looked at again is known
-        only to the bound of the check that covers it (docs/detection.md).
+        In words, which values were recomputed and the re-verification that followed, with the
+        tolerance it was judged against. Nothing beyond that is vouched for: an element no check
+        looked at again is known only to the bound of the check that covers it
+        (docs/detection.md).
     """
 
     site: str
@@ -137,16 +134,14 @@ class UncorrectableError(RuntimeError):
 class FaultDetectedWarning(UserWarning):
     """A check with ``check="detect"`` found a fault and left the output as it was computed.
 
-    One warning per finding (one :class:`Event` with action ``"reported"``), naming the site,
-    pattern and location, attributed to the line that called the library. Clean calls never
-    warn, nor do non-finite inputs or a genuine overflow (they are not faults). Filter it like any
+    One warning per :class:`Event` with action ``"reported"`` (never for clean calls, non-finite
+    inputs or overflow), attributed to the line that called the library. Filter it like any
     warning: ``warnings.simplefilter("error", abftgemm.FaultDetectedWarning)`` stops at the first
     fault; ``"ignore"`` when you read the :class:`Report` yourself.
     """
 
 
-#: Top-level packages whose frames a warning skips to reach the user's line (see
-#: :func:`register_library_package`).
+#: Top-level packages whose frames a warning skips to reach the user's line.
 _LIBRARY_PACKAGES = {"abftgemm"}
 
 
@@ -163,8 +158,7 @@ def announce(event: Event) -> None:
 
 
 def _user_stacklevel() -> int:
-    """``stacklevel`` for :func:`warnings.warn` called from :func:`announce` that points at the
-    first frame outside the library packages."""
+    """``stacklevel`` for :func:`announce`'s warning: the first frame outside the library."""
     frame, level = sys._getframe(2), 2  # 1: announce; 2: announce's caller
     while frame is not None and \
             frame.f_globals.get("__name__", "").partition(".")[0] in _LIBRARY_PACKAGES:

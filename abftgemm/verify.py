@@ -1,10 +1,8 @@
 """Verify a product someone else computed: ``verify(c, a, b)``, with a report and the margins.
 
-The same two-direction check that protects :func:`abftgemm.matmul` (column and row checksums
-predicted from the operands in float64, observed from ``c``, judged against the rounding-error
-thresholds of :mod:`abftgemm.thresholds`, non-finite inputs and overflow settled element by
-element), run on a given ``c`` and never modifying it. Useful to check a product from another
-library, and to measure how close clean data comes to the thresholds.
+The two-direction check that protects :func:`abftgemm.matmul`, run on a given ``c`` without
+modifying it: to check a product from another library, or how close clean data comes to the
+thresholds.
 """
 from __future__ import annotations
 
@@ -51,11 +49,9 @@ class Verification:
 
     @property
     def worst_ratio(self) -> float:
-        """Largest ``diff / threshold`` over the finite differences of both directions (how
-        close the data comes to being flagged). Clean data stays below 1 unless its rounding
-        is one-sided beyond the threshold's statistical term (a sum of addends each lost to
-        the partial sum, as sequential float32 sums of equal terms do); the report then names
-        it ``"rounding"``, every flagged element within the rigorous rounding bound."""
+        """Largest ``diff / threshold`` over the finite differences of both directions. Clean
+        data stays below 1 unless its rounding is one-sided (the report then says
+        ``"rounding"``)."""
         with np.errstate(invalid="ignore", divide="ignore"):  # INF / INF: not finite, left out
             ratios = [d / t for d, t in ((self.col_diff, self.col_threshold),
                                          (self.row_diff, self.row_threshold))]
