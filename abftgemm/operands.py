@@ -204,9 +204,7 @@ def _as_3d(xp: Any, x: Any, batch_shape: tuple[int, ...]) -> Any:
     return x.reshape(math.prod(batch_shape), r, c)
 
 
-def item(op: Operands, b: int) -> Operands:
-    """The single product ``b`` of a batched product, as an :class:`Operands` of batch 1."""
-    def pick(x: Any) -> Any:
-        i = b if x.shape[0] > 1 else 0
-        return x[i:i + 1]
-    return Operands(op.xp, pick(op.a), pick(op.b), op.bias, (1,), (1, op.m, op.n))
+def item(op: Operands, i: int) -> Operands:
+    """The single product ``i`` of a batched product, as an :class:`Operands` of batch 1."""
+    a, b = (x[i:i + 1] if x.shape[0] > 1 else x[:1] for x in (op.a, op.b))
+    return Operands(op.xp, a, b, op.bias, (1,), (1, op.m, op.n))
