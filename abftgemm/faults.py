@@ -3,40 +3,8 @@
 ``abftgemm.matmul(a, b, fault_hook=hook, name=...)`` (and the attention layers, at sites such as
 ``"q_proj"``, ``"scores"``, ``"dq"``) call ``hook(site, c)`` with the raw product ``c``, a
 C-contiguous ``(..., m, n)`` NumPy or CuPy array, after the GEMM and before verification. A
-:class:`Fault` corrupts ``c`` in place, reproducibly from its seed, and records every change in
-:attr:`Fault.injected`. Only the selected elements travel to the host and back, so the injectors
-work unchanged on CuPy arrays.
+:class:`Fault` is such a hook; :class:`Recorder` and :func:`chain` help compose them.
 
-Kinds (:data:`KINDS`), applied to every element the pattern selects:
-
-``"bitflip"``
-    Flip bit ``bit`` (0 is the least significant mantissa bit, the sign the top one; see
-    :func:`bit_name`). High exponent bits give huge values, INF or NaN; low mantissa bits tiny
-    errors. Exact for float16, bfloat16, float32 and float64 (the unsigned-integer view is flipped).
-``"multibit"``
-    Flip several distinct bits (``bits``, or ``nbits`` drawn positions).
-``"inf"``, ``"-inf"``, ``"nan"``
-    Set the element to that value.
-``"near-inf"``
-    Set :func:`near_inf_value` with the sign of the original.
-``"additive"``
-    Add ``magnitude`` (rounded to the dtype, so a tiny magnitude may leave a large value unchanged).
-``"scale"``
-    Multiply by ``factor``.
-
-Patterns (:data:`PATTERNS`), within one matrix ``c[batch]`` of the batch:
-
-``"element"``
-    The element ``(row, col)``.
-``"row"`` / ``"column"``
-    The whole row ``row`` / column ``col``.
-``"tile"``
-    The ``tile``-sized rectangle whose top-left corner is ``(row, col)``, clipped to the matrix.
-``"warp"``
-    The 32 elements of row ``row`` from the multiple of 32 at or below ``col``, clipped to the row.
-
-Example
--------
 >>> fault = Fault("bitflip", "row", seed=3, sites="scores", bit=30)
 >>> abftgemm.matmul(a, b, fault_hook=fault, name="scores")  # doctest: +SKIP
 >>> fault.injected[0].rows, fault.injected[0].old, fault.injected[0].new  # doctest: +SKIP
@@ -150,12 +118,31 @@ class Injection:
 class Fault:
     """A seeded fault injector usable as ``fault_hook``: ``fault(site, c)`` corrupts ``c`` in place.
 
+    The change is reproducible from the seed and recorded in :attr:`injected`. Only the selected
+    elements travel to the host and back, so it works unchanged on CuPy arrays.
+
     Parameters
     ----------
     kind
-        One of :data:`KINDS`.
+        One of :data:`KINDS`, applied to every element the pattern selects:
+
+        - ``"bitflip"``: flip bit ``bit`` (0 is the least significant mantissa bit, the sign the
+          top one; see :func:`bit_name`). High exponent bits give huge values, INF or NaN; low
+          mantissa bits tiny errors. Exact in every dtype: the unsigned-integer view is flipped.
+        - ``"multibit"``: flip the distinct ``bits``, or ``nbits`` drawn ones.
+        - ``"inf"``, ``"-inf"``, ``"nan"``: set that value.
+        - ``"near-inf"``: set :func:`near_inf_value` with the sign of the original.
+        - ``"additive"``: add ``magnitude`` (rounded to the dtype: a tiny one may change nothing).
+        - ``"scale"``: multiply by ``factor``.
     pattern
-        One of :data:`PATTERNS`.
+        One of :data:`PATTERNS`, within the matrix ``c[batch]``:
+
+        - ``"element"``: the element ``(row, col)``.
+        - ``"row"`` / ``"column"``: the whole row ``row`` / column ``col``.
+        - ``"tile"``: the ``tile = (height, width)`` rectangle with top-left corner ``(row, col)``.
+        - ``"warp"``: the 32 elements of row ``row`` from the multiple of 32 at or below ``col``.
+
+        Clipped to the matrix.
     seed
         Seed of the ``numpy.random.Generator`` drawing positions and unspecified bits.
     sites
@@ -168,21 +155,10 @@ class Fault:
         hook is called once per tile (the fused attention core's sites), this picks the tile.
     batch
         Batch index (flat int, or tuple over the batch dimensions); drawn when None.
-    row, col
-        Row / column of the element, of the row or column, of the tile's top-left corner, or inside
-        the warp; drawn when None.
-    bit
-        ``"bitflip"``: the bit to flip; drawn when None.
-    bits
-        ``"multibit"``: the distinct bits to flip; when None, ``nbits`` bits are drawn.
-    nbits
-        ``"multibit"``: how many bits to draw; drawn from 2 to 4 when None.
-    tile
-        ``"tile"``: ``(height, width)`` before clipping.
-    magnitude
-        ``"additive"``: the value added.
-    factor
-        ``"scale"``: the multiplier.
+    row, col, tile
+        See ``pattern``; ``row`` and ``col`` are drawn when None.
+    bit, bits, nbits, magnitude, factor
+        See ``kind``; bits are drawn when None (``nbits`` from 2 to 4).
 
     Attributes
     ----------
@@ -313,9 +289,9 @@ class Fault:
             udtype = _UINT[old.dtype.itemsize]
             mask = udtype(sum(1 << b for b in bits))
             return (old.view(udtype) ^ mask).view(old.dtype)
-        wide = old.astype(np.float64)
         if self.kind in _CONSTANTS:
             return np.full_like(old, _CONSTANTS[self.kind])
+        wide = old.astype(np.float64)
         if self.kind == "near-inf":
             return np.copysign(near_inf_value(old.dtype), wide).astype(old.dtype)
         with np.errstate(over="ignore", invalid="ignore"):
