@@ -88,14 +88,12 @@ class Report:
 
     @property
     def detected(self) -> bool:
-        """True when any fault was found (anything but the findings of :data:`PASSED_THROUGH`:
-        non-finite inputs, overflow, rounding)."""
-        return any(e.pattern not in PASSED_THROUGH for e in self.events)
+        """True when any fault was found: a finding not in :data:`PASSED_THROUGH`."""
+        return bool(self.sites)
 
     @property
     def corrected(self) -> int:
-        """Number of output elements the checksums located and that were recomputed (action
-        ``"corrected"``)."""
+        """Number of output elements recomputed with action ``"corrected"``."""
         # one per row for 1C, per column for 1R and 0D
         return sum(len(e.rows if e.pattern == "1C" else e.cols) for e in self.events
                    if e.action == "corrected")
@@ -107,7 +105,7 @@ class Report:
 
     @property
     def sites(self) -> set[str]:
-        """Names of the sites with a finding other than non-finite inputs."""
+        """Names of the sites with a fault: a finding not in :data:`PASSED_THROUGH`."""
         return {e.site for e in self.events if e.pattern not in PASSED_THROUGH}
 
     def extend(self, other: "Report") -> None:
