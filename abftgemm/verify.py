@@ -53,10 +53,9 @@ class Verification:
         data stays below 1 unless its rounding is one-sided (the report then says
         ``"rounding"``)."""
         with np.errstate(invalid="ignore", divide="ignore"):  # INF / INF: not finite, left out
-            ratios = [d / t for d, t in ((self.col_diff, self.col_threshold),
-                                         (self.row_diff, self.row_threshold))]
-        finite = np.concatenate([r[np.isfinite(r)] for r in ratios])
-        return float(finite.max()) if finite.size else 0.0
+            ratios = np.concatenate([(self.col_diff / self.col_threshold).ravel(),
+                                     (self.row_diff / self.row_threshold).ravel()])
+        return float(ratios.max(initial=0.0, where=np.isfinite(ratios)))
 
 
 def verify(c: Any, a: Any, b: Any, *, bias: Any | None = None,
