@@ -1,18 +1,15 @@
 """Hypothesis strategies and assertion helpers for property-testing code under injected faults.
 
 Strategies build NumPy operands (move them with ``xp.asarray``); the helpers accept NumPy or CuPy.
-Small-integer-valued operands make every product exact in every supported dtype, so detection,
-location and correction can be asserted with ``==``.
+Small-integer-valued operands make every product exact, so detection, location and correction can
+be asserted with ``==``. Which assertion when:
 
-Which assertion when:
+- :func:`assert_matches_reference`: a product computed without faults (rounding only).
+- :func:`assert_protected`: one computed with a fault injected; the library's guarantee lets a
+  fault too small to tell from rounding (a low-mantissa bit flip) stay.
 
-- :func:`assert_protected` for a product computed with a fault injected (``fault_hook``): it
-  states the library's guarantee, which allows a fault too small to tell from rounding to stay.
-- :func:`assert_matches_reference` for a product computed without faults: rounding only.
-  Under injected faults it fails on low-mantissa bit flips that no check can see.
-
-Use ``@settings(deadline=None)``: the first examples of a process wait for numba to compile (or
-load) the kernels, far beyond Hypothesis's default 200 ms deadline.
+Use ``@settings(deadline=None)``: the first examples wait for numba to compile (or load) the
+kernels, far beyond Hypothesis's default 200 ms deadline.
 
 >>> from hypothesis import given, settings
 >>> @settings(deadline=None)
