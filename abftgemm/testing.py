@@ -80,9 +80,8 @@ def operand_pairs(draw: Any, dtype: Any, shapes: st.SearchStrategy | None = None
         limit = 30.0 if name == "float16" else 100.0  # products of k <= 12 terms stay finite
         elements = st.floats(-limit, limit, allow_nan=False, allow_subnormal=False,
                              width=16 if name == "float16" else 32)
-    a = draw(hnp.arrays(np.float64, a_shape, elements=elements)).astype(dtype)
-    b = draw(hnp.arrays(np.float64, b_shape, elements=elements)).astype(dtype)
-    return a, b
+    return (draw(hnp.arrays(np.float64, a_shape, elements=elements)).astype(dtype),
+            draw(hnp.arrays(np.float64, b_shape, elements=elements)).astype(dtype))
 
 
 @st.composite
@@ -154,13 +153,12 @@ def checksum_error_ratio(c: Any, c_clean: Any, a: Any, b: Any,
 
     For every verified vector (the columns; the rows too with ``directions="both"``), the error
     ``c - c_clean`` is summed plainly and with the location weights ``(l+1)/L``, as the checksum
-    differences see it, and compared with the vector's threshold ``tau``. A product passes its
-    checks unflagged only if every such sum stays under ``tau`` plus the vector's own rounding
-    (below ``tau`` by calibration), so ratios above 2 must have been detected. Twice
-    :func:`abftgemm.thresholds.element_tolerance` per element is allowed on top (a recomputed
-    element carries its own rounding). A non-finite element where ``c_clean`` is finite gives
-    ``inf``, as does one that differs from an INF/NaN of ``c_clean`` (NaN matches NaN; an
-    infinity must keep its sign): INF/NaN pass through exactly.
+    differences see it, and compared with the vector's threshold ``tau``: sums beyond ``tau`` plus
+    the vector's own rounding (below ``tau``) are flagged, so ratios above 2 must have been
+    detected. Twice :func:`abftgemm.thresholds.element_tolerance` per element is allowed on top
+    (a recomputed element carries its own rounding). A non-finite element where ``c_clean`` is
+    finite gives ``inf``, as does one that differs from an INF/NaN of ``c_clean`` (NaN matches
+    NaN; an infinity must keep its sign).
 
     Returns
     -------
@@ -168,10 +166,9 @@ def checksum_error_ratio(c: Any, c_clean: Any, a: Any, b: Any,
         The largest ``(|sum| - slack) / tau`` over the vectors and both sums of each item.
     """
     p, k = _abs_product(a, b)  # 1-D operands as matrices: (m, n) per item
-    clean = to_host(c_clean).reshape(p.shape)
-    got = to_host(c).reshape(p.shape)
+    clean = to_host(c_clean)
+    clean64, got64 = (x.astype(np.float64).reshape(p.shape) for x in (clean, to_host(c)))
     (m, n), dtype = p.shape[-2:], clean.dtype
-    clean64, got64 = clean.astype(np.float64), got.astype(np.float64)
     compared = np.isfinite(clean64)
     changed = ~compared & (got64 != clean64) & ~(np.isnan(got64) & np.isnan(clean64))
     with np.errstate(invalid="ignore", over="ignore"):  # INF/NaN inputs give INF/NaN, quietly
@@ -179,7 +176,7 @@ def checksum_error_ratio(c: Any, c_clean: Any, a: Any, b: Any,
     slack = 2 * element_tolerance(p, k, dtype)
     batch = math.prod(p.shape[:-2])
     worst = np.zeros(batch)
-    if batch == 0 or m == 0 or n == 0:
+    if p.size == 0:
         return worst
     for axis, length in [(-2, m)] + ([(-1, n)] if directions == "both" else []):
         w = np.arange(1, length + 1) / length
