@@ -301,10 +301,9 @@ class Fault:
 
 def _apply(c: Any, index: tuple, corrupt: Callable[[np.ndarray], np.ndarray]
            ) -> tuple[np.ndarray, np.ndarray]:
-    """Replace ``c[index]`` by ``corrupt(old)``, moving only that region to the host and back.
+    """Replace ``c[index]`` by ``corrupt(old)`` and return the host arrays ``(old, new)``.
 
-    The region is read and written through the unsigned-integer view of ``c``, so the device never
-    needs arithmetic in ``c``'s dtype.  Returns the host arrays ``(old, new)``.
+    Only that region travels, through the unsigned-integer view of ``c``: no device arithmetic.
     """
     xp = array_module(c)
     udtype = _UINT[c.dtype.itemsize]
