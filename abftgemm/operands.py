@@ -28,23 +28,11 @@ _REFUSED = (np.matrix, np.ma.MaskedArray)
 class Operands:
     """Validated operands, viewed as 3-D, and the output the user asked for.
 
-    Attributes
-    ----------
-    xp : module
-        ``numpy`` or ``cupy``.
-    a, b : array
-        ``(batch or 1, m, k)`` and ``(batch or 1, k, n)``, dtype ``dtype`` in native byte order.
-    bias : array (n,) or None
-        Contiguous, dtype ``dtype``.
-    dtype : numpy.dtype
-        The product's dtype, after promotion.
-    batch_shape : tuple of int
-        The broadcast batch dimensions.
-    shape : tuple of int
-        The result's shape: ``batch_shape + (m, n)`` less the dimension of a 1-D operand.
-    batch, m, k, n : int
-    out : array or None
-        The user's ``out=``, validated.
+    ``xp`` is ``numpy`` or ``cupy``; ``a`` and ``b`` are ``(batch or 1, m, k)`` and
+    ``(batch or 1, k, n)`` of the product's (promoted) ``dtype`` in native byte order, ``bias`` a
+    contiguous ``(n,)`` array or None. ``shape`` is the result's: ``batch_shape + (m, n)`` less
+    the dimension of a 1-D operand. ``out`` is the user's ``out=``, validated, and ``direct``
+    whether the GEMM writes straight into it.
     """
 
     def __init__(self, xp: Any, a: Any, b: Any, bias: Any | None, batch_shape: tuple[int, ...],
@@ -125,8 +113,7 @@ def _arrays(a: Any, b: Any, bias: Any | None, out: Any | None) -> tuple[Any, Any
                             "a matrix; fill or drop the masked values of a masked array)")
     if any(is_cupy_array(x) for x in (a, b, bias, out)):
         return a, b, bias, out  # as cupy.matmul: no conversion (array_module names a non-array)
-    a, b = np.asarray(a), np.asarray(b)
-    return a, b, None if bias is None else np.asarray(bias), out
+    return np.asarray(a), np.asarray(b), None if bias is None else np.asarray(bias), out
 
 
 def float_dtype(label: str, x: Any, caller: str = "matmul") -> np.dtype:
