@@ -2,8 +2,8 @@
 
 ``abftgemm.matmul(a, b, fault_hook=hook, name=...)`` (and the attention layers, at sites such as
 ``"q_proj"``, ``"scores"``, ``"dq"``) call ``hook(site, c)`` with the raw product ``c``, a
-C-contiguous ``(..., m, n)`` NumPy or CuPy array, after the GEMM and before verification. A
-:class:`Fault` is such a hook; :class:`Recorder` and :func:`chain` help compose them.
+C-contiguous ``(..., m, n)`` NumPy or CuPy array, after the GEMM and before verification.
+:class:`Fault` is such a hook, :class:`Recorder` one that only records; :func:`chain` composes.
 
 >>> fault = Fault("bitflip", "row", seed=3, sites="scores", bit=30)
 >>> abftgemm.matmul(a, b, fault_hook=fault, name="scores")  # doctest: +SKIP
