@@ -8,12 +8,10 @@ scales the threshold):
   sum_i |X_ic|]`` -- that is ``E^T X`` with ``E = [1 | w]``, plus ``1^T |X|``;
 - row encoding ``rows``, shape ``(3, batch, r)``: the same over each row.
 
-One layout for every producer and consumer: field-major, the field outermost. Each field's
-vector is contiguous, so the reductions that take an encoding as their coefficients read it
-contiguously (the CPU's inner loops vectorize, the GPU's lanes coalesce), and an encoding of
-``(batch, seq, d)`` is, as a view, the encoding of its ``(batch * heads, seq, d / heads)`` head
-split (``cols.reshape(3, batch * heads, d / heads)``). What a kernel observes it writes in this
-layout, so an encoding is handed on as it was written, never copied.
+One layout for every producer and consumer: field-major, so each field's vector is contiguous
+for the reductions that read it, an encoding of ``(batch, seq, d)`` is, as a view, that of its
+``(batch * heads, seq, d / heads)`` head split, and what a kernel observes is handed on as
+written, never copied.
 
 For ``C = A @ B`` the column encoding of ``A`` predicts the column checksums of ``C``
 (``(E^T A) B``) and the row encoding of ``B`` predicts its row checksums (``A (B E)``). A product
@@ -33,13 +31,9 @@ SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
 
 
 def location_weights(length: int, xp: Any = np) -> Any:
-    """Location weights ``(l+1)/length``, ``l = 0..length-1``, float64.
-
-    A single error ``e`` at position ``p`` shifts the plain checksum by ``e`` and the weighted one
-    by ``e * w_p``, so ``p = length * d_weighted / d_plain - 1``. Normalizing to ``(0, 1]`` keeps
-    the weighted sum no larger than the plain one: with weights ``1..L`` a near-INF float64 error
-    (~1e308) overflowed the weighted sum and could no longer be located.
-    """
+    """Location weights ``(l+1)/length``, ``l = 0..length-1``, float64: a single error at
+    position ``p`` gives ``p = length * d_weighted / d_plain - 1``. Within ``(0, 1]``, so that the
+    weighted sum of a near-INF error does not overflow where the plain one does not."""
     return xp.arange(1, length + 1, dtype=np.float64) / length
 
 
@@ -74,8 +68,7 @@ class Checksums:
 
 def encoding_of(records: Any) -> Any:
     """The encoding ``(3, batch, L)`` in the first three fields of a reduction's records
-    ``(batch, L, 5)`` (:mod:`abftgemm.backend`): a new C-contiguous array (a copy, made where an
-    encoding comes from the general reductions: unplanned products, the rare path)."""
+    ``(batch, L, 5)`` (:mod:`abftgemm.backend`), as a new C-contiguous array."""
     return records[..., :3].transpose(2, 0, 1).copy()
 
 

@@ -31,7 +31,11 @@ def predict(be: Backend, op: Operands, a_checksums: Checksums | None) -> tuple[A
         pred_row = _reduce(be.row_reduce, op.a, b_rows, op.batch, op.m)
     pred_col = _reduce(be.col_reduce, op.b, a_cols, op.batch, op.n)
     if op.bias is not None:
-        _add_bias_to_cols(op, pred_col)
+        bias, m = op.bias.astype(np.float64), op.m
+        pred_col[..., 0] += m * bias
+        # the sum of the location weights (i+1)/m: (m+1)/2, and 0 without rows (no bias term)
+        pred_col[..., 1] += ((m + 1) / 2 if m else 0.0) * bias
+        pred_col[..., 2] += m * op.xp.abs(bias)
         _add_bias_to_rows(op, pred_row)
     return pred_col, pred_row
 
@@ -47,15 +51,6 @@ def predict_rows(be: Backend, op: Operands) -> Any:
 def _row_encoding_of_b(be: Backend, op: Operands) -> Any:
     """``b``'s row encoding ``(3, batch or 1, k)``, contiguous: one pass over ``b``."""
     return encoding_of(_reduce(be.row_reduce, op.b, None, op.b.shape[0], op.k))
-
-
-def _add_bias_to_cols(op: Operands, pred_col: Any) -> None:
-    bias = op.bias.astype(np.float64)
-    m = op.m
-    pred_col[..., 0] += m * bias
-    # the sum of the location weights (i+1)/m: (m+1)/2, and 0 without rows (no bias term)
-    pred_col[..., 1] += ((m + 1) / 2 if m else 0.0) * bias
-    pred_col[..., 2] += m * op.xp.abs(bias)
 
 
 def _add_bias_to_rows(op: Operands, pred_row: Any) -> None:
