@@ -36,16 +36,11 @@ class Side:
         """(batch, vectors, 2) predicted - observed [plain, weighted]."""
         return self.pred[..., :2] - self.obs[..., :2]
 
-    @property
-    def nonfinite(self) -> Any:
-        """(batch, vectors, 2) observed [count, last index] of non-finite elements."""
-        return self.obs[..., 3:5]
 
-
-def _side(be: Backend, pred: Any, obs: Any, k: int, length: int, dtype: np.dtype, bias: bool,
-          counts: Any) -> Side:
-    coefficients = threshold_coefficients(k, length, dtype, bias)
-    tau, bad, verifiable = be.flag(pred, obs, coefficients, safe_magnitude(k, dtype), counts)
+def _side(be: Backend, op: Operands, pred: Any, obs: Any, length: int, counts: Any) -> Side:
+    coefficients = threshold_coefficients(op.k, length, op.dtype, op.bias is not None)
+    tau, bad, verifiable = be.flag(pred, obs, coefficients, safe_magnitude(op.k, op.dtype),
+                                   counts)
     return Side(pred, obs, tau, bad, verifiable, length)
 
 
@@ -78,8 +73,7 @@ class Verdict:
     def unverifiable(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows and columns of batch item ``b`` that checksums could not judge (host index
         arrays; every column when the column side is absent)."""
-        rows, cols = (to_host(side.verifiable[min(b, side.verifiable.shape[0] - 1)])
-                      for side in (self.rows, self.cols))
+        rows, cols = (to_host(side.verifiable[b]) for side in (self.rows, self.cols))
         return (~rows).nonzero()[0], (~cols).nonzero()[0]
 
     def unverifiable_batches(self) -> list[int]:
@@ -96,14 +90,13 @@ def verify(be: Backend, op: Operands, pred_col: Any, pred_row: Any, obs_col: Any
     """Compare predicted and observed checksums of every vector; one host transfer of counts.
     With ``pred_col`` None the rows only (the column side absent: never flagged, never
     confirming), for products whose consumer observed their rows on the way through."""
-    bias = op.bias is not None
     counts = op.xp.zeros(2, dtype=np.int64)
-    rows = _side(be, pred_row, obs_row, op.k, op.n, op.dtype, bias, counts)
+    rows = _side(be, op, pred_row, obs_row, op.n, counts)
     if pred_col is None:
         absent = op.xp.zeros((rows.bad.shape[0], op.n), dtype=bool)
         cols = Side(None, None, None, absent, absent, op.m)
     else:
-        cols = _side(be, pred_col, obs_col, op.k, op.m, op.dtype, bias, counts)
+        cols = _side(be, op, pred_col, obs_col, op.m, counts)
     n_bad, n_unverifiable = (int(c) for c in to_host(counts))
     return Verdict(cols, rows, n_bad, n_unverifiable)
 
@@ -130,7 +123,7 @@ class Diagnosis:
 def diagnose(verdict: Verdict, b: int) -> Diagnosis:
     """Classify the flags of batch item ``b`` and pick the elements the checksums locate."""
     by_cols, by_rows = _flagged(verdict.cols, b), _flagged(verdict.rows, b)
-    magnitude, tau = _worst(verdict, b)
+    magnitude, tau = _worst(by_cols, by_rows)
     if _consistent(by_cols, by_rows):
         cells, direction = [(int(r), int(j)) for j, r in zip(by_cols.idx, by_cols.loc)], "cols"
     elif _consistent(by_rows, by_cols):
@@ -140,8 +133,7 @@ def diagnose(verdict: Verdict, b: int) -> Diagnosis:
     rows = sorted(set(map(int, by_rows.idx)) | {i for i, _ in cells})
     cols = sorted(set(map(int, by_cols.idx)) | {j for _, j in cells})
     # Nothing located: several errors in a vector, errors cancelling in a direction that could
-    # see each of them, or a wrong predicted checksum, which only checksums derived afresh from
-    # the inputs tell apart (the rare path's "checksum": repair.py, rare_path.py).
+    # see them, or a wrong predicted checksum (only checksums derived afresh tell: repair.py).
     pattern = cell_pattern(cells) if cells else "2D"
     return Diagnosis(pattern, cells, direction, tuple(rows), tuple(cols), magnitude, tau)
 
@@ -157,23 +149,20 @@ class _Flags(NamedTuple):
 
 
 def _flagged(side: Side, b: int) -> _Flags:
-    """Flagged vectors of batch ``b``, their located positions and sizes, and every vector's
-    threshold and verifiability."""
-    bad = to_host(side.bad[b])
-    idx = bad.nonzero()[0]
+    """The flags of ``side`` in batch item ``b``."""
+    idx = to_host(side.bad[b]).nonzero()[0]
     diff = to_host(side.diff[b][idx]) if len(idx) else np.zeros((0, 2))
-    nonfinite = to_host(side.nonfinite[b][idx]) if len(idx) else np.zeros((0, 2))
+    nonfinite = to_host(side.obs[b][idx, 3:5]) if len(idx) else np.zeros((0, 2))
     loc = np.array([_locate(d, nf, side.length) for d, nf in zip(diff, nonfinite)],
                    dtype=np.int64)
-    at = b if side.verifiable.shape[0] > 1 else 0
-    ok = to_host(side.verifiable[at])
-    tau = np.full(ok.shape, np.inf) if side.tau is None else to_host(side.tau[at])
+    ok = to_host(side.verifiable[b])
+    tau = np.full(ok.shape, np.inf) if side.tau is None else to_host(side.tau[b])
     return _Flags(idx, loc, np.abs(diff[:, 0]), tau, ok)
 
 
 def _locate(diff: np.ndarray, nonfinite: np.ndarray, length: int) -> int:
-    """The position one flagged vector's differences ``[plain, weighted]`` and non-finite
-    ``[count, last index]`` locate: the one non-finite element, or the weighted-to-plain
+    """The position one flagged vector's differences ``[plain, weighted]`` and observed
+    non-finite ``[count, last index]`` locate: the one non-finite element, or the weighted-to-plain
     ratio's integer; -1 when they locate none."""
     count, last = nonfinite
     if count == 1:
@@ -187,12 +176,9 @@ def _locate(diff: np.ndarray, nonfinite: np.ndarray, length: int) -> int:
 
 
 def _consistent(mine: _Flags, other: _Flags) -> bool:
-    """Do the flagged vectors of one direction (``mine``) locate every faulty element?
-
-    Every flagged vector must locate one element; the other direction's vector through each
-    located element must be flagged too, or unable to see it (:func:`_blind`); and every vector
-    flagged in the other direction must be explained by one of the located elements.
-    """
+    """Do the flagged vectors of one direction (``mine``) locate every faulty element? Each must
+    locate one element, whose vector in the other direction is flagged too or blind to it
+    (:func:`_blind`), and each vector flagged in the other direction must hold one of them."""
     if len(mine.idx) == 0 or (mine.loc < 0).any():
         return False
     confirmed = np.isin(mine.loc, other.idx) | _blind(mine, other)
@@ -200,17 +186,9 @@ def _consistent(mine: _Flags, other: _Flags) -> bool:
 
 
 def _blind(mine: _Flags, other: _Flags) -> np.ndarray:
-    """Per flagged vector of ``mine``: whether the other direction's vector through its located
-    element could miss an error there, so that its silence is no evidence against it.
-
-    A single error ``e`` in a vector of threshold ``tau`` leaves a plain difference within
-    ``tau`` of ``e`` (clean rounding stays within the threshold), so ``|e| >= |d| - tau``; the
-    other vector, of threshold ``tau_o``, holds ``e`` plus rounding up to ``tau_o`` and is sure
-    to flag it only when ``|e| > 2 tau_o``. It is blind when it is unverifiable, or when
-    ``|d| - tau <= 2 tau_o``: a threshold far above the error (a huge element elsewhere in it,
-    an outlier column of ``b``) hides a data fault the located direction sees plainly. A
-    non-finite difference is seen by every verifiable vector.
-    """
+    """Per flagged vector of ``mine``: is the other direction's vector through its located element
+    blind to an error there (unverifiable, or ``|d| - tau <= 2 tau_o``: docs/design.md)? A
+    non-finite difference is seen by every verifiable vector."""
     with np.errstate(invalid="ignore"):  # INF - INF: seen
         hidden = mine.size - mine.tau[mine.idx] <= 2 * other.tau[mine.loc]
     return ~other.ok[mine.loc] | hidden
@@ -218,27 +196,19 @@ def _blind(mine: _Flags, other: _Flags) -> np.ndarray:
 
 def cell_pattern(cells: list[tuple[int, int]]) -> str:
     """``0D``, ``1R``, ``1C`` or ``2D``: the shape of a set of ``(row, col)`` cells."""
-    rows, cols = {i for i, _ in cells}, {j for _, j in cells}
     if len(cells) == 1:
         return "0D"
-    if len(rows) == 1:
-        return "1R"
-    if len(cols) == 1:
-        return "1C"
-    return "2D"
+    rows, cols = {i for i, _ in cells}, {j for _, j in cells}
+    return "1R" if len(rows) == 1 else "1C" if len(cols) == 1 else "2D"
 
 
-def _worst(verdict: Verdict, b: int) -> tuple[float, float]:
-    """Largest flagged ``|d|`` of batch ``b`` and the threshold of that vector."""
+def _worst(*directions: _Flags) -> tuple[float, float]:
+    """Largest flagged ``|d|`` (non-finite first) and the threshold of that vector."""
     best = (0.0, 0.0)
-    for side in (verdict.cols, verdict.rows):
-        bad = to_host(side.bad[b])
-        if not bad.any():
-            continue
-        d = np.abs(to_host(side.diff[b][..., 0]))[bad]
-        tau = to_host(side.tau[b])[bad]
-        key = np.where(np.isfinite(d), d, np.inf)
-        t = int(np.argmax(key))
-        if not best[0] >= key[t]:
-            best = (float(d[t]), float(tau[t]))
+    for flags in directions:
+        if len(flags.idx):
+            key = np.where(np.isfinite(flags.size), flags.size, np.inf)
+            t = int(np.argmax(key))
+            if not best[0] >= key[t]:
+                best = (float(flags.size[t]), float(flags.tau[flags.idx[t]]))
     return best
