@@ -1,45 +1,26 @@
 """Settle, element by element, what checksums cannot judge: non-finite inputs and overflow.
 
-A row or column of the product escapes checksum verification (backend ``flag``) when its
-prediction is not finite -- its inputs hold INF/NaN, or, for float64 data, the float64 prediction
-itself overflowed although the inputs are finite -- or when its bound ``S = sum |A||B|`` reaches
-the overflow point (:func:`~abftgemm.thresholds.safe_magnitude`) and it does hold INF/NaN. An
-element whose row or column was judged is covered by that vector; the elements whose row AND
-column both escaped are settled here, on the host (the rare path: the clean fast path never comes
-here).
+A row or column escapes checksum verification (backend ``flag``) when its prediction is not
+finite, or when its ``S = sum |A||B|`` reaches :func:`~abftgemm.thresholds.safe_magnitude` and it
+holds INF/NaN. The elements whose row AND column both escaped are settled here, on the host, each
+against a float64 model of it (docs/design.md, "Non-finite inputs and overflow"):
+``e_ij = sum_c a_ic b_cj (+ bias_j)`` and the sums ``P+_ij``, ``P-_ij`` of its positive and
+negative terms. Rounding allows a finite value within :func:`~abftgemm.thresholds.element_tolerance`
+of ``e_ij`` (twice: the model is itself a float64 computation), ``+INF`` when
+``(1 + delta) P+_ij`` reaches the accumulator's limit (:func:`~abftgemm.thresholds.growth_margin`)
+or ``e_ij`` rounds past the output's, ``-INF`` likewise with ``P-_ij``, and NaN only when both can.
+A model, not a recomputation: at the overflow boundary one summation order overflows where
+another does not, so two computations may disagree without a fault.
 
-Each of those elements is compared with a float64 model of it, computed from the inputs:
-``e_ij = sum_c a_ic b_cj (+ bias_j)``, the sums ``P+_ij`` and ``P-_ij`` of its positive and negative
-terms, and ``P_ij = P+_ij + P-_ij``. Rounding allows, and nothing else does:
+Elements whose own inputs hold INF/NaN are judged by the terms no summation makes finite (an INF
+or NaN factor times a nonzero one, a non-finite bias; a zero times an INF or NaN factor is NaN, or
+nothing where a BLAS skips it): NaN terms, or ``+INF`` and ``-INF`` terms both, allow NaN alone;
+``+INF`` terms only, ``+INF``, or NaN where a zero-factor term or the negative terms' overflow can
+make it; ``-INF`` terms likewise; zero-factor terms only, NaN or what the finite terms allow.
 
-- a finite value within :func:`~abftgemm.thresholds.element_tolerance` of ``e_ij`` (twice: the model
-  is itself a float64 computation, which matters for float64 data only);
-- ``+INF`` when a partial sum can reach the accumulator's limit (``(1 + delta) P+_ij >= limit``,
-  :func:`~abftgemm.thresholds.growth_margin`) or ``e_ij`` rounds past the output's limit; ``-INF``
-  likewise with ``P-_ij``; NaN only when both are possible (``INF - INF``).
-
-Why a model and not a comparison with a recomputation by the backend's GEMM alone: recomputing a
-few rows or columns runs another kernel with another summation order, and at the overflow
-boundary one order overflows where another does not, so two computations may disagree without a
-fault. The model admits exactly the outcomes rounding can produce; the recomputation supplies the
-replacement values, since it is the same GEMM that plain math runs.
-
-Elements whose own inputs (row of ``a``, column of ``b``, bias) hold INF/NaN are judged by the
-terms of their sum that no summation makes finite: an INF or NaN factor times a nonzero one, and a
-non-finite bias. A term of a zero and an INF or NaN factor is NaN, or nothing where a BLAS skips
-it (reference BLAS skips zero factors). A NaN term, or ``+INF`` and ``-INF`` terms both, allow
-NaN alone; ``+INF`` terms only, ``+INF``, or NaN where a zero-factor term or the negative finite
-terms' overflow (``-INF``) can make it; ``-INF`` terms only, likewise; no such term (zero-factor
-terms only), NaN or what the finite terms allow, as above. What they allow is passed through as
-plain math gives it (``input-nonfinite``): a fault that makes such an element NaN where nothing
-can, finite where a NaN or an infinity must stand or other than its finite terms give, or flips
-its infinity's sign, is not. Allowed non-finite elements with finite inputs are a genuine overflow
-(``overflow``), passed through untouched; any other element is a fault: recomputed in correct mode
-(and judged again), reported in detect mode.
-
-Float64 data can overflow float64 in the model itself (products of 1e154-sized operands): every
-row of ``a`` and column of ``b`` is scaled by a power of two (exact) that keeps the products finite,
-and each element is judged in its scaled units.
+Allowed non-finite elements are passed through (``input-nonfinite``, or ``overflow`` for finite
+inputs); any other element is a fault, recomputed in correct mode (and judged again), reported in
+detect mode. Float64 operands that could overflow the model are scaled by exact powers of two.
 """
 from __future__ import annotations
 
@@ -125,11 +106,6 @@ class _Model:
         return element_tolerance(size, self.k, self.dtype) \
             + element_tolerance(size, self.k, np.float64)
 
-    def gap(self, delivered: np.ndarray) -> np.ndarray:
-        """(r, c) ``|delivered - e|`` in the data's own units."""
-        with np.errstate(invalid="ignore", over="ignore"):
-            return np.abs(delivered - np.ldexp(self.exact, self.shift))
-
 
 def _model(one: Operands, rows: np.ndarray, cols: np.ndarray) -> _Model:
     """The float64 model of elements ``rows x cols`` of the single product ``one``."""
@@ -164,10 +140,9 @@ _ANY, _PLUS, _MINUS, _NAN = range(4)
 
 
 def _forced(a: np.ndarray, b: np.ndarray, bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(forced, skippable)``, (r, c) each: the outcomes the terms of ``a @ b + bias`` (float64,
-    with their INF and NaN) that no summation makes finite allow, from counts of ``+INF``,
-    ``-INF`` and NaN terms, and whether a term has a zero and a non-finite factor; each count a
-    product of indicator matrices (exact in float64)."""
+    """``(forced, skippable)``, (r, c) each: what the non-finite terms of ``a @ b + bias`` allow
+    (module docstring), and whether a term has a zero and a non-finite factor; from counts that
+    are products of indicator matrices (exact in float64)."""
     fin_a = np.isfinite(a)
     pos_a, neg_a, pos_b, neg_b = a > 0, a < 0, b > 0, b < 0
     inf_a, minf_a, inf_b, minf_b = a == np.inf, a == -np.inf, b == np.inf, b == -np.inf
@@ -197,25 +172,27 @@ def _settle_item(be: Backend, one: Operands, c: Any, rows: np.ndarray, cols: np.
     model = _model(one, rows, cols)
     delivered = to_host(c[xp.asarray(rows)][:, xp.asarray(cols)]).astype(np.float64)
     allowed = model.allows(delivered)
-    passed = ~np.isfinite(delivered) & allowed
     for pattern, cells in (("input-nonfinite", ~model.inputs_finite & allowed),
-                           ("overflow", passed & model.inputs_finite)):
+                           ("overflow", ~np.isfinite(delivered) & allowed & model.inputs_finite)):
         if cells.any():
             report.events.append(_event(site, b, pattern, rows, cols, cells, float("nan"),
                                         float("nan"), "passed-through", _PASSED))
     if allowed.all():
         return False
     faulty = ~allowed
-    gap = np.where(faulty, model.gap(delivered), 0)
+    fi, fj = faulty.nonzero()
+    with np.errstate(invalid="ignore", over="ignore"):
+        gap = np.where(faulty, np.abs(delivered - np.ldexp(model.exact, model.shift)), 0)
     worst = np.unravel_index(np.argmax(np.where(np.isnan(gap), np.inf, gap)), gap.shape)
     magnitude = float(gap[worst])
     threshold = float(np.ldexp(model.tolerance(), model.shift)[worst])
-    pattern = cell_pattern(_cells(rows, cols, faulty))
+    pattern = cell_pattern([(int(rows[i]), int(cols[j])) for i, j in zip(fi, fj)])
     if check == "detect":
         report.events.append(_event(site, b, pattern, rows, cols, faulty, magnitude, threshold,
                                     "reported", "nothing: left in place (check='detect')"))
         return False
-    _recompute_cells(be, one, c, rows, cols, faulty)
+    cell_rows, cell_cols = rows[fi], cols[fj]
+    c[xp.asarray(cell_rows), xp.asarray(cell_cols)] = product_cells(be, one, cell_rows, cell_cols)
     fixed = to_host(c[xp.asarray(rows)][:, xp.asarray(cols)]).astype(np.float64)
     ok = bool(model.allows(fixed)[faulty].all())
     report.events.append(_event(site, b, pattern, rows, cols, faulty, magnitude, threshold,
@@ -225,21 +202,6 @@ def _settle_item(be: Backend, one: Operands, c: Any, rows: np.ndarray, cols: np.
         raise UncorrectableError(f"{site}[{b}]: recomputed elements are still not what the "
                                  "inputs allow", report)
     return True
-
-
-def _recompute_cells(be: Backend, one: Operands, c: Any, rows: np.ndarray, cols: np.ndarray,
-                     faulty: np.ndarray) -> None:
-    """Overwrite the faulty cells of ``c`` with the backend's GEMM on their rows or columns
-    (whichever is cheaper); the other elements keep the values plain math gave them."""
-    xp = one.xp
-    fi, fj = faulty.nonzero()
-    cell_rows, cell_cols = rows[fi], cols[fj]
-    c[xp.asarray(cell_rows), xp.asarray(cell_cols)] = product_cells(be, one, cell_rows, cell_cols)
-
-
-def _cells(rows: np.ndarray, cols: np.ndarray, mask: np.ndarray) -> list[tuple[int, int]]:
-    fi, fj = mask.nonzero()
-    return [(int(rows[i]), int(cols[j])) for i, j in zip(fi, fj)]
 
 
 def _event(site: str, b: int, pattern: str, rows: np.ndarray, cols: np.ndarray, mask: np.ndarray,
