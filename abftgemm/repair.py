@@ -1,31 +1,19 @@
 """Repair one batch item of a flagged product: checksums first, then recomputation, else raise.
 
-The order, each step re-verified against checksums derived afresh from the inputs:
+Each step is re-verified against checksums derived afresh from the inputs (docs/design.md,
+"Classify, repair, recompute, or raise", gives the reasons):
 
 1. re-derive the predicted checksums; if the data now verifies, the checksum was wrong
-   (``checksum``), and the data is left alone;
-2. recompute from the inputs the vectors that hold the elements the checksums locate (0D, 1R,
-   1C, scattered single errors; ``corrected``): their rows when each flagged column located one
-   element, their columns when each flagged row did. A vector holding several located elements
-   was hit by a fault that may have changed more of its elements than the other direction could
-   locate: a bfloat16 multi-bit fault on a whole column at 256 x 256 x 256 changed all 256 rows,
-   231 of them flagged and located, and the other 25, below their rows' thresholds, stayed wrong
-   by up to 1.98 (a clean element there errs by at most 0.17) while the column's errors left
-   summed within its threshold. Recomputing the column costs what recomputing the located
-   elements on it does (one GEMV-sized product); it is ``corrected`` only when nothing but the
-   located elements changed beyond rounding, else the fault was wider than located and step 3
-   follows. The elements are not rebuilt from the checksums
-   either (``predicted sum - sum of the other elements``): that carries the rounding of every
-   other element of the vector, up to its threshold, where a recomputed element carries one
-   element's, as in a clean product. Several errors in one vector can locate like a single one
-   (a tile whose unlocated errors cancel in every checksum once the located vectors are
-   recomputed): the changes beyond the located elements show it;
+   (``checksum``) and the data is left alone;
+2. recompute from the inputs the vectors holding the located elements (0D, 1R, 1C, scattered
+   single errors): their rows when the column checksums located them, their columns when the
+   row checksums did. ``corrected`` only when nothing but the located elements changed beyond
+   rounding: else the fault was wider than located, and step 3 follows;
 3. recompute the flagged rows and columns from the inputs (2D, several errors per vector);
 4. recompute the whole matrix;
-5. if the recomputed product still fails its checksums but every element lies within the
-   rigorous rounding bound of the exact product (:func:`_within_rounding`: clean data whose
-   rounding is one-sided beyond the threshold's statistical accumulation term), deliver it;
-   else raise :class:`~abftgemm.report.UncorrectableError` with the report.
+5. if it still fails its checksums but every element lies within the rigorous rounding bound of
+   the exact product (:func:`_within_rounding`), deliver it; else raise
+   :class:`~abftgemm.report.UncorrectableError` with the report.
 
 Each event says in :attr:`~abftgemm.report.Event.verified` what was recomputed and how close the
 re-verified product came to its thresholds.
@@ -80,25 +68,21 @@ def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, 
         return
     be.gemm(one.a, one.b, view, one.bias)
     after = _reverify(be, one, view, pred)
+    done = _verified("the whole product recomputed from the inputs", after)
     if after.clean:
-        report.events.append(diagnosis.event(site, b, "recomputed", _verified(
-            "the whole product recomputed from the inputs", after), pattern="2D"))
+        report.events.append(diagnosis.event(site, b, "recomputed", done, pattern="2D"))
         return
-    flagged = diagnose(after, 0)
-    if _rounding_can_explain(one, verdict, after, b=b) and _within_rounding(
-            one, view[0], flagged.rows, flagged.cols):
-        # the first product bit for bit again: the same data, no fault was in it
-        rounding = _same_bits(one.xp, first, view)
-        report.events.append(diagnosis.event(
-            site, b, "passed-through" if rounding else "recomputed", _verified(
-                "the whole product recomputed from the inputs", after) + "; every element "
-            "within its rigorous rounding bound of the exact product (float64)" + (
-                ", and bit for bit the product first delivered: its rounding, one-sided "
-                "beyond the threshold's statistical accumulation term, not a fault" if rounding
-                else ""), pattern="rounding" if rounding else "2D"))
+    if _rounding_can_explain(one, verdict, after, b) and _within_rounding(
+            one, view[0], diagnose(after, 0)):
+        done += "; every element within its rigorous rounding bound of the exact product (float64)"
+        if _same_bits(one.xp, first, view):  # the first product again: no fault was in it
+            report.events.append(diagnosis.event(site, b, "passed-through", done + (
+                ", and bit for bit the product first delivered: its rounding, one-sided beyond "
+                "the threshold's statistical accumulation term, not a fault"), pattern="rounding"))
+        else:
+            report.events.append(diagnosis.event(site, b, "recomputed", done, pattern="2D"))
         return
-    report.events.append(diagnosis.event(site, b, "reported", _verified(
-        "the whole product recomputed from the inputs", after)))
+    report.events.append(diagnosis.event(site, b, "reported", done))
     raise UncorrectableError(f"{site}[{b}]: the product does not verify even after recomputation",
                              report)
 
@@ -107,52 +91,34 @@ def finding_in_place(be: Backend, op: Operands, out: Any, b: int, verdict: Verdi
                      computed_here: bool = True) -> Literal["checksum", "rounding", "data"]:
     """What flagged batch item ``b`` of ``out`` holds, for ``check="detect"``'s report (``out``
     is not modified): ``"checksum"`` when it verifies against checksums derived afresh from the
-    inputs (the predicted checksums were wrong, the data is not), ``"rounding"`` when it is a
-    clean product whose rounding the checksum threshold missed (:func:`_rounding_only`), else
-    ``"data"``: a fault in the data, as :func:`~abftgemm.locate.diagnose` classifies it."""
+    inputs (the predicted checksums were wrong, the data is not); ``"rounding"`` when it fails
+    them by no more than rounding can reach, :func:`_within_rounding` holds on its flagged
+    vectors and, when the backend's GEMM made it (``computed_here``), that GEMM gives it again
+    bit for bit (a transient fault would not come back; a caller's GEMM, which the backend's does
+    not repeat bit for bit, is never taken for rounding); else ``"data"``."""
     one = item(op, b)
     view = out[b:b + 1]
     fresh = _reverify(be, one, view, predict(be, one, None))
     if fresh.clean:
         return "checksum"
-    return "rounding" if _rounding_only(be, one, view, verdict, fresh, b, computed_here) else "data"
-
-
-def _rounding_only(be: Backend, one: Operands, view: Any, verdict: Verdict, fresh: Verdict, b: int,
-                   computed_here: bool) -> bool:
-    """Whether ``view``, batch item ``b`` of a product that ``verdict`` flags and that still
-    fails checksums derived afresh from the inputs (``fresh``), is a clean product whose
-    rounding the checksum threshold missed: it fails them by no more than rounding can reach,
-    :func:`_within_rounding` holds on its flagged vectors and, when the backend's GEMM made it
-    (``computed_here``), that GEMM gives it again bit for bit (a transient fault would not come
-    back). A product of a caller's GEMM (``execute(gemm=...)``), which the backend's does not
-    repeat bit for bit, is never taken for rounding; one given to :func:`abftgemm.verify`
-    (``computed_here`` False) is, on the rigorous bound alone, which holds in any summation
-    order."""
-    if not _rounding_can_explain(one, verdict, fresh, b=b):
-        return False
+    if not _rounding_can_explain(one, verdict, fresh, b):
+        return "data"
     if computed_here:
         again = one.xp.empty_like(view)
         be.gemm(one.a, one.b, again, one.bias)
         if not _same_bits(one.xp, again, view):
-            return False
-    diagnosis = diagnose(fresh, 0)
-    return _within_rounding(one, view[0], diagnosis.rows, diagnosis.cols)
+            return "data"
+    return "rounding" if _within_rounding(one, view[0], diagnose(fresh, 0)) else "data"
 
 
-def _rounding_can_explain(one: Operands, *verdicts: Verdict, b: int = 0) -> bool:
-    """Whether the worst ``|d| / threshold`` of batch item ``b`` of each verdict (the first
-    check's, whose predictions a handed-on encoding may have made, and one against predictions
-    derived afresh) is within what rounding can reach: the rigorous accumulation bound over the
-    threshold's statistical term, ``1.01 (k + 1) / (KAPPA sqrt(k))`` (with the output term, at
-    most 2 more)."""
+def _rounding_can_explain(one: Operands, verdict: Verdict, fresh: Verdict, b: int) -> bool:
+    """Whether the worst ``|d| / threshold`` of ``verdict`` (item ``b``) and of ``fresh`` is within
+    what rounding can reach: the rigorous accumulation bound over the threshold's statistical
+    term, ``1.01 (k + 1) / (KAPPA sqrt(k))``, plus 2 for the output term."""
     k = max(one.k, 1)
     reach = 1.01 * (k + 1) / (KAPPA * math.sqrt(k)) + 2
-    for i, verdict in enumerate(verdicts):
-        found = diagnose(verdict, b if i == 0 else 0)
-        if not found.magnitude <= reach * found.threshold:  # NaN and INF fail
-            return False
-    return True
+    found = (diagnose(v, i) for v, i in ((verdict, b), (fresh, 0)))
+    return all(d.magnitude <= reach * d.threshold for d in found)  # NaN and INF fail
 
 
 def _same_bits(xp: Any, x: Any, y: Any) -> bool:
@@ -162,18 +128,13 @@ def _same_bits(xp: Any, x: Any, y: Any) -> bool:
     return bool(xp.array_equal(x.view(bits), y.view(bits)))
 
 
-def _within_rounding(one: Operands, c: Any, rows: Sequence[int], cols: Sequence[int]) -> bool:
-    """Whether every element of rows ``rows`` and columns ``cols`` of the delivered ``c`` (the
-    vectors the checksums flag; the others verify) lies within the rigorous bound of a GEMM's
-    rounding, in any summation order, of the exact product (made in float64 on the host):
-    ``|c - A B| <= gamma_(k+1) |A||B| + u_out |c|`` plus the float64 reference's own rounding
-    and the underflow floor (Higham, Lemma 3.1; :func:`growth_margin`). The checksum threshold
-    takes the accumulation error as statistical (``sqrt(k)``): rounding that is one-sided
-    within a BLAS block (addends of half an ulp of a partial sum, every one lost) exceeds it on
-    clean data, and a recomputation repeats it exactly. An element within this bound is within
-    a clean GEMM's worst-case error: a fault that small cannot be told from rounding. With a
-    bias, ``u_out |A||B|`` more (the GEMM may round ``A B`` before adding it, as
-    :func:`abftgemm.thresholds.threshold` allows)."""
+def _within_rounding(one: Operands, c: Any, flagged: Diagnosis) -> bool:
+    """Whether every element of the rows and columns ``flagged`` names in ``c`` lies within a GEMM's
+    rigorous rounding bound of the exact product, in any summation order (Higham, Lemma 3.1):
+    ``|c - A B| <= gamma_(k+1) |A||B| + u_out |c|``, plus the float64 reference's rounding, the
+    underflow floor and, with a bias, ``u_out |A||B|``. Rounding that is one-sided within a BLAS
+    block exceeds the threshold's statistical ``sqrt(k)`` term on clean data."""
+    rows, cols = list(flagged.rows), list(flagged.cols)
     if not rows and not cols:
         return False
     a, b = (to_host(x[0]).astype(np.float64) for x in (one.a, one.b))
@@ -184,9 +145,8 @@ def _within_rounding(one: Operands, c: Any, rows: Sequence[int], cols: Sequence[
     c_acc = growth_margin(k, one.dtype) + 2.02 * (k + 1) * 2.0 ** -53 \
         + (u_out if one.bias is not None else 0.0)
     with np.errstate(all="ignore"):  # INF and NaN fail the comparison
-        for ix, x, y, g, e in ((list(rows), a[list(rows)], b, got[list(rows)], bias),
-                               (list(cols), a, b[:, list(cols)], got[:, list(cols)],
-                                bias[list(cols)])):
+        for ix, x, y, g, e in ((rows, a[rows], b, got[rows], bias),
+                               (cols, a, b[:, cols], got[:, cols], bias[cols])):
             if not ix:
                 continue
             exact, size = x @ y + e, np.abs(x) @ np.abs(y) + np.abs(e)
@@ -211,9 +171,7 @@ def _only_located_changed(be: Backend, one: Operands, c: Any, diagnosis: Diagnos
                           rows: Sequence[int], cols: Sequence[int]) -> bool:
     """Recompute rows ``rows`` and columns ``cols`` of ``c``; True when nothing but the located
     elements changed by more than two elements' rounding (the GEMM's and the recomputation's,
-    :func:`element_tolerance`). Anything else changing means the fault was wider than located,
-    and errors the checksums cannot see may be left elsewhere (a tile whose unlocated errors
-    cancel in every checksum once its located vectors are recomputed), so step 3 follows."""
+    :func:`element_tolerance`): else the fault was wider than located (step 2)."""
     xp = one.xp
     ix = xp.asarray(np.array(rows or cols))
     old = to_host(c[ix, :] if rows else c[:, ix].T).astype(np.float64)
