@@ -39,8 +39,7 @@ class Side:
 
 def _side(be: Backend, op: Operands, pred: Any, obs: Any, length: int, counts: Any) -> Side:
     coefficients = threshold_coefficients(op.k, length, op.dtype, op.bias is not None)
-    tau, bad, verifiable = be.flag(pred, obs, coefficients, safe_magnitude(op.k, op.dtype),
-                                   counts)
+    tau, bad, verifiable = be.flag(pred, obs, coefficients, safe_magnitude(op.k, op.dtype), counts)
     return Side(pred, obs, tau, bad, verifiable, length)
 
 
@@ -58,8 +57,7 @@ class Verdict:
         return self.n_bad == 0
 
     def worst_ratio(self) -> float:
-        """Largest ``|d| / threshold`` (plain or weighted difference) over the vectors of both
-        directions whose difference is finite; below 1 unless something is flagged."""
+        """Largest finite ``|d| / threshold`` (plain or weighted) of both directions' vectors."""
         ratios = [to_host(abs(side.diff).max(-1) / side.tau).ravel()
                   for side in (self.cols, self.rows) if side.pred is not None]
         finite = np.concatenate([r[np.isfinite(r)] for r in ratios])
@@ -70,19 +68,15 @@ class Verdict:
         any_bad = self.cols.bad.any(-1) | self.rows.bad.any(-1)
         return [int(b) for b in to_host(any_bad).nonzero()[0]]
 
-    def unverifiable(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """Rows and columns of batch item ``b`` that checksums could not judge (host index
-        arrays; every column when the column side is absent)."""
-        rows, cols = (to_host(side.verifiable[b]) for side in (self.rows, self.cols))
-        return (~rows).nonzero()[0], (~cols).nonzero()[0]
-
-    def unverifiable_batches(self) -> list[int]:
-        """Batch indices with an element that no judged vector covers (host list): an element
-        in a judged row or column was verified by it (or flagged)."""
+    def unverifiable(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """``(b, rows, cols)`` per batch item with an element that no judged vector covers (a
+        judged row or column verified or flagged its elements): the host indices of the rows and
+        columns checksums could not judge (every column when that side is absent)."""
         if self.n_unverifiable == 0:
             return []
-        both = ~self.rows.verifiable.all(-1) & ~self.cols.verifiable.all(-1)
-        return [int(b) for b in to_host(both).nonzero()[0]]
+        rows, cols = (to_host(~side.verifiable) for side in (self.rows, self.cols))
+        return [(b, rows[b].nonzero()[0], cols[b].nonzero()[0])
+                for b in map(int, (rows.any(-1) & cols.any(-1)).nonzero()[0])]
 
 
 def verify(be: Backend, op: Operands, pred_col: Any, pred_row: Any, obs_col: Any,
@@ -130,12 +124,11 @@ def diagnose(verdict: Verdict, b: int) -> Diagnosis:
         cells, direction = [(int(i), int(c)) for i, c in zip(by_rows.idx, by_rows.loc)], "rows"
     else:
         cells, direction = [], ""
-    rows = sorted(set(map(int, by_rows.idx)) | {i for i, _ in cells})
-    cols = sorted(set(map(int, by_cols.idx)) | {j for _, j in cells})
-    # Nothing located: several errors in a vector, errors cancelling in a direction that could
-    # see them, or a wrong predicted checksum (only checksums derived afresh tell: repair.py).
-    pattern = cell_pattern(cells) if cells else "2D"
-    return Diagnosis(pattern, cells, direction, tuple(rows), tuple(cols), magnitude, tau)
+    rows = tuple(sorted(set(map(int, by_rows.idx)) | {i for i, _ in cells}))
+    cols = tuple(sorted(set(map(int, by_cols.idx)) | {j for _, j in cells}))
+    # 2D when nothing is located: several errors in a vector, errors cancelling in a direction
+    # that could see them, or a wrong predicted checksum (only fresh checksums tell: repair.py).
+    return Diagnosis(cell_pattern(cells), cells, direction, rows, cols, magnitude, tau)
 
 
 class _Flags(NamedTuple):
@@ -153,8 +146,7 @@ def _flagged(side: Side, b: int) -> _Flags:
     idx = to_host(side.bad[b]).nonzero()[0]
     diff = to_host(side.diff[b][idx]) if len(idx) else np.zeros((0, 2))
     nonfinite = to_host(side.obs[b][idx, 3:5]) if len(idx) else np.zeros((0, 2))
-    loc = np.array([_locate(d, nf, side.length) for d, nf in zip(diff, nonfinite)],
-                   dtype=np.int64)
+    loc = np.array([_locate(d, nf, side.length) for d, nf in zip(diff, nonfinite)], dtype=np.int64)
     ok = to_host(side.verifiable[b])
     tau = np.full(ok.shape, np.inf) if side.tau is None else to_host(side.tau[b])
     return _Flags(idx, loc, np.abs(diff[:, 0]), tau, ok)
@@ -195,7 +187,7 @@ def _blind(mine: _Flags, other: _Flags) -> np.ndarray:
 
 
 def cell_pattern(cells: list[tuple[int, int]]) -> str:
-    """``0D``, ``1R``, ``1C`` or ``2D``: the shape of a set of ``(row, col)`` cells."""
+    """``0D``, ``1R``, ``1C`` or ``2D`` (also for none): the shape of a list of ``(row, col)``."""
     if len(cells) == 1:
         return "0D"
     rows, cols = {i for i, _ in cells}, {j for _, j in cells}
