@@ -1,26 +1,22 @@
 """Settle, element by element, what checksums cannot judge: non-finite inputs and overflow.
 
-A row or column escapes checksum verification (backend ``flag``) when its prediction is not
-finite, or when its ``S = sum |A||B|`` reaches :func:`~abftgemm.thresholds.safe_magnitude` and it
-holds INF/NaN. The elements whose row AND column both escaped are settled here, on the host, each
-against a float64 model of it (docs/design.md, "Non-finite inputs and overflow"):
-``e_ij = sum_c a_ic b_cj (+ bias_j)`` and the sums ``P+_ij``, ``P-_ij`` of its positive and
-negative terms. Rounding allows a finite value within :func:`~abftgemm.thresholds.element_tolerance`
-of ``e_ij`` (twice: the model is itself a float64 computation), ``+INF`` when
-``(1 + delta) P+_ij`` reaches the accumulator's limit (:func:`~abftgemm.thresholds.growth_margin`)
-or ``e_ij`` rounds past the output's, ``-INF`` likewise with ``P-_ij``, and NaN only when both can.
-A model, not a recomputation: at the overflow boundary one summation order overflows where
-another does not, so two computations may disagree without a fault.
+The elements whose row AND column both escaped checksum verification (backend ``flag``: a
+prediction not finite, or ``S`` past :func:`~abftgemm.thresholds.safe_magnitude` with INF/NaN
+present) are settled here, on the host (docs/design.md, "Non-finite inputs and overflow"). Each
+is compared with a float64 model of it, not with a recomputation, since at the overflow boundary
+one summation order overflows where another does not. From ``e_ij = sum_c a_ic b_cj (+ bias_j)``
+and the sums ``P+_ij``, ``P-_ij`` of its positive and negative terms, rounding allows a finite
+value within :func:`~abftgemm.thresholds.element_tolerance` of ``e_ij`` (twice: the model is a
+float64 computation too), ``+INF`` when ``(1 + delta) P+_ij`` reaches the accumulator's limit
+(:func:`~abftgemm.thresholds.growth_margin`) or ``e_ij`` rounds past the output's, ``-INF``
+likewise with ``P-_ij``, and NaN only when both can.
 
-Elements whose own inputs hold INF/NaN are judged by the terms no summation makes finite (an INF
-or NaN factor times a nonzero one, a non-finite bias; a zero times an INF or NaN factor is NaN, or
+Where the element's own inputs hold INF/NaN, the terms no summation makes finite decide (an INF
+or NaN factor times a nonzero one, a non-finite bias; a zero times an INF or NaN is NaN, or
 nothing where a BLAS skips it): NaN terms, or ``+INF`` and ``-INF`` terms both, allow NaN alone;
 ``+INF`` terms only, ``+INF``, or NaN where a zero-factor term or the negative terms' overflow can
 make it; ``-INF`` terms likewise; zero-factor terms only, NaN or what the finite terms allow.
-
-Allowed non-finite elements are passed through (``input-nonfinite``, or ``overflow`` for finite
-inputs); any other element is a fault, recomputed in correct mode (and judged again), reported in
-detect mode. Float64 operands that could overflow the model are scaled by exact powers of two.
+Whatever else an element holds is a fault.
 """
 from __future__ import annotations
 
@@ -37,8 +33,8 @@ from abftgemm.report import Event, Report, UncorrectableError
 from abftgemm.threads import blas_scope
 from abftgemm.thresholds import element_tolerance, growth_margin, overflow_limits
 
-#: Scaled operands stay below 2**_SCALED_EXPONENT, so a product of two stays below 2**1000 and a
-#: sum of fewer than 2**23 of them stays finite in float64.
+#: Float64 operands are scaled (exactly, by powers of two) below 2**_SCALED_EXPONENT, so that the
+#: model's products stay below 2**1000 and a sum of fewer than 2**23 of them stays finite.
 _SCALED_EXPONENT = 500
 #: What the events of this module vouch for (Event.verified).
 _PASSED = ("each element checked against a float64 model of it from the inputs: the inputs' "
@@ -51,12 +47,10 @@ def settle_unverifiable(be: Backend, op: Operands, out: Any, verdict: Verdict, c
                         site: str, report: Report) -> list[int]:
     """Settle every element of ``out`` ``(batch, m, n)`` that no vector ``verdict`` judged
     covers; ``report`` receives ``input-nonfinite`` and ``overflow`` events, and the faults found,
-    which ``check == "correct"`` replaces in place. Returns the batch indices whose product was
-    modified; raises :class:`~abftgemm.report.UncorrectableError` when a recomputed element is
-    still not one rounding allows."""
+    which ``check == "correct"`` replaces in place. Returns the batch indices modified; raises
+    :class:`~abftgemm.report.UncorrectableError` when a replacement is still not allowed."""
     repaired = []
-    for b in verdict.unverifiable_batches():
-        rows, cols = verdict.unverifiable(b)
+    for b, rows, cols in verdict.unverifiable():
         if _settle_item(be, item(op, b), out[b], rows, cols, b, check, site, report):
             repaired.append(b)
     return repaired
@@ -82,8 +76,7 @@ class _Model:
         out_limit, acc_limit = (np.ldexp(limit, -self.shift)
                                 for limit in overflow_limits(self.dtype))
         growth = 1 + growth_margin(self.k, self.dtype)
-        up = self.positive * growth >= acc_limit
-        down = self.negative * growth >= acc_limit
+        up, down = (terms * growth >= acc_limit for terms in (self.positive, self.negative))
         tol = self.tolerance()
         d = np.ldexp(delivered, -self.shift)
         with np.errstate(invalid="ignore"):  # INF - INF in the finite test: not allowed there
@@ -160,8 +153,8 @@ def _forced(a: np.ndarray, b: np.ndarray, bias: np.ndarray) -> tuple[np.ndarray,
 
 
 def _shift(magnitude: np.ndarray) -> np.ndarray:
-    """Power-of-two exponents that bring ``magnitude`` below ``2**_SCALED_EXPONENT`` (0 for data
-    that needs no scaling: every 16- and 32-bit value, and most float64 ones)."""
+    """Power-of-two exponents that bring ``magnitude`` below ``2**_SCALED_EXPONENT`` (0 for all
+    but huge float64 values)."""
     return np.maximum(np.frexp(magnitude)[1] - _SCALED_EXPONENT, 0)
 
 
@@ -184,8 +177,7 @@ def _settle_item(be: Backend, one: Operands, c: Any, rows: np.ndarray, cols: np.
     with np.errstate(invalid="ignore", over="ignore"):
         gap = np.where(faulty, np.abs(delivered - np.ldexp(model.exact, model.shift)), 0)
     worst = np.unravel_index(np.argmax(np.where(np.isnan(gap), np.inf, gap)), gap.shape)
-    magnitude = float(gap[worst])
-    threshold = float(np.ldexp(model.tolerance(), model.shift)[worst])
+    magnitude, threshold = float(gap[worst]), float(np.ldexp(model.tolerance(), model.shift)[worst])
     pattern = cell_pattern([(int(rows[i]), int(cols[j])) for i, j in zip(fi, fj)])
     if check == "detect":
         report.events.append(_event(site, b, pattern, rows, cols, faulty, magnitude, threshold,
