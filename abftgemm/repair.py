@@ -3,17 +3,14 @@
 Each step is re-verified against checksums derived afresh from the inputs (docs/design.md,
 "Classify, repair, recompute, or raise", gives the reasons):
 
-1. re-derive the predicted checksums; if the data now verifies, the checksum was wrong
-   (``checksum``) and the data is left alone;
-2. recompute from the inputs the vectors holding the located elements (0D, 1R, 1C, scattered
-   single errors): their rows when the column checksums located them, their columns when the
-   row checksums did. ``corrected`` only when nothing but the located elements changed beyond
-   rounding: else the fault was wider than located, and step 3 follows;
-3. recompute the flagged rows and columns from the inputs (2D, several errors per vector);
-4. recompute the whole matrix;
-5. if it still fails its checksums but every element lies within the rigorous rounding bound of
-   the exact product (:func:`_within_rounding`), deliver it; else raise
-   :class:`~abftgemm.report.UncorrectableError` with the report.
+1. the predicted checksums re-derived: if the data now verifies, they were wrong (``checksum``);
+2. the vectors holding the located elements (0D, 1R, 1C, scattered single errors) recomputed:
+   their rows when the column checksums located them, else their columns; ``corrected`` only
+   when nothing else changed beyond rounding (else the fault was wider than located);
+3. the flagged rows and columns recomputed (2D, several errors per vector);
+4. the whole matrix recomputed;
+5. delivered if every element lies within the rigorous rounding bound of the exact product
+   (:func:`_within_rounding`), else :class:`~abftgemm.report.UncorrectableError` raised.
 
 Each event says in :attr:`~abftgemm.report.Event.verified` what was recomputed and how close the
 re-verified product came to its thresholds.
@@ -89,13 +86,12 @@ def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, 
 
 def finding_in_place(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict,
                      computed_here: bool = True) -> Literal["checksum", "rounding", "data"]:
-    """What flagged batch item ``b`` of ``out`` holds, for ``check="detect"``'s report (``out``
-    is not modified): ``"checksum"`` when it verifies against checksums derived afresh from the
-    inputs (the predicted checksums were wrong, the data is not); ``"rounding"`` when it fails
-    them by no more than rounding can reach, :func:`_within_rounding` holds on its flagged
-    vectors and, when the backend's GEMM made it (``computed_here``), that GEMM gives it again
-    bit for bit (a transient fault would not come back; a caller's GEMM, which the backend's does
-    not repeat bit for bit, is never taken for rounding); else ``"data"``."""
+    """What flagged batch item ``b`` of ``out`` holds, for ``check="detect"`` (``out`` is not
+    modified): ``"checksum"`` when it verifies against checksums derived afresh (the predicted
+    ones were wrong); ``"rounding"`` when it fails them by no more than rounding can reach,
+    :func:`_within_rounding` holds and, when the backend's GEMM made it (``computed_here``), that
+    GEMM gives it again bit for bit (a transient fault would not; nor would a caller's GEMM, which
+    is thus never taken for rounding); else ``"data"``."""
     one = item(op, b)
     view = out[b:b + 1]
     fresh = _reverify(be, one, view, predict(be, one, None))
@@ -122,8 +118,7 @@ def _rounding_can_explain(one: Operands, verdict: Verdict, fresh: Verdict, b: in
 
 
 def _same_bits(xp: Any, x: Any, y: Any) -> bool:
-    """``x`` and ``y`` bit for bit (``-0`` is not ``0``; NaNs of the same bits are the same;
-    any dtype, bfloat16 on CuPy included)."""
+    """``x`` and ``y`` bit for bit (``-0`` is not ``0``; any dtype, bfloat16 on CuPy included)."""
     bits = np.dtype(f"u{x.dtype.itemsize}")
     return bool(xp.array_equal(x.view(bits), y.view(bits)))
 
@@ -137,8 +132,7 @@ def _within_rounding(one: Operands, c: Any, flagged: Diagnosis) -> bool:
     rows, cols = list(flagged.rows), list(flagged.cols)
     if not rows and not cols:
         return False
-    a, b = (to_host(x[0]).astype(np.float64) for x in (one.a, one.b))
-    got = to_host(c).astype(np.float64)
+    a, b, got = (to_host(x).astype(np.float64) for x in (one.a[0], one.b[0], c))
     bias = to_host(one.bias).astype(np.float64) if one.bias is not None else np.zeros(one.n)
     k = max(one.k, 1)
     u_out, floor = unit_roundoff(one.dtype), smallest_normal(one.dtype) * (k + 1)
@@ -156,8 +150,7 @@ def _within_rounding(one: Operands, c: Any, flagged: Diagnosis) -> bool:
 
 
 def _reverify(be: Backend, one: Operands, view: Any, pred: tuple[Any, Any]) -> Verdict:
-    obs_col, obs_row = observe(be, view)
-    return verify(be, one, pred[0], pred[1], obs_col, obs_row)
+    return verify(be, one, *pred, *observe(be, view))
 
 
 def _verified(done: str, after: Verdict) -> str:
@@ -172,8 +165,7 @@ def _only_located_changed(be: Backend, one: Operands, c: Any, diagnosis: Diagnos
     """Recompute rows ``rows`` and columns ``cols`` of ``c``; True when nothing but the located
     elements changed by more than two elements' rounding (the GEMM's and the recomputation's,
     :func:`element_tolerance`): else the fault was wider than located (step 2)."""
-    xp = one.xp
-    ix = xp.asarray(np.array(rows or cols))
+    ix = one.xp.asarray(np.array(rows or cols))
     old = to_host(c[ix, :] if rows else c[:, ix].T).astype(np.float64)
     _recompute_vectors(be, one, c, rows, cols)
     new = to_host(c[ix, :] if rows else c[:, ix].T).astype(np.float64)
@@ -190,12 +182,11 @@ def _only_located_changed(be: Backend, one: Operands, c: Any, diagnosis: Diagnos
 def _recompute_vectors(be: Backend, one: Operands, c: Any, rows: Sequence[int],
                        cols: Sequence[int]) -> None:
     """Recompute rows ``rows`` and columns ``cols`` of ``c`` from the inputs."""
-    xp = one.xp
     if rows:
-        ix = xp.asarray(np.array(rows))
+        ix = one.xp.asarray(np.array(rows))
         c[ix, :] = product_rows(be, one, ix)
     if cols:
-        ix = xp.asarray(np.array(cols))
+        ix = one.xp.asarray(np.array(cols))
         c[:, ix] = product_cols(be, one, ix)
 
 
