@@ -8,15 +8,13 @@ scales the threshold):
   sum_i |X_ic|]`` -- that is ``E^T X`` with ``E = [1 | w]``, plus ``1^T |X|``;
 - row encoding ``rows``, shape ``(3, batch, r)``: the same over each row.
 
-One layout for every producer and consumer: field-major, so each field's vector is contiguous
-for the reductions that read it, an encoding of ``(batch, seq, d)`` is, as a view, that of its
-``(batch * heads, seq, d / heads)`` head split, and what a kernel observes is handed on as
-written, never copied.
+One layout for every producer and consumer, field-major: each field's vector is contiguous for the
+reductions that read it, an encoding of ``(batch, seq, d)`` is, as a view, that of its head split
+``(batch * heads, seq, d / heads)``, and what a kernel observes is handed on as written.
 
 For ``C = A @ B`` the column encoding of ``A`` predicts the column checksums of ``C``
-(``(E^T A) B``) and the row encoding of ``B`` predicts its row checksums (``A (B E)``). A product
-verified by :func:`abftgemm.matmul` hands back the encodings of the data it delivers, so the next
-product in a chain needs no encoding pass of its own (ATTNChecker's "checksum passing").
+(``(E^T A) B``), the row encoding of ``B`` its row checksums (``A (B E)``); the encodings a
+verification observes on ``C`` spare the next product its encoding pass ("checksum passing").
 """
 from __future__ import annotations
 
@@ -38,8 +36,7 @@ def location_weights(length: int, xp: Any = np) -> Any:
 
 
 def check_checksums(value: Any, name: str) -> None:
-    """``value`` (an argument ``name``) must be None or a :class:`Checksums`: a clear
-    ``TypeError`` before anything runs."""
+    """A clear ``TypeError`` unless ``value`` (argument ``name``) is None or a Checksums."""
     if value is not None and not isinstance(value, Checksums):
         raise TypeError(f"{name} must be the Checksums that return_checksums=True gave, got "
                         f"{type(value).__name__}")
@@ -91,6 +88,5 @@ def check_dtype(dtype: np.dtype) -> np.dtype:
     """Return ``dtype`` if it is a supported float type, else raise TypeError."""
     dtype = np.dtype(dtype)
     if dtype not in SUPPORTED_DTYPES:
-        names = ", ".join(str(t) for t in SUPPORTED_DTYPES)
-        raise TypeError(f"abftgemm supports {names}; got {dtype}")
+        raise TypeError(f"abftgemm supports {', '.join(map(str, SUPPORTED_DTYPES))}; got {dtype}")
     return dtype

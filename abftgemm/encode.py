@@ -12,19 +12,16 @@ from abftgemm.operands import Operands, float_dtype
 
 
 def predict(be: Backend, op: Operands, a_checksums: Checksums | None) -> tuple[Any, Any]:
-    """Predicted column and row checksums of ``a @ b (+ bias)``, float64 ``(batch, n|m, 5)``.
-
-    Field 2 is ``S``, the predicted sum of ``|a||b|`` terms that scales the threshold. Passes:
-    ``b`` once for its row encoding, ``a`` once for both its column
-    encoding and the predicted row checksums, ``b`` again for the predicted column checksums.
+    """Predicted column and row checksums of ``a @ b (+ bias)``, float64 ``(batch, n|m, 5)``;
+    field 2 is ``S``, the sum of ``|a||b|`` terms that scales the threshold. Passes: ``b`` for its
+    row encoding, ``a`` for its column encoding and the row checksums, ``b`` for the column ones.
     """
-    xp = op.xp
     b_rows = _row_encoding_of_b(be, op)
     a_cols = None if a_checksums is None else a_checksums.cols
     if a_cols is None:
-        batch = op.batch  # not max(a's, b's): an empty batch broadcasts a b of batch 1
-        enc_a = xp.empty((batch, op.k, 5), dtype=np.float64)
-        pred_row = xp.empty((batch, op.m, 5), dtype=np.float64)
+        # op.batch, not max(a's, b's): an empty batch broadcasts a b of batch 1
+        enc_a = op.xp.empty((op.batch, op.k, 5), dtype=np.float64)
+        pred_row = op.xp.empty((op.batch, op.m, 5), dtype=np.float64)
         be.both_reduce(op.a, None, b_rows, enc_a, pred_row)
         a_cols = encoding_of(enc_a)
     else:
@@ -54,8 +51,7 @@ def _row_encoding_of_b(be: Backend, op: Operands) -> Any:
 
 
 def _add_bias_to_rows(op: Operands, pred_row: Any) -> None:
-    bias = op.bias.astype(np.float64)
-    xp = op.xp
+    bias, xp = op.bias.astype(np.float64), op.xp
     pred_row[..., 0] += bias.sum()
     pred_row[..., 1] += (location_weights(op.n, xp) * bias).sum()
     pred_row[..., 2] += xp.abs(bias).sum()
@@ -65,15 +61,13 @@ def observe(be: Backend, out: Any) -> tuple[Any, Any]:
     """Column and row checksums of the delivered product (one read), float64 ``(batch, n|m, 5)``."""
     xp = array_module(out)
     batch, m, n = out.shape
-    obs_col = xp.empty((batch, n, 5), dtype=np.float64)
-    obs_row = xp.empty((batch, m, 5), dtype=np.float64)
+    obs_col, obs_row = (xp.empty((batch, v, 5), dtype=np.float64) for v in (n, m))
     be.both_reduce(out, None, None, obs_col, obs_row)
     return obs_col, obs_row
 
 
 def _reduce(fn: Callable, x: Any, coef: Any, batch: int, vectors: int) -> Any:
-    xp = array_module(x)
-    out = xp.empty((batch, vectors, 5), dtype=np.float64)
+    out = array_module(x).empty((batch, vectors, 5), dtype=np.float64)
     fn(x, coef, out)
     return out
 
@@ -86,7 +80,7 @@ def checksums_of(x: Any, rows: bool = True) -> Checksums:
     Use it to encode an operand once and reuse it across several products (e.g. the input of the
     query, key and value projections, whose column encoding is all they need).
     """
-    xp = array_module(x)
+    xp = array_module(x)  # a TypeError for what is not an array
     if x.ndim < 2:
         raise ValueError(f"checksums_of needs a matrix or a batch of matrices, got shape {x.shape}")
     dtype = float_dtype("x", x, "checksums_of")
