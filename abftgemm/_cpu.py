@@ -1,9 +1,6 @@
 """CPU backend: NumPy GEMM plus numba kernels (built from :mod:`abftgemm.cpu_kernels`) that reduce
-a matrix to checksums in one pass.
-
-The numba kernels are compiled on first use and cached on disk (``cache=True``), so a new process
-does not recompile them. 16-bit data is upcast to float32 before the kernels (numba has no
-float16/bfloat16 arithmetic); the GEMM itself accumulates in float32 for 16-bit inputs.
+a matrix to checksums in one pass. 16-bit data reaches the kernels as float32 (numba has no
+float16/bfloat16 arithmetic).
 """
 from __future__ import annotations
 
@@ -27,8 +24,7 @@ _ROW_BLOCK = 64  # rows per cache-resident block of _both_reduce
 
 
 def _batch_item(coef: Any, b: int) -> Any:
-    """Batch item ``b`` of coefficients ``(3, batch or 1, L)`` as :func:`fields` gives it; the
-    default weights ``(L,)`` as they are."""
+    """Batch item ``b`` of an encoding ``(3, batch or 1, L)``; default weights ``(L,)`` as is."""
     raise NotImplementedError("only callable from numba-compiled code")
 
 
@@ -52,12 +48,8 @@ def _col_reduce(x: Any, coef: Any, out: Any) -> None:
 
 @numba.njit(cache=True, fastmath=FAST)
 def _row_reduce(x: Any, coef: Any, out: Any) -> None:
-    """Row reduction of every batch item (see backend.py ``row_reduce``).
-
-    With the default coefficients the rows are read one at a time: with no coefficient vectors
-    to share between rows there is nothing to gain from several concurrent row streams, and
-    they read from memory more slowly (bench/NOTES.md).
-    """
+    """Row reduction of every batch item (see backend.py ``row_reduce``); one row at a time
+    with the default coefficients, which leave no vectors to share between rows."""
     for b in range(out.shape[0]):
         xb, cb = x[min(b, x.shape[0] - 1)], _batch_item(coef, b)
         if coef.ndim == 1:
@@ -69,15 +61,9 @@ def _row_reduce(x: Any, coef: Any, out: Any) -> None:
 
 @numba.njit(cache=True, fastmath=FAST)
 def _both_reduce(x: Any, ccoef: Any, rcoef: Any, out_col: Any, out_row: Any) -> None:
-    """Column and row reductions of every batch item in one read of it from memory.
-
-    ``ccoef``/``rcoef`` are encodings ``(3, batch or 1, L)`` (field-major, so the inner loops read
-    them contiguously) or the default location weights ``(L,)``. The rows go through in blocks of 64
-    that stay in cache for their second use. With default row coefficients a block's row sums stream
-    it in one row at a time, then its column sums re-read it; with coefficient vectors the column
-    sums stream it in, then its row sums re-read it four rows at a time, each coefficient loaded
-    once per four rows. Each is the fastest order measured (bench/NOTES.md).
-    """
+    """Column and row reductions of every batch item in one read of it from memory: blocks of
+    rows that stay in cache for their second pass, in the fastest order measured for each kind
+    of row coefficients (bench/NOTES.md)."""
     nrows = x.shape[1]
     p = np.empty((3, x.shape[2]))
     for b in range(out_col.shape[0]):
@@ -99,19 +85,13 @@ def _both_reduce(x: Any, ccoef: Any, rcoef: Any, out_col: Any, out_row: Any) -> 
 @numba.njit(cache=True)
 def _flag(pred: Any, obs: Any, c_obs: float, c_pred: float, floor: float, c_mag: float,
           safe: float, tau: Any, bad: Any, verifiable: Any, counts: Any) -> None:
-    """Threshold, verifiability and disagreement of every vector (see backend.py ``flag``).
-
-    Written without short-circuit branches and with the counts kept in registers, so the loop
-    vectorizes.
-    """
-    n_bad = 0
-    n_unverifiable = 0
+    """Threshold, verifiability and disagreement of every vector (see backend.py ``flag``),
+    without short-circuit branches and with the counts in registers, so the loop vectorizes."""
+    n_bad = n_unverifiable = 0
     for i in range(pred.shape[0]):
         t, flagged, ok = judge(pred[i, 0], pred[i, 1], pred[i, 2], obs[i, 0], obs[i, 1],
                                obs[i, 2], obs[i, 3], c_obs, c_pred, floor, c_mag, safe)
-        tau[i] = t
-        verifiable[i] = ok
-        bad[i] = flagged
+        tau[i], bad[i], verifiable[i] = t, flagged, ok
         n_bad += flagged
         n_unverifiable += not ok
     counts[0] += n_bad
@@ -119,18 +99,14 @@ def _flag(pred: Any, obs: Any, c_obs: float, c_pred: float, floor: float, c_mag:
 
 
 def _coefficients(coef: np.ndarray | None, length: int) -> np.ndarray:
-    """Coefficients as the kernels take them: an encoding ``(3, batch or 1, length)`` as it is
-    (read in place, each field vector contiguously when it is C-contiguous); None (the
-    defaults) as the location weights alone, ``(length,)``."""
+    """An encoding ``(3, batch or 1, length)`` as it is; None as the location weights."""
     return _default_weights(length) if coef is None else coef
 
 
 @lru_cache(maxsize=64)
 def _default_weights(length: int) -> np.ndarray:
-    """Location weights ``(l+1)/length`` (read-only, shared). They are data, not computed in the
-    kernels: with ``(l+1) * (1/length)`` computed inline, LLVM's reassociation factored the
-    ``1/length`` out of the sum, and ``sum (l+1) * x_l`` overflowed for near-INF float64 errors
-    (the normalization exists to prevent exactly that)."""
+    """Location weights ``(l+1)/length``, read-only. Computed inline, LLVM factored the
+    ``1/length`` out of the sum, which then overflowed for near-INF float64 errors."""
     weights = location_weights(length)
     weights.setflags(write=False)
     return weights
@@ -155,9 +131,8 @@ def add_bias(c: Any, bias: Any) -> None:
 def _predict_lower_rows(a: Any, b: Any, b_transposed: bool, weights_n: Any, limits: Any,
                         enc: Any, pred: Any) -> None:
     """Row checksums of every batch item of ``a @ b`` where row ``i`` covers columns
-    ``j < limits[i]`` only (see :meth:`CpuBackend.predict_lower_rows`): the row encoding of
-    ``b``'s leading columns grows block by block (one read of ``b``, by rows of ``b`` or, with
-    ``b_transposed``, of its C-contiguous transpose), and each block's rows take it so far."""
+    ``j < limits[i]`` only: the row encoding of ``b``'s leading columns grows block by block
+    (one read of ``b``), and each block's rows take it so far."""
     m = pred.shape[1]
     for t in range(pred.shape[0]):
         at, bt = a[min(t, a.shape[0] - 1)], b[min(t, b.shape[0] - 1)]
@@ -201,30 +176,24 @@ class CpuBackend:
              triangle: str | None = None, out_triangle: str | None = None, *,
              buffers: tuple[np.ndarray, ...] | None = None) -> None:
         """``out = a @ b (+ bias)`` (see backend.py). 16-bit products accumulate in float32 (as
-        cuBLAS does with compute type 32F) and round once; ``buffers`` ``(a32, b32, c32,
-        bias32)`` are float32 workspaces for that (a plan's; new arrays when None). With
-        ``triangle``, ``a`` is zero outside it and only its triangle's blocks are multiplied;
-        with ``out_triangle="lower"`` (no bias) row ``i`` is computed up to
-        ``row_limits(m, n)[i]`` only, in float32/float64 (:mod:`abftgemm._cpu_triangles`)."""
-        if a.dtype in (np.float32, np.float64):
-            if out_triangle is not None and bias is None:
-                lower_product(a, b, out)
-                return
+        cuBLAS does) in ``buffers`` ``(a32, b32, c32, bias32)`` (new arrays when None) and round
+        once. ``triangle`` and ``out_triangle`` as in :mod:`abftgemm._cpu_triangles`; the latter
+        only for float32/float64 without bias."""
+        if a.dtype not in (np.float32, np.float64):
+            a32, b32, c32, bias32 = buffers or (None, None, np.empty(out.shape, np.float32), None)
+            triangular_matmul(as_float32(a, a32), as_float32(b, b32), c32, triangle)
+            if bias is not None:
+                add_bias(c32, as_float32(bias, bias32))
+            out[...] = c32
+        elif out_triangle is not None and bias is None:
+            lower_product(a, b, out)
+        else:
             triangular_matmul(a, b, out, triangle)
             if bias is not None:
                 add_bias(out, bias)
-            return
-        a32, b32, c32, bias32 = buffers if buffers is not None else (None,) * 4
-        if c32 is None:
-            c32 = np.empty(out.shape, np.float32)
-        acc = triangular_matmul(as_float32(a, a32), as_float32(b, b32), c32, triangle)
-        if bias is not None:
-            add_bias(acc, as_float32(bias, bias32))
-        out[...] = acc
 
     def row_limits(self, m: int, n: int, dtype: Any) -> np.ndarray | None:
-        """:func:`abftgemm._cpu_triangles.row_limits`; None when every row is whole (always for
-        16-bit products)."""
+        """:func:`abftgemm._cpu_triangles.row_limits`; None when every row is whole."""
         if np.dtype(dtype) not in (np.float32, np.float64):
             return None
         limits = row_limits(m, n)
@@ -236,8 +205,7 @@ class CpuBackend:
 
     def predict_lower_rows(self, a: np.ndarray, b: np.ndarray, limits: np.ndarray,
                            enc: np.ndarray, pred: np.ndarray) -> None:
-        """See :class:`abftgemm.backend.RowPrefixes`: the fields of ``row_reduce(a, coef)``, with
-        the default location weights of the whole row."""
+        """See :class:`abftgemm.backend.RowPrefixes` (the location weights of whole rows)."""
         _predict_lower_rows(a, *rows_first(b), _default_weights(b.shape[-1]), limits, enc,
                             pred)
 
@@ -246,8 +214,7 @@ class CpuBackend:
 
     def plan_workspace(self, op: Any, counters: Any, thresholds: ColumnThresholds | None,
                        verdicts: Any) -> CpuWorkspace:
-        """Workspaces and launches of a planned product (:mod:`abftgemm._cpu_plan`; its verdict
-        is the kernel's return value, host memory: no ledger slot)."""
+        """:mod:`abftgemm._cpu_plan`'s workspace (its verdict is in host memory: no ledger slot)."""
         return CpuWorkspace(self, op, counters, thresholds)
 
     def col_reduce(self, x: np.ndarray, coef: np.ndarray | None, out: np.ndarray) -> None:
