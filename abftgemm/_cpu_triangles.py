@@ -1,21 +1,8 @@
-"""Triangular products on the CPU: skip the row blocks' columns that a triangle makes zero.
-
-Two promises, both made by causal attention:
-
-- ``a`` is zero outside a triangle of its last two axes (``P`` and ``dS`` are lower triangular,
-  their transposes upper): :func:`triangular_matmul` multiplies each row block only by the
-  columns of ``a`` its triangle can hold; the product is the whole one.
-- only the lower triangle of the *product* is wanted (the scores and ``dP``, read by a softmax
-  that sees keys ``j <= i`` only): :func:`lower_product` computes each row block up to its own
-  last column, :func:`row_limits` says how far each row was computed, and
-  :func:`complete_lower` computes the rest when the whole product is needed after all (the rare
-  path of a flagged product).
-
-Every product runs under the library's thread policy (:class:`abftgemm.threads.blas_scope`), and
-without NumPy floating-point warnings: INF and NaN in a product are the checks' business (judged,
-repaired or reported), not a warning to the user.
-Rows are cut by :func:`triangle_blocks`. The sums run in another order than one whole product's,
-within the same rounding bound. bench/NOTES.md has the measured gains.
+"""Triangular products on the CPU (docs/design.md): :func:`triangular_matmul` skips the columns of
+``a`` a triangle makes zero, :func:`lower_product` computes the product only as far into each
+row as :func:`row_limits` says, and :func:`complete_lower` the rest. Every product runs under
+:class:`abftgemm.threads.blas_scope`, without NumPy floating-point warnings (INF and NaN in a
+product are the checks' business).
 """
 from __future__ import annotations
 
@@ -43,43 +30,37 @@ def triangle_blocks(m: int) -> list[tuple[int, int]]:
 
 @np.errstate(all="ignore")
 def triangular_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray,
-                      triangle: str | None) -> np.ndarray:
-    """``out = a @ b`` for ``a`` (batch or 1, m, k) that is zero outside ``triangle``.
-
-    ``"lower"``: ``a[..., i, j] == 0`` for ``j > i``; ``"upper"``: for ``j < i``; None: a whole
-    product. Each row block multiplies only the columns of ``a`` its triangle can hold, so the
-    zeros, and whatever memory holds them, are never read. Returns ``out``.
-    """
+                      triangle: str | None) -> None:
+    """``out = a @ b`` for ``a`` (batch or 1, m, k) that is zero outside ``triangle``
+    (``"lower"``: for ``j > i``; ``"upper"``: for ``j < i``; None: a whole product), never
+    reading those zeros."""
     m, k = a.shape[-2], a.shape[-1]
     blocks = triangle_blocks(m) if triangle is not None else [(0, m)]
     with blas_scope():
         if len(blocks) == 1:
-            return _matmul(a, b, out)
+            _matmul(a, b, out)
+            return
         for lo, hi in blocks:
             cols = slice(0, min(hi, k)) if triangle == "lower" else slice(min(lo, k), k)
             np.matmul(a[..., lo:hi, cols], b[..., cols, :], out=out[..., lo:hi, :])
-    return out
 
 
-def _matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``np.matmul(a, b, out=out)``, as one 2-D product (:func:`abftgemm._cpu_gemm.gemm`, in
-    numba's pool when large) when it is one matrix product, or when every batch of ``a``
-    (batch, m, k) shares one ``b`` and ``a`` and ``out`` are stacks of rows: NumPy would run one
-    small GEMM per batch, which no pool can spread over its threads as it does one large one
-    (bench/NOTES.md)."""
+def _matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """``np.matmul(a, b, out=out)``, as one 2-D product (:func:`abftgemm._cpu_gemm.gemm`) when
+    it is one, or when every batch item of ``a`` shares one ``b`` and ``a`` and ``out`` are
+    stacks of rows: one large GEMM threads where NumPy's loop of small ones cannot."""
     shared_b = b.ndim == 2 or (b.ndim == 3 and b.shape[0] == 1)
     if a.ndim == out.ndim == 3 and a.shape[0] > 1 and shared_b and _stacked_rows(a) \
             and _stacked_rows(out):
         gemm(_as_rows(a), b.reshape(b.shape[-2:]), _as_rows(out))
-        return out
-    if _one_matrix(a) and _one_matrix(b) and _one_matrix(out):
+    elif _one_matrix(a) and _one_matrix(b) and _one_matrix(out):
         gemm(a.reshape(a.shape[-2:]), b.reshape(b.shape[-2:]), out.reshape(out.shape[-2:]))
-        return out
-    return np.matmul(a, b, out=out)
+    else:
+        np.matmul(a, b, out=out)
 
 
 def _one_matrix(x: np.ndarray) -> bool:
-    """Whether ``x`` holds one matrix (every axis before the last two of length 1)."""
+    """Whether every axis of ``x`` before the last two has length 1."""
     return math.prod(x.shape[:-2]) == 1
 
 
@@ -89,8 +70,7 @@ def _as_rows(x: np.ndarray) -> np.ndarray:
 
 
 def _stacked_rows(x: np.ndarray) -> bool:
-    """Whether ``x`` (batch, m, n) is a view of a ``(batch * m, n)`` matrix: the batch stride is
-    ``m`` row strides (``reshape`` is then a view, never a copy)."""
+    """Whether ``x`` (batch, m, n) views a ``(batch * m, n)`` matrix."""
     return x.strides[0] == x.shape[1] * x.strides[1]
 
 
@@ -104,23 +84,21 @@ def row_limits(m: int, n: int) -> np.ndarray:
 
 
 @np.errstate(all="ignore")
-def lower_product(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``out = a @ b`` where row ``i`` needs columns ``j < row_limits(m, n)[i]`` only: the rest
-    of each row is left as it was (unread memory). Returns ``out``."""
+def lower_product(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """``out = a @ b`` in columns ``j < row_limits(m, n)[i]`` of each row ``i`` only (the rest
+    is left as it was)."""
     m, n = out.shape[-2], out.shape[-1]
     with blas_scope():
         for lo, hi in triangle_blocks(m):
             cols = min(hi, n)
             np.matmul(a[..., lo:hi, :], b[..., :, :cols], out=out[..., lo:hi, :cols])
-    return out
 
 
 @np.errstate(all="ignore")
-def complete_lower(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+def complete_lower(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """Compute what :func:`lower_product` left out, so that ``out`` is the whole ``a @ b``."""
     m, n = out.shape[-2], out.shape[-1]
     with blas_scope():
         for lo, hi in triangle_blocks(m):
             if hi < n:
                 np.matmul(a[..., lo:hi, :], b[..., :, hi:], out=out[..., lo:hi, hi:])
-    return out
