@@ -1,18 +1,7 @@
-"""CPU kernels of a planned product: the two verification launches of the fast path.
-
-A planned product (:class:`abftgemm.plan.ProtectedMatmul`) verifies its columns on the fast path:
-
-1. :func:`predict_cols` reads ``a`` once for its column encoding ``E^T A`` (plain sums, sums
-   weighted by the location weights ``(i+1)/m``, sums of ``|.|``) and ``b`` once to carry it
-   through: ``pred = (E^T A) B`` and ``S = (1^T |A|) |B|`` per column of the product;
-2. :func:`observe_flag_cols` reads the product once for its column checksums and judges every
-   column on the same pass, returning the number of flagged or unverifiable columns (the
-   verdict).
-
-Both write only into workspaces the plan allocated, so an execute allocates nothing. 16-bit
-products are observed through a 65536-entry float32 table of their bit patterns, a few rows at a
-time, so that the product is read once and never copied whole. The judgement of a column is the
-same as the ``flag`` primitive's (:func:`abftgemm.cpu_kernels.judge`).
+"""CPU kernels of a planned product: the two verification launches of the fast path,
+:func:`predict_cols` and :func:`observe_flag_cols`, which write only into the plan's workspaces.
+A 16-bit product is observed a few rows at a time through a float32 table of its bit patterns,
+never copied whole.
 """
 from __future__ import annotations
 
@@ -28,31 +17,17 @@ if TYPE_CHECKING:
     from abftgemm._cpu import CpuBackend
     from abftgemm.backend import ColumnThresholds
 
-#: Rows of a 16-bit product converted to float32 at a time (64 rows of 4096 float32 values are
-#: 1 MiB, cache resident).
+#: Rows of a 16-bit product converted to float32 at a time (cache resident).
 _BITS_BLOCK = 64
 
 
 @numba.njit(cache=True, fastmath=FAST)
 def predict_cols(a: Any, a_transposed: bool, b: Any, b_transposed: bool, bias: Any,
                  encode_a: bool, weights_m: Any, enc: Any, p: Any, rows: Any, pred: Any) -> None:
-    """Predicted column checksums of every batch item of ``a @ b (+ bias)``.
-
-    Parameters
-    ----------
-    a : (batch or 1, m, k) float32/float64, or with ``a_transposed`` its transpose (see b)
-    b : (batch or 1, k, n) float32/float64, or with ``b_transposed`` its transpose
-        (batch or 1, n, k), read along its rows (a column-major ``B``, such as PyTorch's
-        ``x @ W.T``, read down its columns at memory speed instead of across them)
-    bias : (n,) float64, or (0,) for none
-    encode_a : bool
-        Compute ``enc`` from ``a`` (False: ``enc`` holds an encoding handed in or kept constant).
-    weights_m : (m,) float64 location weights
-    enc : (3, batch or 1, k) float64: the column encoding of ``a`` (written with ``encode_a``)
-    p : (3, n) float64 workspace
-    rows : (max(n, k), 5) float64 workspace (used with ``a_transposed``, ``b_transposed``)
-    pred : (batch, 3, n) float64 output: ``[plain, weighted, sum |A||B|]`` per column
-    """
+    """Predicted column checksums ``pred`` (batch, 3, n), ``[plain, weighted, sum |A||B|]``, of
+    ``a @ b (+ bias)``: ``a`` (batch or 1, m, k) and ``b`` (batch or 1, k, n) as ``rows_first``
+    gives them, ``bias`` (n,) or (0,) for none, ``enc`` (3, batch or 1, k) the column encoding of
+    ``a`` (computed here with ``encode_a``); ``p`` and ``rows`` are workspaces."""
     m = a.shape[2] if a_transposed else a.shape[1]
     if encode_a:
         encode_cols(a, a_transposed, weights_m, rows, enc)
@@ -74,9 +49,8 @@ def predict_cols(a: Any, a_transposed: bool, b: Any, b_transposed: bool, bias: A
 
 @numba.njit(cache=True, fastmath=FAST)
 def encode_cols(a: Any, a_transposed: bool, weights_m: Any, rows: Any, enc: Any) -> None:
-    """Column encoding ``enc`` (3, batch, k) of ``a`` (batch, m, k): plain, location-weighted
-    and absolute column sums (with ``a_transposed``, ``a`` is given as its transpose
-    (batch, k, m), and each column is a row dot product; ``rows`` is a (k, 5) workspace)."""
+    """Column encoding ``enc`` (3, batch, k) of ``a`` (batch, m, k), or of the matrices whose
+    transposes ``a`` holds (``rows``: a (k, 5) workspace)."""
     for i in range(enc.shape[1]):
         e = fields(enc, i)
         if a_transposed:
@@ -89,13 +63,8 @@ def encode_cols(a: Any, a_transposed: bool, weights_m: Any, rows: Any, enc: Any)
 @numba.njit(cache=True, fastmath=FAST)
 def observe_flag_cols(c: Any, weights_m: Any, pred: Any, c_obs: float, c_pred: float,
                       floor: float, c_mag: float, safe: float, counts: Any, obs: Any) -> int:
-    """Observe the column checksums of a float32/float64 product and judge every column.
-
-    ``c`` (batch, m, n); ``pred`` (batch, 3, n) from :func:`predict_cols`; ``counts`` (n,)
-    workspace; ``obs`` (3, batch, n) output: the observed column encoding of the product, to
-    hand on as it is. Returns the number of flagged or unverifiable columns (the verdict; host
-    memory, so no array holds it).
-    """
+    """Observe the column checksums ``obs`` (3, batch, n) of a float32/float64 product ``c`` and
+    judge every column against ``pred``. Returns the number flagged or unverifiable."""
     total = 0
     for t in range(c.shape[0]):
         obs[:, t] = 0.0
@@ -114,9 +83,8 @@ def observe_flag_cols(c: Any, weights_m: Any, pred: Any, c_obs: float, c_pred: f
 def observe_flag_cols_bits(bits: Any, table: Any, weights_m: Any, pred: Any, c_obs: float,
                            c_pred: float, floor: float, c_mag: float, safe: float, counts: Any,
                            scratch: Any, obs: Any) -> int:
-    """:func:`observe_flag_cols` for a 16-bit product given as its bit patterns ``bits``
-    (uint16) and ``table`` (the float32 value of each pattern); ``scratch`` is a float32
-    ``(rows, n)`` workspace that holds a block of converted rows."""
+    """:func:`observe_flag_cols` for a 16-bit product as its bit patterns ``bits`` and their
+    float32 values ``table``, a block of rows converted at a time into ``scratch``."""
     m = bits.shape[1]
     block = scratch.shape[0]
     total = 0
@@ -141,10 +109,8 @@ def observe_flag_cols_bits(bits: Any, table: Any, weights_m: Any, pred: Any, c_o
 
 @numba.njit(cache=True, fastmath=FAST, inline="always")
 def _row_sums_as_columns(xt: Any, c: Any, rows: Any, fields_out: Any) -> None:
-    """The column sums of the matrix whose transpose is ``xt`` (``(L, r)``, C-contiguous), read
-    along ``xt``'s rows: ``fields_out[f][j]`` (``(3, L)`` or three ``(L,)`` arrays) gets row
-    ``j``'s sum with coefficients ``c`` (see ``sum_rows``); ``rows`` is an ``(>= L, 5)``
-    workspace."""
+    """The column sums of the matrix whose transpose is ``xt`` (L, r) into ``fields_out``, read
+    along ``xt``'s rows (``rows``: an (>= L, 5) workspace)."""
     sum_rows(xt, c, 0, xt.shape[0], rows)
     f0, f1, f2 = fields_out[0], fields_out[1], fields_out[2]
     for j in range(xt.shape[0]):
@@ -167,8 +133,7 @@ def _judge_columns(pred: Any, obs: Any, counts: Any, c_obs: float, c_pred: float
 
 class CpuWorkspace:
     """Every array a planned product needs on the CPU, allocated once, and the launches that
-    use them (the GEMM through ``backend``). ``counters`` (a :class:`abftgemm.plan.Counters`)
-    counts both."""
+    use them, both counted in ``counters`` (a :class:`abftgemm.plan.Counters`)."""
 
     def __init__(self, backend: CpuBackend, op: Any, counters: Any,
                  thresholds: ColumnThresholds | None):
@@ -176,18 +141,15 @@ class CpuWorkspace:
         self._counters = counters
         batch, m, k, n = op.batch, op.m, op.k, op.n
         self._wide = op.dtype.itemsize == 2
-        # 16-bit: the GEMM runs in float32 (as cuBLAS accumulates), rounded once, and the
-        # prediction reads the same float32 copies of a and b (made by the GEMM, or by
-        # predict() after a caller's GEMM)
+        # 16-bit: the prediction reads the GEMM's float32 copies of a and b (or its own)
         self._converted = False
+        self._buffers = None
         if self._wide:
             self._table = bits_table(op.dtype)
             self._a32 = self._alloc(op.a.shape, np.float32)
             self._b32 = self._alloc(op.b.shape, np.float32)
             self._buffers = (self._a32, self._b32, self._alloc((batch, m, n), np.float32),
                              self._alloc((n,), np.float32))
-        else:
-            self._buffers = None
         if thresholds is None:
             return
         self._coefficients, self._safe = thresholds
@@ -210,27 +172,21 @@ class CpuWorkspace:
         self._counters.allocations += 1
         return np.zeros(shape, dtype=dtype)
 
-    # The GEMM: one launch, and one more to add a bias (as on the GPU).
     def gemm(self, op: Any, c: np.ndarray, triangle: str | None = None) -> None:
-        """``c = op.a @ op.b (+ op.bias)`` without allocating (``triangle``: ``a`` is zero
-        outside it, see :func:`abftgemm._cpu_triangles.triangular_matmul`)."""
-        self._counters.launches += 1 + (op.bias is not None)
+        """``c = op.a @ op.b (+ op.bias)`` without allocating."""
+        self._counters.launches += 1 + (op.bias is not None)  # a bias is one more, as on the GPU
         self._backend.gemm(op.a, op.b, c, op.bias, triangle, buffers=self._buffers)
         self._converted = self._wide
 
-    # The two verification launches.
     def encode(self, a: np.ndarray) -> None:
         """Column encoding of ``a`` into the workspace now (a constant operand)."""
         self._counters.launches += 1
         if self._wide:
             a = as_float32(a, self._a32)
-        a, a_transposed = rows_first(a)
-        encode_cols(a, a_transposed, self._weights, self._rows, self._enc)
+        encode_cols(*rows_first(a), self._weights, self._rows, self._enc)
 
     def set_encoding(self, cols: np.ndarray) -> None:
-        """Use the column encoding ``cols`` ``(3, batch or 1, k)`` handed on from elsewhere in
-        the next prediction, read in place (no copy: each field vector is contiguous, as the
-        prediction walks it along ``k``)."""
+        """Use the column encoding ``cols`` in the next prediction, read in place."""
         self._given = cols
 
     def predict(self, op: Any, encode_a: bool) -> None:
@@ -244,10 +200,9 @@ class CpuWorkspace:
             as_float32(op.a, self._a32)
             as_float32(op.b, self._b32)
         self._converted = False
-        a, a_transposed = rows_first(self._a32 if self._wide else op.a)
-        b, b_transposed = rows_first(self._b32 if self._wide else op.b)
-        predict_cols(a, a_transposed, b, b_transposed, self._bias64, encode_a, self._weights,
-                     self._used, self._p, self._rows, self._pred)
+        predict_cols(*rows_first(self._a32 if self._wide else op.a),
+                     *rows_first(self._b32 if self._wide else op.b), self._bias64, encode_a,
+                     self._weights, self._used, self._p, self._rows, self._pred)
 
     def observe_flag(self, c: np.ndarray) -> None:
         """Observe and judge the product's columns (launch 2)."""
@@ -264,8 +219,8 @@ class CpuWorkspace:
         """Nothing to free beyond the arrays, which go with the workspace object."""
 
     def abandon(self) -> None:
-        """Forget the float32 copies of a 16-bit execute that stopped before its prediction
-        (each observation overwrites the verdict), and an encoding handed on to it."""
+        """Forget the float32 copies of an execute that stopped before its prediction, and an
+        encoding handed on to it."""
         self._converted = False
         self._given = None
 
@@ -277,8 +232,7 @@ class CpuWorkspace:
         return self._flagged > 0
 
     def a_encoding(self) -> np.ndarray:
-        """Column encoding of ``a`` the last prediction used, ``(3, batch or 1, k)`` (the
-        workspace, or the encoding handed on)."""
+        """Column encoding of ``a`` the last prediction used (the workspace, or one handed on)."""
         return self._used
 
     def observed_cols(self) -> np.ndarray:
