@@ -1,13 +1,7 @@
-"""The numba building blocks of the CPU checksum passes, shared by every CPU kernel.
-
-The abftgemm backend (:mod:`abftgemm._cpu`), the planned product's kernels
-(:mod:`abftgemm._cpu_plan`) and the attention softmax kernels (:mod:`attention._cpu_softmax`)
-build their passes from these: column and row sums of a matrix with the plain, location-weighted
-and absolute coefficients, every product and sum in float64 (:func:`sum_columns`,
-:func:`sum_rows`, :func:`row_sums`), the judgement of one vector (:func:`judge`), and 16-bit data
-as float32 (:func:`as_float32`, :func:`bits_table`). The helpers are ``inline="always"`` where a
-caller's loop should absorb them; numba compiles them into each caller, so a caller's on-disk
-cache does not see edits here (``make clean``).
+"""The numba building blocks of the CPU checksum passes, shared by every CPU kernel (attention's
+too): column and row sums with the plain, location-weighted and absolute coefficients in float64,
+the judgement of one vector, and 16-bit data as float32. The ``inline="always"`` helpers are
+compiled into each caller, whose on-disk cache does not see edits here (``make clean``).
 """
 from __future__ import annotations
 
@@ -29,34 +23,26 @@ FAST = {"reassoc", "contract"}
 @numba.njit(cache=True, inline="always")
 def _scan(v: Any, out: Any) -> None:
     """Count the non-finite elements of ``v`` and record the last one's index."""
-    count = 0
-    last = -1
+    count, last = 0, -1
     for l in range(v.shape[0]):
         if not np.isfinite(v[l]):
             count += 1
             last = l
-    out[3] = count
-    out[4] = last
+    out[3], out[4] = count, last
 
 
-# The kernels sweep the matrix row by row (sequential reads) and are single-threaded: right after
-# a GEMM, OpenBLAS's worker threads spin on the other cores for a while, and numba threads
-# competing with them made the checks slower, not faster. On one core the passes are bound by
-# memory bandwidth plus arithmetic that overlaps it poorly, so the kernels keep the arithmetic and
-# the loads per element low: column sums live in float64 arrays of the row's length, updated once
-# per eight rows instead of once per row, and the default coefficients (plain and absolute sums,
-# location weights) load only the weight vector, not three coefficient vectors per element
-# (bench/NOTES.md has the measurements).
+# The kernels sweep the matrix row by row and are single-threaded (numba threads competing with
+# OpenBLAS's spinning ones made the checks slower). They keep the arithmetic and loads per element
+# low: column sums are updated once per eight rows, and the default coefficients load only the
+# weight vector (bench/NOTES.md).
 
 ROWS_PER_UPDATE = 8  # rows per column-sum step (the body of _add_eight_rows is written for 8)
 _ROW_STEP = 4  # rows per row-sum step, each coefficient loaded once per step (written out for 4)
 
 
 def _vector_coefficients(c: Any, l: int) -> tuple[float, float, float]:
-    """Coefficients ``(plain, weighted, absolute)`` of position ``l``: ``c[f][l]`` for a ``(3,
-    L)`` array or a tuple of three ``(L,)`` arrays (one batch item of an encoding, see
-    :func:`fields`), ``(1, c[l], 1)`` for the default location weights ``c`` ``(L,)`` (compiled
-    per case by the overload below; the constant ones cost no loads)."""
+    """Coefficients ``(plain, weighted, absolute)`` of position ``l``: ``c[f][l]`` for a (3, L)
+    array or three (L,) arrays, ``(1, c[l], 1)`` for the default location weights ``c`` (L,)."""
     raise NotImplementedError("only callable from numba-compiled code")
 
 
@@ -71,25 +57,22 @@ def _vector_coefficients_impl(c, l):  # noqa: ANN001 (numba compares signatures)
 
 @numba.njit(cache=True, inline="always")
 def fields(enc: Any, t: int) -> tuple[Any, Any, Any]:
-    """Batch item ``t`` (the last one when ``enc`` broadcasts) of an encoding ``enc`` ``(3, batch
-    or 1, L)``: its three field vectors, each contiguous when ``enc`` is C-contiguous (numba
-    then reads them as such; ``enc[:, t]`` would be typed non-contiguous)."""
+    """Batch item ``t`` (the last when it broadcasts) of an encoding ``(3, batch or 1, L)`` as
+    three field vectors, typed contiguous where ``enc[:, t]`` would not be."""
     u = min(t, enc.shape[1] - 1)
     return enc[0, u], enc[1, u], enc[2, u]
 
 
 @numba.njit(cache=True, fastmath=FAST, inline="always")
 def sum_columns(x: Any, c: Any, i0: int, i1: int, p: Any) -> None:
-    """``p[f][j] += sum over rows i0..i1 of c[f][i] * x[i, j]`` (``|x|`` for f = 2), every
-    product and sum in float64, ``p`` ``(3, ncols)`` (or three ``(ncols,)`` arrays) updated
-    once per eight rows."""
+    """``p[f][j] += sum over rows i0..i1 of c[f][i] * x[i, j]`` (``|x|`` for f = 2) in float64,
+    ``p`` (3, ncols) or three (ncols,) arrays."""
     sum_column_prefix(x, c, i0, i1, p, p[0].shape[0])
 
 
 @numba.njit(cache=True, fastmath=FAST, inline="always")
 def sum_column_prefix(x: Any, c: Any, i0: int, i1: int, p: Any, n: int) -> None:
-    """:func:`sum_columns` of the first ``n`` columns only (the others of these rows are
-    zero, such as past the diagonal of a causal block)."""
+    """:func:`sum_columns` of the first ``n`` columns only."""
     i = i0
     while i + ROWS_PER_UPDATE <= i1:
         _add_eight_rows(x, c, i, p, n)
@@ -107,9 +90,8 @@ def sum_column_prefix(x: Any, c: Any, i0: int, i1: int, p: Any, n: int) -> None:
 
 @numba.njit(cache=True, fastmath=FAST)
 def _add_eight_rows(x: Any, c: Any, i: int, p: Any, n: int) -> None:
-    """``p[f, j] += sum over rows i..i+8 of c[f, r] * x[r, j]`` (``|x|`` for f = 2, ``j < n``) in
-    float64 (products of float32 data and float64 coefficients are exact). Compiled once per
-    signature, not inlined into every caller (inlining doubled the cold compile time)."""
+    """Rows ``i..i+8`` of :func:`sum_column_prefix`; not inlined (that doubled the cold
+    compile time)."""
     p0, p1, p2 = p[0], p[1], p[2]
     r0, r1, r2, r3 = x[i], x[i + 1], x[i + 2], x[i + 3]
     r4, r5, r6, r7 = x[i + 4], x[i + 5], x[i + 6], x[i + 7]
@@ -137,7 +119,7 @@ def _add_eight_rows(x: Any, c: Any, i: int, p: Any, n: int) -> None:
 @numba.njit(cache=True, fastmath=FAST, inline="always")
 def sum_rows(x: Any, c: Any, i0: int, i1: int, out: Any) -> None:
     """For rows ``i0..i1``: ``out[i] = [sum c0*row, sum c1*row, sum c2*|row|, non-finite count,
-    last non-finite index]``, four rows at a time (each coefficient read once per four rows)."""
+    last non-finite index]``, four rows at a time."""
     i = i0
     while i + _ROW_STEP <= i1:
         r0, r1, r2, r3 = x[i], x[i + 1], x[i + 2], x[i + 3]
@@ -147,18 +129,10 @@ def sum_rows(x: Any, c: Any, i0: int, i1: int, out: Any) -> None:
             a, w, g = _vector_coefficients(c, j)
             v0, v1 = np.float64(r0[j]), np.float64(r1[j])
             v2, v3 = np.float64(r2[j]), np.float64(r3[j])
-            s00 += a * v0
-            s01 += w * v0
-            s02 += g * abs(v0)
-            s10 += a * v1
-            s11 += w * v1
-            s12 += g * abs(v1)
-            s20 += a * v2
-            s21 += w * v2
-            s22 += g * abs(v2)
-            s30 += a * v3
-            s31 += w * v3
-            s32 += g * abs(v3)
+            s00, s01, s02 = s00 + a * v0, s01 + w * v0, s02 + g * abs(v0)
+            s10, s11, s12 = s10 + a * v1, s11 + w * v1, s12 + g * abs(v1)
+            s20, s21, s22 = s20 + a * v2, s21 + w * v2, s22 + g * abs(v2)
+            s30, s31, s32 = s30 + a * v3, s31 + w * v3, s32 + g * abs(v3)
         _store(r0, s00, s01, s02, out[i])
         _store(r1, s10, s11, s12, out[i + 1])
         _store(r2, s20, s21, s22, out[i + 2])
@@ -183,9 +157,7 @@ def row_sums(row: Any, c: Any) -> tuple[float, float, float]:
     for j in range(row.shape[0]):
         a, w, g = _vector_coefficients(c, j)
         v = np.float64(row[j])
-        s0 += a * v
-        s1 += w * v
-        s2 += g * abs(v)
+        s0, s1, s2 = s0 + a * v, s1 + w * v, s2 + g * abs(v)
     return s0, s1, s2
 
 
@@ -199,13 +171,9 @@ def _store(row: Any, s0: float, s1: float, s2: float, o: Any) -> None:
 
 @numba.njit(cache=True, inline="always")
 def store_columns(x: Any, p: Any, out: Any) -> None:
-    """Write the column sums ``p`` ``(3, ncols)`` of ``x`` into ``out`` ``(ncols, 5)``; count a
-    column's non-finite elements only when one of its sums is not finite."""
+    """Write the column sums ``p`` (3, ncols) of ``x`` into ``out`` (ncols, 5) as :func:`_store`."""
     for j in range(p.shape[1]):
-        o = out[j]
-        o[0], o[1], o[2], o[3], o[4] = p[0, j], p[1, j], p[2, j], 0.0, -1.0
-        if not (np.isfinite(p[0, j]) and np.isfinite(p[1, j]) and np.isfinite(p[2, j])):
-            _scan(x[:, j], o)
+        _store(x[:, j], p[0, j], p[1, j], p[2, j], out[j])
 
 
 @numba.njit(cache=True, inline="always")
@@ -214,15 +182,10 @@ def judge(p0: float, p1: float, p2: float, o0: float, o1: float, o2: float, o3: 
           safe: float) -> tuple[float, bool, bool]:
     """``(threshold, flagged, verifiable)`` of one vector from its predicted ``[plain, weighted,
     S = sum |A||B|]`` and observed ``[plain, weighted, sum |C|, non-finite count]`` checksums
-    (the rule of backend.py ``flag``; reduce.cu's ``judge`` is the GPU's copy).
-
-    A non-finite element, or finite ones whose sums overflow, make the observed ``|C|`` sum and
-    so the threshold infinite: hence the separate finiteness test. Checksums judge a vector whose
-    inputs are finite (finite prediction) unless it may overflow (``S`` at or above ``safe``) and
-    did: that one is settled element by element on the rare path. A verifiable vector is flagged
-    when a checksum difference exceeds the threshold or its ``sum |C|`` exceeds the rigorous
-    bound ``c_mag * S + floor``.
-    """
+    (checksum_acc.cuh's ``judge`` is the GPU's copy). Verifiable: a finite prediction, unless
+    ``S`` reaches ``safe`` and the observation is not finite (settled on the rare path). Flagged:
+    verifiable and a checksum difference above the threshold, a non-finite element, or
+    ``sum |C|`` above the rigorous bound ``c_mag * S + floor``."""
     t = c_obs * o2 + c_pred * p2 + floor
     observed_finite = np.isfinite(o2) & (o3 == 0)
     ok = np.isfinite(p0) & np.isfinite(p1) & np.isfinite(p2) & ((p2 < safe) | observed_finite)
@@ -233,20 +196,16 @@ def judge(p0: float, p1: float, p2: float, o0: float, o1: float, o2: float, o3: 
 
 def as_float32(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """16-bit data as float32, exactly as ``x.astype(np.float32)``, in ``out`` (a new array when
-    None) and returned.
-
-    The conversion goes through a table of all 65536 bit patterns: NumPy's own float16
-    conversion runs a scalar loop, several times slower than the lookup (bench/NOTES.md).
-    Without ``out`` a non-contiguous ``x`` is copied first; with it (a plan's workspace, which
-    must not allocate) it is converted in place by NumPy.
-    """
+    None) and returned. Contiguous data goes through a table of all 65536 bit patterns (NumPy's
+    float16 conversion is a slower scalar loop); a non-contiguous ``x`` is copied first, or into
+    a given ``out`` (a plan's workspace, which must not allocate) converted by NumPy."""
     if x.dtype.itemsize != 2 or (x.dtype.kind != "f" and x.dtype.name != "bfloat16"):
         raise TypeError(f"as_float32 converts 16-bit floats, not {x.dtype}")
-    if out is not None and (out.shape != x.shape or out.dtype != np.float32):
-        raise ValueError(f"as_float32: out is {out.dtype} {out.shape}, not float32 {x.shape}")
     if out is None:
         out = np.empty(x.shape, dtype=np.float32)
         x = np.ascontiguousarray(x)
+    elif out.shape != x.shape or out.dtype != np.float32:
+        raise ValueError(f"as_float32: out is {out.dtype} {out.shape}, not float32 {x.shape}")
     if x.flags.c_contiguous:
         _lookup(x.reshape(-1).view(np.uint16), bits_table(x.dtype), out.reshape(-1))
     else:
@@ -270,10 +229,8 @@ def _lookup(bits: Any, table: Any, out: Any) -> None:
 
 
 def all_finite(x: np.ndarray) -> bool:
-    """No INF or NaN in the array ``x``. C-contiguous float16, bfloat16, float32 and float64 data
-    are judged from their exponent bits in one pass without a temporary (``np.isfinite(x).all()``
-    makes a bool array of ``x``'s shape, a fresh mapping, page faults and all, for the large
-    operands the attention core checks); other arrays go through NumPy."""
+    """No INF or NaN in the array ``x``. C-contiguous float data are judged from their exponent
+    bits in one pass, without the bool array of ``np.isfinite(x).all()``."""
     exponent = _exponent_bits(x.dtype)
     if exponent is None or not x.flags.c_contiguous:
         return bool(np.isfinite(x).all())
@@ -282,8 +239,7 @@ def all_finite(x: np.ndarray) -> bool:
 
 @lru_cache(maxsize=8)
 def _exponent_bits(dtype: np.dtype) -> Any:
-    """The bit pattern of +INF (every exponent bit set) as an unsigned integer of ``dtype``'s
-    width, for the four float dtypes :func:`all_finite` reads as bits; else None."""
+    """+INF's bit pattern (every exponent bit set) as an unsigned int; None for a non-float."""
     if dtype.kind != "f" and dtype.name != "bfloat16":
         return None
     return np.array(np.inf, dtype=dtype).view(f"u{dtype.itemsize}")[()]
@@ -291,9 +247,8 @@ def _exponent_bits(dtype: np.dtype) -> Any:
 
 @numba.njit(cache=True)
 def _top_exponent(bits: Any, exponent: Any) -> Any:
-    """The largest ``bits & exponent``: an integer max, which LLVM vectorizes in lanes of the
-    data's width when each term is cast back to it (numba types ``bits[i] & exponent`` wider;
-    bench/NOTES.md has the timings)."""
+    """The largest ``bits & exponent``, each term cast back to the data's width (numba types it
+    wider) so that LLVM vectorizes the max in lanes of that width."""
     width = bits.dtype.type
     top = width(0)
     for i in range(bits.shape[0]):
@@ -303,7 +258,7 @@ def _top_exponent(bits: Any, exponent: Any) -> Any:
 
 def rows_first(x: np.ndarray) -> tuple[np.ndarray, bool]:
     """``(x, False)``, or ``(x^T, True)`` when only the transpose of the (batch, rows, cols)
-    array ``x`` is C-contiguous: the kernels read it along its memory rows either way."""
+    array ``x`` is C-contiguous, for kernels that read along memory rows."""
     xt = x.transpose(0, 2, 1)
     if not x.flags.c_contiguous and xt.flags.c_contiguous:
         return xt, True
