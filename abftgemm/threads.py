@@ -1,44 +1,21 @@
 """The library's one CPU thread policy: how many threads its BLAS calls may use.
 
-Every BLAS call the library makes on the CPU (the GEMMs of :mod:`abftgemm._cpu_triangles`, the
-float64 model of :mod:`abftgemm.nonfinite`) runs inside :func:`blas_scope`, which sets NumPy's
-BLAS (OpenBLAS, MKL, ... through threadpoolctl) to the policy's thread count
-(:func:`scope_threads`) and restores the caller's setting on the way out. The attention passes
-and :func:`abftgemm.matmul` open one scope around all their work, so the count is decided once
-per call.
-
-The count, unless :func:`set_threads` fixed one (or the ``ABFT_THREADS`` environment variable):
+Every BLAS call the library makes on the CPU runs inside :func:`blas_scope`, which sets NumPy's
+BLAS (through threadpoolctl) to the policy's thread count and restores the caller's setting on
+the way out; a call opens one around all its work, so the count is decided once per call. The
+count, unless :func:`set_threads` (or ``ABFT_THREADS``) fixed one:
 
 - the cores this process may run on (``os.sched_getaffinity``),
-- minus the tasks of *other* processes running right now (``/proc/loadavg`` less this process's
-  own running threads, the most of the last three samples, taken at most every 0.1 s: a second
-  BLAS thread under load costs far more than a lost one on an idle machine): a BLAS
-  GEMM splits its work evenly over its threads, so a thread that shares a core with a busy
-  process makes the whole product wait for it,
-- minus the intra-op threads of PyTorch beyond the calling one when the call comes from
-  PyTorch (``attention.torch``): they spin-wait on the other cores after each of PyTorch's own
-  operations, and BLAS threads started next to them fight them,
-- at least 1, and never more than the caller's own BLAS setting (``OPENBLAS_NUM_THREADS=1`` or
-  ``threadpoolctl.threadpool_limits`` stay in force).
+- minus the tasks of *other* processes running now (``/proc/loadavg`` less this process's own
+  running threads, the most of the last three samples, taken at most every 0.1 s): a BLAS GEMM
+  splits its work evenly, so a thread sharing a core with a busy process makes it all wait,
+- minus PyTorch's intra-op threads beyond the calling one when the call comes from PyTorch
+  (they spin-wait on the other cores after each of PyTorch's operations),
+- at least 1, and never more than the caller's own BLAS setting.
 
-numba: the library's checking kernels are serial (no ``parallel=True``). Two kinds of work run
-in numba's thread pool, at the policy's count, with every BLAS at one thread inside them
-(:func:`one_blas_thread`: SciPy's, which numba's ``np.dot`` calls, and NumPy's), so that no BLAS
-pool runs beside numba's: the fused attention core (:mod:`attention.fused`), and, in the passes
-that run it, the products large enough for the BLAS to thread (``blas_scope(numba_pool=True)``,
-:mod:`abftgemm._cpu_gemm`: one row block per thread). Each pool's threads spin for a while after
-its work, and the other pool's calls wait for the cores they hold (bench/NOTES.md).
-Elsewhere (:func:`abftgemm.matmul`, the unfused attention core), at one thread, or for small
-products only, numba never starts its pool (tests/test_threads.py, tests/test_cpu_gemm.py).
-A process forked after numba's pool ran on GNU OpenMP (numba's ``omp`` layer, its default
-where TBB is not installed) cannot enter that pool again: numba terminates it. In such a
-child :func:`numba_pool_usable` is False and the same compiled work runs outside the pool, on
-the calling thread (tests/test_fork.py); a worker started with ``spawn`` or ``forkserver``, or
-numba on TBB, keeps the pool.
-PyTorch: the library never changes PyTorch's own thread settings; it only counts them, as
-above. With a CPU-bound process running on a 2-core machine, the protected ``attention.torch``
-layer runs many times faster under the policy than without it (bench/loaded.py; bench/NOTES.md,
-"the thread policy on a shared machine").
+Only the fused attention core and the products beside it (:mod:`abftgemm._cpu_gemm`) run in
+numba's pool, with every BLAS at one thread (:func:`one_blas_thread`); the checking kernels are
+serial. PyTorch's own thread settings are only counted, never changed.
 """
 from __future__ import annotations
 
@@ -119,9 +96,7 @@ def current_policy(torch_threads: int = 1) -> int:
     """
     if _fixed is not None:
         return _fixed
-    cores = _cores()
-    others = _busy_others(cores)
-    return max(1, cores - others - max(0, torch_threads - 1))
+    return max(1, _cores() - _busy_others() - max(0, torch_threads - 1))
 
 
 class blas_scope:
@@ -134,10 +109,9 @@ class blas_scope:
     torch_threads : int
         PyTorch's intra-op thread count when the call comes from PyTorch, else 1.
     numba_pool : bool
-        Run the products that the BLAS would spread over its threads in numba's pool instead
+        Run the products that the BLAS would thread in numba's pool instead
         (:mod:`abftgemm._cpu_gemm`), for work whose next steps run there (the fused attention
-        core): the two pools slow each other down when their calls alternate. The first scope
-        open in the calling thread decides (:func:`scope_pool`).
+        core). The first scope open in the calling thread decides (:func:`scope_pool`).
     """
 
     __slots__ = ("torch_threads", "numba_pool")
@@ -182,7 +156,7 @@ def scope_threads() -> int:
 
 def _lower(libs: list[Any], n: int, restore: list[tuple[Any, int]]) -> int:
     """Each BLAS of ``libs`` that runs more than ``n`` threads to ``n``, its count before noted
-    in ``restore``. Returns the lowest count now set (``n`` at most)."""
+    in ``restore``. Returns the lowest count now set."""
     lowest = n
     for lib in libs:
         before = lib.get_num_threads()
@@ -202,12 +176,9 @@ def _put_back(restore: list[tuple[Any, int]]) -> None:
 
 
 def _set_threads(lib: Any, n: int) -> None:
-    """``lib.set_num_threads(n)`` from any thread. threadpoolctl (3.8) lets only one thread set
-    a process-wide BLAS pool (OpenBLAS on pthreads), the first to try, and silently ignores the
-    others: a protected call from any other thread ran its BLAS, and the fused core's tile
-    products in numba's pool, at the full thread count (slower: bench/NOTES.md). The
-    setting is process-wide and the library's changes are serialized (``_lock``), so each one
-    takes the control and gives it back."""
+    """``lib.set_num_threads(n)`` from any thread: threadpoolctl lets only the first thread that
+    sets a process-wide BLAS pool set it, silently ignoring the others, so each of the library's
+    (serialized) changes takes that control and gives it back."""
     release = getattr(type(lib), "clear_controlling_thread", None)
     if release is not None:
         release(force=True)
@@ -219,10 +190,8 @@ def _set_threads(lib: Any, n: int) -> None:
 class one_blas_thread:
     """``with one_blas_thread():`` runs its body with every BLAS library loaded in the process,
     SciPy's included (numba's ``np.dot`` calls it), at one thread, and restores each one's
-    count after: for kernels that call BLAS from threads of their own (the fused attention
-    core's tile products, from numba's pool), where BLAS threads of its own would oversubscribe
-    the cores. Nested scopes, in this thread or another, keep the setting until the last one
-    closes; the setting is process-wide, as :class:`blas_scope`'s is."""
+    count after: for kernels that call BLAS from threads of their own (numba's pool). Nested
+    scopes, in this thread or another, keep the setting until the last one closes."""
 
     __slots__ = ()
 
@@ -242,9 +211,8 @@ class one_blas_thread:
 
 
 def _blas(scipy: bool = False) -> list[Any]:
-    """threadpoolctl's controllers of the BLAS libraries loaded in this process (found once;
-    once more, with SciPy's BLAS loaded first, the first time ``scipy`` asks for it: importing
-    ``scipy.linalg`` takes a quarter of a second, which only the callers of SciPy's BLAS pay)."""
+    """threadpoolctl's controllers of the BLAS libraries loaded in this process, found again
+    with SciPy's loaded the first time ``scipy`` asks (only its callers pay for the import)."""
     global _controllers, _with_scipy
     if _controllers is None or (scipy and not _with_scipy):
         import numpy  # noqa: F401  (its BLAS must be loaded to be found)
@@ -259,18 +227,18 @@ def _blas(scipy: bool = False) -> list[Any]:
 
 def _cores() -> int:
     if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
-def _busy_others(cores: int) -> int:
+def _busy_others() -> int:
     """Tasks of other processes running now (0 where ``/proc`` is not there)."""
     global _sampled_at
     now = time.monotonic()
     if now - _sampled_at >= SAMPLE_INTERVAL or not _samples:
         _sampled_at = now
         _samples.append(_sample())
-    return min(max(_samples), cores)
+    return max(_samples)
 
 
 def _sample() -> int:
@@ -289,10 +257,8 @@ def _sample() -> int:
 
 
 def numba_threads(n: int) -> None:
-    """``numba.set_num_threads(n)`` for the library's numba kernels. The first call launches
-    numba's pool with PyTorch's own thread count kept: numba's OpenMP layer sets the process's
-    OpenMP thread count as it starts, which PyTorch reads (``torch.get_num_threads()`` went
-    from a user's 1 to numba's pool size, 8 under ``NUMBA_NUM_THREADS=8`` on 2 cores)."""
+    """``numba.set_num_threads(n)``, launching numba's pool first with PyTorch's thread count
+    kept (numba's OpenMP layer sets the process's OpenMP thread count, which PyTorch reads)."""
     global _pool_launched
     import numba
 
@@ -314,8 +280,7 @@ def numba_threads(n: int) -> None:
 
 def numba_pool_usable() -> bool:
     """Whether the library's numba work may run in numba's thread pool: False only in a process
-    forked after the pool had run on GNU OpenMP, which cannot run in a forked child (numba
-    terminates a child that tries: "fork() called from a process already using GNU OpenMP")."""
+    forked after the pool had run on GNU OpenMP (numba terminates a child that tries)."""
     return not _pool_forked_away
 
 
@@ -334,8 +299,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _read_proc(path: str) -> bytes:
-    """The start of a ``/proc`` file, where the fields read here are, in one read (a buffered
-    ``open`` would allocate 8 KiB per sample, which tests/test_plan.py would count)."""
+    """The start of a ``/proc`` file in one read (a buffered ``open`` would allocate 8 KiB per
+    sample, which tests/test_plan.py counts)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         return os.read(fd, 1024)
