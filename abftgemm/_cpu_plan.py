@@ -33,12 +33,7 @@ def predict_cols(a: Any, a_transposed: bool, b: Any, b_transposed: bool, bias: A
         encode_cols(a, a_transposed, weights_m, rows, enc)
     mean_weight = (m + 1) / 2 / max(m, 1)
     for t in range(pred.shape[0]):
-        p[:] = 0.0
-        bt, et = b[min(t, b.shape[0] - 1)], fields(enc, t)
-        if b_transposed:
-            _row_sums_as_columns(bt, et, rows, p)
-        else:
-            sum_columns(bt, et, 0, bt.shape[0], p)
+        _column_sums(b[min(t, b.shape[0] - 1)], b_transposed, fields(enc, t), rows, p)
         for j in range(bias.shape[0]):
             pred_bias = bias[j] * m
             p[0, j] += pred_bias
@@ -52,12 +47,7 @@ def encode_cols(a: Any, a_transposed: bool, weights_m: Any, rows: Any, enc: Any)
     """Column encoding ``enc`` (3, batch, k) of ``a`` (batch, m, k), or of the matrices whose
     transposes ``a`` holds (``rows``: a (k, 5) workspace)."""
     for i in range(enc.shape[1]):
-        e = fields(enc, i)
-        if a_transposed:
-            _row_sums_as_columns(a[i], weights_m, rows, e)
-        else:
-            enc[:, i] = 0.0
-            sum_columns(a[i], weights_m, 0, a.shape[1], e)
+        _column_sums(a[i], a_transposed, weights_m, rows, fields(enc, i))
 
 
 @numba.njit(cache=True, fastmath=FAST)
@@ -108,13 +98,19 @@ def observe_flag_cols_bits(bits: Any, table: Any, weights_m: Any, pred: Any, c_o
 
 
 @numba.njit(cache=True, fastmath=FAST, inline="always")
-def _row_sums_as_columns(xt: Any, c: Any, rows: Any, fields_out: Any) -> None:
-    """The column sums of the matrix whose transpose is ``xt`` (L, r) into ``fields_out``, read
-    along ``xt``'s rows (``rows``: an (>= L, 5) workspace)."""
-    sum_rows(xt, c, 0, xt.shape[0], rows)
-    f0, f1, f2 = fields_out[0], fields_out[1], fields_out[2]
-    for j in range(xt.shape[0]):
-        f0[j], f1[j], f2[j] = rows[j, 0], rows[j, 1], rows[j, 2]
+def _column_sums(x: Any, transposed: bool, c: Any, rows: Any, out: Any) -> None:
+    """The column sums of ``x``, or of the matrix whose transpose ``x`` (L, r) is (read along
+    ``x``'s rows into ``rows``, an (>= L, 5) workspace), into ``out`` (3, L)."""
+    f0, f1, f2 = out[0], out[1], out[2]
+    if transposed:
+        sum_rows(x, c, 0, x.shape[0], rows)
+        for j in range(x.shape[0]):
+            f0[j], f1[j], f2[j] = rows[j, 0], rows[j, 1], rows[j, 2]
+    else:
+        f0[:] = 0.0
+        f1[:] = 0.0
+        f2[:] = 0.0
+        sum_columns(x, c, 0, x.shape[0], out)
 
 
 @numba.njit(cache=True, inline="always")
