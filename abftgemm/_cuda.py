@@ -89,14 +89,6 @@ def _check_reduce(
         _check_batch("coef", coef.shape[1], batch)
 
 
-def _coef(coef: cupy.ndarray | None) -> tuple[cupy.ndarray | None, int, int]:
-    """Coefficients, an encoding ``(3, batch or 1, L)`` with contiguous field vectors, as
-    (array, batch stride, field stride), strides in elements; read in place."""
-    if coef is None:
-        return None, 0, 0
-    return coef, 0 if coef.shape[1] == 1 else coef.strides[1] // 8, coef.strides[0] // 8
-
-
 class CupyBackend:
     """The :class:`abftgemm.backend.Backend` primitives on one CUDA device."""
 
@@ -124,11 +116,8 @@ class CupyBackend:
         if out.size == 0:
             return
         handle = cupy.cuda.device.get_cublas_handle()  # shared: its modes restored after
-        restore = plain_math(handle)
-        try:
+        with plain_math(handle):
             gemm(handle, a, b, out, bias, dtype)
-        finally:
-            restore()
 
     # ---------------------------------------------------------- reductions
 
@@ -191,7 +180,9 @@ class CupyBackend:
     def _reduce(
         self, x: cupy.ndarray, coef: cupy.ndarray | None, out: cupy.ndarray, along_rows: bool
     ) -> None:
-        """Pick the kernel by storage: vectors contiguous in memory go one warp per vector."""
+        """Launch the kernel that suits ``x``'s storage: abft_row_reduce for vectors contiguous
+        in memory (one warp each), abft_col_reduce for vectors strided by ``ld`` (long ones
+        split across blocks)."""
         if x.ndim != 3:
             raise ValueError("reductions take a 3-D x")
         _, r, c = x.shape
@@ -200,27 +191,18 @@ class CupyBackend:
         if out.size == 0:
             return
         mats = matrices(x)
-        coef_array, coef_stride, coef_fstride = _coef(coef)
+        # the encoding read in place: its batch and field strides in elements
+        coef_stride, coef_fstride = (0, 0) if coef is None else (
+            0 if coef.shape[1] == 1 else coef.strides[1] // 8, coef.strides[0] // 8)
         args = (mats.array, numpy.int64(mats.batch_stride), numpy.int64(mats.ld),
-                coef_array, numpy.int64(coef_stride), numpy.int64(coef_fstride), out)
+                coef, numpy.int64(coef_stride), numpy.int64(coef_fstride), out)
+        batch, dtype = out.shape[0], x.dtype.name
         if along_rows != mats.transposed:
-            self._row_kernel(x.dtype.name, args, out.shape[0], vectors, length)
-        else:
-            self._col_kernel(x.dtype.name, args, out, vectors, length)
-
-    def _row_kernel(self, dtype: str, args: tuple, batch: int, vectors: int, length: int) -> None:
-        """Launch abft_row_reduce: vectors contiguous in memory, one warp each."""
-        warps_per_block = _ROW_BLOCK // 32
-        blocks = min(cdiv(batch * vectors, warps_per_block), INT32_MAX)
-        kernel = self._kernel(kernels.instance(kernels.ROW_REDUCE, dtype))
-        kernel((blocks,), (_ROW_BLOCK,),
-               args + (numpy.int32(batch), numpy.int32(vectors), numpy.int32(length)))
-
-    def _col_kernel(
-        self, dtype: str, args: tuple, out: cupy.ndarray, vectors: int, length: int
-    ) -> None:
-        """Launch abft_col_reduce: vectors strided by ``ld``, long ones split across blocks."""
-        batch = out.shape[0]
+            blocks = min(cdiv(batch * vectors, _ROW_BLOCK // 32), INT32_MAX)
+            kernel = self._kernel(kernels.instance(kernels.ROW_REDUCE, dtype))
+            kernel((blocks,), (_ROW_BLOCK,),
+                   args + (numpy.int32(batch), numpy.int32(vectors), numpy.int32(length)))
+            return
         col_blocks = cdiv(vectors, _COL_BLOCK[0])
         chunks, chunk_rows = split_rows(batch * col_blocks, length,
                                         _BLOCKS_PER_SM * self._sm_count, _COL_MIN_ROWS)
@@ -235,10 +217,9 @@ class CupyBackend:
 
     def _kernel(self, name: str) -> cupy.RawKernel:
         """Kernel ``name`` of reduce.cu on this device (compiled on first use, then cached)."""
-        kernel = self._kernels.get(name)
-        if kernel is None:
-            kernel = self._kernels[name] = raw_module(kernels.REDUCE_FILE).get_function(name)
-        return kernel
+        if name not in self._kernels:
+            self._kernels[name] = raw_module(kernels.REDUCE_FILE).get_function(name)
+        return self._kernels[name]
 
 
 @functools.cache

@@ -2,16 +2,11 @@
 
 Everything is allocated when the plan is made: the accumulators and counters of the two verification
 kernels (which leave them zeroed for the next execute), the observed checksums, the cumulative
-verdict in a slot of the plan's verdict ledger (:mod:`abftgemm.verdicts`: on the device, with a
-pinned host copy), and a cuBLAS handle of the plan's own in host pointer mode without TF32 and
-without reduced-precision reductions, so that no shared handle state is read or changed per call. An
-execute is the GEMM (one cuBLAS call; a bias adds one broadcast copy before it) and two kernel
-launches, with no allocation and no synchronization; settle copies the ledger (the verdicts of every
-plan that shares it) into pinned memory asynchronously and waits for that copy only.
-
-Operands are used in place when cuBLAS can read them (row-major or transposed matrices, any
-leading dimension); other layouts are copied (an allocation per execute, as for an unplanned
-product).
+verdict in a slot of the plan's verdict ledger (:mod:`abftgemm.verdicts`), and a cuBLAS handle of
+the plan's own under :data:`abftgemm.cuda_kernels.PLAIN_MATH`, so that no shared handle state is
+read or changed per call. An execute is the GEMM (a bias adds one broadcast copy before it) and two
+kernel launches, with no allocation and no synchronization. Operands that cuBLAS cannot read in
+place are copied (an allocation per execute, as for an unplanned product).
 """
 from __future__ import annotations
 
@@ -78,8 +73,9 @@ class CudaWorkspace:
         self._enc_given: cupy.ndarray | None = None
         self._enc_used: cupy.ndarray | None = None  # the whole encoding the last predict read
         self._bias: cupy.ndarray | None = None
-        self._predict = _kernel(kernels.instance(kernels.PLAN_PREDICT, self._dtype))
-        self._observe_flag = _kernel(kernels.instance(kernels.PLAN_OBSERVE_FLAG, self._dtype))
+        self._predict, self._observe_flag = (
+            raw_module(kernels.PLAN_FILE).get_function(kernels.instance(name, self._dtype))
+            for name in (kernels.PLAN_PREDICT, kernels.PLAN_OBSERVE_FLAG))
 
     def _zeros(self, shape: tuple[int, ...], dtype: Any) -> cupy.ndarray:
         self._counters.allocations += 1
@@ -91,8 +87,8 @@ class CudaWorkspace:
         self._handle = None
 
     def gemm(self, op: Any, c: cupy.ndarray, triangle: str | None = None) -> None:
-        """``c = op.a @ op.b (+ op.bias)`` on the plan's handle and the current stream (the whole
-        product, whatever ``triangle`` promises; see the backend's ``gemm``)."""
+        """On the plan's handle and the current stream; the whole product, whatever ``triangle``
+        promises (as the backend's ``gemm``)."""
         self._stream = cupy.cuda.get_current_stream()
         cublas.setStream(self._handle, self._stream.ptr)
         self._counters.launches += gemm(self._handle, op.a, op.b, c, op.bias, self._dtype,
@@ -106,8 +102,7 @@ class CudaWorkspace:
         return mats
 
     def encode(self, a: cupy.ndarray) -> None:
-        """Column encoding of the constant ``a`` (batch or 1, m, k) into the workspace now (its
-        records, then the encoding out of them: a counted copy)."""
+        """The column reduction of ``a``, then the encoding out of it (a counted copy)."""
         self._counters.launches += 1
         self._counters.allocations += 2
         self._counters.copies += 1
@@ -116,29 +111,26 @@ class CudaWorkspace:
         self._enc_given = encoding_of(full)
 
     def set_encoding(self, cols: cupy.ndarray) -> None:
-        """Use the column encoding ``cols`` ``(3, batch or 1, k)`` handed on from elsewhere, read
-        in place (its field vectors contiguous)."""
+        """Read ``cols`` in place (its field vectors contiguous)."""
         self._enc_given = cols
 
     def predict(self, op: Any, encode_a: bool) -> None:
-        """Launch 1: predicted column checksums of the product of ``op`` into ``pred`` (none
-        for an empty product or inner dimension: ``pred`` stays zero, the bias terms are added
-        by the observation)."""
+        """None for an empty product or inner dimension: ``pred`` stays zero, and the observation
+        adds the bias terms."""
         self._bias = op.bias
         self._enc_used = None if encode_a else self._enc_given
         if self._slabs == 0 or self._pred.size == 0:
             return
         self._counters.launches += 1
         a, b = self._matrices(op.a), self._matrices(op.b)
-        enc = self._enc_used
+        enc, batch = self._enc_used, self._pred.shape[0]
         if enc is not None:
             enc_args = (enc, numpy.int64(enc.strides[1] // 8), numpy.int64(enc.strides[0] // 8),
                         numpy.int32(enc.shape[1]))
-            items, chunks, chunk_rows = self._pred.shape[0], 1, op.m
+            items, chunks, chunk_rows = batch, 1, op.m
         else:
             enc_args = (None, numpy.int64(0), numpy.int64(0), numpy.int32(0))
             items, chunks, chunk_rows = self._a_items, self._a_chunks, self._a_chunk_rows
-        batch = self._pred.shape[0]
         self._predict(
             (items * self._slabs * chunks,), (_THREADS,),
             (a.array, numpy.int64(a.batch_stride), numpy.int64(a.ld), numpy.int32(a.transposed),
@@ -149,8 +141,7 @@ class CudaWorkspace:
              numpy.int32(chunks), numpy.int32(chunk_rows), numpy.int32(batch)))
 
     def observe_flag(self, c: cupy.ndarray) -> None:
-        """Launch 2: observe and judge the product's columns; adds to the verdict (none for a
-        product without columns)."""
+        """Adds to the cumulative verdict (no launch for a product without columns)."""
         batch, m, n = c.shape
         if batch == 0 or n == 0:
             return
@@ -166,37 +157,28 @@ class CudaWorkspace:
              numpy.int32(self._c_chunks), numpy.int32(self._c_chunk_rows), numpy.int32(vector)))
 
     def abandon(self) -> None:
-        """Forget the last execute's verdict: the cumulative counts restart from zero (an
-        asynchronous memset on the current stream, after the abandoned execute's kernels), so a
-        flag raised by an execute that is never settled does not flag the next settle."""
+        """The cumulative counts restart from zero (an asynchronous memset on the current stream,
+        after the abandoned execute's kernels)."""
         self._verdict.clear()
         self._verdict_seen[...] = 0
 
     def ready_verdict(self) -> None:
-        """When the execute ran on another stream than the current one, make the current stream
-        (where the ledger's copy to the host is queued next) wait for it."""
+        """Make the current stream wait for the execute's when they differ."""
         current = cupy.cuda.get_current_stream()
         if current.ptr != self._stream.ptr:
             current.wait_event(self._stream.record())
 
     def verdict_flagged(self) -> bool:
-        """After the ledger's fetch and a synchronization: True when a column was flagged or
-        found unverifiable since the previous read of the cumulative verdict."""
+        """Whether the cumulative verdict's host copy changed since its previous read."""
         host = self._verdict.host
         changed = bool((host != self._verdict_seen).any())
         self._verdict_seen[...] = host
         return changed
 
     def a_encoding(self) -> cupy.ndarray | None:
-        """The column encoding of ``a`` the last prediction read, ``(3, batch or 1, k)``; None
-        when the predict kernel encoded ``a`` itself (it keeps only partial sums)."""
+        """None when the predict kernel encoded ``a`` itself (it keeps only partial sums)."""
         return self._enc_used
 
     def observed_cols(self) -> cupy.ndarray:
-        """Observed column encoding of the last product, ``(3, batch, n)``, as the observation
-        wrote it (the workspace)."""
+        """The workspace the observation wrote."""
         return self._obs
-
-
-def _kernel(name: str) -> cupy.RawKernel:
-    return raw_module(kernels.PLAN_FILE).get_function(name)

@@ -11,9 +11,10 @@ with any non-negative batch stride. Anything else is copied to C order first (:f
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from types import ModuleType
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import cupy
 import numpy
@@ -32,11 +33,10 @@ _ONE64, _ZERO64 = numpy.ones((), numpy.float64), numpy.zeros((), numpy.float64)
 # cublasMath_t values, spelled out (not every cupy_backends release exports them).
 _TF32_TENSOR_OP_MATH = 3
 _MATH_MODE_MASK = 0xF  # low bits: the mode; higher bits are flags
-# Reductions (split-K included) accumulate in the compute type, never in a float16/bfloat16 output
-# type: the thresholds assume one rounding of each product to the output type.
-DISALLOW_REDUCED_PRECISION_REDUCTION = 16
-#: The math mode every product of this backend runs under.
-PLAIN_MATH = DISALLOW_REDUCED_PRECISION_REDUCTION  # CUBLAS_DEFAULT_MATH | the flag
+#: The math mode of every product: CUBLAS_DEFAULT_MATH | DISALLOW_REDUCED_PRECISION_REDUCTION, so
+#: that reductions (split-K included) accumulate in the compute type, never in a float16/bfloat16
+#: output type (the thresholds assume one rounding of each product to the output type).
+PLAIN_MATH = 16
 #: Largest count the kernels index with a 32-bit int (grid sizes, vector lengths).
 INT32_MAX = 2**31 - 1
 
@@ -109,9 +109,10 @@ def gemm(handle: int, a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray,
          bias: cupy.ndarray | None, dtype: str,
          as_matrices: Callable[[cupy.ndarray], Matrices] = matrices) -> int:
     """``out[i] = a[i or 0] @ b[i or 0] (+ bias)`` into the C-contiguous ``(batch, m, n)``
-    ``out`` on ``handle`` (set up as :func:`strided_batched` needs); returns the launches. The
-    bias is broadcast into ``out`` and cuBLAS accumulates onto it (beta = 1); with ``k == 0``
-    the product is the bias, or zeros."""
+    ``out`` on ``handle``, which must be in host pointer mode under :data:`PLAIN_MATH` (no TF32,
+    no reduced-precision reductions); returns the launches. The bias is broadcast into ``out``
+    and cuBLAS accumulates onto it (beta = 1); with ``k == 0`` the product is the bias, or
+    zeros."""
     m, n, k = out.shape[1], out.shape[2], a.shape[2]
     launches = 0
     if bias is not None:
@@ -122,23 +123,16 @@ def gemm(handle: int, a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray,
             launches += 1
             bits(out).fill(0)  # all-zero bits are +0.0 in every float format
         return launches
-    strided_batched(handle, as_matrices(a), as_matrices(b), out, m, n, k, dtype, bias is not None)
-    return launches + 1
-
-
-def strided_batched(handle: int, a: Matrices, b: Matrices, out: cupy.ndarray, m: int, n: int,
-                    k: int, dtype: str, accumulate: bool) -> None:
-    """Row-major ``out = a @ b (+ out)`` as column-major ``out^T = b^T a^T`` on ``handle``, which
-    must be in host pointer mode under :data:`PLAIN_MATH` (no TF32, no reduced-precision
-    reductions)."""
+    a, b = as_matrices(a), as_matrices(b)
     if dtype == "float64":
         compute, one, zero = cublas.CUBLAS_COMPUTE_64F, _ONE64, _ZERO64
     else:
         # 32F, never a FAST_* type: fp32 data must not be rounded to TF32.
         compute, one, zero = cublas.CUBLAS_COMPUTE_32F, _ONE32, _ZERO32
-    beta = one if accumulate else zero
-    # A row-major matrix read column-major is its transpose, which is what the swapped
-    # product wants (OP_N); a transposed one is the matrix itself, hence OP_T.
+    beta = zero if bias is None else one
+    # Row-major out = a @ b is column-major out^T = b^T a^T. A row-major matrix read column-major
+    # is its transpose, which is what the swapped product wants (OP_N); a transposed one is the
+    # matrix itself, hence OP_T.
     op_b = cublas.CUBLAS_OP_T if b.transposed else cublas.CUBLAS_OP_N
     op_a = cublas.CUBLAS_OP_T if a.transposed else cublas.CUBLAS_OP_N
     data_type = DATA_TYPES[dtype]
@@ -151,11 +145,13 @@ def strided_batched(handle: int, a: Matrices, b: Matrices, out: cupy.ndarray, m:
         out.data.ptr, data_type, n, m * n,
         out.shape[0], compute, cublas.CUBLAS_GEMM_DEFAULT,
     )
+    return launches + 1
 
 
-def plain_math(handle: int) -> Callable[[], None]:
-    """Put ``handle`` in host pointer mode, without TF32 and with reduced-precision reductions
-    disallowed; return a function that undoes it.
+@contextlib.contextmanager
+def plain_math(handle: int) -> Iterator[None]:
+    """Within the block, ``handle`` is in host pointer mode, without TF32 and with
+    reduced-precision reductions disallowed (:data:`PLAIN_MATH`); its modes are restored after.
 
     CuPy's per-device handle is shared with other code, which may have left it in device pointer
     mode (our alpha/beta are host pointers), in TF32 math (which would round fp32 inputs) or
@@ -165,19 +161,18 @@ def plain_math(handle: int) -> Callable[[], None]:
     pointer = cublas.getPointerMode(handle)
     math = cublas.getMathMode(handle)
     plain = (math & ~_MATH_MODE_MASK if (math & _MATH_MODE_MASK) == _TF32_TENSOR_OP_MATH
-             else math) | DISALLOW_REDUCED_PRECISION_REDUCTION
+             else math) | PLAIN_MATH
     if pointer != cublas.CUBLAS_POINTER_MODE_HOST:
         cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
     if plain != math:
         cublas.setMathMode(handle, plain)
-
-    def restore() -> None:
+    try:
+        yield
+    finally:
         if pointer != cublas.CUBLAS_POINTER_MODE_HOST:
             cublas.setPointerMode(handle, pointer)
         if plain != math:
             cublas.setMathMode(handle, math)
-
-    return restore
 
 
 def raw_module(filename: str) -> cupy.RawModule:
