@@ -18,13 +18,12 @@ batch dimension is either the full batch or 1 (broadcast):
     Those limits, ``(m,)`` int64, or None when every row is computed whole (always, on the
     GPU). A backend that returns limits also implements :class:`RowPrefixes`.
 ``col_reduce(x, coef, out)`` / ``row_reduce(x, coef, out)``
-    One pass over ``x`` producing, per column (resp. row) vector ``v`` of length ``L``, five
-    float64 numbers
+    One pass over ``x`` writing to float64 ``out`` ``(batch, vectors, 5)``, per column (resp.
+    row) vector ``v`` of length ``L``:
     ``[sum(c0*v), sum(c1*v), sum(c2*|v|), count(!isfinite(v)), last non-finite index or -1]``.
     ``coef`` is an encoding (:mod:`abftgemm.checksums`), float64 ``(3, batch or 1, L)`` whose
     field vectors are contiguous (last axis), read in place; or None for the defaults ``c0=1,
     c1=(index+1)/L, c2=1``.
-    ``out`` has shape ``(batch, vectors, 5)`` float64.
 ``both_reduce(x, col_coef, row_coef, out_col, out_row)``
     ``col_reduce`` and ``row_reduce`` of the same ``x`` in one read of it.
 ``flag(pred, obs, (c_obs, c_pred, floor, c_mag), safe, counts) -> (tau, bad, verifiable)``
@@ -39,9 +38,8 @@ batch dimension is either the full batch or 1 (broadcast):
 ``synchronize()``
     Wait until every launch queued so far has finished (nothing to wait for on the CPU).
 ``plan_workspace(op, counters, thresholds, verdicts)``
-    The :class:`Workspace` of a planned product (:class:`abftgemm.plan.ProtectedMatmul`), its
-    verdict in a slot of the ledger ``verdicts`` (:mod:`abftgemm.verdicts`) where it has one on
-    the device.
+    The :class:`Workspace` of a planned product (:class:`abftgemm.plan.ProtectedMatmul`); a
+    verdict kept on the device goes in a slot of the ledger ``verdicts`` (:mod:`abftgemm.verdicts`).
 
 On top of these, array-module generic and written once: the checksum passes
 (:mod:`abftgemm.encode`), verdicts and location (:mod:`abftgemm.locate`), the rare path of
@@ -55,6 +53,8 @@ import contextvars
 import sys
 from types import ModuleType
 from typing import Any, Iterator, Protocol
+
+import numpy
 
 #: ``(c_obs, c_pred, floor, c_mag)`` of :func:`abftgemm.thresholds.threshold_coefficients` and the
 #: ``safe`` bound of :func:`abftgemm.thresholds.safe_magnitude`: how a plan judges its columns.
@@ -182,8 +182,6 @@ def reads_counted_by(counters: Any | None) -> Iterator[None]:
 def to_host(x: Any) -> Any:
     """A NumPy array with the contents of NumPy or CuPy array ``x`` (CuPy arrays are copied, and
     the copy counted where :func:`reads_counted_by` says)."""
-    import numpy
-
     if not is_cupy_array(x):
         return numpy.asarray(x)
     counters = _READ_COUNTERS.get()
@@ -199,8 +197,6 @@ def astype(x: Any, dtype: Any) -> Any:
     a bfloat16 is the top half of a float32). Converting a CuPy array *to* bfloat16 raises
     TypeError.
     """
-    import numpy
-
     dtype = numpy.dtype(dtype)
     if x.dtype == dtype:
         return x
@@ -218,8 +214,6 @@ def copy_into(out: Any, src: Any) -> None:
     Same-dtype copies go through unsigned-integer views, which CuPy supports for every element
     type (bfloat16 included).
     """
-    import numpy
-
     bits = {2: numpy.uint16, 4: numpy.uint32, 8: numpy.uint64}.get(out.dtype.itemsize)
     if out.dtype == src.dtype and bits is not None:
         out.view(bits)[...] = src.view(bits)
@@ -237,23 +231,14 @@ def array_module(*arrays: object) -> ModuleType:
     TypeError
         If the arrays mix NumPy and CuPy, or one of them is not an array.
     """
-    import numpy
-
-    kinds = set()
-    for x in arrays:
-        if x is None:
-            continue
-        if is_cupy_array(x):
-            kinds.add("cupy")
-        elif isinstance(x, numpy.ndarray):
-            kinds.add("numpy")
-        else:
+    present = [x for x in arrays if x is not None]
+    for x in present:
+        if not (is_cupy_array(x) or isinstance(x, numpy.ndarray)):
             raise TypeError(f"expected a NumPy or CuPy array, got {type(x).__name__}")
-    if len(kinds) > 1:
+    on_gpu = sum(map(is_cupy_array, present))
+    if 0 < on_gpu < len(present):
         raise TypeError("operands mix NumPy and CuPy arrays; move them to one device first")
-    if kinds == {"cupy"}:
-        return sys.modules["cupy"]
-    return numpy
+    return sys.modules["cupy"] if on_gpu else numpy
 
 
 def get_backend(xp: ModuleType) -> Backend:
