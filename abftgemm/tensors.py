@@ -1,10 +1,10 @@
 """PyTorch tensors in and out of :func:`abftgemm.matmul`, without copies.
 
 CPU tensors become NumPy arrays (``Tensor.numpy`` / ``torch.from_numpy``) and CUDA tensors CuPy
-arrays (DLPack) that share their memory; the result
-comes back as a tensor on the same device sharing the result array's memory. bfloat16, which
-NumPy's DLPack import does not know, travels as its 16-bit patterns. torch is imported only when
-a tensor is passed (``sys.modules``), so the package works without it.
+arrays (DLPack) that share their memory; the result comes back as a tensor on the same device
+sharing the result array's memory. bfloat16, which NumPy's DLPack import does not know, travels
+as its 16-bit patterns. torch is imported only when a tensor is passed (``sys.modules``), so the
+package works without it.
 
 Work on CUDA tensors runs inside :func:`device_scope`: on the tensors' device, with CuPy
 launching on PyTorch's current stream there, so that it is ordered with PyTorch's own work on
@@ -17,7 +17,8 @@ import functools
 import sys
 from typing import Any, Callable, ContextManager, Iterator
 
-_BF16_BITS = "int16"  # bfloat16 crosses DLPack as its bit patterns
+import ml_dtypes
+import numpy
 
 
 def is_tensor(x: object) -> bool:
@@ -50,36 +51,30 @@ def to_array(t: Any, label: str) -> Any:
             raise TypeError(f"matmul: {label} has its negative or conjugate bit set; pass a "
                             "tensor with memory of its own")
         t = t.resolve_neg().resolve_conj()
-    bf16 = t.dtype == torch.bfloat16
-    if t.is_cpu and not bf16:
+    if t.is_cpu and t.dtype != torch.bfloat16:
         return t.detach().numpy()  # NumPy's own view of the memory: as DLPack, a tenth the cost
     if t.device.type not in ("cpu", "cuda"):
         raise TypeError(f"matmul: {label} is on {t.device}; abftgemm takes CPU and CUDA tensors")
-    boolean = t.dtype == torch.bool  # some PyTorch versions export no bool through DLPack
-    source = t.detach()
-    if bf16 or boolean:
-        source = source.view(torch.int16 if bf16 else torch.uint8)
-    if t.device.type == "cuda":
+    # bfloat16 crosses as its bit patterns, bool as bytes (some PyTorch versions export no bool
+    # through DLPack)
+    bits = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}.get(t.dtype)
+    source = t.detach() if bits is None else t.detach().view(bits)
+    if t.is_cuda:
         import cupy
 
         x = cupy.from_dlpack(source)
     else:
         x = source.numpy()
-    if bf16:
-        import ml_dtypes
-
-        x = x.view(ml_dtypes.bfloat16)
-    return x.view(bool) if boolean else x
-
-
-_NO_SCOPE = contextlib.nullcontext()
+    if bits is None:
+        return x
+    return x.view(ml_dtypes.bfloat16 if t.dtype == torch.bfloat16 else bool)
 
 
 def device_scope(t: Any) -> ContextManager[None]:
     """For a CUDA tensor ``t``: a context in which ``t``'s device is current (for PyTorch and
     CuPy) and CuPy launches on PyTorch's current stream of that device. Nothing for other
     tensors (CPU; :func:`to_array` refuses the rest)."""
-    return _cuda_scope(t.device) if t.is_cuda else _NO_SCOPE
+    return _cuda_scope(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 class _StreamHandle:
@@ -106,14 +101,12 @@ def _cuda_scope(device: Any) -> Iterator[None]:
 
 def to_tensor(x: Any) -> Any:
     """The torch tensor sharing the memory of NumPy or CuPy array (or NumPy scalar) ``x``."""
-    import numpy
-
     torch = sys.modules["torch"]
     if isinstance(x, numpy.generic):  # vector @ vector: a NumPy scalar, as a 0-d tensor
         x = numpy.asarray(x)
     # bfloat16 is a "V" (void) dtype; reading a dtype's name is a Python call, so only for those
     if x.dtype.kind == "V" and x.dtype.name == "bfloat16":
-        return to_tensor(x.view(_BF16_BITS)).view(torch.bfloat16)
+        return to_tensor(x.view(numpy.int16)).view(torch.bfloat16)
     if type(x) is numpy.ndarray and min(x.strides, default=0) >= 0:
         return torch.from_numpy(x)  # shares the memory, as DLPack, at a tenth the cost
     return torch.from_dlpack(x)
@@ -155,8 +148,7 @@ def _tensor_matmul(matmul: Callable[..., Any], a: Any, b: Any, out: Any | None,
             _written(written)  # out's contents are unspecified: it may have been written
             raise
         _written(written)
-        extras = result[1:] if isinstance(result, tuple) else ()
-        c = result[0] if isinstance(result, tuple) else result
+        c, *extras = result if isinstance(result, tuple) else (result,)
         c = out if out is not None else to_tensor(c)
     return (c, *extras) if extras else c
 
