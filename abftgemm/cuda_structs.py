@@ -62,9 +62,9 @@ class KernelStruct:
         """
         names = self.dtype.names
         if set(values) != set(names):
-            missing, unknown = set(names) - set(values), set(values) - set(names)
             raise TypeError(f"{self.c_name} takes the fields {names}; missing "
-                            f"{sorted(missing)}, unknown {sorted(unknown)}")
+                            f"{sorted(set(names) - set(values))}, unknown "
+                            f"{sorted(set(values) - set(names))}")
         out = numpy.zeros(1, self.dtype)
         for name in names:
             out[name] = self._field(name, values[name])
@@ -72,16 +72,12 @@ class KernelStruct:
 
     def _field(self, name: str, value: Any) -> Any:
         dtype = self.dtype.fields[name][0]
-        integral = isinstance(value, (bool, int, numpy.bool_, numpy.integer))
-        if dtype.kind in "iu":
-            if not integral:
-                raise TypeError(f"{self.c_name}.{name} is {dtype.name}: pass an integer, got "
-                                f"{type(value).__name__}")
-            info = numpy.iinfo(dtype)
-            if not info.min <= int(value) <= info.max:
-                raise OverflowError(f"{self.c_name}.{name} = {int(value)} does not fit "
-                                    f"{dtype.name}")
-        elif not (integral or isinstance(value, (float, numpy.floating))):
-            raise TypeError(f"{self.c_name}.{name} is {dtype.name}: pass a number, got "
+        integer = dtype.kind in "iu"
+        kinds = (bool, int, numpy.bool_, numpy.integer)
+        if not isinstance(value, kinds if integer else kinds + (float, numpy.floating)):
+            raise TypeError(f"{self.c_name}.{name} is {dtype.name}: pass "
+                            f"{'an integer' if integer else 'a number'}, got "
                             f"{type(value).__name__}")
+        if integer and not numpy.iinfo(dtype).min <= int(value) <= numpy.iinfo(dtype).max:
+            raise OverflowError(f"{self.c_name}.{name} = {int(value)} does not fit {dtype.name}")
         return value
