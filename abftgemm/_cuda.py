@@ -1,7 +1,7 @@
 """CuPy backend: direct cuBLAS strided-batched GEMM and the checksum reduction kernels.
 
 Imported by :func:`abftgemm.backend.get_backend` only once CuPy arrays are in play, so it imports
-CuPy at the top. See :mod:`abftgemm.backend` for the semantics of the three primitives.
+CuPy at the top. See :mod:`abftgemm.backend` for the semantics of the primitives.
 
 Why not ``cupy.matmul``: batched fp16 ``cupy.matmul`` runs many times slower than cuBLAS called
 directly and batched bf16 raises (bench/NOTES.md), so :meth:`CupyBackend.gemm` calls
@@ -36,10 +36,8 @@ def _check_dtype(*arrays: cupy.ndarray) -> str:
     """The common dtype name of ``arrays``; TypeError unless they share a supported one."""
     names = {x.dtype.name for x in arrays}
     if len(names) != 1 or not names <= DATA_TYPES.keys():
-        raise TypeError(
-            f"CuPy backend needs one dtype among {sorted(DATA_TYPES)} (bfloat16 as "
-            f"ml_dtypes.bfloat16), got {sorted(names)}"
-        )
+        raise TypeError(f"CuPy backend needs one dtype among {sorted(DATA_TYPES)} (bfloat16 as "
+                        f"ml_dtypes.bfloat16), got {sorted(names)}")
     return names.pop()
 
 
@@ -49,9 +47,8 @@ def _check_batch(name: str, nb: int, batch: int) -> None:
         raise ValueError(f"{name} has batch {nb}; expected 1 or {batch}")
 
 
-def _check_gemm(
-    a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray, bias: cupy.ndarray | None
-) -> str:
+def _check_gemm(a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray,
+                bias: cupy.ndarray | None) -> str:
     """Validate :meth:`CupyBackend.gemm` operands; return the dtype name."""
     if a.ndim != 3 or b.ndim != 3 or out.ndim != 3:
         raise ValueError("gemm takes 3-D a, b and out")
@@ -67,9 +64,8 @@ def _check_gemm(
     return _check_dtype(a, b, out, *(() if bias is None else (bias,)))
 
 
-def _check_reduce(
-    x: cupy.ndarray, coef: cupy.ndarray | None, out: cupy.ndarray, length: int, vectors: int
-) -> None:
+def _check_reduce(x: cupy.ndarray, coef: cupy.ndarray | None, out: cupy.ndarray, length: int,
+                  vectors: int) -> None:
     """Validate reduction operands for vectors of ``length`` elements, ``vectors`` per matrix."""
     _check_dtype(x)
     batch = out.shape[0]
@@ -100,8 +96,6 @@ class CupyBackend:
         self._sm_count = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
         self._kernels: dict[str, cupy.RawKernel] = {}
 
-    # ---------------------------------------------------------------- GEMM
-
     def gemm(
         self, a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray, bias: cupy.ndarray | None,
         triangle: str | None = None, out_triangle: str | None = None,
@@ -118,8 +112,6 @@ class CupyBackend:
         handle = cupy.cuda.device.get_cublas_handle()  # shared: its modes restored after
         with plain_math(handle):
             gemm(handle, a, b, out, bias, dtype)
-
-    # ---------------------------------------------------------- reductions
 
     def row_limits(self, m: int, n: int, dtype: Any) -> None:
         """None: an ``out_triangle`` product is computed whole here (see :meth:`gemm`), so
@@ -151,8 +143,7 @@ class CupyBackend:
         self.row_reduce(x, row_coef, out_row)
 
     def flag(self, pred: cupy.ndarray, obs: cupy.ndarray,
-             coefficients: tuple[float, float, float, float], safe: float,
-             counts: cupy.ndarray,
+             coefficients: tuple[float, float, float, float], safe: float, counts: cupy.ndarray,
              out: tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray] | None = None,
              ) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
         """Threshold, flags and counts of every vector in one launch (see reduce.cu abft_flag).
@@ -177,9 +168,8 @@ class CupyBackend:
                     tau, bad, verifiable, counts))
         return tau, bad, verifiable
 
-    def _reduce(
-        self, x: cupy.ndarray, coef: cupy.ndarray | None, out: cupy.ndarray, along_rows: bool
-    ) -> None:
+    def _reduce(self, x: cupy.ndarray, coef: cupy.ndarray | None, out: cupy.ndarray,
+                along_rows: bool) -> None:
         """Launch the kernel that suits ``x``'s storage: abft_row_reduce for vectors contiguous
         in memory (one warp each), abft_col_reduce for vectors strided by ``ld`` (long ones
         split across blocks)."""
@@ -222,10 +212,7 @@ class CupyBackend:
         return self._kernels[name]
 
 
-@functools.cache
-def _backend_for(device_id: int) -> CupyBackend:
-    """One backend per device id."""
-    return CupyBackend(device_id)
+_backend_for = functools.cache(CupyBackend)  # one backend per device id
 
 
 def backend() -> CupyBackend:

@@ -57,8 +57,7 @@ class CudaWorkspace:
         self._a_items = 1 if op.a.shape[0] == 1 else batch
         self._a_chunks, self._a_chunk_rows = split_rows(self._a_items * self._slabs, m, target,
                                                         _MIN_CHUNK_ROWS)
-        self._tile = 32 * (16 // op.dtype.itemsize)
-        self._tiles = cdiv(n, self._tile)
+        self._tiles = cdiv(n, 32 * (16 // op.dtype.itemsize))  # TILE in plan.cu
         self._c_chunks, self._c_chunk_rows = split_rows(batch * self._tiles, m, target,
                                                         _MIN_CHUNK_ROWS)
         self._enc_acc = self._zeros((self._a_items, self._slabs, 3, _SLAB), numpy.float64)

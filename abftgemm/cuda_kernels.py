@@ -195,8 +195,7 @@ def typed_kernel(registry: ModuleType, filename: str, name: str, dtype: str,
     :mod:`abftgemm.kernels`: ``MODULES``, ``CUDA_TYPES``, ``NVRTC_OPTIONS``, ``source``,
     ``instance``) instantiated for NumPy dtype ``dtype`` on device ``device_id``; compiled with
     the source and options that ``scripts/compile_kernels.py`` checks in CI."""
-    # One element type's templates: NVRTC compiles those on first use, not every type's (the
-    # fused core's take the longest: bench/NOTES.md).
+    # Only this element type's templates: NVRTC compiles them on first use, not every type's.
     suffix = f"<{registry.CUDA_TYPES[dtype]}>"
     names = tuple(n for n in registry.MODULES[filename] if n.endswith(suffix))
     with cupy.cuda.Device(device_id):

@@ -14,12 +14,8 @@ KERNEL_DIR = Path(__file__).resolve().parent
 NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++17",)
 
 #: NumPy dtype name -> CUDA element type the kernel templates are instantiated for.
-CUDA_TYPES: dict[str, str] = {
-    "float16": "__half",
-    "bfloat16": "__nv_bfloat16",
-    "float32": "float",
-    "float64": "double",
-}
+CUDA_TYPES: dict[str, str] = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float",
+                              "float64": "double"}
 
 REDUCE_FILE = "reduce.cu"
 REDUCE_INIT = "abft_reduce_init"
