@@ -1,14 +1,11 @@
-"""CuPy backend: direct cuBLAS strided-batched GEMM and the checksum reduction kernels.
-
-Imported by :func:`abftgemm.backend.get_backend` only once CuPy arrays are in play, so it imports
-CuPy at the top. See :mod:`abftgemm.backend` for the semantics of the primitives.
+"""CuPy backend: the primitives of :mod:`abftgemm.backend` as direct cuBLAS strided-batched GEMM
+and checksum reduction kernels. Imports CuPy at the top: :func:`abftgemm.backend.get_backend`
+imports it only once CuPy arrays are in play.
 
 Why not ``cupy.matmul``: batched fp16 ``cupy.matmul`` runs many times slower than cuBLAS called
-directly and batched bf16 raises (bench/NOTES.md), so :meth:`CupyBackend.gemm` calls
-``cublasGemmStridedBatchedEx`` itself. bfloat16 arrays are CuPy 14 arrays whose dtype is
-``ml_dtypes.bfloat16`` (CuPy 14 supports that dtype when ml_dtypes is installed); this module never
-runs CuPy arithmetic on them, only bit-level copies, cuBLAS and its own kernels. The matrix
-layouts read in place are those of :mod:`abftgemm.cuda_kernels`.
+directly and batched bf16 raises (bench/NOTES.md). bfloat16 arrays are CuPy 14 arrays whose dtype
+is ``ml_dtypes.bfloat16``; this module never runs CuPy arithmetic on them, only bit-level copies,
+cuBLAS and its own kernels.
 """
 from __future__ import annotations
 
@@ -92,7 +89,6 @@ class CupyBackend:
     xp = cupy
 
     def __init__(self, device_id: int) -> None:
-        self.device_id = device_id
         self._sm_count = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
         self._kernels: dict[str, cupy.RawKernel] = {}
 
@@ -100,12 +96,9 @@ class CupyBackend:
         self, a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray, bias: cupy.ndarray | None,
         triangle: str | None = None, out_triangle: str | None = None,
     ) -> None:
-        """``out[i] = a[i or 0] @ b[i or 0] (+ bias)`` through ``cublasGemmStridedBatchedEx``
-        (:func:`abftgemm.cuda_kernels.gemm`; the operands as in :mod:`abftgemm.backend`,
-        row-major or transposed matrices read in place). ``triangle`` and ``out_triangle`` are
-        not used yet: the whole product runs (block-skipping launches are for when they can be
-        measured on a GPU), and :meth:`row_limits` says so.
-        """
+        """Through ``cublasGemmStridedBatchedEx`` (:func:`abftgemm.cuda_kernels.gemm`).
+        ``triangle`` and ``out_triangle`` are not used yet: the whole product runs (block-skipping
+        launches are for when they can be measured on a GPU), and :meth:`row_limits` says so."""
         dtype = _check_gemm(a, b, out, bias)
         if out.size == 0:
             return
@@ -146,12 +139,8 @@ class CupyBackend:
              coefficients: tuple[float, float, float, float], safe: float, counts: cupy.ndarray,
              out: tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray] | None = None,
              ) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
-        """Threshold, flags and counts of every vector in one launch (see reduce.cu abft_flag).
-
-        ``safe`` bounds the predicted ``sum |A||B|`` of vectors that cannot overflow; ``counts``
-        is a 2-element int64 array (bad, unverifiable) the kernel adds to; ``out``: contiguous
-        ``(tau, bad, verifiable)`` arrays to write (new ones otherwise).
-        """
+        """One launch of abft_flag (reduce.cu); ``counts`` is int64 ``(bad, unverifiable)`` and
+        the arrays of ``out`` contiguous."""
         if pred.shape != obs.shape or pred.shape[-1] != 5:
             raise ValueError(f"pred {pred.shape} and obs {obs.shape} must match, (..., 5)")
         pred, obs = cupy.ascontiguousarray(pred), cupy.ascontiguousarray(obs)

@@ -94,8 +94,7 @@ class CudaWorkspace:
                                         self._matrices)
 
     def _matrices(self, x: cupy.ndarray) -> Any:
-        """:func:`abftgemm.cuda_kernels.matrices` of an operand, its copy (a layout cuBLAS
-        cannot read, such as negative strides) counted as an allocation."""
+        """:func:`abftgemm.cuda_kernels.matrices`, a copy (an unusable layout) counted."""
         mats = matrices(x)
         self._counters.allocations += mats.array is not x
         return mats

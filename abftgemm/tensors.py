@@ -5,10 +5,6 @@ arrays (DLPack) that share their memory; the result comes back as a tensor on th
 sharing the result array's memory. bfloat16, which NumPy's DLPack import does not know, travels
 as its 16-bit patterns. torch is imported only when a tensor is passed (``sys.modules``), so the
 package works without it.
-
-Work on CUDA tensors runs inside :func:`device_scope`: on the tensors' device, with CuPy
-launching on PyTorch's current stream there, so that it is ordered with PyTorch's own work on
-those tensors before and after (tensors written in place, gradients handed to autograd).
 """
 from __future__ import annotations
 
@@ -72,8 +68,9 @@ def to_array(t: Any, label: str) -> Any:
 
 def device_scope(t: Any) -> ContextManager[None]:
     """For a CUDA tensor ``t``: a context in which ``t``'s device is current (for PyTorch and
-    CuPy) and CuPy launches on PyTorch's current stream of that device. Nothing for other
-    tensors (CPU; :func:`to_array` refuses the rest)."""
+    CuPy) and CuPy launches on PyTorch's current stream of that device, so that work on CUDA
+    tensors is ordered with PyTorch's own before and after (tensors written in place, gradients
+    handed to autograd). Nothing for other tensors (CPU; :func:`to_array` refuses the rest)."""
     return _cuda_scope(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
