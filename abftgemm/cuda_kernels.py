@@ -151,13 +151,10 @@ def gemm(handle: int, a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray,
 @contextlib.contextmanager
 def plain_math(handle: int) -> Iterator[None]:
     """Within the block, ``handle`` is in host pointer mode, without TF32 and with
-    reduced-precision reductions disallowed (:data:`PLAIN_MATH`); its modes are restored after.
-
-    CuPy's per-device handle is shared with other code, which may have left it in device pointer
-    mode (our alpha/beta are host pointers), in TF32 math (which would round fp32 inputs) or
-    allowing float16/bfloat16 split-K reductions in the output type (which would round partial
-    sums).
-    """
+    reduced-precision reductions disallowed; its modes are restored after. CuPy's per-device
+    handle is shared with other code, which may have left it in device pointer mode (our
+    alpha/beta are host pointers), in TF32 math (which would round fp32 inputs) or allowing
+    float16/bfloat16 split-K reductions in the output type (which would round partial sums)."""
     pointer = cublas.getPointerMode(handle)
     math = cublas.getMathMode(handle)
     plain = (math & ~_MATH_MODE_MASK if (math & _MATH_MODE_MASK) == _TF32_TENSOR_OP_MATH

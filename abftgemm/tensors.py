@@ -134,7 +134,7 @@ def _tensor_matmul(matmul: Callable[..., Any], a: Any, b: Any, out: Any | None,
     if written is not None:
         _check_out(written)
     with device_scope(next(x for x in (a, b, out, bias) if is_tensor(x))):
-        arrays = {label: None if x is None else to_array(x, label) if is_tensor(x) else x
+        arrays = {label: to_array(x, label) if is_tensor(x) else x
                   for label, x in (("a", a), ("b", b), ("out", out), ("bias", bias))}
         try:
             result = matmul(arrays["a"], arrays["b"], arrays["out"], bias=arrays["bias"],
