@@ -116,12 +116,12 @@ def gemm(handle: int, a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray,
     m, n, k = out.shape[1], out.shape[2], a.shape[2]
     launches = 0
     if bias is not None:
-        launches += 1
         bits(out)[...] = bits(bias)
+        launches = 1
+    elif k == 0 and out.size:
+        bits(out).fill(0)  # all-zero bits are +0.0 in every float format
+        launches = 1
     if out.size == 0 or k == 0:
-        if bias is None and out.size:
-            launches += 1
-            bits(out).fill(0)  # all-zero bits are +0.0 in every float format
         return launches
     a, b = as_matrices(a), as_matrices(b)
     if dtype == "float64":
