@@ -69,8 +69,8 @@ def test_a_pointer_into_no_allocation_is_reported():
     import cupy
 
     source = """
-    extern "C" __global__ void far(float* y) { y[threadIdx.x * 100000] = 1.0f; }
-    """
+    extern "C" __global__ void far(float* y) { y[threadIdx.x * (1ULL << 38)] = 1.0f; }
+    """  # a TiB past y: 400 kB past it, another test's allocation could lie there
     y = cupy.zeros(16, dtype=np.float32)
     with pytest.raises(_error(), match=r"thread \(1,0,0\) writes 4 bytes at (0x[0-9a-f]+, outside "
                                        r"every device allocation|.* past the end)"):
