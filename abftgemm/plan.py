@@ -387,8 +387,8 @@ class ProtectedMatmul:
         ``bias``: any operands of the planned layout."""
         if not self._constant_a:
             raise ValueError(f"{self.name}: planned without constant_a")
-        if self._work is not None:
-            self._work.encode(self._planned(a, b, bias).a)
+        op = self._planned(a, b, bias)  # first: raises on a released plan
+        self._work.encode(op.a)
 
     def release(self) -> None:
         """Free the workspaces; the plan cannot execute afterwards."""

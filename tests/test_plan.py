@@ -192,6 +192,9 @@ def test_constant_operand_encoded_once(xp):
     plan.reset_constant(w, x)
     plan.execute(w, x)
     assert not plan.settle().events
+    plan.release()
+    with pytest.raises(RuntimeError, match="released"):
+        plan.reset_constant(w, x)
 
 
 @pytest.mark.parametrize("xp", BACKENDS)
