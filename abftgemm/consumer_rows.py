@@ -1,12 +1,5 @@
-"""The row verification of a planned product whose consumer observes its rows.
-
-Reading a product only to verify it can cost a large part of its GEMM (attention scores on a GPU).
-A plan with ``directions="rows by consumer"`` keeps a :class:`ConsumerRows`: at execute it
-predicts the product's row checksums; the kernel that consumes the product fills
-:attr:`ConsumerRows.observed` with the row checksums of what it read, and
-:meth:`ConsumerRows.judge` counts the flagged rows on the device. A flag found when the plan
-settles runs :meth:`ConsumerRows.rare_path`. The module knows nothing about its consumers.
-"""
+"""The row verification of a planned product whose consumer observes its rows
+(``directions="rows by consumer"``; docs/design.md, "The planned product")."""
 from __future__ import annotations
 
 from typing import Any

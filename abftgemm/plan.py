@@ -1,18 +1,5 @@
-"""Planned protected products: plan once, then execute many times with nothing but the work.
-
-:class:`ProtectedMatmul` validates a product's layout once, allocates every workspace and
-precomputes what does not change. Each :meth:`~ProtectedMatmul.execute` runs the GEMM and, with
-the default ``directions="columns"``, two verification launches (predict the column checksums from
-the operands; observe the product's and judge every column on the same read), with no allocation
-(given ``out=``) and no host synchronization. :meth:`~ProtectedMatmul.settle` reads the verdict and
-only when something was flagged runs the rare path (:mod:`abftgemm.rare_path`), exactly as an
-unplanned product would.
-
-Weighted column checksums alone detect an error, locate it in its column and correct a single
-element or a whole bad row; only a bad column needs the rows, which the rare path computes then.
-Reading ``a``, ``b`` and the product once each brings the CPU overhead near the memory floor
-(docs/design.md; docs/detection.md compares ``directions="both"``).
-"""
+"""Planned protected products: plan once, then execute many times with nothing but the work
+(docs/design.md, "The planned product")."""
 from __future__ import annotations
 
 import threading

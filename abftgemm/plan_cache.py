@@ -1,18 +1,5 @@
-"""The plans behind :func:`abftgemm.matmul`: a :class:`PlanCache`, keyed by what a plan fixes.
-
-Repeated products of one layout (shapes, dtype, device, bias presence, check mode and directions)
-reuse one :class:`~abftgemm.plan.ProtectedMatmul` and its workspaces. The key holds no site name:
-the plan takes each call's name, and :func:`abftgemm.matmul` settles each call before the next, so
-sites of one signature never hold one plan at the same time.
-
-A caller that runs many products (a model's training step) owns a :class:`PlanCache`, unbounded by
-default, and passes it as ``matmul(..., plans=cache)``. Without one, each thread has a default
-cache of the :data:`CAPACITY` most recently used plans (a plan's workspaces are small next to its
-product, except a 16-bit CPU plan's float32 copies). A cache serves one thread at a time.
-
-:meth:`PlanCache.find` finds the plan of arrays of a layout seen before without validating them
-again: ``Operands.prepare`` costs more than a small product's checks.
-"""
+"""The plans behind :func:`abftgemm.matmul`: a :class:`PlanCache`, keyed by what a plan fixes
+(docs/design.md, "The planned product": why the key holds no site name)."""
 from __future__ import annotations
 
 import threading
@@ -22,14 +9,16 @@ from typing import Any
 from abftgemm.operands import Operands
 from abftgemm.plan import Counters, ProtectedMatmul, layout_key, signature_of
 
-#: Plans kept by each thread's default cache.
+#: Plans kept by each thread's default cache (a plan's workspaces are small next to its product,
+#: except a 16-bit CPU plan's float32 copies).
 CAPACITY = 8
 
 _local = threading.local()
 
 
 class PlanCache:
-    """Planned products of :func:`abftgemm.matmul`, made on first use and reused.
+    """Planned products of :func:`abftgemm.matmul`, made on first use and reused, by one thread
+    at a time.
 
     Parameters
     ----------

@@ -1,11 +1,5 @@
-"""The rare path of every protected product: verify both directions, then settle the verdict.
-
-:func:`protect` observes and predicts the column and row checksums of a delivered product and
-judges them (:mod:`abftgemm.locate`); :func:`settle` reports what the verdict found and, with
-``check="correct"``, repairs every flagged batch item in place (:mod:`abftgemm.repair`), settles the
-elements no checksum can judge (:mod:`abftgemm.nonfinite`), or raises. What a plan's settle runs
-when its fast path flags, the check of ``directions="both"``, and :func:`abftgemm.verify`'s.
-"""
+"""The rare path of every protected product: verify both directions, then repair, report or
+raise (docs/design.md, "Classify, repair, recompute, or raise")."""
 from __future__ import annotations
 
 from typing import Any
