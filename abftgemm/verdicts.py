@@ -1,11 +1,5 @@
-"""One buffer for the verdicts of several checks, read from the device once.
-
-A :class:`Ledger` gives every check of a pass (the planned products of an attention layer, its
-softmax checks) a :class:`Slot` of a shared page of ``uint64`` counts; the kernels add into their
-slots, and :meth:`Ledger.fetch` copies each page to pinned host memory in one transfer (counted in
-``counters.host_reads``) instead of one per check. On the CPU the page is host memory and a fetch
-transfers nothing.
-"""
+"""One buffer for the verdicts of several checks (an attention layer's planned products and
+softmax checks), read from the device in one transfer per page instead of one per check."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,8 +21,7 @@ class Slot:
     host: np.ndarray
 
     def clear(self) -> None:
-        """Zero the counts on the device (an asynchronous memset on the GPU) and mark the
-        ledger's host copy stale."""
+        """Zero the counts (an asynchronous memset on the GPU); the host copy is now stale."""
         if isinstance(self.device, np.ndarray):
             self.device[...] = 0
         else:
@@ -36,8 +29,7 @@ class Slot:
         self.ledger.stale = True
 
     def write(self, counts: Any) -> None:
-        """Set the counts from an array of the ledger's module (a copy on the device, no read)
-        and mark the ledger's host copy stale."""
+        """Set the counts from an array of the ledger's module (on the device: no read)."""
         self.device[...] = counts
         self.ledger.stale = True
 
@@ -52,16 +44,9 @@ class Slot:
 
 
 class Ledger:
-    """Pages of ``uint64`` verdict counts on one array module, shared by the checks that
-    reserve slots in it (a new page when the last is full: one more transfer per fetch).
-
-    Parameters
-    ----------
-    xp : module
-        ``numpy`` or ``cupy``.
-    counters : Counters
-        Where page allocations (``allocations``) and fetches (``host_reads``) are counted.
-    """
+    """Pages of ``uint64`` verdict counts on ``xp`` (``numpy`` or ``cupy``), shared by the checks
+    that reserve a :class:`Slot` in them (a new page when the last is full: one more transfer per
+    fetch); ``counters`` counts page allocations (``allocations``) and fetches (``host_reads``)."""
 
     def __init__(self, xp: Any, counters: Any):
         self.xp, self.counters = xp, counters
@@ -87,8 +72,8 @@ class Ledger:
         return Slot(self, device[lo:self._used], host[lo:self._used])
 
     def fetch(self) -> None:
-        """Queue the copy of every page into host memory on the current stream (no wait; one
-        transfer per page, counted); nothing to copy on the CPU."""
+        """Queue the copy of every page into pinned host memory on the current stream (no wait;
+        one transfer per page, counted); nothing to copy on the CPU."""
         self.stale = False
         if self.xp is np:
             return
