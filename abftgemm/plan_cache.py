@@ -66,7 +66,7 @@ class PlanCache:
                 self._layouts = {k: p for k, p in self._layouts.items() if p != evicted_key}
         self._plans.move_to_end(key)
         layout = layout_key(*arrays)
-        if layout is not None:
+        if layout is not None:  # no None key: find() looks up None for array-likes
             self._layouts[layout, check, directions] = key
         return plan
 
@@ -74,8 +74,7 @@ class PlanCache:
              directions: str) -> ProtectedMatmul | None:
         """The plan made or used for arrays of this layout and these options, found without
         validating them; None for anything else (validate with ``Operands.prepare``)."""
-        layout = layout_key(a, b, bias)
-        plan_key = None if layout is None else self._layouts.get((layout, check, directions))
+        plan_key = self._layouts.get((layout_key(a, b, bias), check, directions))
         if plan_key is None:
             return None
         self._plans.move_to_end(plan_key)
