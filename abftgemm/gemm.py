@@ -107,7 +107,6 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
     if fault_hook is not None and not callable(fault_hook):
         raise TypeError(f"fault_hook must be callable (site, c), got {type(fault_hook).__name__}")
     check_checksums(a_checksums, "a_checksums")
-    checksums = None
     plans = default_plans() if plans is None else plans
     plan = None if check == "off" else plans.find(a, b, bias, check, directions)
     if plan is None:
@@ -129,10 +128,10 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
         raise
     if return_checksums:  # the plan's are workspace views: the next call overwrites them
         xp = array_module(sums.cols)
-        checksums = Checksums(*(None if x is None else xp.array(x) for x in (sums.cols, sums.rows)))
+        sums = Checksums(*(None if x is None else xp.array(x) for x in (sums.cols, sums.rows)))
     if out is None and result.ndim == 0 and type(result) is np.ndarray:
         result = result[()]  # NumPy vector @ vector: a scalar (CuPy returns 0-d arrays)
-    return _with_extras(result, report, checksums, return_report, return_checksums)
+    return _with_extras(result, report, sums, return_report, return_checksums)
 
 
 def _with_extras(result: Any, report: Report, checksums: Checksums | None, return_report: bool,
