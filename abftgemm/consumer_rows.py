@@ -22,13 +22,10 @@ class ConsumerRows:
 
     def __init__(self, be: Backend, op: Operands, out_triangle: str | None, counters: Any,
                  verdict: Slot):
-        self._be = be
-        self._counters = counters
-        self._slot = verdict
+        self._be, self._counters, self._slot = be, counters, verdict
         self.verdict_made = False
         self._coefficients = threshold_coefficients(op.k, op.n, op.dtype, False)
         self._safe = safe_magnitude(op.k, op.dtype)
-        #: How many leading columns of each row are verified, ``(m,)``; None: all.
         self.row_limits = None if out_triangle is None else be.row_limits(op.m, op.n, op.dtype)
         if self.row_limits is None:
             self._b_rows = self._zeros((op.b.shape[0], op.k, 5))
@@ -37,7 +34,6 @@ class ConsumerRows:
         else:  # the encoding of b's leading columns, grown by the prediction
             self._enc = self._zeros((3, op.k))
         self._pred = self._zeros((op.batch, op.m, 5))
-        #: Where the consumer writes the row checksums it observed, ``(batch, m, 5)``.
         self.observed = self._zeros((op.batch, op.m, 5))
         # the flagged and unverifiable rows, counted in the ledger slot (int64 on the CPU)
         self._verdict = verdict.device if be.xp is not np else verdict.device.view(np.int64)
@@ -48,28 +44,27 @@ class ConsumerRows:
         self._counters.allocations += 1
         return self._be.xp.zeros(shape, dtype=dtype)
 
-    def predict(self, op: Operands, b_rows: Any | None) -> int:
+    def predict(self, op: Operands, b_rows: Any | None) -> None:
         """Predict the product's row checksums from ``b_rows`` ``(3, 1 or b's batch, k)`` when
         handed on, else from ``b``'s row encoding made first (counted copy); with
-        :attr:`row_limits`, in one launch that encodes ``b``'s leading columns as it goes.
-        Returns the launches it took."""
+        :attr:`row_limits`, in one launch that encodes ``b``'s leading columns as it goes."""
         self.verdict_made = False  # judge() ran since this prediction
+        self._counters.launches += 1
         if self.row_limits is not None:
             self._be.predict_lower_rows(op.a, op.b, self.row_limits, self._enc, self._pred)
-            return 1
-        launches = 1
+            return
         if b_rows is None:
-            launches += 2
+            self._counters.launches += 2
             self._be.row_reduce(op.b, None, self._b_rows)
             self._b_enc[...] = self._b_rows[..., :3].transpose(2, 0, 1)
             self._counters.copies += 1
             b_rows = self._b_enc
         self._be.row_reduce(op.a, b_rows, self._pred)
-        return launches
 
     def judge(self) -> None:
         """Count the flagged and unverifiable rows of :attr:`observed` (on the device)."""
         self.verdict_made = True
+        self._counters.launches += 1
         self._slot.clear()
         self._be.flag(self._pred, self.observed, self._coefficients, self._safe, self._verdict,
                       out=self._judged)

@@ -264,7 +264,7 @@ class ProtectedMatmul:
         if fault_hook is not None:
             fault_hook(name, c.reshape(op.batch_shape + (op.m, op.n)))
         if self._rows is not None:
-            self.counters.launches += self._rows.predict(op, b_enc)
+            self._rows.predict(op, b_enc)
         elif self._verify_columns:
             if a_cols is not None:
                 self._work.set_encoding(a_cols)
@@ -279,7 +279,6 @@ class ProtectedMatmul:
         if self._rows is None or self._pending is None:
             raise RuntimeError(f"{self.name}: judge() needs an executed plan with directions="
                                f"{CONSUMER_ROWS!r}")
-        self.counters.launches += 1
         self._rows.judge()
 
     def observed_checksums(self) -> Checksums:
