@@ -151,13 +151,11 @@ class ProtectedMatmul:
         self._layout = _Layout.of(a, b, bias, op)
         self._be: Backend = get_backend(op.xp)
         self._ledger = Ledger(op.xp, self.counters) if verdicts is None else verdicts
-        self._constant_a = constant_a
-        self._a_triangle = a_triangle
+        self._constant_a, self._a_triangle = constant_a, a_triangle
         self._verify_columns = directions == "columns"
         thresholds = (threshold_coefficients(op.k, op.m, op.dtype, op.bias is not None),
                       safe_magnitude(op.k, op.dtype)) if self._verify_columns else None
-        self._work: Workspace = self._be.plan_workspace(op, self.counters, thresholds,
-                                                        self._ledger)
+        self._work: Workspace = self._be.plan_workspace(op, self.counters, thresholds, self._ledger)
         if self._verify_columns and constant_a:
             self._work.encode(op.a)
         self._rows = ConsumerRows(self._be, op, out_triangle, self.counters,
@@ -466,13 +464,9 @@ def layout_key(*arrays: Any | None) -> tuple | None:
     of array types). Plan caches are keyed by this."""
     first = arrays[0]
     kind = type(first)
-    if kind is np.ndarray:
-        device = -1
-    elif is_cupy_array(first):
-        device = first.device.id
-    else:
+    if kind is not np.ndarray and not is_cupy_array(first):
         return None
-    key = [kind, device]
+    key = [kind, -1 if kind is np.ndarray else first.device.id]
     for x in arrays:  # a loop: faster than generators, on every call of a small product
         if x is not None and type(x) is not kind:
             return None
