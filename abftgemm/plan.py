@@ -53,9 +53,8 @@ class Counters:
     plans : int
         Plans made with these counters (none in a reused cache's steady state).
     copies : int
-        Checksum encodings copied (:mod:`abftgemm.checksums`): a handed-on encoding whose field
-        vectors are not contiguous, one made out of a reduction's records or kept beyond its
-        workspace.
+        Checksum encodings copied (:mod:`abftgemm.checksums`): a handed-on one with non-contiguous
+        field vectors, one made out of a reduction's records or kept beyond its workspace.
     host_reads : int
         Device-to-host transfers of verdicts: one per ledger page fetched
         (:mod:`abftgemm.verdicts`), and the details of a failed check that others read.
@@ -195,9 +194,8 @@ class ProtectedMatmul:
             ``(3, 1 or b's batch, k)``, taken as ``a_checksums`` is; without it ``b`` is read
             once more (not used with :attr:`row_limits`).
         gemm : callable, optional
-            Writes ``a @ b (+ bias)`` into ``out`` (which it needs, written directly) instead of
-            the plan's GEMM (say the framework's, on the tensors behind the arrays); verified
-            like any product.
+            Writes ``a @ b (+ bias)`` into ``out`` (then required, written directly) in place of
+            the plan's GEMM (say the framework's, on the tensors behind the arrays), verified.
         name : str, optional
             The site of this execute, for ``fault_hook`` and the report (default: the plan's).
 
@@ -209,8 +207,7 @@ class ProtectedMatmul:
         Raises
         ------
         RuntimeError
-            While an execute of this plan is in flight (not yet settled or abandoned), in any
-            thread.
+            While an execute of this plan is in flight (in any thread), or after :meth:`release`.
         TypeError
             When ``fault_hook`` or ``gemm`` is not callable (before anything is written).
         ValueError

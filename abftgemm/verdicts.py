@@ -34,8 +34,7 @@ class Slot:
         self.ledger.stale = True
 
     def read(self) -> np.ndarray:
-        """The counts on the host: fetched first (and waited for) when a launch may have changed
-        them since the ledger's last fetch."""
+        """The counts on the host, fetched first (and waited for) when the ledger is stale."""
         if self.ledger.stale:
             self.ledger.fetch()
             if self.ledger.xp is not np:
