@@ -317,11 +317,15 @@ class ProtectedMatmul:
         -------
         Report
             What was found and done (``report.checked[name]`` counts the verified products).
+        Checksums
+            With ``checksums=True`` only, the second of a pair ``(report, checksums)``.
 
         Raises
         ------
         UncorrectableError
             When ``check="correct"`` and no verified result could be delivered.
+        RuntimeError
+            Without an execute to settle, or (``"rows by consumer"``) before :meth:`judge`.
         """
         _fetch_verdicts([self])
         return self._finish_settle(checksums)
