@@ -1,22 +1,16 @@
-"""Settle, element by element, what checksums cannot judge: non-finite inputs and overflow.
+"""Settle, element by element, what checksums cannot judge: non-finite inputs and overflow
+(docs/design.md, "Non-finite inputs and overflow", states the rules).
 
-The elements whose row AND column both escaped checksum verification (backend ``flag``: a
-prediction not finite, or ``S`` past :func:`~abftgemm.thresholds.safe_magnitude` with INF/NaN
-present) are settled here, on the host (docs/design.md, "Non-finite inputs and overflow"). Each
-is compared with a float64 model of it, not with a recomputation, since at the overflow boundary
-one summation order overflows where another does not. From ``e_ij = sum_c a_ic b_cj (+ bias_j)``
-and the sums ``P+_ij``, ``P-_ij`` of its positive and negative terms, rounding allows a finite
-value within :func:`~abftgemm.thresholds.element_tolerance` of ``e_ij`` (twice: the model is a
-float64 computation too), ``+INF`` when ``(1 + delta) P+_ij`` reaches the accumulator's limit
+The elements whose row AND column both escaped checksum verification (backend ``flag``) are
+compared, on the host, with a float64 model of each, not with a recomputation, since at the
+overflow boundary one summation order overflows where another does not. From
+``e_ij = sum_c a_ic b_cj (+ bias_j)`` and the sums ``P+_ij``, ``P-_ij`` of its positive and
+negative terms, rounding allows a finite value within
+:func:`~abftgemm.thresholds.element_tolerance` of ``e_ij`` (twice: the model is a float64
+computation too), ``+INF`` when ``(1 + delta) P+_ij`` reaches the accumulator's limit
 (:func:`~abftgemm.thresholds.growth_margin`) or ``e_ij`` rounds past the output's, ``-INF``
-likewise with ``P-_ij``, and NaN only when both can.
-
-Where the element's own inputs hold INF/NaN, the terms no summation makes finite decide (an INF
-or NaN factor times a nonzero one, a non-finite bias; a zero times an INF or NaN is NaN, or
-nothing where a BLAS skips it): NaN terms, or ``+INF`` and ``-INF`` terms both, allow NaN alone;
-``+INF`` terms only, ``+INF``, or NaN where a zero-factor term or the negative terms' overflow can
-make it; ``-INF`` terms likewise; zero-factor terms only, NaN or what the finite terms allow.
-Whatever else an element holds is a fault.
+likewise with ``P-_ij``, and NaN only when both can. Where the element's own inputs hold INF/NaN,
+the terms no summation makes finite decide (:func:`_forced`).
 """
 from __future__ import annotations
 
@@ -26,12 +20,13 @@ from typing import Any
 import numpy as np
 
 from abftgemm.backend import Backend, to_host
+from abftgemm.checksums import accumulation_dtype
 from abftgemm.locate import Verdict, cell_pattern
 from abftgemm.operands import Operands, item
 from abftgemm.repair import product_cells
 from abftgemm.report import Event, Report, UncorrectableError
 from abftgemm.threads import blas_scope
-from abftgemm.thresholds import element_tolerance, growth_margin, overflow_limits
+from abftgemm.thresholds import element_tolerance, growth_margin, largest_finite
 
 #: Float64 operands are scaled (exactly, by powers of two) below 2**_SCALED_EXPONENT, so that the
 #: model's products stay below 2**1000 and a sum of fewer than 2**23 of them stays finite.
@@ -49,11 +44,8 @@ def settle_unverifiable(be: Backend, op: Operands, out: Any, verdict: Verdict, c
     covers; ``report`` receives ``input-nonfinite`` and ``overflow`` events, and the faults found,
     which ``check == "correct"`` replaces in place. Returns the batch indices modified; raises
     :class:`~abftgemm.report.UncorrectableError` when a replacement is still not allowed."""
-    repaired = []
-    for b, rows, cols in verdict.unverifiable():
-        if _settle_item(be, item(op, b), out[b], rows, cols, b, check, site, report):
-            repaired.append(b)
-    return repaired
+    return [b for b, rows, cols in verdict.unverifiable()
+            if _settle_item(be, item(op, b), out[b], rows, cols, b, check, site, report)]
 
 
 @dataclass
@@ -65,16 +57,16 @@ class _Model:
     negative: np.ndarray       # (r, c) P-_ij
     shift: np.ndarray          # (r, c) int: element (i, j) is judged in units of 2**shift
     inputs_finite: np.ndarray  # (r, c) bool: row i of a, column j of b and bias_j are finite
-    forced: np.ndarray         # (r, c) int: _ANY, _PLUS, _MINUS or _NAN (module docstring)
+    forced: np.ndarray         # (r, c) int: _ANY, _PLUS, _MINUS or _NAN
     skippable: np.ndarray      # (r, c) bool: a term of a zero and an INF or NaN factor
     k: int
     dtype: np.dtype
 
     def allows(self, delivered: np.ndarray) -> np.ndarray:
         """(r, c) bool: ``delivered`` (float64) is an outcome rounding allows, or, where the
-        inputs are not finite, one that their non-finite terms allow (module docstring)."""
-        out_limit, acc_limit = (np.ldexp(limit, -self.shift)
-                                for limit in overflow_limits(self.dtype))
+        inputs are not finite, one that their non-finite terms allow (docs/design.md)."""
+        out_limit, acc_limit = (np.ldexp(largest_finite(t), -self.shift)
+                                for t in (self.dtype, accumulation_dtype(self.dtype)))
         growth = 1 + growth_margin(self.k, self.dtype)
         up, down = (terms * growth >= acc_limit for terms in (self.positive, self.negative))
         tol = self.tolerance()
@@ -85,9 +77,8 @@ class _Model:
         minus = (d == -np.inf) & (down | (self.exact - tol <= -out_limit))
         nan = np.isnan(d)
         rounding = finite | plus | minus | (nan & up & down)
-        forced = self.forced
         nonfinite = np.select(
-            [forced == _NAN, forced == _PLUS, forced == _MINUS],
+            [self.forced == _NAN, self.forced == _PLUS, self.forced == _MINUS],
             [nan, (d == np.inf) | (nan & (self.skippable | down)),
              (d == -np.inf) | (nan & (self.skippable | up))],
             nan | rounding)  # _ANY: zero-factor terms only, computed (NaN) or skipped
@@ -134,7 +125,7 @@ _ANY, _PLUS, _MINUS, _NAN = range(4)
 
 def _forced(a: np.ndarray, b: np.ndarray, bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(forced, skippable)``, (r, c) each: what the non-finite terms of ``a @ b + bias`` allow
-    (module docstring), and whether a term has a zero and a non-finite factor; from counts that
+    (docs/design.md), and whether a term has a zero and a non-finite factor; from counts that
     are products of indicator matrices (exact in float64)."""
     fin_a = np.isfinite(a)
     pos_a, neg_a, pos_b, neg_b = a > 0, a < 0, b > 0, b < 0

@@ -1,12 +1,6 @@
-"""Rounding-error model -> per-vector detection thresholds (derived and measured in
-docs/thresholds.md).
-
-For ``C = A @ B`` (inner dimension ``k``) a vector's checksum predicted from the inputs in float64
-and the one recomputed from the delivered ``C`` differ, without a fault, only by the GEMM's
-accumulation (``KAPPA * sqrt(k) * u_acc * S``, ``S = sum |A||B|`` over the vector: a probabilistic
-bound that does not assume independent rows, since identical rows round identically), the rounding
-to the output dtype (``u_out * sum |C|``, rigorous) and the float64 checksum arithmetic
-(``u64 * (length + k)`` relative to both sums). The same functions give the tests' tolerances.
+"""Rounding-error model -> per-vector detection thresholds: docs/design.md, "Thresholds: a
+rounding model, not constants"; derived and measured in docs/thresholds.md. The same functions
+give the tests' tolerances.
 """
 from __future__ import annotations
 
@@ -83,14 +77,9 @@ def growth_margin(k: int, dtype: np.dtype) -> float:
     return 1.01 * (max(k, 1) + 1) * unit_roundoff(accumulation_dtype(dtype))
 
 
-def overflow_limits(dtype: np.dtype) -> tuple[float, float]:
-    """``(output limit, accumulator limit)``: the largest finite values of ``dtype`` and of the
-    precision the GEMM accumulates in (float32 for 16-bit data)."""
-    return largest_finite(dtype), largest_finite(accumulation_dtype(dtype))
-
-
 def safe_magnitude(k: int, dtype: np.dtype) -> float:
     """Bound on ``S = sum |A||B|`` (of a vector, or ``P_ij`` of one element) below which no element
     can overflow, every partial sum being at most ``(1 + delta) P_ij <= (1 + delta) S``
-    (:func:`growth_margin`): a vector with finite inputs and ``S`` under it cannot hold INF/NaN."""
-    return min(overflow_limits(dtype)) / (1 + growth_margin(k, dtype))
+    (:func:`growth_margin`): a vector with finite inputs and ``S`` under it cannot hold INF/NaN.
+    The output's limit is the lower: no supported dtype exceeds its accumulator's."""
+    return largest_finite(dtype) / (1 + growth_margin(k, dtype))
