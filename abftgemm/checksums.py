@@ -1,20 +1,9 @@
 """Checksum encodings carried between products, and the dtype policy.
 
-A batched matrix ``X`` of shape ``(batch, r, c)`` has two encodings, each with three float64 fields
-per vector (location weights ``w_l = (l+1)/L`` for a vector of length ``L``; the absolute sum
-scales the threshold):
-
-- column encoding ``cols``, shape ``(3, batch, c)``: per column ``[sum_i X_ic, sum_i w_i X_ic,
-  sum_i |X_ic|]`` -- that is ``E^T X`` with ``E = [1 | w]``, plus ``1^T |X|``;
-- row encoding ``rows``, shape ``(3, batch, r)``: the same over each row.
-
-One layout for every producer and consumer, field-major: each field's vector is contiguous for the
-reductions that read it, an encoding of ``(batch, seq, d)`` is, as a view, that of its head split
-``(batch * heads, seq, d / heads)``, and what a kernel observes is handed on as written.
-
-For ``C = A @ B`` the column encoding of ``A`` predicts the column checksums of ``C``
-(``(E^T A) B``), the row encoding of ``B`` its row checksums (``A (B E)``); the encodings a
-verification observes on ``C`` spare the next product its encoding pass ("checksum passing").
+A batched matrix ``X`` ``(batch, r, c)`` has a column encoding ``cols``, ``(3, batch, c)``: per
+column ``[sum_i X_ic, sum_i w_i X_ic, sum_i |X_ic|]`` with location weights ``w_i = (i+1)/r``, and
+a row encoding ``rows``, ``(3, batch, r)``, the same over each row; field-major, each field's
+vector contiguous (docs/design.md, "Checksums and location weights" and "The attention core").
 """
 from __future__ import annotations
 
@@ -29,9 +18,8 @@ SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
 
 
 def location_weights(length: int, xp: Any = np) -> Any:
-    """Location weights ``(l+1)/length``, ``l = 0..length-1``, float64: a single error at
-    position ``p`` gives ``p = length * d_weighted / d_plain - 1``. Within ``(0, 1]``, so that the
-    weighted sum of a near-INF error does not overflow where the plain one does not."""
+    """Location weights ``(l+1)/length``, ``l = 0..length-1``, float64; within ``(0, 1]`` so that
+    the weighted sum of a near-INF error does not overflow where the plain one does not."""
     return xp.arange(1, length + 1, dtype=np.float64) / length
 
 

@@ -14,14 +14,12 @@ from abftgemm.operands import Operands, float_dtype
 def predict(be: Backend, op: Operands, a_checksums: Checksums | None) -> tuple[Any, Any]:
     """Predicted column and row checksums of ``a @ b (+ bias)``, float64 ``(batch, n|m, 5)``;
     field 2 is ``S``, the sum of ``|a||b|`` terms that scales the threshold. Passes: ``b`` for its
-    row encoding, ``a`` for its column encoding and the row checksums, ``b`` for the column ones.
-    """
+    row encoding, ``a`` for its column encoding and the row checksums, ``b`` for the column ones."""
     b_rows = _row_encoding_of_b(be, op)
     a_cols = None if a_checksums is None else a_checksums.cols
     if a_cols is None:
         # op.batch, not max(a's, b's): an empty batch broadcasts a b of batch 1
-        enc_a = op.xp.empty((op.batch, op.k, 5), dtype=np.float64)
-        pred_row = op.xp.empty((op.batch, op.m, 5), dtype=np.float64)
+        enc_a, pred_row = (op.xp.empty((op.batch, v, 5), dtype=np.float64) for v in (op.k, op.m))
         be.both_reduce(op.a, None, b_rows, enc_a, pred_row)
         a_cols = encoding_of(enc_a)
     else:
