@@ -4,16 +4,12 @@ Each step is re-verified against checksums derived afresh from the inputs (docs/
 "Classify, repair, recompute, or raise", gives the reasons):
 
 1. the predicted checksums re-derived: if the data now verifies, they were wrong (``checksum``);
-2. the vectors holding the located elements (0D, 1R, 1C, scattered single errors) recomputed:
-   their rows when the column checksums located them, else their columns; ``corrected`` only
-   when nothing else changed beyond rounding (else the fault was wider than located);
+2. the located elements' rows (columns, when the row checksums located them) recomputed;
+   ``corrected`` only when nothing else changed beyond rounding;
 3. the flagged rows and columns recomputed (2D, several errors per vector);
 4. the whole matrix recomputed;
 5. delivered if every element lies within the rigorous rounding bound of the exact product
    (:func:`_within_rounding`), else :class:`~abftgemm.report.UncorrectableError` raised.
-
-Each event says in :attr:`~abftgemm.report.Event.verified` what was recomputed and how close the
-re-verified product came to its thresholds.
 """
 from __future__ import annotations
 
@@ -66,22 +62,19 @@ def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, 
     be.gemm(one.a, one.b, view, one.bias)
     after = _reverify(be, one, view, pred)
     done = _verified("the whole product recomputed from the inputs", after)
-    if after.clean:
-        report.events.append(diagnosis.event(site, b, "recomputed", done, pattern="2D"))
-        return
-    if _rounding_can_explain(one, verdict, after, b) and _within_rounding(
-            one, view[0], diagnose(after, 0)):
+    if not after.clean:
+        if not (_rounding_can_explain(one, verdict, after, b)
+                and _within_rounding(one, view[0], diagnose(after, 0))):
+            report.events.append(diagnosis.event(site, b, "reported", done))
+            raise UncorrectableError(
+                f"{site}[{b}]: the product does not verify even after recomputation", report)
         done += "; every element within its rigorous rounding bound of the exact product (float64)"
         if _same_bits(one.xp, first, view):  # the first product again: no fault was in it
             report.events.append(diagnosis.event(site, b, "passed-through", done + (
                 ", and bit for bit the product first delivered: its rounding, one-sided beyond "
                 "the threshold's statistical accumulation term, not a fault"), pattern="rounding"))
-        else:
-            report.events.append(diagnosis.event(site, b, "recomputed", done, pattern="2D"))
-        return
-    report.events.append(diagnosis.event(site, b, "reported", done))
-    raise UncorrectableError(f"{site}[{b}]: the product does not verify even after recomputation",
-                             report)
+            return
+    report.events.append(diagnosis.event(site, b, "recomputed", done, pattern="2D"))
 
 
 def finding_in_place(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict,
