@@ -142,7 +142,6 @@ class _Flags(NamedTuple):
 
 
 def _flagged(side: Side, b: int) -> _Flags:
-    """The flags of ``side`` in batch item ``b``."""
     idx = to_host(side.bad[b]).nonzero()[0]
     diff = to_host(side.diff[b][idx]) if len(idx) else np.zeros((0, 2))
     nonfinite = to_host(side.obs[b][idx, 3:5]) if len(idx) else np.zeros((0, 2))

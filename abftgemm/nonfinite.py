@@ -92,7 +92,6 @@ class _Model:
 
 
 def _model(one: Operands, rows: np.ndarray, cols: np.ndarray) -> _Model:
-    """The float64 model of elements ``rows x cols`` of the single product ``one``."""
     xp = one.xp
     a = to_host(one.a[0][xp.asarray(rows)]).astype(np.float64)
     b = to_host(one.b[0][:, xp.asarray(cols)]).astype(np.float64)

@@ -174,7 +174,6 @@ def _only_located_changed(be: Backend, one: Operands, c: Any, diagnosis: Diagnos
 
 def _recompute_vectors(be: Backend, one: Operands, c: Any, rows: Sequence[int],
                        cols: Sequence[int]) -> None:
-    """Recompute rows ``rows`` and columns ``cols`` of ``c`` from the inputs."""
     if rows:
         ix = one.xp.asarray(np.array(rows))
         c[ix, :] = product_rows(be, one, ix)
