@@ -78,13 +78,13 @@ def repair_batch(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict, 
 
 
 def finding_in_place(be: Backend, op: Operands, out: Any, b: int, verdict: Verdict,
-                     computed_here: bool = True) -> Literal["checksum", "rounding", "data"]:
+                     computed_here: bool) -> Literal["checksum", "rounding", "data"]:
     """What flagged batch item ``b`` of ``out`` holds, for ``check="detect"`` (``out`` is not
     modified): ``"checksum"`` when it verifies against checksums derived afresh (the predicted
     ones were wrong); ``"rounding"`` when it fails them by no more than rounding can reach,
     :func:`_within_rounding` holds and, when the backend's GEMM made it (``computed_here``), that
-    GEMM gives it again bit for bit (a transient fault would not; nor would a caller's GEMM, which
-    is thus never taken for rounding); else ``"data"``."""
+    GEMM gives it again bit for bit (a transient fault would not); a caller's product
+    (:func:`abftgemm.verify`) is judged by those bounds alone; else ``"data"``."""
     one = item(op, b)
     view = out[b:b + 1]
     fresh = _reverify(be, one, view, predict(be, one, None))
