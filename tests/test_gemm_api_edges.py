@@ -5,6 +5,7 @@ Tests marked xfail(strict=True) are known bugs, each named in its reason.
 """
 from __future__ import annotations
 
+import importlib
 import shutil
 import threading
 import warnings
@@ -213,6 +214,26 @@ def test_a_data_fault_seen_by_its_row_only_is_not_called_a_checksum_fault(dtype)
     c = a @ b
     c[5, 1] = c[5, 1] * 3 + 1  # a data fault of about 23, far above row 5's threshold
     _assert_data_fault_located(abftgemm.verify(c, a, b).report, "rows", 5)
+
+
+@pytest.mark.parametrize("xp", BACKENDS)
+def test_verify_never_writes_to_c_not_even_when_c_is_a_view_of_a_larger_array(xp, monkeypatch):
+    rng = np.random.default_rng(0)
+    a, b = xp.asarray(_f32(rng, 8, 6)), xp.asarray(_f32(rng, 6, 5))
+    whole = xp.zeros((3, 8, 5), np.float32)
+    c = whole[1]  # C-contiguous, and a view of whole
+    c[...] = abftgemm.matmul(a, b, check="off")
+    before = to_host(whole).copy()
+    module = importlib.import_module("abftgemm.verify")  # abftgemm.verify is the function
+    settle = module.settle
+
+    def settle_that_writes(be, op, out, *args, **kwargs):
+        out[...] = -1  # whatever verify's checks did to their array must not reach c
+        return settle(be, op, out, *args, **kwargs)
+
+    monkeypatch.setattr(module, "settle", settle_that_writes)
+    abftgemm.verify(c, a, b)
+    np.testing.assert_array_equal(to_host(whole), before)
 
 
 def _assert_data_fault_located(report, axis: str, index: int) -> None:
