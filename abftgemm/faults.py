@@ -1,9 +1,6 @@
-"""Seeded fault injectors that plug into ``fault_hook``.
-
-``abftgemm.matmul(a, b, fault_hook=hook, name=...)`` (and the attention layers, at sites such as
-``"q_proj"``, ``"scores"``, ``"dq"``) call ``hook(site, c)`` with the raw product ``c``, a
-C-contiguous ``(..., m, n)`` NumPy or CuPy array, after the GEMM and before verification.
-:class:`Fault` is such a hook, :class:`Recorder` one that only records; :func:`chain` composes.
+"""Seeded fault injectors for ``fault_hook(site, c)`` (docs/design.md, Fault model), which gets the
+raw product ``c``, C-contiguous ``(..., m, n)``, NumPy or CuPy. :class:`Fault` is such a hook,
+:class:`Recorder` one that only records; :func:`chain` composes.
 
 >>> fault = Fault("bitflip", "row", seed=3, sites="scores", bit=30)
 >>> abftgemm.matmul(a, b, fault_hook=fault, name="scores")  # doctest: +SKIP
@@ -24,9 +21,8 @@ from abftgemm.backend import array_module
 __all__ = ["KINDS", "PATTERNS", "Call", "Fault", "Injection", "FaultHook", "Recorder",
            "bit_layout", "bit_name", "chain", "near_inf_value"]
 
-KINDS: tuple[str, ...] = (
-    "bitflip", "multibit", "inf", "-inf", "nan", "near-inf", "additive", "scale",
-)
+KINDS: tuple[str, ...] = ("bitflip", "multibit", "inf", "-inf", "nan", "near-inf", "additive",
+                          "scale")
 PATTERNS: tuple[str, ...] = ("element", "row", "column", "tile", "warp")
 
 WARP_SIZE = 32
@@ -47,8 +43,8 @@ def bit_layout(dtype: Any) -> tuple[int, int]:
     Returns
     -------
     tuple of int
-        E.g. ``(10, 5)`` for float16, ``(7, 8)`` for bfloat16, ``(23, 8)`` for float32.  The sign
-        is the one remaining (top) bit.
+        E.g. ``(10, 5)`` for float16, ``(7, 8)`` for bfloat16, ``(23, 8)`` for float32; the sign
+        is the top bit.
     """
     info = finfo(np.dtype(dtype))
     return int(info.nmant), int(info.nexp)
@@ -217,7 +213,11 @@ class Fault:
             return
         batch, rows, cols = self._region(c.shape)
         bits = self._bits(c.dtype)
-        old, new = _apply(c, batch + (rows, cols), lambda x: self._corrupt(x, bits))
+        xp = array_module(c)
+        region = c.view(_UINT[c.dtype.itemsize])[batch + (rows, cols)]  # bits only: no arithmetic
+        old = (region.get() if xp is not np else region.copy()).view(c.dtype)
+        new = self._corrupt(old, bits)
+        region[...] = xp.asarray(new.view(region.dtype))
         r, k = np.mgrid[rows, cols]
         self.injected.append(Injection(
             site=site, kind=self.kind, pattern=self.pattern, batch=batch,
@@ -269,19 +269,18 @@ class Fault:
         width = _width(dtype)
         if self.kind == "bitflip":
             bits = (int(self._rng.integers(width)),) if self.bit is None else (self.bit,)
-        elif self.kind == "multibit":
-            bits = self.bits or self._draw_bits(width)
-        else:
+        elif self.kind != "multibit":
             return ()
+        elif self.bits is not None:
+            bits = self.bits
+        else:
+            count = int(self._rng.integers(2, 5)) if self.nbits is None else self.nbits
+            if not 1 <= count <= width:
+                raise ValueError(f"cannot flip {count} distinct bits of a {width}-bit value")
+            return tuple(sorted(int(b) for b in self._rng.choice(width, count, replace=False)))
         for b in bits:
             _check_bit(dtype, b)
         return bits
-
-    def _draw_bits(self, width: int) -> tuple[int, ...]:
-        count = int(self._rng.integers(2, 5)) if self.nbits is None else self.nbits
-        if not 1 <= count <= width:
-            raise ValueError(f"cannot flip {count} distinct bits of a {width}-bit value")
-        return tuple(sorted(int(b) for b in self._rng.choice(width, count, replace=False)))
 
     def _corrupt(self, old: np.ndarray, bits: tuple[int, ...]) -> np.ndarray:
         """New values (same dtype) for the host array ``old``."""
@@ -297,22 +296,6 @@ class Fault:
         with np.errstate(over="ignore", invalid="ignore"):
             new = wide + self.magnitude if self.kind == "additive" else wide * self.factor
             return new.astype(old.dtype)
-
-
-def _apply(c: Any, index: tuple, corrupt: Callable[[np.ndarray], np.ndarray]
-           ) -> tuple[np.ndarray, np.ndarray]:
-    """Replace ``c[index]`` by ``corrupt(old)`` and return the host arrays ``(old, new)``.
-
-    Only that region travels, through the unsigned-integer view of ``c``: no device arithmetic.
-    """
-    xp = array_module(c)
-    udtype = _UINT[c.dtype.itemsize]
-    region = c.view(udtype)[index]
-    old_bits = region.get() if xp is not np else region.copy()
-    old = old_bits.view(c.dtype)
-    new = corrupt(old)
-    region[...] = xp.asarray(new.view(udtype))
-    return old, new
 
 
 def _floats(x: np.ndarray) -> list[float]:
