@@ -94,7 +94,6 @@ class Report:
     @property
     def corrected(self) -> int:
         """Number of output elements recomputed with action ``"corrected"``."""
-        # one per row for 1C, per column for 1R and 0D
         return sum(len(e.rows if e.pattern == "1C" else e.cols) for e in self.events
                    if e.action == "corrected")
 
@@ -150,15 +149,11 @@ def register_library_package(package: str) -> None:
 
 
 def announce(event: Event) -> None:
-    """Warn (:class:`FaultDetectedWarning`) about a fault that a detect-mode check left in place."""
-    warnings.warn(f"fault detected and left in place (check='detect'): {event}",
-                  FaultDetectedWarning, stacklevel=_user_stacklevel())
-
-
-def _user_stacklevel() -> int:
-    """``stacklevel`` for :func:`announce`'s warning: the first frame outside the library."""
-    frame, level = sys._getframe(2), 2  # 1: announce; 2: announce's caller
+    """Warn (:class:`FaultDetectedWarning`) about a fault that a detect-mode check left in place,
+    attributed to the first frame outside the library."""
+    frame, level = sys._getframe(1), 2  # stacklevel 1: announce; 2: its caller
     while frame is not None and \
             frame.f_globals.get("__name__", "").partition(".")[0] in _LIBRARY_PACKAGES:
         frame, level = frame.f_back, level + 1
-    return level
+    warnings.warn(f"fault detected and left in place (check='detect'): {event}",
+                  FaultDetectedWarning, stacklevel=level)
