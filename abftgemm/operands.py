@@ -2,10 +2,8 @@
 
 :meth:`Operands.prepare` is the one place where matmul's array semantics live (``np.matmul``'s
 for NumPy arrays, ``cupy.matmul``'s for CuPy arrays): array-likes, dtype promotion, byte order,
-0-d and 1-D operands, broadcasting, zero sizes and ``out=``. Everything downstream sees operands
-``(batch or 1, rows, cols)`` of one supported native dtype and writes the C-contiguous
-``(batch, m, n)`` array of :meth:`Operands.buffer`; :meth:`Operands.deliver` turns that into what
-the user gets.
+0-d and 1-D operands, broadcasting, zero sizes and ``out=``. Downstream code sees only
+:class:`Operands`, writes :meth:`Operands.buffer` and hands it to :meth:`Operands.deliver`.
 """
 from __future__ import annotations
 
@@ -85,14 +83,10 @@ class Operands:
             return self.out.reshape(self.batch, self.m, self.n)
         return self.xp.empty((self.batch, self.m, self.n), dtype=self.dtype)
 
-    def restore(self, buf: Any) -> Any:
-        """``buf`` (from :meth:`buffer`) viewed with the result's shape."""
-        return buf.reshape(self.shape)
-
     def deliver(self, buf: Any) -> Any:
         """What ``matmul`` returns for the finished ``buf``: ``out`` (filled), a NumPy scalar for
         NumPy vector @ vector (CuPy returns 0-d arrays), else the result array."""
-        result = self.restore(buf)
+        result = buf.reshape(self.shape)
         if self.out is None:
             return result[()] if result.ndim == 0 and self.xp is np else result
         if not self.direct:

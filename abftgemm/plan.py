@@ -266,7 +266,7 @@ class ProtectedMatmul:
             self._work.predict(op, a_cols is None and not self._constant_a)
             self._work.observe_flag(c)
         self._pending = _Pending(op, c, None if a_cols is None else Checksums(cols=a_cols), name)
-        return op.restore(c) if op.out is None else op.out
+        return c.reshape(op.shape) if op.out is None else op.out
 
     def judge(self) -> None:
         """With ``"rows by consumer"``, once the consumer filled :attr:`observed`: count the
