@@ -75,13 +75,10 @@ def near_inf_value(dtype: Any) -> float:
     return min(1e10, 0.5 * float(finfo(np.dtype(dtype)).max))
 
 
-def _width(dtype: Any) -> int:
-    return 8 * np.dtype(dtype).itemsize
-
-
 def _check_bit(dtype: Any, bit: int) -> None:
-    if not 0 <= bit < _width(dtype):
-        raise ValueError(f"bit {bit} is outside [0, {_width(dtype)}) for {np.dtype(dtype).name}")
+    width = 8 * np.dtype(dtype).itemsize
+    if not 0 <= bit < width:
+        raise ValueError(f"bit {bit} is outside [0, {width}) for {np.dtype(dtype).name}")
 
 
 @dataclass(frozen=True)
@@ -266,7 +263,7 @@ class Fault:
 
     def _bits(self, dtype: Any) -> tuple[int, ...]:
         """The bit positions to flip (drawn now if not configured); empty for non-bit kinds."""
-        width = _width(dtype)
+        width = 8 * np.dtype(dtype).itemsize
         if self.kind == "bitflip":
             bits = (int(self._rng.integers(width)),) if self.bit is None else (self.bit,)
         elif self.kind != "multibit":
