@@ -2,14 +2,8 @@
 
 Strategies build NumPy operands (move them with ``xp.asarray``); the helpers accept NumPy or CuPy.
 Small-integer-valued operands make every product exact, so detection, location and correction can
-be asserted with ``==``. Which assertion when:
-
-- :func:`assert_matches_reference`: a product computed without faults (rounding only).
-- :func:`assert_protected`: one computed with a fault injected; the library's guarantee lets a
-  fault too small to tell from rounding (a low-mantissa bit flip) stay.
-
-Use ``@settings(deadline=None)``: the first examples wait for numba to compile (or load) the
-kernels, far beyond Hypothesis's default 200 ms deadline.
+be asserted with ``==``. Use ``@settings(deadline=None)``: the first examples wait for numba to
+compile (or load) the kernels, far beyond Hypothesis's default 200 ms deadline.
 
 >>> from hypothesis import given, settings
 >>> @settings(deadline=None)
@@ -103,7 +97,9 @@ def assert_matches_reference(c: Any, a: Any, b: Any) -> None:
     """Assert ``c`` is ``a @ b`` (its shape too) up to the rounding the threshold model allows.
 
     Where ``a @ b`` (computed in float64) is INF or NaN, ``c`` must hold the same (NaN for NaN,
-    an infinity of the same sign). For fault-free products only: see the module docstring.
+    an infinity of the same sign). For fault-free products only; under an injected fault, where
+    one too small to tell from rounding (a low-mantissa bit flip) may stay, use
+    :func:`assert_protected`.
     """
     c_h = to_host(c)
     with np.errstate(invalid="ignore", over="ignore"):  # INF/NaN inputs give INF/NaN, quietly
@@ -139,12 +135,11 @@ def silent_error_bound(a: Any, b: Any, c_clean: Any) -> np.ndarray:
     """
     p, k = _abs_product(a, b)
     clean = to_host(c_clean)
-    c = clean.astype(np.float64).reshape(p.shape)
-    m, n = p.shape[-2:]
+    c = np.abs(clean.astype(np.float64).reshape(p.shape))
     with np.errstate(invalid="ignore", over="ignore"):  # INF/NaN inputs give INF/NaN, quietly
-        tau_col = threshold(p.sum(-2), np.abs(c).sum(-2), k, m, clean.dtype)[..., None, :]
-        tau_row = threshold(p.sum(-1), np.abs(c).sum(-1), k, n, clean.dtype)[..., :, None]
-    return np.maximum(tau_col, tau_row).reshape(clean.shape)
+        tau_col, tau_row = (threshold(p.sum(axis), c.sum(axis), k, p.shape[axis], clean.dtype)
+                            for axis in (-2, -1))
+    return np.maximum(tau_col[..., None, :], tau_row[..., :, None]).reshape(clean.shape)
 
 
 def checksum_error_ratio(c: Any, c_clean: Any, a: Any, b: Any,
@@ -168,7 +163,7 @@ def checksum_error_ratio(c: Any, c_clean: Any, a: Any, b: Any,
     p, k = _abs_product(a, b)  # 1-D operands as matrices: (m, n) per item
     clean = to_host(c_clean)
     clean64, got64 = (x.astype(np.float64).reshape(p.shape) for x in (clean, to_host(c)))
-    (m, n), dtype = p.shape[-2:], clean.dtype
+    dtype = clean.dtype
     compared = np.isfinite(clean64)
     changed = ~compared & (got64 != clean64) & ~(np.isnan(got64) & np.isnan(clean64))
     with np.errstate(invalid="ignore", over="ignore"):  # INF/NaN inputs give INF/NaN, quietly
@@ -178,9 +173,9 @@ def checksum_error_ratio(c: Any, c_clean: Any, a: Any, b: Any,
     worst = np.zeros(batch)
     if p.size == 0:
         return worst
-    for axis, length in [(-2, m)] + ([(-1, n)] if directions == "both" else []):
-        w = np.arange(1, length + 1) / length
-        w = w[:, None] if axis == -2 else w[None, :]
+    for axis in (-2, -1) if directions == "both" else (-2,):
+        length = p.shape[axis]
+        w = (np.arange(1, length + 1) / length).reshape((-1, 1) if axis == -2 else (1, -1))
         tau = threshold(np.where(compared, p, 0).sum(axis),
                         np.abs(np.where(compared, clean64, 0)).sum(axis), k, length, dtype)
         allowed = np.where(compared, slack, 0).sum(axis)
