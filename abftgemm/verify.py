@@ -1,9 +1,5 @@
-"""Verify a product someone else computed: ``verify(c, a, b)``, with a report and the margins.
-
-The two-direction check that protects :func:`abftgemm.matmul`, run on a given ``c`` without
-modifying it: to check a product from another library, or how close clean data comes to the
-thresholds.
-"""
+"""``verify(c, a, b)``: the two-direction check of :func:`abftgemm.matmul` on a product computed
+elsewhere, or to see how close clean data comes to the thresholds; ``c`` is never modified."""
 from __future__ import annotations
 
 from dataclasses import dataclass
