@@ -203,7 +203,8 @@ class Fault:
 
     def __call__(self, site: str, c: Any) -> None:
         """Inject into ``c`` (shape ``(..., m, n)``) in place if ``site`` and ``times`` allow."""
-        if not self._active(site) or c.size == 0:
+        if (self.sites is not None and site not in self.sites or c.size == 0
+                or self.times is not None and len(self.injected) >= self.times):
             return
         if self._skipped < self.skip:
             self._skipped += 1
@@ -216,16 +217,11 @@ class Fault:
         new = self._corrupt(old, bits)
         region[...] = xp.asarray(new.view(region.dtype))
         r, k = np.mgrid[rows, cols]
+        with np.errstate(invalid="ignore"):  # NaN to float64 without a cast warning
+            old, new = (x.astype(np.float64).ravel().tolist() for x in (old, new))
         self.injected.append(Injection(
             site=site, kind=self.kind, pattern=self.pattern, batch=batch,
-            rows=r.ravel().tolist(), cols=k.ravel().tolist(),
-            old=_floats(old), new=_floats(new), bits=bits,
-        ))
-
-    def _active(self, site: str) -> bool:
-        if self.sites is not None and site not in self.sites:
-            return False
-        return self.times is None or len(self.injected) < self.times
+            rows=r.ravel().tolist(), cols=k.ravel().tolist(), old=old, new=new, bits=bits))
 
     def _region(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], slice, slice]:
         """The batch index and the row and column slices the pattern covers."""
@@ -293,12 +289,6 @@ class Fault:
         with np.errstate(over="ignore", invalid="ignore"):
             new = wide + self.magnitude if self.kind == "additive" else wide * self.factor
             return new.astype(old.dtype)
-
-
-def _floats(x: np.ndarray) -> list[float]:
-    """``x`` as a flat list of Python floats (NaN included, without a cast warning)."""
-    with np.errstate(invalid="ignore"):
-        return x.astype(np.float64).ravel().tolist()
 
 
 def chain(*hooks: FaultHook) -> FaultHook:
