@@ -229,17 +229,14 @@ class Fault:
         batch = self._batch(tuple(batch_shape))
         row = self._position(self.row, m, "row")
         col = self._position(self.col, n, "col")
-        if self.pattern == "element":
-            return batch, slice(row, row + 1), slice(col, col + 1)
+        height, width = self.tile if self.pattern == "tile" else (1, 1)
         if self.pattern == "row":
-            return batch, slice(row, row + 1), slice(0, n)
-        if self.pattern == "column":
-            return batch, slice(0, m), slice(col, col + 1)
-        if self.pattern == "tile":
-            height, width = self.tile
-            return batch, slice(row, min(row + height, m)), slice(col, min(col + width, n))
-        start = col - col % WARP_SIZE
-        return batch, slice(row, row + 1), slice(start, min(start + WARP_SIZE, n))
+            col, width = 0, n
+        elif self.pattern == "column":
+            row, height = 0, m
+        elif self.pattern == "warp":
+            col, width = col - col % WARP_SIZE, WARP_SIZE
+        return batch, slice(row, min(row + height, m)), slice(col, min(col + width, n))
 
     def _batch(self, batch_shape: tuple[int, ...]) -> tuple[int, ...]:
         if isinstance(self.batch, tuple):
