@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Pattern = Literal["0D", "1R", "1C", "2D", "checksum", "input-nonfinite", "overflow", "rounding"]
-#: Findings that are not faults: the output is legitimately non-finite, or its rounding exceeds
-#: the checksum threshold's statistical term within its rigorous bound, and is delivered as is.
+#: Findings that are not faults (see :attr:`Event.pattern`): the output is delivered as it is.
 PASSED_THROUGH = ("input-nonfinite", "overflow", "rounding")
 Action = Literal["corrected", "recomputed", "checksum-recomputed", "reported", "passed-through"]
 
