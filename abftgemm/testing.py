@@ -163,12 +163,11 @@ def checksum_error_ratio(c: Any, c_clean: Any, a: Any, b: Any,
     p, k = _abs_product(a, b)  # 1-D operands as matrices: (m, n) per item
     clean = to_host(c_clean)
     clean64, got64 = (x.astype(np.float64).reshape(p.shape) for x in (clean, to_host(c)))
-    dtype = clean.dtype
     compared = np.isfinite(clean64)
     changed = ~compared & (got64 != clean64) & ~(np.isnan(got64) & np.isnan(clean64))
     with np.errstate(invalid="ignore", over="ignore"):  # INF/NaN inputs give INF/NaN, quietly
         err = np.where(compared, got64 - clean64, 0.0)
-    slack = 2 * element_tolerance(p, k, dtype)
+    slack = 2 * element_tolerance(p, k, clean.dtype)
     batch = math.prod(p.shape[:-2])
     worst = np.zeros(batch)
     if p.size == 0:
@@ -177,7 +176,7 @@ def checksum_error_ratio(c: Any, c_clean: Any, a: Any, b: Any,
         length = p.shape[axis]
         w = (np.arange(1, length + 1) / length).reshape((-1, 1) if axis == -2 else (1, -1))
         tau = threshold(np.where(compared, p, 0).sum(axis),
-                        np.abs(np.where(compared, clean64, 0)).sum(axis), k, length, dtype)
+                        np.abs(np.where(compared, clean64, 0)).sum(axis), k, length, clean.dtype)
         allowed = np.where(compared, slack, 0).sum(axis)
         with np.errstate(invalid="ignore", over="ignore"):
             for total in (err.sum(axis), (err * w).sum(axis)):
