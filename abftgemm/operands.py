@@ -111,8 +111,7 @@ def _arrays(a: Any, b: Any, bias: Any | None, out: Any | None) -> tuple[Any, Any
 
 
 def float_dtype(label: str, x: Any, caller: str = "matmul") -> np.dtype:
-    """``x``'s dtype in native byte order if it is supported, else TypeError naming it (and
-    ``caller``)."""
+    """``x``'s dtype in native byte order if supported, else TypeError naming it and ``caller``."""
     dtype = x.dtype.newbyteorder("=")
     if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(t) for t in SUPPORTED_DTYPES)
@@ -135,13 +134,11 @@ def _check_out(xp: Any, out: Any, shape: tuple[int, ...], core: int, dtype: np.d
     if not (is_cupy_array(out) if xp is not np else isinstance(out, np.ndarray)):
         raise TypeError(f"matmul: out must be a {xp.__name__} array like the operands, "
                         f"got {type(out).__name__}")
-    loop, result_loop = out.shape[:out.ndim - core], shape[:len(shape) - core]
     if xp is np:  # the result broadcasts to out's leading dimensions, never the other way round
-        try:
-            fits = out.ndim >= core and np.broadcast_shapes(loop, result_loop) == loop
-        except ValueError:
-            fits = False
-        fits = fits and out.shape[out.ndim - core:] == shape[len(shape) - core:]
+        loop, result_loop = out.shape[:out.ndim - core], shape[:len(shape) - core]
+        fits = (out.shape[out.ndim - core:] == shape[len(shape) - core:]
+                and len(loop) >= len(result_loop)
+                and all(r in (1, o) for r, o in zip(result_loop[::-1], loop[::-1])))
     else:
         fits = out.shape == shape
     if not fits:
@@ -176,8 +173,7 @@ def _broadcast(s: tuple[int, ...], t: tuple[int, ...]) -> tuple[int, ...]:
 def _as_3d(xp: Any, x: Any, batch_shape: tuple[int, ...]) -> Any:
     """``x`` as ``(batch, r, c)`` or ``(1, r, c)`` (broadcast), copying only if it must."""
     r, c = x.shape[-2:]
-    own = math.prod(x.shape[:-2])
-    if own == 1:
+    if math.prod(x.shape[:-2]) == 1:
         return x.reshape(1, r, c)
     if x.shape[:-2] != batch_shape:  # partial broadcast, e.g. (2,1,m,k) against (1,3,k,n)
         x = xp.broadcast_to(x, batch_shape + (r, c))
