@@ -276,8 +276,7 @@ class Fault:
         """New values (same dtype) for the host array ``old``."""
         if bits:
             udtype = _UINT[old.dtype.itemsize]
-            mask = udtype(sum(1 << b for b in bits))
-            return (old.view(udtype) ^ mask).view(old.dtype)
+            return (old.view(udtype) ^ udtype(sum(1 << b for b in bits))).view(old.dtype)
         if self.kind in _CONSTANTS:
             return np.full_like(old, _CONSTANTS[self.kind])
         wide = old.astype(np.float64)
