@@ -94,9 +94,7 @@ def verify(c: Any, a: Any, b: Any, *, bias: Any | None = None,
     # a C-contiguous copy: the checks below must never reach the caller's memory through a view
     view = c.copy(order="C").reshape(op.batch, op.m, op.n)
     report = Report()
-    obs_col, obs_row = observe(be, view)
-    pred_col, pred_row = predict(be, op, None)
-    verdict = verify_sides(be, op, pred_col, pred_row, obs_col, obs_row)
+    verdict = verify_sides(be, op, *predict(be, op, None), *observe(be, view))
     settle(be, op, view, verdict, "detect", name, report, announce_findings=False,
            computed_here=False)
     report.checked[name] = op.batch
