@@ -15,11 +15,9 @@ import numpy as np
 from abftgemm.backend import array_module, astype, copy_into, is_cupy_array
 from abftgemm.checksums import SUPPORTED_DTYPES
 
-#: NumPy's float matmul loops in the order it tries them: mixed operands run in the first one
-#: both cast to safely. bfloat16 has no loop of its own, so with anything else it runs in float32.
+#: NumPy's float matmul loops, in the order it tries them (bfloat16 has no loop of its own).
 _FLOAT_LOOPS = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64))
-#: ndarray subclasses whose own matmul rules (matrix semantics, masks) a protected product
-#: cannot follow; NumPy would honour them, so converting them silently would be wrong.
+#: ndarray subclasses with matmul rules of their own, which NumPy honours: refused, not converted.
 _REFUSED = (np.matrix, np.ma.MaskedArray)
 
 
