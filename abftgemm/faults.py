@@ -102,9 +102,8 @@ class Injection:
     @property
     def changed(self) -> list[bool]:
         """Per element: whether the value changed numerically (NaN to NaN counts as unchanged)."""
-        return [
-            not (o == n or (math.isnan(o) and math.isnan(n))) for o, n in zip(self.old, self.new)
-        ]
+        return [o != n and not (math.isnan(o) and math.isnan(n))
+                for o, n in zip(self.old, self.new)]
 
 
 @dataclass
