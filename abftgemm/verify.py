@@ -45,9 +45,8 @@ class Verification:
 
     @property
     def worst_ratio(self) -> float:
-        """Largest ``diff / threshold`` over the finite differences of both directions. Clean
-        data stays below 1 unless its rounding is one-sided (the report then says
-        ``"rounding"``)."""
+        """Largest finite ``diff / threshold`` of both directions: below 1 on clean data unless
+        its rounding is one-sided (the report then says ``"rounding"``)."""
         with np.errstate(invalid="ignore", divide="ignore"):  # INF / INF: not finite, left out
             ratios = np.concatenate([(self.col_diff / self.col_threshold).ravel(),
                                      (self.row_diff / self.row_threshold).ravel()])
