@@ -188,8 +188,7 @@ def checksum_error_ratio(c: Any, c_clean: Any, a: Any, b: Any,
 
 def assert_protected(c: Any, a: Any, b: Any, report: Report, c_clean: Any | None = None,
                      directions: str = "columns") -> None:
-    """Assert that ``c``, a protected ``a @ b`` computed under an injected fault, keeps the
-    library's guarantee.
+    """Assert that ``c``, a protected ``a @ b`` under an injected fault, keeps the guarantee.
 
     The guarantee is what the checksums see: in every batch item the report does not mark as
     detected (an event with action ``"reported"``, i.e. ``check="detect"``), the
