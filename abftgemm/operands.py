@@ -162,10 +162,8 @@ def _writable_in_place(xp: Any, out: Any, op: Operands) -> bool:
 def _broadcast(s: tuple[int, ...], t: tuple[int, ...]) -> tuple[int, ...]:
     """``np.broadcast_shapes(s, t)``, without its cost in the common cases (equal, or one empty)."""
     if s == t or not t:
-        return tuple(s)
-    if not s:
-        return tuple(t)
-    return tuple(np.broadcast_shapes(s, t))
+        return s
+    return t if not s else np.broadcast_shapes(s, t)
 
 
 def _as_3d(xp: Any, x: Any, batch_shape: tuple[int, ...]) -> Any:
@@ -175,8 +173,7 @@ def _as_3d(xp: Any, x: Any, batch_shape: tuple[int, ...]) -> Any:
         return x.reshape(1, r, c)
     if x.shape[:-2] != batch_shape:  # partial broadcast, e.g. (2,1,m,k) against (1,3,k,n)
         x = xp.broadcast_to(x, batch_shape + (r, c))
-    # explicit sizes: -1 is ambiguous when r or c is 0
-    return x.reshape(math.prod(batch_shape), r, c)
+    return x.reshape(math.prod(batch_shape), r, c)  # not -1: ambiguous when r or c is 0
 
 
 def item(op: Operands, i: int) -> Operands:
