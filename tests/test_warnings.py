@@ -85,6 +85,17 @@ def test_no_warning_without_a_fault_left_in_place(xp, case):
         abftgemm.matmul(a, b, check=check, fault_hook=hook)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_16_bit_overflow_raises_no_numpy_warning(bias):
+    # the float32 accumulator rounded to float16 printed "overflow encountered in cast"
+    a, b = np.full((3, 9), 100, np.float16), np.full((9, 2), 73, np.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c, report = abftgemm.matmul(a, b, bias=np.ones(2, np.float16) if bias else None,
+                                    return_report=True)
+    assert np.isinf(c).all() and {e.pattern for e in report.events} == {"overflow"}
+
+
 @pytest.mark.parametrize("xp", BACKENDS)
 def test_deferred_verification_warns_in_detect_mode(xp):
     a, b = operands(xp)
