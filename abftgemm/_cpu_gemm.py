@@ -1,10 +1,5 @@
-"""One 2-D GEMM on the CPU, its threads in numba's pool instead of the BLAS's own.
-
-In the passes that run the fused attention core (``blas_scope(numba_pool=True)``), a product the
-BLAS would thread is cut into one row block per thread, each a single-threaded BLAS call from
-numba's pool: OpenBLAS's threads spin after a product on the cores numba's threads need next
-(docs/design.md, bench/NOTES.md). Everything else goes to ``np.matmul``.
-"""
+"""One 2-D GEMM on the CPU, split by rows over numba's pool instead of the BLAS's own threads
+where a ``blas_scope(numba_pool=True)`` asks for it (docs/design.md, "The planned product")."""
 from __future__ import annotations
 
 import numba
