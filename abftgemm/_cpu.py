@@ -12,7 +12,7 @@ import numpy as np
 from numba.extending import overload
 
 from abftgemm._cpu_plan import CpuWorkspace
-from abftgemm._cpu_triangles import complete_lower, lower_product, row_limits, triangular_matmul
+from abftgemm._cpu_triangles import lower_product, row_limits, triangular_matmul
 from abftgemm.checksums import location_weights
 from abftgemm.cpu_kernels import (FAST, as_float32, fields, judge, row_sums, rows_first,
                                   store_columns, sum_columns, sum_row, sum_rows)
@@ -202,7 +202,7 @@ class CpuBackend:
 
     def complete_lower(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         """See :class:`abftgemm.backend.RowPrefixes` (float32/float64: there are limits)."""
-        complete_lower(a, b, out)
+        lower_product(a, b, out, rest=True)
 
     def predict_lower_rows(self, a: np.ndarray, b: np.ndarray, limits: np.ndarray,
                            enc: np.ndarray, pred: np.ndarray) -> None:

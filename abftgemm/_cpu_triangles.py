@@ -1,7 +1,5 @@
-"""Triangular products on the CPU (docs/design.md): :func:`triangular_matmul` skips the columns of
-``a`` a triangle makes zero, :func:`lower_product` computes the product only as far into each
-row as :func:`row_limits` says, and :func:`complete_lower` the rest. Every product runs under
-:class:`abftgemm.threads.blas_scope`, without NumPy floating-point warnings (INF and NaN in a
+"""Triangular products on the CPU (docs/design.md, "The planned product"), each under
+:class:`abftgemm.threads.blas_scope` and without NumPy floating-point warnings (INF and NaN in a
 product are the checks' business).
 """
 from __future__ import annotations
@@ -84,21 +82,12 @@ def row_limits(m: int, n: int) -> np.ndarray:
 
 
 @np.errstate(all="ignore")
-def lower_product(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+def lower_product(a: np.ndarray, b: np.ndarray, out: np.ndarray, rest: bool = False) -> None:
     """``out = a @ b`` in columns ``j < row_limits(m, n)[i]`` of each row ``i`` only (the rest
-    is left as it was)."""
+    is left as it was); with ``rest``, in the columns it left out, completing ``a @ b``."""
     m, n = out.shape[-2], out.shape[-1]
     with blas_scope():
         for lo, hi in triangle_blocks(m):
-            cols = min(hi, n)
-            np.matmul(a[..., lo:hi, :], b[..., :, :cols], out=out[..., lo:hi, :cols])
-
-
-@np.errstate(all="ignore")
-def complete_lower(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-    """Compute what :func:`lower_product` left out, so that ``out`` is the whole ``a @ b``."""
-    m, n = out.shape[-2], out.shape[-1]
-    with blas_scope():
-        for lo, hi in triangle_blocks(m):
-            if hi < n:
-                np.matmul(a[..., lo:hi, :], b[..., :, hi:], out=out[..., lo:hi, hi:])
+            cols = slice(min(hi, n), n) if rest else slice(0, min(hi, n))
+            if cols.start < cols.stop:
+                np.matmul(a[..., lo:hi, :], b[..., :, cols], out=out[..., lo:hi, cols])
