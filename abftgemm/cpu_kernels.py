@@ -20,17 +20,6 @@ from numba.extending import overload
 FAST = {"reassoc", "contract"}
 
 
-@numba.njit(cache=True, inline="always")
-def _scan(v: Any, out: Any) -> None:
-    """Count the non-finite elements of ``v`` and record the last one's index."""
-    count, last = 0, -1
-    for l in range(v.shape[0]):
-        if not np.isfinite(v[l]):
-            count += 1
-            last = l
-    out[3], out[4] = count, last
-
-
 # The kernels sweep the matrix row by row and are single-threaded (numba threads competing with
 # OpenBLAS's spinning ones made the checks slower). They keep the arithmetic and loads per element
 # low: column sums are updated once per eight rows, and the default coefficients load only the
@@ -163,10 +152,14 @@ def row_sums(row: Any, c: Any) -> tuple[float, float, float]:
 
 @numba.njit(cache=True, inline="always")
 def _store(row: Any, s0: float, s1: float, s2: float, o: Any) -> None:
-    """Write one vector's sums; count its non-finite elements only when a sum is not finite."""
+    """Write one vector's sums; count its non-finite elements, and note the last one's index,
+    only when a sum is not finite."""
     o[0], o[1], o[2], o[3], o[4] = s0, s1, s2, 0.0, -1.0
     if not (np.isfinite(s0) and np.isfinite(s1) and np.isfinite(s2)):
-        _scan(row, o)
+        for k in range(row.shape[0]):
+            if not np.isfinite(row[k]):
+                o[3] += 1.0
+                o[4] = k
 
 
 @numba.njit(cache=True, inline="always")
