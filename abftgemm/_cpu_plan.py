@@ -1,7 +1,5 @@
-"""CPU kernels of a planned product: the two verification launches of the fast path,
-:func:`predict_cols` and :func:`observe_flag_cols`, which write only into the plan's workspaces.
-A 16-bit product is observed a few rows at a time through a float32 table of its bit patterns,
-never copied whole.
+"""A planned product's CPU workspace and the two verification launches of its fast path,
+:func:`predict_cols` and :func:`observe_flag_cols`, which write only into it.
 """
 from __future__ import annotations
 
@@ -51,48 +49,34 @@ def encode_cols(a: Any, a_transposed: bool, weights_m: Any, rows: Any, enc: Any)
 
 
 @numba.njit(cache=True, fastmath=FAST)
-def observe_flag_cols(c: Any, weights_m: Any, pred: Any, c_obs: float, c_pred: float,
-                      floor: float, c_mag: float, safe: float, counts: Any, obs: Any) -> int:
-    """Observe the column checksums ``obs`` (3, batch, n) of a float32/float64 product ``c`` and
-    judge every column against ``pred``. Returns the number flagged or unverifiable."""
+def observe_flag_cols(c: Any, table: Any, weights_m: Any, pred: Any, c_obs: float, c_pred: float,
+                      floor: float, c_mag: float, safe: float, counts: Any, scratch: Any,
+                      obs: Any) -> int:
+    """Observe the column checksums ``obs`` (3, batch, n) of the product ``c`` and judge every
+    column against ``pred``. ``c`` is float32/float64 with ``table`` None, or a 16-bit product's
+    bit patterns with ``table`` their float32 values, converted a block of rows at a time into
+    ``scratch``. Returns the number flagged or unverifiable."""
+    m = c.shape[1]
     total = 0
     for t in range(c.shape[0]):
         obs[:, t] = 0.0
         o = fields(obs, t)
-        sum_columns(c[t], weights_m, 0, c.shape[1], o)
-        for j in range(counts.shape[0]):
-            counts[j] = 0.0
-            if not (np.isfinite(o[0][j]) and np.isfinite(o[1][j]) and np.isfinite(o[2][j])):
-                for i in range(c.shape[1]):
-                    counts[j] += not np.isfinite(c[t, i, j])
-        total += _judge_columns(pred[t], o, counts, c_obs, c_pred, floor, c_mag, safe)
-    return total
-
-
-@numba.njit(cache=True, fastmath=FAST)
-def observe_flag_cols_bits(bits: Any, table: Any, weights_m: Any, pred: Any, c_obs: float,
-                           c_pred: float, floor: float, c_mag: float, safe: float, counts: Any,
-                           scratch: Any, obs: Any) -> int:
-    """:func:`observe_flag_cols` for a 16-bit product as its bit patterns ``bits`` and their
-    float32 values ``table``, a block of rows converted at a time into ``scratch``."""
-    m = bits.shape[1]
-    block = scratch.shape[0]
-    total = 0
-    for t in range(bits.shape[0]):
-        obs[:, t] = 0.0
-        o = fields(obs, t)
-        for i0 in range(0, m, block):
-            rows = min(block, m - i0)
-            for i in range(rows):
-                src, dst = bits[t, i0 + i], scratch[i]
-                for j in range(src.shape[0]):
-                    dst[j] = table[src[j]]
-            sum_columns(scratch, weights_m[i0:i0 + rows], 0, rows, o)
+        if table is None:
+            sum_columns(c[t], weights_m, 0, m, o)
+        else:
+            for i0 in range(0, m, scratch.shape[0]):
+                rows = min(scratch.shape[0], m - i0)
+                for i in range(rows):
+                    src, dst = c[t, i0 + i], scratch[i]
+                    for j in range(src.shape[0]):
+                        dst[j] = table[src[j]]
+                sum_columns(scratch, weights_m[i0:i0 + rows], 0, rows, o)
         for j in range(counts.shape[0]):
             counts[j] = 0.0
             if not (np.isfinite(o[0][j]) and np.isfinite(o[1][j]) and np.isfinite(o[2][j])):
                 for i in range(m):
-                    counts[j] += not np.isfinite(table[bits[t, i, j]])
+                    x = c[t, i, j] if table is None else table[c[t, i, j]]
+                    counts[j] += not np.isfinite(x)
         total += _judge_columns(pred[t], o, counts, c_obs, c_pred, floor, c_mag, safe)
     return total
 
@@ -139,7 +123,7 @@ class CpuWorkspace:
         self._wide = op.dtype.itemsize == 2
         # 16-bit: the prediction reads the GEMM's float32 copies of a and b (or its own)
         self._converted = False
-        self._buffers = None
+        self._buffers = self._table = self._scratch = None
         if self._wide:
             self._table = bits_table(op.dtype)
             self._a32 = self._alloc(op.a.shape, np.float32)
@@ -203,13 +187,9 @@ class CpuWorkspace:
     def observe_flag(self, c: np.ndarray) -> None:
         """Observe and judge the product's columns (launch 2)."""
         self._counters.launches += 1
-        if self._wide:
-            self._flagged = observe_flag_cols_bits(
-                c.view(np.uint16), self._table, self._weights, self._pred, *self._coefficients,
-                self._safe, self._counts, self._scratch, self._obs)
-        else:
-            self._flagged = observe_flag_cols(c, self._weights, self._pred, *self._coefficients,
-                                              self._safe, self._counts, self._obs)
+        self._flagged = observe_flag_cols(
+            c.view(np.uint16) if self._wide else c, self._table, self._weights, self._pred,
+            *self._coefficients, self._safe, self._counts, self._scratch, self._obs)
 
     def release(self) -> None:
         """Nothing to free beyond the arrays, which go with the workspace object."""
