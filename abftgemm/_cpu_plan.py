@@ -77,7 +77,10 @@ def observe_flag_cols(c: Any, table: Any, weights_m: Any, pred: Any, c_obs: floa
                 for i in range(m):
                     x = c[t, i, j] if table is None else table[c[t, i, j]]
                     counts[j] += not np.isfinite(x)
-        total += _judge_columns(pred[t], o, counts, c_obs, c_pred, floor, c_mag, safe)
+        for j in range(counts.shape[0]):
+            _, flagged, ok = judge(pred[t, 0, j], pred[t, 1, j], pred[t, 2, j], o[0][j], o[1][j],
+                                   o[2][j], counts[j], c_obs, c_pred, floor, c_mag, safe)
+            total += flagged or not ok
     return total
 
 
@@ -95,20 +98,6 @@ def _column_sums(x: Any, transposed: bool, c: Any, rows: Any, out: Any) -> None:
         f1[:] = 0.0
         f2[:] = 0.0
         sum_columns(x, c, 0, x.shape[0], out)
-
-
-@numba.njit(cache=True, inline="always")
-def _judge_columns(pred: Any, obs: Any, counts: Any, c_obs: float, c_pred: float, floor: float,
-                   c_mag: float, safe: float) -> int:
-    """The number of flagged or unverifiable columns of one batch item (``obs``: its three
-    observed field vectors; ``counts``: its non-finite elements per column)."""
-    n = 0
-    o0, o1, o2 = obs[0], obs[1], obs[2]
-    for j in range(counts.shape[0]):
-        _, flagged, ok = judge(pred[0, j], pred[1, j], pred[2, j], o0[j], o1[j], o2[j],
-                               counts[j], c_obs, c_pred, floor, c_mag, safe)
-        n += flagged or not ok
-    return n
 
 
 class CpuWorkspace:
