@@ -1,9 +1,9 @@
 """The library's one CPU thread policy: how many threads its BLAS calls may use.
 
-Every BLAS call the library makes on the CPU runs inside :func:`blas_scope`, which sets NumPy's
-BLAS (through threadpoolctl) to the policy's thread count and restores the caller's setting on
-the way out; a call opens one around all its work, so the count is decided once per call. The
-count, unless :func:`set_threads` (or ``ABFT_THREADS``) fixed one:
+Every BLAS call the library makes on the CPU runs inside :func:`blas_scope`, opened once around
+all of a call's work, which sets NumPy's BLAS (through threadpoolctl) to the policy's thread
+count and restores the caller's setting after. The count, unless :func:`set_threads` (or
+``ABFT_THREADS``) fixed one:
 
 - the cores this process may run on (``os.sched_getaffinity``),
 - minus the tasks of *other* processes running now (``/proc/loadavg`` less this process's own
@@ -176,9 +176,8 @@ def _put_back(restore: list[tuple[Any, int]]) -> None:
 
 
 def _set_threads(lib: Any, n: int) -> None:
-    """``lib.set_num_threads(n)`` from any thread: threadpoolctl lets only the first thread that
-    sets a process-wide BLAS pool set it, silently ignoring the others, so each of the library's
-    (serialized) changes takes that control and gives it back."""
+    """``lib.set_num_threads(n)`` from any thread: each of the library's (serialized) changes
+    takes threadpoolctl's control of the pool and gives it back (docs/design.md)."""
     release = getattr(type(lib), "clear_controlling_thread", None)
     if release is not None:
         release(force=True)
@@ -226,9 +225,7 @@ def _blas(scipy: bool = False) -> list[Any]:
 
 
 def _cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _busy_others() -> int:
