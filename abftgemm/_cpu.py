@@ -61,9 +61,8 @@ def _row_reduce(x: Any, coef: Any, out: Any) -> None:
 
 @numba.njit(cache=True, fastmath=FAST)
 def _both_reduce(x: Any, ccoef: Any, rcoef: Any, out_col: Any, out_row: Any) -> None:
-    """Column and row reductions of every batch item in one read of it from memory: blocks of
-    rows that stay in cache for their second pass, in the fastest order measured for each kind
-    of row coefficients (bench/NOTES.md)."""
+    """Column and row reductions of every batch item in one read of it: blocks of rows stay in
+    cache for their second pass, in the order measured fastest per kind of row coefficients."""
     nrows = x.shape[1]
     p = np.empty((3, x.shape[2]))
     for b in range(out_col.shape[0]):

@@ -18,8 +18,7 @@ _SMALL_BLOCK_ROWS = 64
 
 
 def triangle_blocks(m: int) -> list[tuple[int, int]]:
-    """Row blocks ``[lo, hi)`` of an ``m``-row triangular product: one block up to 64 rows,
-    blocks of at most 64 rows below 256, of about 128 from 256 on."""
+    """Even row blocks ``[lo, hi)`` of an ``m``-row triangular product, at most the size above."""
     size = _SMALL_BLOCK_ROWS if m < 2 * _BLOCK_ROWS else _BLOCK_ROWS
     blocks = max(1, -(-m // size))
     step = max(1, -(-m // blocks))

@@ -15,16 +15,12 @@ from numba.extending import overload
 
 
 #: Let LLVM reorder and fuse the float64 sums so they vectorize. Not ``fastmath=True``: that also
-#: assumes no NaN/INF and would break the non-finite checks. Reordering is covered by the float64
-#: checksum term of the threshold, which bounds any summation order.
+#: assumes no NaN/INF (the threshold bounds any summation order: docs/design.md, "Backends").
 FAST = {"reassoc", "contract"}
 
 
-# The kernels sweep the matrix row by row and are single-threaded (numba threads competing with
-# OpenBLAS's spinning ones made the checks slower). They keep the arithmetic and loads per element
-# low: column sums are updated once per eight rows, and the default coefficients load only the
-# weight vector (bench/NOTES.md).
-
+# Serial kernels (numba's threads beside OpenBLAS's spinning ones made the checks slower) that
+# sweep row by row; the default coefficients load only the weight vector (bench/NOTES.md).
 ROWS_PER_UPDATE = 8  # rows per column-sum step (the body of _add_eight_rows is written for 8)
 _ROW_STEP = 4  # rows per row-sum step, each coefficient loaded once per step (written out for 4)
 
