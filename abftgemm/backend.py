@@ -48,11 +48,10 @@ verification, repair and recomputation (:mod:`abftgemm.rare_path`), and the plan
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import sys
 from types import ModuleType
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import numpy
 
@@ -164,19 +163,23 @@ _READ_COUNTERS: contextvars.ContextVar[Any] = contextvars.ContextVar(
     "abftgemm_read_counters", default=None)
 
 
-@contextlib.contextmanager
-def reads_counted_by(counters: Any | None) -> Iterator[None]:
+class reads_counted_by:
     """Within the block, every :func:`to_host` of a CuPy array adds one to
     ``counters.host_reads`` (:class:`abftgemm.plan.Counters`): the reads of the rare path and of
-    the fused core, beside the ledger's own fetches. ``None`` leaves the enclosing block's."""
-    if counters is None:
-        yield
-        return
-    token = _READ_COUNTERS.set(counters)
-    try:
-        yield
-    finally:
-        _READ_COUNTERS.reset(token)
+    the fused core, beside the ledger's own fetches. ``None`` leaves the enclosing block's. (A
+    class, not a generator: every settle enters one.)"""
+
+    __slots__ = ("counters", "token")
+
+    def __init__(self, counters: Any | None):
+        self.counters = counters
+
+    def __enter__(self) -> None:
+        self.token = None if self.counters is None else _READ_COUNTERS.set(self.counters)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.token is not None:
+            _READ_COUNTERS.reset(self.token)
 
 
 def to_host(x: Any) -> Any:

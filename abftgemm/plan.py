@@ -234,7 +234,8 @@ class ProtectedMatmul:
         """:meth:`execute` once the plan is claimed."""
         op = self._planned(a, b, bias, out)
         for given, used in ((a, op.a), (b, op.b)):  # a copy into the batch layout, counted
-            self.counters.allocations += used.size > 0 and not op.xp.may_share_memory(given, used)
+            if used is not given and used.base is not given and used.size:  # else a view of it
+                self.counters.allocations += not op.xp.may_share_memory(given, used)
         if not op.direct:
             if gemm is not None or self._rows is not None and out is not None:
                 raise ValueError(f"{name}: a gemm or a consumer needs out, a C-contiguous "
@@ -523,6 +524,12 @@ def _fetch_verdicts(plans: list[ProtectedMatmul]) -> None:
     """Copy the plans' verdicts to the host: one fetch per ledger, one wait per backend."""
     for plan in plans:
         plan._start_settle()
+    if len(plans) == 1:  # matmul's every call: no sets to build
+        plan = plans[0]
+        plan._ledger.fetch()
+        plan.counters.syncs += 1
+        plan._be.synchronize()
+        return
     for ledger in {id(p._ledger): p._ledger for p in plans}.values():
         ledger.fetch()
     for counters, _ in {(id(p.counters), id(p._be)): (p.counters, p._be) for p in plans}.values():
