@@ -57,8 +57,8 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
     check : {"correct", "detect", "off"}
         ``"correct"``: detect, locate, repair from checksums, recompute what they cannot repair,
         raise :class:`UncorrectableError` if no correct result can be delivered. ``"detect"``:
-        report, never modify, and announce every finding as a :class:`FaultDetectedWarning`.
-        ``"off"``: the plain product.
+        report, never modify, and announce every finding as a :class:`FaultDetectedWarning`
+        (the report returned or not). ``"off"``: the plain product.
     directions : {"columns", "both"}
         ``"columns"`` (default): verify the column checksums, which detect and locate a bad
         element or row on one read of ``a``, ``b`` and the product (the rows are computed only
@@ -79,7 +79,8 @@ def matmul(a: Any, b: Any, out: Any | None = None, *, bias: Any | None = None,
         pass to the next product: its column encoding (and rows with ``directions="both"``).
     plans : PlanCache, optional
         Where the planned product is kept (keyed by layout and options, not ``name``): a cache
-        the caller owns and uses from one thread; default the thread's cache of 8 plans.
+        the caller owns and uses from one thread; default the thread's cache of the 8 plans
+        used last.
 
     Returns
     -------
