@@ -28,7 +28,8 @@ from attention.context import Context
 from attention.dropout import Dropout, for_core
 from attention.fused import fused_backward, fused_forward
 from attention.fused_choice import (CORE_SITES, CORES, backward_reason,  # noqa: F401
-                                     check_core, finite_reason, overflowed, static_reason)
+                                     check_core, finite_reason, overflowed, refused,
+                                     static_reason)
 from attention.fused_final import verify_grads, verify_output
 from attention.fused_rules import check_causal, key_visible_of
 from attention.functional import (_additive, backward_pass, check_mask_grad, forward_pass,
@@ -137,7 +138,7 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
                                 attn_mask=attn_mask, key_visible=key_visible, dropout=p,
                                 dropout_seed=seed, workspace=workspace, core="unfused")
         if core == "fused":
-            raise ValueError(f"the fused attention core does not apply here: {why_not}")
+            raise refused(why_not)
     inp.dropout, _ = for_core(inp.xp, dropout, dropout_keep, dropout_seed, shape, rng,
                               fused=False)
     variant = Variant(causal=inp.causal, dropout=inp.dropout is not None, gpu=inp.xp is not np)

@@ -28,8 +28,8 @@ from attention.context import Context
 from attention.dropout import Dropout, DropoutStep, for_core
 from attention.dropout_hash import keep_mask
 from attention.fused import fused_backward, fused_forward
-from attention.fused_choice import (backward_reason, check_core, finite_reason, overflowed,
-                                     static_reason)
+from attention.fused_choice import (CAUSAL_NOT_SQUARE, MASK_GRAD, backward_reason, check_core,
+                                     finite_reason, overflowed, refused, static_reason)
 from attention.fused_deferred import Deferred
 from attention.fused_final import (OUTPUT_SITE, defer_grads, defer_output, verify_grads,
                                    verify_output)
@@ -140,9 +140,9 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
         inp.xp, inp.dtype, inp.mask_add, ctx, dropout_keep, core == "fused", need_weights,
         inp.key_add)
     if why_not is None and causal and inp.key.shape[1] != x.shape[1]:
-        why_not = "causal=True with seq_q != seq_k (the fused core's causal mask is square)"
+        why_not = CAUSAL_NOT_SQUARE
     if core == "fused" and why_not is not None:
-        raise ValueError(f"the fused attention core does not apply here: {why_not}")
+        raise refused(why_not)
     inp.core = core
     batch, seq_q = x.shape[:2]
     inp.shape = (batch * n_heads, seq_q, inp.key.shape[1])
@@ -876,9 +876,7 @@ def check_mask_grad(attn_mask: Any | None, core: str) -> None:
     if attn_mask is None or attn_mask.dtype == bool:
         raise ValueError("mask_grad=True needs a float attn_mask")
     if core == "fused":
-        raise ValueError("the fused attention core does not apply here: mask_grad=True (it keeps "
-                         "no L x L array, so it cannot return the gradient of attn_mask; use "
-                         "core='auto' or 'unfused')")
+        raise refused(f"mask_grad=True ({MASK_GRAD.format('attn_mask')})")
 
 
 def mask_gradient(inp: Any, d_scores: Any, shape: tuple[int, ...]) -> Any:

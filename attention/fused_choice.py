@@ -20,6 +20,20 @@ CORES = ("auto", "fused", "unfused")
 CORE_SITES = tuple(s.site for s in CORE_FORWARD + CORE_BACKWARD if s.op.startswith("gemm"))
 
 
+#: Why the fused core refuses a call whatever its data: the reasons its arguments decide, which
+#: the layers and the PyTorch entry points (before they draw a dropout) give in these words.
+WEIGHTS_ASKED = "the attention weights were asked for (the fused core makes none)"
+CAUSAL_NOT_SQUARE = "causal=True with seq_q != seq_k (the fused core's causal mask is square)"
+#: ... and a mask whose gradient is wanted, formatted with the mask's name.
+MASK_GRAD = "it keeps no L x L array, so it cannot return the gradient of {}; use core='auto' " \
+    "or 'unfused'"
+
+
+def refused(why_not: str) -> ValueError:
+    """The error of a call forced onto the fused core (``core="fused"``) that it cannot run."""
+    return ValueError(f"the fused attention core does not apply here: {why_not}")
+
+
 def check_core(core: str) -> None:
     """``core`` must be one of :data:`CORES`."""
     if core not in CORES:
@@ -57,7 +71,7 @@ def static_reason(xp: Any, dtype: np.dtype, attn_add: Any | None, ctx: Context,
         return "an explicit dropout mask, dropout_keep (the unfused core applies it; the fused " \
                "core draws its own keep decisions from a seed)"
     if need_weights:
-        return "the attention weights were asked for (the fused core makes none)"
+        return WEIGHTS_ASKED
     if not forced:
         if ctx.fault_hook is not None:
             return "a fault hook (it names the unfused core's sites; core='fused' runs the " \

@@ -24,7 +24,7 @@ from attention import _torch_core_op, _torch_op
 from attention._torch_arrays import autocast, eager
 from attention._torch_mha import check_masks
 from attention._torch_state import Protection
-from attention.fused_choice import check_core
+from attention.fused_choice import CAUSAL_NOT_SQUARE, MASK_GRAD, WEIGHTS_ASKED, check_core, refused
 from attention.fused_rules import check_causal
 from attention.sinks import sink_logits, with_sink, without_sink
 
@@ -127,16 +127,12 @@ def _refuse_before_draw(query: torch.Tensor, key: torch.Tensor, heads: int,
     check_masks(key_padding_mask, attn_mask, heads, *query.shape[:2], key.shape[1])
     if core != "fused":
         return
-    why_not = None
     if need_weights:
-        why_not = "the attention weights were asked for (the fused core makes none)"
-    elif mask_grad:
-        why_not = "a float mask requires grad (the fused core keeps no L x L array for its " \
-            "gradient)"
-    elif is_causal and attn_mask is None and query.shape[1] != key.shape[1]:
-        why_not = "causal=True with seq_q != seq_k (the fused core's causal mask is square)"
-    if why_not is not None:
-        raise ValueError(f"the fused attention core does not apply here: {why_not}")
+        raise refused(WEIGHTS_ASKED)
+    if mask_grad:
+        raise refused(f"a float mask requires grad ({MASK_GRAD.format('the mask')})")
+    if is_causal and attn_mask is None and query.shape[1] != key.shape[1]:
+        raise refused(CAUSAL_NOT_SQUARE)
 
 
 def _needs_grad(*masks: torch.Tensor | None) -> bool:
@@ -212,13 +208,10 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                         f"{key.dtype}, {value.dtype}")
     check_core(core)
     if core == "fused" and need_weights:  # as the layers refuse it (fused_choice.static_reason)
-        raise ValueError("the fused attention core does not apply here: the attention weights "
-                         "were asked for (the fused core makes none)")
+        raise refused(WEIGHTS_ASKED)
     compiling = torch.compiler.is_compiling()  # compiled, the operator refuses: a plain error
     if core == "fused" and _needs_grad(attn_mask) and not compiling:  # before the dropout's draw
-        raise ValueError("the fused attention core does not apply here: a float attn_mask "
-                         "requires grad (it keeps no L x L array, so it cannot return the "
-                         "gradient of attn_mask; use core='auto' or 'unfused')")
+        raise refused(f"a float attn_mask requires grad ({MASK_GRAD.format('attn_mask')})")
     if not 0 <= dropout_p <= 1:
         raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p}")
     n = 1
