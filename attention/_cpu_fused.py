@@ -24,6 +24,7 @@ import numba
 import numpy as np
 
 from abftgemm.cpu_kernels import sum_column_prefix, sum_columns
+from attention._cpu_tile_gemm import gemm
 from attention._cpu_vmath import exp_like, exp_unflushed, from_ordered_key, like, ordered_key
 from attention.dropout_hash import GAMMA, MIX1, MIX2, SHIFT
 
@@ -55,10 +56,11 @@ BackwardOperands = namedtuple("BackwardOperands", "q k v do o lse lse_lo")
 #: ``n``; head ``b`` reads row ``b // heads``) or an empty ``(1, 0)``; ``scale`` in the data's
 #: dtype.
 Mask = namedtuple("Mask", "visible add keys heads scale causal")
-#: Whether to check and correct, and the sites' coefficients (:func:`attention.fused_rules.
-#: coefficients`) and tolerances.
-ForwardRules = namedtuple("ForwardRules", "check correct c_s c_o c_l tol_p")
-BackwardRules = namedtuple("BackwardRules", "check correct c_s c_kv c_q tol_p tol_ds")
+#: Whether to check and correct, the sites' coefficients (:func:`attention.fused_rules.
+#: coefficients`) and tolerances, and the rows of a tile product per BLAS call
+#: (:func:`attention._cpu_tile_gemm.gemm_rows`).
+ForwardRules = namedtuple("ForwardRules", "check correct c_s c_o c_l tol_p rows")
+BackwardRules = namedtuple("BackwardRules", "check correct c_s c_kv c_q tol_p tol_ds rows")
 #: :func:`_keep_tile`'s ``seed`` and ``thr`` (0: no dropout), ``ks = 1 / (1 - p)``.
 Dropout = namedtuple("Dropout", "seed thr ks")
 ForwardOutputs = namedtuple("ForwardOutputs", "out lse lse_lo sums")
@@ -77,41 +79,15 @@ def no_hook(site: int, tile: Any) -> None:
 # ------------------------------------------------------------------ tile products
 
 
-@numba.njit(cache=True)
-def _dot(a: Any, b: Any, out: Any) -> None:
-    """``out = a @ b`` through BLAS (numba's ``np.dot``, with SciPy's BLAS), ``a`` and ``out``
-    C-contiguous, in one call: the kernels run inside :func:`abftgemm.threads.one_blas_thread`,
-    so the BLAS runs it on the calling thread (faster than register-blocked numba loops:
-    bench/NOTES.md)."""
-    np.dot(a, b, out)
-
-
 @numba.njit(cache=True, fastmath=_FAST)
-def _accumulate(a: Any, b: Any, alpha: Any, tmp: Any, acc: Any) -> None:
-    """``acc = alpha[:, None] * acc + a @ b`` (``a`` rows x cols, ``b`` cols x d, ``tmp`` a
-    buffer of ``acc``'s shape); ``alpha`` empty for no rescaling. ``P V`` and ``dS K``."""
-    _dot(a, b, tmp)
-    rows, d = acc.shape
-    for r in range(rows):
-        o, t = acc[r], tmp[r]
-        if alpha.size:
-            s = alpha[r]
-            for c in range(d):
-                o[c] = s * o[c] + t[c]
-        else:
-            for c in range(d):
-                o[c] += t[c]
-
-
-@numba.njit(cache=True, fastmath=_FAST)
-def _accumulate_t(a: Any, b: Any, tmp: Any, acc: Any) -> None:
-    """``acc += a^T @ b`` (``a`` rows x cols, ``b`` rows x d, ``acc`` and the buffer ``tmp``
-    cols x d): ``P^T dO`` and ``dS^T Q``, one BLAS call as :func:`_dot`."""
-    np.dot(a.T, b, tmp)
-    for j in range(a.shape[1]):
-        o, t = acc[j], tmp[j]
-        for c in range(b.shape[1]):
-            o[c] += t[c]
+def _rescale(acc: Any, alpha: Any) -> None:
+    """``acc = alpha[:, None] * acc``: the forward's output rows, before a tile's ``P V`` adds to
+    them (:func:`attention._cpu_tile_gemm.gemm`, ``beta`` 1)."""
+    for r in range(acc.shape[0]):
+        s = alpha[r]
+        o = acc[r]
+        for c in range(acc.shape[1]):
+            o[c] *= s
 
 
 @numba.njit(cache=True, fastmath=_FAST)
@@ -723,7 +699,7 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
     recomputation did not verify."""
     q, k, kt, v, ve = ops
     visible, add, keys, heads, scale, causal = mask
-    check, correct, c_s, c_o, c_l, tol_p = rules
+    check, correct, c_s, c_o, c_l, tol_p, g_rows = rules
     seed, thr, ks = drop
     out, lse, lse_lo, sums = outs
     lq, d = q.shape[1], q.shape[2]
@@ -745,7 +721,6 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
     kbuf = np.empty(rows * BC if dropping else 0, np.uint8)
     nokeep = np.empty((0, 0), np.uint8)
     acc = np.empty((rows, d), dt)
-    tmp = np.empty((rows, d), dt)
     oc = np.empty((rows, 5))
     m = np.empty(rows, dt)
     l = np.empty(rows, dt)
@@ -769,7 +744,7 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
             # C-contiguous, not a column slice of a (3, BC) array: the sums' loops vectorize
             obs_cols = obs_buf[:3 * cols].reshape(3, cols)
             for a in range(2):
-                _dot(qb, _block_t(kt, b, j0, j1, d), s)
+                gemm(qb, _block_t(kt, b, j0, j1, d), s, 0.0, False, g_rows)
                 _HOOK(S_, s)
                 ratio = 0.0
                 if check:
@@ -795,16 +770,17 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
                 return -1
             _sum_rows(p, alpha, l)
             _HOOK(L_, l.reshape((rows, 1)))
+            _rescale(acc, alpha)
             if dropping:
                 keep = kbuf[:rows * cols].reshape(rows, cols)
                 pd = dbuf[:rows * cols].reshape(rows, cols)
                 _keep_tile(seed, b, i0, j0, lq, lk, thr, keep)
                 _drop(p, keep, ks, pd)
                 _HOOK(DROP_, pd)
-                _accumulate(pd, v[b, j0:j1], alpha, tmp[:rows], acc)
+                gemm(pd, v[b, j0:j1], acc, 1.0, False, g_rows)
             else:
                 keep = nokeep
-                _accumulate(p, v[b, j0:j1], alpha, tmp[:rows], acc)
+                gemm(p, v[b, j0:j1], acc, 1.0, False, g_rows)
             if check:
                 _carry(p, keep, ks, ve[b], j0, alpha, oc, False)
             _HOOK(O_, acc)
@@ -849,7 +825,7 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
     q, k, v, do, _, lse, lse_lo = ops
     dd, qe, ke, doe = head
     vis, addh, keysh, scale, causal = mask
-    check, correct, c_s, _, _, tol_p, tol_ds = rules
+    check, correct, c_s, _, _, tol_p, tol_ds, g_rows = rules
     seed, thr, ks = drop
     kt, vt, kenc, venc = keys
     bufs, kbuf, _, _, info = work
@@ -863,14 +839,13 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
     p = bufs[1, :rows * cols].reshape(rows, cols)
     dp = bufs[2, :rows * cols].reshape(rows, cols)
     ds = bufs[3, :rows * cols].reshape(rows, cols)
-    tmp = np.empty((max(rows, cols), q.shape[2]), q.dtype)
     none = np.empty(0, q.dtype)
     dropping = thr > 0
     keep = kbuf[:rows * cols].reshape(rows, cols) if dropping else kbuf[:0].reshape(0, 0)
     if dropping:
         _keep_tile(seed, b, i0, j0, q.shape[1], k.shape[1], thr, keep)
     for a in range(2):
-        _dot(qi, kt, s)
+        gemm(qi, kt, s, 0.0, False, g_rows)
         _HOOK(S_, s)
         st = _settle_product(qi, kenc, s, c_s, check, correct, work, rec, S_, a, i0, j0)
         if st != 1:
@@ -893,14 +868,14 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
             pd = bufs[4, :rows * cols].reshape(rows, cols)
             _drop(p, keep, ks, pd)
             _HOOK(DROP_, pd)
-            _accumulate_t(pd, doi, tmp[:cols], dvb)
+            gemm(pd, doi, dvb, 1.0, True, g_rows)
         else:
-            _accumulate_t(p, doi, tmp[:cols], dvb)
+            gemm(p, doi, dvb, 1.0, True, g_rows)
         if check:
             _carry(p, keep, ks, doe, i0, none, dvc, True)
         _HOOK(DV_, dvb)
     for a in range(2):
-        _dot(doi, vt, dp)
+        gemm(doi, vt, dp, 0.0, False, g_rows)
         _HOOK(DP_, dp)
         st = _settle_product(doi, venc, dp, c_s, check, correct, work, rec, DP_, a, i0, j0)
         if st != 1:
@@ -917,13 +892,13 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
     if st < 0:
         return -1
     if do_kv:
-        _accumulate_t(ds, qi, tmp[:cols], dkb)
+        gemm(ds, qi, dkb, 1.0, True, g_rows)
         if check:
             _carry(ds, keep[:0], ks, qe, i0, none, dkc, True)
         _HOOK(DK_, dkb)
     if do_q:
         dqi = dq[b, i0:i1]
-        _accumulate(ds, k[b, j0:j1], none, tmp[:rows], dqi)
+        gemm(ds, k[b, j0:j1], dqi, 1.0, False, g_rows)
         if check:
             _carry(ds, keep[:0], ks, ke, j0, none, dqc[b, i0:i1], False)
         _HOOK(DQ_, dqi)
@@ -942,7 +917,7 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
     verify."""
     q, k, v = ops.q, ops.k, ops.v
     visible, add, keys, heads, scale, causal = mask
-    check, correct, _, c_kv, c_q, _, _ = rules
+    check, correct, _, c_kv, c_q, _, _, _ = rules
     dq, dk, dv, dqc, kvc = grads
     lq, d = q.shape[1], q.shape[2]
     lk = k.shape[1]

@@ -11,7 +11,8 @@ ever made (an additive mask is the caller's, read tile by tile; one not in float
 once; a per-key mask ``key_add``, a float key padding mask, is one row of keys per batch item);
 the tiles are ``BR x BC`` = 128 x 128 (:mod:`attention._cpu_fused`, numba kernels in
 parallel over (head, query block) forward and over heads backward, so no two threads write one
-accumulator; the tile products call BLAS, single-threaded, through numba's ``np.dot``).
+accumulator; the tile products call BLAS, single-threaded, in place and in the pieces
+:func:`attention._cpu_tile_gemm.gemm_rows` measured fastest here).
 CuPy arrays run the same algorithm and checks in CUDA kernels (:mod:`attention._cuda_fused`,
 16-bit data too). :func:`attention.core.core_forward` runs this core by default where it applies
 (and the PyTorch :class:`attention.torch_core.ProtectedCore` through it), and so do the layers
@@ -144,6 +145,7 @@ from abftgemm.checksums import SUPPORTED_DTYPES
 from abftgemm.cpu_kernels import all_finite
 from abftgemm.threads import current_policy, numba_pool_usable, numba_threads, one_blas_thread
 from attention import _cpu_fused as K
+from attention._cpu_tile_gemm import gemm_rows
 from attention.context import Context
 from attention.fused_deferred import Deferred
 from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, FUSED_SITES,  # noqa: F401
@@ -266,7 +268,8 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
               K.Mask(visible, add, keys, heads, dt.type(scale), causal),
               K.ForwardRules(check, correct, coefficients(d, K.BR, dt, block=d),
                              coefficients(lk, d, dt, 2 * tiles, min(lk, K.BC)),
-                             coefficients(lk, 1, dt, 2 * tiles), probs_tolerance(dt)),
+                             coefficients(lk, 1, dt, 2 * tiles), probs_tolerance(dt),
+                             gemm_rows(dt, d, K.BR)),
               K.Dropout(*kernel_dropout(drop, dt)), K.ForwardOutputs(out, lse, lse_lo, sums))
     with one_blas_thread():
         if ctx.fault_hook is None:
@@ -320,8 +323,8 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
               K.BackwardRules(check, correct, coefficients(d, K.BC, dt, block=d),
                               coefficients(lq, d, dt, -(-lq // K.BR), min(lq, K.BR)),
                               coefficients(lk, d, dt, -(-lk // K.BC), min(lk, K.BC)),
-                              probs_tolerance(dt),
-                              dscores_entry_tolerance(dt)),
+                              probs_tolerance(dt), dscores_entry_tolerance(dt),
+                              gemm_rows(dt, d, K.BR)),
               K.Dropout(*kernel_dropout(saved.get("dropout"), dt)),
               K.Gradients(dq, dk, dv, dqc, kvc))
     with one_blas_thread():

@@ -36,6 +36,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import abftgemm  # noqa: E402
+from attention._cpu_fused import BR  # noqa: E402
+from attention._cpu_tile_gemm import gemm_rows  # noqa: E402
 from attention.context import Context  # noqa: E402
 from attention.core import core_backward, core_forward  # noqa: E402
 from attention.fused import fused_backward, fused_forward  # noqa: E402
@@ -111,7 +113,8 @@ def main() -> None:
         for block in blocks:
             times.update(time_many({name: cases[name] for name in block}, args.repeats,
                                    warmup=1, gpu=False, clock=clock))
-        print(f"\n({b}, {h}, {s}, {d}) fp32 {kind} fwd+bwd, median ms of {args.repeats}:")
+        print(f"\n({b}, {h}, {s}, {d}) fp32 {kind} fwd+bwd, median ms of {args.repeats} "
+              f"(tile products: {gemm_rows(np.dtype(np.float32), d, BR)} rows per BLAS call):")
         for name, ms in times.items():
             line = f"  {name:11s} {ms:9.1f} ms   x{ms / times['fused_off']:.2f} vs fused_off"
             if "torch_sdpa" in times:

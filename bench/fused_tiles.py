@@ -3,7 +3,7 @@
 compiled loop (no dispatch from Python in the time), with the sum of the steps a forward tile and
 a backward tile run, unprotected and with their checks.
 
-    PYTHONPATH=. python bench/fused_tiles.py [--dtype float32] [--dim 64] [--calls 3000]
+    PYTHONPATH=. python bench/fused_tiles.py [--dtype float32] [--dim 64] [--calls 3000] [--rows R]
 
 Prints microseconds of the thread's CPU time per call (other load on the machine inflates it far
 less than wall time), the CPU and the load. One thread (the leaves are serial).
@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from abftgemm.threads import one_blas_thread  # noqa: E402
 from attention import _cpu_fused as K  # noqa: E402
+from attention._cpu_tile_gemm import gemm, gemm_rows  # noqa: E402
 from attention.fused_rules import (coefficients, dscores_entry_tolerance,  # noqa: E402
                                    probs_tolerance)
 from bench.timing import device_name  # noqa: E402
@@ -42,7 +43,7 @@ STEPS = (("S = Q K^T", False, 1, 1), ("mask and scale", False, 1, 1),
 @numba.njit
 def _run(step: int, calls: int, q: Any, k: Any, s: Any, p: Any, m: Any, alpha: Any, l: Any,
          enc: Any, wide: Any, pred: Any, obs: Any, info: Any, oc: Any, cols3: Any, acc: Any,
-         tmp: Any, dd: Any, ds: Any, dp: Any, coef: Any, tol_p: Any, tol_ds: Any, scale: Any,
+         g_rows: int, dd: Any, ds: Any, dp: Any, coef: Any, tol_p: Any, tol_ds: Any, scale: Any,
          one: Any) -> None:
     """``calls`` calls of step ``step`` (:data:`STEPS`) on one tile."""
     kt = np.ascontiguousarray(k.T)  # the kernels' layout (_cpu_fused._transpose_block)
@@ -54,7 +55,7 @@ def _run(step: int, calls: int, q: Any, k: Any, s: Any, p: Any, m: Any, alpha: A
     w = K._weights(s.shape[0])
     for _ in range(calls):
         if step == 0 or step == 7:
-            K._dot(q, kt, s)
+            gemm(q, kt, s, 0.0, False, g_rows)
         elif step == 1:
             K._mask(s, scale, 0, 0, False, visible, add, keys)
         elif step == 2:
@@ -63,10 +64,13 @@ def _run(step: int, calls: int, q: Any, k: Any, s: Any, p: Any, m: Any, alpha: A
             K._exp_rows(s, m, p)
         elif step == 4:
             K._sum_rows(p, alpha, l)
-        elif step == 5 or step == 10:
-            K._accumulate(p, k, alpha, tmp, acc)
+        elif step == 5:
+            K._rescale(acc, alpha)
+            gemm(p, k, acc, 1.0, False, g_rows)
+        elif step == 10:
+            gemm(p, k, acc, 1.0, False, g_rows)
         elif step == 6 or step == 9:
-            K._accumulate_t(p, q, tmp, acc)
+            gemm(p, q, acc, 1.0, True, g_rows)
         elif step == 8:
             K._dscores(p, dp, dd, nokeep, one, ds)
         elif step == 11:
@@ -94,9 +98,12 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--rows", type=int, default=0,
+                        help="rows of a tile product per BLAS call (default: measured)")
     args = parser.parse_args()
     dt = np.dtype(args.dtype)
     rows, cols, d = K.BR, K.BC, args.dim
+    g_rows = args.rows or gemm_rows(dt, d, rows)
     rng = np.random.default_rng(0)
     q = rng.standard_normal((rows, d)).astype(dt)
     k = rng.standard_normal((cols, d)).astype(dt)
@@ -110,12 +117,13 @@ def main() -> None:
                   enc=rng.standard_normal((3, d)), wide=rng.standard_normal((3, max(rows, cols))),
                   pred=np.zeros((max(rows, cols), 3)), obs=np.zeros((max(rows, cols), 3)),
                   info=np.zeros(6), oc=np.zeros((rows, 4)), cols3=np.zeros((3, cols)),
-                  acc=np.zeros((rows, d), dt), tmp=np.empty((max(rows, cols), d), dt), dd=dd,
+                  acc=np.zeros((rows, d), dt), g_rows=g_rows, dd=dd,
                   ds=ds, dp=dp, coef=coefficients(d, cols, dt), tol_p=probs_tolerance(dt),
                   tol_ds=dscores_entry_tolerance(dt), scale=dt.type(1.0), one=dt.type(1.0))
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
-    print(f"{device_name()}, {args.dtype}, tile {rows} x {cols}, head dim {d}, load {load}")
+    print(f"{device_name()}, {args.dtype}, tile {rows} x {cols}, head dim {d}, "
+          f"{g_rows} rows per BLAS call, load {load}")
     cost = {}
     for i, (name, _, _, _) in enumerate(STEPS):
         work = {key: (v.copy() if isinstance(v, np.ndarray) else v) for key, v in arrays.items()}
