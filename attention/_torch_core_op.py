@@ -180,15 +180,18 @@ def run_core_forward(protection: Protection, q: torch.Tensor, k: torch.Tensor, v
     modes = protection.decisions(inputs_key(q, k, v), recomputing())
     context = protection.context(found, modes)
     keep_array, seed = dropout_arrays(keep)
-    padding = mask is not None and mask.dtype == torch.bool and mask.dim() == 3 \
-        and mask.shape[1] == 1
-    visible = mask[:, 0].logical_not() if padding else None
-    mask = None if padding else mask
+    # a mask (n, 1, S) is per key (attention_core's key padding): key visibility, or float added
+    per_key = mask is not None and mask.dim() == 3 and mask.shape[1] == 1 and not mask_grad
+    boolean = per_key and mask.dtype == torch.bool
+    visible = mask[:, 0].logical_not() if boolean else None
+    key_add = mask[:, 0] if per_key and not boolean else None
+    mask = None if per_key else mask
     with protection.errors_recorded(), device_scope(q), threads(q):
         out, saved = core_forward(array(q), array(k), array(v), context, scale=scale,
                                   causal=is_causal,
                                   attn_mask=None if mask is None else mask_array(mask),
                                   key_visible=None if visible is None else array(visible),
+                                  key_add=None if key_add is None else mask_array(key_add),
                                   dropout=dropout, dropout_keep=keep_array,
                                   dropout_seed=seed,
                                   workspace=workspace,

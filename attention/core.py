@@ -31,9 +31,9 @@ from attention.fused_choice import (CORE_SITES, CORES, backward_reason,  # noqa:
                                      check_core, finite_reason, overflowed, refused,
                                      static_reason)
 from attention.fused_final import verify_grads, verify_output
-from attention.fused_rules import check_causal, key_visible_of
-from attention.functional import (_additive, backward_pass, check_mask_grad, forward_pass,
-                                  mask_gradient)
+from attention.fused_rules import check_causal, key_additive_of, key_visible_of
+from attention.functional import (_additive, _folded, backward_pass, check_mask_grad,
+                                  forward_pass, mask_gradient)
 from attention.passes import CORE_BACKWARD, CORE_FORWARD, Variant
 from attention.workspace import Workspace, counts_reads
 
@@ -47,16 +47,29 @@ class _CoreInputs:
     """Validated inputs of one attention product (kept in ``saved`` for backward); the attributes
     the checked softmax steps read (:func:`attention.softmax_steps.forward_step`)."""
 
-    def __init__(self, q: Any, k: Any, v: Any, scale: float, causal: bool, attn_add: Any | None,
-                 key_visible: Any | None):
+    def __init__(self, q: Any, k: Any, v: Any, scale: float, causal: bool, mask_add: Any | None,
+                 key_visible: Any | None, key_add: Any | None):
         self.xp, self.q, self.k, self.v, self.dtype = array_module(q), q, k, v, q.dtype
-        self.scale, self.causal, self.attn_add = scale, causal, attn_add
+        self.scale, self.causal, self.mask_add, self.key_add = scale, causal, mask_add, key_add
         self.key_visible = key_visible
+        self._folded: Any | None = None
         self.dropout: Dropout | None = None
         self.n_heads = 1  # heads are already the batch axis
         # The softmax steps scale the scores by 1 / sqrt(head_dim).
         d = q.shape[-1]
         self.head_dim = d if scale == 1 / math.sqrt(d) else scale ** -2
+
+    @property
+    def attn_add(self) -> Any | None:
+        """The unfused core's additive mask: ``mask_add`` (``attn_mask`` as float64), with
+        ``key_add`` folded in as a float64 ``(n, seq_q, seq_k)`` array, made on first use (never
+        where only the fused core runs)."""
+        if self.key_add is None:
+            return self.mask_add
+        if self._folded is None:
+            self._folded = _folded(self.xp, self.mask_add, self.key_add,
+                                   self.q.shape[0] // self.key_add.shape[0], self.q.shape[1])
+        return self._folded
 
 
 @counts_reads
@@ -65,8 +78,8 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
                  key_visible: Any | None = None, dropout: float = 0.0,
                  dropout_keep: Any | None = None, rng: Any | None = None,
                  workspace: Workspace | None = None, core: str = "auto",
-                 dropout_seed: int | None = None, mask_grad: bool = False
-                 ) -> tuple[Any, dict[str, Any]]:
+                 dropout_seed: int | None = None, mask_grad: bool = False,
+                 key_add: Any | None = None) -> tuple[Any, dict[str, Any]]:
     """``softmax(scale q k^T + mask) v`` with every product and the softmax checked.
 
     Parameters
@@ -100,6 +113,11 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
     mask_grad : bool
         :func:`core_backward` also returns the gradient of the float ``attn_mask`` (a learned
         position bias): the unfused core runs, the gradient being its checked ``dS``.
+    key_add : float array (m, seq_k), optional
+        A per-key additive mask (a float key padding mask), ``m`` dividing ``n``: heads ``[h n /
+        m, (h + 1) n / m)`` share row ``h``, as a batch item's heads share its padding. Added to
+        the scaled scores after ``attn_mask``; an ``O(L)`` mask where ``attn_mask`` is ``L x
+        L`` (the unfused core, if it runs, folds it into one).
 
     Returns
     -------
@@ -113,7 +131,7 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
         dropout, or None); both are None after the fused core, which keeps no ``L x L`` array.
     """
     check_core(core)
-    inp = _inputs(q, k, v, scale, causal, attn_mask, key_visible)
+    inp = _inputs(q, k, v, scale, causal, attn_mask, key_visible, key_add)
     shape = (q.shape[0], q.shape[1], k.shape[1])
     if mask_grad:
         check_mask_grad(attn_mask, core)
@@ -125,8 +143,9 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
             p, seed = drop or (0.0, None)
             before = len(ctx.report.events)
             out, saved = fused_forward(
-                q, k, v, ctx, scale=inp.scale, causal=inp.causal, attn_mask=inp.attn_add,
-                key_visible=inp.key_visible, dropout=p, dropout_seed=seed, workspace=workspace)
+                q, k, v, ctx, scale=inp.scale, causal=inp.causal, attn_mask=inp.mask_add,
+                key_visible=inp.key_visible, dropout=p, dropout_seed=seed, workspace=workspace,
+                key_add=inp.key_add)
             if core == "fused" or ctx.check == "off" or not overflowed(ctx.report, before,
                                                                         (out,)):
                 out, saved = verify_output(out, saved, ctx)
@@ -136,7 +155,8 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
             # overflow through and tells it from a fault, on the same dropout decisions
             return core_forward(q, k, v, ctx, scale=inp.scale, causal=causal,
                                 attn_mask=attn_mask, key_visible=key_visible, dropout=p,
-                                dropout_seed=seed, workspace=workspace, core="unfused")
+                                dropout_seed=seed, workspace=workspace, core="unfused",
+                                key_add=key_add)
         if core == "fused":
             raise refused(why_not)
     inp.dropout, _ = for_core(inp.xp, dropout, dropout_keep, dropout_seed, shape, rng,
@@ -158,8 +178,8 @@ def fused_unsupported(inp: _CoreInputs, ctx: Context, dropout_keep: Any | None =
     ``forced`` (:func:`attention.fused_choice.static_reason`). ``forced`` (``core="fused"``): a
     fault hook and a plan that checks the core's sites less often do not count (the hook then
     sees the fused sites)."""
-    return static_reason(inp.xp, inp.dtype, inp.attn_add, ctx, dropout_keep, forced) \
-        or finite_reason(q=inp.q, k=inp.k, v=inp.v)
+    return static_reason(inp.xp, inp.dtype, inp.mask_add, ctx, dropout_keep, forced,
+                         key_add=inp.key_add) or finite_reason(q=inp.q, k=inp.k, v=inp.v)
 
 
 @counts_reads
@@ -186,11 +206,11 @@ def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
                 return verify_grads(saved["fused"], d_out, grads, ctx)
         # The unfused core passes non-finite gradients through, and tells an overflow of the
         # data's dtype from a fault: its forward again, then its backward.
-        mask = inp.attn_add if inp.attn_add is None or len(inp.attn_add) > 1 else inp.attn_add[0]
+        mask = inp.mask_add if inp.mask_add is None or len(inp.mask_add) > 1 else inp.mask_add[0]
         drop = saved["fused"]["dropout"] or (0.0, None)  # the same keep decisions, materialized
         _, saved = core_forward(inp.q, inp.k, inp.v, ctx, scale=inp.scale, causal=inp.causal,
                                 attn_mask=mask, key_visible=inp.key_visible,
-                                workspace=workspace, core="unfused",
+                                key_add=inp.key_add, workspace=workspace, core="unfused",
                                 dropout=drop[0], dropout_seed=drop[1])
     env = lambda: {"qh": inp.q, "kh": inp.k, "vh": inp.v, "d_context_h": d_out}  # noqa: E731
     mask_shape = saved.get("mask_shape")
@@ -203,7 +223,7 @@ def core_backward(saved: dict[str, Any], d_out: Any, ctx: Context, *,
 
 
 def _inputs(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
-            attn_mask: Any | None, key_visible: Any | None) -> _CoreInputs:
+            attn_mask: Any | None, key_visible: Any | None, key_add: Any | None) -> _CoreInputs:
     xp = array_module(q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if array_module(t) is not xp or t.dtype != q.dtype:
@@ -229,4 +249,6 @@ def _inputs(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
             raise TypeError(f"key_visible must be a {xp.__name__} array, as q is, got "
                             f"{type(key_visible).__name__}")
         key_visible = key_visible_of(xp, key_visible, q, k)
-    return _CoreInputs(q, k, v, scale, bool(causal), add, key_visible)
+    if key_add is not None:  # its values are judged where a core takes it
+        key_add, _ = key_additive_of(xp, key_add, q, k, add, read_values=False)
+    return _CoreInputs(q, k, v, scale, bool(causal), add, key_visible, key_add)

@@ -20,9 +20,10 @@ Masks: none (with the module's ``is_causal``, or the ``is_causal`` keyword; a mo
 the flag is not causal, as eager), 4-D boolean
 (True = attend, as transformers' sdpa masks) or 4-D float masks added to the scores (eager's
 masks and custom ones); values at or below half the dtype's lowest finite value are taken as
-"not allowed". A boolean mask that is key padding (the same keys hidden from every query, with
-or without the causal triangle: the masks of padded batches) reaches the core as key visibility,
-an ``O(L)`` mask (:func:`attention.torch_functional.attention_core`). Grouped-query attention
+"not allowed". A mask that is key padding (the same keys hidden from every query, with or
+without the causal triangle: the masks of padded batches) reaches the core as key visibility
+(boolean) or a per-key additive mask (eager's float masks), an ``O(L)`` mask
+(:func:`attention.torch_functional.attention_core`). Grouped-query attention
 (fewer key/value heads) repeats the key and value heads. Sliding windows (Mistral's, Gemma 3's)
 are in the masks transformers builds (sdpa's builder, registered here); it leaves the mask out
 only where the window hides nothing, so a ``sliding_window`` without a mask is refused when the

@@ -37,8 +37,8 @@ def with_sink(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
               logits: torch.Tensor, scale: float
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(q', k', v', mask')`` of ``q`` ``(n, L, d)``, ``k`` and ``v`` ``(n, S, d)`` and a core
-    mask (None; key visibility, bool ``(n, 1, S)``; ``(L, S)`` or ``(n, L, S)``: bool, True =
-    not allowed, or float, added) with the sink of ``logits`` ``(n,)`` as key 0 and a dummy
+    mask (None; per key ``(n, 1, S)``: key visibility, bool, or float added, not requiring grad;
+    ``(L, S)`` or ``(n, L, S)``: bool, True = not allowed, or float, added) with the sink of ``logits`` ``(n,)`` as key 0 and a dummy
     query 0 (module docstring): ``(n, L + 1, d + 1)``, ``(n, S + 1, d + 1)`` twice, and the mask
     with the sink visible to every query (the dummy query sees what query 0 sees). A head whose
     sink is ``-inf``, or so low that ``s / scale`` rounds to ``-inf`` in the data's dtype, has
@@ -81,7 +81,8 @@ def _sink_mask(mask: torch.Tensor | None, hidden: torch.Tensor, n: int, seq_k: i
         if not some:
             return None
         mask = torch.zeros(n, 1, seq_k, dtype=torch.bool, device=hidden.device)
-    visibility = mask.dtype == torch.bool and mask.dim() == 3 and mask.shape[1] == 1
+    visibility = mask.dim() == 3 and mask.shape[1] == 1 and (mask.dtype == torch.bool
+                                                             or not mask.requires_grad)
     rows = mask.shape[-2] + (0 if visibility else 1)
     lead = (n,) if some or mask.dim() == 3 else ()
     new = mask.new_zeros(*lead, rows, seq_k + 1)

@@ -18,6 +18,8 @@ is the :class:`Protection` passed as ``protection``::
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from attention import _torch_core_op, _torch_op
@@ -167,7 +169,9 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         Broadcastable to ``(..., L, S)``: bool, True = NOT allowed, or float, added to the
         scaled scores. A boolean mask that hides the same keys from every query (key padding),
         or those and the keys after each query (``L == S``), runs as the core's key visibility,
-        an ``O(L)`` mask, with the causal triangle as ``is_causal``.
+        an ``O(L)`` mask, with the causal triangle as ``is_causal``; likewise a float one that
+        adds the same to a key's score in every query row (``-inf`` above the diagonal, or not),
+        as the core's per-key additive mask, unless it requires grad.
     scale : float, optional
         Default ``1 / sqrt(D)``.
     is_causal : bool
@@ -276,12 +280,15 @@ def _check_projection(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 def _core_mask(mask: torch.Tensor | None, lead: torch.Size, n: int, seq_q: int, seq_k: int,
                causal: bool) -> tuple[torch.Tensor | None, bool]:
     """``(mask, causal)`` as the core takes them: ``mask`` ``(L, S)`` when shared by every batch
-    item and head, else ``(n, L, S)``; a boolean mask that hides the same keys from every query
-    (key padding: Hugging Face's masks of padded batches), or those keys and the keys after each
-    query (key padding of a causal model, ``L == S``), as ``(n, 1, S)`` with ``causal`` set (no
-    ``L x S`` array: the fused core skips the tiles above the diagonal). Not while
-    ``torch.compile`` or a tracer records the call (:func:`attention._torch_arrays.eager`):
-    comparing the mask's values is data-dependent there, so the mask goes on whole."""
+    item and head, else ``(n, L, S)``; a mask that hides the same keys from every query (key
+    padding: Hugging Face's masks of padded batches; a float one adds the same value to a key's
+    score in every query row), or those keys and the keys after each query (key padding of a
+    causal model, ``L == S``), as ``(n, 1, S)`` with ``causal`` set (no ``L x S`` array: the
+    core's key visibility, or its per-key additive mask for a float one; the fused core skips
+    the tiles above the diagonal). Not while ``torch.compile`` or a tracer records the call
+    (:func:`attention._torch_arrays.eager`): comparing the mask's values is data-dependent
+    there, so the mask goes on whole; nor for a float mask that requires grad, whose gradient
+    has the shape given."""
     if mask is None:
         return None, causal
     if mask.dtype != torch.bool and not mask.is_floating_point():
@@ -291,7 +298,7 @@ def _core_mask(mask: torch.Tensor | None, lead: torch.Size, n: int, seq_q: int, 
     except RuntimeError:
         raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to "
                          f"{(*lead, seq_q, seq_k)}") from None
-    if mask.dtype == torch.bool and eager(mask):
+    if eager(mask) and not (mask.is_floating_point() and mask.requires_grad):
         padding, padded_causal = _key_padding(mask, seq_q, seq_k, causal)
         if padding is not None:
             return padding.expand(*lead, 1, seq_k).reshape(n, 1, seq_k).contiguous(), \
@@ -303,11 +310,12 @@ def _core_mask(mask: torch.Tensor | None, lead: torch.Size, n: int, seq_q: int, 
 
 def _key_padding(mask: torch.Tensor, seq_q: int, seq_k: int, causal: bool
                  ) -> tuple[torch.Tensor | None, bool]:
-    """``(hidden, causal)`` when the boolean ``mask`` (True = not allowed, broadcastable to
-    ``(..., L, S)``) is key padding: ``hidden`` ``(..., 1, S)`` the keys hidden from every query
-    (the last query's, which a causal mask hides nothing more from), ``causal`` whether the mask
-    also hides the keys after each query; ``(None, causal)`` otherwise. Compared in the mask's own
-    shape (its broadcast axes are not expanded)."""
+    """``(hidden, causal)`` when ``mask`` (bool, True = not allowed, or float, added;
+    broadcastable to ``(..., L, S)``) is key padding: ``hidden`` ``(..., 1, S)`` the last
+    query's row (a causal mask hides nothing more from it), the same in every row, ``causal``
+    whether the mask also hides the keys after each query (float: ``-inf`` there); ``(None,
+    causal)`` otherwise. Compared in the mask's own shape (its broadcast axes are not
+    expanded)."""
     if mask.dim() < 2 or mask.shape[-1] != seq_k or seq_q == 0:  # no query: no last row
         return None, causal
     hidden = mask[..., -1:, :]
@@ -316,6 +324,12 @@ def _key_padding(mask: torch.Tensor, seq_q: int, seq_k: int, causal: bool
     if seq_q != seq_k:
         return None, causal
     after = torch.ones(seq_q, seq_k, dtype=torch.bool, device=mask.device).triu(1)
-    if torch.equal(mask | after if causal else mask, hidden | after):
+    if mask.dtype == torch.bool:
+        if torch.equal(mask | after if causal else mask, hidden | after):
+            return hidden, True
+        return None, causal
+    minus_inf = torch.tensor(-math.inf, dtype=mask.dtype, device=mask.device)
+    if torch.equal(torch.where(after, minus_inf, mask) if causal else mask,
+                   torch.where(after, minus_inf, hidden)):
         return hidden, True
     return None, causal

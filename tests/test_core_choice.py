@@ -101,6 +101,32 @@ def test_key_visibility_on_every_backend(xp, core):
         np.testing.assert_allclose(to_host(g), w, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("core", ["fused", "unfused"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_add_equals_its_folded_mask_on_every_backend(xp, core, causal):
+    """``key_add`` (m, S), m dividing n, with ``attn_mask`` or without, gives what their sum as
+    one ``(n, L, S)`` attn_mask gives, on both cores and every backend."""
+    rng = np.random.default_rng(11)
+    q, k, v, do = _data(rng, 4, 30, 30, 8)
+    keys = rng.standard_normal((2, 30))
+    keys[rng.random(keys.shape) < 0.3] = -np.inf
+    keys[:, 0] = 0.0
+    for add in (None, rng.standard_normal((30, 30))):
+        full = np.repeat(keys, 2, axis=0)[:, None, :] + (np.zeros((30, 30)) if add is None
+                                                          else add)
+        want = _run(q, k, v, do, Context(), attn_mask=full, causal=causal, core="unfused")[1]
+        ctx = Context()
+        ran, got = _run(*(xp.asarray(t) for t in (q, k, v, do)), ctx,
+                        attn_mask=None if add is None else xp.asarray(add),
+                        key_add=xp.asarray(keys), causal=causal, core=core)
+        assert ran == core and not ctx.report.events
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(to_host(g), w, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="key_add must have shape"):
+        core_forward(q, k, v, Context(), key_add=np.zeros((3, 30)))
+
+
 def test_key_visibility_refuses_bad_masks():
     q, k, v, _ = _data(np.random.default_rng(9), 2, 10, 12, 8)
     with pytest.raises(ValueError, match="key_visible must be a bool array of shape"):

@@ -196,6 +196,43 @@ def test_eager_masks_left_out_hide_nothing(name):
     assert_same_step(runs[1], runs[0])
 
 
+@pytest.mark.parametrize("name", ["ClapText", "AlignText"])
+def test_eager_padding_masks_reach_the_core_per_key(name, monkeypatch):
+    """A padded batch's eager masks (float, ``(B, 1, L, S)``, the same in every query row) reach
+    the core as its per-key additive mask ``key_add`` ``(B * heads, S)``, not as an ``L x S``
+    array per head, and the step equals eager's."""
+    if not hasattr(transformers, f"{name}Model"):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}Model")
+    from attention import _torch_core_op
+    calls = []
+    real = _torch_core_op.core_forward
+
+    def spy(q, k, v, ctx, **kw):
+        keys = kw.get("key_add")
+        calls.append((kw.get("attn_mask") is None, None if keys is None else keys.shape))
+        return real(q, k, v, ctx, **kw)
+
+    monkeypatch.setattr(_torch_core_op, "core_forward", spy)
+    config = getattr(transformers, f"{name}Config")(vocab_size=VOCAB, **BERT_LIKE, **NO_DROPOUT,
+                                                    attn_implementation="eager")
+    torch.manual_seed(0)
+    eager = getattr(transformers, f"{name}Model")(config).train()
+    model = protect(copy.deepcopy(eager))
+    assert model.config._attn_implementation == EAGER_MASKS
+    ids, mask = batch()
+    weights = torch.randn(*ids.shape, 32, generator=torch.Generator().manual_seed(2))
+    runs = []
+    for m in (eager, model):
+        hidden = m(ids, attention_mask=mask).last_hidden_state
+        (hidden * weights * mask[..., None]).sum().backward()
+        runs.append(((hidden * mask[..., None]).detach(),
+                     {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    assert_same_step(runs[1], runs[0])
+    heads = config.num_attention_heads
+    assert set(calls) == {(True, (ids.shape[0] * heads, ids.shape[1]))}
+    assert {c.last_core for c in attention_cores(model).values()} == {"fused"}
+
+
 def _mllama_text_config():
     """A tiny Mllama text model's config, its layer 1 a cross-attention layer."""
     if not hasattr(transformers, "MllamaForCausalLM"):

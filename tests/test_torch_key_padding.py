@@ -279,3 +279,97 @@ def test_a_float_key_padding_mask_makes_no_quadratic_buffer():
     L)`` mask a fold makes (268 MB; the fold grew the resident peak by 335 MB and the traced
     peak was 70 MB, against 15 MB and 14 MB per key)."""
     run_python("-c", _PEAK.format(seq=2048), timeout=600)
+
+
+# ------------------------------------------------------------------ float attn_mask of attention_core
+
+
+@pytest.fixture
+def core_key_add(monkeypatch):
+    """The masks each call hands the core: ``(attn_mask shape or None, key_add shape or None,
+    causal)``."""
+    calls = []
+    real = _torch_core_op.core_forward
+
+    def spy(q, k, v, ctx, **kw):
+        mask, keys = kw.get("attn_mask"), kw.get("key_add")
+        calls.append((None if mask is None else mask.shape,
+                      None if keys is None else keys.shape, kw["causal"]))
+        return real(q, k, v, ctx, **kw)
+
+    monkeypatch.setattr(_torch_core_op, "core_forward", spy)
+    return calls
+
+
+def _float_padding(lengths: list[int]) -> torch.Tensor:
+    """(B, 1, 1, L) float: ``-inf`` at keys at or after each item's length (every length at least
+    1: no row without a key), other keys a value of their own."""
+    gen = torch.Generator().manual_seed(4)
+    pad = torch.randn(B, 1, 1, L, generator=gen, dtype=torch.float64)
+    return pad.masked_fill(torch.arange(L) >= torch.tensor(lengths)[:, None, None, None],
+                           float("-inf"))
+
+
+def _minus_inf_after(mask: torch.Tensor) -> torch.Tensor:
+    return mask.masked_fill(_after(), float("-inf"))
+
+
+FLOAT_KINDS = {  # name: (mask given, is_causal given, the full float mask it means)
+    "float padding (B, 1, 1, S)": (lambda: _float_padding([20, 13, 1]), False,
+                                   lambda: _float_padding([20, 13, 1])),
+    "float padding expanded (B, 1, L, S)": (
+        lambda: _float_padding([20, 13, 5]).expand(B, 1, L, L).contiguous(), False,
+        lambda: _float_padding([20, 13, 5])),
+    "float padding and -inf causal triangle": (
+        lambda: _minus_inf_after(_float_padding([20, 13, 5]).expand(B, 1, L, L)), False,
+        lambda: _minus_inf_after(_float_padding([20, 13, 5]).expand(B, 1, L, L))),
+    "float padding with is_causal": (
+        lambda: _float_padding([20, 13, 5]), True,
+        lambda: _minus_inf_after(_float_padding([20, 13, 5]).expand(B, 1, L, L))),
+}
+
+
+def _float_reference(mask: torch.Tensor):
+    q, k, v = _inputs()
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    grads = torch.autograd.grad((out * torch.linspace(-1, 1, D, dtype=out.dtype)).sum(),
+                                (q, k, v))
+    return out, grads
+
+
+@pytest.mark.parametrize("core", ["auto", "unfused"])
+@pytest.mark.parametrize("kind", list(FLOAT_KINDS))
+def test_float_key_padding_runs_per_key_and_equals_the_full_mask(kind, core, core_key_add):
+    """A float ``attn_mask`` that adds the same to a key's score in every query row (with or
+    without ``-inf`` above the diagonal) reaches the core as ``key_add`` ``(n, S)``, not as an
+    ``(n, L, S)`` array, and gives PyTorch's results with the mask whole."""
+    given, causal, meant = FLOAT_KINDS[kind]
+    out, grads, protection = _run(given(), causal, core)
+    assert core_key_add == [(None, (B * H, L), causal or "causal" in kind)]
+    assert protection.last_core == ("fused" if core == "auto" else "unfused")
+    assert not protection.last_report.events
+    want_out, want_grads = _float_reference(meant())
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_other_float_masks_stay_full(core_key_add):
+    """Masks that differ between query rows, and a float mask whose gradient is wanted, go on
+    whole (the gradient has the mask's shape)."""
+    varying = _float_padding([20, 13, 5]).expand(B, 1, L, L).clone()
+    varying[1, 0, 7, 2] = -3.0  # one query's score of one key only
+    out, _, _ = _run(varying, False)
+    assert core_key_add == [((B * H, L, L), None, False)]
+    torch.testing.assert_close(out, _float_reference(varying)[0], rtol=1e-12, atol=1e-12)
+    core_key_add.clear()
+    learned = _float_padding([20, 13, 5]).requires_grad_()
+    q, k, v = _inputs()
+    out, _ = attention_core(q, k, v, protection=Protection(), attn_mask=learned)
+    out.sum().backward()
+    assert core_key_add == [((B * H, L, L), None, False)]
+    assert learned.grad.shape == learned.shape
+    qd, kd, vd = _inputs()
+    mask = learned.detach().clone().requires_grad_()
+    torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask).sum().backward()
+    torch.testing.assert_close(learned.grad, mask.grad, rtol=1e-10, atol=1e-12)

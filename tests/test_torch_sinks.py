@@ -123,8 +123,10 @@ def test_float32_on_the_fused_core_within_its_rounding():
                                    atol=1e-4 * w.abs().max().item())
 
 
-def test_key_padding_reaches_the_core_as_key_visibility(monkeypatch):
-    """A padded causal batch's mask stays O(L) with the sink: ``(n, 1, S + 1)``, causal."""
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_key_padding_reaches_the_core_per_key(kind, monkeypatch):
+    """A padded causal batch's mask stays O(L) with the sink: ``(n, 1, S + 1)``, causal (a float
+    one, ``-inf`` where the boolean hides, the same; and equal to float64 math)."""
     seen = []
     apply = _torch_core_op.apply_core
 
@@ -134,8 +136,12 @@ def test_key_padding_reaches_the_core_as_key_visibility(monkeypatch):
 
     monkeypatch.setattr(_torch_core_op, "apply_core", spy)
     q, k, v, sinks, mask, _ = _case("padded-causal")
-    attention_core(q, k, v, protection=Protection(), attn_mask=mask, sinks=sinks)
+    if kind == "float":
+        mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(mask, -math.inf)
+    out, _ = attention_core(q, k, v, protection=Protection(), attn_mask=mask, sinks=sinks)
     assert seen == [((B * H, 1, L + 1), True)]
+    torch.testing.assert_close(out, _reference(q, k, v, sinks, mask, False)[0], rtol=0,
+                               atol=1e-12)
 
 
 @pytest.mark.parametrize("site", ["scores", "d_k"])
