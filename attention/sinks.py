@@ -38,9 +38,10 @@ def with_sink(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(q', k', v', mask')`` of ``q`` ``(n, L, d)``, ``k`` and ``v`` ``(n, S, d)`` and a core
     mask (None; per key ``(n, 1, S)``: key visibility, bool, or float added, not requiring grad;
-    ``(L, S)`` or ``(n, L, S)``: bool, True = not allowed, or float, added) with the sink of ``logits`` ``(n,)`` as key 0 and a dummy
-    query 0 (module docstring): ``(n, L + 1, d + 1)``, ``(n, S + 1, d + 1)`` twice, and the mask
-    with the sink visible to every query (the dummy query sees what query 0 sees). A head whose
+    ``(L, S)`` or ``(n, L, S)``: bool, True = not allowed, or float, added) with the sink of
+    ``logits`` ``(n,)`` as key 0 and a dummy query 0 (module docstring): ``(n, L + 1, d +
+    1)``, ``(n, S + 1, d + 1)`` twice, and the mask with the sink visible to every query (the
+    dummy query sees what query 0 sees). A head whose
     sink is ``-inf``, or so low that ``s / scale`` rounds to ``-inf`` in the data's dtype, has
     no sink (its probability is 0): its sink key is hidden by the mask, and its logit's gradient
     is 0.

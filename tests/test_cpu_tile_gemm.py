@@ -1,5 +1,5 @@
-"""The fused core's CPU tile products (attention._cpu_tile_gemm): BLAS on strided views, in place, in
-pieces of rows, against float64 products; and the fused core with every piece size."""
+"""The fused core's CPU tile products (attention._cpu_tile_gemm): BLAS on strided views, in
+place, in pieces of rows, against float64 products; and the fused core with every piece size."""
 from __future__ import annotations
 
 import numpy as np

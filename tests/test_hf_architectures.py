@@ -171,36 +171,15 @@ def test_models_written_for_eager_masks_get_them(name, config, model, options):
     assert any(c.last_report.checked for c in attention_cores(protected).values())
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("name", ["ClapText", "AlignText"])
-def test_eager_masks_left_out_hide_nothing(name):
+def test_eager_masks_of_text_encoders(name, padded, monkeypatch):
     """Without padding, transformers' eager mask builder hands the attention no mask. CLAP's and
     ALIGN's text encoders (no sdpa support, attention modules without an ``is_causal`` flag) ran
-    causal there under ``"abft_eager_masks"``; eager attends to every key."""
-    if not hasattr(transformers, f"{name}Model"):
-        pytest.skip(f"transformers {transformers.__version__} has no {name}Model")
-    config = getattr(transformers, f"{name}Config")(vocab_size=VOCAB, **BERT_LIKE, **NO_DROPOUT,
-                                                    attn_implementation="eager")
-    torch.manual_seed(0)
-    eager = getattr(transformers, f"{name}Model")(config).train()
-    model = protect(copy.deepcopy(eager))
-    assert model.config._attn_implementation == EAGER_MASKS
-    ids = batch()[0]
-    # (a squared layer norm's output would have a gradient of rounding noise alone)
-    weights = torch.randn(*ids.shape, 32, generator=torch.Generator().manual_seed(2))
-    runs = []
-    for m in (eager, model):
-        hidden = m(ids, attention_mask=torch.ones_like(ids)).last_hidden_state
-        (hidden * weights).sum().backward()
-        runs.append((hidden.detach(), {n: p.grad for n, p in m.named_parameters()
-                                       if p.grad is not None}))
-    assert_same_step(runs[1], runs[0])
-
-
-@pytest.mark.parametrize("name", ["ClapText", "AlignText"])
-def test_eager_padding_masks_reach_the_core_per_key(name, monkeypatch):
-    """A padded batch's eager masks (float, ``(B, 1, L, S)``, the same in every query row) reach
-    the core as its per-key additive mask ``key_add`` ``(B * heads, S)``, not as an ``L x S``
-    array per head, and the step equals eager's."""
+    causal there under ``"abft_eager_masks"``; eager attends to every key. A padded batch's
+    eager masks (float, ``(B, 1, L, S)``, the same in every query row) reach the core as its
+    per-key additive mask ``key_add`` ``(B * heads, S)``, not as an ``L x S`` array per head.
+    Either way the step equals eager's."""
     if not hasattr(transformers, f"{name}Model"):
         pytest.skip(f"transformers {transformers.__version__} has no {name}Model")
     from attention import _torch_core_op
@@ -220,16 +199,18 @@ def test_eager_padding_masks_reach_the_core_per_key(name, monkeypatch):
     model = protect(copy.deepcopy(eager))
     assert model.config._attn_implementation == EAGER_MASKS
     ids, mask = batch()
+    mask = mask if padded else torch.ones_like(ids)
+    # (a squared layer norm's output would have a gradient of rounding noise alone)
     weights = torch.randn(*ids.shape, 32, generator=torch.Generator().manual_seed(2))
     runs = []
     for m in (eager, model):
-        hidden = m(ids, attention_mask=mask).last_hidden_state
-        (hidden * weights * mask[..., None]).sum().backward()
-        runs.append(((hidden * mask[..., None]).detach(),
-                     {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+        hidden = m(ids, attention_mask=mask).last_hidden_state * mask[..., None]
+        (hidden * weights).sum().backward()
+        runs.append((hidden.detach(), {n: p.grad for n, p in m.named_parameters()
+                                       if p.grad is not None}))
     assert_same_step(runs[1], runs[0])
-    heads = config.num_attention_heads
-    assert set(calls) == {(True, (ids.shape[0] * heads, ids.shape[1]))}
+    rows = ids.shape[0] * config.num_attention_heads
+    assert set(calls) == {(True, (rows, ids.shape[1]) if padded else None)}
     assert {c.last_core for c in attention_cores(model).values()} == {"fused"}
 
 

@@ -19,21 +19,26 @@ from fresh_python import run_python  # noqa: E402
 B, H, L, D = 3, 2, 20, 8
 
 
-@pytest.fixture
-def core_calls(monkeypatch):
-    """The masks each call hands the core: ``(attn_mask shape or None, key_visible shape or
-    None, causal)``."""
+def _core_spy(monkeypatch, names):
+    """The list each call to the core appends ``(shape of each keyword argument of names, or
+    None; causal)`` to."""
     calls = []
     real = _torch_core_op.core_forward
 
     def spy(q, k, v, ctx, **kw):
-        mask, visible = kw.get("attn_mask"), kw.get("key_visible")
-        calls.append((None if mask is None else mask.shape,
-                      None if visible is None else visible.shape, kw["causal"]))
+        calls.append(tuple(None if kw.get(n) is None else kw[n].shape for n in names)
+                     + (kw["causal"],))
         return real(q, k, v, ctx, **kw)
 
     monkeypatch.setattr(_torch_core_op, "core_forward", spy)
     return calls
+
+
+@pytest.fixture
+def core_calls(monkeypatch):
+    """The masks each call hands the core: ``(attn_mask shape or None, key_visible shape or
+    None, causal)``."""
+    return _core_spy(monkeypatch, ("attn_mask", "key_visible"))
 
 
 def _padding(lengths: list[int]) -> torch.Tensor:
@@ -88,20 +93,6 @@ KINDS = {  # name: (mask given, is_causal given, the full mask it means)
         False,
         lambda: (torch.arange(L) < torch.tensor([0, 4, 9])[:, None])[:, None, None, :] | _after()),
 }
-
-
-@pytest.mark.parametrize("core", ["auto", "unfused"])
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_key_padding_runs_as_key_visibility_and_equals_the_full_mask(kind, core, core_calls):
-    given, causal, meant = KINDS[kind]
-    out, grads, protection = _run(given(), causal, core)
-    assert core_calls == [(None, (B * H, L), causal or "causal" in kind)]
-    assert protection.last_core == ("fused" if core == "auto" else "unfused")
-    assert not protection.last_report.events
-    want_out, want_grads = _reference(meant())
-    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
-    for g, w in zip(grads, want_grads):
-        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
 def test_other_boolean_masks_stay_full(core_calls):
@@ -281,24 +272,7 @@ def test_a_float_key_padding_mask_makes_no_quadratic_buffer():
     run_python("-c", _PEAK.format(seq=2048), timeout=600)
 
 
-# ------------------------------------------------------------------ float attn_mask of attention_core
-
-
-@pytest.fixture
-def core_key_add(monkeypatch):
-    """The masks each call hands the core: ``(attn_mask shape or None, key_add shape or None,
-    causal)``."""
-    calls = []
-    real = _torch_core_op.core_forward
-
-    def spy(q, k, v, ctx, **kw):
-        mask, keys = kw.get("attn_mask"), kw.get("key_add")
-        calls.append((None if mask is None else mask.shape,
-                      None if keys is None else keys.shape, kw["causal"]))
-        return real(q, k, v, ctx, **kw)
-
-    monkeypatch.setattr(_torch_core_op, "core_forward", spy)
-    return calls
+# ------------------------------------------------------------------ float attn_mask
 
 
 def _float_padding(lengths: list[int]) -> torch.Tensor:
@@ -338,25 +312,29 @@ def _float_reference(mask: torch.Tensor):
 
 
 @pytest.mark.parametrize("core", ["auto", "unfused"])
-@pytest.mark.parametrize("kind", list(FLOAT_KINDS))
-def test_float_key_padding_runs_per_key_and_equals_the_full_mask(kind, core, core_key_add):
-    """A float ``attn_mask`` that adds the same to a key's score in every query row (with or
-    without ``-inf`` above the diagonal) reaches the core as ``key_add`` ``(n, S)``, not as an
-    ``(n, L, S)`` array, and gives PyTorch's results with the mask whole."""
-    given, causal, meant = FLOAT_KINDS[kind]
+@pytest.mark.parametrize("kind", list(KINDS) + list(FLOAT_KINDS))
+def test_key_padding_runs_per_key_and_equals_the_full_mask(kind, core, monkeypatch):
+    """Key padding, with or without the causal triangle, reaches the core as ``key_visible``
+    (boolean masks) or ``key_add`` (float masks, adding the same to a key's score in every
+    query row), ``(n, S)``, not as an ``(n, L, S)`` array, and gives PyTorch's results with the
+    mask whole."""
+    boolean = kind in KINDS
+    given, causal, meant = (KINDS if boolean else FLOAT_KINDS)[kind]
+    calls = _core_spy(monkeypatch, ("attn_mask", "key_visible" if boolean else "key_add"))
     out, grads, protection = _run(given(), causal, core)
-    assert core_key_add == [(None, (B * H, L), causal or "causal" in kind)]
+    assert calls == [(None, (B * H, L), causal or "causal" in kind)]
     assert protection.last_core == ("fused" if core == "auto" else "unfused")
     assert not protection.last_report.events
-    want_out, want_grads = _float_reference(meant())
+    want_out, want_grads = (_reference if boolean else _float_reference)(meant())
     torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
     for g, w in zip(grads, want_grads):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
-def test_other_float_masks_stay_full(core_key_add):
+def test_other_float_masks_stay_full(monkeypatch):
     """Masks that differ between query rows, and a float mask whose gradient is wanted, go on
     whole (the gradient has the mask's shape)."""
+    core_key_add = _core_spy(monkeypatch, ("attn_mask", "key_add"))
     varying = _float_padding([20, 13, 5]).expand(B, 1, L, L).clone()
     varying[1, 0, 7, 2] = -3.0  # one query's score of one key only
     out, _, _ = _run(varying, False)
