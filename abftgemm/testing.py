@@ -155,6 +155,17 @@ def checksum_error_ratio(c: Any, c_clean: Any, a: Any, b: Any,
     finite gives ``inf``, as does one that differs from an INF/NaN of ``c_clean`` (NaN matches
     NaN; an infinity must keep its sign).
 
+    Parameters
+    ----------
+    c : array
+        The product to judge, ``a @ b`` with the errors under test (NumPy or CuPy).
+    c_clean : array
+        The same product without them, of ``c``'s shape and dtype.
+    a, b : array
+        The operands (their magnitudes set each vector's threshold).
+    directions : {"columns", "both"}
+        The verified vectors: the columns, or the columns and the rows.
+
     Returns
     -------
     numpy.ndarray (batch,)
