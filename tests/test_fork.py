@@ -18,7 +18,7 @@ import abftgemm
 from abftgemm import threads
 from abftgemm._cpu_gemm import gemm
 from attention.context import Context
-from attention.fused import fused_backward, fused_forward
+from attention.core import core_backward, core_forward
 
 rng = np.random.default_rng(0)
 q, k, v, do = (rng.standard_normal((3, 300, 64)).astype(np.float32) for _ in range(4))
@@ -28,8 +28,9 @@ b = rng.standard_normal((256, 128)).astype(np.float32)
 
 def work():
     ctx = Context()
-    out, saved = fused_forward(q, k, v, ctx, causal=True)
-    grads = fused_backward(saved, do, ctx)
+    out, saved = core_forward(q, k, v, ctx, causal=True)  # the fused core and its final checks
+    grads = core_backward(saved, do, ctx)
+    assert saved["core"] == "fused" and ctx.report.checked["fused:dK_out"], ctx.report.checked
     assert not ctx.report.events, ctx.report.summary()
     product = np.empty((512, 128), np.float32)
     with threads.blas_scope(numba_pool=True):
