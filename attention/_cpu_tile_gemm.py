@@ -69,10 +69,13 @@ def _xxgemm(typingctx: Any, trans_b: Any, m: Any, n: Any, k: Any, alpha: Any, a:
 
 @numba.njit(cache=True)
 def _leading(x: Any, cols: int) -> int:
-    """The leading dimension of the row-major 2-D view ``x`` (``cols`` wide), unit inner stride."""
+    """The leading dimension of the row-major 2-D view ``x`` (``cols`` wide): its rows must be
+    contiguous and apart by at least their length, in order."""
     item = x.itemsize
     if x.shape[0] > 1 and x.shape[1] > 1 and x.strides[1] != item:
         raise ValueError("gemm: an operand's rows are not contiguous")
+    if x.shape[0] > 1 and x.strides[0] < x.shape[1] * item:
+        raise ValueError("gemm: an operand's rows overlap or run backwards")
     return max(x.strides[0] // item, cols, 1)
 
 

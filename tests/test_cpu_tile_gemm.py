@@ -52,11 +52,14 @@ def test_gemm_empty_inner_dimension() -> None:
     assert np.all(c == 0.0)
 
 
-def test_gemm_refuses_strided_rows() -> None:
-    a = np.ones((4, 8), np.float32)[:, ::2]
+def test_gemm_refuses_strided_overlapping_or_reversed_rows() -> None:
     c = np.zeros((4, 3), np.float32)
+    b = np.ones((4, 3), np.float32)
     with pytest.raises(ValueError, match="rows are not contiguous"):
-        gemm(a, np.ones((4, 3), np.float32), c, 0.0, False, 4)
+        gemm(np.ones((4, 8), np.float32)[:, ::2], b, c, 0.0, False, 4)
+    for a in (np.ones((4, 4), np.float32)[::-1], np.broadcast_to(np.ones(4, np.float32), (4, 4))):
+        with pytest.raises(ValueError, match="rows overlap or run backwards"):
+            gemm(a, b, c, 0.0, False, 4)
     assert np.all(c == 0.0)
 
 
