@@ -32,7 +32,7 @@ from attention.fused_choice import (CORE_SITES, CORES, backward_reason,  # noqa:
                                      static_reason)
 from attention.fused_final import verify_grads, verify_output
 from attention.fused_rules import check_causal, key_additive_of, key_visible_of
-from attention.functional import (_additive, _folded, backward_pass, check_mask_grad,
+from attention.functional import (_additive, backward_pass, check_mask_grad, folded_mask,
                                   forward_pass, mask_gradient)
 from attention.passes import CORE_BACKWARD, CORE_FORWARD, Variant
 from attention.workspace import Workspace, counts_reads
@@ -64,12 +64,7 @@ class _CoreInputs:
         """The unfused core's additive mask: ``mask_add`` (``attn_mask`` as float64), with
         ``key_add`` folded in as a float64 ``(n, seq_q, seq_k)`` array, made on first use (never
         where only the fused core runs)."""
-        if self.key_add is None:
-            return self.mask_add
-        if self._folded is None:
-            self._folded = _folded(self.xp, self.mask_add, self.key_add,
-                                   self.q.shape[0] // self.key_add.shape[0], self.q.shape[1])
-        return self._folded
+        return folded_mask(self, self.q.shape[0], self.q.shape[1])
 
 
 @counts_reads

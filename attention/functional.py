@@ -750,12 +750,7 @@ class _Inputs:
         """The unfused core's additive mask: ``mask_add``, with ``key_add`` folded in as a
         float64 ``(batch * heads, seq_q, seq_k)`` array, made on first use (never where only the
         fused core runs)."""
-        if self.key_add is None:
-            return self.mask_add
-        if self._folded is None:
-            self._folded = _folded(self.xp, self.mask_add, self.key_add, self.n_heads,
-                                   self.x.shape[1])
-        return self._folded
+        return folded_mask(self, self.batch * self.n_heads, self.x.shape[1])
 
     @classmethod
     def of(cls, params: dict[str, Any], x: Any, key: Any | None, value: Any | None,
@@ -855,6 +850,19 @@ def _key_additive(xp: Any, mask: Any | None, batch: int, seq_k: int) -> Any | No
     if mask.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"key_add must be float (added to the scores), got {mask.dtype}")
     return xp.ascontiguousarray(astype(mask, np.float64))
+
+
+def folded_mask(inp: Any, rows: int, seq_q: int) -> Any | None:
+    """The unfused core's additive mask of the inputs ``inp`` (``xp``, ``mask_add``,
+    ``key_add``, ``_folded``): ``mask_add``, with ``key_add`` ``(m, seq_k)`` folded in as a
+    float64 ``(rows, seq_q, seq_k)`` array (``rows / m`` heads per row of ``key_add``), made
+    once and kept in ``inp._folded``."""
+    if inp.key_add is None:
+        return inp.mask_add
+    if inp._folded is None:
+        inp._folded = _folded(inp.xp, inp.mask_add, inp.key_add, rows // inp.key_add.shape[0],
+                              seq_q)
+    return inp._folded
 
 
 def _folded(xp: Any, add: Any | None, keys: Any, heads: int, seq_q: int) -> Any:
