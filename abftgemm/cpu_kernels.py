@@ -6,12 +6,15 @@ compiled into each caller, whose on-disk cache does not see edits here (``make c
 from __future__ import annotations
 
 from functools import lru_cache
+from types import FunctionType
 from typing import Any
 
 import numba
 import numpy as np
 from numba.core import types
 from numba.extending import overload
+
+from abftgemm.threads import pool_kernels
 
 
 #: Let LLVM reorder and fuse the float64 sums so they vectorize. Not ``fastmath=True``: that also
@@ -217,13 +220,37 @@ def _lookup(bits: Any, table: Any, out: Any) -> None:
         out[i] = table[bits[i]]
 
 
+def twins(fn: Any, **options: Any) -> tuple[Any, Any]:
+    """``(parallel, serial)``: ``fn`` compiled with ``options`` twice, its ``prange`` loops in
+    numba's pool and, compiled without ``parallel``, run as ``range`` (for a process that cannot
+    enter the pool: :func:`abftgemm.threads.pool_kernels`). The serial one is compiled from a copy
+    named apart: numba's on-disk cache files a compilation by the function's name, signature and
+    code alone, and would hand either out for the other."""
+    serial = FunctionType(fn.__code__, fn.__globals__, fn.__name__)
+    serial.__qualname__ = f"{fn.__qualname__}_serial"
+    return (numba.njit(parallel=True, **options)(fn), numba.njit(**options)(serial))
+
+
+#: Elements from which :func:`all_finite` scans in numba's pool (below, starting the pool's
+#: threads costs more than they save).
+POOL_MIN_SCAN = 1 << 18
+#: Parts of an array :func:`all_finite` scans in the pool, in any order.
+_SCAN_PARTS = 64
+
+
 def all_finite(x: np.ndarray) -> bool:
     """No INF or NaN in the array ``x``. C-contiguous float data are judged from their exponent
-    bits in one pass, without the bool array of ``np.isfinite(x).all()``."""
+    bits in one pass, without the bool array of ``np.isfinite(x).all()``, in numba's pool from
+    :data:`POOL_MIN_SCAN` elements."""
     exponent = _exponent_bits(x.dtype)
     if exponent is None or not x.flags.c_contiguous:
         return bool(np.isfinite(x).all())
-    return bool(_top_exponent(x.reshape(-1).view(exponent.dtype), exponent) != exponent)
+    bits = x.reshape(-1).view(exponent.dtype)
+    if bits.size < POOL_MIN_SCAN:
+        return bool(_top_exponent(bits, exponent) != exponent)
+    tops = np.empty(_SCAN_PARTS, bits.dtype)
+    pool_kernels(*_TOP_EXPONENTS)(bits, exponent, tops)
+    return bool(tops.max() != exponent)
 
 
 @lru_cache(maxsize=8)
@@ -243,6 +270,17 @@ def _top_exponent(bits: Any, exponent: Any) -> Any:
     for i in range(bits.shape[0]):
         top = max(top, width(bits[i] & exponent))
     return top
+
+
+def _top_exponents(bits: Any, exponent: Any, tops: Any) -> None:
+    """``tops[t]`` = :func:`_top_exponent` of part ``t`` of ``len(tops)`` of ``bits``."""
+    n = bits.shape[0]
+    part = -(-n // tops.shape[0])
+    for t in numba.prange(tops.shape[0]):
+        tops[t] = _top_exponent(bits[min(n, t * part):min(n, (t + 1) * part)], exponent)
+
+
+_TOP_EXPONENTS = twins(_top_exponents, cache=True)
 
 
 def rows_first(x: np.ndarray) -> tuple[np.ndarray, bool]:

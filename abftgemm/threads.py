@@ -13,9 +13,11 @@ count and restores the caller's setting after. The count, unless :func:`set_thre
   (they spin-wait on the other cores after each of PyTorch's operations),
 - at least 1, and never more than the caller's own BLAS setting.
 
-Only the fused attention core and the products beside it (:mod:`abftgemm._cpu_gemm`) run in
-numba's pool, with every BLAS at one thread (:func:`one_blas_thread`); the checking kernels are
-serial. PyTorch's own thread settings are only counted, never changed.
+Only the fused attention core (its final checks too) and the products beside it
+(:mod:`abftgemm._cpu_gemm`) run in numba's pool, with every BLAS at one thread
+(:func:`one_blas_thread`), and so does the finiteness scan of a large array
+(:func:`abftgemm.cpu_kernels.all_finite`); the checking kernels of the products are serial.
+PyTorch's own thread settings are only counted, never changed.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from collections import deque
 from typing import Any
 
 __all__ = ["set_threads", "get_threads", "current_policy", "blas_scope", "one_blas_thread",
-           "scope_threads", "scope_pool", "numba_pool_usable"]
+           "scope_threads", "scope_pool", "numba_pool_usable", "pool_kernels"]
 
 #: Seconds a load sample stays valid.
 SAMPLE_INTERVAL = 0.1
@@ -273,6 +275,18 @@ def numba_threads(n: int) -> None:
                 if torch is not None and torch.get_num_threads() != before:
                     torch.set_num_threads(before)
     numba.set_num_threads(n)
+
+
+def pool_kernels(parallel: Any, serial: Any) -> Any:
+    """``parallel``, numba kernels over its pool, at the policy's thread count
+    (:func:`current_policy`, at most numba's pool), or their serial twins ``serial`` in a process
+    that cannot enter the pool (:func:`numba_pool_usable`)."""
+    if not numba_pool_usable():
+        return serial
+    import numba
+
+    numba_threads(min(current_policy(), numba.config.NUMBA_NUM_THREADS))
+    return parallel
 
 
 def numba_pool_usable() -> bool:

@@ -45,7 +45,7 @@ from attention.fused_rules import (BACKWARD_SITES, BAD_ADDITIVE, FORWARD_SITES, 
                                    additive_of, book, book_findings, check_gradient,
                                    check_inputs, coefficients, count_checked, dropout_of,
                                    dscores_tolerance, kernel_dropout, key_additive_bad,
-                                   key_additive_of, key_visible_of, probs_tolerance)
+                                   key_additive_of, key_visible_of, probs_tolerance, trusted)
 
 BR = 32  # query rows per block (FBR in fused.cu)
 BC = 32  # keys per tile (FBC)
@@ -258,7 +258,8 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
                   causal: bool = False, key_visible: Any | None = None,
                   attn_mask: Any | None = None, dropout: float = 0.0,
                   dropout_seed: int | None = None, defer: Deferred | None = None,
-                  key_add: Any | None = None) -> tuple[cupy.ndarray, dict[str, Any]]:
+                  key_add: Any | None = None, check_finite: bool = True
+                  ) -> tuple[cupy.ndarray, dict[str, Any]]:
     """:func:`attention.fused.fused_forward` for CuPy arrays (float16, bfloat16, float32 or
     float64, head dim at most :data:`MAX_HEAD_DIM`); ``saved["lse"]`` and ``saved["lse_lo"]`` are
     float32 below float64, ``saved["sums"]`` the output rows' carried checksums and kept sums
@@ -267,9 +268,11 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     Dropout's keep decisions are the CPU core's for the same seed; ``ks = 1 / (1 - p)`` is
     rounded to the tile arithmetic's dtype. With ``defer`` (an attention pass's), the
     finiteness of the inputs and the kernel's records are judged at the pass's settle
-    (:mod:`attention.fused_deferred`), not read here; so are the masks' values."""
+    (:mod:`attention.fused_deferred`), not read here; so are the masks' values. With
+    ``check_finite`` False, that of the inputs is not judged at all (its caller did)."""
     fault = _fault(ctx)
-    scale, visible = _validate(q, k, v, scale, causal, key_visible, defer is None)
+    scale, visible = _validate(q, k, v, scale, causal, key_visible,
+                               defer is None and check_finite)
     drop = dropout_of(dropout, dropout_seed)
     add = None if attn_mask is None else additive_of(cupy, attn_mask, q, k, defer is None)
     if defer is not None and add is not None:
@@ -308,8 +311,8 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
              lse_lo, sums, rec, status))
     if fault is not None:
         fault.record(desc)
-    if defer is not None:  # non-finite inputs: the replay raises, or takes them repaired
-        defer.add(_nonfinite(q) | _nonfinite(k) | _nonfinite(v), lambda c: True)
+    if defer is not None and check_finite:  # non-finite inputs: the replay raises, or takes
+        defer.add(_nonfinite(q) | _nonfinite(k) | _nonfinite(v), lambda c: True)  # them repaired
     _book(ctx, rec, status, lambda t: t // nqb, FORWARD_SITES, check, defer)
     return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "lse_lo": lse_lo,
                  "scale": scale, "causal": causal, "visible": visible, "add": add,
@@ -317,14 +320,15 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
 
 
 def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
-                   defer: Deferred | None = None
+                   defer: Deferred | None = None, check_finite: bool = True
                    ) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
     """:func:`attention.fused.fused_backward` for CuPy arrays: ``(dq, dk, dv)`` from the
     gradient ``d_out`` of :func:`fused_forward`'s output (C-contiguous, its dtype, finite).
-    ``defer`` as :func:`fused_forward`'s (a non-finite ``d_out`` replays the pass)."""
+    ``defer`` and ``check_finite`` as :func:`fused_forward`'s (a non-finite ``d_out`` replays
+    the pass)."""
     fault = _fault(ctx)
     q, k, v, out, lse, lse_lo = (saved[key] for key in ("q", "k", "v", "out", "lse", "lse_lo"))
-    check_gradient(cupy, d_out, q, finite if defer is None else _unread)
+    check_gradient(cupy, d_out, q, finite if defer is None and check_finite else trusted)
     n, lq, d = q.shape
     lk = k.shape[1]
     arith = _arith(q.dtype)
@@ -370,7 +374,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
     if fault is not None:
         fault.record(desc_kv)
         fault.record(desc_q)
-    if defer is not None:
+    if defer is not None and check_finite:
         defer.add(_nonfinite(d_out), lambda c: True)
     _book(ctx, rec, status, lambda t: t // nkb if t < split else (t - split) // nqb,
           BACKWARD_SITES, check, defer)
@@ -439,7 +443,7 @@ def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
         if t.dtype.name not in kernels.CUDA_TYPES or t.dtype != q.dtype:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, of q's dtype "
                             f"{q.dtype}; got {t.dtype}")
-    scale = check_inputs(q, k, v, scale, causal, finite if read_finite else _unread)
+    scale = check_inputs(q, k, v, scale, causal, finite if read_finite else trusted)
     if q.shape[2] > MAX_HEAD_DIM:
         raise ValueError(f"the fused CUDA core takes head dims up to {MAX_HEAD_DIM}, got "
                          f"{q.shape[2]}")
@@ -469,11 +473,6 @@ def _nonfinite(x: cupy.ndarray) -> cupy.ndarray:
 def _refuse_mask(ctx: Context) -> bool:
     """A deferred call's mask failed :func:`attention.fused_rules.additive_ok`."""
     raise ValueError(BAD_ADDITIVE)
-
-
-def _unread(x: cupy.ndarray) -> bool:
-    """The finiteness of a deferred call's input: judged on the device at the settle."""
-    return True
 
 
 def _row_encodings(x: cupy.ndarray) -> cupy.ndarray:

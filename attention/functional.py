@@ -444,8 +444,8 @@ class _Pass:
         ``core="auto"`` on non-finite Q, K or V, or an output past the data's dtype: the unfused
         core's steps instead (``lse`` None)."""
         inp, (q, k, v) = self.inp, (self.env[n] for n in step.ins)
-        if (inp.core == "auto" or not self.per_site) and not self._defers() \
-                and finite_reason(q=q, k=k, v=v) is not None:
+        scanned = (inp.core == "auto" or not self.per_site) and not self._defers()
+        if scanned and finite_reason(q=q, k=k, v=v) is not None:
             if inp.core != "auto" and self.ctx.check == "correct":
                 # A projection's fault (found now, repaired in the replay), or the caller's data
                 # (the replay's fused core raises). Detect and off modes leave such a fault in
@@ -463,7 +463,7 @@ class _Pass:
         out, state = fused_forward(q, k, v, ctx, scale=inp.scale,
                                    causal=inp.causal, key_visible=visible, attn_mask=inp.mask_add,
                                    dropout=p, dropout_seed=seed, workspace=self.ws, defer=defer,
-                                   key_add=inp.key_add)
+                                   key_add=inp.key_add, check_finite=not scanned)
         if defer is None and inp.core == "auto" and ctx.check != "off" \
                 and overflowed(ctx.report, before, (out,)):
             # an output past the data's dtype (float16): the unfused steps pass a genuine
@@ -520,7 +520,8 @@ class _Pass:
             defer = self._defer("fused core backward")
             state = {**self.inp.fused, "q": q, "k": k, "v": v, "out": out, "lse": lse}
             before = len(self.report.events)
-            grads = fused_backward(state, d_out, self._fused_context(), self.ws, defer)
+            grads = fused_backward(state, d_out, self._fused_context(), self.ws, defer,
+                                   check_finite=defer is not None)
             # check="off" leaves faults in place, as the forward does (no fallback there)
             if defer is not None or self.ctx.check == "off" \
                     or not overflowed(self.report, before, grads):

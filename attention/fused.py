@@ -137,13 +137,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import numba
 import numpy as np
 
 from abftgemm.backend import is_cupy_array
 from abftgemm.checksums import SUPPORTED_DTYPES
 from abftgemm.cpu_kernels import all_finite
-from abftgemm.threads import current_policy, numba_pool_usable, numba_threads, one_blas_thread
+from abftgemm.threads import one_blas_thread, pool_kernels
 from attention import _cpu_fused as K
 from attention._cpu_tile_gemm import gemm_rows
 from attention.context import Context
@@ -152,7 +151,7 @@ from attention.fused_rules import (BACKWARD_SITES, FORWARD_SITES, FUSED_SITES,  
                                    coefficients, dscores_entry_tolerance, probs_tolerance)
 from attention.fused_rules import book as _book
 from attention.fused_rules import (additive_of, check_gradient, check_inputs, dropout_of,
-                                   kernel_dropout, key_additive_of, key_visible_of)
+                                   kernel_dropout, key_additive_of, key_visible_of, trusted)
 from attention.workspace import Workspace
 
 #: The data dtypes: float16 and bfloat16 (``ml_dtypes``, as :mod:`abftgemm.tensors` hands PyTorch's
@@ -171,8 +170,8 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
                   causal: bool = False, key_visible: Any | None = None,
                   attn_mask: Any | None = None, dropout: float = 0.0,
                   dropout_seed: int | None = None, workspace: Workspace | None = None,
-                  defer: Deferred | None = None, key_add: Any | None = None
-                  ) -> tuple[np.ndarray, dict[str, Any]]:
+                  defer: Deferred | None = None, key_add: Any | None = None,
+                  check_finite: bool = True) -> tuple[np.ndarray, dict[str, Any]]:
     """``softmax(scale q k^T + mask) v`` in tiles, every tile checked (module docstring).
 
     Parameters
@@ -219,6 +218,11 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         given, their float64 sum ``attn_mask + key_add`` is added to the scaled score and the
         result rounded once: the scores, and so every result, equal bit for bit those of one
         ``attn_mask`` holding that sum (a folded mask).
+    check_finite : bool
+        Scan ``q``, ``k`` and ``v`` for INF and NaN (``ValueError``), or, False, trust a caller
+        that just did (:func:`attention.core.core_forward` and the layers, which run the unfused
+        core on such data). A non-finite input the scan did not refuse fails the tiles' checks
+        (``UncorrectableError``); it never passes silently.
 
     Returns
     -------
@@ -245,8 +249,8 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         return _cuda_fused.fused_forward(q, k, v, ctx, scale=scale, causal=causal,
                                          key_visible=key_visible, attn_mask=attn_mask,
                                          dropout=dropout, dropout_seed=dropout_seed,
-                                         defer=defer, key_add=key_add)
-    scale, visible = _validate(q, k, v, scale, causal, key_visible)
+                                         defer=defer, key_add=key_add, check_finite=check_finite)
+    scale, visible = _validate(q, k, v, scale, causal, key_visible, check_finite)
     drop = dropout_of(dropout, dropout_seed)
     add = _NO_ADD if attn_mask is None else additive_of(np, attn_mask, q, k)
     keys, heads = (_NO_KEYS, 1) if key_add is None else \
@@ -288,10 +292,11 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
 
 
 def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
-                   workspace: Workspace | None = None, defer: Deferred | None = None
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   workspace: Workspace | None = None, defer: Deferred | None = None,
+                   check_finite: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dq, dk, dv)`` (new arrays) from the gradient ``d_out`` ``(n, seq_q, d)`` of
-    :func:`fused_forward`'s output (C-contiguous, its dtype, finite; its outputs
+    :func:`fused_forward`'s output (C-contiguous, its dtype, finite: scanned for INF and NaN
+    unless ``check_finite`` is False, as :func:`fused_forward`'s inputs; its outputs
     recycled in ``workspace`` as there), FlashAttention-2 style:
     ``P`` recomputed per tile from the saved log-sum-exp, every tile and accumulator checked
     (module docstring; fault hook sites :data:`BACKWARD_SITES`); ``defer`` as
@@ -304,8 +309,8 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
     """
     if is_cupy_array(saved["q"]):
         from attention import _cuda_fused
-        return _cuda_fused.fused_backward(saved, d_out, ctx, defer)
-    check_gradient(np, d_out, saved["q"], all_finite)
+        return _cuda_fused.fused_backward(saved, d_out, ctx, defer, check_finite)
+    check_gradient(np, d_out, saved["q"], all_finite if check_finite else trusted)
     q, k, v, out, d_out = (in_work_dtype(x) for x in (saved["q"], saved["k"], saved["v"],
                                                        saved["out"], d_out))
     lse = saved["lse"]
@@ -356,8 +361,9 @@ def in_work_dtype(x: np.ndarray) -> np.ndarray:
 
 
 def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
-              key_visible: Any | None) -> tuple[float, np.ndarray]:
-    """Check the inputs; ``(scale, key_visible as (n, seq_k) bool or an empty (1, 0))``."""
+              key_visible: Any | None, check_finite: bool) -> tuple[float, np.ndarray]:
+    """Check the inputs (their finiteness with ``check_finite``); ``(scale, key_visible as (n,
+    seq_k) bool or an empty (1, 0))``."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, np.ndarray):
             raise TypeError(f"{name} must be a NumPy array (the fused core runs on the CPU), "
@@ -365,7 +371,7 @@ def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
         if t.dtype not in SUPPORTED or t.dtype != q.dtype:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, of q's dtype"
                             f" {q.dtype}; got {t.dtype}")
-    scale = check_inputs(q, k, v, scale, causal, all_finite)
+    scale = check_inputs(q, k, v, scale, causal, all_finite if check_finite else trusted)
     if key_visible is None:
         return scale, np.ones((1, 0), bool)
     return scale, key_visible_of(np, key_visible, q, k)
@@ -403,15 +409,10 @@ def _output(like: np.ndarray, workspace: Workspace | None, name: str) -> np.ndar
 
 
 def _kernels() -> Any:
-    """The parallel numba kernels (:mod:`attention._cpu_fused`) at the library's CPU thread
-    policy (:func:`abftgemm.threads.current_policy`, at most numba's pool; the BLAS inside them
-    at one thread: :func:`abftgemm.threads.one_blas_thread`), or their serial twins
-    (``SERIAL``) in a process that cannot enter numba's pool
-    (:func:`abftgemm.threads.numba_pool_usable`)."""
-    if not numba_pool_usable():
-        return K.SERIAL
-    numba_threads(min(current_policy(), numba.config.NUMBA_NUM_THREADS))
-    return K
+    """The fused kernels (:mod:`attention._cpu_fused`) in numba's pool, or their serial twins
+    (:func:`abftgemm.threads.pool_kernels`); the BLAS inside them at one thread
+    (:func:`abftgemm.threads.one_blas_thread`)."""
+    return pool_kernels(K, K.SERIAL)
 
 
 def _site_hook(ctx: Context) -> Any:

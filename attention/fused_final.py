@@ -117,6 +117,7 @@ import numpy as np
 from abftgemm.backend import array_module, astype, to_host
 from abftgemm.checksums import smallest_normal, unit_roundoff
 from abftgemm.report import Event, UncorrectableError, announce
+from abftgemm.threads import pool_kernels
 from attention import _cpu_final as F
 from attention import _cpu_fused as K
 from attention.context import Context
@@ -204,8 +205,9 @@ def defer_output(out: Any, saved: dict[str, Any], ctx: Context, defer: Deferred)
     _hook_and_count(ctx, OUTPUT_SITE, out)
     coef = _output_coefficients(out, saved)
     pred = saved["sums"][..., :3]
-    defer.add(_rows_failures(out, pred, coef),
-              lambda c: _looked(c, OUTPUT_SITE, _rows_ratio(out, pred, coef)))
+    observed = _observed_rows(out)
+    defer.add(_rows_failures(observed, pred, coef),
+              lambda c: _looked(c, OUTPUT_SITE, _rows_ratio(observed, out.shape[2], pred, coef)))
 
 
 def defer_grads(saved: dict[str, Any], d_out: Any, grads: tuple[Any, ...], ctx: Context,
@@ -219,18 +221,20 @@ def defer_grads(saved: dict[str, Any], d_out: Any, grads: tuple[Any, ...], ctx: 
                 ctx.fault_hook(site, g)
             continue
         _hook_and_count(ctx, site, g)
+        observed_rows, observed_columns = _observed(g)
         bad = xp.zeros((), bool)
         if columns is not None:
-            bad = bad | ~(columns(g)[0] <= 1).all()
+            bad = bad | ~(columns(g, observed_columns)[0] <= 1).all()
         if saved.get("kv_sums") is not None:
-            bad = bad | _rows_failures(g, saved["kv_sums"][..., rows], _grad_coefficients(
-                g, saved, rows))
+            bad = bad | _rows_failures(observed_rows, saved["kv_sums"][..., rows],
+                                       _grad_coefficients(g, saved, rows))
         defer.add(bad, lambda c, site=site, g=g, columns=columns, rows=rows:
                   _looked(c, site, _grad_judged(xp, saved, g, columns, rows)))
 
 
-#: A backward final check's column ratios ``(|d|/tau, |d|, tau)``, each ``(n, d)``.
-_Columns = Callable[[Any], tuple[Any, Any, Any]]
+#: A backward final check's column ratios ``(|d|/tau, |d|, tau)``, each ``(n, d)``, of a gradient
+#: and its :func:`_observed` column sums.
+_Columns = Callable[[Any, Any], tuple[Any, Any, Any]]
 
 
 def _grad_checks(saved: dict[str, Any], d_out: Any, sites: tuple[str, ...]
@@ -246,10 +250,11 @@ def _grad_checks(saved: dict[str, Any], d_out: Any, sites: tuple[str, ...]
     checks: list[tuple[str, int, _Columns | None, slice]] = []
     if GRAD_SITE in sites:
         columns = saved.get("dropout") is None or saved.get("sums") is not None
-        checks.append((GRAD_SITE, 2, (lambda dv: _grad_ratios(saved, d_out, dv)) if columns
-                       else None, slice(3, 6)))
+        checks.append((GRAD_SITE, 2, (lambda dv, sums: _grad_ratios(saved, d_out, dv, sums))
+                       if columns else None, slice(3, 6)))
     if DK_SITE in sites:
-        checks.append((DK_SITE, 1, lambda dk: _dk_ratios(saved, d_out, dk), slice(0, 3)))
+        checks.append((DK_SITE, 1, lambda dk, sums: _dk_ratios(saved, d_out, dk, sums),
+                       slice(0, 3)))
     rows = saved.get("kv_sums") is not None
     return [(*c, c[2] is None and not rows) for c in checks]
 
@@ -261,11 +266,13 @@ def _grad_judged(xp: Any, saved: dict[str, Any], g: Any, columns: _Columns | Non
     (``saved["kv_sums"][..., rows]``, ``dK``'s scaled), which a fault that scales, negates or
     zeroes a whole column of ``dK`` changes though its column sum stays 0."""
     found: tuple[float, int, tuple, tuple, float, float] = (0.0, 0, (), (), 0.0, 0.0)
+    observed_rows, observed_columns = _observed(g)
     if columns is not None:
-        found = _worst_column(xp, *columns(g))
+        found = _worst_column(xp, *columns(g, observed_columns))
     sums = saved.get("kv_sums")
     if sums is not None:
-        judged = _rows_ratio(g, sums[..., rows], _grad_coefficients(g, saved, rows))
+        judged = _rows_ratio(observed_rows, g.shape[2], sums[..., rows],
+                             _grad_coefficients(g, saved, rows))
         if not judged[0] <= found[0]:
             found = judged
     return found
@@ -360,21 +367,21 @@ def _finding(ctx: Context, site: str, head: int, rows: tuple, cols: tuple, mag: 
 def _output_ratio(out: Any, saved: dict[str, Any]
                   ) -> tuple[float, int, tuple, tuple, float, float]:
     """:func:`_rows_ratio` of the output rows against the checksums the forward carried."""
-    return _rows_ratio(out, saved["sums"][..., :3], _output_coefficients(out, saved))
+    return _rows_ratio(_observed_rows(out), out.shape[2], saved["sums"][..., :3],
+                       _output_coefficients(out, saved))
 
 
-def _rows_ratio(x: Any, pred: Any, coef: np.ndarray
+def _rows_ratio(observed: Any, d: int, pred: Any, coef: np.ndarray
                 ) -> tuple[float, int, tuple, tuple, float, float]:
-    """``(worst |d|/tau, head, rows, cols, |d|, tau)`` of the rows of ``x`` ``(n, L, d)`` against
-    the row checksums ``pred`` ``(n, L, 3)`` a kernel carried (the worst row, and its column
-    where the weighted sum locates it), judged with ``coef``
-    (:func:`attention._cpu_fused._judge`)."""
-    n, length, d = x.shape
-    obs = _observed_rows(x).reshape(n * length, 3)
+    """``(worst |d|/tau, head, rows, cols, |d|, tau)`` of the rows of an ``(n, L, d)`` array, its
+    :func:`_observed_rows` ``observed``, against the row checksums ``pred`` ``(n, L, 3)`` a kernel
+    carried (the worst row, and its column where the weighted sum locates it), judged with
+    ``coef`` (:func:`attention._cpu_fused._judge`)."""
+    n, length, _ = observed.shape
     info = np.zeros(6)
     info[5] = d
-    worst = K._judge(np.ascontiguousarray(to_host(pred)).reshape(n * length, 3), to_host(obs),
-                     n * length, coef, info)
+    worst = K._judge(to_host(pred).reshape(n * length, 3),
+                     to_host(observed).reshape(n * length, 3), n * length, coef, info)
     v = int(info[3])
     c = int(info[4])
     if v < 0:
@@ -423,13 +430,14 @@ def _rows_coefficients(x: Any, k: int, roundings: int, block: int,
     return coef
 
 
-def _rows_failures(x: Any, pred: Any, coef: np.ndarray) -> Any:
-    """A 0-d bool device array: a row of ``x`` fails its check against ``pred`` (on the device,
-    as :func:`attention._cpu_fused._ratio` judges one on the host)."""
-    xp = array_module(x)
+def _rows_failures(observed: Any, pred: Any, coef: np.ndarray) -> Any:
+    """A 0-d bool device array: a row of an array, its :func:`_observed_rows` ``observed``, fails
+    its check against ``pred`` (on the device, as :func:`attention._cpu_fused._ratio` judges one
+    on the host)."""
+    xp = array_module(observed)
     c_obs, c_pred, floor, c_mag, safe = (float(c) for c in coef[:5])
     pred = pred.reshape(-1, 3)
-    obs = _observed_rows(x).reshape(-1, 3)
+    obs = observed.reshape(-1, 3)
     p0, p1, p2 = (pred[:, i] for i in range(3))
     o0, o1, o2 = (obs[:, i] for i in range(3))
     d = xp.maximum(xp.abs(p0 - o0), xp.abs(p1 - o1))
@@ -438,9 +446,11 @@ def _rows_failures(x: Any, pred: Any, coef: np.ndarray) -> Any:
     return ~ok.all()
 
 
-def _grad_ratios(saved: dict[str, Any], d_out: Any, dv: Any) -> tuple[Any, Any, Any]:
+def _grad_ratios(saved: dict[str, Any], d_out: Any, dv: Any, dv_sums: Any | None = None
+                 ) -> tuple[Any, Any, Any]:
     """``(|d|/tau, |d|, tau)``, each ``(n, d)``, of the heads' ``dV`` column sums (float64
-    sums of the data as stored); the ratio is also at least ``sum_j |dV_jc|`` over its bound
+    sums of the data as stored; ``dv_sums``, its :func:`_column_sums` over every row, where
+    already made); the ratio is also at least ``sum_j |dV_jc|`` over its bound
     (:func:`_magnitude_ratio`)."""
     xp = array_module(dv)
     lse, lo = (saved[name].astype(np.float64) for name in ("lse", "lse_lo"))
@@ -463,7 +473,8 @@ def _grad_ratios(saved: dict[str, Any], d_out: Any, dv: Any) -> tuple[Any, Any, 
         do_sums = _column_sums(d_out, saved["sums"][..., 3])
     else:
         do_sums = _column_sums(d_out, sees)  # over the rows that see a key
-    dv_sums = _column_sums(dv, None)
+    if dv_sums is None:
+        dv_sums = _column_sums(dv, None)
     tau = eps.max(1)[:, None] * do_sums[:, 1]  # the worst row's eps
     tau += lk * smallest_normal(wt)
     u_out, tiny_out = 0.0, 0.0
@@ -486,11 +497,12 @@ def _magnitude_ratio(xp: Any, magnitude: Any, bound: Any) -> Any:
     return xp.where(xp.isfinite(magnitude), magnitude / bound, xp.inf)
 
 
-def _dk_ratios(saved: dict[str, Any], d_out: Any, dk: Any) -> tuple[Any, Any, Any]:
+def _dk_ratios(saved: dict[str, Any], d_out: Any, dk: Any, dk_sums: Any
+               ) -> tuple[Any, Any, Any]:
     """``(|d|/tau, |d|, tau)``, each ``(n, d)``, of the heads' ``dK`` column sums against 0
-    (module docstring)."""
+    (module docstring; ``dk_sums`` as :func:`dk_column_terms` takes it)."""
     xp = array_module(dk)
-    diff, tau, magnitude = dk_column_terms(saved, d_out, dk)
+    diff, tau, magnitude = dk_column_terms(saved, d_out, dk, dk_sums)
     finite = xp.isfinite(diff)
     ratio = xp.where(finite, xp.where(finite, diff, 0.0) / tau, xp.inf)
     return xp.maximum(ratio, magnitude), diff, tau
@@ -524,10 +536,12 @@ def dk_column_sums(saved: dict[str, Any], d_out: Any, dk: Any) -> tuple[Any, Any
     return dk_column_terms(saved, d_out, dk)[:2]
 
 
-def dk_column_terms(saved: dict[str, Any], d_out: Any, dk: Any) -> tuple[Any, Any, Any]:
+def dk_column_terms(saved: dict[str, Any], d_out: Any, dk: Any, dk_sums: Any | None = None
+                    ) -> tuple[Any, Any, Any]:
     """:func:`dk_column_sums` and the ratio of each column's ``sum_j |dK_jc|`` to its bound,
     ``scale sum_i |Q_ic| sum_j |dS_ij|`` with the module docstring's bound on ``sum_j |dS_ij|``
-    (:func:`_magnitude_ratio`)."""
+    (:func:`_magnitude_ratio`); ``dk_sums``: ``dk``'s :func:`_column_sums` over every row, where
+    already made."""
     xp = array_module(dk)
     lse, lo = (saved[name].astype(np.float64) for name in ("lse", "lse_lo"))
     n, lq = lse.shape
@@ -545,7 +559,8 @@ def dk_column_terms(saved: dict[str, Any], d_out: Any, dk: Any) -> tuple[Any, An
     eps = xp.where(sees, 2 * u * (lk + 2 * tk + xp.abs(xp.where(sees, lo, 0.0))
                                   + math.log(lk) + 8) + lk * tiny, 0.0)
     w = 1.02 * u * (2.01 * (tk + 1) + math.log(lk)) + 1.01 * lk * tiny  # forward weights' error
-    dk_sums = _column_sums(dk, None)
+    if dk_sums is None:
+        dk_sums = _column_sums(dk, None)
     diff = xp.abs(dk_sums[:, 0])
     g, a, s = _dk_rows(d_out, saved["out"], _column_abs_max(saved["v"]))
     g *= ks
@@ -558,13 +573,12 @@ def dk_column_terms(saved: dict[str, Any], d_out: Any, dk: Any) -> tuple[Any, An
                       + 1.02 * (h + 2.01 * u) * (g + a) + lk * tiny * (1 + g + a))
     row += 1.01 * u * (lq + 2 * tq) * 1.02 * c * (1 + h) * (g + a)
     floor = lk * (tiny + u_out * tiny_out)  # (u tiny underflows in float64)
-    bound = _add_weighted_abs_columns(  # of sum_j |dK_jc|: sum_j |dS_ij| <= 1.02 c (1+h)(g+a)
-        saved["q"], saved["scale"] * xp.where(sees, 1.02 * c * (1 + h) * (g + a), 0.0),
-        xp.zeros(diff.shape))
+    # of sum_j |dK_jc| (sum_j |dS_ij| <= 1.02 c (1 + h)(g + a)), and the rows' part of tau
+    bound, spread = _weighted_abs_columns(saved["q"], saved["scale"] * xp.stack(
+        [xp.where(sees, 1.02 * c * (1 + h) * (g + a), 0.0), xp.where(sees, row, 0.0)]))
     bound = bound * (1 + 1.01 * u * (lq + 2 * tq)) * (1 + 1.01 * u + 1.01 * u_out) \
         * (1 + lk * u64) + floor
-    tau = xp.minimum(dk_sums[:, 1], bound) * (1.01 * u + 1.01 * u_out + lk * u64)
-    tau = _add_weighted_abs_columns(saved["q"], saved["scale"] * xp.where(sees, row, 0.0), tau)
+    tau = xp.minimum(dk_sums[:, 1], bound) * (1.01 * u + 1.01 * u_out + lk * u64) + spread
     tau += floor
     tau = xp.where(loose[:, None], xp.inf, tau)  # only non-finite sums are flagged there
     magnitude = xp.where(loose[:, None], 0.0, _magnitude_ratio(xp, dk_sums[:, 1], bound))
@@ -587,16 +601,32 @@ def _wide(x: Any) -> Any:
     return astype(x, np.float64)
 
 
+def _kernels() -> Any:
+    """:mod:`attention._cpu_final`'s kernels in numba's pool, or their serial twins
+    (:func:`abftgemm.threads.pool_kernels`)."""
+    return pool_kernels(F.PARALLEL, F.SERIAL)
+
+
 def _observed_rows(x: Any) -> Any:
     """``(n, L, 3)``: per row of ``x`` ``(n, L, d)`` its sum, its sum weighted by ``(c + 1) /
     d`` and its sum of magnitudes (:func:`attention._cpu_final.observe_rows`)."""
     if isinstance(x, np.ndarray):
         obs = np.empty((*x.shape[:2], 3))
-        F.observe_rows(in_work_dtype(x), obs)
+        _kernels().observe_rows(in_work_dtype(x), obs)
         return obs
     xp, w, d = array_module(x), _wide(x), x.shape[2]
     weights = xp.arange(1, d + 1, dtype=np.float64) / d
     return xp.stack([w.sum(2), (w * weights).sum(2), xp.abs(w).sum(2)], axis=2)
+
+
+def _observed(x: Any) -> tuple[Any, Any]:
+    """``(_observed_rows(x), _column_sums(x, None))`` (:func:`attention._cpu_final.observe`: one
+    pass over NumPy data)."""
+    if isinstance(x, np.ndarray):
+        rows, cols = np.empty((*x.shape[:2], 3)), np.empty((x.shape[0], 2, x.shape[2]))
+        _kernels().observe(in_work_dtype(x), rows, cols)
+        return rows, cols
+    return _observed_rows(x), _column_sums(x, None)
 
 
 def _column_sums(x: Any, rows: Any | None) -> Any:
@@ -605,7 +635,7 @@ def _column_sums(x: Any, rows: Any | None) -> Any:
     (:func:`attention._cpu_final.column_sums`)."""
     if isinstance(x, np.ndarray):
         out = np.empty((x.shape[0], 2, x.shape[2]))
-        F.column_sums(in_work_dtype(x), F.EVERY_ROW if rows is None else rows, out)
+        _kernels().column_sums(in_work_dtype(x), F.EVERY_ROW if rows is None else rows, out)
         return out
     xp, w = array_module(x), _wide(x)
     taken = w if rows is None else w * rows[:, :, None]
@@ -616,7 +646,7 @@ def _column_abs_max(x: Any) -> Any:
     """``(n, d)``: ``max_r |x_brc|`` (:func:`attention._cpu_final.column_abs_max`)."""
     if isinstance(x, np.ndarray):
         out = np.empty((x.shape[0], x.shape[2]))
-        F.column_abs_max(in_work_dtype(x), out)
+        _kernels().column_abs_max(in_work_dtype(x), out)
         return out
     return array_module(x).abs(_wide(x)).max(1)
 
@@ -626,18 +656,20 @@ def _dk_rows(d_out: Any, out: Any, vmax: Any) -> tuple[Any, Any, Any]:
     (:func:`attention._cpu_final.dk_rows`)."""
     if isinstance(d_out, np.ndarray):
         g, a, s = (np.empty(d_out.shape[:2]) for _ in range(3))
-        F.dk_rows(in_work_dtype(d_out), in_work_dtype(out), vmax, g, a, s)
+        _kernels().dk_rows(in_work_dtype(d_out), in_work_dtype(out), vmax, g, a, s)
         return g, a, s
     xp, g = array_module(d_out), _wide(d_out)
     mag = xp.abs(g)
     return (mag * vmax[:, None, :]).sum(2), xp.abs(g * _wide(out)).sum(2), mag.sum(2)
 
 
-def _add_weighted_abs_columns(x: Any, weight: Any, acc: Any) -> Any:
-    """``acc`` plus ``sum_r weight[b, r] |x_brc|`` per head and column, ``x`` ``(n, L, d)``,
-    ``weight`` ``(n, L)``, ``acc`` ``(n, d)`` (in place for NumPy,
-    :func:`attention._cpu_final.add_weighted_abs_columns`)."""
+def _weighted_abs_columns(x: Any, weights: Any) -> Any:
+    """``(m, n, d)``: ``sum_r weights[i, b, r] |x_brc|`` per weighting ``i``, head ``b`` and
+    column ``c`` of ``x`` ``(n, L, d)``, ``weights`` ``(m, n, L)``
+    (:func:`attention._cpu_final.add_weighted_abs_columns`: one pass over NumPy data)."""
     if isinstance(x, np.ndarray):
-        F.add_weighted_abs_columns(in_work_dtype(x), weight, acc)
-        return acc
-    return acc + (weight[:, :, None] * array_module(x).abs(_wide(x))).sum(1)
+        out = np.zeros((weights.shape[0], x.shape[0], x.shape[2]))
+        _kernels().add_weighted_abs_columns(in_work_dtype(x), weights, out)
+        return out
+    magnitude = array_module(x).abs(_wide(x))
+    return array_module(x).stack([(w[:, :, None] * magnitude).sum(1) for w in weights])

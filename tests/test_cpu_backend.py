@@ -1,6 +1,8 @@
 """CPU-backend details that the backend-generic tests do not reach."""
 from __future__ import annotations
 
+import itertools
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -64,6 +66,30 @@ def test_all_finite_agrees_with_numpy_on_every_kind_of_bit_pattern(dtype):
         x[2, 3] = value
         assert cpu_kernels.all_finite(x) == expected, (dtype, value)
     assert cpu_kernels.all_finite(values[finite]) and not cpu_kernels.all_finite(values)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("pool", [True, False])
+def test_all_finite_of_a_large_array_finds_one_bad_value_anywhere(dtype, pool, monkeypatch):
+    """From ``POOL_MIN_SCAN`` elements the scan runs in parts (in numba's pool, or their serial
+    twin where the pool cannot be entered): one INF or NaN is found wherever it lies, the first
+    and last element and those next to every part's edges included, at sizes the parts do not
+    divide."""
+    if not pool:
+        monkeypatch.setattr(cpu_kernels, "pool_kernels", lambda parallel, serial: serial)
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    for size in (cpu_kernels.POOL_MIN_SCAN, cpu_kernels.POOL_MIN_SCAN * 3 + 7):
+        x = np.ones(size, dt)
+        assert cpu_kernels.all_finite(x)
+        part = -(-size // cpu_kernels._SCAN_PARTS)
+        edges = sorted({0, size - 1} | {min(size - 1, max(0, t * part + o))
+                                        for t in range(1, cpu_kernels._SCAN_PARTS + 1)
+                                        for o in (-1, 0)})
+        for i, bad in zip(edges, itertools.cycle((np.inf, -np.inf, np.nan))):
+            x[i] = bad
+            assert not cpu_kernels.all_finite(x), (size, i)
+            assert not cpu_kernels.all_finite(x.reshape(-1, 1)), (size, i)
+            x[i] = 1
 
 
 def test_all_finite_reads_non_contiguous_and_other_arrays_through_numpy():

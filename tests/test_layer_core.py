@@ -159,8 +159,8 @@ def test_the_layers_dv_check_with_dropout_predicts_from_the_forwards_kept_sums(m
     calls = []
     judge = fused_final._grad_ratios
     monkeypatch.setattr(fused_final, "_grad_ratios",
-                        lambda saved, d_out, dv: calls.append(saved["dropout"]) or
-                        judge(saved, d_out, dv))
+                        lambda saved, d_out, dv, sums: calls.append(saved["dropout"]) or
+                        judge(saved, d_out, dv, sums))
     rng = np.random.default_rng(4)
     x, dy, _ = _inputs(rng, 2, 70, 70, 32, "float32", False)
     layer = MultiHeadAttention(32, 4, causal=True, core="fused", seed=1)
