@@ -2,6 +2,9 @@
 
 - ``fused``: :mod:`attention.fused` with its checks (``check="correct"``);
 - ``fused_off``: the same core, ``check="off"``;
+- ``core_fused`` and ``core_fused_off``: the same core as the layers and PyTorch modules run it,
+  :func:`attention.core.core_forward` and ``core_backward`` (``core="fused"``), which add the
+  final checks of O, dV and dK and the finiteness scans, checked and ``check="off"``;
 - ``core``: the unfused protected :mod:`attention.core`;
 - ``torch_sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` (CPU, causal) forward and
   ``backward``, with PyTorch's own threads.
@@ -10,7 +13,8 @@ The library's cases each keep a workspace from call to call, as the layer and th
 keep theirs (scratch arrays and recycled outputs: :class:`attention.workspace.Workspace`).
 
 ``fused`` and ``fused_off`` are timed in interleaved rounds of their own (``bench.timing.
-time_many``), then ``core`` and ``torch_sdpa`` each in a block of rounds of its own: in one set
+time_many``), then ``core_fused`` and ``core_fused_off`` likewise, then ``core`` and
+``torch_sdpa`` each in a block of rounds of its own: in one set
 of rounds with them, the fused core ran 1.2-2x slower right after the unfused core (whose
 products run on OpenBLAS's threads, which keep spinning) or PyTorch, so its times measured what
 ran before it (bench/NOTES.md). Prints the medians and the ratios to ``fused_off`` and to
@@ -60,6 +64,15 @@ def _cases(batch: int, heads: int, seq: int, d: int, causal: bool
             return fused_backward(saved, do, ctx, ws)
         return run
 
+    def core_fused(check: str) -> Callable[[], Any]:
+        ws = Workspace()
+
+        def run() -> Any:
+            ctx = Context(check=check)
+            _, saved = core_forward(q, k, v, ctx, causal=causal, core="fused", workspace=ws)
+            return core_backward(saved, do, ctx, workspace=ws)
+        return run
+
     core_ws = Workspace()
 
     def core() -> Any:
@@ -67,7 +80,9 @@ def _cases(batch: int, heads: int, seq: int, d: int, causal: bool
         _, saved = core_forward(q, k, v, ctx, causal=causal, core="unfused", workspace=core_ws)
         return core_backward(saved, do, ctx, workspace=core_ws)
 
-    cases = {"fused": fused("correct"), "fused_off": fused("off"), "core": core}
+    cases = {"fused": fused("correct"), "fused_off": fused("off"),
+             "core_fused": core_fused("correct"), "core_fused_off": core_fused("off"),
+             "core": core}
     try:
         import torch
     except ImportError:
@@ -108,7 +123,8 @@ def main() -> None:
     for shape in args.shapes.split(","):
         b, h, s, d = (int(x) for x in shape.split("x"))
         cases = _cases(b, h, s, d, args.causal)
-        blocks = [("fused", "fused_off")] + [(name,) for name in cases if "fused" not in name]
+        blocks = [("fused", "fused_off"), ("core_fused", "core_fused_off")] + [
+            (name,) for name in cases if "fused" not in name]
         times = {}
         for block in blocks:
             times.update(time_many({name: cases[name] for name in block}, args.repeats,
@@ -116,10 +132,11 @@ def main() -> None:
         print(f"\n({b}, {h}, {s}, {d}) fp32 {kind} fwd+bwd, median ms of {args.repeats} "
               f"(tile products: {gemm_rows(np.dtype(np.float32), d, BR)} rows per BLAS call):")
         for name, ms in times.items():
-            line = f"  {name:11s} {ms:9.1f} ms   x{ms / times['fused_off']:.2f} vs fused_off"
+            line = f"  {name:14s} {ms:9.1f} ms   x{ms / times['fused_off']:.2f} vs fused_off"
             if "torch_sdpa" in times:
                 line += f"   x{ms / times['torch_sdpa']:.2f} vs torch_sdpa"
             print(line)
+        print(f"  core_fused / core_fused_off: x{times['core_fused'] / times['core_fused_off']:.2f}")
         print(f"  load average after: {os.getloadavg()}")
 
 
