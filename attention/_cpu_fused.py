@@ -51,11 +51,11 @@ FIELDS = 8
 #: (:func:`_head_rows`).
 ForwardOperands = namedtuple("ForwardOperands", "q k kt v ve")
 BackwardOperands = namedtuple("BackwardOperands", "q k v do o lse lse_lo")
-#: ``visible`` ``(n, Lk)`` bool or an empty ``(1, 0)``; ``add`` ``(n or 1, Lq, Lk)`` float64 or an
-#: empty ``(1, 0, 0)``; ``keys`` a per-key additive mask ``(m, Lk)`` float64 (``m`` divides
-#: ``n``; head ``b`` reads row ``b // heads``) or an empty ``(1, 0)``; ``scale`` in the data's
-#: dtype.
-Mask = namedtuple("Mask", "visible add keys heads scale causal")
+#: ``visible`` ``(n, Lk)`` bool or an empty ``(1, 0)``; ``add`` ``(m, Lq, Lk)`` float64 (``m``
+#: divides ``n``; head ``b`` reads ``add[b // add_heads]``) or an empty ``(1, 0, 0)``; ``keys`` a
+#: per-key additive mask ``(m', Lk)`` float64 (head ``b`` reads row ``b // key_heads``) or an
+#: empty ``(1, 0)``; ``scale`` in the data's dtype.
+Mask = namedtuple("Mask", "visible add add_heads keys key_heads scale causal")
 #: Whether to check and correct, the sites' coefficients (:func:`attention.fused_rules.
 #: coefficients`) and tolerances, and the rows of a tile product per BLAS call
 #: (:func:`attention._cpu_tile_gemm.gemm_rows`).
@@ -698,7 +698,7 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
     dropped tile, the softmax denominator the tile before dropout. Returns 0, or -1 when a
     recomputation did not verify."""
     q, k, kt, v, ve = ops
-    visible, add, keys, heads, scale, causal = mask
+    visible, add, add_heads, keys, key_heads, scale, causal = mask
     check, correct, c_s, c_o, c_l, tol_p, g_rows = rules
     seed, thr, ks = drop
     out, lse, lse_lo, sums = outs
@@ -708,8 +708,8 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
     rows = i1 - i0
     qb = q[b, i0:i1]
     vis = visible[b] if visible.shape[1] else visible[0]
-    addh = add[b] if add.shape[0] > 1 else add[0]
-    keysh = keys[b // heads] if keys.shape[1] else keys[0]
+    addh = add[b // add_heads]
+    keysh = keys[b // key_heads] if keys.shape[1] else keys[0]
     dt = q.dtype
     qenc = np.zeros((3, d))
     if check:
@@ -916,15 +916,15 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
     checks the returned arrays against them); returns 0, or -1 when a recomputation did not
     verify."""
     q, k, v = ops.q, ops.k, ops.v
-    visible, add, keys, heads, scale, causal = mask
+    visible, add, add_heads, keys, key_heads, scale, causal = mask
     check, correct, _, c_kv, c_q, _, _, _ = rules
     dq, dk, dv, dqc, kvc = grads
     lq, d = q.shape[1], q.shape[2]
     lk = k.shape[1]
     dt = q.dtype
     vis = visible[b] if visible.shape[1] else visible[0]
-    addh = add[b] if add.shape[0] > 1 else add[0]
-    keysh = keys[b // heads] if keys.shape[1] else keys[0]
+    addh = add[b // add_heads]
+    keysh = keys[b // key_heads] if keys.shape[1] else keys[0]
     head_mask = (vis, addh, keysh, scale, causal)
     kenc, venc = np.zeros((3, d)), np.zeros((3, d))
     kvt = np.empty((2, d * BC), dt)

@@ -304,7 +304,8 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     with q.device:
         _kernel(q.device.id, kernels.FUSED_FORWARD, q.dtype.name)(
             (n * nqb,), (_THREADS,),
-            (q, k, v, ve, visible, add, _stride(add), keys, numpy.int32(key_heads),
+            (q, k, v, ve, visible, add, _stride(add), _add_heads(add, n), keys,
+             numpy.int32(key_heads),
              numpy.int32(lq), numpy.int32(lk),
              numpy.int32(d), numpy.float64(scale), numpy.int32(causal), numpy.int32(check),
              numpy.int32(correct), *_dropout_args(drop, arith), params, desc, ws_o, out, lse,
@@ -358,7 +359,8 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
         kv_sites = tuple(s for s in BACKWARD_SITES if s != "fused:dQ_acc")
         desc_kv = fault.descriptor(_with_dropout(kv_sites, drop), arith)
         desc_q = fault.descriptor(("fused:dQ_acc",), arith)
-    mask = (saved["add"], _stride(saved["add"]), saved["keys"], numpy.int32(saved["key_heads"]))
+    mask = (saved["add"], _stride(saved["add"]), _add_heads(saved["add"], n), saved["keys"],
+            numpy.int32(saved["key_heads"]))
     common = (numpy.int32(lq), numpy.int32(lk), numpy.int32(d), numpy.float64(saved["scale"]),
               numpy.int32(saved["causal"]), numpy.int32(check), numpy.int32(correct),
               *_dropout_args(drop, arith), params)
@@ -455,8 +457,14 @@ def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
 
 
 def _stride(add: cupy.ndarray | None) -> numpy.int64:
-    """The kernels' head stride of the additive mask ``(1 or n, seq_q, seq_k)``: 0 when shared."""
+    """The kernels' stride between the additive mask's ``(m, seq_q, seq_k)`` masks: 0 when
+    shared by every head."""
     return numpy.int64(0 if add is None or add.shape[0] == 1 else add.shape[1] * add.shape[2])
+
+
+def _add_heads(add: cupy.ndarray | None, n: int) -> numpy.int32:
+    """The consecutive heads of ``n`` that share each of the additive mask's ``m`` masks."""
+    return numpy.int32(1 if add is None else n // add.shape[0])
 
 
 def finite(x: cupy.ndarray) -> bool:

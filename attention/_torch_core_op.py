@@ -181,7 +181,8 @@ def run_core_forward(protection: Protection, q: torch.Tensor, k: torch.Tensor, v
     context = protection.context(found, modes)
     keep_array, seed = dropout_arrays(keep)
     # a mask (n, 1, S) is per key (attention_core's key padding): key visibility, or float added
-    per_key = mask is not None and mask.dim() == 3 and mask.shape[1] == 1 and not mask_grad
+    per_key = mask is not None and mask.dim() == 3 and mask.shape[:2] == (q.shape[0], 1) \
+        and not mask_grad
     boolean = per_key and mask.dtype == torch.bool
     visible = mask[:, 0].logical_not() if boolean else None
     key_add = mask[:, 0] if per_key and not boolean else None

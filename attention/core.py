@@ -61,9 +61,9 @@ class _CoreInputs:
 
     @property
     def attn_add(self) -> Any | None:
-        """The unfused core's additive mask: ``mask_add`` (``attn_mask`` as float64), with
-        ``key_add`` folded in as a float64 ``(n, seq_q, seq_k)`` array, made on first use (never
-        where only the fused core runs)."""
+        """The unfused core's additive mask: ``mask_add`` (``attn_mask`` as float64), a mask
+        given per group of heads made whole and ``key_add`` folded in as a float64 ``(n, seq_q,
+        seq_k)`` array, on first use (never where only the fused core runs)."""
         return folded_mask(self, self.q.shape[0], self.q.shape[1])
 
 
@@ -90,8 +90,10 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
         Positive factor of the scores (default ``1 / sqrt(d)``).
     causal : bool
         Query ``i`` sees keys ``j <= i`` only (``seq_q`` must equal ``seq_k``).
-    attn_mask : array (seq_q, seq_k) or (n, seq_q, seq_k), optional
-        Boolean, True = NOT allowed, or float, added to the scaled scores.
+    attn_mask : array (seq_q, seq_k) or (m, seq_q, seq_k), optional
+        Boolean, True = NOT allowed, or float, added to the scaled scores; ``m`` divides ``n``:
+        heads ``b`` with ``b // (n / m) = i`` read mask ``i`` (``m`` = batch: one mask per
+        batch item, shared by its heads; the fused core reads it so, never copied per head).
     key_visible : bool array (n, seq_k), optional
         True = the key may be attended to (key padding: the same keys hidden from every query,
         an ``O(L)`` mask where ``attn_mask`` is ``L x L``). Combines with ``causal`` and

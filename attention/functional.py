@@ -72,8 +72,11 @@ def attention_forward(params: dict[str, Any], x: Any, ctx: Context, *, n_heads: 
         Cross-attention inputs: ``K = key @ Wk + bk``, ``V = value @ Wv + bv`` (both or neither).
     key_visible : bool array (batch, seq_k), optional
         Key-padding mask, True = the key may be attended.
-    attn_mask : array (seq_q, seq_k) or (batch*heads, seq_q, seq_k), optional
-        Boolean, True = NOT allowed (torch's convention), or float, added to the scaled scores.
+    attn_mask : array (seq_q, seq_k), (batch*heads, seq_q, seq_k) or (batch, seq_q, seq_k), optional
+        Boolean, True = NOT allowed (torch's convention), or float, added to the scaled scores:
+        one for all, one per head, or one per batch item that its heads share (any ``(m,
+        seq_q, seq_k)`` with ``m`` dividing ``batch * heads``: rows ``b`` with ``b // (batch *
+        heads / m) = i`` read mask ``i``).
     need_weights : bool
         Keep the attention probabilities as ``saved["probs"]``, ``(batch*heads, seq_q,
         seq_k)``: the unfused product runs (the fused core makes none).
@@ -748,9 +751,9 @@ class _Inputs:
 
     @property
     def attn_add(self) -> Any | None:
-        """The unfused core's additive mask: ``mask_add``, with ``key_add`` folded in as a
-        float64 ``(batch * heads, seq_q, seq_k)`` array, made on first use (never where only the
-        fused core runs)."""
+        """The unfused core's additive mask: ``mask_add``, a mask given per batch item made
+        whole and ``key_add`` folded in as a float64 ``(batch * heads, seq_q, seq_k)`` array, on
+        first use (never where only the fused core runs)."""
         return folded_mask(self, self.batch * self.n_heads, self.x.shape[1])
 
     @classmethod
@@ -819,14 +822,20 @@ class _Inputs:
 
 
 def _additive(xp: Any, mask: Any | None, rows: int, seq_q: int, seq_k: int) -> Any | None:
-    """``attn_mask`` as an additive float64 ``(1 or rows, seq_q, seq_k)`` array (or None)."""
+    """``attn_mask`` as an additive float64 ``(m, seq_q, seq_k)`` array (or None): ``m`` is 1 for
+    a 2-D mask, else its leading length, which must divide ``rows`` (the ``rows / m``
+    consecutive rows ``b`` with ``b // (rows / m) = i`` read mask ``i``: the heads of one batch
+    item, for a mask given per item)."""
     if mask is None:
         return None
     if array_module(mask) is not xp:
         raise TypeError("attn_mask must live on the same array module as x")
-    if mask.shape not in ((seq_q, seq_k), (rows, seq_q, seq_k)):
-        raise ValueError(f"attn_mask must have shape {(seq_q, seq_k)} or {(rows, seq_q, seq_k)},"
-                         f" got {mask.shape}")
+    if not (mask.shape == (seq_q, seq_k) or (
+            mask.ndim == 3 and mask.shape[1:] == (seq_q, seq_k) and mask.shape[0] >= 1
+            and rows % mask.shape[0] == 0)):
+        raise ValueError(f"attn_mask must have shape {(seq_q, seq_k)} or (m, {seq_q}, {seq_k}) "
+                         f"with m dividing {rows} (per row, or per group of rows: a batch "
+                         f"item's heads), got {mask.shape}")
     if mask.dtype == bool:
         add = xp.where(mask, -np.inf, 0.0)
     elif mask.dtype in SUPPORTED_DTYPES:  # float16, bfloat16, float32, float64
@@ -835,7 +844,8 @@ def _additive(xp: Any, mask: Any | None, rows: int, seq_q: int, seq_k: int) -> A
         raise TypeError(f"attn_mask must be boolean (True = not allowed) or float, got "
                         f"{mask.dtype}")
     # explicit leading length: -1 is ambiguous when seq_q or seq_k is 0
-    return xp.ascontiguousarray(add.reshape((rows if add.ndim == 3 else 1, seq_q, seq_k)))
+    return xp.ascontiguousarray(add.reshape((mask.shape[0] if add.ndim == 3 else 1, seq_q,
+                                             seq_k)))
 
 
 def _key_additive(xp: Any, mask: Any | None, batch: int, seq_k: int) -> Any | None:
@@ -855,27 +865,30 @@ def _key_additive(xp: Any, mask: Any | None, batch: int, seq_k: int) -> Any | No
 
 def folded_mask(inp: Any, rows: int, seq_q: int) -> Any | None:
     """The unfused core's additive mask of the inputs ``inp`` (``xp``, ``mask_add``,
-    ``key_add``, ``_folded``): ``mask_add``, with ``key_add`` ``(m, seq_k)`` folded in as a
-    float64 ``(rows, seq_q, seq_k)`` array (``rows / m`` heads per row of ``key_add``), made
-    once and kept in ``inp._folded``."""
-    if inp.key_add is None:
-        return inp.mask_add
+    ``key_add``, ``_folded``): ``mask_add`` as the unfused softmax reads it, ``(1 or rows,
+    seq_q, seq_k)``, with ``key_add`` ``(m, seq_k)`` folded in (``rows / m`` rows per row of
+    ``key_add``); a ``mask_add`` given per group of rows, and any fold, made once as a float64
+    ``(rows, seq_q, seq_k)`` array and kept in ``inp._folded``."""
+    add = inp.mask_add
+    if inp.key_add is None and (add is None or add.shape[0] in (1, rows)):
+        return add
     if inp._folded is None:
-        inp._folded = _folded(inp.xp, inp.mask_add, inp.key_add, rows // inp.key_add.shape[0],
-                              seq_q)
+        inp._folded = _folded(inp.xp, add, inp.key_add, rows, seq_q)
     return inp._folded
 
 
-def _folded(xp: Any, add: Any | None, keys: Any, heads: int, seq_q: int) -> Any:
-    """``add`` ``(1 or batch * heads, seq_q, seq_k)`` (None: 0) plus the per-key mask ``keys``
-    ``(batch, seq_k)`` on every query row of each item's heads, float64 ``(batch * heads, seq_q,
-    seq_k)``: ``0 + add``, then ``+ keys``, as PyTorch merges ``attn_mask`` and a float
-    ``key_padding_mask``."""
-    batch, seq_k = keys.shape
-    out = xp.zeros((batch * heads, seq_q, seq_k))
+def _folded(xp: Any, add: Any | None, keys: Any | None, rows: int, seq_q: int) -> Any:
+    """``add`` ``(m, seq_q, seq_k)`` (None: 0; row ``b`` reads ``add[b // (rows / m)]``) plus the
+    per-key mask ``keys`` ``(m', seq_k)`` (None: 0) on every query row of each of its ``rows /
+    m'`` rows, float64 ``(rows, seq_q, seq_k)``: ``0 + add``, then ``+ keys``, as PyTorch merges
+    ``attn_mask`` and a float ``key_padding_mask``."""
+    seq_k = (add if keys is None else keys).shape[-1]
+    out = xp.zeros((rows, seq_q, seq_k))
     if add is not None:
-        out += add
-    out.reshape(batch, heads, seq_q, seq_k)[...] += keys[:, None, None, :]
+        out.reshape(add.shape[0], rows // add.shape[0], seq_q, seq_k)[...] += add[:, None]
+    if keys is not None:
+        out.reshape(keys.shape[0], rows // keys.shape[0], seq_q, seq_k)[...] += \
+            keys[:, None, None, :]
     return out
 
 
@@ -889,7 +902,8 @@ def check_mask_grad(attn_mask: Any | None, core: str) -> None:
 
 
 def mask_gradient(inp: Any, d_scores: Any, shape: tuple[int, ...]) -> Any:
-    """The gradient of an additive ``attn_mask`` of ``shape`` (2-D: summed over the batch) from
+    """The gradient of an additive ``attn_mask`` of ``shape`` (2-D: summed over the batch; ``(m,
+    seq_q, seq_k)``: over each of its groups of rows) from
     the checked ``dS`` ``(n, seq_q, seq_k)``, which is ``1 / sqrt(inp.head_dim)`` times the
     gradient of the masked scores; with ``inp.causal``, entries above the diagonal (never
     written) are 0."""
@@ -897,7 +911,9 @@ def mask_gradient(inp: Any, d_scores: Any, shape: tuple[int, ...]) -> Any:
     grad = d_scores.astype(np.float64) * math.sqrt(inp.head_dim)
     if inp.causal:
         grad = xp.where(xp.tri(*grad.shape[1:], dtype=bool), grad, 0.0)
-    return grad.sum(axis=0) if len(shape) == 2 else grad
+    if len(shape) == 2:
+        return grad.sum(axis=0)
+    return grad.reshape(shape[0], grad.shape[0] // shape[0], *grad.shape[1:]).sum(axis=1)
 
 
 def _gradient_buffers(given: dict[str, Any], inp: "_Inputs") -> dict[str, Any]:

@@ -190,9 +190,11 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         Query ``i`` sees keys ``j <= i`` only (``seq_q`` must equal ``seq_k``).
     key_visible : ndarray (n, seq_k) of bool, optional
         True = the key may be attended to. A query that sees no key gets output 0.
-    attn_mask : ndarray (seq_q, seq_k) or (1 or n, seq_q, seq_k), optional
+    attn_mask : ndarray (seq_q, seq_k) or (m, seq_q, seq_k), optional
         Float mask added to the scaled scores after the scores' check (``-inf``: not allowed;
-        NaN and ``+inf`` are refused). Added in float64, the sum rounded to the data's dtype.
+        NaN and ``+inf`` are refused); ``m`` divides ``n``: heads ``b`` with ``b // (n / m) =
+        i`` read mask ``i`` (``m`` = batch: a mask per batch item, which its heads share, read
+        in place, not copied per head). Added in float64, the sum rounded to the data's dtype.
         The softmax invariant is judged on these masked scores (module docstring). Combines
         with ``causal``, ``key_visible`` and ``key_add``.
     dropout : float
@@ -269,7 +271,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     rec = np.zeros((n * nqb, len(K.SITES), K.FIELDS))
     status = np.zeros(n * nqb, np.int64)
     groups = (K.ForwardOperands(qw, kw, _transposed(kernels, kw, workspace, "k"), vw, ve),
-              K.Mask(visible, add, keys, heads, dt.type(scale), causal),
+              K.Mask(visible, add, n // add.shape[0], keys, heads, dt.type(scale), causal),
               K.ForwardRules(check, correct, coefficients(d, K.BR, dt, block=d),
                              coefficients(lk, d, dt, 2 * tiles, min(lk, K.BC)),
                              coefficients(lk, 1, dt, 2 * tiles), probs_tolerance(dt),
@@ -323,8 +325,8 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
     rec = np.zeros((n, len(K.SITES), K.FIELDS))
     status = np.zeros(n, np.int64)
     groups = (K.BackwardOperands(q, k, v, d_out, out, lse, saved["lse_lo"]),
-              K.Mask(saved["visible"], saved["add"], saved["keys"], saved["key_heads"],
-                     dt.type(saved["scale"]), saved["causal"]),
+              K.Mask(saved["visible"], saved["add"], n // saved["add"].shape[0], saved["keys"],
+                     saved["key_heads"], dt.type(saved["scale"]), saved["causal"]),
               K.BackwardRules(check, correct, coefficients(d, K.BC, dt, block=d),
                               coefficients(lq, d, dt, -(-lq // K.BR), min(lq, K.BR)),
                               coefficients(lk, d, dt, -(-lk // K.BC), min(lk, K.BC)),

@@ -164,9 +164,11 @@ def key_visible_of(xp: Any, key_visible: Any, q: Any, k: Any) -> Any:
 
 
 def additive_of(xp: Any, attn_mask: Any, q: Any, k: Any, read_values: bool = True) -> Any:
-    """``attn_mask`` (float, ``(seq_q, seq_k)`` or ``(1 or n, seq_q, seq_k)``, added to the
-    scaled scores; ``-inf`` = not allowed) as a C-contiguous float64 ``(1 or n, seq_q, seq_k)``
-    array of ``xp``, checked (its values by :func:`additive_ok` with ``read_values``)."""
+    """``attn_mask`` (float, ``(seq_q, seq_k)`` or ``(m, seq_q, seq_k)`` with ``m`` dividing
+    ``n``: heads ``b`` with ``b // (n / m) = i`` read mask ``i``, as the heads of one batch item
+    share its mask; added to the scaled scores, ``-inf`` = not allowed) as a C-contiguous
+    float64 ``(m, seq_q, seq_k)`` array of ``xp`` (``m`` 1 for a 2-D mask), checked (its values
+    by :func:`additive_ok` with ``read_values``)."""
     n, lq, lk = q.shape[0], q.shape[1], k.shape[1]
     if not isinstance(attn_mask, xp.ndarray):
         raise TypeError(f"attn_mask must be a {xp.__name__} array, got "
@@ -174,10 +176,12 @@ def additive_of(xp: Any, attn_mask: Any, q: Any, k: Any, read_values: bool = Tru
     if attn_mask.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"attn_mask must be a float array (added to the scores), got "
                         f"{attn_mask.dtype}")
-    if attn_mask.shape not in ((lq, lk), (1, lq, lk), (n, lq, lk)):
-        raise ValueError(f"attn_mask must have shape {(lq, lk)}, {(1, lq, lk)} or {(n, lq, lk)},"
-                         f" got {attn_mask.shape}")
-    add = xp.ascontiguousarray(astype(attn_mask, np.float64).reshape((-1, lq, lk)))
+    if not (attn_mask.shape == (lq, lk) or (attn_mask.ndim == 3 and attn_mask.shape[1:] == (
+            lq, lk) and attn_mask.shape[0] >= 1 and n % attn_mask.shape[0] == 0)):
+        raise ValueError(f"attn_mask must have shape {(lq, lk)} or (m, {lq}, {lk}) with m "
+                         f"dividing {n}, got {attn_mask.shape}")
+    groups = attn_mask.shape[0] if attn_mask.ndim == 3 else 1
+    add = xp.ascontiguousarray(astype(attn_mask, np.float64).reshape((groups, lq, lk)))
     if read_values and not additive_ok(xp, add, q.dtype):
         raise ValueError(BAD_ADDITIVE)
     return add
@@ -189,7 +193,7 @@ def key_additive_of(xp: Any, key_add: Any, q: Any, k: Any, add: Any | None,
     dividing ``n``: heads ``[h m', (h + 1) m')`` with ``m' = n / m`` share row ``h``, as the
     heads of one batch item share its key padding) as a C-contiguous float64 array of ``xp``,
     and ``m'``; its values checked with ``read_values``, alone and summed with ``add`` (the
-    checked float64 ``(1 or n, seq_q, seq_k)`` additive mask, or None) as the kernels sum them
+    checked float64 additive mask ``(groups, seq_q, seq_k)``, or None) as the kernels sum them
     (:func:`key_additive_bad`)."""
     n, lk = q.shape[0], k.shape[1]
     if not isinstance(key_add, xp.ndarray):
@@ -209,16 +213,17 @@ def key_additive_of(xp: Any, key_add: Any, q: Any, k: Any, add: Any | None,
 
 def key_additive_bad(xp: Any, keys: Any, add: Any | None, dtype: np.dtype) -> Any:
     """:func:`additive_bad` of the float64 per-key mask ``keys`` ``(m, seq_k)`` and of its sums
-    with ``add`` ``(1 or n, seq_q, seq_k)`` (None: none), the mask the kernels add, as a 0-d
+    with ``add`` ``(m', seq_q, seq_k)`` (None: none), the mask the kernels add, as a 0-d
     bool array of ``xp``, not read: each head's largest sum is its column maxima of ``add`` plus
     its row of ``keys`` (O(L) memory, no folded array)."""
     bad = additive_bad(xp, keys, dtype)
     if add is None or not add.size:
         return bad
-    m, lk = keys.shape
-    tops = add.max(axis=1)
-    tops = tops.reshape(1, 1, lk) if tops.shape[0] == 1 else tops.reshape(m, -1, lk)
-    return bad | additive_bad(xp, tops + keys[:, None, :], dtype)
+    # the groups of heads: add's m_a and keys' m_k each divide n, and so does their lcm; head
+    # b's rows are add[b // (n / m_a)] and keys[b // (n / m_k)], the same pairs as over lcm heads
+    groups = math.lcm(add.shape[0], keys.shape[0])
+    tops = xp.repeat(add.max(axis=1), groups // add.shape[0], axis=0)
+    return bad | additive_bad(xp, tops + xp.repeat(keys, groups // keys.shape[0], axis=0), dtype)
 
 
 #: Why an additive mask is refused (:func:`additive_ok`).

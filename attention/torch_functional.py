@@ -223,7 +223,8 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         n *= size
     # explicit lengths: -1 is ambiguous in an empty batch
     q, k, v = (t.reshape(n, t.shape[-2], d).contiguous() for t in (query, key, value))
-    mask, is_causal = _core_mask(attn_mask, lead, n, seq_q, seq_k, bool(is_causal))
+    mask, is_causal = _core_mask(attn_mask, lead, n, seq_q, seq_k, bool(is_causal),
+                                 grouped=sinks is None)
     scale = 1 / d ** 0.5 if scale is None else float(scale)
     if sinks is not None or not compiling:  # the core's error, with the caller's lengths,
         check_causal(is_causal, seq_q, seq_k)  # before the dropout is drawn
@@ -278,9 +279,13 @@ def _check_projection(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 
 def _core_mask(mask: torch.Tensor | None, lead: torch.Size, n: int, seq_q: int, seq_k: int,
-               causal: bool) -> tuple[torch.Tensor | None, bool]:
+               causal: bool, grouped: bool) -> tuple[torch.Tensor | None, bool]:
     """``(mask, causal)`` as the core takes them: ``mask`` ``(L, S)`` when shared by every batch
-    item and head, else ``(n, L, S)``; a mask that hides the same keys from every query (key
+    item and head, with ``grouped`` ``(n / H, L, S)`` when shared by the ``H = lead[-1]`` heads
+    of each batch item (a Hugging Face mask ``(N, 1, L, S)``; the core reads it per group of
+    heads, never copied per head; not for a float mask that requires grad), else ``(n, L, S)``
+    (attention sinks add a row and a column per head); a mask that
+    hides the same keys from every query (key
     padding: Hugging Face's masks of padded batches; a float one adds the same value to a key's
     score in every query row), or those keys and the keys after each query (key padding of a
     causal model, ``L == S``), as ``(n, 1, S)`` with ``causal`` set (no ``L x S`` array: the
@@ -305,6 +310,10 @@ def _core_mask(mask: torch.Tensor | None, lead: torch.Size, n: int, seq_q: int, 
                 padded_causal
     if all(s == 1 for s in mask.shape[:-2]) and mask.shape[-2:] == (seq_q, seq_k):
         return mask.reshape(seq_q, seq_k).contiguous(), causal
+    if grouped and mask.dim() >= 3 and mask.shape[-3] == 1 and len(lead) > 1 \
+            and not (mask.is_floating_point() and mask.requires_grad):
+        per_item = mask.expand(*lead[:-1], 1, seq_q, seq_k)
+        return per_item.reshape(n // lead[-1], seq_q, seq_k).contiguous(), causal
     return full.reshape(n, seq_q, seq_k).contiguous(), causal
 
 

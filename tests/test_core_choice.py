@@ -127,6 +127,54 @@ def test_key_add_equals_its_folded_mask_on_every_backend(xp, core, causal):
         core_forward(q, k, v, Context(), key_add=np.zeros((3, 30)))
 
 
+@pytest.mark.parametrize("xp", BACKENDS)
+@pytest.mark.parametrize("core", ["fused", "unfused"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_mask_per_group_of_heads_equals_it_repeated_per_head(xp, core, causal):
+    """``attn_mask`` ``(m, L, S)``, m dividing n (one per batch item, shared by its heads:
+    sliding windows of two widths here), boolean or float, alone or with ``key_add``, gives bit
+    for bit what the same masks repeated to ``(n, L, S)`` give, on both cores and every
+    backend; the fused core keeps the m masks, none per head."""
+    rng = np.random.default_rng(12)
+    n, m, length = 6, 2, 30
+    q, k, v, do = _data(rng, n, length, length, 8)
+    distance = np.abs(np.arange(length)[:, None] - np.arange(length)[None, :])
+    window = distance[None] > np.array([4, 9])[:, None, None]  # True = not allowed
+    floats = np.where(window, -np.inf, rng.standard_normal((m, length, length)))
+    keys = rng.standard_normal((m, length))
+    for mask, key_add in ((window, None), (floats, None), (floats, keys)):
+        kw = {"causal": causal, "core": core,
+              "key_add": None if key_add is None else xp.asarray(key_add)}
+        data = [xp.asarray(t) for t in (q, k, v, do)]
+        _, want = _run(*data, Context(), attn_mask=xp.asarray(np.repeat(mask, n // m, 0)), **kw)
+        ctx = Context()
+        out, saved = core_forward(*data[:3], ctx, attn_mask=xp.asarray(mask), **kw)
+        got = (out,) + core_backward(saved, data[3], ctx)
+        assert saved["core"] == core and not ctx.report.events
+        if core == "fused":
+            assert saved["fused"]["add"].shape == (m, length, length)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(to_host(g), to_host(w))
+    with pytest.raises(ValueError, match=r"attn_mask must have shape .* with m dividing 6"):
+        core_forward(q, k, v, Context(), attn_mask=np.zeros((4, length, length)))
+
+
+def test_the_gradient_of_a_mask_per_group_of_heads_sums_its_heads():
+    """``mask_grad`` with an ``(m, L, S)`` mask: the gradient of each mask is the sum of its
+    heads' gradients, those of the mask repeated per head."""
+    rng = np.random.default_rng(13)
+    q, k, v, do = _data(rng, 6, 20, 20, 8)
+    mask = rng.standard_normal((3, 20, 20))
+    grads = []
+    for given in (mask, np.repeat(mask, 2, 0)):
+        ctx = Context()
+        _, saved = core_forward(q, k, v, ctx, attn_mask=given, mask_grad=True)
+        grads.append(core_backward(saved, do, ctx)[3])
+    assert grads[0].shape == mask.shape
+    np.testing.assert_allclose(grads[0], grads[1].reshape(3, 2, 20, 20).sum(1), rtol=1e-12,
+                               atol=1e-12)
+
+
 def test_key_visibility_refuses_bad_masks():
     q, k, v, _ = _data(np.random.default_rng(9), 2, 10, 12, 8)
     with pytest.raises(ValueError, match="key_visible must be a bool array of shape"):

@@ -65,6 +65,26 @@ def test_fused_layer_equals_the_unfused_layer(dtype, causal, cross, masks):
         np.testing.assert_allclose(got, want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("core", ["auto", "unfused"])
+def test_a_mask_per_batch_item_equals_it_repeated_per_head(core):
+    """The layer's ``attn_mask`` ``(batch, L, S)``, one per batch item that its heads share,
+    gives bit for bit what the same masks repeated per head ``(batch * heads, L, S)`` give."""
+    rng = np.random.default_rng(5)
+    batch, seq, d, heads = 2, 40, 32, 4
+    x, dy, _ = _inputs(rng, batch, seq, seq, d, "float32", False)
+    add = 2 * rng.standard_normal((batch, seq, seq))
+    add[rng.random(add.shape) < 0.2] = -np.inf
+    results = []
+    for mask in (add, np.repeat(add, heads, axis=0)):
+        layer = MultiHeadAttention(d, heads, causal=True, core=core, seed=3)
+        ran, result = _step(layer, x, dy, attn_mask=mask)
+        assert ran == ("fused" if core == "auto" else "unfused")
+        assert not layer.last_report.events
+        results.append(result)
+    for got, want in zip(*results):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_16bit_layer_runs_the_fused_core(dtype):
     """16-bit data run the fused core (tiles in float32), its final checks included, within the

@@ -95,26 +95,38 @@ KINDS = {  # name: (mask given, is_causal given, the full mask it means)
 }
 
 
-def test_other_boolean_masks_stay_full(core_calls):
+def test_other_boolean_masks_stay_whole_one_per_batch_item(core_calls):
+    """A mask that is not key padding reaches the core whole: one ``(L, S)`` per batch item
+    where its heads share it (``(B, 1, L, S)``, read per group of heads), one per head where
+    they do not."""
     gen = torch.Generator().manual_seed(1)
     hidden = torch.rand(B, 1, L, L, generator=gen) > 0.6
     hidden[..., 0] = False
     out, grads, _ = _run(hidden, False)
     want_out, want_grads = _reference(hidden)
-    assert core_calls == [((B * H, L, L), None, False)]
+    assert core_calls == [((B, L, L), None, False)]
     torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     # the causal triangle with one more key hidden from one query (not from every later one)
     core_calls.clear()
     almost = _after() | _padding([20, 13, 5])
     almost[1, 0, 7, 2] = True
     out, _, _ = _run(almost, False)
-    assert core_calls == [((B * H, L, L), None, False)]
+    assert core_calls == [((B, L, L), None, False)]
     torch.testing.assert_close(out, _reference(almost)[0], rtol=1e-12, atol=1e-12)
+    core_calls.clear()
+    per_head = torch.rand(B, H, L, L, generator=gen) > 0.6
+    per_head[..., 0] = False
+    out, _, _ = _run(per_head, False)
+    assert core_calls == [((B * H, L, L), None, False)]
+    torch.testing.assert_close(out, _reference(per_head)[0], rtol=1e-12, atol=1e-12)
 
 
 def test_compiled_calls_take_the_mask_whole_and_equal_eager(core_calls):
     # comparing the mask's values is data-dependent under torch.compile: the compiled graph
-    # hands the mask on whole, for padding and other masks alike, with no graph break
+    # hands the mask on whole (one per batch item, which its shape tells), for padding and
+    # other masks alike, with no graph break
     protection = Protection()
 
     def product(q, k, v, mask):
@@ -127,7 +139,7 @@ def test_compiled_calls_take_the_mask_whole_and_equal_eager(core_calls):
     for mask in (_padding([20, 13, 5]).expand(B, 1, L, L), other):
         core_calls.clear()
         got = compiled(q, k, v, mask)
-        assert core_calls == [((B * H, L, L), None, False)]
+        assert core_calls == [((B, L, L), None, False)]
         torch.testing.assert_close(got, product(q, k, v, mask), rtol=1e-12, atol=1e-12)
     explained = torch._dynamo.explain(product)(q, k, v, other)
     assert explained.graph_break_count == 0
@@ -332,13 +344,14 @@ def test_key_padding_runs_per_key_and_equals_the_full_mask(kind, core, monkeypat
 
 
 def test_other_float_masks_stay_full(monkeypatch):
-    """Masks that differ between query rows, and a float mask whose gradient is wanted, go on
-    whole (the gradient has the mask's shape)."""
+    """Masks that differ between query rows go on whole (one per batch item, shared by its
+    heads), and a float mask whose gradient is wanted whole per head (the gradient has the
+    mask's shape)."""
     core_key_add = _core_spy(monkeypatch, ("attn_mask", "key_add"))
     varying = _float_padding([20, 13, 5]).expand(B, 1, L, L).clone()
     varying[1, 0, 7, 2] = -3.0  # one query's score of one key only
     out, _, _ = _run(varying, False)
-    assert core_key_add == [((B * H, L, L), None, False)]
+    assert core_key_add == [((B, L, L), None, False)]
     torch.testing.assert_close(out, _float_reference(varying)[0], rtol=1e-12, atol=1e-12)
     core_key_add.clear()
     learned = _float_padding([20, 13, 5]).requires_grad_()
