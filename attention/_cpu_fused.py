@@ -23,7 +23,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from abftgemm.cpu_kernels import sum_column_prefix, sum_columns
+from abftgemm.cpu_kernels import sum_column_prefix, sum_columns, twins
 from attention._cpu_tile_gemm import gemm
 from attention._cpu_vmath import exp_like, exp_unflushed, from_ordered_key, like, ordered_key
 from attention.dropout_hash import GAMMA, MIX1, MIX2, SHIFT
@@ -52,10 +52,11 @@ FIELDS = 8
 ForwardOperands = namedtuple("ForwardOperands", "q k kt v ve")
 BackwardOperands = namedtuple("BackwardOperands", "q k v do o lse lse_lo")
 #: ``visible`` ``(n, Lk)`` bool or an empty ``(1, 0)``; ``add`` ``(m, Lq, Lk)`` float64 (``m``
-#: divides ``n``; head ``b`` reads ``add[b // add_heads]``) or an empty ``(1, 0, 0)``; ``keys`` a
-#: per-key additive mask ``(m', Lk)`` float64 (head ``b`` reads row ``b // key_heads``) or an
-#: empty ``(1, 0)``; ``scale`` in the data's dtype.
-Mask = namedtuple("Mask", "visible add add_heads keys key_heads scale causal")
+#: divides ``n``; head ``b`` reads ``add[b // add_heads]``) or an empty ``(1, 0, 0)``, ``hidden``
+#: its :func:`hidden_tiles` (or an empty ``(1, 0, 0)``); ``keys`` a per-key additive mask ``(m',
+#: Lk)`` float64 (head ``b`` reads row ``b // key_heads``) or an empty ``(1, 0)``; ``scale`` in the
+#: data's dtype.
+Mask = namedtuple("Mask", "visible add add_heads hidden keys key_heads scale causal")
 #: Whether to check and correct, the sites' coefficients (:func:`attention.fused_rules.
 #: coefficients`) and tolerances, and the rows of a tile product per BLAS call
 #: (:func:`attention._cpu_tile_gemm.gemm_rows`).
@@ -200,6 +201,33 @@ def transpose_blocks(x: Any, out: Any) -> None:
     a head reads."""
     for b in numba.prange(x.shape[0]):
         _transpose_head(x, out, b)
+
+
+def _hidden_tiles(add: Any, out: Any) -> None:
+    """``out[g, i, j]``: whether the additive mask ``add[g]`` is ``-inf`` throughout the tile of
+    query block ``i`` and key block ``j`` (``out`` ``(m, query blocks, key blocks)``). Such a
+    tile adds nothing to any result (its probabilities are exactly 0: the running max, the
+    denominators, the outputs and their carried checksums stay as they were, and so do the
+    gradients), so the kernels skip it, as the causal triangle's upper tiles: the tiles a
+    sliding window or packed sequences hide cost nothing."""
+    for g in numba.prange(add.shape[0]):
+        for i in range(out.shape[1]):
+            for j in range(out.shape[2]):
+                out[g, i, j] = _all_minus_inf(add[g, i * BR:(i + 1) * BR, j * BC:(j + 1) * BC])
+
+
+@numba.njit(cache=True)
+def _all_minus_inf(tile: Any) -> bool:
+    """Every entry of ``tile`` is ``-inf`` (the first other one ends the scan)."""
+    for r in range(tile.shape[0]):
+        for c in range(tile.shape[1]):
+            if tile[r, c] != -np.inf:
+                return False
+    return True
+
+
+#: :func:`_hidden_tiles` over numba's pool (its masks in parallel), and its serial twin.
+hidden_tiles, _hidden_tiles_serial = twins(_hidden_tiles, cache=True)
 
 
 @numba.njit(cache=True)
@@ -698,7 +726,7 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
     dropped tile, the softmax denominator the tile before dropout. Returns 0, or -1 when a
     recomputation did not verify."""
     q, k, kt, v, ve = ops
-    visible, add, add_heads, keys, key_heads, scale, causal = mask
+    visible, add, add_heads, hidden, keys, key_heads, scale, causal = mask
     check, correct, c_s, c_o, c_l, tol_p, g_rows = rules
     seed, thr, ks = drop
     out, lse, lse_lo, sums = outs
@@ -737,6 +765,8 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
         m[:] = -np.inf
         l[:] = 0
         for j0 in range(0, jend, BC):
+            if hidden.shape[1] and hidden[b // add_heads, i0 // BR, j0 // BC]:
+                continue  # all -inf: adds nothing (hidden_tiles)
             j1 = min(j0 + BC, lk)  # a whole key block (transpose_blocks' layout); causal masks
             cols = j1 - j0
             s = sbuf[:rows * cols].reshape(rows, cols)
@@ -916,7 +946,7 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
     checks the returned arrays against them); returns 0, or -1 when a recomputation did not
     verify."""
     q, k, v = ops.q, ops.k, ops.v
-    visible, add, add_heads, keys, key_heads, scale, causal = mask
+    visible, add, add_heads, hidden, keys, key_heads, scale, causal = mask
     check, correct, _, c_kv, c_q, _, _, _ = rules
     dq, dk, dv, dqc, kvc = grads
     lq, d = q.shape[1], q.shape[2]
@@ -949,6 +979,8 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
             dkc[:] = 0.0
             dvc[:] = 0.0
             for i0 in range(first, lq, BR):
+                if hidden.shape[1] and hidden[b // add_heads, i0 // BR, j0 // BC]:
+                    continue  # all -inf: adds nothing (hidden_tiles)
                 if _TILE(ops, head_mask, rules, drop, b, i0, j0, j1, keys, head, work,
                          (dkb[:cols], dvb[:cols], dkc, dvc), (dq, dqc), True, attempt == 0,
                          rec) < 0:
@@ -983,6 +1015,8 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
                 dq[b, i0:i1, :] = 0
                 dqc[b, i0:i1, :] = 0.0
                 for j0 in range(0, min(lk, i1) if causal else lk, BC):
+                    if hidden.shape[1] and hidden[b // add_heads, i0 // BR, j0 // BC]:
+                        continue
                     j1 = min(j0 + BC, lk)
                     keys = _key_block(k[b, j0:j1], v[b, j0:j1], kvt, kenc, venc, True)
                     if _TILE(ops, head_mask, rules, drop, b, i0, j0, j1, keys, head, work,
@@ -1107,9 +1141,11 @@ def _transpose_blocks_serial(x: Any, out: Any) -> None:
         _transpose_head(x, out, b)
 
 
-#: :func:`forward`, :func:`backward`, :func:`encode_rows` and :func:`transpose_blocks` for a
-#: process that cannot enter numba's pool (:func:`abftgemm.threads.numba_pool_usable`): their
-#: loops in Python, each task the compiled function the parallel kernel runs for it.
+#: :func:`forward`, :func:`backward`, :func:`encode_rows`, :func:`transpose_blocks` and
+#: :func:`hidden_tiles` for a process that cannot enter numba's pool
+#: (:func:`abftgemm.threads.numba_pool_usable`): their loops in Python, each task the compiled
+#: function the parallel kernel runs for it (:func:`hidden_tiles`: its serial twin).
 SERIAL = types.SimpleNamespace(forward=_forward_serial, backward=_backward_serial,
                                encode_rows=_encode_rows_serial,
-                               transpose_blocks=_transpose_blocks_serial)
+                               transpose_blocks=_transpose_blocks_serial,
+                               hidden_tiles=_hidden_tiles_serial)

@@ -12,7 +12,9 @@ once; a per-key mask ``key_add``, a float key padding mask, is one row of keys p
 the tiles are ``BR x BC`` = 128 x 128 (:mod:`attention._cpu_fused`, numba kernels in
 parallel over (head, query block) forward and over heads backward, so no two threads write one
 accumulator; the tile products call BLAS, single-threaded, in place and in the pieces
-:func:`attention._cpu_tile_gemm.gemm_rows` measured fastest here).
+:func:`attention._cpu_tile_gemm.gemm_rows` measured fastest here). Tiles above the causal
+diagonal, and those an additive mask holds at ``-inf`` throughout (a sliding window, packed
+sequences: :func:`attention._cpu_fused.hidden_tiles`), are skipped: they add nothing.
 CuPy arrays run the same algorithm and checks in CUDA kernels (:mod:`attention._cuda_fused`,
 16-bit data too). :func:`attention.core.core_forward` runs this core by default where it applies
 (and the PyTorch :class:`attention.torch_core.ProtectedCore` through it), and so do the layers
@@ -162,6 +164,8 @@ SUPPORTED = SUPPORTED_DTYPES
 DROPOUT_HOOK_SITE = K.HOOK_SITES[K.DROP_]
 #: The kernels' "no additive mask": an empty (1, 0, 0) float64 array.
 _NO_ADD = np.zeros((1, 0, 0))
+#: The kernels' "no hidden tiles": an empty (1, 0, 0) bool array.
+_NO_HIDDEN = np.zeros((1, 0, 0), bool)
 #: The kernels' "no per-key additive mask": an empty (1, 0) float64 array.
 _NO_KEYS = np.zeros((1, 0))
 
@@ -271,7 +275,8 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     rec = np.zeros((n * nqb, len(K.SITES), K.FIELDS))
     status = np.zeros(n * nqb, np.int64)
     groups = (K.ForwardOperands(qw, kw, _transposed(kernels, kw, workspace, "k"), vw, ve),
-              K.Mask(visible, add, n // add.shape[0], keys, heads, dt.type(scale), causal),
+              K.Mask(visible, add, n // add.shape[0], _hidden(kernels, add), keys, heads,
+                     dt.type(scale), causal),
               K.ForwardRules(check, correct, coefficients(d, K.BR, dt, block=d),
                              coefficients(lk, d, dt, 2 * tiles, min(lk, K.BC)),
                              coefficients(lk, 1, dt, 2 * tiles), probs_tolerance(dt),
@@ -324,9 +329,11 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
     kvc = np.empty((n, lk if check else 0, 6))
     rec = np.zeros((n, len(K.SITES), K.FIELDS))
     status = np.zeros(n, np.int64)
+    kernels = _kernels()
     groups = (K.BackwardOperands(q, k, v, d_out, out, lse, saved["lse_lo"]),
-              K.Mask(saved["visible"], saved["add"], n // saved["add"].shape[0], saved["keys"],
-                     saved["key_heads"], dt.type(saved["scale"]), saved["causal"]),
+              K.Mask(saved["visible"], saved["add"], n // saved["add"].shape[0],
+                     _hidden(kernels, saved["add"]), saved["keys"], saved["key_heads"],
+                     dt.type(saved["scale"]), saved["causal"]),
               K.BackwardRules(check, correct, coefficients(d, K.BC, dt, block=d),
                               coefficients(lq, d, dt, -(-lq // K.BR), min(lq, K.BR)),
                               coefficients(lk, d, dt, -(-lk // K.BC), min(lk, K.BC)),
@@ -336,7 +343,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
               K.Gradients(dq, dk, dv, dqc, kvc))
     with one_blas_thread():
         if ctx.fault_hook is None:
-            _kernels().backward(*groups, rec, status)
+            kernels.backward(*groups, rec, status)
         else:
             _, head = K.python_drivers(_site_hook(ctx))
             for b in range(n):
@@ -377,6 +384,16 @@ def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
     if key_visible is None:
         return scale, np.ones((1, 0), bool)
     return scale, key_visible_of(np, key_visible, q, k)
+
+
+def _hidden(kernels: Any, add: np.ndarray) -> np.ndarray:
+    """:func:`attention._cpu_fused.hidden_tiles` of the additive mask ``add`` ``(m, seq_q,
+    seq_k)`` (``kernels``: :func:`_kernels`), or an empty ``(1, 0, 0)`` for none."""
+    if not add.size:
+        return _NO_HIDDEN
+    out = np.empty((add.shape[0], -(-add.shape[1] // K.BR), -(-add.shape[2] // K.BC)), bool)
+    kernels.hidden_tiles(add, out)
+    return out
 
 
 def _row_encodings(kernels: Any, x: np.ndarray, check: bool) -> np.ndarray:

@@ -159,6 +159,34 @@ def test_a_mask_per_group_of_heads_equals_it_repeated_per_head(xp, core, causal)
         core_forward(q, k, v, Context(), attn_mask=np.zeros((4, length, length)))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_fused_core_skips_the_tiles_a_mask_hides(causal):
+    """Tiles that an additive mask holds at ``-inf`` throughout (sliding windows of 100 and 200
+    keys over 300: 128 x 128 tiles) are not computed, forward or backward (the fault hook sees
+    the scores of the others alone), and the results equal the unfused core's."""
+    rng = np.random.default_rng(14)
+    n, length, tile = 4, 300, 128
+    q, k, v, do = _data(rng, n, length, length, 16)
+    distance = np.abs(np.arange(length)[:, None] - np.arange(length)[None, :])
+    mask = np.where(distance[None] >= np.array([100, 200])[:, None, None], -np.inf,
+                    rng.standard_normal((2, length, length)))
+    blocks = range(0, length, tile)
+    computed = [(b, i, j) for b in range(n) for i in blocks for j in blocks
+                if not (causal and j > i)]  # the tiles the causal rule alone leaves
+    live = sum(bool(np.isfinite(mask[b // 2, i:i + tile, j:j + tile]).any())
+               for b, i, j in computed)
+    assert 0 < live < len(computed)
+    seen = []
+    ctx = Context(fault_hook=lambda site, t: seen.append(site))
+    out, saved = core_forward(q, k, v, ctx, attn_mask=mask, causal=causal, core="fused")
+    forward_tiles = seen.count("fused:S")
+    got = (out,) + core_backward(saved, do, ctx)
+    assert forward_tiles == live and seen.count("fused:S") == 2 * live
+    _, want = _run(q, k, v, do, Context(), attn_mask=mask, causal=causal, core="unfused")
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
 def test_the_gradient_of_a_mask_per_group_of_heads_sums_its_heads():
     """``mask_grad`` with an ``(m, L, S)`` mask: the gradient of each mask is the sum of its
     heads' gradients, those of the mask repeated per head."""
