@@ -26,9 +26,14 @@ a = rng.standard_normal((512, 256)).astype(np.float32)
 b = rng.standard_normal((256, 128)).astype(np.float32)
 
 
+distance = np.abs(np.arange(300)[:, None] - np.arange(300)[None, :])
+window = np.where(distance < 100, 0.0, -np.inf)  # a sliding window: tiles it hides are skipped
+
+
 def work():
     ctx = Context()
-    out, saved = core_forward(q, k, v, ctx, causal=True)  # the fused core and its final checks
+    # the fused core (its hidden tiles, its final checks)
+    out, saved = core_forward(q, k, v, ctx, causal=True, attn_mask=window)
     grads = core_backward(saved, do, ctx)
     assert saved["core"] == "fused" and ctx.report.checked["fused:dK_out"], ctx.report.checked
     assert not ctx.report.events, ctx.report.summary()
