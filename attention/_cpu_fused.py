@@ -54,9 +54,10 @@ BackwardOperands = namedtuple("BackwardOperands", "q k v do o lse lse_lo")
 #: ``visible`` ``(n, Lk)`` bool or an empty ``(1, 0)``; ``add`` ``(m, Lq, Lk)`` float64 (``m``
 #: divides ``n``; head ``b`` reads ``add[b // add_heads]``) or an empty ``(1, 0, 0)``, ``hidden``
 #: its :func:`hidden_tiles` (or an empty ``(1, 0, 0)``); ``keys`` a per-key additive mask ``(m',
-#: Lk)`` float64 (head ``b`` reads row ``b // key_heads``) or an empty ``(1, 0)``; ``scale`` in the
-#: data's dtype.
-Mask = namedtuple("Mask", "visible add add_heads hidden keys key_heads scale causal")
+#: Lk)`` float64 (head ``b`` reads row ``b // key_heads``) or an empty ``(1, 0)``;
+#: ``hidden_keys`` ``(n, key blocks)`` bool, the key blocks that ``visible`` and ``keys`` hide
+#: throughout from head ``b`` (or an empty ``(1, 0)``); ``scale`` in the data's dtype.
+Mask = namedtuple("Mask", "visible add add_heads hidden keys key_heads hidden_keys scale causal")
 #: Whether to check and correct, the sites' coefficients (:func:`attention.fused_rules.
 #: coefficients`) and tolerances, and the rows of a tile product per BLAS call
 #: (:func:`attention._cpu_tile_gemm.gemm_rows`).
@@ -228,6 +229,15 @@ def _all_minus_inf(tile: Any) -> bool:
 
 #: :func:`_hidden_tiles` over numba's pool (its masks in parallel), and its serial twin.
 hidden_tiles, _hidden_tiles_serial = twins(_hidden_tiles, cache=True)
+
+
+@numba.njit(cache=True, inline="always")
+def _skipped(hidden: Any, add_heads: int, hidden_keys: Any, b: int, i0: int, j0: int) -> bool:
+    """Whether head ``b``'s tile of query block ``i0`` and key block ``j0`` adds nothing: its
+    additive mask's tile is ``-inf`` throughout (:func:`hidden_tiles`), or its keys are all
+    hidden (``hidden_keys``: key padding). The kernels skip it."""
+    return (hidden.shape[1] > 0 and hidden[b // add_heads, i0 // BR, j0 // BC]) or (
+        hidden_keys.shape[1] > 0 and hidden_keys[b, j0 // BC])
 
 
 @numba.njit(cache=True)
@@ -726,7 +736,7 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
     dropped tile, the softmax denominator the tile before dropout. Returns 0, or -1 when a
     recomputation did not verify."""
     q, k, kt, v, ve = ops
-    visible, add, add_heads, hidden, keys, key_heads, scale, causal = mask
+    visible, add, add_heads, hidden, keys, key_heads, hidden_keys, scale, causal = mask
     check, correct, c_s, c_o, c_l, tol_p, g_rows = rules
     seed, thr, ks = drop
     out, lse, lse_lo, sums = outs
@@ -765,8 +775,8 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
         m[:] = -np.inf
         l[:] = 0
         for j0 in range(0, jend, BC):
-            if hidden.shape[1] and hidden[b // add_heads, i0 // BR, j0 // BC]:
-                continue  # all -inf: adds nothing (hidden_tiles)
+            if _skipped(hidden, add_heads, hidden_keys, b, i0, j0):
+                continue
             j1 = min(j0 + BC, lk)  # a whole key block (transpose_blocks' layout); causal masks
             cols = j1 - j0
             s = sbuf[:rows * cols].reshape(rows, cols)
@@ -946,7 +956,7 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
     checks the returned arrays against them); returns 0, or -1 when a recomputation did not
     verify."""
     q, k, v = ops.q, ops.k, ops.v
-    visible, add, add_heads, hidden, keys, key_heads, scale, causal = mask
+    visible, add, add_heads, hidden, keys, key_heads, hidden_keys, scale, causal = mask
     check, correct, _, c_kv, c_q, _, _, _ = rules
     dq, dk, dv, dqc, kvc = grads
     lq, d = q.shape[1], q.shape[2]
@@ -979,8 +989,8 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
             dkc[:] = 0.0
             dvc[:] = 0.0
             for i0 in range(first, lq, BR):
-                if hidden.shape[1] and hidden[b // add_heads, i0 // BR, j0 // BC]:
-                    continue  # all -inf: adds nothing (hidden_tiles)
+                if _skipped(hidden, add_heads, hidden_keys, b, i0, j0):
+                    continue
                 if _TILE(ops, head_mask, rules, drop, b, i0, j0, j1, keys, head, work,
                          (dkb[:cols], dvb[:cols], dkc, dvc), (dq, dqc), True, attempt == 0,
                          rec) < 0:
@@ -1015,7 +1025,7 @@ def _backward_head(ops: BackwardOperands, mask: Mask, rules: BackwardRules, drop
                 dq[b, i0:i1, :] = 0
                 dqc[b, i0:i1, :] = 0.0
                 for j0 in range(0, min(lk, i1) if causal else lk, BC):
-                    if hidden.shape[1] and hidden[b // add_heads, i0 // BR, j0 // BC]:
+                    if _skipped(hidden, add_heads, hidden_keys, b, i0, j0):
                         continue
                     j1 = min(j0 + BC, lk)
                     keys = _key_block(k[b, j0:j1], v[b, j0:j1], kvt, kenc, venc, True)

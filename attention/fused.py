@@ -13,8 +13,9 @@ the tiles are ``BR x BC`` = 128 x 128 (:mod:`attention._cpu_fused`, numba kernel
 parallel over (head, query block) forward and over heads backward, so no two threads write one
 accumulator; the tile products call BLAS, single-threaded, in place and in the pieces
 :func:`attention._cpu_tile_gemm.gemm_rows` measured fastest here). Tiles above the causal
-diagonal, and those an additive mask holds at ``-inf`` throughout (a sliding window, packed
-sequences: :func:`attention._cpu_fused.hidden_tiles`), are skipped: they add nothing.
+diagonal, those an additive mask holds at ``-inf`` throughout (a sliding window, packed
+sequences: :func:`attention._cpu_fused.hidden_tiles`) and those whose keys key padding hides
+throughout are skipped: they add nothing.
 CuPy arrays run the same algorithm and checks in CUDA kernels (:mod:`attention._cuda_fused`,
 16-bit data too). :func:`attention.core.core_forward` runs this core by default where it applies
 (and the PyTorch :class:`attention.torch_core.ProtectedCore` through it), and so do the layers
@@ -276,7 +277,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     status = np.zeros(n * nqb, np.int64)
     groups = (K.ForwardOperands(qw, kw, _transposed(kernels, kw, workspace, "k"), vw, ve),
               K.Mask(visible, add, n // add.shape[0], _hidden(kernels, add), keys, heads,
-                     dt.type(scale), causal),
+                     _hidden_keys(visible, keys, heads, n, lk), dt.type(scale), causal),
               K.ForwardRules(check, correct, coefficients(d, K.BR, dt, block=d),
                              coefficients(lk, d, dt, 2 * tiles, min(lk, K.BC)),
                              coefficients(lk, 1, dt, 2 * tiles), probs_tolerance(dt),
@@ -333,6 +334,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
     groups = (K.BackwardOperands(q, k, v, d_out, out, lse, saved["lse_lo"]),
               K.Mask(saved["visible"], saved["add"], n // saved["add"].shape[0],
                      _hidden(kernels, saved["add"]), saved["keys"], saved["key_heads"],
+                     _hidden_keys(saved["visible"], saved["keys"], saved["key_heads"], n, lk),
                      dt.type(saved["scale"]), saved["causal"]),
               K.BackwardRules(check, correct, coefficients(d, K.BC, dt, block=d),
                               coefficients(lq, d, dt, -(-lq // K.BR), min(lq, K.BR)),
@@ -394,6 +396,25 @@ def _hidden(kernels: Any, add: np.ndarray) -> np.ndarray:
     out = np.empty((add.shape[0], -(-add.shape[1] // K.BR), -(-add.shape[2] // K.BC)), bool)
     kernels.hidden_tiles(add, out)
     return out
+
+
+def _hidden_keys(visible: np.ndarray, keys: np.ndarray, key_heads: int, n: int,
+                 lk: int) -> np.ndarray:
+    """``(n, key blocks)`` bool: the key blocks of :data:`attention._cpu_fused.BC` keys that
+    key visibility ``visible`` ``(n, seq_k)`` and the per-key mask ``keys`` ``(n / key_heads,
+    seq_k)`` (``-inf``) hide throughout from each head (padding), whose tiles the kernels skip;
+    an empty ``(1, 0)`` where neither is given. O(L) per head."""
+    if not (visible.size or keys.size):
+        return np.zeros((1, 0), bool)
+    blocks = -(-lk // K.BC)
+    hidden = np.ones((n, blocks * K.BC), bool)  # the last block's missing keys count as hidden
+    seen = hidden[:, :lk]
+    seen[...] = False
+    if visible.size:
+        seen |= ~visible
+    if keys.size:
+        seen |= np.repeat(keys == -np.inf, key_heads, axis=0)
+    return hidden.reshape(n, blocks, K.BC).all(axis=2)
 
 
 def _row_encodings(kernels: Any, x: np.ndarray, check: bool) -> np.ndarray:

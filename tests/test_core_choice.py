@@ -187,6 +187,33 @@ def test_the_fused_core_skips_the_tiles_a_mask_hides(causal):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["key_visible", "key_add"])
+def test_the_fused_core_skips_the_key_blocks_padding_hides(kind):
+    """Key blocks that key padding hides from a head throughout (items of 300, 250, 120 and no
+    tokens: 128 keys a block) are not computed for that head, forward or backward, and the
+    results equal the unfused core's (a head that sees no key: output and gradients 0)."""
+    rng = np.random.default_rng(15)
+    n, length, tile = 4, 300, 128
+    q, k, v, do = _data(rng, n, length, length, 16)
+    visible = np.arange(length)[None, :] < np.array([300, 250, 120, 0])[:, None]
+    mask = {"key_visible": visible} if kind == "key_visible" else {
+        "key_add": np.where(visible, rng.standard_normal(visible.shape), -np.inf)}
+    blocks = range(0, length, tile)
+    live = sum(bool(visible[b, j:j + tile].any()) for b in range(n) for _ in blocks
+               for j in blocks)
+    assert live == 3 * (3 + 2 + 1 + 0)
+    seen = []
+    ctx = Context(fault_hook=lambda site, t: seen.append(site))
+    out, saved = core_forward(q, k, v, ctx, core="fused", **mask)
+    forward_tiles = seen.count("fused:S")
+    got = (out,) + core_backward(saved, do, ctx)
+    assert forward_tiles == live and seen.count("fused:S") == 2 * live
+    _, want = _run(q, k, v, do, Context(), core="unfused", **mask)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    assert not np.any(got[0][3]) and not any(np.any(g[3]) for g in got[1:])
+
+
 def test_the_gradient_of_a_mask_per_group_of_heads_sums_its_heads():
     """``mask_grad`` with an ``(m, L, S)`` mask: the gradient of each mask is the sum of its
     heads' gradients, those of the mask repeated per head."""
