@@ -228,8 +228,9 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     check_finite : bool
         Scan ``q``, ``k`` and ``v`` for INF and NaN (``ValueError``), or, False, trust a caller
         that just did (:func:`attention.core.core_forward` and the layers, which run the unfused
-        core on such data). A non-finite input the scan did not refuse fails the tiles' checks
-        (``UncorrectableError``); it never passes silently.
+        core on such data). Unscanned, a non-finite ``q`` or ``k`` fails the scores' checks
+        (``UncorrectableError``), a non-finite ``v`` gives non-finite outputs, as plain math
+        would.
 
     Returns
     -------
@@ -304,7 +305,8 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
                    check_finite: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dq, dk, dv)`` (new arrays) from the gradient ``d_out`` ``(n, seq_q, d)`` of
     :func:`fused_forward`'s output (C-contiguous, its dtype, finite: scanned for INF and NaN
-    unless ``check_finite`` is False, as :func:`fused_forward`'s inputs; its outputs
+    unless ``check_finite`` is False, as :func:`fused_forward`'s inputs, where a non-finite one
+    fails the tiles' checks; its outputs
     recycled in ``workspace`` as there), FlashAttention-2 style:
     ``P`` recomputed per tile from the saved log-sum-exp, every tile and accumulator checked
     (module docstring; fault hook sites :data:`BACKWARD_SITES`); ``defer`` as

@@ -443,6 +443,35 @@ def test_bad_input():
         fused_backward(saved, out[:, :4], Context())
 
 
+def test_unscanned_non_finite_inputs_fail_the_checks_or_stay_non_finite():
+    """``check_finite=False`` (its callers scanned the data) reads no value: a NaN or INF ``q``
+    or ``k`` then fails the scores' checks and a non-finite ``dO`` the tiles' checks
+    (``UncorrectableError``), a non-finite ``v`` gives a non-finite output; scanned, each is a
+    ``ValueError`` naming it."""
+    rng = np.random.default_rng(3)
+    q, k, v, do = _data(rng, 2, 200, 200, 32)
+    for name in "qkv":
+        for value in (np.nan, np.inf):
+            data = {"q": q.copy(), "k": k.copy(), "v": v.copy()}
+            data[name][1, 150, 3] = value
+            with pytest.raises(ValueError, match=f"{name} holds INF or NaN"):
+                fused_forward(data["q"], data["k"], data["v"], Context())
+            if name == "v":
+                out, _ = fused_forward(data["q"], data["k"], data["v"], Context(),
+                                       check_finite=False)
+                assert not np.isfinite(out).all()
+                continue
+            with pytest.raises(UncorrectableError):
+                fused_forward(data["q"], data["k"], data["v"], Context(), check_finite=False)
+    _, saved = fused_forward(q, k, v, Context())
+    bad = do.copy()
+    bad[0, 3, 4] = np.nan
+    with pytest.raises(ValueError, match="d_out holds INF or NaN"):
+        fused_backward(saved, bad, Context())
+    with pytest.raises(UncorrectableError):
+        fused_backward(saved, bad, Context(), check_finite=False)
+
+
 def test_site_lists():
     assert set(FORWARD_SITES) | set(BACKWARD_SITES) == set(KERNEL_SITES)
     assert set(FINAL_SITES) | set(KERNEL_SITES) == set(HOOK_SITES)
