@@ -301,19 +301,20 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     rec = cupy.zeros((n * nqb, len(K.SITES), K.FIELDS))
     status = cupy.zeros(n * nqb, numpy.int32)
     desc = None if fault is None else fault.descriptor(_with_dropout(FORWARD_SITES, drop), arith)
+    per_head = _per_head(add, n)
     with q.device:
         _kernel(q.device.id, kernels.FUSED_FORWARD, q.dtype.name)(
             (n * nqb,), (_THREADS,),
-            (q, k, v, ve, visible, add, _stride(add), _add_heads(add, n), keys,
-             numpy.int32(key_heads),
+            (q, k, v, ve, visible, per_head, _stride(per_head), keys, numpy.int32(key_heads),
              numpy.int32(lq), numpy.int32(lk),
              numpy.int32(d), numpy.float64(scale), numpy.int32(causal), numpy.int32(check),
              numpy.int32(correct), *_dropout_args(drop, arith), params, desc, ws_o, out, lse,
              lse_lo, sums, rec, status))
     if fault is not None:
         fault.record(desc)
-    if defer is not None and check_finite:  # non-finite inputs: the replay raises, or takes
-        defer.add(_nonfinite(q) | _nonfinite(k) | _nonfinite(v), lambda c: True)  # them repaired
+    if defer is not None and check_finite:
+        # non-finite inputs: the replay raises, or takes them repaired
+        defer.add(_nonfinite(q) | _nonfinite(k) | _nonfinite(v), lambda c: True)
     _book(ctx, rec, status, lambda t: t // nqb, FORWARD_SITES, check, defer)
     return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "lse_lo": lse_lo,
                  "scale": scale, "causal": causal, "visible": visible, "add": add,
@@ -359,8 +360,8 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
         kv_sites = tuple(s for s in BACKWARD_SITES if s != "fused:dQ_acc")
         desc_kv = fault.descriptor(_with_dropout(kv_sites, drop), arith)
         desc_q = fault.descriptor(("fused:dQ_acc",), arith)
-    mask = (saved["add"], _stride(saved["add"]), _add_heads(saved["add"], n), saved["keys"],
-            numpy.int32(saved["key_heads"]))
+    per_head = _per_head(saved["add"], n)
+    mask = (per_head, _stride(per_head), saved["keys"], numpy.int32(saved["key_heads"]))
     common = (numpy.int32(lq), numpy.int32(lk), numpy.int32(d), numpy.float64(saved["scale"]),
               numpy.int32(saved["causal"]), numpy.int32(check), numpy.int32(correct),
               *_dropout_args(drop, arith), params)
@@ -457,14 +458,17 @@ def _validate(q: Any, k: Any, v: Any, scale: float | None, causal: bool,
 
 
 def _stride(add: cupy.ndarray | None) -> numpy.int64:
-    """The kernels' stride between the additive mask's ``(m, seq_q, seq_k)`` masks: 0 when
-    shared by every head."""
+    """The kernels' head stride of the additive mask ``(1 or n, seq_q, seq_k)``: 0 when shared."""
     return numpy.int64(0 if add is None or add.shape[0] == 1 else add.shape[1] * add.shape[2])
 
 
-def _add_heads(add: cupy.ndarray | None, n: int) -> numpy.int32:
-    """The consecutive heads of ``n`` that share each of the additive mask's ``m`` masks."""
-    return numpy.int32(1 if add is None else n // add.shape[0])
+def _per_head(add: cupy.ndarray | None, n: int) -> cupy.ndarray | None:
+    """The additive mask ``(m, seq_q, seq_k)`` as the kernels take it, ``(1 or n, seq_q,
+    seq_k)``: a mask per group of heads repeated per head (the CPU kernels read it per group; an
+    index per group in the CUDA kernels made ptxas spill, bench/NOTES.md)."""
+    if add is None or add.shape[0] in (1, n):
+        return add
+    return cupy.repeat(add, n // add.shape[0], axis=0)
 
 
 def finite(x: cupy.ndarray) -> bool:

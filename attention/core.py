@@ -93,7 +93,8 @@ def core_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None = 
     attn_mask : array (seq_q, seq_k) or (m, seq_q, seq_k), optional
         Boolean, True = NOT allowed, or float, added to the scaled scores; ``m`` divides ``n``:
         heads ``b`` with ``b // (n / m) = i`` read mask ``i`` (``m`` = batch: one mask per
-        batch item, shared by its heads; the fused core reads it so, never copied per head).
+        batch item, shared by its heads; the CPU fused core reads it so, never copied per
+        head).
     key_visible : bool array (n, seq_k), optional
         True = the key may be attended to (key padding: the same keys hidden from every query,
         an ``O(L)`` mask where ``attn_mask`` is ``L x L``). Combines with ``causal`` and

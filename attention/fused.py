@@ -199,7 +199,8 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         Float mask added to the scaled scores after the scores' check (``-inf``: not allowed;
         NaN and ``+inf`` are refused); ``m`` divides ``n``: heads ``b`` with ``b // (n / m) =
         i`` read mask ``i`` (``m`` = batch: a mask per batch item, which its heads share, read
-        in place, not copied per head). Added in float64, the sum rounded to the data's dtype.
+        in place, not copied per head, on the CPU). Added in float64, the sum rounded to the
+        data's dtype.
         The softmax invariant is judged on these masked scores (module docstring). Combines
         with ``causal``, ``key_visible`` and ``key_add``.
     dropout : float

@@ -282,8 +282,9 @@ def _core_mask(mask: torch.Tensor | None, lead: torch.Size, n: int, seq_q: int, 
                causal: bool, grouped: bool) -> tuple[torch.Tensor | None, bool]:
     """``(mask, causal)`` as the core takes them: ``mask`` ``(L, S)`` when shared by every batch
     item and head, with ``grouped`` ``(n / H, L, S)`` when shared by the ``H = lead[-1]`` heads
-    of each batch item (a Hugging Face mask ``(N, 1, L, S)``; the core reads it per group of
-    heads, never copied per head; not for a float mask that requires grad), else ``(n, L, S)``
+    of each batch item (a Hugging Face mask ``(N, 1, L, S)``; the CPU fused core reads it per
+    group of heads, never copied per head; not for a float mask that requires grad), else ``(n,
+    L, S)``
     (attention sinks add a row and a column per head); a mask that
     hides the same keys from every query (key
     padding: Hugging Face's masks of padded batches; a float one adds the same value to a key's

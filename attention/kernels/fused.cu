@@ -400,11 +400,9 @@ __device__ __forceinline__ A masked_score(A s, A sc, bool seen, const double* ad
     return static_cast<A>(to_double(z) + m);
 }
 
-// The additive mask of head b: add (m, lq, lk) float64, shared by add_heads = n / m
-// consecutive heads (stride lq * lk; 0 when m is 1); null: none.
-__device__ __forceinline__ const double* head_mask(const double* add, long long stride,
-                                                   int add_heads, int b) {
-    return add ? add + stride * (b / add_heads) : nullptr;
+// The additive mask of head b: add (1 or n, lq, lk) float64, stride 0 or lq * lk; null: none.
+__device__ __forceinline__ const double* head_mask(const double* add, long long stride, int b) {
+    return add ? add + stride * b : nullptr;
 }
 
 // Head b's row of the per-key mask keys (m, lk) float64, shared by key_heads consecutive heads
@@ -454,8 +452,8 @@ __global__ void attn_fused_encode_rows(const T* x, long long rows, int d, double
 template <typename T>
 __global__ void __launch_bounds__(FNT)
 attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const bool* visible,
-                   const double* add, long long add_stride, int add_heads,
-                   const double* keys, int key_heads, int lq, int lk, int d, double scale,
+                   const double* add, long long add_stride, const double* keys,
+                   int key_heads, int lq, int lk, int d, double scale,
                    int causal, int check, int correct, unsigned long long seed,
                    unsigned long long thr, double ks_in, const double* params, double* fault,
                    typename Arith<T>::type* ws_o, T* out, typename Arith<T>::type* lse,
@@ -472,7 +470,7 @@ attn_fused_forward(const T* q, const T* k, const T* v, const double* ve, const b
     const T* vb = v + static_cast<long long>(b) * lk * d;
     const double* vb_enc = ve + static_cast<long long>(b) * lk * 3;
     const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
-    const double* addh = head_mask(add, add_stride, add_heads, b);
+    const double* addh = head_mask(add, add_stride, b);
     const double* keyh = head_keys(keys, key_heads, b, lk);
     double* rt = rec + task * NSITES * FIELDS;
     // the fault descriptor in shared memory, not in registers and a stack copy: the per-tile
@@ -920,8 +918,8 @@ attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
                        const typename Arith<T>::type* lse,
                        const typename Arith<T>::type* lse_lo, const typename Arith<T>::type* dd,
                        const double* qe, const double* doe, const bool* visible,
-                       const double* add, long long add_stride, int add_heads,
-                       const double* keys, int key_heads, int lq, int lk,
+                       const double* add, long long add_stride, const double* keys,
+                       int key_heads, int lq, int lk,
                        int d, double scale, int causal, int check, int correct,
                        unsigned long long seed, unsigned long long thr, double ks_in,
                        const double* params, double* fault, typename Arith<T>::type* ws_k,
@@ -943,7 +941,7 @@ attn_fused_backward_kv(const T* q, const T* k, const T* v, const T* d_out,
     const A* loh = lse_lo + static_cast<long long>(b) * lq;
     const A* ddh = dd + static_cast<long long>(b) * lq;
     const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
-    const double* addh = head_mask(add, add_stride, add_heads, b);
+    const double* addh = head_mask(add, add_stride, b);
     const long long row0 = static_cast<long long>(b) * lk + j0;
     A* wk = ws_k + row0 * d;
     A* wv = ws_v + row0 * d;
@@ -1059,8 +1057,8 @@ attn_fused_backward_q(const T* q, const T* k, const T* v, const T* d_out,
                       const typename Arith<T>::type* lse,
                       const typename Arith<T>::type* lse_lo, const typename Arith<T>::type* dd,
                       const double* ke, const bool* visible, const double* add,
-                      long long add_stride, int add_heads, const double* keys,
-                      int key_heads, int lq, int lk, int d, double scale,
+                      long long add_stride, const double* keys, int key_heads, int lq,
+                      int lk, int d, double scale,
                       int causal, int check, int correct, unsigned long long seed,
                       unsigned long long thr, double ks_in, const double* params, double* fault,
                       typename Arith<T>::type* ws_q, T* dq, double* rec, int* status) {
@@ -1079,7 +1077,7 @@ attn_fused_backward_q(const T* q, const T* k, const T* v, const T* d_out,
     const A* loh = lse_lo + static_cast<long long>(b) * lq;
     const A* ddh = dd + static_cast<long long>(b) * lq;
     const bool* vis = visible ? visible + static_cast<long long>(b) * lk : nullptr;
-    const double* addh = head_mask(add, add_stride, add_heads, b);
+    const double* addh = head_mask(add, add_stride, b);
     if (tid == 0) sh.keys = head_keys(keys, key_heads, b, lk);  // read after the tile loop's sync
     const long long row0 = static_cast<long long>(b) * lq + i0;
     A* wq = ws_q + row0 * d;
