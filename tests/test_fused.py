@@ -524,11 +524,13 @@ def test_a_fault_in_the_sum_of_a_row_that_sees_no_key_changes_nothing():
     """A row that sees no key has ``l = 0``; a fault there (a mantissa bit making it a tiny
     positive number, below the row sum check's floor) made the saved ``lse_lo`` NaN, and the
     backward raised UncorrectableError on a forward it cannot recompute. A row whose running max
-    is ``-inf`` sees no key whatever ``l`` says: output 0, the step as without the fault."""
+    is ``-inf`` sees no key whatever ``l`` says: output 0, the step as without the fault. (The
+    row is query 0 of head 1, whose other rows see keys: a head whose keys key padding hides
+    throughout computes no tile at all.)"""
     q, k, v, do = _data(np.random.default_rng(8), 2, 40, 40, 8)
-    visible = np.ones((2, 40), bool)
-    visible[1] = False
-    clean = _run(q, k, v, do, Context(), key_visible=visible)
+    no_key = np.zeros((2, 40, 40))
+    no_key[1, 0] = -np.inf
+    clean = _run(q, k, v, do, Context(), attn_mask=no_key)
     hit = []
 
     def hook(site, x):
@@ -536,7 +538,7 @@ def test_a_fault_in_the_sum_of_a_row_that_sees_no_key_changes_nothing():
             hit.append(site)
             x[0, 0] = np.float32(5.877471754111438e-39)
 
-    got = _run(q, k, v, do, Context(fault_hook=hook), key_visible=visible)
+    got = _run(q, k, v, do, Context(fault_hook=hook), attn_mask=no_key)
     assert hit
     for g, c in zip(got, clean):
         assert np.array_equal(g, c)
