@@ -474,8 +474,8 @@ class _Pass:
             self._unfused_core()
             return
         self.env.update(zip(step.out.split(", "), (out, state["lse"])))
-        inp.fused = {n: state[n] for n in ("scale", "causal", "visible", "add", "keys",
-                                           "key_heads", "dropout", "lse_lo", "sums")}
+        # what the backward takes besides the pass's arrays (the step's inputs and outputs)
+        inp.fused = {n: x for n, x in state.items() if n not in ("q", "k", "v", "out", "lse")}
         self._fused_state = state
 
     def _unfused_core(self) -> None:

@@ -241,7 +241,9 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
         What :func:`fused_backward` needs: the inputs (not copied), ``out`` and ``lse``, the row
         log-sum-exp ``(n, seq_q)`` (``-inf`` for a row that sees no key; float32 for 16-bit
         data), ``lse_lo``, what ``lse`` rounded away (module docstring), the masks as the
-        kernels read them (``visible``, ``add``, ``keys`` and ``key_heads``), ``dropout``, ``(p,
+        kernels read them (``visible``, ``add``, ``keys`` and ``key_heads``, and the tiles they
+        hide throughout, ``hidden`` and ``hidden_keys``: the backward skips them too without
+        reading the masks again), ``dropout``, ``(p,
         seed)`` or None, and ``sums`` ``(n, seq_q, 4)`` (float64; None with ``check="off"``):
         the output rows' checksums the kernel carried, which
         :func:`attention.fused_final.verify_output` checks the returned ``out`` against, and
@@ -269,6 +271,7 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     check, correct = ctx.check != "off", ctx.check == "correct"
     qw, kw, vw = (in_work_dtype(x) for x in (q, k, v))
     kernels = _kernels()
+    hidden, hidden_keys = _hidden(kernels, add), _hidden_keys(visible, keys, heads, n, lk)
     ve = _row_encodings(kernels, vw, check)
     out = _output(qw, workspace, "out")
     lse, lse_lo = np.empty((n, lq), dt), np.empty((n, lq), dt)
@@ -278,8 +281,8 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
     rec = np.zeros((n * nqb, len(K.SITES), K.FIELDS))
     status = np.zeros(n * nqb, np.int64)
     groups = (K.ForwardOperands(qw, kw, _transposed(kernels, kw, workspace, "k"), vw, ve),
-              K.Mask(visible, add, n // add.shape[0], _hidden(kernels, add), keys, heads,
-                     _hidden_keys(visible, keys, heads, n, lk), dt.type(scale), causal),
+              K.Mask(visible, add, n // add.shape[0], hidden, keys, heads, hidden_keys,
+                     dt.type(scale), causal),
               K.ForwardRules(check, correct, coefficients(d, K.BR, dt, block=d),
                              coefficients(lk, d, dt, 2 * tiles, min(lk, K.BC)),
                              coefficients(lk, 1, dt, 2 * tiles), probs_tolerance(dt),
@@ -298,7 +301,8 @@ def fused_forward(q: Any, k: Any, v: Any, ctx: Context, *, scale: float | None =
             out = out.astype(q.dtype)
     return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "lse_lo": lse_lo,
                  "scale": scale, "causal": causal, "visible": visible, "add": add, "keys": keys,
-                 "key_heads": heads, "dropout": drop, "sums": sums if check else None}
+                 "key_heads": heads, "hidden": hidden, "hidden_keys": hidden_keys,
+                 "dropout": drop, "sums": sums if check else None}
 
 
 def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
@@ -333,11 +337,9 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
     kvc = np.empty((n, lk if check else 0, 6))
     rec = np.zeros((n, len(K.SITES), K.FIELDS))
     status = np.zeros(n, np.int64)
-    kernels = _kernels()
     groups = (K.BackwardOperands(q, k, v, d_out, out, lse, saved["lse_lo"]),
               K.Mask(saved["visible"], saved["add"], n // saved["add"].shape[0],
-                     _hidden(kernels, saved["add"]), saved["keys"], saved["key_heads"],
-                     _hidden_keys(saved["visible"], saved["keys"], saved["key_heads"], n, lk),
+                     saved["hidden"], saved["keys"], saved["key_heads"], saved["hidden_keys"],
                      dt.type(saved["scale"]), saved["causal"]),
               K.BackwardRules(check, correct, coefficients(d, K.BC, dt, block=d),
                               coefficients(lq, d, dt, -(-lq // K.BR), min(lq, K.BR)),
@@ -348,7 +350,7 @@ def fused_backward(saved: dict[str, Any], d_out: Any, ctx: Context,
               K.Gradients(dq, dk, dv, dqc, kvc))
     with one_blas_thread():
         if ctx.fault_hook is None:
-            kernels.backward(*groups, rec, status)
+            _kernels().backward(*groups, rec, status)
         else:
             _, head = K.python_drivers(_site_hook(ctx))
             for b in range(n):

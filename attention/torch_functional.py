@@ -284,10 +284,9 @@ def _core_mask(mask: torch.Tensor | None, lead: torch.Size, n: int, seq_q: int, 
     item and head, with ``grouped`` ``(n / H, L, S)`` when shared by the ``H = lead[-1]`` heads
     of each batch item (a Hugging Face mask ``(N, 1, L, S)``; the CPU fused core reads it per
     group of heads, never copied per head; not for a float mask that requires grad), else ``(n,
-    L, S)``
-    (attention sinks add a row and a column per head); a mask that
-    hides the same keys from every query (key
-    padding: Hugging Face's masks of padded batches; a float one adds the same value to a key's
+    L, S)`` (attention sinks add a row and a column per head); a mask that hides the same keys
+    from every query (key padding: Hugging Face's masks of padded batches; a float one adds the
+    same value to a key's
     score in every query row), or those keys and the keys after each query (key padding of a
     causal model, ``L == S``), as ``(n, 1, S)`` with ``causal`` set (no ``L x S`` array: the
     core's key visibility, or its per-key additive mask for a float one; the fused core skips
@@ -304,15 +303,15 @@ def _core_mask(mask: torch.Tensor | None, lead: torch.Size, n: int, seq_q: int, 
     except RuntimeError:
         raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to "
                          f"{(*lead, seq_q, seq_k)}") from None
-    if eager(mask) and not (mask.is_floating_point() and mask.requires_grad):
+    learned = mask.is_floating_point() and mask.requires_grad  # its gradient has its shape
+    if eager(mask) and not learned:
         padding, padded_causal = _key_padding(mask, seq_q, seq_k, causal)
         if padding is not None:
             return padding.expand(*lead, 1, seq_k).reshape(n, 1, seq_k).contiguous(), \
                 padded_causal
     if all(s == 1 for s in mask.shape[:-2]) and mask.shape[-2:] == (seq_q, seq_k):
         return mask.reshape(seq_q, seq_k).contiguous(), causal
-    if grouped and mask.dim() >= 3 and mask.shape[-3] == 1 and len(lead) > 1 \
-            and not (mask.is_floating_point() and mask.requires_grad):
+    if grouped and not learned and mask.dim() >= 3 and mask.shape[-3] == 1 and len(lead) > 1:
         per_item = mask.expand(*lead[:-1], 1, seq_q, seq_k)
         return per_item.reshape(n // lead[-1], seq_q, seq_k).contiguous(), causal
     return full.reshape(n, seq_q, seq_k).contiguous(), causal
