@@ -23,8 +23,8 @@ from typing import Any
 import numba
 import numpy as np
 
+from abftgemm._cpu_gemm import blas_gemm
 from abftgemm.cpu_kernels import sum_column_prefix, sum_columns, twins
-from attention._cpu_tile_gemm import gemm
 from attention._cpu_vmath import exp_like, exp_unflushed, from_ordered_key, like, ordered_key
 from attention.dropout_hash import GAMMA, MIX1, MIX2, SHIFT
 
@@ -84,7 +84,7 @@ def no_hook(site: int, tile: Any) -> None:
 @numba.njit(cache=True, fastmath=_FAST)
 def _rescale(acc: Any, alpha: Any) -> None:
     """``acc = alpha[:, None] * acc``: the forward's output rows, before a tile's ``P V`` adds to
-    them (:func:`attention._cpu_tile_gemm.gemm`, ``beta`` 1)."""
+    them (:func:`abftgemm._cpu_gemm.blas_gemm`, ``beta`` 1)."""
     for r in range(acc.shape[0]):
         s = alpha[r]
         o = acc[r]
@@ -784,7 +784,7 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
             # C-contiguous, not a column slice of a (3, BC) array: the sums' loops vectorize
             obs_cols = obs_buf[:3 * cols].reshape(3, cols)
             for a in range(2):
-                gemm(qb, _block_t(kt, b, j0, j1, d), s, 0.0, False, g_rows)
+                blas_gemm(qb, _block_t(kt, b, j0, j1, d), s, 0.0, False, False, g_rows)
                 _HOOK(S_, s)
                 ratio = 0.0
                 if check:
@@ -817,10 +817,10 @@ def _forward_block(ops: ForwardOperands, mask: Mask, rules: ForwardRules, drop: 
                 _keep_tile(seed, b, i0, j0, lq, lk, thr, keep)
                 _drop(p, keep, ks, pd)
                 _HOOK(DROP_, pd)
-                gemm(pd, v[b, j0:j1], acc, 1.0, False, g_rows)
+                blas_gemm(pd, v[b, j0:j1], acc, 1.0, False, False, g_rows)
             else:
                 keep = nokeep
-                gemm(p, v[b, j0:j1], acc, 1.0, False, g_rows)
+                blas_gemm(p, v[b, j0:j1], acc, 1.0, False, False, g_rows)
             if check:
                 _carry(p, keep, ks, ve[b], j0, alpha, oc, False)
             _HOOK(O_, acc)
@@ -885,7 +885,7 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
     if dropping:
         _keep_tile(seed, b, i0, j0, q.shape[1], k.shape[1], thr, keep)
     for a in range(2):
-        gemm(qi, kt, s, 0.0, False, g_rows)
+        blas_gemm(qi, kt, s, 0.0, False, False, g_rows)
         _HOOK(S_, s)
         st = _settle_product(qi, kenc, s, c_s, check, correct, work, rec, S_, a, i0, j0)
         if st != 1:
@@ -908,14 +908,14 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
             pd = bufs[4, :rows * cols].reshape(rows, cols)
             _drop(p, keep, ks, pd)
             _HOOK(DROP_, pd)
-            gemm(pd, doi, dvb, 1.0, True, g_rows)
+            blas_gemm(pd, doi, dvb, 1.0, True, False, g_rows)
         else:
-            gemm(p, doi, dvb, 1.0, True, g_rows)
+            blas_gemm(p, doi, dvb, 1.0, True, False, g_rows)
         if check:
             _carry(p, keep, ks, doe, i0, none, dvc, True)
         _HOOK(DV_, dvb)
     for a in range(2):
-        gemm(doi, vt, dp, 0.0, False, g_rows)
+        blas_gemm(doi, vt, dp, 0.0, False, False, g_rows)
         _HOOK(DP_, dp)
         st = _settle_product(doi, venc, dp, c_s, check, correct, work, rec, DP_, a, i0, j0)
         if st != 1:
@@ -932,13 +932,13 @@ def _backward_tile(ops: BackwardOperands, mask: Any, rules: BackwardRules, drop:
     if st < 0:
         return -1
     if do_kv:
-        gemm(ds, qi, dkb, 1.0, True, g_rows)
+        blas_gemm(ds, qi, dkb, 1.0, True, False, g_rows)
         if check:
             _carry(ds, keep[:0], ks, qe, i0, none, dkc, True)
         _HOOK(DK_, dkb)
     if do_q:
         dqi = dq[b, i0:i1]
-        gemm(ds, k[b, j0:j1], dqi, 1.0, False, g_rows)
+        blas_gemm(ds, k[b, j0:j1], dqi, 1.0, False, False, g_rows)
         if check:
             _carry(ds, keep[:0], ks, ke, j0, none, dqc[b, i0:i1], False)
         _HOOK(DQ_, dqi)

@@ -21,9 +21,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from abftgemm._cpu_gemm import blas_gemm  # noqa: E402
 from abftgemm.threads import one_blas_thread  # noqa: E402
 from attention import _cpu_fused as K  # noqa: E402
-from attention._cpu_tile_gemm import gemm, gemm_rows  # noqa: E402
+from attention._cpu_tile_gemm import gemm_rows  # noqa: E402
 from attention.fused_rules import (coefficients, dscores_entry_tolerance,  # noqa: E402
                                    probs_tolerance)
 from bench.timing import device_name  # noqa: E402
@@ -55,7 +56,7 @@ def _run(step: int, calls: int, q: Any, k: Any, s: Any, p: Any, m: Any, alpha: A
     w = K._weights(s.shape[0])
     for _ in range(calls):
         if step == 0 or step == 7:
-            gemm(q, kt, s, 0.0, False, g_rows)
+            blas_gemm(q, kt, s, 0.0, False, False, g_rows)
         elif step == 1:
             K._mask(s, scale, 0, 0, False, visible, add, keys)
         elif step == 2:
@@ -66,11 +67,11 @@ def _run(step: int, calls: int, q: Any, k: Any, s: Any, p: Any, m: Any, alpha: A
             K._sum_rows(p, alpha, l)
         elif step == 5:
             K._rescale(acc, alpha)
-            gemm(p, k, acc, 1.0, False, g_rows)
+            blas_gemm(p, k, acc, 1.0, False, False, g_rows)
         elif step == 10:
-            gemm(p, k, acc, 1.0, False, g_rows)
+            blas_gemm(p, k, acc, 1.0, False, False, g_rows)
         elif step == 6 or step == 9:
-            gemm(p, q, acc, 1.0, True, g_rows)
+            blas_gemm(p, q, acc, 1.0, True, False, g_rows)
         elif step == 8:
             K._dscores(p, dp, dd, nokeep, one, ds)
         elif step == 11:

@@ -1,6 +1,7 @@
-"""The CPU's 2-D GEMM (abftgemm._cpu_gemm): large products split over numba's pool equal NumPy's
-product in every layout and dtype it takes, everything else goes to ``np.matmul``, and only the
-attention passes that run the fused core ask for the pool."""
+"""The CPU's GEMMs (abftgemm._cpu_gemm): BLAS from numba on strided views, transposed or not, in
+place, in pieces of rows, against float64 products; large 2-D products split over numba's pool
+equal NumPy's product in every layout and dtype it takes, everything else goes to
+``np.matmul``, and only the attention passes that run the fused core ask for the pool."""
 from __future__ import annotations
 
 import numba
@@ -8,10 +9,67 @@ import numpy as np
 import pytest
 
 from abftgemm import _cpu_gemm, threads
+from abftgemm._cpu_gemm import blas_gemm
 from fresh_python import run_python
 
 needs_two = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2,
                                reason="numba's pool has one thread on this machine")
+
+
+SHAPES = [(128, 128, 64), (128, 64, 128), (100, 77, 33), (1, 5, 3), (5, 1, 3), (5, 3, 1)]
+
+
+def _padded(rng: np.random.Generator, rows: int, cols: int, dtype: type, pad: int
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """A ``rows x cols`` view of a wider array (its rows ``pad`` elements apart more), and the
+    array."""
+    whole = rng.standard_normal((rows, cols + pad)).astype(dtype)
+    return whole[:, :cols], whole
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+@pytest.mark.parametrize("rows", [1, 16, 64, 128, 1000])
+def test_blas_gemm_matches_float64_products(dtype: type, trans_a: bool, trans_b: bool,
+                                            beta: float, rows: int) -> None:
+    rng = np.random.default_rng(rows)
+    u = np.finfo(dtype).eps / 2
+    for m, n, k in SHAPES:
+        a, _ = _padded(rng, k, m, dtype, 3) if trans_a else _padded(rng, m, k, dtype, 3)
+        b, _ = _padded(rng, n, k, dtype, 2) if trans_b else _padded(rng, k, n, dtype, 2)
+        c, c_whole = _padded(rng, m, n, dtype, 5)
+        before, pad_before = c.copy(), c_whole[:, n:].copy()
+        a_in, b_in = a.copy(), b.copy()
+        blas_gemm(a, b, c, beta, trans_a, trans_b, rows)
+        op_a = (a.T if trans_a else a).astype(np.float64)
+        op_b = (b.T if trans_b else b).astype(np.float64)
+        exact = op_a @ op_b + beta * before
+        bound = (k + 2) * u * (np.abs(op_a) @ np.abs(op_b) + np.abs(before))
+        assert np.all(np.abs(c - exact) <= bound), (m, n, k)
+        assert np.array_equal(c_whole[:, n:], pad_before)  # nothing written past the view
+        assert np.array_equal(a, a_in) and np.array_equal(b, b_in)
+
+
+def test_blas_gemm_empty_inner_dimension() -> None:
+    c = np.full((3, 4), 7.0, np.float32)
+    a, b = np.empty((3, 0), np.float32), np.empty((0, 4), np.float32)
+    blas_gemm(a, b, c, 1.0, False, False, 2)
+    assert np.all(c == 7.0)
+    blas_gemm(a, b, c, 0.0, False, False, 2)
+    assert np.all(c == 0.0)
+
+
+def test_blas_gemm_refuses_strided_overlapping_or_reversed_rows() -> None:
+    c = np.zeros((4, 3), np.float32)
+    b = np.ones((4, 3), np.float32)
+    with pytest.raises(ValueError, match="rows are not contiguous"):
+        blas_gemm(np.ones((4, 8), np.float32)[:, ::2], b, c, 0.0, False, False, 4)
+    for a in (np.ones((4, 4), np.float32)[::-1], np.broadcast_to(np.ones(4, np.float32), (4, 4))):
+        with pytest.raises(ValueError, match="rows overlap or run backwards"):
+            blas_gemm(a, b, c, 0.0, False, False, 4)
+    assert np.all(c == 0.0)
 
 
 @pytest.fixture
@@ -22,10 +80,19 @@ def two_threads():
 
 
 def operands(dtype, m, k, n, a_order="C", b_order="C", seed=0):
+    """``a`` and ``b`` C- or F-contiguous, or ("rows apart", "columns apart") views of a wider
+    array whose rows (columns) are contiguous and further apart than their length."""
     rng = np.random.default_rng(seed)
-    a = np.asarray(rng.standard_normal((m, k)), dtype=dtype, order=a_order)
-    b = np.asarray(rng.standard_normal((k, n)), dtype=dtype, order=b_order)
-    return a, b
+    return tuple(_laid_out(rng.standard_normal(shape).astype(dtype), order)
+                 for shape, order in (((m, k), a_order), ((k, n), b_order)))
+
+
+def _laid_out(x, order):
+    if order == "rows apart":
+        return np.concatenate([x, x[:, :3]], axis=1)[:, :x.shape[1]]
+    if order == "columns apart":
+        return _laid_out(x.T, "rows apart").T
+    return np.asarray(x, order=order)
 
 
 @pytest.fixture
@@ -34,9 +101,9 @@ def pooled_calls(monkeypatch):
     calls: list[int] = []
     run = _cpu_gemm._row_blocks
 
-    def spy(a, b, out, step):
+    def spy(a, trans_a, b, trans_b, out, step):
         calls.append(step)
-        run(a, b, out, step)
+        run(a, trans_a, b, trans_b, out, step)
     monkeypatch.setattr(_cpu_gemm, "_row_blocks", spy)
     return calls
 
@@ -55,8 +122,8 @@ def assert_product(a, b, out):
 
 @needs_two
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("a_order", ["C", "F"])
-@pytest.mark.parametrize("b_order", ["C", "F"])
+@pytest.mark.parametrize("a_order", ["C", "F", "rows apart", "columns apart"])
+@pytest.mark.parametrize("b_order", ["C", "F", "rows apart", "columns apart"])
 @pytest.mark.parametrize("m", [97, 256])
 def test_pooled_product_equals_the_exact_one(two_threads, pooled_calls, dtype, a_order, b_order,
                                             m):
