@@ -332,10 +332,13 @@ class _Pass:
         self._pending: list[tuple[str, str, Any]] = []
         self._consumers: dict[str, tuple[str, Any]] = {}  # "gemm rows": (site, plan) to observe
         self._heads: dict[str, Any] = {}  # a backward merge's heads' encodings
+        self._stack_slots: dict[str, tuple[str, int, int]] = {}  # part: (stack, index, parts)
         self._fused_state: dict[str, Any] | None = None  # the fused core's, for its final check
         self._fused_defer: Deferred | None = None  # its checks, read at the settle (CuPy)
 
     def run(self, table: tuple[Step, ...]) -> None:
+        self._stack_slots = {part: (s.out, i, len(s.ins)) for s in table if s.op == "stack"
+                             for i, part in enumerate(s.ins)}
         for step in table:
             self.trace.append((step, _OPS[step.op](self, step)))
 
@@ -354,10 +357,31 @@ class _Pass:
         out = self.env.get(step.out)
         if out is None:
             dtype = self.inp.dtype if dtype is None else dtype
-            get = self.ws.recycled if step.out in self.keep else self.ws.buffer
-            out = get(step.out, self.xp, shape, dtype)
+            out = self._in_stack(step.out, shape, dtype)
+            if out is None:
+                out = self._new(step.out, shape, dtype)
             self.env[step.out] = out
         return out
+
+    def _new(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
+        get = self.ws.recycled if name in self.keep else self.ws.buffer
+        return get(name, self.xp, shape, dtype)
+
+    def _in_stack(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any | None:
+        """Where a later ``stack`` step takes ``name`` as a part: its column block of that
+        step's output (made here for the first part), so that the stack has nothing to copy;
+        None for other names."""
+        slot = self._stack_slots.get(name)
+        if slot is None or name in self.keep and slot[0] not in self.keep:
+            return None  # (a kept part must not live in a buffer the next call reuses)
+        stack, i, count = slot
+        rows, width = math.prod(shape[:-1]), shape[-1]
+        whole = self.env.get(stack)
+        if whole is None:
+            whole = self.env[stack] = self._new(stack, (rows, count * width), dtype)
+        if whole.shape != (rows, count * width) or whole.dtype != dtype:
+            return None
+        return whole.reshape(shape[:-1] + (count * width,))[..., i * width:(i + 1) * width]
 
     def mode(self, site: str) -> str:
         """``site``'s check mode in this step (each site runs once per pass): drawn from the
@@ -600,15 +624,17 @@ class _Pass:
         return step.sums
 
     def stack(self, step: Step) -> str | None:
-        """Columns side by side (nothing to do where the caller bound the result: the memory of
-        the parts side by side, such as PyTorch's ``in_proj_weight``)."""
-        if step.out in self.env:
-            return None
+        """Columns side by side (nothing to copy where the parts are already there: the caller
+        bound the result as the memory of the parts side by side, such as PyTorch's
+        ``in_proj_weight``, or the steps that made the parts wrote them there,
+        :meth:`_in_stack`)."""
         parts = [self.env[n] for n in step.ins]
         out = self.target(step, (parts[0].shape[0], sum(t.shape[1] for t in parts)))
         at = 0
         for t in parts:
-            out[:, at:at + t.shape[1]] = t
+            block = out[:, at:at + t.shape[1]]
+            if not _same_view(block, t):
+                block[...] = t
             at += t.shape[1]
         heads = [self._heads.get(n) for n in step.ins]  # composed again side by side: no copy
         if any(e is None for e in heads):

@@ -534,3 +534,36 @@ def _step_matches(layer, x, dy, clean, hook):
     for got, want in [(y, y0), (dx, dx0)] + [(g[k], g0[k]) for k in g0]:
         np.testing.assert_allclose(got, want, rtol=0, atol=TOL64 * np.abs(want).max())
     return events
+
+
+@pytest.mark.parametrize("core", ["fused", "unfused"])
+def test_the_backward_writes_dq_dk_dv_where_the_input_gradient_reads_them(core, monkeypatch):
+    """Self-attention's input gradient is one product of ``d_qkv = [dq dk dv]``: the merges of
+    the heads' gradients write into its column blocks, so its ``stack`` step copies nothing (the
+    weights' stack, of the caller's separate arrays, still does); the gradients are, bit for
+    bit, those of a backward that stacks by copying."""
+    from attention import functional
+
+    in_place: dict[str, bool] = {}
+    stack = functional._OPS["stack"]
+
+    def spy(self, step):
+        out = self.env.get(step.out)
+        in_place[step.out] = out is not None and all(
+            np.shares_memory(self.env[n], out) for n in step.ins)
+        return stack(self, step)
+
+    monkeypatch.setitem(functional._OPS, "stack", spy)
+    layer, x, *_, dy, _, _ = _data(np, batch=3, seq_q=40, d=16)
+    layer.core = core
+    runs = []
+    for copying in (False, True):
+        if copying:
+            monkeypatch.setattr(functional._Pass, "_in_stack", lambda *args: None)
+        _, cache = layer.forward(x)
+        runs.append(layer.backward(dy, cache))
+        assert layer.last_core == core
+        assert in_place == {"d_qkv": not copying, "w_qkv": False}
+    (dx, grads), (dx_copied, grads_copied) = runs
+    assert np.array_equal(dx, dx_copied)
+    assert all(np.array_equal(grads[k], grads_copied[k]) for k in grads)
