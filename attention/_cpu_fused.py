@@ -24,7 +24,7 @@ import numba
 import numpy as np
 
 from abftgemm._cpu_gemm import blas_gemm
-from abftgemm.cpu_kernels import sum_column_prefix, sum_columns, twins
+from abftgemm.cpu_kernels import sum_column_prefix, sum_columns, twins, wide_vectors
 from attention._cpu_vmath import exp_like, exp_unflushed, from_ordered_key, like, ordered_key
 from attention.dropout_hash import GAMMA, MIX1, MIX2, SHIFT
 
@@ -422,6 +422,7 @@ def _probs_ratio(z: Any, p: Any, m: Any, tol: Any, info: Any) -> float:
     one float32 pass of the tile for float32 data. Returns 0 when every entry holds, else the
     worst ratio ``|p_ij - e_ij|`` to its tolerance (at least 1; INF for NaN) with ``info`` as
     :func:`_judge` (vector = row, position = key)."""
+    wide_vectors()
     rows, cols = p.shape
     t0, flush, tiny = like(p, tol[0]), like(p, tol[2]), like(p, tol[3])
     half, zero = like(p, 0.5), like(p, 0.0)
@@ -480,6 +481,7 @@ def _dscores_ratio(ds: Any, p: Any, dp: Any, dd: Any, keep: Any, ks: Any, tol: A
     in float64, which also decides entries whose products ``P g`` and ``P D`` overflow the
     data's dtype while ``dS`` does not (``P`` a little above 1, ``g`` and ``D`` near its
     largest number)."""
+    wide_vectors()
     rows, cols = ds.shape
     drop = keep.shape[0] > 0
     c, tiny, zero = like(ds, tol[0]), like(ds, tol[1]), like(ds, 0.0)
@@ -573,6 +575,7 @@ def _new_max(z: Any, m: Any, alpha: Any) -> None:
 @numba.njit(cache=True, fastmath=_FAST)
 def _exp_rows(z: Any, m: Any, p: Any) -> None:
     """``p = exp(z - m[:, None])``; 0 in rows with ``m = -inf`` (no visible key)."""
+    wide_vectors()
     zero = like(m, 0.0)
     for r in range(z.shape[0]):
         mr = m[r]

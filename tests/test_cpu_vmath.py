@@ -63,3 +63,33 @@ def test_float32_exp_flushes_below_its_floor_and_takes_minus_infinity():
     _exp_log(x, e, lg)
     assert e[:3].tolist() == [0.0, 0.0, 0.0]
     assert e[3] == pytest.approx(np.exp(np.float64(x[3])), rel=3e-7)
+
+
+def test_wide_vectors_marks_its_caller_for_512_bit_vectors_and_changes_no_result():
+    """A kernel that calls ``wide_vectors`` carries LLVM's ``"prefer-vector-width"="512"`` (one
+    that does not, none), and on a CPU with AVX-512 its loop runs in 512-bit registers; its
+    results are those of the same loop without it, to the bit."""
+    from llvmlite import binding
+
+    from abftgemm.cpu_kernels import wide_vectors
+
+    def exp_of(x, out):
+        for i in range(x.shape[0]):
+            out[i] = exp_like(x[i] - np.float32(1.0))
+
+    def exp_of_wide(x, out):
+        wide_vectors()
+        for i in range(x.shape[0]):
+            out[i] = exp_like(x[i] - np.float32(1.0))
+
+    plain, wide = numba.njit(exp_of), numba.njit(exp_of_wide)
+    x = np.linspace(-90, 80, 4099, dtype=np.float32)
+    got, want = np.empty_like(x), np.empty_like(x)
+    wide(x, got)
+    plain(x, want)
+    assert np.array_equal(got, want)
+    attribute = '"prefer-vector-width"="512"'
+    assert attribute in next(iter(wide.inspect_llvm().values()))
+    assert attribute not in next(iter(plain.inspect_llvm().values()))
+    if "+avx512f" in binding.get_host_cpu_features().flatten().split(","):
+        assert "zmm" in next(iter(wide.inspect_asm().values()))
