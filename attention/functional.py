@@ -24,6 +24,7 @@ from abftgemm.plan import CONSUMER_ROWS, settle_all
 from abftgemm.report import Event, Report, UncorrectableError, announce
 from abftgemm.threads import blas_scope
 from attention import softmax_steps
+from attention._cpu_heads import merge_heads, split_heads
 from attention.context import Context
 from attention.dropout import Dropout, DropoutStep, for_core
 from attention.dropout_hash import keep_mask
@@ -381,7 +382,7 @@ class _Pass:
             whole = self.env[stack] = self._new(stack, (rows, count * width), dtype)
         if whole.shape != (rows, count * width) or whole.dtype != dtype:
             return None
-        return whole.reshape(shape[:-1] + (count * width,))[..., i * width:(i + 1) * width]
+        return _column_block(whole, shape, i)
 
     def mode(self, site: str) -> str:
         """``site``'s check mode in this step (each site runs once per pass): drawn from the
@@ -595,18 +596,31 @@ class _Pass:
         if t.ndim == 2:  # the backward's (batch*seq_q, d_model)
             t = t.reshape(self.inp.x.shape)
         b, s, d = t.shape
-        self.target(step, (b * h, s, d // h)).reshape(b, h, s, d // h)[...] = \
-            t.reshape(b, s, h, d // h).transpose(0, 2, 1, 3)
+        split_heads(t.reshape(b * s, d), 0,
+                    self.target(step, (b * h, s, d // h)).reshape(b, h, s, d // h))
         return self._hand_on(step)
 
     def merge(self, step: Step) -> str | None:
         t, h = self.env[step.ins[0]], self.inp.n_heads
         bh, s, hd = t.shape
         out = self.target(step, (bh // h, s, h * hd))
-        out.reshape(bh // h, s, h, hd)[...] = t.reshape(bh // h, h, s, hd).transpose(0, 2, 1, 3)
+        merge_heads(t.reshape(bh // h, h, s, hd), *self._rows(step.out, out))
         if self.flat:
             self.env[step.out] = out.reshape(-1, h * hd)
         return self._hand_on(step)
+
+    def _rows(self, name: str, out: Any) -> tuple[Any, int]:
+        """``(rows, col0)``: the 2-D matrix whose columns ``col0 ..`` are the target ``out``
+        ``(batch, seq, width)`` of ``name``: the stack that takes it as a part where it lies
+        there (:meth:`_in_stack`), else ``out``'s rows (a buffer of the pass: C-contiguous)."""
+        slot = self._stack_slots.get(name)
+        whole = None if slot is None else self.env.get(slot[0])
+        if whole is not None and whole.ndim == 2 and whole.shape[0] * out.shape[-1] == out.size \
+                and _same_view(_column_block(whole, out.shape, slot[1]), out):
+            return whole, slot[1] * out.shape[-1]
+        if not out.flags.c_contiguous:  # (its reshape would be a copy, the merge lost)
+            raise AssertionError(f"{name}: a merge's target that is not one matrix's rows")
+        return out.reshape(-1, out.shape[-1]), 0
 
     def _hand_on(self, step: Step) -> str | None:
         """A split's or merge's encoding: its input's (composed over the batch items in a flat
@@ -974,6 +988,13 @@ def _gradient_buffers(given: dict[str, Any], inp: "_Inputs") -> dict[str, Any]:
         if clash:
             raise ValueError(f"grads_out[{k!r}] shares memory with {', '.join(clash)}")
     return out
+
+
+def _column_block(whole: Any, shape: tuple[int, ...], i: int) -> Any:
+    """Block ``i`` of the 2-D ``whole``'s columns, ``shape[-1]`` wide, as an array of
+    ``shape``."""
+    width = shape[-1]
+    return whole.reshape(shape[:-1] + whole.shape[-1:])[..., i * width:(i + 1) * width]
 
 
 def _same_view(a: Any, b: Any) -> bool:
