@@ -68,7 +68,7 @@ def merge_heads(heads: Any, rows: Any, col0: int) -> None:
         pool_kernels(*_MERGE)(heads.view(bits), rows.view(bits), col0)
         return
     n, h, seq, d = heads.shape
-    rows[:, col0:col0 + h * d].reshape(n, seq, h, d)[...] = heads.transpose(0, 2, 1, 3)
+    rows[:, col0:col0 + h * d] = heads.transpose(0, 2, 1, 3).reshape(n * seq, h * d)
 
 
 def _pooled(rows: Any, heads: Any) -> bool:
