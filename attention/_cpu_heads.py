@@ -19,32 +19,21 @@ from abftgemm.threads import numba_pool_usable, pool_kernels, scope_pool
 POOL_MIN_ELEMENTS = 1 << 16
 
 
-def _split(rows: Any, col0: int, heads: Any) -> None:  # pragma: no cover (compiled)
-    """``heads[b, j, i] = rows[b * seq + i, col0 + j * d : col0 + (j + 1) * d]``."""
+def _copy(heads: Any, rows: Any, col0: int, into_rows: bool) -> None:  # pragma: no cover
+    """``rows[b * seq + i, col0 + j * d : col0 + (j + 1) * d]`` from ``heads[b, j, i]``
+    (``into_rows``), or the other way, rows in parallel."""
     n, h, seq, d = heads.shape
     for task in numba.prange(n * seq):
         b, i = task // seq, task % seq
         row = rows[task]
         for j in range(h):
-            src, out = row[col0 + j * d:col0 + (j + 1) * d], heads[b, j, i]
+            head, part = heads[b, j, i], row[col0 + j * d:col0 + (j + 1) * d]
+            src, dst = (head, part) if into_rows else (part, head)
             for c in range(d):
-                out[c] = src[c]
+                dst[c] = src[c]
 
 
-def _merge(heads: Any, rows: Any, col0: int) -> None:  # pragma: no cover (compiled)
-    """``rows[b * seq + i, col0 + j * d : col0 + (j + 1) * d] = heads[b, j, i]``."""
-    n, h, seq, d = heads.shape
-    for task in numba.prange(n * seq):
-        b, i = task // seq, task % seq
-        row = rows[task]
-        for j in range(h):
-            src, out = heads[b, j, i], row[col0 + j * d:col0 + (j + 1) * d]
-            for c in range(d):
-                out[c] = src[c]
-
-
-_SPLIT = twins(_split, cache=True, nogil=True)
-_MERGE = twins(_merge, cache=True, nogil=True)
+_COPY = twins(_copy, cache=True, nogil=True)
 #: Unsigned integers of each item size: the copies move bits (float16 and bfloat16 too).
 _BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -54,7 +43,7 @@ def split_heads(rows: Any, col0: int, heads: Any) -> None:
     seq, width)``."""
     if _pooled(rows, heads):
         bits = _BITS[rows.dtype.itemsize]
-        pool_kernels(*_SPLIT)(rows.view(bits), col0, heads.view(bits))
+        pool_kernels(*_COPY)(heads.view(bits), rows.view(bits), col0, False)
         return
     n, h, seq, d = heads.shape
     heads[...] = rows[:, col0:col0 + h * d].reshape(n, seq, h, d).transpose(0, 2, 1, 3)
@@ -65,7 +54,7 @@ def merge_heads(heads: Any, rows: Any, col0: int) -> None:
     seq, width)``."""
     if _pooled(rows, heads):
         bits = _BITS[rows.dtype.itemsize]
-        pool_kernels(*_MERGE)(heads.view(bits), rows.view(bits), col0)
+        pool_kernels(*_COPY)(heads.view(bits), rows.view(bits), col0, True)
         return
     n, h, seq, d = heads.shape
     rows[:, col0:col0 + h * d] = heads.transpose(0, 2, 1, 3).reshape(n * seq, h * d)
