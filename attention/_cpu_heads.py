@@ -41,23 +41,26 @@ _BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 def split_heads(rows: Any, col0: int, heads: Any) -> None:
     """Heads ``(batch, heads, seq, head_dim)`` from columns ``col0 ..`` of ``rows`` ``(batch *
     seq, width)``."""
-    if _pooled(rows, heads):
-        bits = _BITS[rows.dtype.itemsize]
-        pool_kernels(*_COPY)(heads.view(bits), rows.view(bits), col0, False)
-        return
-    n, h, seq, d = heads.shape
-    heads[...] = rows[:, col0:col0 + h * d].reshape(n, seq, h, d).transpose(0, 2, 1, 3)
+    _copy_heads(heads, rows, col0, False)
 
 
 def merge_heads(heads: Any, rows: Any, col0: int) -> None:
     """Heads ``(batch, heads, seq, head_dim)`` into columns ``col0 ..`` of ``rows`` ``(batch *
     seq, width)``."""
+    _copy_heads(heads, rows, col0, True)
+
+
+def _copy_heads(heads: Any, rows: Any, col0: int, into_rows: bool) -> None:
     if _pooled(rows, heads):
         bits = _BITS[rows.dtype.itemsize]
-        pool_kernels(*_COPY)(heads.view(bits), rows.view(bits), col0, True)
+        pool_kernels(*_COPY)(heads.view(bits), rows.view(bits), col0, into_rows)
         return
-    n, h, seq, d = heads.shape
-    rows[:, col0:col0 + h * d] = heads.transpose(0, 2, 1, 3).reshape(n * seq, h * d)
+    n, h, seq, d = heads.shape  # (the reshape only splits axes: a view, written through)
+    block = rows[:, col0:col0 + h * d].reshape(n, seq, h, d).transpose(0, 2, 1, 3)
+    if into_rows:
+        block[...] = heads
+    else:
+        heads[...] = block
 
 
 def _pooled(rows: Any, heads: Any) -> bool:
