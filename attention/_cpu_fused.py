@@ -23,8 +23,8 @@ from typing import Any
 import numba
 import numpy as np
 
-from abftgemm._cpu_gemm import blas_gemm
-from abftgemm.cpu_kernels import sum_column_prefix, sum_columns, twins, wide_vectors
+from abftgemm.cpu_kernels import (blas_gemm, sum_column_prefix, sum_columns, twins,
+                                  wide_vectors)
 from attention._cpu_vmath import exp_like, exp_unflushed, from_ordered_key, like, ordered_key
 from attention.dropout_hash import GAMMA, MIX1, MIX2, SHIFT
 
@@ -84,7 +84,7 @@ def no_hook(site: int, tile: Any) -> None:
 @numba.njit(cache=True, fastmath=_FAST)
 def _rescale(acc: Any, alpha: Any) -> None:
     """``acc = alpha[:, None] * acc``: the forward's output rows, before a tile's ``P V`` adds to
-    them (:func:`abftgemm._cpu_gemm.blas_gemm`, ``beta`` 1)."""
+    them (:func:`abftgemm.cpu_kernels.blas_gemm`, ``beta`` 1)."""
     for r in range(acc.shape[0]):
         s = alpha[r]
         o = acc[r]

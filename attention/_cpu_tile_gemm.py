@@ -1,5 +1,5 @@
 """How many of ``c``'s rows the fused core's tile products take per BLAS call on the CPU
-(:func:`abftgemm._cpu_gemm.blas_gemm`: ``c = op(a) @ op(b) + beta c`` on strided views, in
+(:func:`abftgemm.cpu_kernels.blas_gemm`: ``c = op(a) @ op(b) + beta c`` on strided views, in
 place, in pieces of ``c``'s rows). Some BLAS builds run small products on faster kernels than
 larger ones (OpenBLAS's AVX-512 kernels, for ``m n k`` up to 10^6: a 128 x 128 x 64 float32
 product in two pieces of 64 rows takes two thirds of the time of one call), others run the pieces
@@ -16,7 +16,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from abftgemm._cpu_gemm import blas_gemm
+from abftgemm.cpu_kernels import blas_gemm
 from abftgemm.threads import one_blas_thread
 
 #: A piece must beat one whole call by this factor to be taken (the two are within the timing's

@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from abftgemm._cpu_gemm import blas_gemm  # noqa: E402
+from abftgemm.cpu_kernels import blas_gemm  # noqa: E402
 from abftgemm.threads import one_blas_thread  # noqa: E402
 from attention import _cpu_fused as K  # noqa: E402
 from attention._cpu_tile_gemm import gemm_rows  # noqa: E402

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from abftgemm import _cpu_gemm, threads
-from abftgemm._cpu_gemm import blas_gemm
+from abftgemm.cpu_kernels import blas_gemm
 from fresh_python import run_python
 
 needs_two = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2,
