@@ -1,7 +1,8 @@
 """The numba building blocks of the CPU checksum passes, shared by every CPU kernel (attention's
 too): column and row sums with the plain, location-weighted and absolute coefficients in float64,
-the judgement of one vector, and 16-bit data as float32. The ``inline="always"`` helpers are
-compiled into each caller, whose on-disk cache does not see edits here (``make clean``).
+the judgement of one vector, 16-bit data as float32, and BLAS products of strided views
+(:func:`blas_gemm`). The ``inline="always"`` helpers are compiled into each caller, whose on-disk
+cache does not see edits here (``make clean``).
 """
 from __future__ import annotations
 
