@@ -34,6 +34,7 @@ from attention.fused_choice import (CAUSAL_NOT_SQUARE, MASK_GRAD, backward_reaso
 from attention.fused_deferred import Deferred
 from attention.fused_final import (OUTPUT_SITE, defer_grads, defer_output, verify_grads,
                                    verify_output)
+from attention.fused_rules import mask_groups
 from attention.passes import (BACKWARD_OUTPUTS, CORE_BACKWARD, CORE_FORWARD, FORWARD_OUTPUT,
                               PARAM_KEYS, Step, Variant, carried, layer, steps)
 from attention.softmax import Verdict
@@ -862,20 +863,13 @@ class _Inputs:
 
 
 def _additive(xp: Any, mask: Any | None, rows: int, seq_q: int, seq_k: int) -> Any | None:
-    """``attn_mask`` as an additive float64 ``(m, seq_q, seq_k)`` array (or None): ``m`` is 1 for
-    a 2-D mask, else its leading length, which must divide ``rows`` (the ``rows / m``
-    consecutive rows ``b`` with ``b // (rows / m) = i`` read mask ``i``: the heads of one batch
-    item, for a mask given per item)."""
+    """``attn_mask`` as an additive float64 ``(m, seq_q, seq_k)`` array (or None), ``m`` its
+    groups of rows (:func:`attention.fused_rules.mask_groups`)."""
     if mask is None:
         return None
     if array_module(mask) is not xp:
         raise TypeError("attn_mask must live on the same array module as x")
-    if not (mask.shape == (seq_q, seq_k) or (
-            mask.ndim == 3 and mask.shape[1:] == (seq_q, seq_k) and mask.shape[0] >= 1
-            and rows % mask.shape[0] == 0)):
-        raise ValueError(f"attn_mask must have shape {(seq_q, seq_k)} or (m, {seq_q}, {seq_k}) "
-                         f"with m dividing {rows} (per row, or per group of rows: a batch "
-                         f"item's heads), got {mask.shape}")
+    groups = mask_groups(mask.shape, rows, seq_q, seq_k)
     if mask.dtype == bool:
         add = xp.where(mask, -np.inf, 0.0)
     elif mask.dtype in SUPPORTED_DTYPES:  # float16, bfloat16, float32, float64
@@ -884,8 +878,7 @@ def _additive(xp: Any, mask: Any | None, rows: int, seq_q: int, seq_k: int) -> A
         raise TypeError(f"attn_mask must be boolean (True = not allowed) or float, got "
                         f"{mask.dtype}")
     # explicit leading length: -1 is ambiguous when seq_q or seq_k is 0
-    return xp.ascontiguousarray(add.reshape((mask.shape[0] if add.ndim == 3 else 1, seq_q,
-                                             seq_k)))
+    return xp.ascontiguousarray(add.reshape((groups, seq_q, seq_k)))
 
 
 def _key_additive(xp: Any, mask: Any | None, batch: int, seq_k: int) -> Any | None:

@@ -163,6 +163,21 @@ def key_visible_of(xp: Any, key_visible: Any, q: Any, k: Any) -> Any:
     return xp.ascontiguousarray(key_visible)
 
 
+def mask_groups(shape: tuple[int, ...], rows: int, seq_q: int, seq_k: int) -> int:
+    """The groups ``m`` of an ``attn_mask`` of ``shape``: 1 for ``(seq_q, seq_k)``, ``m`` for
+    ``(m, seq_q, seq_k)`` with ``m`` dividing ``rows`` (one mask per row, or per group of rows:
+    the ``rows / m`` consecutive rows ``b`` with ``b // (rows / m) = i`` read mask ``i``, as a
+    batch item's heads share its mask); ``ValueError`` for any other shape."""
+    if tuple(shape) == (seq_q, seq_k):
+        return 1
+    if len(shape) == 3 and tuple(shape[1:]) == (seq_q, seq_k) and shape[0] >= 1 \
+            and rows % shape[0] == 0:
+        return shape[0]
+    raise ValueError(f"attn_mask must have shape {(seq_q, seq_k)} or (m, {seq_q}, {seq_k}) with "
+                     f"m dividing {rows} (per row, or per group of rows: a batch item's heads), "
+                     f"got {tuple(shape)}")
+
+
 def additive_of(xp: Any, attn_mask: Any, q: Any, k: Any, read_values: bool = True) -> Any:
     """``attn_mask`` (float, ``(seq_q, seq_k)`` or ``(m, seq_q, seq_k)`` with ``m`` dividing
     ``n``: heads ``b`` with ``b // (n / m) = i`` read mask ``i``, as the heads of one batch item
@@ -176,11 +191,7 @@ def additive_of(xp: Any, attn_mask: Any, q: Any, k: Any, read_values: bool = Tru
     if attn_mask.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"attn_mask must be a float array (added to the scores), got "
                         f"{attn_mask.dtype}")
-    if not (attn_mask.shape == (lq, lk) or (attn_mask.ndim == 3 and attn_mask.shape[1:] == (
-            lq, lk) and attn_mask.shape[0] >= 1 and n % attn_mask.shape[0] == 0)):
-        raise ValueError(f"attn_mask must have shape {(lq, lk)} or (m, {lq}, {lk}) with m "
-                         f"dividing {n}, got {attn_mask.shape}")
-    groups = attn_mask.shape[0] if attn_mask.ndim == 3 else 1
+    groups = mask_groups(attn_mask.shape, n, lq, lk)
     add = xp.ascontiguousarray(astype(attn_mask, np.float64).reshape((groups, lq, lk)))
     if read_values and not additive_ok(xp, add, q.dtype):
         raise ValueError(BAD_ADDITIVE)
