@@ -335,6 +335,7 @@ class _Pass:
         self._consumers: dict[str, tuple[str, Any]] = {}  # "gemm rows": (site, plan) to observe
         self._heads: dict[str, Any] = {}  # a backward merge's heads' encodings
         self._stack_slots: dict[str, tuple[str, int, int]] = {}  # part: (stack, index, parts)
+        self._placed: dict[str, tuple[Any, int]] = {}  # part: (its stack, first column)
         self._fused_state: dict[str, Any] | None = None  # the fused core's, for its final check
         self._fused_defer: Deferred | None = None  # its checks, read at the settle (CuPy)
 
@@ -383,7 +384,8 @@ class _Pass:
             whole = self.env[stack] = self._new(stack, (rows, count * width), dtype)
         if whole.shape != (rows, count * width) or whole.dtype != dtype:
             return None
-        return _column_block(whole, shape, i)
+        self._placed[name] = whole, i * width
+        return whole.reshape(shape[:-1] + whole.shape[-1:])[..., i * width:(i + 1) * width]
 
     def mode(self, site: str) -> str:
         """``site``'s check mode in this step (each site runs once per pass): drawn from the
@@ -614,11 +616,9 @@ class _Pass:
         """``(rows, col0)``: the 2-D matrix whose columns ``col0 ..`` are the target ``out``
         ``(batch, seq, width)`` of ``name``: the stack that takes it as a part where it lies
         there (:meth:`_in_stack`), else ``out``'s rows (a buffer of the pass: C-contiguous)."""
-        slot = self._stack_slots.get(name)
-        whole = None if slot is None else self.env.get(slot[0])
-        if whole is not None and whole.ndim == 2 and whole.shape[0] * out.shape[-1] == out.size \
-                and _same_view(_column_block(whole, out.shape, slot[1]), out):
-            return whole, slot[1] * out.shape[-1]
+        placed = self._placed.get(name)
+        if placed is not None:
+            return placed
         if not out.flags.c_contiguous:  # (its reshape would be a copy, the merge lost)
             raise AssertionError(f"{name}: a merge's target that is not one matrix's rows")
         return out.reshape(-1, out.shape[-1]), 0
@@ -981,13 +981,6 @@ def _gradient_buffers(given: dict[str, Any], inp: "_Inputs") -> dict[str, Any]:
         if clash:
             raise ValueError(f"grads_out[{k!r}] shares memory with {', '.join(clash)}")
     return out
-
-
-def _column_block(whole: Any, shape: tuple[int, ...], i: int) -> Any:
-    """Block ``i`` of the 2-D ``whole``'s columns, ``shape[-1]`` wide, as an array of
-    ``shape``."""
-    width = shape[-1]
-    return whole.reshape(shape[:-1] + whole.shape[-1:])[..., i * width:(i + 1) * width]
 
 
 def _same_view(a: Any, b: Any) -> bool:
