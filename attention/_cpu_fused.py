@@ -310,7 +310,7 @@ def _row_dots(x: Any, e0: Any, e1: Any, e2: Any, out: Any) -> None:
     """``out[v] = (x_v . e0, x_v . e1, |x_v| . e2)`` in float64 for each row ``x_v`` of ``x``
     (``e0`` or ``e2`` None: ones, a plain sum, compiled as such), four rows a pass: they share
     the loads of ``e``, and the sums are reduced across the vector lanes once per four rows'
-    work (a 128 x 64 float32 block: 1.9 -> 1.25 us, bench/NOTES.md)."""
+    work (bench/NOTES.md has the timings)."""
     rows, cols = x.shape
     v = 0
     while v + 4 <= rows:
@@ -546,7 +546,7 @@ def _mask(s: Any, scale: Any, i0: int, j0: int, causal: bool, visible: Any, add:
     rows, cols = s.shape
     ninf = like(scale, -np.inf)
     both = np.empty(cols if add.shape[1] and keys.size else 0)
-    for r in range(rows):  # s[r, j], not a view of the row: a view a row costs two NRT calls
+    for r in range(rows):  # s[r, j], not a view of the row: a view costs two NRT calls
         lim = min(cols, i0 + r - j0 + 1) if causal else cols
         lim = max(lim, 0)
         for j in range(lim):
@@ -649,7 +649,8 @@ def _finish(acc: Any, oc: Any, m: Any, l: Any, out: Any, lse: Any, lse_lo: Any) 
 @numba.njit(cache=True, fastmath=_FAST)
 def _shift_rows(z: Any, lse: Any) -> None:
     """``z -= lse[:, None]`` in the rows that see a key (``lse`` finite): the backward's
-    ``z - lse``, exact where it matters (``z`` near ``lse``), before ``exp(. - lse_lo)``."""
+    ``z - lse``, exact where it matters (``z`` near ``lse``), before ``exp(. - lse_lo)``. The
+    tile indexed, as in :func:`_mask`: a view of a row inside the branch costs two NRT calls."""
     for r in range(z.shape[0]):
         hr = lse[r]
         if hr > -np.inf:
