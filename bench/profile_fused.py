@@ -1,13 +1,17 @@
 """Where the fused attention core's time goes where it runs, function by function: its forward
-and backward in a loop on one thread, sampled by Linux ``perf`` with a symbol map of every
-numba function, once unprotected (``check="off"``) and once checked (``"correct"``).
+and backward in a loop on one thread (or, with ``--layer``, the causal layer's training step,
+``bench/attention.py``'s, on the policy's threads), sampled by Linux ``perf`` with a symbol map
+of every numba function, once unprotected (``check="off"``) and once checked (``"correct"``).
 
     PYTHONPATH=. python bench/profile_fused.py [--shape 1x8x1024x64] [--seconds 8] [--top 30]
+                                               [--layer]
 
 Prints the CPU, then per function (numba kernels by module and name, the BLAS kernels and the
-rest by their symbol) the milliseconds of one forward + backward each mode spends in it, and
-the difference: what the checks cost in place, beside what ``bench/fused_tiles.py`` measures on
-one isolated tile. Numba loads cached functions as object code, without the modules whose
+rest by their symbol) the milliseconds of CPU time (every thread's) one forward + backward
+spends in it in each mode, and the difference: what the checks cost in place, beside what
+``bench/fused_tiles.py`` measures on one isolated tile. In ``--layer`` runs the OpenMP pool's
+waiting shows as its own symbols (``gomp_*``, ``do_spin``): a worker spinning while the calling
+thread runs alone. Numba loads cached functions as object code, without the modules whose
 addresses the map needs, so everything is compiled afresh into a temporary cache first (about
 a minute). Needs ``perf`` and leave to record this process (``perf_event_paranoid`` <= 2).
 """
@@ -24,8 +28,8 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 MODES = ("off", "correct")
 
@@ -73,37 +77,64 @@ def write_symbol_map(path: str) -> int:
     return len(ordered)
 
 
-def _call(q: Any, k: Any, v: Any, do: Any, mode: str, ws: Any) -> None:
+def _core(shape: tuple[int, ...]) -> Callable[[str], None]:
+    """The fused core's forward + backward on random operands, one thread."""
+    import numpy as np
+
+    import abftgemm
     from attention.context import Context
     from attention.fused import fused_backward, fused_forward
-    ctx = Context(check=mode)
-    _, saved = fused_forward(q, k, v, ctx, causal=True, workspace=ws)
-    fused_backward(saved, do, ctx, ws)
+    from attention.workspace import Workspace
+    batch, heads, seq, d = shape
+    abftgemm.set_threads(1)
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((batch * heads, seq, d)).astype(np.float32)
+                   for _ in range(4))
+    ws = Workspace()
+
+    def call(mode: str) -> None:
+        ctx = Context(check=mode)
+        _, saved = fused_forward(q, k, v, ctx, causal=True, workspace=ws)
+        fused_backward(saved, do, ctx, ws)
+    return call
 
 
-def profile(mode: str, seconds: float, operands: tuple, ws: Any) -> tuple[dict, float]:
-    """``perf``'s share of each symbol over ``seconds`` of calls in ``mode``, and the thread's CPU
-    ms a call."""
+def _layer(shape: tuple[int, ...]) -> Callable[[str], None]:
+    """The causal layer's forward + backward, ``bench/attention.py``'s case."""
+    import numpy as np
+
+    from bench.attention import Case
+    case = Case(np, shape, "float32")
+    return case.both
+
+
+def profile(call: Callable[[str], None], mode: str, seconds: float,
+            clock: Callable[[], float]) -> tuple[dict, float]:
+    """``perf``'s share of each symbol over ``seconds`` of calls in ``mode``, and the CPU ms a
+    call by ``clock`` (this thread's, or the process's)."""
     handle, record = tempfile.mkstemp(prefix="abft-perf-", suffix=".data")
     os.close(handle)
     perf = subprocess.Popen(["perf", "record", "-q", "-p", str(os.getpid()), "-o", record],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)  # perf attaches
-    calls, start, wall = 0, time.thread_time(), time.perf_counter()
+    calls, start, wall = 0, clock(), time.perf_counter()
     while time.perf_counter() - wall < seconds:
-        _call(*operands, mode, ws)
+        call(mode)
         calls += 1
-    per_call = (time.thread_time() - start) / calls * 1e3
+    per_call = (clock() - start) / calls * 1e3
     perf.send_signal(signal.SIGINT)
     perf.wait()
-    report = subprocess.run(["perf", "report", "-i", record, "--no-children", "--sort", "sym",
-                             "--stdio"], capture_output=True, text=True, check=True).stdout
+    report = subprocess.run(["perf", "report", "-i", record, "--no-children", "--sort",
+                             "dso,sym", "--stdio"], capture_output=True, text=True,
+                            check=True).stdout
     os.unlink(record)
     shares: dict[str, float] = defaultdict(float)
     for line in report.splitlines():
-        found = re.match(r"\s*([\d.]+)%\s+\[[.k]\]\s+(\S+)", line)
+        found = re.match(r"\s*([\d.]+)%\s+(.+?)\s+\[[.k]\]\s+(\S+)", line)
         if found:
-            shares[short_name(found.group(2))] += float(found.group(1)) / 100
+            share, library, symbol = float(found.group(1)) / 100, found.group(2), found.group(3)
+            unnamed = symbol.startswith("0x")  # a stripped library's code: named by the library
+            shares[library if unnamed else short_name(symbol)] += share
     return shares, per_call
 
 
@@ -112,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="1x8x1024x64", help="batch x heads x seq x head_dim")
     parser.add_argument("--seconds", type=float, default=8.0, help="sampled seconds a mode")
     parser.add_argument("--top", type=int, default=30, help="functions listed")
+    parser.add_argument("--layer", action="store_true",
+                        help="the layer's training step instead of the fused core alone")
     args = parser.parse_args(argv)
     if shutil.which("perf") is None:
         print("perf is not installed (linux-tools): nothing to profile with", file=sys.stderr)
@@ -122,22 +155,18 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["NUMBA_CACHE_DIR"] = cache  # compile afresh: the functions' modules in memory
     import numpy as np
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import abftgemm
-    from attention.workspace import Workspace
     from bench.timing import device_name
-    batch, heads, seq, d = (int(x) for x in args.shape.split("x"))
-    abftgemm.set_threads(1)
-    rng = np.random.default_rng(0)
-    operands = tuple(rng.standard_normal((batch * heads, seq, d)).astype(np.float32)
-                     for _ in range(4))
-    ws = Workspace()
+    shape = tuple(int(x) for x in args.shape.split("x"))
+    call = (_layer if args.layer else _core)(shape)
     for mode in MODES * 2:  # compile, then warm
-        _call(*operands, mode, ws)
+        call(mode)
     mapped = write_symbol_map(f"/tmp/perf-{os.getpid()}.map")
-    results = {mode: profile(mode, args.seconds, operands, ws) for mode in MODES}
+    clock = time.process_time if args.layer else time.thread_time
+    results = {mode: profile(call, mode, args.seconds, clock) for mode in MODES}
     os.unlink(f"/tmp/perf-{os.getpid()}.map")
     shutil.rmtree(cache, ignore_errors=True)
-    print(f"{device_name(np)}, {args.shape} fp32 causal fwd+bwd, one thread, {mapped} numba "
+    what = "the layer's step" if args.layer else "the fused core, one thread"
+    print(f"{device_name(np)}, {args.shape} fp32 causal fwd+bwd, {what}, {mapped} numba "
           f"functions mapped; ms of one call's CPU time")
     ms = {mode: {name: share * per_call for name, share in shares.items()}
           for mode, (shares, per_call) in results.items()}
