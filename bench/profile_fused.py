@@ -7,11 +7,12 @@ of every numba function, once unprotected (``check="off"``) and once checked (``
                                                [--layer]
 
 Prints the CPU, then per function (numba kernels by module and name, the BLAS kernels and the
-rest by their symbol) the milliseconds of CPU time (every thread's) one forward + backward
-spends in it in each mode, and the difference: what the checks cost in place, beside what
+rest by their symbol, a stripped library's code by the library's name) the milliseconds of CPU
+time one forward + backward spends in it in each mode (the calling thread's for the core, the
+process's for the layer), and the difference: what the checks cost in place, beside what
 ``bench/fused_tiles.py`` measures on one isolated tile. In ``--layer`` runs the OpenMP pool's
-waiting shows as its own symbols (``gomp_*``, ``do_spin``): a worker spinning while the calling
-thread runs alone. Numba loads cached functions as object code, without the modules whose
+waiting shows as its library (``libgomp``): the worker spinning while the calling thread runs
+alone. Numba loads cached functions as object code, without the modules whose
 addresses the map needs, so everything is compiled afresh into a temporary cache first (about
 a minute). Needs ``perf`` and leave to record this process (``perf_event_paranoid`` <= 2).
 """
