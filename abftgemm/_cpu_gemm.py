@@ -7,7 +7,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from abftgemm.cpu_kernels import blas_gemm
+from abftgemm.cpu_kernels import blas_gemm, rows_readable
 from abftgemm.threads import (numba_pool_usable, numba_threads, one_blas_thread, scope_pool,
                               scope_threads)
 
@@ -29,18 +29,10 @@ def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         np.matmul(a, b, out=out)
         return
     numba_threads(threads)
-    trans_a, trans_b = not _rows_contiguous(a), not _rows_contiguous(b)
+    trans_a, trans_b = not rows_readable(a), not rows_readable(b)  # (else their transposes)
     with one_blas_thread():
         _row_blocks(a.T if trans_a else a, trans_a, b.T if trans_b else b, trans_b, out,
                     -(-m // threads))
-
-
-def _rows_contiguous(x: np.ndarray) -> bool:
-    """Whether the 2-D ``x``'s rows are contiguous and apart by at least their length, in
-    order (else its columns are, :func:`_pool_takes` said)."""
-    item = x.itemsize
-    return x.shape[1] < 2 or x.strides[1] == item and (x.shape[0] < 2
-                                                       or x.strides[0] >= x.shape[1] * item)
 
 
 def _pool_takes(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
@@ -49,7 +41,7 @@ def _pool_takes(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     ``b`` would be read after BLAS wrote it; ``np.matmul`` buffers it)."""
     return (a.dtype == b.dtype == out.dtype and a.dtype in (np.float32, np.float64)
             and out.flags.c_contiguous
-            and all(_rows_contiguous(x) or _rows_contiguous(x.T) for x in (a, b))
+            and all(rows_readable(x) or rows_readable(x.T) for x in (a, b))
             and not np.may_share_memory(out, a) and not np.may_share_memory(out, b))
 
 

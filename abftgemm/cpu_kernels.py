@@ -350,15 +350,36 @@ def _xxgemm(typingctx: Any, trans_a: Any, trans_b: Any, m: Any, n: Any, k: Any, 
 
 
 @numba.njit(cache=True)
-def _leading(x: Any, cols: int) -> int:
-    """The leading dimension of the row-major 2-D view ``x`` (``cols`` wide): its rows must be
-    contiguous and apart by at least their length, in order."""
+def _rows_fault(x: Any) -> int:
+    """0 where BLAS reads the row-major 2-D view ``x`` as it lies (each row contiguous, the rows
+    apart by at least their length, in order), else 1 (a row is not contiguous: strided, or a
+    zero stride) or 2 (rows overlap or run backwards). A dimension of length 1 may have any
+    stride."""
     item = x.itemsize
-    if x.shape[0] > 1 and x.shape[1] > 1 and x.strides[1] != item:
-        raise ValueError("gemm: an operand's rows are not contiguous")
+    if x.shape[1] > 1 and x.strides[1] != item:
+        return 1
     if x.shape[0] > 1 and x.strides[0] < x.shape[1] * item:
+        return 2
+    return 0
+
+
+@numba.njit(cache=True)
+def rows_readable(x: Any) -> bool:
+    """Whether :func:`blas_gemm` takes the 2-D view ``x`` as it lies (:func:`_rows_fault`); it
+    takes ``x^T`` with a transpose where ``rows_readable(x.T)``."""
+    return _rows_fault(x) == 0
+
+
+@numba.njit(cache=True)
+def _leading(x: Any, cols: int) -> int:
+    """The leading dimension of the row-major 2-D view ``x`` (``cols`` wide), which
+    :func:`rows_readable` must take."""
+    fault = _rows_fault(x)
+    if fault == 1:
+        raise ValueError("gemm: an operand's rows are not contiguous")
+    if fault == 2:
         raise ValueError("gemm: an operand's rows overlap or run backwards")
-    return max(x.strides[0] // item, cols, 1)
+    return max(x.strides[0] // x.itemsize, cols, 1)
 
 
 @numba.njit(cache=True)

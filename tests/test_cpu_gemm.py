@@ -162,6 +162,28 @@ def test_what_the_pool_cannot_take_goes_to_numpy_and_is_right(two_threads, poole
 
 
 @needs_two
+@pytest.mark.parametrize("case", ["a rows on one address", "b rows on one address",
+                                  "b columns on one address"])
+def test_an_inner_dimension_of_one_read_through_a_zero_stride_goes_to_numpy(
+        two_threads, pooled_calls, case):
+    """Outer products (inner dimension 1) of broadcast views: a zero stride is neither
+    contiguous rows nor contiguous columns, whichever dimension it is on (the pool once took such
+    an operand, which its BLAS call then refused)."""
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((1024, 1)).astype(np.float32)
+    b = rng.standard_normal((1, 1024)).astype(np.float32)
+    if case == "a rows on one address":
+        a = np.broadcast_to(np.float32(3.0), (1024, 1))
+    elif case == "b rows on one address":
+        b = np.broadcast_to(np.float32(2.0), (1, 1024))
+    else:
+        b = np.broadcast_to(b[:, :1], (1, 1024))
+    out = product(a, b, np.full((1024, 1024), np.nan, np.float32))
+    assert np.array_equal(out, a @ b)
+    assert pooled_calls == []
+
+
+@needs_two
 def test_large_products_run_in_numbas_pool_only_where_the_scope_asks_at_the_policys_count():
     code = ("import numpy as np, numba, numba.np.ufunc.parallel as par, abftgemm\n"
             "from abftgemm import threads\n"
