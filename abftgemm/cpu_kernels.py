@@ -109,28 +109,51 @@ def _add_eight_rows(x: Any, c: Any, i: int, p: Any, n: int) -> None:
 @numba.njit(cache=True, fastmath=FAST, inline="always")
 def sum_rows(x: Any, c: Any, i0: int, i1: int, out: Any) -> None:
     """For rows ``i0..i1``: ``out[i] = [sum c0*row, sum c1*row, sum c2*|row|, non-finite count,
-    last non-finite index]``, four rows at a time."""
+    last non-finite index]``, four rows at a time (:func:`four_row_sums`)."""
     i = i0
     while i + _ROW_STEP <= i1:
-        r0, r1, r2, r3 = x[i], x[i + 1], x[i + 2], x[i + 3]
-        s00 = s01 = s02 = s10 = s11 = s12 = 0.0
-        s20 = s21 = s22 = s30 = s31 = s32 = 0.0
-        for j in range(r0.shape[0]):
-            a, w, g = _vector_coefficients(c, j)
-            v0, v1 = np.float64(r0[j]), np.float64(r1[j])
-            v2, v3 = np.float64(r2[j]), np.float64(r3[j])
-            s00, s01, s02 = s00 + a * v0, s01 + w * v0, s02 + g * abs(v0)
-            s10, s11, s12 = s10 + a * v1, s11 + w * v1, s12 + g * abs(v1)
-            s20, s21, s22 = s20 + a * v2, s21 + w * v2, s22 + g * abs(v2)
-            s30, s31, s32 = s30 + a * v3, s31 + w * v3, s32 + g * abs(v3)
-        _store(r0, s00, s01, s02, out[i])
-        _store(r1, s10, s11, s12, out[i + 1])
-        _store(r2, s20, s21, s22, out[i + 2])
-        _store(r3, s30, s31, s32, out[i + 3])
+        s = four_row_sums(x, c, i)
+        for r in range(_ROW_STEP):
+            _store(x[i + r], s[3 * r], s[3 * r + 1], s[3 * r + 2], out[i + r])
         i += _ROW_STEP
     while i < i1:
         sum_row(x[i], c, out[i])
         i += 1
+
+
+@numba.njit(cache=True, fastmath=FAST, inline="always")
+def row_sums_into(x: Any, c: Any, out: Any) -> None:
+    """``out[i, :3] = row_sums(x[i], c)`` for every row of ``x``, four rows at a time
+    (:func:`four_row_sums`): :func:`sum_rows` without the non-finite count, for a caller that
+    judges the sums itself."""
+    i, rows = 0, x.shape[0]
+    while i + _ROW_STEP <= rows:
+        s = four_row_sums(x, c, i)
+        for r in range(_ROW_STEP):
+            out[i + r, 0], out[i + r, 1], out[i + r, 2] = s[3 * r], s[3 * r + 1], s[3 * r + 2]
+        i += _ROW_STEP
+    while i < rows:
+        out[i, 0], out[i, 1], out[i, 2] = row_sums(x[i], c)
+        i += 1
+
+
+@numba.njit(cache=True, fastmath=FAST, inline="always")
+def four_row_sums(x: Any, c: Any, i: int) -> tuple:
+    """:func:`row_sums` of rows ``i..i+4`` of ``x`` in one pass, each coefficient loaded once for
+    the four (and each row's sums reduced across the vector lanes once per four rows' work):
+    ``(s00, s01, s02, s10, ..., s32)``, row by row."""
+    r0, r1, r2, r3 = x[i], x[i + 1], x[i + 2], x[i + 3]
+    s00 = s01 = s02 = s10 = s11 = s12 = 0.0
+    s20 = s21 = s22 = s30 = s31 = s32 = 0.0
+    for j in range(r0.shape[0]):
+        a, w, g = _vector_coefficients(c, j)
+        v0, v1 = np.float64(r0[j]), np.float64(r1[j])
+        v2, v3 = np.float64(r2[j]), np.float64(r3[j])
+        s00, s01, s02 = s00 + a * v0, s01 + w * v0, s02 + g * abs(v0)
+        s10, s11, s12 = s10 + a * v1, s11 + w * v1, s12 + g * abs(v1)
+        s20, s21, s22 = s20 + a * v2, s21 + w * v2, s22 + g * abs(v2)
+        s30, s31, s32 = s30 + a * v3, s31 + w * v3, s32 + g * abs(v3)
+    return s00, s01, s02, s10, s11, s12, s20, s21, s22, s30, s31, s32
 
 
 @numba.njit(cache=True, fastmath=FAST, inline="always")

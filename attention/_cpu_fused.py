@@ -23,8 +23,8 @@ from typing import Any
 import numba
 import numpy as np
 
-from abftgemm.cpu_kernels import (blas_gemm, sum_column_prefix, sum_columns, twins,
-                                  wide_vectors)
+from abftgemm.cpu_kernels import (blas_gemm, row_sums_into, sum_column_prefix, sum_columns,
+                                  twins, wide_vectors)
 from attention._cpu_vmath import exp_like, exp_unflushed, from_ordered_key, like, ordered_key
 from attention.dropout_hash import GAMMA, MIX1, MIX2, SHIFT
 
@@ -290,7 +290,7 @@ def _predict(x: Any, enc: Any, out: Any) -> None:
     """``out[v] = (x_v . enc_0, x_v . enc_1, |x_v| . enc_2)`` for each row ``x_v`` of ``x``: the
     predicted checksums of the vectors of ``x @ B^T`` (or ``A @ x^T``) whose other operand's
     encoding is ``enc`` ``(3, d)``."""
-    _row_dots(x, enc[0], enc[1], enc[2], out)
+    row_sums_into(x, enc, out)
 
 
 @numba.njit(cache=True, fastmath=_FAST)
@@ -298,48 +298,7 @@ def _observe_rows(t: Any, out: Any) -> None:
     """``out[r] = (sum_j t_rj, sum_j w_j t_rj, sum_j |t_rj|)``, ``w_j = (j + 1) / cols``: the
     observed row checksums of a tile, and the row encoding of an operand block (the weights
     made once, not a division per entry)."""
-    cols = t.shape[1]
-    w = np.empty(cols)
-    for j in range(cols):
-        w[j] = (j + 1) / cols
-    _row_dots(t, None, w, None, out)
-
-
-@numba.njit(cache=True, fastmath=_FAST, inline="always")
-def _row_dots(x: Any, e0: Any, e1: Any, e2: Any, out: Any) -> None:
-    """``out[v] = (x_v . e0, x_v . e1, |x_v| . e2)`` in float64 for each row ``x_v`` of ``x``
-    (``e0`` or ``e2`` None: ones, a plain sum, compiled as such), four rows a pass: they share
-    the loads of ``e``, and the sums are reduced across the vector lanes once per four rows'
-    work (bench/NOTES.md has the timings)."""
-    rows, cols = x.shape
-    v = 0
-    while v + 4 <= rows:
-        r0, r1, r2, r3 = x[v], x[v + 1], x[v + 2], x[v + 3]
-        a0 = a1 = a2 = b0 = b1 = b2 = c0 = c1 = c2 = g0 = g1 = g2 = 0.0
-        for j in range(cols):
-            p = 1.0 if e0 is None else e0[j]
-            q = e1[j]
-            m = 1.0 if e2 is None else e2[j]
-            y0, y1 = np.float64(r0[j]), np.float64(r1[j])
-            y2, y3 = np.float64(r2[j]), np.float64(r3[j])
-            a0, a1, a2 = a0 + y0 * p, a1 + y0 * q, a2 + abs(y0) * m
-            b0, b1, b2 = b0 + y1 * p, b1 + y1 * q, b2 + abs(y1) * m
-            c0, c1, c2 = c0 + y2 * p, c1 + y2 * q, c2 + abs(y2) * m
-            g0, g1, g2 = g0 + y3 * p, g1 + y3 * q, g2 + abs(y3) * m
-        out[v, 0], out[v, 1], out[v, 2] = a0, a1, a2
-        out[v + 1, 0], out[v + 1, 1], out[v + 1, 2] = b0, b1, b2
-        out[v + 2, 0], out[v + 2, 1], out[v + 2, 2] = c0, c1, c2
-        out[v + 3, 0], out[v + 3, 1], out[v + 3, 2] = g0, g1, g2
-        v += 4
-    while v < rows:
-        a0 = a1 = a2 = 0.0
-        for j in range(cols):
-            p = 1.0 if e0 is None else e0[j]
-            m = 1.0 if e2 is None else e2[j]
-            y0 = np.float64(x[v, j])
-            a0, a1, a2 = a0 + y0 * p, a1 + y0 * e1[j], a2 + abs(y0) * m
-        out[v, 0], out[v, 1], out[v, 2] = a0, a1, a2
-        v += 1
+    row_sums_into(t, _weights(t.shape[1]), out)
 
 
 # ------------------------------------------------------------------ judging
