@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from abftgemm.cpu_kernels import FAST, sum_columns, wide_vectors  # noqa: E402
+from bench.cpu_passes import median_ms  # noqa: E402
 from bench.timing import device_name  # noqa: E402
 
 #: (name, rows, columns): a fused tile, a projection's output, the fused input projection's.
@@ -93,19 +93,6 @@ def float32_tree_sums(x: Any, w: Any, out: Any) -> None:
 FORMS: dict[str, Callable[[Any, Any, Any], None]] = {
     "float64 (the checks)": float64_sums, "float64, two threads": two_thread_sums,
     "float32 eight-row trees": float32_tree_sums}
-
-
-def median_ms(fn: Callable[[], None], repeats: int, before: Callable[[], Any]) -> float:
-    """Median wall time of ``fn()`` in ms over ``repeats`` calls, each after an untimed
-    ``before()``."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        before()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e3
 
 
 def relative_error(x: np.ndarray, got: np.ndarray) -> float:
