@@ -48,7 +48,7 @@ def main() -> None:
     n = args.size
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, n, n)).astype(args.dtype)
-    coef = rng.standard_normal((1, n, 3))  # an encoding handed in, as B's rows are to A's pass
+    coef = rng.standard_normal((3, 1, n))  # an encoding (3, batch, L), as B's rows are to A's
     out_col, out_row = np.empty((1, n, 5)), np.empty((1, n, 5))
     be = _cpu.backend()
     flush = np.ones(64 * 1024 * 1024 // 8)
