@@ -109,16 +109,10 @@ def _add_eight_rows(x: Any, c: Any, i: int, p: Any, n: int) -> None:
 @numba.njit(cache=True, fastmath=FAST, inline="always")
 def sum_rows(x: Any, c: Any, i0: int, i1: int, out: Any) -> None:
     """For rows ``i0..i1``: ``out[i] = [sum c0*row, sum c1*row, sum c2*|row|, non-finite count,
-    last non-finite index]``, four rows at a time (:func:`four_row_sums`)."""
-    i = i0
-    while i + _ROW_STEP <= i1:
-        s = four_row_sums(x, c, i)
-        for r in range(_ROW_STEP):
-            _store(x[i + r], s[3 * r], s[3 * r + 1], s[3 * r + 2], out[i + r])
-        i += _ROW_STEP
-    while i < i1:
-        sum_row(x[i], c, out[i])
-        i += 1
+    last non-finite index]``: :func:`row_sums_into`'s sums, then each row's count."""
+    row_sums_into(x[i0:i1], c, out[i0:i1])
+    for i in range(i0, i1):
+        _store(x[i], out[i, 0], out[i, 1], out[i, 2], out[i])
 
 
 @numba.njit(cache=True, fastmath=FAST, inline="always")
